@@ -1,0 +1,3 @@
+from argus.cli.main import main
+
+raise SystemExit(main())

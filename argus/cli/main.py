@@ -1,0 +1,74 @@
+"""The ``argus`` command: a registry of subcommands, each imported only when it runs.
+
+Every subcommand is a :class:`CLISubcommand`. ``main`` builds the parser from their names and
+help lines without importing their modules, so ``argus plan`` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NoReturn, Protocol
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+class CLISubcommand(Protocol):
+    name: str
+    help: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+# name -> (module, class, one-line help); modules load only when their command runs
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "plan": ("argus.cli.plan", "PlanCommand", "solve one allocation and PASM; print JSON"),
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error on a single line (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def load_command(name: str) -> CLISubcommand:
+    module_name, class_name, _ = COMMANDS[name]
+    command: CLISubcommand = getattr(importlib.import_module(module_name), class_name)()
+    return command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = OneLineParser(prog="argus", description="Argus: quality-aware text-to-image serving")
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=OneLineParser
+    )
+    for name, (_, _, help_line) in COMMANDS.items():
+        subparsers.add_parser(name, help=help_line, add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in COMMANDS:
+        parser.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
+    command = load_command(name)
+    sub = OneLineParser(prog=f"argus {name}", description=command.help)
+    command.add_arguments(sub)
+    args = sub.parse_args(argv[1:])
+    try:
+        return command.run(args)
+    except CLIError as exc:
+        print(f"argus {name}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""The prompt scheduler (Argus §4.4): PASM sampling, then worker selection (Eq. 3).
+
+For each prompt the router knows the classifier's optimal level i. The scheduler samples the
+target level j from PASM row i with its own seeded generator, then picks, among the live
+workers the plan put at level j, the one with the smallest expected completion time
+``(queue + 1) · t_proc``. The paper writes ``R_queue · t_proc``; with every queue empty that
+product is zero for all workers and cannot tell a fast GPU from a slow one, so the request the
+router is about to add is counted too. Ties go to the lowest worker id (deterministic).
+
+If no live worker serves level j (it died since the plan was made, or the plan left the level
+empty but the PASM row still names it through float dust), the prompt goes to the nearest
+level that has one, the slower level first on equal distance (better quality), and the
+decision is flagged and counted as a fallback.
+
+The scheduler decides; it does not own queues. The router passes the queue lengths and the set
+of workers it has seen fail on every call.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections import Counter
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+from argus.types import Plan, ProfileSet, RouteDecision, ShiftMap
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters since the scheduler was built."""
+
+    decisions: int
+    fallbacks: int
+    by_target_level: tuple[int, ...]  # decisions per sampled target level, slowest first
+
+
+class NoLiveWorkerError(RuntimeError):
+    """Every worker of the plan is down: the prompt cannot be placed."""
+
+
+class PromptScheduler:
+    """Routes prompts for one plan; rebuilt whenever a new plan arrives."""
+
+    def __init__(
+        self,
+        shift_map: ShiftMap,
+        workers_by_level: Mapping[str, list[tuple[str, float]]],
+        rng: random.Random,
+    ) -> None:
+        """``workers_by_level[level]`` lists (worker_id, t_proc seconds) of that level."""
+        self._levels = shift_map.levels
+        self._cumulative = tuple(_cumulative(row) for row in shift_map.matrix)
+        self._workers = tuple(
+            tuple(sorted(workers_by_level.get(level, []))) for level in self._levels
+        )
+        self._search_order = tuple(
+            _nearest_first(j, len(self._levels)) for j in range(len(self._levels))
+        )
+        self._rng = rng
+        self._decisions = 0
+        self._fallbacks = 0
+        self._by_target: Counter[int] = Counter()
+
+    @classmethod
+    def from_plan(
+        cls, plan: Plan, profiles: ProfileSet, worker_classes: Mapping[str, str], rng: random.Random
+    ) -> PromptScheduler:
+        """Build from a plan; ``worker_classes`` maps worker id → GPU class for t_proc."""
+        by_level: dict[str, list[tuple[str, float]]] = {}
+        for worker_id, level in plan.allocation.assignment.items():
+            latency = profiles.profile(worker_classes[worker_id], level).latency_s
+            by_level.setdefault(level, []).append((worker_id, latency))
+        return cls(plan.shift_map, by_level, rng)
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        return self._levels
+
+    def route(
+        self,
+        optimal_level: int,
+        queue_lengths: Mapping[str, int],
+        down: AbstractSet[str] = frozenset(),
+    ) -> RouteDecision:
+        """Choose level and worker for a prompt whose classifier level is ``optimal_level``.
+
+        ``queue_lengths`` (missing ids count as 0) and ``down`` are the router's current view.
+        Raises ``ValueError`` for an out-of-range level, :class:`NoLiveWorkerError` when every
+        worker is down.
+        """
+        if not 0 <= optimal_level < len(self._levels):
+            raise ValueError(
+                f"optimal_level: must be in [0, {len(self._levels) - 1}], got {optimal_level}"
+            )
+        target = bisect.bisect_right(self._cumulative[optimal_level], self._rng.random())
+        target = min(target, len(self._levels) - 1)
+        self._decisions += 1
+        self._by_target[target] += 1
+        for served in self._search_order[target]:
+            best = _best_worker(self._workers[served], queue_lengths, down)
+            if best is not None:
+                fallback = served != target
+                self._fallbacks += fallback
+                return RouteDecision(optimal_level, target, served, best[1], fallback, best[0])
+        raise NoLiveWorkerError("no live worker in the plan: every worker is down")
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            self._decisions,
+            self._fallbacks,
+            tuple(self._by_target[j] for j in range(len(self._levels))),
+        )
+
+
+def _best_worker(
+    workers: tuple[tuple[str, float], ...],
+    queue_lengths: Mapping[str, int],
+    down: AbstractSet[str],
+) -> tuple[float, str] | None:
+    best: tuple[float, str] | None = None
+    for worker_id, t_proc in workers:
+        if worker_id in down:
+            continue
+        score = (queue_lengths.get(worker_id, 0) + 1) * t_proc
+        if best is None or score < best[0]:
+            best = (score, worker_id)
+    return best
+
+
+def _cumulative(row: tuple[float, ...]) -> tuple[float, ...]:
+    total = 0.0
+    out = []
+    for p in row:
+        total += p
+        out.append(total)
+    # the last non-zero entry must catch u up to 1.0 whatever the float dust
+    last = max((j for j, p in enumerate(row) if p > 0.0), default=len(row) - 1)
+    return tuple(1.0 if j >= last else c for j, c in enumerate(out))
+
+
+def _nearest_first(target: int, count: int) -> tuple[int, ...]:
+    """Levels by distance from ``target``; on equal distance the slower (lower index) first."""
+    return tuple(sorted(range(count), key=lambda j: (abs(j - target), j)))
