@@ -1,0 +1,348 @@
+"""The allocator's solver: how many workers run each level, and the load each level gets.
+
+Implements Argus Eq. 1 (§4.2): maximise the quality-weighted load Σ_v Q_v·F(v) subject to the
+load W_t being served, each worker's load bounded by the peak throughput P_th of the level it
+runs, and at most one level per worker. Eq. 1's product x·y is linearised the usual way: a
+load variable per (level, worker) bounded by P_th·x.
+
+Two formulations reach the same optimum:
+
+* :func:`solve` (the one Argus runs) counts workers: workers of one class are interchangeable,
+  so it decides integers n[c, v] (workers of class c at level v) and loads f[c, v] ≤ P_th·n.
+  Its size is classes × levels whatever the cluster size.
+* :func:`solve_per_worker` is the paper's literal per-worker binary program, kept as the
+  reference the tests compare against.
+
+Beyond the paper:
+
+* **Overload is not an error.** The solver serves min(W_t, capacity), where capacity is every
+  live worker at its fastest level, and reports the rest as ``shortfall_qpm``, the cue to scale
+  out (§5.3). A load of zero gives every worker the best level.
+* **Switching cost** (the paper's future work, §6), off unless ``switch_cost_weight > 0``:
+  each worker that must load a model it does not hold is charged the quality-weighted work it
+  forgoes while loading, ``weight · load_time/period · max_v∈model(Q_v·P_th)``, in the
+  objective's own unit (quality × QPM). A K change on the same model costs nothing.
+* **Spare workers.** Workers the optimum leaves without load keep their current level when it
+  belongs to the strategy (no reload), else take the best level, so they add headroom where
+  quality is highest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import pulp
+
+from argus.types import Allocation, ClusterView, Level, ProfileSet, Strategy, WorkerState
+
+SolverFactory = Callable[[], pulp.LpSolver]
+
+
+def highs_solver(time_limit_s: float = 30.0) -> SolverFactory:
+    """The default backend: HiGHS through its Python API (``highspy``)."""
+    return lambda: pulp.HiGHS(msg=False, timeLimit=time_limit_s)
+
+
+class InfeasiblePlanError(RuntimeError):
+    """The backend found no solution (a bug or a backend limit: the program is always feasible)."""
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Inputs shared by both formulations, validated once."""
+
+    strategy: Strategy
+    levels: tuple[Level, ...]
+    profiles: ProfileSet
+    live: tuple[WorkerState, ...]
+    load_qpm: float
+    served_qpm: float
+    switch_cost_weight: float
+    period_s: float
+
+    def throughput(self, worker_class: str, level: Level) -> float:
+        return self.profiles.profile(worker_class, level.name).throughput_qpm
+
+    def load_cost(self, worker_class: str, model: str) -> float:
+        """Objective charged for one worker of ``worker_class`` loading ``model``."""
+        if self.switch_cost_weight == 0.0:
+            return 0.0
+        same_model = [level for level in self.levels if level.model == model]
+        load_time = max(
+            self.profiles.profile(worker_class, lv.name).load_time_s for lv in same_model
+        )
+        value = max(lv.quality * self.throughput(worker_class, lv) for lv in same_model)
+        return self.switch_cost_weight * load_time / self.period_s * value
+
+    def current_model(self, worker: WorkerState) -> str | None:
+        if worker.level is None:
+            return None
+        for level in self.profiles.levels:
+            if level.name == worker.level:
+                return level.model
+        return None
+
+
+def solve(
+    profiles: ProfileSet,
+    strategy: Strategy,
+    workers: ClusterView,
+    load_qpm: float,
+    *,
+    switch_cost_weight: float = 0.0,
+    period_s: float = 60.0,
+    backend: SolverFactory | None = None,
+) -> Allocation:
+    """Plan the live workers of ``workers`` for ``load_qpm`` (Eq. 1, aggregated by class).
+
+    Called by the allocator every period and on events. Returns an :class:`Allocation` naming a
+    level for every live worker; dead workers are left out.
+    """
+    started = time.perf_counter()
+    problem = _prepare(profiles, strategy, workers, load_qpm, switch_cost_weight, period_s)
+    counts = _solve_counts(problem, backend or highs_solver())
+    assignment = _assign_workers(problem, counts)
+    return _allocation(problem, counts, assignment, started)
+
+
+def solve_per_worker(
+    profiles: ProfileSet,
+    strategy: Strategy,
+    workers: ClusterView,
+    load_qpm: float,
+    *,
+    switch_cost_weight: float = 0.0,
+    period_s: float = 60.0,
+    backend: SolverFactory | None = None,
+) -> Allocation:
+    """The paper's per-worker binary formulation of Eq. 1; the reference for :func:`solve`."""
+    started = time.perf_counter()
+    problem = _prepare(profiles, strategy, workers, load_qpm, switch_cost_weight, period_s)
+    prob = pulp.LpProblem("argus_eq1_per_worker", pulp.LpMaximize)
+    x: dict[tuple[int, int], pulp.LpVariable] = {}
+    y: dict[tuple[int, int], pulp.LpVariable] = {}
+    for w, worker in enumerate(problem.live):
+        for v, level in enumerate(problem.levels):
+            x[w, v] = pulp.LpVariable(f"x_{v}_{w}", cat=pulp.LpBinary)
+            y[w, v] = pulp.LpVariable(f"y_{v}_{w}", lowBound=0.0)
+            prob += y[w, v] <= problem.throughput(worker.worker_class, level) * x[w, v]
+        prob += pulp.lpSum(x[w, v] for v in range(len(problem.levels))) <= 1
+    prob += pulp.lpSum(y.values()) == problem.served_qpm
+    prob += pulp.lpSum(
+        problem.levels[v].quality * y[w, v] - _worker_load_cost(problem, worker, v) * x[w, v]
+        for w, worker in enumerate(problem.live)
+        for v in range(len(problem.levels))
+    )
+    _run(prob, backend or highs_solver())
+    counts = _Counts.empty()
+    for (w, v), var in x.items():
+        if (var.value() or 0.0) > 0.5:
+            worker = problem.live[w]
+            counts.workers[worker.worker_class, v] += 1
+            counts.load[worker.worker_class, v] += max(0.0, y[w, v].value() or 0.0)
+            counts.switch_cost += _worker_load_cost(problem, worker, v)
+    assignment = _assign_workers(problem, counts)
+    return _allocation(problem, counts, assignment, started)
+
+
+def _worker_load_cost(problem: _Problem, worker: WorkerState, v: int) -> float:
+    model = problem.levels[v].model
+    current = problem.current_model(worker)
+    if current is None or current == model:
+        return 0.0
+    return problem.load_cost(worker.worker_class, model)
+
+
+def _prepare(
+    profiles: ProfileSet,
+    strategy: Strategy,
+    workers: ClusterView,
+    load_qpm: float,
+    switch_cost_weight: float,
+    period_s: float,
+) -> _Problem:
+    if not load_qpm >= 0.0 or load_qpm == float("inf"):
+        raise ValueError(f"load_qpm: must be a finite number >= 0, got {load_qpm}")
+    if not switch_cost_weight >= 0.0:
+        raise ValueError(f"switch_cost_weight: must be >= 0, got {switch_cost_weight}")
+    if not period_s > 0.0:
+        raise ValueError(f"period_s: must be > 0, got {period_s}")
+    levels = profiles.levels_for(strategy)
+    if not levels:
+        raise ValueError(f"strategy: the profile set has no {strategy.value} levels")
+    live = workers.alive()
+    for worker in live:
+        if worker.worker_class not in profiles.worker_classes:
+            raise ValueError(
+                f"worker {worker.worker_id!r}: unknown worker class {worker.worker_class!r}; "
+                f"the profiles know {', '.join(profiles.worker_classes)}"
+            )
+    capacity = sum(profiles.profile(w.worker_class, levels[-1].name).throughput_qpm for w in live)
+    served = min(load_qpm, capacity)
+    return _Problem(
+        strategy, levels, profiles, live, load_qpm, served, switch_cost_weight, period_s
+    )
+
+
+@dataclass
+class _Counts:
+    """Solver output before workers are named: per (class, level index)."""
+
+    workers: Counter[tuple[str, int]]
+    load: defaultdict[tuple[str, int], float]
+    switch_cost: float = 0.0
+
+    @classmethod
+    def empty(cls) -> _Counts:
+        return cls(Counter(), defaultdict(float))
+
+
+def _solve_counts(problem: _Problem, backend: SolverFactory) -> _Counts:
+    """The aggregated ILP: integers n[c, v], loads f[c, v], model loads u[c, model]."""
+    live_by_class = Counter(w.worker_class for w in problem.live)
+    classes = sorted(live_by_class)
+    level_ids = range(len(problem.levels))
+    prob = pulp.LpProblem("argus_eq1", pulp.LpMaximize)
+    n = {
+        (c, v): pulp.LpVariable(f"n_{c}_{v}", 0, live_by_class[c], cat=pulp.LpInteger)
+        for c in classes
+        for v in level_ids
+    }
+    f = {(c, v): pulp.LpVariable(f"f_{c}_{v}", lowBound=0.0) for c in classes for v in level_ids}
+    for (c, v), load in f.items():
+        prob += load <= problem.throughput(c, problem.levels[v]) * n[c, v]
+    for c in classes:
+        prob += pulp.lpSum(n[c, v] for v in level_ids) <= live_by_class[c]
+    prob += pulp.lpSum(f.values()) == problem.served_qpm
+    cost_terms = _switch_cost_terms(problem, prob, n, classes)
+    prob += pulp.lpSum(problem.levels[v].quality * f[c, v] for c, v in f) - cost_terms
+    _run(prob, backend)
+    counts = _Counts.empty()
+    for key in n:
+        counts.workers[key] = round(n[key].value() or 0.0)
+        counts.load[key] = max(0.0, f[key].value() or 0.0)
+    counts.switch_cost = float(pulp.value(cost_terms)) if problem.switch_cost_weight else 0.0
+    return counts
+
+
+def _switch_cost_terms(
+    problem: _Problem,
+    prob: pulp.LpProblem,
+    n: Mapping[tuple[str, int], pulp.LpVariable],
+    classes: Sequence[str],
+) -> pulp.LpAffineExpression:
+    """Add the model-load variables and return the switching cost to subtract.
+
+    ``u[c, m]`` counts workers of class c that must load model m (those on m minus those
+    already holding it). Workers holding nothing yet are being placed, not moved: up to their
+    number of loads per class go uncharged (``free``), the costliest first by optimality.
+    """
+    if problem.switch_cost_weight == 0.0:
+        return pulp.LpAffineExpression()
+    holding = Counter((w.worker_class, problem.current_model(w)) for w in problem.live)
+    models = sorted({level.model for level in problem.levels})
+    terms = []
+    for c in classes:
+        free_loads = []
+        for model in models:
+            u = pulp.LpVariable(f"u_{c}_{model}", lowBound=0.0)
+            free = pulp.LpVariable(f"free_{c}_{model}", lowBound=0.0)
+            on_model = [v for v, level in enumerate(problem.levels) if level.model == model]
+            prob += u >= pulp.lpSum(n[c, v] for v in on_model) - holding[c, model]
+            prob += free <= u
+            free_loads.append(free)
+            terms.append(problem.load_cost(c, model) * (u - free))
+        prob += pulp.lpSum(free_loads) <= holding[c, None]
+    return pulp.lpSum(terms)
+
+
+def _run(prob: pulp.LpProblem, backend: SolverFactory) -> None:
+    prob.solve(backend())
+    if pulp.LpStatus[prob.status] != "Optimal":
+        raise InfeasiblePlanError(f"ILP {prob.name}: backend ended {pulp.LpStatus[prob.status]}")
+
+
+def _assign_workers(problem: _Problem, counts: _Counts) -> dict[str, str]:
+    """Name the workers: keep levels where possible, then models, then fill; spares last."""
+    assignment: dict[str, str] = {}
+    slots = Counter(counts.workers)
+    level_index = {level.name: v for v, level in enumerate(problem.levels)}
+    pending = sorted(problem.live, key=lambda w: w.worker_id)
+    # 1. a worker already at a level that keeps slots stays (no change at all)
+    pending = _place(
+        pending, slots, assignment, problem, lambda w, v: level_index.get(w.level or "") == v
+    )
+    # 2. a worker holding the model of a level with slots changes only K (no reload)
+    pending = _place(
+        pending,
+        slots,
+        assignment,
+        problem,
+        lambda w, v: problem.current_model(w) == problem.levels[v].model,
+    )
+    # 3. anyone left fills the remaining slots
+    pending = _place(pending, slots, assignment, problem, lambda w, v: True)
+    # 4. spares carry no load: keep the level, else a level of the model held, else the best
+    for worker in pending:
+        assignment[worker.worker_id] = _spare_level(problem, worker)
+    return assignment
+
+
+def _spare_level(problem: _Problem, worker: WorkerState) -> str:
+    model = problem.current_model(worker)
+    for level in problem.levels:
+        if level.name == worker.level:
+            return level.name
+    for level in problem.levels:
+        if level.model == model:
+            return level.name
+    return problem.levels[0].name
+
+
+def _place(
+    pending: list[WorkerState],
+    slots: Counter[tuple[str, int]],
+    assignment: dict[str, str],
+    problem: _Problem,
+    fits: Callable[[WorkerState, int], bool],
+) -> list[WorkerState]:
+    left = []
+    for worker in pending:
+        for v in range(len(problem.levels)):
+            if slots[worker.worker_class, v] > 0 and fits(worker, v):
+                slots[worker.worker_class, v] -= 1
+                assignment[worker.worker_id] = problem.levels[v].name
+                break
+        else:
+            left.append(worker)
+    return left
+
+
+def _allocation(
+    problem: _Problem, counts: _Counts, assignment: Mapping[str, str], started: float
+) -> Allocation:
+    names = tuple(level.name for level in problem.levels)
+    per_level = Counter(assignment.values())
+    load = [0.0] * len(names)
+    for (_, v), qpm in counts.load.items():
+        load[v] += qpm
+    quality = sum(level.quality * qpm for level, qpm in zip(problem.levels, load, strict=True))
+    moved = sum(
+        1 for w in problem.live if w.level is not None and assignment[w.worker_id] != w.level
+    )
+    return Allocation(
+        strategy=problem.strategy,
+        levels=names,
+        workers_per_level=tuple(per_level[name] for name in names),
+        load_share_qpm=tuple(load),
+        assignment=dict(assignment),
+        objective=quality - counts.switch_cost,
+        switch_cost=counts.switch_cost,
+        served_qpm=problem.served_qpm,
+        shortfall_qpm=max(0.0, problem.load_qpm - problem.served_qpm),
+        moved_workers=moved,
+        solve_ms=(time.perf_counter() - started) * 1000.0,
+    )
