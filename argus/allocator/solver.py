@@ -22,8 +22,8 @@ Beyond the paper:
   each worker that must load a model it does not hold is charged the quality-weighted work it
   forgoes while loading, ``weight · load_time/period · max_v∈model(Q_v·P_th)``, in the
   objective's own unit (quality × QPM). A K change on the same model costs nothing.
-* **Spare workers.** Workers the optimum leaves without load keep their current level when it
-  belongs to the strategy (no reload), else take the best level, so they add headroom where
+* **Spare workers.** Workers the optimum leaves without load take the best level of the model
+  they hold (a K change, no reload), else the strategy's best level, so they add headroom where
   quality is highest.
 """
 
@@ -126,8 +126,8 @@ def solve_per_worker(
     y: dict[tuple[int, int], pulp.LpVariable] = {}
     for w, worker in enumerate(problem.live):
         for v, level in enumerate(problem.levels):
-            x[w, v] = pulp.LpVariable(f"x_{v}_{w}", cat=pulp.LpBinary)
-            y[w, v] = pulp.LpVariable(f"y_{v}_{w}", lowBound=0.0)
+            x[w, v] = prob.add_variable(f"x_{v}_{w}", cat=pulp.LpBinary)
+            y[w, v] = prob.add_variable(f"y_{v}_{w}", lowBound=0.0)
             prob += y[w, v] <= problem.throughput(worker.worker_class, level) * x[w, v]
         prob += pulp.lpSum(x[w, v] for v in range(len(problem.levels))) <= 1
     prob += pulp.lpSum(y.values()) == problem.served_qpm
@@ -207,11 +207,11 @@ def _solve_counts(problem: _Problem, backend: SolverFactory) -> _Counts:
     level_ids = range(len(problem.levels))
     prob = pulp.LpProblem("argus_eq1", pulp.LpMaximize)
     n = {
-        (c, v): pulp.LpVariable(f"n_{c}_{v}", 0, live_by_class[c], cat=pulp.LpInteger)
+        (c, v): prob.add_variable(f"n_{c}_{v}", 0, live_by_class[c], cat=pulp.LpInteger)
         for c in classes
         for v in level_ids
     }
-    f = {(c, v): pulp.LpVariable(f"f_{c}_{v}", lowBound=0.0) for c in classes for v in level_ids}
+    f = {(c, v): prob.add_variable(f"f_{c}_{v}", lowBound=0.0) for c in classes for v in level_ids}
     for (c, v), load in f.items():
         prob += load <= problem.throughput(c, problem.levels[v]) * n[c, v]
     for c in classes:
@@ -248,8 +248,8 @@ def _switch_cost_terms(
     for c in classes:
         free_loads = []
         for model in models:
-            u = pulp.LpVariable(f"u_{c}_{model}", lowBound=0.0)
-            free = pulp.LpVariable(f"free_{c}_{model}", lowBound=0.0)
+            u = prob.add_variable(f"u_{c}_{model}", lowBound=0.0)
+            free = prob.add_variable(f"free_{c}_{model}", lowBound=0.0)
             on_model = [v for v, level in enumerate(problem.levels) if level.model == model]
             prob += u >= pulp.lpSum(n[c, v] for v in on_model) - holding[c, model]
             prob += free <= u
@@ -285,17 +285,15 @@ def _assign_workers(problem: _Problem, counts: _Counts) -> dict[str, str]:
     )
     # 3. anyone left fills the remaining slots
     pending = _place(pending, slots, assignment, problem, lambda w, v: True)
-    # 4. spares carry no load: keep the level, else a level of the model held, else the best
+    # 4. spares carry no load: headroom at the best level their loaded model allows
     for worker in pending:
         assignment[worker.worker_id] = _spare_level(problem, worker)
     return assignment
 
 
 def _spare_level(problem: _Problem, worker: WorkerState) -> str:
+    """A spare takes the best level of the model it holds (no reload), else the best level."""
     model = problem.current_model(worker)
-    for level in problem.levels:
-        if level.name == worker.level:
-            return level.name
     for level in problem.levels:
         if level.model == model:
             return level.name
