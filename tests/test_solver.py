@@ -175,7 +175,7 @@ def test_bad_arguments_raise_naming_them(kwargs, message):
 
 
 def test_unknown_worker_class_is_named():
-    with pytest.raises(ValueError, match="'x0'.*'tpu'"):
+    with pytest.raises(ValueError, match=r"'x0'.*'tpu'"):
         solve(default_profiles(), Strategy.AC, ClusterView((WorkerState("x0", "tpu"),)), 10.0)
 
 
