@@ -1,0 +1,120 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from argus.cli.main import main
+
+
+def run_plan(capsys, *args):
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_prints_the_contract(capsys):
+    code, out, err = run_plan(
+        capsys, "--workers", "8", "--load", "150", "--histogram", "10,20,30,20,10,10"
+    )
+    assert code == 0, err
+    plan = json.loads(out)
+    for key in (
+        "levels",
+        "workers_per_level",
+        "load_share",
+        "pasm",
+        "objective",
+        "shortfall_qpm",
+        "moved_workers",
+        "solve_ms",
+    ):
+        assert key in plan
+    assert plan["levels"] == ["ac-k0", "ac-k5", "ac-k10", "ac-k15", "ac-k20", "ac-k25"]
+    assert sum(plan["workers_per_level"].values()) == 8
+    assert sum(plan["load_share"].values()) == pytest.approx(150.0)
+    for row in plan["pasm"].values():
+        assert sum(row.values()) == pytest.approx(1.0)
+    assert plan["shortfall_qpm"] == 0
+
+
+def test_workers_by_class_and_sm(capsys):
+    code, out, _ = run_plan(
+        capsys, "--strategy", "sm", "--workers-by-class", "a100=4,h100=4", "--load", "600"
+    )
+    plan = json.loads(out)
+    assert code == 0
+    assert plan["levels"][0] == "sm-sd-xl"
+    assert plan["shortfall_qpm"] > 0 and plan["saturated"]
+    assert sum(plan["workers_per_level"].values()) == 8
+
+
+def test_current_plan_round_trip_with_switching_cost(capsys, tmp_path):
+    _, out, _ = run_plan(capsys, "--strategy", "SM", "--workers", "8", "--load", "150")
+    current = tmp_path / "plan.json"
+    current.write_text(out)
+    code, out, _ = run_plan(
+        capsys,
+        "--strategy",
+        "SM",
+        "--workers",
+        "8",
+        "--load",
+        "145",
+        "--current-plan",
+        str(current),
+        "--switch-cost",
+        "1000",
+    )
+    assert code == 0
+    assert json.loads(out)["moved_workers"] == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--load", "100", "--histogram", "1,2,3"], "--histogram: expected 6 values"),
+        (["--load", "100", "--histogram", "1,-2,3,1,1,1"], "--histogram: value 1"),
+        (["--load", "100", "--histogram", "a,b"], "--histogram"),
+        (["--load", "100", "--strategy", "XX"], "unknown strategy 'XX'"),
+        (["--load", "-5"], "--load"),
+        (["--load", "100", "--workers-by-class", "tpu=3"], "unknown class 'tpu'"),
+        (["--load", "100", "--profiles", "/nonexistent.toml"], "cannot read"),
+        (["--load", "100", "--current-plan", "/nonexistent.json"], "--current-plan"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(capsys, args, needle):
+    code, out, err = run_plan(capsys, *args)
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert needle in err
+
+
+def test_argparse_errors_are_one_line_too():
+    result = subprocess.run(
+        [sys.executable, "-m", "argus", "plan", "--workers", "x", "--load", "1"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_plan_does_not_import_torch():
+    code = (
+        "import sys; from argus.cli.main import main; import contextlib, io\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['plan', '--load', '10'])\n"
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_unknown_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bogus"])
+    assert info.value.code == 2

@@ -1,0 +1,100 @@
+import random
+
+import pytest
+
+from argus.allocator.planner import PlannerConfig, make_plan
+from argus.profiles import default_profiles
+from argus.router.scheduler import PromptScheduler
+from argus.types import ClusterView, LoadForecast, Strategy
+
+
+def forecast(qpm: float) -> LoadForecast:
+    return LoadForecast(qpm, qpm, qpm, 0.0)
+
+
+def test_plan_pasm_reshapes_h_into_f():
+    profiles = default_profiles()
+    histogram = (10, 20, 30, 20, 10, 10)
+    plan = make_plan(profiles, Strategy.AC, ClusterView.uniform(8), forecast(150.0), histogram)
+    served = plan.allocation.served_qpm
+    h = [x / sum(histogram) for x in histogram]
+    for j, share in enumerate(plan.allocation.load_share_qpm):
+        routed = sum(h[i] * plan.shift_map.matrix[i][j] for i in range(6))
+        assert routed == pytest.approx(share / served, abs=1e-9)
+    assert plan.version == 1
+    again = make_plan(
+        profiles, Strategy.AC, ClusterView.uniform(8), forecast(150.0), histogram, previous=plan
+    )
+    assert again.version == 2
+
+
+def test_routing_realises_the_planned_load_share():
+    """End to end on the control plane: classified prompts sampled through PASM land on F."""
+    profiles = default_profiles()
+    workers = ClusterView.uniform(8)
+    histogram = (5, 10, 40, 25, 10, 10)
+    plan = make_plan(profiles, Strategy.AC, workers, forecast(160.0), histogram)
+    classes = {w.worker_id: w.worker_class for w in workers.workers}
+    sched = PromptScheduler.from_plan(plan, profiles, classes, random.Random(1))
+    rng = random.Random(2)
+    served = [0] * 6
+    n = 30000
+    for level in rng.choices(range(6), weights=histogram, k=n):
+        served[sched.route(level, {}).served_level] += 1
+    expected = [share / plan.allocation.served_qpm for share in plan.allocation.load_share_qpm]
+    for got, want in zip(served, expected, strict=True):
+        assert got / n == pytest.approx(want, abs=0.012)
+    assert sched.stats().fallbacks == 0
+
+
+def test_zero_load_still_routes_to_live_workers():
+    plan = make_plan(
+        default_profiles(), Strategy.SM, ClusterView.uniform(4), forecast(0.0), (1, 1, 1, 1, 1, 1)
+    )
+    assert plan.allocation.workers_per_level[0] == 4
+    assert all(row[0] == 1.0 for row in plan.shift_map.matrix)
+
+
+def test_empty_histogram_means_uniform_and_bad_histograms_are_named():
+    plan = make_plan(
+        default_profiles(), Strategy.AC, ClusterView.uniform(8), forecast(100.0), (0,) * 6
+    )
+    assert plan.histogram == pytest.approx((1 / 6,) * 6)
+    with pytest.raises(ValueError, match="histogram"):
+        make_plan(default_profiles(), Strategy.AC, ClusterView.uniform(8), forecast(1), (1, 2))
+    with pytest.raises(ValueError, match=r"histogram\[1\]"):
+        make_plan(
+            default_profiles(),
+            Strategy.AC,
+            ClusterView.uniform(8),
+            forecast(1),
+            (1, -2, 0, 0, 0, 0),
+        )
+
+
+def test_load_margin_plans_for_more_load():
+    profiles = default_profiles()
+    base = make_plan(profiles, Strategy.SM, ClusterView.uniform(8), forecast(100.0), (1,) * 6)
+    margin = make_plan(
+        profiles,
+        Strategy.SM,
+        ClusterView.uniform(8),
+        forecast(100.0),
+        (1,) * 6,
+        config=PlannerConfig(load_margin=1.5),
+    )
+    assert margin.allocation.served_qpm == pytest.approx(150.0)
+    assert margin.allocation.objective < base.allocation.objective * 1.5
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("period_s", {"period_s": 0}),
+        ("switch_cost_weight", {"switch_cost_weight": -1}),
+        ("load_margin", {"load_margin": 0.5}),
+    ],
+)
+def test_config_validation_quotes_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        PlannerConfig(**kwargs)
