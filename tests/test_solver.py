@@ -3,7 +3,7 @@ import random
 import pulp
 import pytest
 
-from argus.allocator.solver import solve, solve_per_worker
+from argus.allocator.solver import highs_solver, solve, solve_per_worker
 from argus.profiles import default_profiles
 from argus.types import ClusterView, Strategy, WorkerState
 from tests.factories import make_profiles, random_instance
@@ -21,12 +21,13 @@ def check_feasible(allocation, profiles, workers):
 @pytest.mark.parametrize("switching", [False, True])
 def test_fast_formulation_matches_per_worker_reference(switching):
     rng = random.Random(20261121 + switching)
-    for _ in range(25):
+    for _ in range(40):
         profiles, workers, load = random_instance(rng, switching=switching)
         weight = rng.uniform(0.5, 5.0) if switching else 0.0
-        fast = solve(profiles, Strategy.SM, workers, load, switch_cost_weight=weight)
+        exact = highs_solver(rel_gap=1e-9)
+        fast = solve(profiles, Strategy.SM, workers, load, switch_cost_weight=weight, backend=exact)
         reference = solve_per_worker(
-            profiles, Strategy.SM, workers, load, switch_cost_weight=weight
+            profiles, Strategy.SM, workers, load, switch_cost_weight=weight, backend=exact
         )
         assert fast.objective == pytest.approx(reference.objective, rel=1e-6, abs=1e-6)
         assert fast.shortfall_qpm == pytest.approx(reference.shortfall_qpm)

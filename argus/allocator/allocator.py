@@ -1,0 +1,97 @@
+"""The allocator's state: predictors plus the last plan, and the call that makes the next one.
+
+The live allocator service and the simulator both own one :class:`Allocator`. They feed it
+arrivals and classifier decisions as they happen and call :meth:`Allocator.plan` every period
+and whenever a worker dies or joins; it returns a new :class:`~argus.types.Plan` and never
+touches a worker itself (decide, then act). Time is always the caller's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from argus.allocator.planner import PlannerConfig, make_plan
+from argus.allocator.predictor import AffinityHistogram, LoadPredictor, LoadPredictorConfig
+from argus.allocator.solver import SolverFactory
+from argus.types import ClusterView, Plan, ProfileSet, Strategy
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """Everything the allocator needs besides profiles."""
+
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """How a plan is solved: period, switching cost weight, load margin."""
+
+    forecast: LoadPredictorConfig = field(default_factory=LoadPredictorConfig)
+    """How W_t is forecast; its period must equal the planner's."""
+
+    histogram_window: int = 1000
+    """Classified prompts the affinity histogram H looks back over (the paper uses 1000)."""
+
+    def __post_init__(self) -> None:
+        if self.forecast.period_s != self.planner.period_s:
+            raise ValueError(
+                f"forecast.period_s ({self.forecast.period_s}) must equal planner.period_s "
+                f"({self.planner.period_s}): the forecast is for the next planning period"
+            )
+        if self.histogram_window < 1:
+            raise ValueError(f"histogram_window: must be >= 1, got {self.histogram_window}")
+
+
+class Allocator:
+    """Observes the workload and decides plans; one per cluster."""
+
+    def __init__(
+        self,
+        profiles: ProfileSet,
+        config: AllocatorConfig | None = None,
+        *,
+        start_s: float = 0.0,
+        backend: SolverFactory | None = None,
+    ) -> None:
+        self.profiles = profiles
+        self.config = config or AllocatorConfig()
+        self._backend = backend
+        self._load = LoadPredictor(self.config.forecast, start_s=start_s)
+        self._affinity = AffinityHistogram(
+            {s: len(profiles.levels_for(s)) for s in Strategy if profiles.levels_for(s)},
+            self.config.histogram_window,
+        )
+        self._last: Plan | None = None
+
+    @property
+    def last_plan(self) -> Plan | None:
+        return self._last
+
+    def observe_arrival(self, arrival_s: float) -> None:
+        """A prompt arrived at the router (for the load forecast)."""
+        self._load.observe(arrival_s)
+
+    def observe_classification(self, strategy: Strategy, level_index: int) -> None:
+        """The classifier of ``strategy`` chose ``level_index`` as a prompt's optimal level."""
+        self._affinity.observe(strategy, level_index)
+
+    def plan(
+        self, now_s: float, workers: ClusterView, strategy: Strategy, *, load_margin: float = 1.0
+    ) -> Plan:
+        """Make the plan for the next period from what was observed up to ``now_s``.
+
+        ``workers`` carries liveness and each worker's current level (for the switching cost);
+        ``load_margin`` > 1 over-provisions, as during the AC→SM switch (1.5 in the paper).
+        """
+        planner = self.config.planner
+        if load_margin != planner.load_margin:
+            planner = PlannerConfig(planner.period_s, planner.switch_cost_weight, load_margin)
+        plan = make_plan(
+            self.profiles,
+            strategy,
+            workers,
+            self._load.forecast(now_s),
+            self._affinity.histogram(strategy),
+            config=planner,
+            previous=self._last,
+            backend=self._backend,
+        )
+        self._last = plan
+        return plan

@@ -1,0 +1,54 @@
+import pytest
+
+from argus.allocator.allocator import Allocator, AllocatorConfig
+from argus.allocator.planner import PlannerConfig
+from argus.allocator.predictor import LoadPredictorConfig
+from argus.profiles import default_profiles
+from argus.types import ClusterView, Strategy, WorkerState
+
+
+def feed(allocator: Allocator, qpm: float, minutes: int, start: float = 0.0) -> float:
+    gap = 60.0 / qpm
+    t = start
+    while t < start + 60.0 * minutes:
+        allocator.observe_arrival(t)
+        t += gap
+    return start + 60.0 * minutes
+
+
+def test_plans_follow_the_observed_load_and_affinity():
+    allocator = Allocator(default_profiles())
+    now = feed(allocator, 60.0, 3)
+    for level in [0] * 800 + [3] * 200:
+        allocator.observe_classification(Strategy.AC, level)
+    light = allocator.plan(now, ClusterView.uniform(8), Strategy.AC)
+    assert light.forecast.qpm == pytest.approx(60.0, rel=0.02)
+    assert light.histogram == pytest.approx((0.8, 0, 0, 0.2, 0, 0))
+    assert light.allocation.workers_per_level[0] == 8
+    now = feed(allocator, 200.0, 2, start=now)
+    heavy = allocator.plan(now, ClusterView.uniform(8), Strategy.AC)
+    assert heavy.version == light.version + 1
+    assert heavy.forecast.qpm == pytest.approx(200.0, rel=0.02)
+    assert heavy.allocation.workers_per_level[0] < 8
+    # level-0 prompts are the ones that must move when level 0 shrinks
+    assert heavy.shift_map.matrix[0][0] < 1.0
+
+
+def test_replans_around_dead_workers():
+    allocator = Allocator(default_profiles())
+    now = feed(allocator, 100.0, 2)
+    workers = ClusterView(tuple(WorkerState(f"w{i}", "a100", alive=i < 4) for i in range(8)))
+    plan = allocator.plan(now, workers, Strategy.AC)
+    assert set(plan.allocation.assignment) == {"w0", "w1", "w2", "w3"}
+
+
+def test_load_margin_overprovisions():
+    allocator = Allocator(default_profiles())
+    now = feed(allocator, 100.0, 2)
+    plan = allocator.plan(now, ClusterView.uniform(8), Strategy.SM, load_margin=1.5)
+    assert plan.allocation.served_qpm == pytest.approx(1.5 * plan.forecast.qpm)
+
+
+def test_mismatched_periods_are_rejected():
+    with pytest.raises(ValueError, match="period_s"):
+        AllocatorConfig(planner=PlannerConfig(period_s=30.0), forecast=LoadPredictorConfig())
