@@ -186,14 +186,7 @@ def _push_excess(pools: Pools, level: int, excess: float) -> None:
     Called when a pool holds more than its load share. The fastest origins leave first and
     the level's own natives last; returns nothing.
     """
-    source, target = pools[level], pools[level - 1]
-    for origin in range(len(source) - 1, -1, -1):
-        if excess <= 0.0:
-            return
-        moved = min(source[origin], excess)
-        source[origin] -= moved
-        target[origin] += moved
-        excess -= moved
+    _move(pools[level], pools[level - 1], excess)
 
 
 def _pull_deficit(pools: Pools, level: int, gap: float) -> None:
@@ -202,16 +195,25 @@ def _pull_deficit(pools: Pools, level: int, gap: float) -> None:
     Called when a pool holds less than its load share. Within one pool the fastest origins
     are taken first; stops when the gap is filled or level 0 is drained. Returns nothing.
     """
-    target = pools[level]
     for donor in range(level - 1, -1, -1):
-        source = pools[donor]
-        for origin in range(len(source) - 1, -1, -1):
-            if gap <= 0.0:
-                return
-            moved = min(source[origin], gap)
-            source[origin] -= moved
-            target[origin] += moved
-            gap -= moved
+        gap = _move(pools[donor], pools[level], gap)
+        if gap <= 0.0:
+            return
+
+
+def _move(source: list[float], target: list[float], amount: float) -> float:
+    """Move up to ``amount`` mass from ``source`` to ``target``, fastest origins first.
+
+    Both are pools indexed by origin; returns the amount that ``source`` could not supply.
+    """
+    for origin in range(len(source) - 1, -1, -1):
+        if amount <= 0.0:
+            break
+        moved = min(source[origin], amount)
+        source[origin] -= moved
+        target[origin] += moved
+        amount -= moved
+    return amount
 
 
 def _row(origin: int, served: list[float], f: list[float]) -> tuple[float, ...]:

@@ -113,11 +113,8 @@ def solve(
     Called by the allocator every period and on events. Returns an :class:`Allocation` naming a
     level for every live worker; dead workers are left out.
     """
-    started = time.perf_counter()
     problem = _prepare(profiles, strategy, workers, load_qpm, switch_cost_weight, period_s)
-    counts = _solve_counts(problem, backend or highs_solver())
-    assignment = _assign_workers(problem, counts)
-    return _allocation(problem, counts, assignment, started)
+    return _solve_with(_solve_counts, problem, backend)
 
 
 def solve_per_worker(
@@ -131,8 +128,23 @@ def solve_per_worker(
     backend: SolverFactory | None = None,
 ) -> Allocation:
     """The paper's per-worker binary formulation of Eq. 1; the reference for :func:`solve`."""
-    started = time.perf_counter()
     problem = _prepare(profiles, strategy, workers, load_qpm, switch_cost_weight, period_s)
+    return _solve_with(_solve_counts_per_worker, problem, backend)
+
+
+def _solve_with(
+    formulation: Callable[[_Problem, SolverFactory], _Counts],
+    problem: _Problem,
+    backend: SolverFactory | None,
+) -> Allocation:
+    started = time.perf_counter()
+    counts = formulation(problem, backend or highs_solver())
+    assignment = _assign_workers(problem, counts)
+    return _allocation(problem, counts, assignment, started)
+
+
+def _solve_counts_per_worker(problem: _Problem, backend: SolverFactory) -> _Counts:
+    """The literal program: binaries x[w, v], loads y[w, v] <= P_th * x[w, v]."""
     prob = pulp.LpProblem("argus_eq1_per_worker", pulp.LpMaximize)
     x: dict[tuple[int, int], pulp.LpVariable] = {}
     y: dict[tuple[int, int], pulp.LpVariable] = {}
@@ -148,7 +160,7 @@ def solve_per_worker(
         for w, worker in enumerate(problem.live)
         for v in range(len(problem.levels))
     )
-    _run(prob, backend or highs_solver())
+    _run(prob, backend)
     counts = _Counts.empty()
     for (w, v), var in x.items():
         if (var.value() or 0.0) > 0.5:
@@ -156,8 +168,7 @@ def solve_per_worker(
             counts.workers[worker.worker_class, v] += 1
             counts.load[worker.worker_class, v] += max(0.0, y[w, v].value() or 0.0)
             counts.switch_cost += _worker_load_cost(problem, worker, v)
-    assignment = _assign_workers(problem, counts)
-    return _allocation(problem, counts, assignment, started)
+    return counts
 
 
 def _worker_load_cost(problem: _Problem, worker: WorkerState, v: int) -> float:
