@@ -29,6 +29,7 @@ Beyond the paper:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -224,7 +225,12 @@ class _Counts:
 
 
 def _solve_counts(problem: _Problem, backend: SolverFactory) -> _Counts:
-    """The aggregated ILP: integers n[c, v], loads f[c, v], model loads u[c, model]."""
+    """The aggregated ILP: integers n[c, v], loads f[c, v], model loads u[c, model].
+
+    First the LP relaxation, then its rounding: when the rounded plan is within the backend's
+    relative gap of the LP bound it is returned as is (the bound certifies it), which skips
+    HiGHS's root cut rounds, the slow part on multi-class instances. Otherwise the ILP runs.
+    """
     live_by_class = Counter(w.worker_class for w in problem.live)
     classes = sorted(live_by_class)
     level_ids = range(len(problem.levels))
@@ -242,6 +248,10 @@ def _solve_counts(problem: _Problem, backend: SolverFactory) -> _Counts:
     prob += pulp.lpSum(f.values()) == problem.served_qpm
     cost_terms = _switch_cost_terms(problem, prob, n, classes)
     prob += pulp.lpSum(problem.levels[v].quality * f[c, v] for c, v in f) - cost_terms
+    relaxed = backend()
+    rounded = _certified_rounding(problem, prob, n, relaxed, live_by_class)
+    if rounded is not None:
+        return rounded
     _run(prob, backend)
     counts = _Counts.empty()
     for key in n:
@@ -249,6 +259,118 @@ def _solve_counts(problem: _Problem, backend: SolverFactory) -> _Counts:
         counts.load[key] = max(0.0, f[key].value() or 0.0)
     counts.switch_cost = float(pulp.value(cost_terms)) if problem.switch_cost_weight else 0.0
     return counts
+
+
+def _certified_rounding(
+    problem: _Problem,
+    prob: pulp.LpProblem,
+    n: Mapping[tuple[str, int], pulp.LpVariable],
+    solver: pulp.LpSolver,
+    live_by_class: Mapping[str, int],
+) -> _Counts | None:
+    """Round the LP relaxation; return it if within the solver's gap of the bound, else None.
+
+    Only for backends that declare their gap as ``gapRel`` (PuLP's HiGHS does); any other
+    backend always gets the full ILP.
+    """
+    rel_gap = getattr(solver, "gapRel", None)
+    if not isinstance(rel_gap, float) or rel_gap <= 0.0 or not hasattr(solver, "mip"):
+        return None
+    solver.mip = False
+    prob.solve(solver)
+    if pulp.LpStatus[prob.status] != "Optimal":
+        return None
+    bound = float(pulp.value(prob.objective))
+    floors = Counter({key: math.floor((var.value() or 0.0) + 1e-9) for key, var in n.items()})
+    rounded = _place_leftovers(problem, floors, live_by_class)
+    if rounded is None:
+        return None
+    objective = sum(problem.levels[v].quality * qpm for (_, v), qpm in rounded.load.items())
+    if objective - rounded.switch_cost < bound - rel_gap * max(1.0, abs(bound)):
+        return None
+    return rounded
+
+
+def _place_leftovers(
+    problem: _Problem, workers: Counter[tuple[str, int]], live_by_class: Mapping[str, int]
+) -> _Counts | None:
+    """Add the workers the floored relaxation left out, one at a time, where they gain most."""
+    best = _evaluate(problem, workers)
+    while True:
+        used = Counter[str]()
+        for (c, _), count in workers.items():
+            used[c] += count
+        candidates = [
+            (c, v)
+            for c in live_by_class
+            if used[c] < live_by_class[c]
+            for v in range(len(problem.levels))
+        ]
+        scored = []
+        for key in candidates:
+            trial = Counter(workers)
+            trial[key] += 1
+            scored.append((_evaluate(problem, trial), key))
+        if not scored:
+            break
+        (score, key) = max(scored, key=lambda item: item[0][:2])
+        if best[0] == 0 and score[:2] <= best[:2]:
+            break  # feasible and no candidate improves
+        workers[key] += 1
+        best = score
+    if best[0] < 0:
+        return None
+    counts = _Counts.empty()
+    counts.workers.update(workers)
+    counts.load.update(best[2])
+    counts.switch_cost = best[3]
+    return counts
+
+
+def _evaluate(
+    problem: _Problem, workers: Counter[tuple[str, int]]
+) -> tuple[int, float, dict[tuple[str, int], float], float]:
+    """Score integer counts: (-1 if short of capacity else 0, objective, loads, switch cost).
+
+    Loads fill the levels best first, which is optimal for fixed counts.
+    """
+    remaining = problem.served_qpm
+    loads: dict[tuple[str, int], float] = {}
+    value = 0.0
+    for v, level in enumerate(problem.levels):
+        for (c, lv), count in sorted(workers.items()):
+            if lv != v or count <= 0:
+                continue
+            take = min(remaining, count * problem.throughput(c, level))
+            loads[c, v] = take
+            value += level.quality * take
+            remaining -= take
+    cost = _rounded_switch_cost(problem, workers)
+    feasible = remaining <= 1e-9 * max(1.0, problem.served_qpm)
+    return (0 if feasible else -1, value - cost, loads, cost)
+
+
+def _rounded_switch_cost(problem: _Problem, workers: Counter[tuple[str, int]]) -> float:
+    """The switching cost the ILP would charge for these counts (see _switch_cost_terms)."""
+    if problem.switch_cost_weight == 0.0:
+        return 0.0
+    holding = Counter((w.worker_class, problem.current_model(w)) for w in problem.live)
+    total = 0.0
+    for c in {c for c, _ in workers}:
+        on_model = Counter[str]()
+        for (wc, v), count in workers.items():
+            if wc == c:
+                on_model[problem.levels[v].model] += count
+        loads = sorted(
+            ((problem.load_cost(c, m), max(0, k - holding[c, m])) for m, k in on_model.items()),
+            reverse=True,
+        )
+        free = holding[c, None]
+        for cost, count in loads:
+            waived = min(free, count)
+            free -= waived
+            total += cost * (count - waived)
+    return total
 
 
 def _switch_cost_terms(
