@@ -32,7 +32,9 @@ class PlanCommand:
         parser.add_argument("--profiles", default="default", help="'default' or a TOML/YAML file")
         parser.add_argument("--strategy", default="AC", help="AC or SM (default AC)")
         workers = parser.add_mutually_exclusive_group()
-        workers.add_argument("--workers", type=int, help="live workers, all of the first class")
+        workers.add_argument(
+            "--workers", type=int, help="live workers, all of the first class (default 8)"
+        )
         workers.add_argument(
             "--workers-by-class", help="live workers per GPU class, e.g. a100=4,h100=4"
         )
