@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from itertools import repeat
 
 from argus.types import Plan, ProfileSet, RouteDecision, ShiftMap
 
@@ -53,8 +54,8 @@ class PromptScheduler:
         """``workers_by_level[level]`` lists (worker_id, t_proc seconds) of that level."""
         self._levels = shift_map.levels
         self._cumulative = tuple(_cumulative(row) for row in shift_map.matrix)
-        self._workers = tuple(
-            tuple(sorted(workers_by_level.get(level, []))) for level in self._levels
+        self._groups = tuple(
+            _group_by_speed(workers_by_level.get(level, [])) for level in self._levels
         )
         self._search_order = tuple(
             _nearest_first(j, len(self._levels)) for j in range(len(self._levels))
@@ -100,7 +101,7 @@ class PromptScheduler:
         self._decisions += 1
         self._by_target[target] += 1
         for served in self._search_order[target]:
-            best = _best_worker(self._workers[served], queue_lengths, down)
+            best = _best_worker(self._groups[served], queue_lengths, down)
             if best is not None:
                 fallback = served != target
                 self._fallbacks += fallback
@@ -115,18 +116,34 @@ class PromptScheduler:
         )
 
 
+def _group_by_speed(workers: list[tuple[str, float]]) -> tuple[tuple[float, tuple[str, ...]], ...]:
+    """Workers of one level grouped by t_proc (one group per GPU class), ids sorted."""
+    groups: dict[float, list[str]] = {}
+    for worker_id, t_proc in workers:
+        groups.setdefault(t_proc, []).append(worker_id)
+    return tuple((t_proc, tuple(sorted(ids))) for t_proc, ids in sorted(groups.items()))
+
+
 def _best_worker(
-    workers: tuple[tuple[str, float], ...],
+    groups: tuple[tuple[float, tuple[str, ...]], ...],
     queue_lengths: Mapping[str, int],
     down: AbstractSet[str],
 ) -> tuple[float, str] | None:
+    """(score, worker_id) of the worker with the least (queue + 1) * t_proc, or None.
+
+    Within a group t_proc is equal, so the least queue (then the lowest id) wins; the scan runs
+    in C (map/zip/min), which keeps large levels cheap.
+    """
     best: tuple[float, str] | None = None
-    for worker_id, t_proc in workers:
-        if worker_id in down:
-            continue
-        score = (queue_lengths.get(worker_id, 0) + 1) * t_proc
-        if best is None or score < best[0]:
-            best = (score, worker_id)
+    for t_proc, ids in groups:
+        if down:
+            ids = tuple(worker_id for worker_id in ids if worker_id not in down)
+            if not ids:
+                continue
+        queue, worker_id = min(zip(map(queue_lengths.get, ids, repeat(0)), ids, strict=True))
+        candidate = ((queue + 1) * t_proc, worker_id)
+        if best is None or candidate < best:
+            best = candidate
     return best
 
 
