@@ -1,0 +1,1 @@
+"""Trace-replay simulation of an Argus cluster: workloads, policies, cluster model, reports."""
