@@ -8,12 +8,12 @@ touches a worker itself (decide, then act). Time is always the caller's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from argus.allocator.planner import PlannerConfig, make_plan
 from argus.allocator.predictor import AffinityHistogram, LoadPredictor, LoadPredictorConfig
 from argus.allocator.solver import SolverFactory
-from argus.types import ClusterView, Plan, ProfileSet, Strategy
+from argus.types import ClusterView, LoadForecast, Plan, ProfileSet, Strategy
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,20 @@ class AllocatorConfig:
     histogram_window: int = 1000
     """Classified prompts the affinity histogram H looks back over (the paper uses 1000)."""
 
+    backlog_drain_s: float = 60.0
+    """Requests already queued on the workers are planned to drain within this many seconds,
+    on top of the forecast (0: ignore the backlog). Without it a plan sized to the arrival rate
+    alone never catches up with a queue built before it."""
+
+    headroom: float = 1.1
+    """Plan for this factor more load than expected: peak throughput P_th is a rate the workers
+    reach only with a queue, so planning at 100% of it keeps queues long under bursty arrivals."""
+
     def __post_init__(self) -> None:
+        if not self.backlog_drain_s >= 0.0:
+            raise ValueError(f"backlog_drain_s: must be >= 0, got {self.backlog_drain_s}")
+        if not self.headroom >= 1.0:
+            raise ValueError(f"headroom: must be >= 1, got {self.headroom}")
         if self.forecast.period_s != self.planner.period_s:
             raise ValueError(
                 f"forecast.period_s ({self.forecast.period_s}) must equal planner.period_s "
@@ -77,17 +90,20 @@ class Allocator:
     ) -> Plan:
         """Make the plan for the next period from what was observed up to ``now_s``.
 
-        ``workers`` carries liveness and each worker's current level (for the switching cost);
-        ``load_margin`` > 1 over-provisions, as during the AC→SM switch (1.5 in the paper).
+        ``workers`` carries liveness, each worker's current level (for the switching cost) and
+        queue length (the backlog to drain); ``load_margin`` > 1 over-provisions further, as
+        during the AC→SM switch (1.5 in the paper). The plan's forecast is the load planned
+        for: the predicted arrival rate plus the backlog's drain rate.
         """
         planner = self.config.planner
-        if load_margin != planner.load_margin:
-            planner = PlannerConfig(planner.period_s, planner.switch_cost_weight, load_margin)
+        margin = load_margin * self.config.headroom
+        if margin != planner.load_margin:
+            planner = PlannerConfig(planner.period_s, planner.switch_cost_weight, margin)
         plan = make_plan(
             self.profiles,
             strategy,
             workers,
-            self._load.forecast(now_s),
+            self._with_backlog(self._load.forecast(now_s), workers),
             self._affinity.histogram(strategy),
             config=planner,
             previous=self._last,
@@ -95,3 +111,10 @@ class Allocator:
         )
         self._last = plan
         return plan
+
+    def _with_backlog(self, forecast: LoadForecast, workers: ClusterView) -> LoadForecast:
+        if self.config.backlog_drain_s == 0.0:
+            return forecast
+        backlog = sum(w.queue_length for w in workers.alive())
+        drain_qpm = backlog * 60.0 / self.config.backlog_drain_s
+        return replace(forecast, qpm=forecast.qpm + drain_qpm)
