@@ -35,6 +35,7 @@ class SchedulerStats:
 
     decisions: int
     fallbacks: int
+    spills: int  # prompts moved off a backlogged target level (see ``spill_after_s``)
     by_target_level: tuple[int, ...]  # decisions per sampled target level, slowest first
 
 
@@ -50,8 +51,18 @@ class PromptScheduler:
         shift_map: ShiftMap,
         workers_by_level: Mapping[str, list[tuple[str, float]]],
         rng: random.Random,
+        spill_after_s: float | None = None,
     ) -> None:
-        """``workers_by_level[level]`` lists (worker_id, t_proc seconds) of that level."""
+        """``workers_by_level[level]`` lists (worker_id, t_proc seconds) of that level.
+
+        ``spill_after_s``: when even the best worker of the sampled level would finish the
+        prompt later than this (``(queue + 1) · t_proc``), the prompt goes to the nearest level
+        (slower first) whose best worker finishes within it, if any. None turns spilling off.
+        """
+        if spill_after_s is not None and not spill_after_s > 0.0:
+            raise ValueError(f"spill_after_s: must be > 0 or None, got {spill_after_s}")
+        self._spill_after_s = spill_after_s
+        self._spills = 0
         self._levels = shift_map.levels
         self._cumulative = tuple(_cumulative(row) for row in shift_map.matrix)
         self._groups = tuple(
@@ -67,14 +78,19 @@ class PromptScheduler:
 
     @classmethod
     def from_plan(
-        cls, plan: Plan, profiles: ProfileSet, worker_classes: Mapping[str, str], rng: random.Random
+        cls,
+        plan: Plan,
+        profiles: ProfileSet,
+        worker_classes: Mapping[str, str],
+        rng: random.Random,
+        spill_after_s: float | None = None,
     ) -> PromptScheduler:
         """Build from a plan; ``worker_classes`` maps worker id → GPU class for t_proc."""
         by_level: dict[str, list[tuple[str, float]]] = {}
         for worker_id, level in plan.allocation.assignment.items():
             latency = profiles.profile(worker_classes[worker_id], level).latency_s
             by_level.setdefault(level, []).append((worker_id, latency))
-        return cls(plan.shift_map, by_level, rng)
+        return cls(plan.shift_map, by_level, rng, spill_after_s)
 
     @property
     def levels(self) -> tuple[str, ...]:
@@ -100,18 +116,46 @@ class PromptScheduler:
         target = min(target, len(self._levels) - 1)
         self._decisions += 1
         self._by_target[target] += 1
+        decision = self._place(optimal_level, target, queue_lengths, down)
+        if decision is None:
+            raise NoLiveWorkerError("no live worker in the plan: every worker is down")
+        return decision
+
+    def _place(
+        self,
+        optimal_level: int,
+        target: int,
+        queue_lengths: Mapping[str, int],
+        down: AbstractSet[str],
+    ) -> RouteDecision | None:
+        """The target level's best worker; on fallback or spill a nearby level's."""
+        budget = self._spill_after_s
+        first: tuple[int, tuple[float, str]] | None = None
         for served in self._search_order[target]:
             best = _best_worker(self._groups[served], queue_lengths, down)
-            if best is not None:
-                fallback = served != target
-                self._fallbacks += fallback
-                return RouteDecision(optimal_level, target, served, best[1], fallback, best[0])
-        raise NoLiveWorkerError("no live worker in the plan: every worker is down")
+            if best is None:
+                continue
+            if first is None:
+                first = (served, best)
+                if budget is None or best[0] <= budget:
+                    break
+            elif budget is not None and best[0] <= budget:
+                self._spills += 1
+                return RouteDecision(
+                    optimal_level, target, served, best[1], score=best[0], spilled=True
+                )
+        if first is None:
+            return None
+        served, (score, worker_id) = first
+        fallback = served != target
+        self._fallbacks += fallback
+        return RouteDecision(optimal_level, target, served, worker_id, fallback, score)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             self._decisions,
             self._fallbacks,
+            self._spills,
             tuple(self._by_target[j] for j in range(len(self._levels))),
         )
 
