@@ -29,6 +29,7 @@ class CLISubcommand(Protocol):
 # name -> (module, class, one-line help); modules load only when their command runs
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("argus.cli.plan", "PlanCommand", "solve one allocation and PASM; print JSON"),
+    "replay": ("argus.cli.replay", "ReplayCommand", "replay a trace through policies (simulated)"),
 }
 
 

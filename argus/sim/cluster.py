@@ -1,0 +1,503 @@
+"""Discrete-event simulation of a fixed GPU cluster, driven by a policy.
+
+The simulated data plane of DESIGN.md: workers take their latency, model load time and
+retrieval time from the profiles, and the policy (Argus's own control plane or a baseline)
+decides levels and routes exactly as it would live.
+
+Model of a worker: one request at a time (batch size 1, Argus §3.2), first come first served.
+A request's finish time is fixed when it is routed: ``max(now, worker free) + service``, where
+service is the level's profiled latency times a seeded log-normal jitter. Changing a worker to
+a level whose model it does not hold makes it load that model first (``load_time_s``), during
+which it serves nothing; a change of K on the loaded model is free.
+
+AC levels with K > 0 fetch a cached latent: the profiles' latency includes a nominal retrieval
+time (``SimConfig.retrieval_s``); during a retrieval fault the extra latency is added, and
+during an outage the request waits ``retrieval_timeout_s`` and is then generated in full (the
+K = 0 latency and quality). Policies see every retrieval latency, or the failure, so that Argus
+can switch to SM (§4.6).
+
+GPU failures take workers down for a window: requests still queued on them are routed again
+at the failure time, and the policy re-plans at once without them; they come back idle, with
+nothing loaded, when the window ends.
+
+Arrivals are not events: they come from a sorted array. Period ticks, faults and policy
+timers are the only events.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from argus.sim.quality import QualityTable
+from argus.sim.workloads import Workload
+from argus.types import ClusterView, Level, ProfileSet, Strategy, WorkerState
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class GpuFailure:
+    """``count`` workers (the highest-numbered live ones) are down in [start_s, end_s)."""
+
+    start_s: float
+    end_s: float
+    count: int
+
+
+@dataclass(frozen=True)
+class RetrievalFault:
+    """Cache retrieval is slower by ``extra_s`` in [start_s, end_s); ``math.inf`` = outage."""
+
+    start_s: float
+    end_s: float
+    extra_s: float = math.inf
+
+
+Fault = GpuFailure | RetrievalFault
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated cluster."""
+
+    gpus: int = 8
+    """Workers, one per GPU."""
+
+    worker_class: str = "a100"
+    """GPU type of every worker (a profile class)."""
+
+    period_s: float = 60.0
+    """How often policies re-plan, seconds of simulated time (the paper: every minute)."""
+
+    jitter: float = 0.05
+    """Standard deviation of the log-normal factor on every service time (0 = none)."""
+
+    slo_factor: float = 3.0
+    """SLO = this × the best level's latency (the paper: 3 × SDXL latency)."""
+
+    retrieval_s: float = 0.05
+    """Nominal AC retrieval time already inside the profiles' AC latencies, seconds."""
+
+    retrieval_timeout_s: float = 1.0
+    """During an outage a request waits this long before generating in full."""
+
+    faults: tuple[Fault, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"gpus: must be >= 1, got {self.gpus}")
+        if not self.period_s > 0.0:
+            raise ValueError(f"period_s: must be > 0, got {self.period_s}")
+        if not self.jitter >= 0.0:
+            raise ValueError(f"jitter: must be >= 0, got {self.jitter}")
+        if not self.slo_factor > 0.0:
+            raise ValueError(f"slo_factor: must be > 0, got {self.slo_factor}")
+        for fault in self.faults:
+            if not 0.0 <= fault.start_s < fault.end_s:
+                raise ValueError(f"faults: window must satisfy 0 <= start < end, got {fault}")
+            if isinstance(fault, GpuFailure) and not 0 < fault.count <= self.gpus:
+                raise ValueError(f"faults: GPU failure count must be in [1, gpus], got {fault}")
+
+
+@dataclass
+class SimContext:
+    """What a policy may read: the cluster, the profiles, and per-request prompt facts."""
+
+    profiles: ProfileSet
+    worker_ids: tuple[str, ...]
+    worker_class: str
+    quality: Mapping[Strategy, QualityTable]
+    prompt_rows: IntArray  # request i -> row of the quality tables
+    rng: np.random.Generator
+    probe_retrieval: Callable[[float], float | None]  # a background probe's latency, or None
+    slo_s: float  # the latency objective requests are judged by
+
+    def optimal_level(self, strategy: Strategy, request: int) -> int:
+        """The oracle's level index for a request (see :mod:`argus.sim.policies`)."""
+        return int(self._optimal[strategy][self.prompt_rows[request]])
+
+    def __post_init__(self) -> None:
+        self._optimal = {s: table.optimal_levels() for s, table in self.quality.items()}
+
+
+class Policy(ABC):
+    """A serving policy: decides every worker's level and each request's worker.
+
+    The simulator calls :meth:`reset` once, :meth:`replan` at every period tick and fault,
+    :meth:`route` for every request and :meth:`observe_retrieval` after every AC retrieval.
+    """
+
+    name: str
+
+    @abstractmethod
+    def reset(self, ctx: SimContext) -> None:
+        """Prepare for a run."""
+
+    @abstractmethod
+    def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
+        """Level for each live worker of ``view`` (worker_id -> level name)."""
+
+    @abstractmethod
+    def route(
+        self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
+    ) -> tuple[str, str]:
+        """(worker_id, level name to serve at) for ``request``."""
+
+    def observe_arrival(self, now_s: float) -> None:  # noqa: B027 (optional hook)
+        """A request arrived (before it is routed)."""
+
+    def observe_retrieval(self, now_s: float, latency_s: float | None) -> None:  # noqa: B027
+        """An AC retrieval took ``latency_s`` (None: it failed)."""
+
+    def next_timer(self) -> float | None:
+        """Simulated time at which the policy wants an extra :meth:`replan`, if any."""
+        return None
+
+
+@dataclass
+class RunResult:
+    """Per-request outcome of one policy on one workload."""
+
+    policy: str
+    arrivals_s: FloatArray
+    finish_s: FloatArray
+    level: IntArray  # index into profiles.levels
+    worker: IntArray  # index of the worker that served the request
+    score: FloatArray  # quality score of the image served
+    relative: FloatArray  # score / the prompt's score at the best level of its strategy
+    slo_s: float
+    model_switches: int
+    plan_changes: int
+    busy_s: float
+    gpu_seconds: float
+    duration_s: float
+    strategy_switches: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def violated(self) -> npt.NDArray[np.bool_]:
+        return (self.finish_s - self.arrivals_s) > self.slo_s
+
+
+class _Worker:
+    __slots__ = ("alive", "finishes", "free_at", "level", "model", "worker_id")
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.alive = True
+        self.level: str | None = None
+        self.model: str | None = None
+        self.free_at = 0.0
+        self.finishes: deque[tuple[float, int]] = deque()  # (finish time, request; -1 = load)
+
+
+class Simulation:
+    """One run of one policy over one workload."""
+
+    def __init__(
+        self,
+        profiles: ProfileSet,
+        quality: Mapping[Strategy, QualityTable],
+        workload: Workload,
+        config: SimConfig | None = None,
+    ) -> None:
+        self.profiles = with_table_quality(profiles, quality)
+        self.quality = quality
+        self.workload = workload
+        self.config = config or SimConfig()
+        profiles = self.profiles
+        self._levels = {level.name: level for level in profiles.levels}
+        self._level_index = {level.name: i for i, level in enumerate(profiles.levels)}
+        self._strategy_index = {
+            level.name: i for s in Strategy for i, level in enumerate(profiles.levels_for(s))
+        }
+        for strategy, table in quality.items():
+            names = tuple(level.name for level in profiles.levels_for(strategy))
+            if tuple(table.levels) != names:
+                raise ValueError(
+                    f"quality table for {strategy} has levels {table.levels}, "
+                    f"the profiles have {names}"
+                )
+        best = min(
+            profiles.profile(self.config.worker_class, levels[0].name).latency_s
+            for s in Strategy
+            if (levels := profiles.levels_for(s))
+        )
+        self.slo_s = self.config.slo_factor * best
+
+    def run(self, policy: Policy, progress: Callable[[int], None] | None = None) -> RunResult:
+        """Replay the workload through ``policy``; ``progress(n)`` is told every 10,000 requests."""
+        return _Run(self, policy, progress).execute()
+
+
+class _Run:
+    """The mutable state of one simulation run."""
+
+    def __init__(
+        self, sim: Simulation, policy: Policy, progress: Callable[[int], None] | None
+    ) -> None:
+        self.sim = sim
+        self.cfg = sim.config
+        self.policy = policy
+        self.progress = progress
+        n = len(sim.workload)
+        rows = min(len(t.prompts) for t in sim.quality.values())
+        self.prompt_rows: IntArray = np.arange(n, dtype=np.int64) % rows
+        rng = np.random.default_rng(self.cfg.seed)
+        self.jitter: FloatArray = (
+            np.exp(rng.normal(0.0, self.cfg.jitter, n)) if self.cfg.jitter > 0 else np.ones(n)
+        )
+        self.workers = [_Worker(f"w{i}") for i in range(self.cfg.gpus)]
+        self.by_id = {w.worker_id: w for w in self.workers}
+        self.arrivals = np.asarray(sim.workload.arrivals_s, dtype=np.float64)
+        self.finish = np.zeros(n)
+        self.level = np.full(n, -1, dtype=np.int64)
+        self.worker = np.full(n, -1, dtype=np.int64)
+        self.worker_index = {w.worker_id: i for i, w in enumerate(self.workers)}
+        self.score = np.zeros(n)
+        self.relative = np.zeros(n)
+        self.model_switches = 0
+        self.plan_changes = 0
+        self.busy_s = 0.0
+        self.events: list[tuple[float, int, str, Fault]] = []
+        self.next_tick = self.cfg.period_s
+        self.context = SimContext(
+            sim.profiles,
+            tuple(w.worker_id for w in self.workers),
+            self.cfg.worker_class,
+            sim.quality,
+            self.prompt_rows,
+            np.random.default_rng(self.cfg.seed + 1),
+            self._probe,
+            sim.slo_s,
+        )
+        self._latency_cache: dict[str, float] = {}
+        self._best_scores = {s: t.scores.max(axis=1) for s, t in sim.quality.items()}
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def execute(self) -> RunResult:
+        self.policy.reset(self.context)
+        self._schedule_events()
+        self._replan(0.0)
+        self.next_tick = self.cfg.period_s
+        for i, now in enumerate(self.arrivals.tolist()):
+            self._advance(now)
+            self.policy.observe_arrival(now)
+            self._dispatch(i, now)
+            if self.progress is not None and i % 10_000 == 9_999:
+                self.progress(i + 1)
+        return self._result()
+
+    def _advance(self, now: float) -> None:
+        """Handle every period tick, fault and policy timer due by ``now``, in time order."""
+        while True:
+            fault_at = self.events[0][0] if self.events else math.inf
+            timer = self.policy.next_timer()
+            timer_at = math.inf if timer is None else timer
+            due = min(self.next_tick, fault_at, timer_at)
+            if due > now:
+                return
+            if fault_at == due:
+                at, _, kind, fault = heapq.heappop(self.events)
+                self._fault_event(at, kind, fault)
+            elif self.next_tick == due:
+                self._replan(due)
+                self.next_tick += self.cfg.period_s
+            else:
+                self._replan(due)
+                after = self.policy.next_timer()
+                if after is not None and after <= due:
+                    raise RuntimeError(f"policy {self.policy.name!r} timer did not advance")
+
+    def _schedule_events(self) -> None:
+        for order, fault in enumerate(self.cfg.faults):
+            heapq.heappush(self.events, (fault.start_s, 2 * order, "start", fault))
+            heapq.heappush(self.events, (fault.end_s, 2 * order + 1, "end", fault))
+
+    def _fault_event(self, now: float, kind: str, fault: Fault) -> None:
+        if isinstance(fault, GpuFailure):
+            if kind == "start":
+                self._fail_workers(now, fault.count)
+            else:
+                self._recover_workers(fault.count)
+            self._replan(now)
+
+    def _probe(self, now: float) -> float | None:
+        extra = self._retrieval_extra(now)
+        return None if math.isinf(extra) else self.cfg.retrieval_s + extra
+
+    def _retrieval_extra(self, now: float) -> float:
+        extra = 0.0
+        for fault in self.cfg.faults:
+            if isinstance(fault, RetrievalFault) and fault.start_s <= now < fault.end_s:
+                extra = max(extra, fault.extra_s)
+        return extra
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def _view(self) -> ClusterView:
+        return ClusterView(
+            tuple(
+                WorkerState(w.worker_id, self.cfg.worker_class, w.alive, w.level, len(w.finishes))
+                for w in self.workers
+            )
+        )
+
+    def _replan(self, now: float) -> None:
+        wanted = self.policy.replan(now, self._view())
+        changed = False
+        for worker_id, level_name in wanted.items():
+            worker = self.by_id[worker_id]
+            if worker.alive and worker.level != level_name:
+                self._set_level(worker, level_name, now)
+                changed = True
+        self.plan_changes += changed
+
+    def _set_level(self, worker: _Worker, level_name: str, now: float) -> None:
+        level = self.sim._levels[level_name]
+        worker.level = level_name
+        if worker.model != level.model:
+            load = self.sim.profiles.profile(self.cfg.worker_class, level_name).load_time_s
+            start = max(worker.free_at, now)
+            worker.free_at = start + load
+            worker.finishes.append((worker.free_at, -1))
+            worker.model = level.model
+            self.model_switches += 1
+            self.busy_s += load
+
+    def _dispatch(self, i: int, now: float) -> None:
+        queues = {}
+        down = []
+        for worker in self.workers:
+            finishes = worker.finishes
+            while finishes and finishes[0][0] <= now:
+                finishes.popleft()
+            queues[worker.worker_id] = len(finishes)
+            if not worker.alive:
+                down.append(worker.worker_id)
+        worker_id, level_name = self.policy.route(i, now, queues, frozenset(down))
+        self._serve(i, now, self.by_id[worker_id], level_name)
+
+    def _serve(self, i: int, now: float, worker: _Worker, level_name: str) -> None:
+        level = self.sim._levels[level_name]
+        if worker.model != level.model:  # a policy may route to a level the worker lacks
+            self._set_level(worker, level_name, now)
+        service, served = self._service_time(level, now)
+        service *= self.jitter[i]
+        start = max(worker.free_at, now)
+        worker.free_at = start + service
+        worker.finishes.append((worker.free_at, i))
+        self.busy_s += service
+        self.finish[i] = worker.free_at
+        self.level[i] = self.sim._level_index[served.name]
+        self.worker[i] = self.worker_index[worker.worker_id]
+        table = self.sim.quality[served.strategy]
+        row = self.prompt_rows[i]
+        score = float(table.scores[row, self.sim._strategy_index[served.name]])
+        self.score[i] = score
+        self.relative[i] = score / float(self._best_scores[served.strategy][row])
+
+    def _service_time(self, level: Level, now: float) -> tuple[float, Level]:
+        """Service seconds and the level actually served (K=0 after a failed retrieval)."""
+        base = self._latency(level.name)
+        if level.strategy is not Strategy.AC or level.skip_steps == 0:
+            return base, level
+        extra = self._retrieval_extra(now)
+        if math.isinf(extra):
+            self.policy.observe_retrieval(now, None)
+            full = self.sim.profiles.levels_for(Strategy.AC)[0]
+            return self.cfg.retrieval_timeout_s + self._latency(full.name), full
+        self.policy.observe_retrieval(now, self.cfg.retrieval_s + extra)
+        return base + extra, level
+
+    def _latency(self, level_name: str) -> float:
+        cached = self._latency_cache.get(level_name)
+        if cached is None:
+            cached = self.sim.profiles.profile(self.cfg.worker_class, level_name).latency_s
+            self._latency_cache[level_name] = cached
+        return cached
+
+    # -- faults ------------------------------------------------------------------------------
+
+    def _fail_workers(self, now: float, count: int) -> None:
+        victims = [w for w in self.workers if w.alive][-count:]
+        orphans: list[int] = []
+        for worker in victims:
+            worker.alive = False
+            for finish, request in worker.finishes:
+                if finish > now and request >= 0:
+                    orphans.append(request)
+            worker.finishes.clear()
+            worker.free_at = now
+            worker.level = None
+            worker.model = None
+        for request in sorted(orphans):  # the router retries them elsewhere at once
+            self._dispatch(request, now)
+
+    def _recover_workers(self, count: int) -> None:
+        for worker in [w for w in self.workers if not w.alive][:count]:
+            worker.alive = True
+
+    # -- result ------------------------------------------------------------------------------
+
+    def _result(self) -> RunResult:
+        duration = float(self.arrivals[-1]) if len(self.arrivals) else 0.0
+        end = max(duration, float(self.finish.max()) if len(self.finish) else 0.0)
+        strategy_switches = int(getattr(self.policy, "strategy_switches", 0))
+        return RunResult(
+            policy=self.policy.name,
+            arrivals_s=self.arrivals,
+            finish_s=self.finish,
+            level=self.level,
+            worker=self.worker,
+            score=self.score,
+            relative=self.relative,
+            slo_s=self.sim.slo_s,
+            model_switches=self.model_switches,
+            plan_changes=self.plan_changes,
+            busy_s=self.busy_s,
+            gpu_seconds=self.cfg.gpus * end,
+            duration_s=duration,
+            strategy_switches=strategy_switches,
+        )
+
+
+def with_table_quality(
+    profiles: ProfileSet, quality: Mapping[Strategy, QualityTable]
+) -> ProfileSet:
+    """The profiles with each level's Q replaced by its quality table's mean score relative to
+    the strategy's best level: Q is "profiled average quality" (Argus §4.2), and in simulation
+    the table is the profile. Strategies without a table keep their Q."""
+    levels = []
+    for level in profiles.levels:
+        table = quality.get(level.strategy)
+        if table is None:
+            levels.append(level)
+            continue
+        means = table.scores.mean(axis=0)
+        index = list(table.levels).index(level.name)
+        levels.append(replace(level, quality=float(min(1.0, means[index] / means.max()))))
+    return replace(profiles, levels=tuple(levels))
+
+
+def run_policies(
+    profiles: ProfileSet,
+    quality: Mapping[Strategy, QualityTable],
+    workload: Workload,
+    policies: Sequence[Policy],
+    config: SimConfig | None = None,
+) -> list[RunResult]:
+    """Replay one workload through several policies on identical clusters."""
+    sim = Simulation(profiles, quality, workload, config)
+    return [sim.run(policy) for policy in policies]

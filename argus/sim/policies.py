@@ -1,0 +1,367 @@
+"""Serving policies for the simulator: Argus itself and the baselines of Argus §5.1.
+
+Every policy implements :class:`~argus.sim.cluster.Policy`; :func:`make_policy` builds one by
+name. Argus and PAC run the product's own control plane (``Allocator``, ``PromptScheduler``,
+``StrategyMonitor``), not a copy of it.
+
+* ``argus``: classifier → PASM → worker selection (Eq. 3), allocator every period, AC by
+  default and SM while retrieval is slow or down (§4.6), with a 1.5× load margin in the plan
+  right after a switch to SM.
+* ``pac``: prompt-agnostic Argus: the same allocator and strategy switching, but no classifier
+  and no ODA: each prompt's level is drawn from the load shares F alone.
+* ``proteus``: SM only, prompt-agnostic accuracy scaling with the same solver (Eq. 1 without
+  Argus's switching cost, as Proteus has none).
+* ``clipper-ha`` / ``clipper-ht``: SDXL / Tiny-SD on every GPU, least-loaded routing.
+* ``sommelier``: each GPU decides alone: with uniform routing it expects 1/N of the forecast
+  load and runs the best SM level whose throughput covers it.
+* ``nirvana``: AC on every GPU with each prompt's own K (from the classifier), uniform routing,
+  no accuracy scaling beyond the prompt's K and no strategy switching.
+
+Until the real classifier exists (issue 4), ``argus`` and ``nirvana`` read the optimal level
+from the quality table: :class:`OracleClassifier` (labelled ``oracle``) or
+:class:`NoisyOracleClassifier` with a stated accuracy (labelled ``noisy-oracle@0.85``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Protocol
+
+from argus.allocator.allocator import Allocator, AllocatorConfig
+from argus.allocator.oda import align
+from argus.allocator.planner import PlannerConfig
+from argus.allocator.predictor import AffinityHistogram, LoadPredictor
+from argus.allocator.strategy import StrategyMonitor
+from argus.router.scheduler import PromptScheduler
+from argus.sim.cluster import Policy, SimContext
+from argus.types import ClusterView, Plan, ShiftMap, Strategy
+
+
+class Classifier(Protocol):
+    """Predicts a request's optimal level index for a strategy."""
+
+    label: str
+
+    def reset(self, ctx: SimContext) -> None: ...
+
+    def predict(self, strategy: Strategy, request: int) -> int: ...
+
+
+class OracleClassifier:
+    """The quality table's own optimal level: an upper bound for a trained classifier."""
+
+    label = "oracle"
+
+    def reset(self, ctx: SimContext) -> None:
+        self._ctx = ctx
+
+    def predict(self, strategy: Strategy, request: int) -> int:
+        return self._ctx.optimal_level(strategy, request)
+
+
+class NoisyOracleClassifier:
+    """Right with probability ``accuracy``, otherwise a uniformly random other level."""
+
+    def __init__(self, accuracy: float, seed: int = 0) -> None:
+        if not 0.0 <= accuracy <= 1.0:
+            raise ValueError(f"accuracy: must be in [0, 1], got {accuracy}")
+        self.accuracy = accuracy
+        self.label = f"noisy-oracle@{accuracy:g}"
+        self._seed = seed
+
+    def reset(self, ctx: SimContext) -> None:
+        self._ctx = ctx
+        self._rng = random.Random(self._seed)
+        self._count = {s: len(ctx.profiles.levels_for(s)) for s in Strategy}
+
+    def predict(self, strategy: Strategy, request: int) -> int:
+        true = self._ctx.optimal_level(strategy, request)
+        if self._rng.random() < self.accuracy or self._count[strategy] < 2:
+            return true
+        other = self._rng.randrange(self._count[strategy] - 1)
+        return other if other < true else other + 1
+
+
+class _Planned(Policy):
+    """Shared body of the policies that follow the Argus allocator's plans."""
+
+    prompt_aware = True
+    switches_strategy = True
+    fixed_strategy = Strategy.AC
+    switch_cost_weight = 1.0
+    switch_margin = 1.5
+    realign_every = 50  # prompts between PASM re-alignments (0: only at re-plans)
+    realign_window = 200  # recent classified prompts the re-alignment uses
+    spill_fraction_of_slo = 0.5  # spill off a level whose best worker would take longer
+
+    def __init__(self, classifier: Classifier | None = None, seed: int = 0) -> None:
+        self.classifier = classifier or OracleClassifier()
+        self._seed = seed
+
+    def reset(self, ctx: SimContext) -> None:
+        self.ctx = ctx
+        self.classifier.reset(ctx)
+        planner = PlannerConfig(switch_cost_weight=self.switch_cost_weight)
+        self.allocator = Allocator(ctx.profiles, AllocatorConfig(planner=planner))
+        self.monitor = StrategyMonitor(start=self.fixed_strategy)
+        self.scheduler: PromptScheduler | None = None
+        self.rng = random.Random(self._seed)
+        self._timer: float | None = None
+        self._strategy = self.fixed_strategy
+        self._margin_until = -1.0
+        self.strategy_switches = 0
+        self._plan: Plan | None = None
+        self._recent = AffinityHistogram(
+            {st: len(ctx.profiles.levels_for(st)) for st in Strategy}, self.realign_window
+        )
+        self._since_align = 0
+
+    def observe_arrival(self, now_s: float) -> None:
+        self.allocator.observe_arrival(now_s)
+
+    def observe_retrieval(self, now_s: float, latency_s: float | None) -> None:
+        if not self.switches_strategy:
+            return
+        self.monitor.observe(now_s, latency_s)
+        if self.monitor.decide(now_s) is not self._strategy:
+            self._timer = now_s  # re-plan at once under the new strategy
+
+    def next_timer(self) -> float | None:
+        return self._timer
+
+    def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
+        strategy = self._choose_strategy(now_s)
+        margin = self.switch_margin if now_s < self._margin_until else 1.0
+        plan = self.allocator.plan(now_s, view, strategy, load_margin=margin)
+        if not self.prompt_aware:
+            plan = _prompt_agnostic(plan)
+        self._classes = {w.worker_id: w.worker_class for w in view.workers}
+        self._plan = plan
+        self.scheduler = self._scheduler(plan)
+        return plan.allocation.assignment
+
+    def _scheduler(self, plan: Plan) -> PromptScheduler:
+        spill = self.spill_fraction_of_slo * self.ctx.slo_s if self.spill_fraction_of_slo else None
+        return PromptScheduler.from_plan(plan, self.ctx.profiles, self._classes, self.rng, spill)
+
+    def _realign(self) -> None:
+        """Re-run ODA on the most recent prompts against the current plan's load shares.
+
+        The allocator's histogram covers the last 1000 prompts; when the prompt mix drifts
+        faster than that (PartiPrompts in file order is sorted by category), routing by a
+        stale PASM misses F and overloads some levels. ODA costs tens of microseconds, so the
+        router can afford to re-align every few dozen prompts without a new solve.
+        """
+        plan = self._plan
+        if plan is None or plan.allocation.served_qpm <= 0.0:
+            return
+        shares = plan.allocation.load_share_qpm
+        histogram = self._recent.histogram(plan.strategy)
+        shift = align(histogram, shares, plan.allocation.levels)
+        self.scheduler = self._scheduler(replace(plan, shift_map=shift))
+
+    def _choose_strategy(self, now_s: float) -> Strategy:
+        self._timer = None
+        if not self.switches_strategy:
+            return self._strategy
+        if self._strategy is Strategy.SM:
+            self.monitor.observe(now_s, self.ctx.probe_retrieval(now_s))
+            self._timer = now_s + self.monitor.config.probe_interval_s
+        strategy = self.monitor.decide(now_s)
+        if strategy is not self._strategy:
+            self.strategy_switches += 1
+            if strategy is Strategy.SM:
+                self._margin_until = now_s + self.ctx_period()
+            self._strategy = strategy
+            if strategy is Strategy.SM:
+                self._timer = now_s + self.monitor.config.probe_interval_s
+        return strategy
+
+    def ctx_period(self) -> float:
+        return self.allocator.config.planner.period_s
+
+    def route(
+        self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
+    ) -> tuple[str, str]:
+        assert self.scheduler is not None, "replan() runs before the first route()"
+        strategy = self._strategy
+        optimal = 0
+        if self.prompt_aware:
+            for s in (Strategy.AC, Strategy.SM):
+                level = self.classifier.predict(s, request)
+                self.allocator.observe_classification(s, level)
+                self._recent.observe(s, level)
+                if s is strategy:
+                    optimal = level
+            self._since_align += 1
+            if self.realign_every and self._since_align >= self.realign_every:
+                self._since_align = 0
+                self._realign()
+                assert self.scheduler is not None
+        decision = self.scheduler.route(optimal, queues, down)
+        return decision.worker_id, self.scheduler.levels[decision.served_level]
+
+
+def _prompt_agnostic(plan: Plan) -> Plan:
+    """The plan with every PASM row equal to the load shares F (routing ignores prompts)."""
+    shares = plan.allocation.load_share_qpm
+    total = sum(shares)
+    if total <= 0.0:
+        return plan
+    row = tuple(share / total for share in shares)
+    shift = ShiftMap(plan.shift_map.levels, tuple(row for _ in shares))
+    return Plan(
+        plan.version,
+        plan.strategy,
+        plan.allocation,
+        shift,
+        plan.forecast,
+        plan.histogram,
+        plan.created_at_s,
+    )
+
+
+class ArgusPolicy(_Planned):
+    name = "argus"
+
+
+class PacPolicy(_Planned):
+    name = "pac"
+    prompt_aware = False
+    switch_cost_weight = 0.0
+
+
+class ProteusPolicy(_Planned):
+    name = "proteus"
+    prompt_aware = False
+    switches_strategy = False
+    fixed_strategy = Strategy.SM
+    switch_cost_weight = 0.0
+
+
+class _Static(Policy):
+    """Every GPU at one level chosen up front; routes to the least-loaded live worker."""
+
+    level_index = 0  # index into the SM levels
+
+    def reset(self, ctx: SimContext) -> None:
+        self.ctx = ctx
+        self.level = ctx.profiles.levels_for(Strategy.SM)[self.level_index].name
+        self.latency = ctx.profiles.profile(ctx.worker_class, self.level).latency_s
+
+    def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
+        return {w.worker_id: self.level for w in view.alive()}
+
+    def route(
+        self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
+    ) -> tuple[str, str]:
+        live = [w for w in self.ctx.worker_ids if w not in down]
+        return min(live, key=lambda w: queues.get(w, 0)), self.level
+
+
+class ClipperHaPolicy(_Static):
+    name = "clipper-ha"
+    level_index = 0
+
+
+class ClipperHtPolicy(_Static):
+    name = "clipper-ht"
+    level_index = -1
+
+
+class _Uniform(Policy):
+    """Uniform random routing over live workers (the baselines without a central router)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+
+    def reset(self, ctx: SimContext) -> None:
+        self.ctx = ctx
+        self.rng = random.Random(self._seed)
+
+    def _pick(self, down: frozenset[str]) -> str:
+        live = [w for w in self.ctx.worker_ids if w not in down]
+        return live[self.rng.randrange(len(live))]
+
+
+class SommelierPolicy(_Uniform):
+    """Per-GPU accuracy scaling: each GPU sizes its level for its own 1/N of the load."""
+
+    name = "sommelier"
+
+    def reset(self, ctx: SimContext) -> None:
+        super().reset(ctx)
+        self.load = LoadPredictor()
+        self.levels = ctx.profiles.levels_for(Strategy.SM)
+        self.assignment: dict[str, str] = {}
+
+    def observe_arrival(self, now_s: float) -> None:
+        self.load.observe(now_s)
+
+    def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
+        live = view.alive()
+        share = self.load.forecast(now_s).qpm / max(1, len(live))
+        self.assignment = {w.worker_id: self._level_for(w.worker_class, share) for w in live}
+        return self.assignment
+
+    def _level_for(self, worker_class: str, share_qpm: float) -> str:
+        for level in self.levels:
+            if self.ctx.profiles.profile(worker_class, level.name).throughput_qpm >= share_qpm:
+                return level.name
+        return self.levels[-1].name
+
+    def route(
+        self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
+    ) -> tuple[str, str]:
+        worker = self._pick(down)
+        return worker, self.assignment.get(worker, self.levels[0].name)
+
+
+class NirvanaPolicy(_Uniform):
+    """AC with each prompt's own K on every GPU, uniform routing."""
+
+    name = "nirvana"
+
+    def __init__(self, classifier: Classifier | None = None, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.classifier = classifier or OracleClassifier()
+
+    def reset(self, ctx: SimContext) -> None:
+        super().reset(ctx)
+        self.classifier.reset(ctx)
+        self.levels = ctx.profiles.levels_for(Strategy.AC)
+
+    def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
+        return {w.worker_id: self.levels[0].name for w in view.alive()}
+
+    def route(
+        self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
+    ) -> tuple[str, str]:
+        level = self.levels[self.classifier.predict(Strategy.AC, request)]
+        return self._pick(down), level.name
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "argus": ArgusPolicy,
+    "pac": PacPolicy,
+    "proteus": ProteusPolicy,
+    "clipper-ha": ClipperHaPolicy,
+    "clipper-ht": ClipperHtPolicy,
+    "sommelier": SommelierPolicy,
+    "nirvana": NirvanaPolicy,
+}
+
+
+def make_policy(name: str, *, classifier: Classifier | None = None, seed: int = 0) -> Policy:
+    """Build a policy by name; unknown names raise ValueError quoting them."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        known = ", ".join(POLICIES)
+        raise ValueError(f"unknown policy {name!r}; known policies: {known}")
+    if cls in (ArgusPolicy, NirvanaPolicy):
+        return cls(classifier=classifier, seed=seed)
+    if issubclass(cls, (_Planned, _Uniform)):
+        return cls(seed=seed)
+    return cls()

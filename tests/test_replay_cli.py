@@ -1,0 +1,85 @@
+import json
+
+import pytest
+
+from argus.cli.main import main
+
+
+def replay(capsys, *args):
+    code = main(["replay", "--quiet", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_replay_writes_reports_for_every_policy(capsys, tmp_path):
+    code, out, err = replay(
+        capsys,
+        "--trace",
+        "poisson",
+        "--duration",
+        "3",
+        "--policies",
+        "argus,clipper-ht",
+        "--out",
+        str(tmp_path),
+    )
+    assert code == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["policies"]) == {"argus", "clipper-ht"}
+    assert "synthetic" in summary["description"]["quality"]
+    assert (tmp_path / "per_minute.csv").exists() and (tmp_path / "timeseries.png").exists()
+    assert "argus" in out and "clipper-ht" in out
+
+
+def test_faults_on_the_command_line(capsys, tmp_path):
+    code, _, err = replay(
+        capsys,
+        "--trace",
+        "poisson",
+        "--duration",
+        "3",
+        "--policies",
+        "argus",
+        "--gpu-failure",
+        "1:2:4",
+        "--retrieval-fault",
+        "0.5:1.5",
+        "--out",
+        str(tmp_path),
+    )
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--policies", "argus,fastest"], "unknown policy 'fastest'"),
+        (["--trace", "nonexistent.csv"], "nonexistent.csv"),
+        (["--trace", "poisson", "--prompts", "/no/such/prompts.tsv"], "prompts.tsv"),
+        (["--gpu-failure", "1:2"], "--gpu-failure"),
+        (["--retrieval-fault", "a:b"], "not a number"),
+        (["--gpus", "0"], "gpus"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(capsys, tmp_path, args, needle):
+    code, _, err = replay(capsys, "--out", str(tmp_path), *args)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert needle in err
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("arrival_s\n", "empty"),
+        ("arrival_s\n5.0\n2.0\n", "before"),
+        ("arrival_s\n-1.0\n", "negative"),
+    ],
+)
+def test_bad_trace_files(capsys, tmp_path, content, needle):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(content)
+    code, _, err = replay(capsys, "--trace", str(trace), "--out", str(tmp_path / "out"))
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert needle in err.lower()

@@ -1,0 +1,180 @@
+"""The simulated cluster running the product's policies and the baselines."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from argus.profiles import default_profiles
+from argus.sim.cluster import GpuFailure, RetrievalFault, SimConfig, Simulation
+from argus.sim.policies import POLICIES, NoisyOracleClassifier, make_policy
+from argus.sim.quality import synthetic_quality_table
+from argus.sim.report import per_minute, summarise, write_reports
+from argus.sim.workloads import bursty, poisson
+from argus.types import Strategy
+
+PROFILES = default_profiles()
+LEVEL_NAMES = [level.name for level in PROFILES.levels]
+
+
+def quality_for(workload):
+    return {
+        s: synthetic_quality_table(workload.prompts, s, [lv.name for lv in PROFILES.levels_for(s)])
+        for s in Strategy
+    }
+
+
+def simulate(workload, policy, **config):
+    sim = Simulation(PROFILES, quality_for(workload), workload, SimConfig(**config))
+    return sim.run(make_policy(policy) if isinstance(policy, str) else policy)
+
+
+def strategy_of(result):
+    return np.array([PROFILES.levels[i].strategy.value for i in result.level])
+
+
+@pytest.fixture(scope="module")
+def light():
+    return poisson(mean_qpm=40.0, duration_min=8, seed=1)
+
+
+@pytest.fixture(scope="module")
+def medium():
+    """Above full-quality capacity (8 x 14.3 QPM): some prompts must be approximated."""
+    return poisson(mean_qpm=120.0, duration_min=8, seed=2)
+
+
+@pytest.fixture(scope="module")
+def heavy():
+    """Between full-quality capacity (8 x 14.3 QPM) and fastest-level capacity (8 x 27.9)."""
+    return poisson(mean_qpm=150.0, duration_min=8, seed=2)
+
+
+def test_light_load_is_served_at_full_quality_by_every_policy_that_can(light):
+    for name in ("argus", "pac", "proteus", "clipper-ha", "sommelier"):
+        result = simulate(light, name)
+        summary = summarise(result)
+        assert summary.slo_violation_ratio < 0.02, name
+        assert summary.relative_quality > 0.99, name
+
+
+def test_argus_approximates_under_load_where_clipper_ha_falls_behind(heavy):
+    argus = summarise(simulate(heavy, "argus"))
+    clipper = summarise(simulate(heavy, "clipper-ha"))
+    tiny = summarise(simulate(heavy, "clipper-ht"))
+    assert clipper.slo_violation_ratio > 0.5  # 150 QPM is far beyond 8 SDXL GPUs
+    assert argus.slo_violation_ratio < clipper.slo_violation_ratio / 3
+    assert argus.served_qpm > clipper.served_qpm
+    assert tiny.slo_violation_ratio < 0.01  # Tiny-SD keeps up, at low quality
+
+
+def test_prompt_awareness_beats_prompt_agnostic_routing(medium):
+    argus = summarise(simulate(medium, "argus"))
+    pac = summarise(simulate(medium, "pac"))
+    assert argus.effective_quality > pac.effective_quality + 0.2
+    assert argus.slo_violation_ratio < 0.05
+
+
+def test_switching_cost_keeps_argus_from_reloading_models_like_proteus(heavy):
+    wave = bursty(duration_min=20, low_qpm=60, high_qpm=170, period_min=5, seed=3)
+    argus = simulate(wave, "argus")
+    proteus = simulate(wave, "proteus")
+    assert argus.model_switches < proteus.model_switches
+
+
+def test_failed_gpus_serve_nothing_while_down_and_requests_are_retried(heavy):
+    failure = GpuFailure(start_s=120.0, end_s=300.0, count=4)
+    result = simulate(heavy, "argus", faults=(failure,))
+    finished_while_down = (
+        (result.finish_s > 121.0) & (result.arrivals_s >= 120.0) & (result.arrivals_s < 300.0)
+    )
+    assert set(result.worker[finished_while_down]) <= {0, 1, 2, 3}
+    assert (result.finish_s >= result.arrivals_s).all()
+    assert (result.level >= 0).all()  # every request was served somewhere
+
+
+def test_retrieval_outage_switches_argus_to_sm_and_back(heavy):
+    outage = RetrievalFault(start_s=120.0, end_s=240.0)
+    policy = make_policy("argus")
+    result = simulate(heavy, policy, faults=(outage,))
+    strategies = strategy_of(result)
+    during = (result.arrivals_s > 130.0) & (result.arrivals_s < 240.0)
+    after = result.arrivals_s > 330.0
+    assert (strategies[during] == "SM").mean() > 0.9
+    assert (strategies[after] == "AC").mean() > 0.9
+    assert result.strategy_switches == 2
+
+
+def test_nirvana_does_not_switch_and_pays_for_the_outage(light):
+    outage = RetrievalFault(start_s=60.0, end_s=300.0)
+    result = simulate(light, "nirvana", faults=(outage,))
+    during = (result.arrivals_s > 60.0) & (result.arrivals_s < 300.0)
+    assert (strategy_of(result)[during] == "AC").all()
+    # every request in the outage fell back to a full generation (K = 0)
+    assert (result.level[during] == LEVEL_NAMES.index("ac-k0")).all()
+
+
+def test_slow_retrieval_adds_latency_to_cached_levels(light):
+    slow = RetrievalFault(start_s=0.0, end_s=1e9, extra_s=0.3)
+    fast = simulate(light, "nirvana", jitter=0.0)
+    slowed = simulate(light, "nirvana", jitter=0.0, faults=(slow,))
+    cached = np.array([PROFILES.levels[i].skip_steps > 0 for i in fast.level])
+    latency = lambda r: r.finish_s - r.arrivals_s  # noqa: E731
+    assert latency(slowed)[cached].mean() > latency(fast)[cached].mean() + 0.25
+
+
+def test_runs_are_deterministic(light):
+    a = simulate(light, "argus", seed=5)
+    b = simulate(light, "argus", seed=5)
+    assert np.array_equal(a.finish_s, b.finish_s) and np.array_equal(a.level, b.level)
+
+
+def test_noisy_oracle_lowers_quality(medium):
+    exact = summarise(simulate(medium, "argus"))
+    noisy = summarise(simulate(medium, make_policy("argus", classifier=NoisyOracleClassifier(0.3))))
+    assert noisy.effective_quality < exact.effective_quality
+
+
+def test_unknown_policy_is_quoted():
+    with pytest.raises(ValueError, match="'fastest'"):
+        make_policy("fastest")
+    assert set(POLICIES) == {
+        "argus",
+        "pac",
+        "proteus",
+        "clipper-ha",
+        "clipper-ht",
+        "sommelier",
+        "nirvana",
+    }
+
+
+def test_reports_are_written(tmp_path, light):
+    results = [simulate(light, name) for name in ("argus", "clipper-ht")]
+    summaries = write_reports(results, tmp_path, description={"title": "t", "quality": "q"})
+    document = json.loads((tmp_path / "summary.json").read_text())
+    for key in (
+        "served_qpm",
+        "offered_qpm",
+        "effective_quality",
+        "relative_quality",
+        "slo_violation_ratio",
+        "model_switches",
+        "utilisation",
+    ):
+        assert key in document["policies"]["argus"]
+    rows = (tmp_path / "per_minute.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * len(per_minute(results[0]).offered_qpm)
+    assert (tmp_path / "timeseries.png").read_bytes()[:4] == b"\x89PNG"
+    assert summaries[0].offered_qpm == pytest.approx(40.0, rel=0.1)
+
+
+def test_bad_configs_are_named():
+    with pytest.raises(ValueError, match="gpus"):
+        SimConfig(gpus=0)
+    with pytest.raises(ValueError, match="faults"):
+        SimConfig(faults=(GpuFailure(10.0, 5.0, 1),))
+    with pytest.raises(ValueError, match="faults"):
+        SimConfig(gpus=2, faults=(GpuFailure(0.0, 5.0, 3),))
+    assert math.isinf(RetrievalFault(0.0, 1.0).extra_s)
