@@ -10,10 +10,10 @@ with the router's queue-length map changing as requests are placed and finished.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import time
+
+from _machine import machine_line
 
 from argus.allocator.planner import make_plan
 from argus.profiles import default_profiles
@@ -48,9 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decisions", type=int, default=200_000)
     args = parser.parse_args()
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    )
+    print(machine_line())
     print(f"{'workers':>8} {'decisions/s':>12} {'us/decision':>12}")
     for workers in (8, 64, 512):
         rate, micros = run(workers, args.decisions)

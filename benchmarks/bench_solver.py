@@ -13,13 +13,13 @@ and a time limit, reported as such.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
+
+from _machine import machine_line
 
 from argus.allocator.solver import highs_solver, solve, solve_per_worker
 from argus.profiles import parse_profiles
@@ -92,9 +92,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--per-worker-limit", type=float, default=60.0, help="seconds per solve")
     args = parser.parse_args()
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    )
+    print(machine_line())
     print("profile: SYNTHETIC 12-level AC profile (see module docstring); times in ms")
     header = f"{'workers':>7} {'classes':>7} | {'fast p50':>9} {'fast p99':>9} |"
     print(header + f" {'per-worker p50':>14} {'per-worker p99':>14} {'n':>3} | objective gap")

@@ -71,3 +71,27 @@ def test_mismatched_periods_and_bad_values_are_rejected():
         AllocatorConfig(headroom=0.5)
     with pytest.raises(ValueError, match="backlog_drain_s"):
         AllocatorConfig(backlog_drain_s=-1.0)
+
+
+def test_plan_best_picks_the_better_strategy_with_hysteresis():
+    allocator = Allocator(default_profiles())
+    now = feed(allocator, 150.0, 2)
+    view = ClusterView.uniform(8)
+    ac = allocator.plan(now, view, Strategy.AC)
+    sm = allocator.plan(now, view, Strategy.SM)
+    better = max((ac, sm), key=lambda plan: plan.allocation.objective).strategy
+    worse = Strategy.SM if better is Strategy.AC else Strategy.AC
+    chosen = allocator.plan_best(
+        now, view, (Strategy.AC, Strategy.SM), prefer=worse, hysteresis=0.0
+    )
+    assert chosen.strategy is better
+    assert allocator.last_plan is chosen
+    sticky = allocator.plan_best(
+        now, view, (Strategy.AC, Strategy.SM), prefer=worse, hysteresis=1.0
+    )
+    assert sticky.strategy is worse
+    assert (
+        allocator.plan_best(now, view, (Strategy.SM,), prefer=Strategy.AC).strategy is Strategy.SM
+    )
+    with pytest.raises(ValueError, match="strategies"):
+        allocator.plan_best(now, view, (), prefer=Strategy.AC)

@@ -8,6 +8,7 @@ touches a worker itself (decide, then act). Time is always the caller's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from argus.allocator.planner import PlannerConfig, make_plan
@@ -111,6 +112,40 @@ class Allocator:
         )
         self._last = plan
         return plan
+
+    def plan_best(
+        self,
+        now_s: float,
+        workers: ClusterView,
+        strategies: Sequence[Strategy],
+        *,
+        prefer: Strategy,
+        hysteresis: float = 0.02,
+        load_margin: float = 1.0,
+    ) -> Plan:
+        """Plan every allowed strategy and keep the one with the best objective (§3.1, §4.6).
+
+        Argus runs one strategy at a time (never a mix). The objectives are comparable
+        because each strategy's Q is relative to the same SDXL; the switching cost charges the
+        model loads a change of strategy needs. ``prefer`` (the strategy running now) is kept
+        unless another beats it by more than ``hysteresis`` of its objective, so plans do not
+        flap between near-equal strategies.
+        """
+        if not strategies:
+            raise ValueError("strategies: at least one strategy must be allowed")
+        previous = self._last
+        candidates = []
+        for strategy in strategies:
+            self._last = previous
+            candidates.append(self.plan(now_s, workers, strategy, load_margin=load_margin))
+        best = max(candidates, key=lambda plan: plan.allocation.objective)
+        kept = next((plan for plan in candidates if plan.strategy is prefer), None)
+        if kept is not None and best.allocation.objective <= kept.allocation.objective + (
+            hysteresis * abs(kept.allocation.objective)
+        ):
+            best = kept
+        self._last = best
+        return best
 
     def _with_backlog(self, forecast: LoadForecast, workers: ClusterView) -> LoadForecast:
         if self.config.backlog_drain_s == 0.0:

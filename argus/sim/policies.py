@@ -125,22 +125,42 @@ class _Planned(Policy):
         if not self.switches_strategy:
             return
         self.monitor.observe(now_s, latency_s)
-        if self.monitor.decide(now_s) is not self._strategy:
-            self._timer = now_s  # re-plan at once under the new strategy
+        if self.monitor.decide(now_s) is Strategy.SM and self._strategy is Strategy.AC:
+            self._timer = now_s  # retrieval is failing: re-plan at once without AC
 
     def next_timer(self) -> float | None:
         return self._timer
 
     def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
-        strategy = self._choose_strategy(now_s)
+        allowed = self._allowed_strategies(now_s)
         margin = self.switch_margin if now_s < self._margin_until else 1.0
-        plan = self.allocator.plan(now_s, view, strategy, load_margin=margin)
+        plan = self.allocator.plan_best(
+            now_s, view, allowed, prefer=self._strategy, load_margin=margin
+        )
+        if plan.strategy is not self._strategy:
+            self.strategy_switches += 1
+            self._strategy = plan.strategy
         if not self.prompt_aware:
             plan = _prompt_agnostic(plan)
         self._classes = {w.worker_id: w.worker_class for w in view.workers}
         self._plan = plan
         self.scheduler = self._scheduler(plan)
         return plan.allocation.assignment
+
+    def _allowed_strategies(self, now_s: float) -> tuple[Strategy, ...]:
+        """Both strategies while retrieval is healthy, SM alone while it is not (§4.6)."""
+        self._timer = None
+        if not self.switches_strategy:
+            return (self.fixed_strategy,)
+        if self.monitor.strategy is Strategy.SM:
+            self.monitor.observe(now_s, self.ctx.probe_retrieval(now_s))
+        healthy = self.monitor.decide(now_s) is Strategy.AC
+        if not healthy:
+            if self._strategy is Strategy.AC:  # forced off AC: cover the reload (§4.6)
+                self._margin_until = now_s + self.ctx_period()
+            self._timer = now_s + self.monitor.config.probe_interval_s
+            return (Strategy.SM,)
+        return (Strategy.AC, Strategy.SM)
 
     def _scheduler(self, plan: Plan) -> PromptScheduler:
         spill = self.spill_fraction_of_slo * self.ctx.slo_s if self.spill_fraction_of_slo else None
@@ -161,23 +181,6 @@ class _Planned(Policy):
         histogram = self._recent.histogram(plan.strategy)
         shift = align(histogram, shares, plan.allocation.levels)
         self.scheduler = self._scheduler(replace(plan, shift_map=shift))
-
-    def _choose_strategy(self, now_s: float) -> Strategy:
-        self._timer = None
-        if not self.switches_strategy:
-            return self._strategy
-        if self._strategy is Strategy.SM:
-            self.monitor.observe(now_s, self.ctx.probe_retrieval(now_s))
-            self._timer = now_s + self.monitor.config.probe_interval_s
-        strategy = self.monitor.decide(now_s)
-        if strategy is not self._strategy:
-            self.strategy_switches += 1
-            if strategy is Strategy.SM:
-                self._margin_until = now_s + self.ctx_period()
-            self._strategy = strategy
-            if strategy is Strategy.SM:
-                self._timer = now_s + self.monitor.config.probe_interval_s
-        return strategy
 
     def ctx_period(self) -> float:
         return self.allocator.config.planner.period_s
