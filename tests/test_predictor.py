@@ -339,3 +339,17 @@ def test_traces_dir_holds_data_and_licences() -> None:
         "README.md",
     ):
         assert (TRACES_DIR / name).is_file(), name
+
+
+def test_partial_period_counts_once_enough_of_it_has_passed() -> None:
+    steady = [i * 1.0 for i in range(180)]  # 60 QPM for three minutes
+    burst = [180.0 + i * 0.2 for i in range(100)]  # then 300 QPM for 20 s
+    plain = LoadPredictor(LoadPredictorConfig(), start_s=0.0)
+    eager = LoadPredictor(LoadPredictorConfig(partial_min_s=15.0), start_s=0.0)
+    for predictor in (plain, eager):
+        predictor.observe_many(steady + burst)
+    assert plain.forecast(200.0).qpm == pytest.approx(60.0, rel=0.05)
+    assert eager.forecast(200.0).qpm == pytest.approx(300.0, rel=0.05)
+    assert eager.forecast(190.0).qpm == pytest.approx(60.0, rel=0.05)  # only 10 s of it so far
+    with pytest.raises(ValueError, match="partial_min_s"):
+        LoadPredictorConfig(partial_min_s=-1.0)

@@ -106,7 +106,7 @@ def test_retrieval_outage_takes_argus_off_cached_levels_until_probes_are_healthy
     )
     before = (result.arrivals_s > 60.0) & (result.arrivals_s < 120.0)
     during = (result.arrivals_s > 125.0) & (result.arrivals_s < 240.0)
-    assert cached[before].sum() > 10  # Argus was using the cache when it failed
+    assert cached[before].sum() >= 5  # Argus was using the cache when it failed
     assert cached[during].sum() == 0  # and stopped at once
     assert result.strategy_switches >= 1
     assert policy.monitor.strategy is Strategy.AC  # probes saw retrieval recover
@@ -174,6 +174,12 @@ def test_reports_are_written(tmp_path, light):
     assert len(rows) == 1 + 2 * len(per_minute(results[0]).offered_qpm)
     assert (tmp_path / "timeseries.png").read_bytes()[:4] == b"\x89PNG"
     assert summaries[0].offered_qpm == pytest.approx(40.0, rel=0.1)
+    series = per_minute(results[0])
+    assert series.model_switches.sum() == results[0].model_switches  # all loads begin in-trace
+    assert series.plan_changes.sum() == results[0].plan_changes
+    assert ((series.utilisation >= 0) & (series.utilisation <= 1)).all()
+    busy = sum(results[0].busy_by_minute_s)
+    assert busy == pytest.approx(results[0].busy_s)
 
 
 def test_bad_configs_are_named():
@@ -184,3 +190,15 @@ def test_bad_configs_are_named():
     with pytest.raises(ValueError, match="faults"):
         SimConfig(gpus=2, faults=(GpuFailure(0.0, 5.0, 3),))
     assert math.isinf(RetrievalFault(0.0, 1.0).extra_s)
+
+
+def test_bursts_trigger_replans_so_argus_keeps_up():
+    wave = bursty(duration_min=30, seed=4)  # 60 QPM with 3-minute bursts of 180 QPM
+    argus = summarise(simulate(wave, "argus"))
+    clipper = summarise(simulate(wave, "clipper-ha"))
+    ticks_only = make_policy("argus")
+    ticks_only.backlog_replan_per_worker = math.inf  # re-plan on the minute only
+    slow = summarise(simulate(wave, ticks_only))
+    assert argus.slo_violation_ratio < 0.1
+    assert clipper.slo_violation_ratio > 0.3
+    assert slow.slo_violation_ratio > 2 * argus.slo_violation_ratio

@@ -353,8 +353,8 @@ def test_workload_by_name_defaults() -> None:
     w = workload_by_name("bursty")
     assert w.duration_s == 3600.0
     rates = w.rate_per_minute()
-    assert rates[(np.arange(60) % 10) < 7].mean() == pytest.approx(100.0, rel=0.1)
-    assert rates[(np.arange(60) % 10) >= 7].mean() == pytest.approx(400.0, rel=0.1)
+    assert rates[(np.arange(60) % 10) < 7].mean() == pytest.approx(60.0, rel=0.1)
+    assert rates[(np.arange(60) % 10) >= 7].mean() == pytest.approx(180.0, rel=0.1)
     assert workload_by_name("ramp").duration_s == 800 * 60.0
     assert workload_by_name("gamma", duration_min=30.0).mean_qpm() == pytest.approx(150, rel=0.1)
     assert workload_by_name(" Poisson ", scale=2.0).mean_qpm() == pytest.approx(300, rel=0.05)

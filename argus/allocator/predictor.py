@@ -85,6 +85,8 @@ class LoadPredictorConfig:
     alpha: float = 0.3  # EWMA weight of the newest completed period, in (0, 1]; 1 = last period
     peak_window: int = 2  # completed periods the peak term looks back over (>= 1)
     peak_fraction: float = 1.0  # share of that peak the forecast never drops below, in [0, 1]
+    partial_min_s: float = 0.0  # once this much of the open period has passed, its rate counts
+    # too (0: only completed periods); lets a re-plan in the middle of a burst see the burst
 
     def __post_init__(self) -> None:
         period_s = _finite("period_s", self.period_s)
@@ -99,6 +101,9 @@ class LoadPredictorConfig:
             or self.peak_window < 1
         ):
             raise ValueError(f"peak_window must be an integer >= 1, got {self.peak_window!r}")
+        partial = _finite("partial_min_s", self.partial_min_s)
+        if partial < 0.0:
+            raise ValueError(f"partial_min_s must be >= 0 seconds, got {self.partial_min_s!r}")
         peak_fraction = _finite("peak_fraction", self.peak_fraction)
         if not 0.0 <= peak_fraction <= 1.0:
             raise ValueError(f"peak_fraction must be in [0, 1], got {self.peak_fraction!r}")
@@ -235,8 +240,17 @@ class LoadPredictor:
             rate = self._count * 60.0 / elapsed
             return LoadForecast(qpm=rate, ewma_qpm=rate, peak_qpm=rate, at_s=now)
         peak = max(recent)
-        qpm = max(ewma, self.config.peak_fraction * peak)
+        qpm = max(ewma, self.config.peak_fraction * peak, self._open_rate(now, upto))
         return LoadForecast(qpm=qpm, ewma_qpm=ewma, peak_qpm=peak, at_s=now)
+
+    def _open_rate(self, now: float, upto: int) -> float:
+        """Rate of the open period so far, once ``partial_min_s`` of it has passed; else 0."""
+        if not self.config.partial_min_s or upto != self._period:
+            return 0.0
+        elapsed = now - self.period_start(self._period)
+        if elapsed < self.config.partial_min_s:
+            return 0.0
+        return self._count * 60.0 / elapsed
 
 
 @dataclass(frozen=True)

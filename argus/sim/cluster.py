@@ -182,7 +182,10 @@ class RunResult:
     gpu_seconds: float
     duration_s: float
     strategy_switches: int = 0
-    notes: list[str] = field(default_factory=list)
+    switch_times_s: list[float] = field(default_factory=list)  # when each model load began
+    plan_change_times_s: list[float] = field(default_factory=list)  # re-plans that moved a worker
+    busy_by_minute_s: list[float] = field(default_factory=list)  # GPU-seconds busy per minute
+    gpus: int = 1
 
     @property
     def violated(self) -> npt.NDArray[np.bool_]:
@@ -269,6 +272,9 @@ class _Run:
         self.model_switches = 0
         self.plan_changes = 0
         self.busy_s = 0.0
+        self.switch_times: list[float] = []
+        self.plan_change_times: list[float] = []
+        self.busy_by_minute: list[float] = []
         self.events: list[tuple[float, int, str, Fault]] = []
         self.next_tick = self.cfg.period_s
         self.context = SimContext(
@@ -362,7 +368,9 @@ class _Run:
             if worker.alive and worker.level != level_name:
                 self._set_level(worker, level_name, now)
                 changed = True
-        self.plan_changes += changed
+        if changed:
+            self.plan_changes += 1
+            self.plan_change_times.append(now)
 
     def _set_level(self, worker: _Worker, level_name: str, now: float) -> None:
         level = self.sim._levels[level_name]
@@ -374,7 +382,8 @@ class _Run:
             worker.finishes.append((worker.free_at, -1))
             worker.model = level.model
             self.model_switches += 1
-            self.busy_s += load
+            self.switch_times.append(start)
+            self._add_busy(start, worker.free_at)
 
     def _dispatch(self, i: int, now: float) -> None:
         queues = {}
@@ -398,7 +407,7 @@ class _Run:
         start = max(worker.free_at, now)
         worker.free_at = start + service
         worker.finishes.append((worker.free_at, i))
-        self.busy_s += service
+        self._add_busy(start, worker.free_at)
         self.finish[i] = worker.free_at
         self.level[i] = self.sim._level_index[served.name]
         self.worker[i] = self.worker_index[worker.worker_id]
@@ -407,6 +416,18 @@ class _Run:
         score = float(table.scores[row, self.sim._strategy_index[served.name]])
         self.score[i] = score
         self.relative[i] = score / float(self._best_scores[served.strategy][row])
+
+    def _add_busy(self, start: float, end: float) -> None:
+        """Count [start, end) as busy GPU time, split over the minutes it spans."""
+        self.busy_s += end - start
+        busy = self.busy_by_minute
+        while start < end:
+            minute = int(start // 60.0)
+            if minute >= len(busy):
+                busy.extend([0.0] * (minute + 1 - len(busy)))
+            stop = min(end, (minute + 1) * 60.0)
+            busy[minute] += stop - start
+            start = stop
 
     def _service_time(self, level: Level, now: float) -> tuple[float, Level]:
         """Service seconds and the level actually served (K=0 after a failed retrieval)."""
@@ -470,6 +491,10 @@ class _Run:
             gpu_seconds=self.cfg.gpus * end,
             duration_s=duration,
             strategy_switches=strategy_switches,
+            switch_times_s=self.switch_times,
+            plan_change_times_s=self.plan_change_times,
+            busy_by_minute_s=self.busy_by_minute,
+            gpus=self.cfg.gpus,
         )
 
 

@@ -24,6 +24,7 @@ from the quality table: :class:`OracleClassifier` (labelled ``oracle``) or
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import replace
@@ -32,7 +33,7 @@ from typing import Protocol
 from argus.allocator.allocator import Allocator, AllocatorConfig
 from argus.allocator.oda import align
 from argus.allocator.planner import PlannerConfig
-from argus.allocator.predictor import AffinityHistogram, LoadPredictor
+from argus.allocator.predictor import AffinityHistogram, LoadPredictor, LoadPredictorConfig
 from argus.allocator.strategy import StrategyMonitor
 from argus.router.scheduler import PromptScheduler
 from argus.sim.cluster import Policy, SimContext
@@ -95,6 +96,8 @@ class _Planned(Policy):
     realign_every = 50  # prompts between PASM re-alignments (0: only at re-plans)
     realign_window = 200  # recent classified prompts the re-alignment uses
     spill_fraction_of_slo = 0.5  # spill off a level whose best worker would take longer
+    backlog_replan_per_worker = 2.0  # re-plan at once when queues exceed this per live worker
+    min_replan_interval_s = 10.0  # ... but not more often than this
 
     def __init__(self, classifier: Classifier | None = None, seed: int = 0) -> None:
         self.classifier = classifier or OracleClassifier()
@@ -104,7 +107,10 @@ class _Planned(Policy):
         self.ctx = ctx
         self.classifier.reset(ctx)
         planner = PlannerConfig(switch_cost_weight=self.switch_cost_weight)
-        self.allocator = Allocator(ctx.profiles, AllocatorConfig(planner=planner))
+        forecast = LoadPredictorConfig(partial_min_s=self.min_replan_interval_s)
+        config = AllocatorConfig(planner=planner, forecast=forecast)
+        self.allocator = Allocator(ctx.profiles, config)
+        self._last_replan = -math.inf
         self.monitor = StrategyMonitor(start=self.fixed_strategy)
         self.scheduler: PromptScheduler | None = None
         self.rng = random.Random(self._seed)
@@ -132,6 +138,7 @@ class _Planned(Policy):
         return self._timer
 
     def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
+        self._last_replan = now_s
         allowed = self._allowed_strategies(now_s)
         margin = self.switch_margin if now_s < self._margin_until else 1.0
         plan = self.allocator.plan_best(
@@ -182,6 +189,16 @@ class _Planned(Policy):
         shift = align(histogram, shares, plan.allocation.levels)
         self.scheduler = self._scheduler(replace(plan, shift_map=shift))
 
+    def _replan_on_backlog(
+        self, now_s: float, queues: Mapping[str, int], down: frozenset[str]
+    ) -> None:
+        """Ask for a re-plan before the next arrival when queues build up (an event, §4.2)."""
+        if self._timer is not None or now_s - self._last_replan < self.min_replan_interval_s:
+            return
+        live = len(queues) - len(down)
+        if sum(queues.values()) > self.backlog_replan_per_worker * max(1, live):
+            self._timer = now_s
+
     def ctx_period(self) -> float:
         return self.allocator.config.planner.period_s
 
@@ -189,6 +206,7 @@ class _Planned(Policy):
         self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
     ) -> tuple[str, str]:
         assert self.scheduler is not None, "replan() runs before the first route()"
+        self._replan_on_backlog(now_s, queues, down)
         strategy = self._strategy
         optimal = 0
         if self.prompt_aware:

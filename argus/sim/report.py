@@ -70,6 +70,9 @@ class MinuteSeries:
     served_qpm: np.ndarray
     effective_quality: np.ndarray  # NaN in minutes where nothing met the SLO
     slo_violation_ratio: np.ndarray  # NaN in minutes without arrivals
+    model_switches: np.ndarray  # model loads begun in the minute
+    plan_changes: np.ndarray  # re-plans in the minute that moved at least one worker
+    utilisation: np.ndarray  # busy GPU-seconds / (GPUs x 60 s)
 
 
 def per_minute(result: RunResult) -> MinuteSeries:
@@ -80,21 +83,34 @@ def per_minute(result: RunResult) -> MinuteSeries:
     done = finish_minute < minutes
     served = np.bincount(finish_minute[done], minlength=minutes)[:minutes].astype(float)
     ok = ~result.violated
-    violations = np.bincount(arrival_minute, weights=(~ok).astype(float), minlength=minutes)
-    good = np.bincount(arrival_minute, weights=ok.astype(float), minlength=minutes)
-    quality = np.bincount(
-        arrival_minute, weights=np.where(ok, result.score, 0.0), minlength=minutes
-    )
+
+    def by_arrival_minute(weights: np.ndarray) -> np.ndarray:
+        return np.bincount(arrival_minute, weights=weights, minlength=minutes)[:minutes]
+
+    violations = by_arrival_minute((~ok).astype(float))
+    good = by_arrival_minute(ok.astype(float))
+    quality = by_arrival_minute(np.where(ok, result.score, 0.0))
+    busy = np.zeros(minutes)
+    recorded = np.asarray(result.busy_by_minute_s[:minutes], dtype=float)
+    busy[: len(recorded)] = recorded
     with np.errstate(invalid="ignore", divide="ignore"):
         return MinuteSeries(
             policy=result.policy,
             offered_qpm=offered,
             served_qpm=served,
-            effective_quality=np.where(
-                good[:minutes] > 0, quality[:minutes] / good[:minutes], np.nan
-            ),
-            slo_violation_ratio=np.where(offered > 0, violations[:minutes] / offered, np.nan),
+            effective_quality=np.where(good > 0, quality / good, np.nan),
+            slo_violation_ratio=np.where(offered > 0, violations / offered, np.nan),
+            model_switches=_count_by_minute(result.switch_times_s, minutes),
+            plan_changes=_count_by_minute(result.plan_change_times_s, minutes),
+            utilisation=np.minimum(1.0, busy / (60.0 * result.gpus)),
         )
+
+
+def _count_by_minute(times_s: Sequence[float], minutes: int) -> np.ndarray:
+    if not times_s:
+        return np.zeros(minutes)
+    index = (np.asarray(times_s) // 60.0).astype(np.int64)
+    return np.bincount(index[index < minutes], minlength=minutes)[:minutes].astype(float)
 
 
 def format_table(summaries: Sequence[Summary]) -> str:
@@ -141,6 +157,9 @@ def _write_csv(series: Sequence[MinuteSeries], path: Path) -> None:
                 "served_qpm",
                 "effective_quality",
                 "slo_violation_ratio",
+                "model_switches",
+                "plan_changes",
+                "utilisation",
             ]
         )
         for s in series:
@@ -153,6 +172,9 @@ def _write_csv(series: Sequence[MinuteSeries], path: Path) -> None:
                         f"{s.served_qpm[minute]:.0f}",
                         _fmt(s.effective_quality[minute]),
                         _fmt(s.slo_violation_ratio[minute]),
+                        f"{s.model_switches[minute]:.0f}",
+                        f"{s.plan_changes[minute]:.0f}",
+                        f"{s.utilisation[minute]:.4f}",
                     ]
                 )
 

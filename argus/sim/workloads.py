@@ -59,8 +59,9 @@ an 8-GPU cluster that serves about 110 QPM at full quality and 220 QPM at its fa
 
 * ``azure``: the recorded hour, about 330 QPM on average: it overloads such a cluster unless
   ``--scale`` is about 0.5 or less.
-* ``bursty``: 60 minutes in 10-minute periods of 7 minutes at 100 QPM then 3 minutes at
-  400 QPM: the low phase fits at full quality, the bursts exceed even the fastest level.
+* ``bursty``: 60 minutes in 10-minute periods of 7 minutes at 60 QPM then 3 minutes at
+  180 QPM: the low phase fits at full quality, the bursts only with approximation (they stay
+  below the fastest level's capacity, so a policy that scales in time can keep up).
 * ``ramp``: 50 → 600 QPM over 800 minutes: crosses both capacities.
 * ``gamma``: 150 QPM, CV 2, 60 minutes; ``poisson``: 150 QPM, 60 minutes. Both need
   approximation on average but fit at the fastest level; they differ only in burstiness.
@@ -106,8 +107,8 @@ KNOWN_WORKLOADS = ("azure", "bursty", "ramp", "gamma", "poisson")
 
 # Defaults of the named workloads (see the module docstring for why).
 DEFAULT_DURATION_MIN = 60.0
-BURSTY_LOW_QPM = 100.0
-BURSTY_HIGH_QPM = 400.0
+BURSTY_LOW_QPM = 60.0
+BURSTY_HIGH_QPM = 180.0
 BURSTY_PERIOD_MIN = 10.0
 BURSTY_HIGH_FRACTION = 0.3
 RAMP_START_QPM = 50.0
