@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from argus.profiles import default_profiles
-from argus.sim.cluster import GpuFailure, RetrievalFault, SimConfig, Simulation
+from argus.sim.cluster import GpuFailure, Policy, RetrievalFault, SimConfig, Simulation
 from argus.sim.policies import POLICIES, NoisyOracleClassifier, make_policy
 from argus.sim.quality import synthetic_quality_table
 from argus.sim.report import per_minute, summarise, write_reports
@@ -202,3 +202,38 @@ def test_bursts_trigger_replans_so_argus_keeps_up():
     assert argus.slo_violation_ratio < 0.1
     assert clipper.slo_violation_ratio > 0.3
     assert slow.slo_violation_ratio > 2 * argus.slo_violation_ratio
+
+
+class _MoveOneWorker(Policy):
+    """Every worker at SDXL; at t = 60 s worker w0 is moved to Tiny-SD; routes to w0 first."""
+
+    name = "move-one"
+
+    def __init__(self, background: bool) -> None:
+        self.background_loads = background
+
+    def reset(self, ctx):
+        self.ctx = ctx
+
+    def replan(self, now_s, view):
+        tiny = now_s >= 60.0
+        return {
+            w.worker_id: "sm-tiny-sd" if tiny and w.worker_id == "w0" else "sm-sd-xl"
+            for w in view.alive()
+        }
+
+    def route(self, request, now_s, queues, down):
+        return "w0", ("sm-tiny-sd" if now_s >= 60.0 else "sm-sd-xl")
+
+
+def test_background_loads_keep_the_old_model_serving():
+    workload = poisson(mean_qpm=60.0, duration_min=2, seed=9)
+    fg = simulate(workload, _MoveOneWorker(background=False), jitter=0.0, period_s=60.0)
+    bg = simulate(workload, _MoveOneWorker(background=True), jitter=0.0, period_s=60.0)
+    load = PROFILES.profile("a100", "sm-tiny-sd").load_time_s
+    first = int(np.argmax(workload.arrivals_s >= 60.0))  # first request after the move
+    assert PROFILES.levels[bg.level[first]].name == "sm-sd-xl"  # served by SDXL meanwhile
+    assert fg.finish_s[first] >= 60.0 + load  # the foreground load delayed it
+    later = workload.arrivals_s >= 60.0 + load + 5.0
+    assert {PROFILES.levels[i].name for i in bg.level[later]} == {"sm-tiny-sd"}
+    assert fg.model_switches == bg.model_switches

@@ -110,7 +110,7 @@ class ReplayCommand:
         print(format_table(summaries))
         print(
             f"\n{len(workload):,} requests × {len(policies)} policies in "
-            f"{time.perf_counter() - started:.1f} s; quality model: {description['quality']}; "
+            f"{time.perf_counter() - started:.1f} s; quality model: {_short(description)}; "
             f"reports in {args.out}/"
         )
         return 0
@@ -154,13 +154,23 @@ def _description(
 ) -> dict[str, str]:
     sources = sorted({table.source for table in quality.values()})
     return {
-        "title": f"{workload.name}: {len(workload):,} requests on {args.gpus} GPUs",
+        "title": (
+            f"{workload.name} (rate x{args.scale:g}): {len(workload):,} requests on "
+            f"{args.gpus} GPUs, synthetic quality"
+        ),
         "trace": workload.source,
         "quality": "; ".join(sources),
         "classifier": "oracle" if classifier is None else classifier.label,
         "gpus": str(args.gpus),
         "seed": str(args.seed),
     }
+
+
+def _short(description: dict[str, str]) -> str:
+    """The quality model in a few words (summary.json has the full description)."""
+    if description["quality"].startswith("synthetic"):
+        return "SYNTHETIC (argus/sim/quality.py)"
+    return description["quality"]
 
 
 class _Progress:

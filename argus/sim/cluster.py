@@ -138,6 +138,9 @@ class Policy(ABC):
     """
 
     name: str
+    background_loads = False
+    """True: a worker moved to another model keeps serving its old level while the new model
+    loads beside it (GPU memory holds two, Argus §4.6); False: it stops while loading."""
 
     @abstractmethod
     def reset(self, ctx: SimContext) -> None:
@@ -193,7 +196,7 @@ class RunResult:
 
 
 class _Worker:
-    __slots__ = ("alive", "finishes", "free_at", "level", "model", "worker_id")
+    __slots__ = ("alive", "finishes", "free_at", "level", "model", "pending", "worker_id")
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
@@ -202,6 +205,7 @@ class _Worker:
         self.model: str | None = None
         self.free_at = 0.0
         self.finishes: deque[tuple[float, int]] = deque()  # (finish time, request; -1 = load)
+        self.pending: tuple[str, str, float] | None = None  # (level, model, ready) loading now
 
 
 class Simulation:
@@ -275,7 +279,8 @@ class _Run:
         self.switch_times: list[float] = []
         self.plan_change_times: list[float] = []
         self.busy_by_minute: list[float] = []
-        self.events: list[tuple[float, int, str, Fault]] = []
+        self.events: list[tuple[float, int, str, Fault | int]] = []
+        self._event_seq = 0
         self.next_tick = self.cfg.period_s
         self.context = SimContext(
             sim.profiles,
@@ -315,8 +320,8 @@ class _Run:
             if due > now:
                 return
             if fault_at == due:
-                at, _, kind, fault = heapq.heappop(self.events)
-                self._fault_event(at, kind, fault)
+                at, _, kind, payload = heapq.heappop(self.events)
+                self._event(at, kind, payload)
             elif self.next_tick == due:
                 self._replan(due)
                 self.next_tick += self.cfg.period_s
@@ -327,11 +332,20 @@ class _Run:
                     raise RuntimeError(f"policy {self.policy.name!r} timer did not advance")
 
     def _schedule_events(self) -> None:
-        for order, fault in enumerate(self.cfg.faults):
-            heapq.heappush(self.events, (fault.start_s, 2 * order, "start", fault))
-            heapq.heappush(self.events, (fault.end_s, 2 * order + 1, "end", fault))
+        for fault in self.cfg.faults:
+            self._push(fault.start_s, "start", fault)
+            self._push(fault.end_s, "end", fault)
 
-    def _fault_event(self, now: float, kind: str, fault: Fault) -> None:
+    def _push(self, at: float, kind: str, payload: Fault | int) -> None:
+        self._event_seq += 1
+        heapq.heappush(self.events, (at, self._event_seq, kind, payload))
+
+    def _event(self, now: float, kind: str, payload: Fault | int) -> None:
+        if kind == "ready":
+            assert isinstance(payload, int)
+            self._model_ready(self.workers[payload])
+            return
+        fault = payload
         if isinstance(fault, GpuFailure):
             if kind == "start":
                 self._fail_workers(now, fault.count)
@@ -365,25 +379,43 @@ class _Run:
         changed = False
         for worker_id, level_name in wanted.items():
             worker = self.by_id[worker_id]
-            if worker.alive and worker.level != level_name:
-                self._set_level(worker, level_name, now)
+            target = worker.pending[0] if worker.pending else worker.level
+            if worker.alive and target != level_name:
+                self._set_level(worker, level_name, now, background=self.policy.background_loads)
                 changed = True
         if changed:
             self.plan_changes += 1
             self.plan_change_times.append(now)
 
-    def _set_level(self, worker: _Worker, level_name: str, now: float) -> None:
+    def _set_level(
+        self, worker: _Worker, level_name: str, now: float, *, background: bool = False
+    ) -> None:
         level = self.sim._levels[level_name]
-        worker.level = level_name
-        if worker.model != level.model:
-            load = self.sim.profiles.profile(self.cfg.worker_class, level_name).load_time_s
-            start = max(worker.free_at, now)
-            worker.free_at = start + load
-            worker.finishes.append((worker.free_at, -1))
-            worker.model = level.model
-            self.model_switches += 1
-            self.switch_times.append(start)
-            self._add_busy(start, worker.free_at)
+        if worker.model == level.model:
+            worker.level, worker.pending = level_name, None  # a K change: nothing to load
+            return
+        load = self.sim.profiles.profile(self.cfg.worker_class, level_name).load_time_s
+        self.model_switches += 1
+        if background and worker.model is not None:
+            if worker.pending is None or worker.pending[0] != level_name:
+                worker.pending = (level_name, level.model, now + load)
+                self.switch_times.append(now)
+                self._push(now + load, "ready", self.worker_index[worker.worker_id])
+            else:
+                self.model_switches -= 1  # already loading it
+            return
+        start = max(worker.free_at, now)
+        worker.free_at = start + load
+        worker.finishes.append((worker.free_at, -1))
+        worker.level, worker.model, worker.pending = level_name, level.model, None
+        self.switch_times.append(start)
+        self._add_busy(start, worker.free_at)
+
+    def _model_ready(self, worker: _Worker) -> None:
+        """A background load finished: the worker now serves its new level."""
+        if worker.pending is not None and worker.alive:
+            worker.level, worker.model, _ = worker.pending
+        worker.pending = None
 
     def _dispatch(self, i: int, now: float) -> None:
         queues = {}
@@ -400,8 +432,11 @@ class _Run:
 
     def _serve(self, i: int, now: float, worker: _Worker, level_name: str) -> None:
         level = self.sim._levels[level_name]
-        if worker.model != level.model:  # a policy may route to a level the worker lacks
-            self._set_level(worker, level_name, now)
+        if worker.model != level.model:
+            if worker.pending is not None and worker.pending[1] == level.model and worker.level:
+                level = self.sim._levels[worker.level]  # still loading: serve the old level
+            else:  # a policy may route to a level the worker lacks: it loads it first
+                self._set_level(worker, level_name, now)
         service, served = self._service_time(level, now)
         service *= self.jitter[i]
         start = max(worker.free_at, now)
@@ -463,6 +498,7 @@ class _Run:
             worker.free_at = now
             worker.level = None
             worker.model = None
+            worker.pending = None
         for request in sorted(orphans):  # the router retries them elsewhere at once
             self._dispatch(request, now)
 

@@ -90,6 +90,7 @@ class _Planned(Policy):
 
     prompt_aware = True
     switches_strategy = True
+    background_loads = True  # a strategy switch keeps SDXL serving while small models load
     fixed_strategy = Strategy.AC
     switch_cost_weight = 1.0
     switch_margin = 1.5
@@ -256,6 +257,7 @@ class PacPolicy(_Planned):
 
 class ProteusPolicy(_Planned):
     name = "proteus"
+    background_loads = False
     prompt_aware = False
     switches_strategy = False
     fixed_strategy = Strategy.SM
