@@ -24,20 +24,17 @@ from the quality table: :class:`OracleClassifier` (labelled ``oracle``) or
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Protocol
 
 from argus.allocator.allocator import Allocator, AllocatorConfig
-from argus.allocator.oda import align
 from argus.allocator.planner import PlannerConfig
-from argus.allocator.predictor import AffinityHistogram, LoadPredictor, LoadPredictorConfig
+from argus.allocator.predictor import LoadPredictor, LoadPredictorConfig
 from argus.allocator.strategy import StrategyMonitor
-from argus.router.scheduler import PromptScheduler
+from argus.router.routing import PlanRouter, RouterConfig
 from argus.sim.cluster import Policy, SimContext
-from argus.types import ClusterView, Plan, ShiftMap, Strategy
+from argus.types import ClusterView, Strategy
 
 
 class Classifier(Protocol):
@@ -86,7 +83,11 @@ class NoisyOracleClassifier:
 
 
 class _Planned(Policy):
-    """Shared body of the policies that follow the Argus allocator's plans."""
+    """Shared body of the policies that follow the Argus allocator's plans.
+
+    The allocator (``Allocator``), the strategy monitor (``StrategyMonitor``) and the router
+    (``PlanRouter``) are the product's own; this class only wires them to the simulator.
+    """
 
     prompt_aware = True
     switches_strategy = True
@@ -94,8 +95,6 @@ class _Planned(Policy):
     fixed_strategy = Strategy.AC
     switch_cost_weight = 1.0
     switch_margin = 1.5
-    realign_every = 50  # prompts between PASM re-alignments (0: only at re-plans)
-    realign_window = 200  # recent classified prompts the re-alignment uses
     spill_fraction_of_slo = 0.5  # spill off a level whose best worker would take longer
     backlog_replan_per_worker = 2.0  # re-plan at once when queues exceed this per live worker
     min_replan_interval_s = 10.0  # ... but not more often than this
@@ -109,21 +108,25 @@ class _Planned(Policy):
         self.classifier.reset(ctx)
         planner = PlannerConfig(switch_cost_weight=self.switch_cost_weight)
         forecast = LoadPredictorConfig(partial_min_s=self.min_replan_interval_s)
-        config = AllocatorConfig(planner=planner, forecast=forecast)
-        self.allocator = Allocator(ctx.profiles, config)
-        self._last_replan = -math.inf
+        self.allocator = Allocator(
+            ctx.profiles, AllocatorConfig(planner=planner, forecast=forecast)
+        )
         self.monitor = StrategyMonitor(start=self.fixed_strategy)
-        self.scheduler: PromptScheduler | None = None
-        self.rng = random.Random(self._seed)
+        spill = self.spill_fraction_of_slo * ctx.slo_s if self.spill_fraction_of_slo else None
+        self.router = PlanRouter(
+            ctx.profiles,
+            random.Random(self._seed),
+            RouterConfig(
+                prompt_aware=self.prompt_aware,
+                spill_after_s=spill,
+                backlog_replan_per_worker=self.backlog_replan_per_worker,
+                min_replan_interval_s=self.min_replan_interval_s,
+            ),
+        )
         self._timer: float | None = None
         self._strategy = self.fixed_strategy
         self._margin_until = -1.0
         self.strategy_switches = 0
-        self._plan: Plan | None = None
-        self._recent = AffinityHistogram(
-            {st: len(ctx.profiles.levels_for(st)) for st in Strategy}, self.realign_window
-        )
-        self._since_align = 0
 
     def observe_arrival(self, now_s: float) -> None:
         self.allocator.observe_arrival(now_s)
@@ -139,7 +142,6 @@ class _Planned(Policy):
         return self._timer
 
     def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
-        self._last_replan = now_s
         allowed = self._allowed_strategies(now_s)
         margin = self.switch_margin if now_s < self._margin_until else 1.0
         plan = self.allocator.plan_best(
@@ -148,11 +150,7 @@ class _Planned(Policy):
         if plan.strategy is not self._strategy:
             self.strategy_switches += 1
             self._strategy = plan.strategy
-        if not self.prompt_aware:
-            plan = _prompt_agnostic(plan)
-        self._classes = {w.worker_id: w.worker_class for w in view.workers}
-        self._plan = plan
-        self.scheduler = self._scheduler(plan)
+        self.router.install(plan, {w.worker_id: w.worker_class for w in view.workers}, now_s)
         return plan.allocation.assignment
 
     def _allowed_strategies(self, now_s: float) -> tuple[Strategy, ...]:
@@ -162,87 +160,28 @@ class _Planned(Policy):
             return (self.fixed_strategy,)
         if self.monitor.strategy is Strategy.SM:
             self.monitor.observe(now_s, self.ctx.probe_retrieval(now_s))
-        healthy = self.monitor.decide(now_s) is Strategy.AC
-        if not healthy:
-            if self._strategy is Strategy.AC:  # forced off AC: cover the reload (§4.6)
-                self._margin_until = now_s + self.ctx_period()
-            self._timer = now_s + self.monitor.config.probe_interval_s
-            return (Strategy.SM,)
-        return (Strategy.AC, Strategy.SM)
-
-    def _scheduler(self, plan: Plan) -> PromptScheduler:
-        spill = self.spill_fraction_of_slo * self.ctx.slo_s if self.spill_fraction_of_slo else None
-        return PromptScheduler.from_plan(plan, self.ctx.profiles, self._classes, self.rng, spill)
-
-    def _realign(self) -> None:
-        """Re-run ODA on the most recent prompts against the current plan's load shares.
-
-        The allocator's histogram covers the last 1000 prompts; when the prompt mix drifts
-        faster than that (PartiPrompts in file order is sorted by category), routing by a
-        stale PASM misses F and overloads some levels. ODA costs tens of microseconds, so the
-        router can afford to re-align every few dozen prompts without a new solve.
-        """
-        plan = self._plan
-        if plan is None or plan.allocation.served_qpm <= 0.0:
-            return
-        shares = plan.allocation.load_share_qpm
-        histogram = self._recent.histogram(plan.strategy)
-        shift = align(histogram, shares, plan.allocation.levels)
-        self.scheduler = self._scheduler(replace(plan, shift_map=shift))
-
-    def _replan_on_backlog(
-        self, now_s: float, queues: Mapping[str, int], down: frozenset[str]
-    ) -> None:
-        """Ask for a re-plan before the next arrival when queues build up (an event, §4.2)."""
-        if self._timer is not None or now_s - self._last_replan < self.min_replan_interval_s:
-            return
-        live = len(queues) - len(down)
-        if sum(queues.values()) > self.backlog_replan_per_worker * max(1, live):
-            self._timer = now_s
-
-    def ctx_period(self) -> float:
-        return self.allocator.config.planner.period_s
+        if self.monitor.decide(now_s) is Strategy.AC:
+            return (Strategy.AC, Strategy.SM)
+        if self._strategy is Strategy.AC:  # forced off AC: cover the reload (§4.6)
+            self._margin_until = now_s + self.allocator.config.planner.period_s
+        self._timer = now_s + self.monitor.config.probe_interval_s
+        return (Strategy.SM,)
 
     def route(
         self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
     ) -> tuple[str, str]:
-        assert self.scheduler is not None, "replan() runs before the first route()"
-        self._replan_on_backlog(now_s, queues, down)
-        strategy = self._strategy
+        if self._timer is None and self.router.wants_replan(now_s, queues, down):
+            self._timer = now_s  # queues are building: re-plan before the next arrival
         optimal = 0
         if self.prompt_aware:
-            for s in (Strategy.AC, Strategy.SM):
-                level = self.classifier.predict(s, request)
-                self.allocator.observe_classification(s, level)
-                self._recent.observe(s, level)
-                if s is strategy:
+            for strategy in (Strategy.AC, Strategy.SM):
+                level = self.classifier.predict(strategy, request)
+                self.allocator.observe_classification(strategy, level)
+                self.router.observe(strategy, level)
+                if strategy is self._strategy:
                     optimal = level
-            self._since_align += 1
-            if self.realign_every and self._since_align >= self.realign_every:
-                self._since_align = 0
-                self._realign()
-                assert self.scheduler is not None
-        decision = self.scheduler.route(optimal, queues, down)
-        return decision.worker_id, self.scheduler.levels[decision.served_level]
-
-
-def _prompt_agnostic(plan: Plan) -> Plan:
-    """The plan with every PASM row equal to the load shares F (routing ignores prompts)."""
-    shares = plan.allocation.load_share_qpm
-    total = sum(shares)
-    if total <= 0.0:
-        return plan
-    row = tuple(share / total for share in shares)
-    shift = ShiftMap(plan.shift_map.levels, tuple(row for _ in shares))
-    return Plan(
-        plan.version,
-        plan.strategy,
-        plan.allocation,
-        shift,
-        plan.forecast,
-        plan.histogram,
-        plan.created_at_s,
-    )
+        decision = self.router.route(optimal, queues, down)
+        return decision.worker_id, self.router.level_name(decision.served_level)
 
 
 class ArgusPolicy(_Planned):

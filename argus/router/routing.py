@@ -1,0 +1,148 @@
+"""The router's routing state across plans (Argus §4.3–4.4 plus what replays showed it needs).
+
+Between two plans the router keeps:
+
+* the installed plan's scheduler (PASM sampling and Eq. 3 worker selection, with spill);
+* a short histogram of recent classifications, from which it re-runs ODA every
+  ``realign_every`` prompts against the plan's load shares F. The allocator's histogram spans
+  the last 1000 prompts; when the prompt mix drifts faster than that, a stale PASM misses F and
+  overloads some levels. ODA takes tens of microseconds, so re-aligning costs nothing a solve
+  would;
+* the backlog signal: when queues exceed ``backlog_replan_per_worker`` per live worker, the
+  allocator should re-plan now rather than at the next period (at most every
+  ``min_replan_interval_s``).
+
+A prompt-agnostic router (PAC, Proteus) uses F itself as every PASM row and never re-aligns.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, replace
+
+from argus.allocator.oda import align
+from argus.allocator.predictor import AffinityHistogram
+from argus.router.scheduler import PromptScheduler
+from argus.types import Plan, ProfileSet, RouteDecision, ShiftMap, Strategy
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router routes between plans."""
+
+    prompt_aware: bool = True
+    """Route by the classifier's level through the PASM; False: by the load shares F alone."""
+
+    realign_every: int = 50
+    """Classified prompts between PASM re-alignments (0: only when a plan is installed)."""
+
+    realign_window: int = 200
+    """Recent classified prompts a re-alignment looks at."""
+
+    spill_after_s: float | None = None
+    """Spill budget of the scheduler (see ``PromptScheduler``); None turns spilling off."""
+
+    backlog_replan_per_worker: float = 2.0
+    """Queued requests per live worker above which an early re-plan is wanted."""
+
+    min_replan_interval_s: float = 10.0
+    """Early re-plans are wanted at most this often, seconds."""
+
+    def __post_init__(self) -> None:
+        if self.realign_every < 0:
+            raise ValueError(f"realign_every: must be >= 0, got {self.realign_every}")
+        if self.realign_window < 1:
+            raise ValueError(f"realign_window: must be >= 1, got {self.realign_window}")
+        if not self.backlog_replan_per_worker > 0.0:
+            raise ValueError(
+                f"backlog_replan_per_worker: must be > 0, got {self.backlog_replan_per_worker}"
+            )
+        if not self.min_replan_interval_s >= 0.0:
+            raise ValueError(
+                f"min_replan_interval_s: must be >= 0, got {self.min_replan_interval_s}"
+            )
+
+
+class PlanRouter:
+    """Routes prompts on the installed plan; one per router process."""
+
+    def __init__(self, profiles: ProfileSet, rng: random.Random, config: RouterConfig) -> None:
+        self.profiles = profiles
+        self.config = config
+        self._rng = rng
+        self._recent = AffinityHistogram(
+            {s: len(profiles.levels_for(s)) for s in Strategy if profiles.levels_for(s)},
+            config.realign_window,
+        )
+        self._plan: Plan | None = None
+        self._classes: Mapping[str, str] = {}
+        self._scheduler: PromptScheduler | None = None
+        self._since_align = 0
+        self._installed_at = -math.inf
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    def install(self, plan: Plan, worker_classes: Mapping[str, str], now_s: float) -> None:
+        """Follow ``plan`` from now on; ``worker_classes`` maps worker id → GPU class."""
+        if not self.config.prompt_aware:
+            plan = _prompt_agnostic(plan)
+        self._plan = plan
+        self._classes = dict(worker_classes)
+        self._installed_at = now_s
+        self._scheduler = self._build(plan)
+
+    def observe(self, strategy: Strategy, level_index: int) -> None:
+        """The classifier of ``strategy`` said ``level_index`` for the prompt being routed."""
+        self._recent.observe(strategy, level_index)
+
+    def route(
+        self, optimal_level: int, queues: Mapping[str, int], down: AbstractSet[str]
+    ) -> RouteDecision:
+        """Route one prompt whose classified level (for the plan's strategy) is given."""
+        if self._scheduler is None:
+            raise RuntimeError("no plan installed: install() comes before route()")
+        if self.config.prompt_aware and self.config.realign_every:
+            self._since_align += 1
+            if self._since_align >= self.config.realign_every:
+                self._since_align = 0
+                self._realign()
+        return self._scheduler.route(optimal_level, queues, down)
+
+    def level_name(self, index: int) -> str:
+        assert self._plan is not None
+        return self._plan.allocation.levels[index]
+
+    def wants_replan(self, now_s: float, queues: Mapping[str, int], down: AbstractSet[str]) -> bool:
+        """True when queues have built up enough to re-plan before the next period."""
+        if now_s - self._installed_at < self.config.min_replan_interval_s:
+            return False
+        live = max(1, len(queues) - len(down))
+        return sum(queues.values()) > self.config.backlog_replan_per_worker * live
+
+    def _realign(self) -> None:
+        plan = self._plan
+        if plan is None or plan.allocation.served_qpm <= 0.0:
+            return
+        histogram = self._recent.histogram(plan.strategy)
+        shift = align(histogram, plan.allocation.load_share_qpm, plan.allocation.levels)
+        self._scheduler = self._build(replace(plan, shift_map=shift))
+
+    def _build(self, plan: Plan) -> PromptScheduler:
+        return PromptScheduler.from_plan(
+            plan, self.profiles, self._classes, self._rng, self.config.spill_after_s
+        )
+
+
+def _prompt_agnostic(plan: Plan) -> Plan:
+    """The plan with every PASM row equal to the load shares F (routing ignores prompts)."""
+    shares = plan.allocation.load_share_qpm
+    total = sum(shares)
+    if total <= 0.0:
+        return plan
+    row = tuple(share / total for share in shares)
+    return replace(plan, shift_map=ShiftMap(plan.shift_map.levels, tuple(row for _ in shares)))
