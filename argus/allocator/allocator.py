@@ -96,20 +96,7 @@ class Allocator:
         during the AC→SM switch (1.5 in the paper). The plan's forecast is the load planned
         for: the predicted arrival rate plus the backlog's drain rate.
         """
-        planner = self.config.planner
-        margin = load_margin * self.config.headroom
-        if margin != planner.load_margin:
-            planner = PlannerConfig(planner.period_s, planner.switch_cost_weight, margin)
-        plan = make_plan(
-            self.profiles,
-            strategy,
-            workers,
-            self._with_backlog(self._load.forecast(now_s), workers),
-            self._affinity.histogram(strategy),
-            config=planner,
-            previous=self._last,
-            backend=self._backend,
-        )
+        plan = self._candidate(self._planned_load(now_s, workers), workers, strategy, load_margin)
         self._last = plan
         return plan
 
@@ -133,11 +120,8 @@ class Allocator:
         """
         if not strategies:
             raise ValueError("strategies: at least one strategy must be allowed")
-        previous = self._last
-        candidates = []
-        for strategy in strategies:
-            self._last = previous
-            candidates.append(self.plan(now_s, workers, strategy, load_margin=load_margin))
+        forecast = self._planned_load(now_s, workers)
+        candidates = [self._candidate(forecast, workers, s, load_margin) for s in strategies]
         best = max(candidates, key=lambda plan: plan.allocation.objective)
         kept = next((plan for plan in candidates if plan.strategy is prefer), None)
         if kept is not None and best.allocation.objective <= kept.allocation.objective + (
@@ -147,7 +131,28 @@ class Allocator:
         self._last = best
         return best
 
-    def _with_backlog(self, forecast: LoadForecast, workers: ClusterView) -> LoadForecast:
+    def _candidate(
+        self, forecast: LoadForecast, workers: ClusterView, strategy: Strategy, load_margin: float
+    ) -> Plan:
+        """A plan for ``strategy`` following the last one; does not change the allocator."""
+        planner = self.config.planner
+        margin = load_margin * self.config.headroom
+        if margin != planner.load_margin:
+            planner = PlannerConfig(planner.period_s, planner.switch_cost_weight, margin)
+        return make_plan(
+            self.profiles,
+            strategy,
+            workers,
+            forecast,
+            self._affinity.histogram(strategy),
+            config=planner,
+            previous=self._last,
+            backend=self._backend,
+        )
+
+    def _planned_load(self, now_s: float, workers: ClusterView) -> LoadForecast:
+        """The forecast arrival rate plus the drain rate of the backlog already queued."""
+        forecast = self._load.forecast(now_s)
         if self.config.backlog_drain_s == 0.0:
             return forecast
         backlog = sum(w.queue_length for w in workers.alive())

@@ -34,6 +34,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import pulp
 
@@ -90,13 +91,18 @@ class _Problem:
         value = max(lv.quality * self.throughput(worker_class, lv) for lv in same_model)
         return self.switch_cost_weight * load_time / self.period_s * value
 
+    @cached_property
+    def _model_of_level(self) -> dict[str, str]:
+        return {level.name: level.model for level in self.profiles.levels}
+
     def current_model(self, worker: WorkerState) -> str | None:
-        if worker.level is None:
-            return None
-        for level in self.profiles.levels:
-            if level.name == worker.level:
-                return level.model
-        return None
+        """The model ``worker`` holds now (None: nothing loaded, or a level unknown here)."""
+        return self._model_of_level.get(worker.level or "")
+
+    @cached_property
+    def holding(self) -> Counter[tuple[str, str | None]]:
+        """Live workers per (class, model held); the switching cost's starting point."""
+        return Counter((w.worker_class, self.current_model(w)) for w in self.live)
 
 
 def solve(
@@ -337,14 +343,14 @@ def _evaluate(
     remaining = problem.served_qpm
     loads: dict[tuple[str, int], float] = {}
     value = 0.0
-    for v, level in enumerate(problem.levels):
-        for (c, lv), count in sorted(workers.items()):
-            if lv != v or count <= 0:
-                continue
-            take = min(remaining, count * problem.throughput(c, level))
-            loads[c, v] = take
-            value += level.quality * take
-            remaining -= take
+    for (c, v), count in sorted(workers.items(), key=lambda item: (item[0][1], item[0][0])):
+        if count <= 0:
+            continue
+        level = problem.levels[v]
+        take = min(remaining, count * problem.throughput(c, level))
+        loads[c, v] = take
+        value += level.quality * take
+        remaining -= take
     cost = _rounded_switch_cost(problem, workers)
     feasible = remaining <= 1e-9 * max(1.0, problem.served_qpm)
     return (0 if feasible else -1, value - cost, loads, cost)
@@ -354,7 +360,7 @@ def _rounded_switch_cost(problem: _Problem, workers: Counter[tuple[str, int]]) -
     """The switching cost the ILP would charge for these counts (see _switch_cost_terms)."""
     if problem.switch_cost_weight == 0.0:
         return 0.0
-    holding = Counter((w.worker_class, problem.current_model(w)) for w in problem.live)
+    holding = problem.holding
     total = 0.0
     for c in {c for c, _ in workers}:
         on_model = Counter[str]()
@@ -387,7 +393,7 @@ def _switch_cost_terms(
     """
     if problem.switch_cost_weight == 0.0:
         return pulp.LpAffineExpression()
-    holding = Counter((w.worker_class, problem.current_model(w)) for w in problem.live)
+    holding = problem.holding
     models = sorted({level.model for level in problem.levels})
     terms = []
     for c in classes:

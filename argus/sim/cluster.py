@@ -301,7 +301,6 @@ class _Run:
         self.policy.reset(self.context)
         self._schedule_events()
         self._replan(0.0)
-        self.next_tick = self.cfg.period_s
         for i, now in enumerate(self.arrivals.tolist()):
             self._advance(now)
             self.policy.observe_arrival(now)
