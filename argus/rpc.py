@@ -33,7 +33,11 @@ def proto_files() -> list[Path]:
 
 def _outputs(proto: Path) -> list[Path]:
     stem = proto.stem
-    return [OUT_DIR / f"{stem}_pb2.py", OUT_DIR / f"{stem}_pb2.pyi", OUT_DIR / f"{stem}_pb2_grpc.py"]
+    return [
+        OUT_DIR / f"{stem}_pb2.py",
+        OUT_DIR / f"{stem}_pb2.pyi",
+        OUT_DIR / f"{stem}_pb2_grpc.py",
+    ]
 
 
 def _stale() -> bool:

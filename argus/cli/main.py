@@ -30,6 +30,12 @@ class CLISubcommand(Protocol):
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("argus.cli.plan", "PlanCommand", "solve one allocation and PASM; print JSON"),
     "replay": ("argus.cli.replay", "ReplayCommand", "replay a trace through policies (simulated)"),
+    "worker": ("argus.cli.worker", "WorkerCommand", "run a GPU worker (gRPC)"),
+    "generate": (
+        "argus.cli.generate",
+        "GenerateCommand",
+        "send a prompt to a worker, save the PNG",
+    ),
 }
 
 

@@ -66,7 +66,9 @@ TINY_VARIANTS: dict[str, TinySpec] = {
     "small-sd": TinySpec(
         xl=False, unet_channels=(16, 32), layers_per_block=1, text_hidden=16, seed=4
     ),
-    "tiny-sd": TinySpec(xl=False, unet_channels=(8, 16), layers_per_block=1, text_hidden=16, seed=5),
+    "tiny-sd": TinySpec(
+        xl=False, unet_channels=(8, 16), layers_per_block=1, text_hidden=16, seed=5
+    ),
 }
 
 
@@ -226,7 +228,7 @@ def load_pipeline_dir(path: str | Path, dtype: torch.dtype) -> Any:
     from diffusers import DiffusionPipeline
 
     kwargs: dict[str, Any] = {
-        "torch_dtype": dtype,
+        "dtype": dtype,
         "use_safetensors": True,
         "local_files_only": True,
     }
@@ -234,7 +236,7 @@ def load_pipeline_dir(path: str | Path, dtype: torch.dtype) -> Any:
         kwargs.update(safety_checker=None, requires_safety_checker=False)
     try:
         return DiffusionPipeline.from_pretrained(str(root), **kwargs)
-    except (OSError, ValueError, EnvironmentError) as err:
+    except (OSError, ValueError) as err:
         raise ModelSourceError(f"{root}: cannot load diffusers pipeline: {err}") from err
 
 

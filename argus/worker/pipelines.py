@@ -109,7 +109,8 @@ class DiffusionModel:
         generator = torch.Generator("cpu").manual_seed(spec.seed)
         shape = self.latent_shape(spec.height, spec.width)
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-        return (noise * scheduler.init_noise_sigma).to(self.device, self.dtype)
+        scaled: torch.Tensor = noise * scheduler.init_noise_sigma
+        return scaled.to(self.device, self.dtype)
 
     def encode(self, spec: GenerationSpec) -> Conditioning:
         scale = spec.guidance_scale or self.default_guidance

@@ -1,0 +1,82 @@
+"""``argus worker``: one GPU worker as a gRPC service (``argus.v1.Worker``).
+
+``--model tiny`` serves every model of the profile as a tiny seeded random variant (no GPU,
+no weights needed); ``--model DIR`` serves a diffusers directory as the AC base model, with
+``--variant NAME=DIR`` for the smaller models of the SM levels. The cache lives in
+``--cache-dir`` (latent store and Qdrant Edge shard) or, with ``--qdrant-url``, indexes in a
+Qdrant server. Prints ``argus worker ID listening on HOST:PORT`` once bound; Ctrl-C stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from argus.cli.main import CLIError
+
+
+def parse_variant(text: str) -> tuple[str, str]:
+    name, sep, directory = text.partition("=")
+    if not sep or not name or not directory:
+        raise CLIError(f"--variant: expected NAME=DIR, got {text!r}")
+    return name, directory
+
+
+class WorkerCommand:
+    name = "worker"
+    help = "Run a GPU worker (gRPC) serving the profile's levels."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model", default="tiny", help="'tiny' or a diffusers directory")
+        parser.add_argument(
+            "--variant", action="append", default=[], help="NAME=DIR of a smaller model"
+        )
+        parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+        parser.add_argument("--port", type=int, default=0, help="port (0: any free port)")
+        parser.add_argument("--worker-id", default="worker-0")
+        parser.add_argument("--profile", help="profile file (default: the embedded one)")
+        parser.add_argument("--level", help="level served at start (default: the first AC level)")
+        parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+        parser.add_argument("--dtype", default="auto", help="auto, fp32, fp16 or bf16")
+        parser.add_argument("--scheduler", default="euler", help="euler, ddim or dpm++")
+        parser.add_argument("--memory-budget-gib", type=float, help="model memory budget")
+        parser.add_argument("--no-cache", action="store_true", help="serve without AC caching")
+        parser.add_argument("--cache-dir", help="latent store and Qdrant Edge directory")
+        parser.add_argument("--qdrant-url", help="Qdrant server URL (default: Qdrant Edge)")
+        parser.add_argument("--cache-max-entries", type=int, default=100_000)
+        parser.add_argument("--cache-max-bytes", type=int)
+        parser.add_argument("--min-similarity", type=float, default=0.0)
+        parser.add_argument("--default-size", type=int, default=64, help="pixels (tiny: 64)")
+        parser.add_argument("--default-steps", type=int, default=50)
+        parser.add_argument("--max-queue", type=int, default=64)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from argus.worker.app import WorkerSettings, serve
+
+        if not 0 <= args.port < 65536:
+            raise CLIError(f"--port: {args.port} outside 0..65535")
+        settings = WorkerSettings(
+            model=args.model,
+            variants=tuple(parse_variant(v) for v in args.variant),
+            host=args.host,
+            port=args.port,
+            worker_id=args.worker_id,
+            profile=args.profile,
+            level=args.level,
+            device=args.device,
+            dtype=args.dtype,
+            scheduler=args.scheduler,
+            memory_budget_gib=args.memory_budget_gib,
+            cache=not args.no_cache,
+            cache_dir=args.cache_dir,
+            qdrant_url=args.qdrant_url,
+            cache_max_entries=args.cache_max_entries,
+            cache_max_bytes=args.cache_max_bytes,
+            min_similarity=args.min_similarity,
+            default_size=args.default_size,
+            default_steps=args.default_steps,
+            max_queue=args.max_queue,
+        )
+        try:
+            return serve(settings)
+        except ValueError as err:
+            raise CLIError(str(err)) from None

@@ -1,0 +1,2 @@
+"""The GPU worker: diffusers pipelines at approximation levels, the approximate cache, the gRPC
+service (``argus worker``)."""

@@ -1,0 +1,168 @@
+"""Assemble a worker process from its settings: models, cache, encoder, engine, gRPC server.
+
+:class:`WorkerSettings` is the one config type of a worker; every ``argus worker`` flag (and,
+later, every Helm value) maps to one field.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from argus.profiles import default_profiles, load_profiles
+from argus.types import ProfileSet, Strategy
+from argus.worker.engine import Worker, WorkerConfig
+from argus.worker.models import TINY_PREFIX, TINY_VARIANTS
+from argus.worker.registry import ModelRegistry
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    model: str = "tiny"  # "tiny", or a diffusers directory for the AC base model
+    variants: tuple[tuple[str, str], ...] = ()  # extra (model name, directory) pairs for SM
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port, printed at start
+    worker_id: str = "worker-0"
+    profile: str | None = None  # a profile file; None: the embedded default
+    level: str | None = None  # the level served at start; None: the first AC level
+    device: str = "auto"
+    dtype: str = "auto"
+    scheduler: str = "euler"
+    memory_budget_gib: float | None = None
+    # approximate cache
+    cache: bool = True
+    cache_dir: str | None = None  # latent store and Qdrant Edge shard; None: a temp dir
+    qdrant_url: str | None = None  # a Qdrant server; None: Qdrant Edge in process
+    qdrant_collection: str = "argus-prompts"
+    cache_max_entries: int | None = 100_000
+    cache_max_bytes: int | None = None
+    min_similarity: float = 0.0
+    encoder_dir: str | None = None  # BERT directory for prompt embeddings; None: MiniLM
+    # request path
+    default_size: int = 64
+    default_steps: int = 50
+    max_queue: int = 64
+    threads: int = 16
+
+
+def model_sources(settings: WorkerSettings, profiles: ProfileSet) -> dict[str, str]:
+    """Model name → source: every profile model as a tiny variant, or the given directories."""
+    names = sorted({lv.model for lv in profiles.levels})
+    if settings.model == "tiny":
+        missing = [n for n in names if n not in TINY_VARIANTS]
+        if missing:
+            raise ValueError(f"model tiny: no tiny variant for {', '.join(missing)}")
+        return {n: TINY_PREFIX + n for n in names}
+    base = base_model_name(profiles)
+    sources = {base: str(Path(settings.model))}
+    for name, directory in settings.variants:
+        if name not in names:
+            raise ValueError(f"variant {name}: not a model of the profile ({', '.join(names)})")
+        sources[name] = str(Path(directory))
+    return sources
+
+
+def base_model_name(profiles: ProfileSet) -> str:
+    ac = sorted({lv.model for lv in profiles.levels if lv.strategy is Strategy.AC})
+    if len(ac) == 1:
+        return ac[0]
+    return profiles.levels[0].model
+
+
+def build_cache(settings: WorkerSettings, dim: int) -> Any:
+    from argus.worker.cache import (
+        ApproximateCache,
+        EdgeVectorIndex,
+        LatentStore,
+        QdrantServerIndex,
+    )
+
+    root = Path(settings.cache_dir) if settings.cache_dir else _temp_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    index: Any
+    if settings.qdrant_url:
+        index = QdrantServerIndex(settings.qdrant_url, settings.qdrant_collection, dim)
+    else:
+        index = EdgeVectorIndex(root / "qdrant-edge", dim)
+    store = LatentStore(root / "latents")
+    return ApproximateCache(
+        index,
+        store,
+        max_entries=settings.cache_max_entries,
+        max_bytes=settings.cache_max_bytes,
+        min_similarity=settings.min_similarity,
+    )
+
+
+def _temp_dir() -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="argus-cache-"))
+
+
+def build_worker(settings: WorkerSettings, *, wait_for_model: bool = True) -> Worker:
+    profiles = load_profiles(settings.profile) if settings.profile else default_profiles()
+    sources = model_sources(settings, profiles)
+    budget = (
+        int(settings.memory_budget_gib * 2**30) if settings.memory_budget_gib is not None else None
+    )
+    registry = ModelRegistry(
+        sources,
+        device=settings.device,
+        dtype=settings.dtype,
+        scheduler=settings.scheduler,
+        memory_budget_bytes=budget,
+    )
+    cache = encoder = None
+    if settings.cache:
+        from argus.embedding import PromptEmbedder
+
+        encoder = PromptEmbedder(settings.encoder_dir, device=registry.device)
+        cache = build_cache(settings, encoder.dim)
+    config = WorkerConfig(
+        worker_id=settings.worker_id,
+        default_width=settings.default_size,
+        default_height=settings.default_size,
+        default_steps=settings.default_steps,
+        max_queue=settings.max_queue,
+    )
+    worker = Worker(
+        profiles, registry, cache=cache, encoder=encoder, config=config, level=settings.level
+    )
+    worker.configure(wait=wait_for_model)
+    return worker
+
+
+def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> int:
+    """Run a worker until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
+    from argus.worker.service import create_server
+
+    worker = build_worker(settings, wait_for_model=False)
+    server, port, servicer = create_server(
+        worker, f"{settings.host}:{settings.port}", threads=settings.threads
+    )
+    # health turns SERVING when the first model is ready (it loads in the background)
+    loading = worker.registry.activate(worker.level.model)
+    loading.add_done_callback(lambda _: servicer.update_health())
+    server.start()
+    print(f"argus worker {settings.worker_id} listening on {settings.host}:{port}", flush=True)
+    stop = threading.Event()
+
+    def _stop(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    if ready is not None:
+        ready.set()
+    try:
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.stop(grace=5).wait()
+        worker.close()
+        servicer.update_health()
+    return 0

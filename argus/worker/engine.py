@@ -1,0 +1,430 @@
+"""The worker's request path, without the transport: validate, queue, pick the model, use the
+approximate cache, denoise, decode, count.
+
+One generation runs at a time (a diffusion model saturates its GPU; the paper finds batching
+buys little, §4.4), so requests wait on a semaphore; the queue is bounded and a full queue is
+refused at once (:class:`QueueFullError`) instead of growing without bound.
+
+A request names a *level* of the worker's profile (or gets the configured one):
+
+* AC level with K > 0: embed the prompt, find the nearest cached prompt with the same model,
+  scheduler, resolution and steps, fetch its latent at step K and denoise the remaining N−K
+  steps. A miss, or a missing or corrupt latent, falls back to a full generation, counted;
+  it is never an error.
+* AC level with K = 0, or a miss: a full generation. When it ran on the AC base model its
+  latents at the cache's steps are stored, off the request path (a single writer thread with
+  a bounded backlog; a full backlog drops the insert and counts it).
+* SM level: a full generation on that level's model.
+
+If the level's model is not loaded the active model serves the request at the same K (AC) or
+from noise (SM) and the response says ``substituted``; loads are the job of ``configure``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from argus.types import Level, ProfileSet, Strategy
+from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.registry import ModelInfo, ModelRegistry
+
+MAX_PROMPT_CHARS = 64 * 1024  # the tokenizer keeps 77 tokens; more text is only a burden
+MAX_STEPS = 1000
+
+
+class InvalidRequestError(ValueError):
+    """A request the worker will not run; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class CacheOutcome(Enum):
+    NOT_USED = "not-used"
+    HIT = "hit"
+    MISS = "miss"
+
+
+class PromptEncoder(Protocol):
+    def embed_one(self, prompt: str) -> npt.NDArray[np.float32]: ...
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str = "worker-0"
+    default_width: int = 64
+    default_height: int = 64
+    default_steps: int = 50
+    max_pixels: int = 2048 * 2048
+    max_side: int = 2048
+    max_queue: int = 64
+    pending_inserts: int = 32
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """A request as the transport hands it over; ``None`` means absent."""
+
+    prompt: str
+    negative_prompt: str = ""
+    seed: int = 0
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+    level: str = ""
+    guidance_scale: float | None = None
+    request_id: str = ""
+    adapters: tuple[Any, ...] = ()
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    png: bytes
+    level: str
+    strategy: Strategy
+    model: str
+    scheduler: str
+    steps_run: int
+    start_step: int
+    cache: CacheOutcome
+    cache_miss_reason: str = ""
+    similarity: float = 0.0
+    substituted: bool = False
+    timing_ms: dict[str, float] = field(default_factory=dict)
+    image_size: tuple[int, int] = (0, 0)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    strategy: Strategy
+    level: str
+    queue_length: int
+    completed: int
+    failed: int
+    substituted: int
+    models: list[ModelInfo]
+    cache: Any  # the cache's own stats object, or None without a cache
+    memory_budget_bytes: int
+    memory_used_bytes: int
+    dropped_inserts: int
+
+
+class Worker:
+    """Serves generation requests at the levels of ``profiles`` on the models in ``registry``."""
+
+    def __init__(
+        self,
+        profiles: ProfileSet,
+        registry: ModelRegistry,
+        *,
+        cache: Any | None = None,
+        encoder: PromptEncoder | None = None,
+        config: WorkerConfig | None = None,
+        level: str | None = None,
+    ) -> None:
+        self.profiles = profiles
+        self.registry = registry
+        self.cache = cache
+        self.encoder = encoder
+        self.config = config or WorkerConfig()
+        self._levels = {lv.name: lv for lv in profiles.levels}
+        ac_models = {lv.model for lv in profiles.levels if lv.strategy is Strategy.AC}
+        # the model AC levels run on; its full generations feed the cache
+        self.base_model = next(iter(ac_models)) if len(ac_models) == 1 else None
+        initial = level or self._default_level()
+        self.level = self._level(initial, "level")
+        self.strategy = self.level.strategy
+        self._slots = threading.Semaphore(1)
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._counts: Counter[str] = Counter()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-insert")
+        self._pending: set[Future[Any]] = set()
+
+    def _default_level(self) -> str:
+        fastest_ac = [lv for lv in self.profiles.levels if lv.strategy is Strategy.AC]
+        return (fastest_ac or list(self.profiles.levels))[0].name
+
+    def _level(self, name: str, field_name: str) -> Level:
+        if name not in self._levels:
+            raise InvalidRequestError(field_name, f"unknown level {name!r}")
+        return self._levels[name]
+
+    # -- configuration ---------------------------------------------------------------------
+
+    def configure(
+        self,
+        *,
+        strategy: Strategy | None = None,
+        level: str = "",
+        variant: str = "",
+        wait: bool = False,
+    ) -> Future[DiffusionModel]:
+        """Set the default level and strategy; load and activate ``variant`` (or the level's
+        model) in the background, or before returning with ``wait``. Returns the load."""
+        new_level = self._level(level, "level") if level else self.level
+        if strategy is not None and level and new_level.strategy is not strategy:
+            raise InvalidRequestError(
+                "level", f"{new_level.name} is an {new_level.strategy.value} level, not {strategy}"
+            )
+        model = variant or new_level.model
+        future = self.registry.activate(model)  # raises on an unknown variant or no memory
+        with self._lock:
+            self.level = new_level
+            self.strategy = strategy or new_level.strategy
+        if wait:
+            future.result()
+        return future
+
+    # -- validation ------------------------------------------------------------------------
+
+    def validate(self, call: GenerateCall) -> tuple[GenerationSpec, Level]:
+        cfg = self.config
+        if not isinstance(call.prompt, str):
+            raise InvalidRequestError("prompt", "must be text")
+        if len(call.prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError(
+                "prompt", f"{len(call.prompt)} characters; at most {MAX_PROMPT_CHARS}"
+            )
+        if len(call.negative_prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError("negative_prompt", f"at most {MAX_PROMPT_CHARS} characters")
+        width = cfg.default_width if call.width is None else call.width
+        height = cfg.default_height if call.height is None else call.height
+        for name, value in (("width", width), ("height", height)):
+            if value <= 0:
+                raise InvalidRequestError(name, f"{value} must be positive")
+            if value % 8:
+                raise InvalidRequestError(name, f"{value} is not a multiple of 8")
+            if value > cfg.max_side:
+                raise InvalidRequestError(name, f"{value} exceeds the maximum {cfg.max_side}")
+        if width * height > cfg.max_pixels:
+            raise InvalidRequestError("width", f"{width}×{height} exceeds {cfg.max_pixels} pixels")
+        steps = cfg.default_steps if call.steps is None else call.steps
+        if not 1 <= steps <= MAX_STEPS:
+            raise InvalidRequestError("steps", f"{steps} outside 1..{MAX_STEPS}")
+        if call.guidance_scale is not None and not (
+            math.isfinite(call.guidance_scale) and 0.0 <= call.guidance_scale <= 50.0
+        ):
+            raise InvalidRequestError("guidance_scale", f"{call.guidance_scale} outside [0, 50]")
+        if not 0 <= call.seed < 2**64:
+            raise InvalidRequestError("seed", "must fit in 64 bits unsigned")
+        if call.adapters:
+            raise InvalidRequestError("adapters", "this worker serves no adapters yet")
+        level = self._level(call.level, "level") if call.level else self.level
+        if level.skip_steps >= steps:
+            raise InvalidRequestError(
+                "level", f"{level.name} skips K={level.skip_steps} of N={steps} steps; K < N needed"
+            )
+        spec = GenerationSpec(
+            prompt=call.prompt,
+            negative_prompt=call.negative_prompt,
+            seed=call.seed,
+            height=height,
+            width=width,
+            steps=steps,
+            guidance_scale=call.guidance_scale or 0.0,
+        )
+        return spec, level
+
+    # -- the request path ------------------------------------------------------------------
+
+    def generate(self, call: GenerateCall) -> GenerateResult:
+        spec, level = self.validate(call)
+        with self._lock:
+            if self._queued >= self.config.max_queue:
+                self._counts["rejected"] += 1
+                raise QueueFullError(
+                    f"queue full ({self._queued} requests waiting or running); retry later"
+                )
+            self._queued += 1
+        arrived = time.perf_counter()
+        try:
+            with self._slots:
+                started = time.perf_counter()
+                result = self._run(spec, level, call.request_id)
+            result.timing_ms["queue_ms"] = (started - arrived) * 1e3
+            result.timing_ms["total_ms"] = (time.perf_counter() - arrived) * 1e3
+            with self._lock:
+                self._counts["completed"] += 1
+                self._counts["substituted"] += result.substituted
+            return result
+        except Exception:
+            with self._lock:
+                self._counts["failed"] += 1
+            raise
+        finally:
+            with self._lock:
+                self._queued -= 1
+
+    def _run(self, spec: GenerationSpec, level: Level, request_id: str) -> GenerateResult:
+        model = self.registry.get(level.model)
+        substituted = model is None
+        if model is None:
+            model = self.registry.active()
+            if model is None:
+                raise RuntimeError("no model is loaded yet")
+        timing: dict[str, float] = {}
+        outcome = CacheOutcome.NOT_USED
+        miss_reason = ""
+        similarity = 0.0
+        start_latents: torch.Tensor | None = None
+        start_step = 0
+        embedding: npt.NDArray[np.float32] | None = None
+        key = self._cache_key(model, spec) if self.cache is not None else None
+        use_cache = (
+            level.strategy is Strategy.AC and level.skip_steps > 0 and self.cache is not None
+        )
+        if use_cache and self.encoder is not None:
+            began = time.perf_counter()
+            embedding = self.encoder.embed_one(spec.prompt)
+            timing["embed_ms"] = (time.perf_counter() - began) * 1e3
+            found = self.cache.lookup(embedding, key, level.skip_steps)  # type: ignore[union-attr]
+            timing["search_ms"] = found.search_s * 1e3
+            timing["fetch_ms"] = found.fetch_s * 1e3
+            if hasattr(found, "latent"):
+                outcome = CacheOutcome.HIT
+                start_latents = found.latent
+                start_step = level.skip_steps
+                similarity = float(found.similarity)
+            else:
+                outcome = CacheOutcome.MISS
+                miss_reason = str(found.reason)
+        elif use_cache:
+            outcome, miss_reason = CacheOutcome.MISS, "no-encoder"
+        feeds_cache = (
+            start_step == 0
+            and self.cache is not None
+            and model.name == self.base_model
+            and level.strategy is Strategy.AC
+        )
+        capture = self._cache_steps(spec.steps) if feeds_cache else ()
+        result = model.denoise(
+            spec, start_latents=start_latents, start_step=start_step, capture=capture
+        )
+        timing["encode_ms"] = result.encode_s * 1e3
+        timing["denoise_ms"] = result.denoise_s * 1e3
+        began = time.perf_counter()
+        image = model.decode(result.latents)
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        timing["decode_ms"] = (time.perf_counter() - began) * 1e3
+        if feeds_cache and result.captured:
+            self._insert_later(spec.prompt, embedding, key, result.captured)
+        return GenerateResult(
+            request_id=request_id,
+            png=png.getvalue(),
+            level=level.name,
+            strategy=level.strategy,
+            model=model.name,
+            scheduler=model.scheduler_name,
+            steps_run=result.steps_run,
+            start_step=start_step,
+            cache=outcome,
+            cache_miss_reason=miss_reason,
+            similarity=similarity,
+            substituted=substituted,
+            timing_ms=timing,
+            image_size=image.size,
+        )
+
+    # -- the cache -------------------------------------------------------------------------
+
+    def _cache_key(self, model: DiffusionModel, spec: GenerationSpec) -> Any:
+        from argus.worker.cache import CacheKey
+
+        return CacheKey(
+            model=model.name,
+            scheduler=model.scheduler_name,
+            height=spec.height,
+            width=spec.width,
+            steps=spec.steps,
+        )
+
+    def _cache_steps(self, steps: int) -> tuple[int, ...]:
+        assert self.cache is not None
+        return tuple(k for k in self.cache.cache_steps if 0 < k < steps)
+
+    def _insert_later(
+        self,
+        prompt: str,
+        embedding: npt.NDArray[np.float32] | None,
+        key: Any,
+        latents: dict[int, torch.Tensor],
+    ) -> None:
+        with self._lock:
+            self._pending = {f for f in self._pending if not f.done()}
+            if len(self._pending) >= self.config.pending_inserts:
+                self._counts["dropped_inserts"] += 1
+                return
+            future = self._writer.submit(self._insert, prompt, embedding, key, latents)
+            self._pending.add(future)
+
+    def _insert(
+        self,
+        prompt: str,
+        embedding: npt.NDArray[np.float32] | None,
+        key: Any,
+        latents: dict[int, torch.Tensor],
+    ) -> None:
+        if self.encoder is None or self.cache is None:
+            return
+        vector = self.encoder.embed_one(prompt) if embedding is None else embedding
+        try:
+            self.cache.insert(vector, key, prompt, latents)
+        except Exception:
+            with self._lock:
+                self._counts["failed_inserts"] += 1
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until the cache inserts submitted so far are written."""
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.result(timeout=timeout_s)
+
+    # -- stats and shutdown ----------------------------------------------------------------
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            counts = dict(self._counts)
+            queued = self._queued
+            level, strategy = self.level.name, self.strategy
+        return WorkerStats(
+            worker_id=self.config.worker_id,
+            strategy=strategy,
+            level=level,
+            queue_length=queued,
+            completed=counts.get("completed", 0),
+            failed=counts.get("failed", 0),
+            substituted=counts.get("substituted", 0),
+            models=self.registry.infos(),
+            cache=self.cache.stats() if self.cache is not None else None,
+            memory_budget_bytes=self.registry.budget,
+            memory_used_bytes=self.registry.used_bytes(),
+            dropped_inserts=counts.get("dropped_inserts", 0),
+        )
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self.registry.close()
+        if self.cache is not None:
+            self.cache.close()

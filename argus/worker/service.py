@@ -1,0 +1,227 @@
+"""The worker's gRPC service (``argus.v1.Worker``), standard health checking and reflection.
+
+The servicer only converts protobuf ↔ :mod:`argus.worker.engine` values and maps errors to
+status codes; the work is the engine's:
+
+* :class:`~argus.worker.engine.InvalidRequestError` → ``INVALID_ARGUMENT`` naming the field;
+* :class:`~argus.worker.engine.QueueFullError` → ``RESOURCE_EXHAUSTED``;
+* an unknown variant → ``INVALID_ARGUMENT`` on ``variant``; a load that does not fit →
+  ``RESOURCE_EXHAUSTED``;
+* no model loaded yet → ``UNAVAILABLE``; anything else → ``INTERNAL`` with the error's text,
+  and the worker keeps serving.
+
+Health (``grpc.health.v1``) says ``NOT_SERVING`` until a model is loaded; it is answered by
+the gRPC thread pool, never behind the denoising semaphore.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from argus import rpc
+from argus.types import Strategy
+from argus.worker.engine import (
+    CacheOutcome,
+    GenerateCall,
+    GenerateResult,
+    InvalidRequestError,
+    QueueFullError,
+    Worker,
+    WorkerStats,
+)
+from argus.worker.registry import LoadState, MemoryGuardError, ModelInfo, UnknownModelError
+
+common_pb2: Any = rpc.load("common_pb2")
+worker_pb2: Any = rpc.load("worker_pb2")
+worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
+
+SERVICE_NAME = "argus.v1.Worker"
+
+_STRATEGY_TO_PB = {Strategy.AC: 1, Strategy.SM: 2}
+_CACHE_TO_PB = {CacheOutcome.NOT_USED: 1, CacheOutcome.HIT: 2, CacheOutcome.MISS: 3}
+_STATE_TO_PB = {LoadState.LOADING: 1, LoadState.READY: 2, LoadState.FAILED: 3}
+
+
+# -- conversions ---------------------------------------------------------------------------
+
+
+def call_from_pb(request: Any) -> GenerateCall:
+    return GenerateCall(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        seed=request.seed,
+        width=request.width if request.HasField("width") else None,
+        height=request.height if request.HasField("height") else None,
+        steps=request.steps if request.HasField("steps") else None,
+        level=request.level,
+        guidance_scale=request.guidance_scale if request.HasField("guidance_scale") else None,
+        request_id=request.request_id,
+        adapters=tuple(request.adapters),
+    )
+
+
+def result_to_pb(result: GenerateResult, worker_id: str) -> Any:
+    t = result.timing_ms
+    return worker_pb2.GenerateResponse(
+        request_id=result.request_id,
+        png=result.png,
+        level=result.level,
+        strategy=_STRATEGY_TO_PB[result.strategy],
+        model=result.model,
+        steps_run=result.steps_run,
+        start_step=result.start_step,
+        cache=_CACHE_TO_PB[result.cache],
+        cache_miss_reason=result.cache_miss_reason,
+        similarity=result.similarity,
+        timing=worker_pb2.Timing(
+            queue_ms=t.get("queue_ms", 0.0),
+            search_ms=t.get("search_ms", 0.0),
+            fetch_ms=t.get("fetch_ms", 0.0),
+            encode_ms=t.get("encode_ms", 0.0),
+            denoise_ms=t.get("denoise_ms", 0.0),
+            decode_ms=t.get("decode_ms", 0.0),
+            total_ms=t.get("total_ms", 0.0),
+        ),
+        worker_id=worker_id,
+        substituted=result.substituted,
+        scheduler=result.scheduler,
+    )
+
+
+def model_to_pb(info: ModelInfo) -> Any:
+    return worker_pb2.ModelState(
+        name=info.name,
+        source=info.source,
+        state=_STATE_TO_PB[info.state],
+        load_s=info.load_s,
+        bytes=info.bytes,
+        active=info.active,
+        error=info.error,
+    )
+
+
+def stats_to_pb(stats: WorkerStats) -> Any:
+    cache = stats.cache
+    message = worker_pb2.StatsResponse(
+        worker_id=stats.worker_id,
+        strategy=_STRATEGY_TO_PB[stats.strategy],
+        level=stats.level,
+        queue_length=stats.queue_length,
+        completed=stats.completed,
+        failed=stats.failed,
+        substituted=stats.substituted,
+        models=[model_to_pb(m) for m in stats.models],
+        memory_budget_bytes=stats.memory_budget_bytes,
+        memory_used_bytes=stats.memory_used_bytes,
+    )
+    if cache is not None:
+        message.search_p50_ms = cache.search_p50_s * 1e3
+        message.search_p99_ms = cache.search_p99_s * 1e3
+        message.fetch_p50_ms = cache.fetch_p50_s * 1e3
+        message.fetch_p99_ms = cache.fetch_p99_s * 1e3
+        message.cache_entries = cache.entries
+        message.cache_bytes = cache.bytes
+        message.cache_hits = cache.hits
+        message.cache_misses = sum(cache.misses.values())
+    return message
+
+
+def strategy_from_pb(value: int) -> Strategy | None:
+    return {1: Strategy.AC, 2: Strategy.SM}.get(value)
+
+
+# -- the servicer --------------------------------------------------------------------------
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
+    def __init__(self, worker: Worker, health_servicer: health.HealthServicer) -> None:
+        self.worker = worker
+        self.health = health_servicer
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            result = self.worker.generate(call_from_pb(request))
+        except InvalidRequestError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except QueueFullError as err:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        except RuntimeError as err:
+            if "no model is loaded" in str(err):
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+        except Exception as err:
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+        return result_to_pb(result, self.worker.config.worker_id)
+
+    def Configure(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            future = self.worker.configure(
+                strategy=strategy_from_pb(request.strategy),
+                level=request.level,
+                variant=request.variant,
+                wait=request.wait,
+            )
+        except InvalidRequestError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except UnknownModelError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except MemoryGuardError as err:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        except Exception as err:  # a failed load reported through wait
+            context.abort(grpc.StatusCode.INTERNAL, f"variant: load failed: {err}")
+        future.add_done_callback(lambda _: self.update_health())
+        self.update_health()
+        stats = self.worker.stats()
+        return worker_pb2.ConfigureResponse(
+            strategy=_STRATEGY_TO_PB[stats.strategy],
+            level=stats.level,
+            models=[model_to_pb(m) for m in stats.models],
+        )
+
+    def Stats(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return stats_to_pb(self.worker.stats())
+
+    def update_health(self) -> None:
+        ready = self.worker.registry.active() is not None
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+
+def create_server(
+    worker: Worker, address: str = "127.0.0.1:0", *, threads: int = 16
+) -> tuple[grpc.Server, int, WorkerServicer]:
+    """A started-later gRPC server bound to ``address``; returns it with the bound port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
+        options=[
+            ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ],
+    )
+    health_servicer = health.HealthServicer()
+    servicer = WorkerServicer(worker, health_servicer)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    servicer.update_health()
+    return server, port, servicer

@@ -1,0 +1,7 @@
+"""Test-session settings that must be in place before any test module imports grpc."""
+
+import os
+
+# Tests start real worker processes (subprocess, fork + exec) while the test process holds
+# live gRPC channels; grpc's fork handlers can then stall the parent's new connections.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

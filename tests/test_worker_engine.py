@@ -1,0 +1,177 @@
+"""The worker's request path without transport: validation, levels, substitution, the queue
+bound, model switching and the memory guard."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from argus.types import Strategy
+from argus.worker.engine import (
+    CacheOutcome,
+    GenerateCall,
+    InvalidRequestError,
+    QueueFullError,
+)
+from argus.worker.models import estimate_bytes
+from argus.worker.registry import LoadState, MemoryGuardError, UnknownModelError
+from tests.worker_factories import STEPS, make_registry, make_worker
+
+
+@pytest.fixture(scope="module")
+def worker() -> Any:
+    w = make_worker()
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (GenerateCall("x", width=0), "width"),
+        (GenerateCall("x", width=-64), "width"),
+        (GenerateCall("x", height=60), "height"),
+        (GenerateCall("x", width=1 << 20), "width"),
+        (GenerateCall("x", width=2048, height=2048 + 8), "height"),
+        (GenerateCall("x", steps=0), "steps"),
+        (GenerateCall("x", steps=-3), "steps"),
+        (GenerateCall("x", steps=1001), "steps"),
+        (GenerateCall("x", level="ac-k99"), "level"),
+        (GenerateCall("x", level="ac-k10", steps=10), "level"),
+        (GenerateCall("x", level="ac-k25", steps=20), "level"),
+        (GenerateCall("x", guidance_scale=float("nan")), "guidance_scale"),
+        (GenerateCall("x", guidance_scale=-1.0), "guidance_scale"),
+        (GenerateCall("x" * (64 * 1024 + 1)), "prompt"),
+        (GenerateCall("x", seed=-1), "seed"),
+        (GenerateCall("x", adapters=("lora",)), "adapters"),
+    ],
+)
+def test_bad_requests_name_the_field(worker: Any, call: GenerateCall, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        worker.generate(call)
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}:")
+
+
+def test_bad_requests_leave_the_worker_serving(worker: Any) -> None:
+    failed_before = worker.stats().failed
+    for bad in (GenerateCall("x", width=0), GenerateCall("x", steps=0)):
+        with pytest.raises(InvalidRequestError):
+            worker.generate(bad)
+    result = worker.generate(GenerateCall("a lighthouse at dusk", width=32, height=48))
+    image = Image.open(io.BytesIO(result.png))
+    assert image.size == (32, 48)
+    assert worker.stats().failed == failed_before  # refused before queueing
+
+
+def test_ac_level_without_a_cache_is_a_full_generation(worker: Any) -> None:
+    result = worker.generate(GenerateCall("a fox", level="ac-k5"))
+    assert result.level == "ac-k5"
+    assert result.strategy is Strategy.AC
+    assert result.model == "sdxl"
+    assert result.start_step == 0
+    assert result.steps_run == STEPS
+    assert result.cache is CacheOutcome.NOT_USED
+
+
+def test_unloaded_level_model_is_served_by_the_active_one(worker: Any) -> None:
+    before = worker.stats().substituted
+    result = worker.generate(GenerateCall("a fox", level="sm-tiny-sd"))
+    assert result.substituted
+    assert result.model == "sdxl"
+    assert result.level == "sm-tiny-sd"
+    assert worker.stats().substituted == before + 1
+
+
+def test_empty_and_whitespace_prompts_generate(worker: Any) -> None:
+    for prompt in ("", "   \n\t"):
+        assert worker.generate(GenerateCall(prompt)).png.startswith(b"\x89PNG")
+
+
+def test_full_queue_is_refused_not_grown() -> None:
+    worker = make_worker(max_queue=1)
+    try:
+        worker._slots.acquire()  # the "GPU" is busy
+        done: list[Any] = []
+        waiting = threading.Thread(target=lambda: done.append(worker.generate(GenerateCall("a"))))
+        waiting.start()
+        while worker.stats().queue_length < 1:
+            time.sleep(0.005)
+        with pytest.raises(QueueFullError, match="queue full"):
+            worker.generate(GenerateCall("b"))
+        worker._slots.release()
+        waiting.join(timeout=60)
+        assert len(done) == 1
+        assert worker.stats().queue_length == 0
+    finally:
+        worker.close()
+
+
+def test_configure_switches_model_in_the_background_and_unloads_the_old() -> None:
+    worker = make_worker()
+    try:
+        future = worker.configure(level="sm-sd-1.5")
+        # the old model keeps serving until the new one is ready
+        served = worker.generate(GenerateCall("a boat", level="ac-k0"))
+        assert served.model in ("sdxl", "sd-1.5")
+        future.result(timeout=60)
+        states = {m.name: m for m in worker.stats().models}
+        assert list(states) == ["sd-1.5"]
+        assert states["sd-1.5"].state is LoadState.READY
+        assert states["sd-1.5"].active
+        assert states["sd-1.5"].load_s > 0
+        assert worker.stats().level == "sm-sd-1.5"
+        assert worker.stats().strategy is Strategy.SM
+        result = worker.generate(GenerateCall("a boat"))
+        assert (result.model, result.substituted) == ("sd-1.5", False)
+    finally:
+        worker.close()
+
+
+def test_configure_rejects_a_level_of_the_other_strategy(worker: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="level"):
+        worker.configure(strategy=Strategy.AC, level="sm-sd-1.5")
+
+
+def test_unknown_variant_is_refused() -> None:
+    registry = make_registry()
+    try:
+        with pytest.raises(UnknownModelError, match="variant 'sd-9'"):
+            registry.activate("sd-9")
+    finally:
+        registry.close()
+
+
+def test_memory_guard_refuses_a_load_that_does_not_fit() -> None:
+    xl = estimate_bytes("tiny:sdxl", torch.float32)
+    small = estimate_bytes("tiny:tiny-sd", torch.float32)
+    registry = make_registry(memory_budget_bytes=xl + small // 2)
+    try:
+        registry.activate("sdxl").result(timeout=60)
+        # a switch holds both models until the new one is ready: tiny-sd does not fit beside
+        with pytest.raises(MemoryGuardError, match=r"'tiny-sd'.*budget"):
+            registry.activate("tiny-sd")
+        assert [m.name for m in registry.infos()] == ["sdxl"]
+        assert registry.active_name == "sdxl"
+    finally:
+        registry.close()
+
+
+def test_a_superseded_load_does_not_stay_resident() -> None:
+    registry = make_registry()
+    try:
+        registry.activate("sdxl").result(timeout=60)
+        first = registry.activate("sd-1.5")
+        second = registry.activate("small-sd")
+        first.result(timeout=60)
+        second.result(timeout=60)
+        assert registry.active_name == "small-sd"
+        assert [m.name for m in registry.infos()] == ["small-sd"]
+    finally:
+        registry.close()

@@ -1,0 +1,214 @@
+"""The worker's gRPC service: Generate/Configure/Stats, status codes for bad input, health,
+reflection, and the ``argus worker`` process."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from PIL import Image
+
+from argus import rpc
+from argus.worker.service import create_server
+from tests.worker_factories import STEPS, make_worker
+
+worker_pb2: Any = rpc.load("worker_pb2")
+worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[Any, grpc.Channel]]:
+    worker = make_worker(max_queue=8)
+    server, port, _ = create_server(worker, "127.0.0.1:0", threads=4)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield worker, channel
+    channel.close()
+    server.stop(grace=None)
+    worker.close()
+
+
+def stub(channel: grpc.Channel) -> Any:
+    return worker_pb2_grpc.WorkerStub(channel)
+
+
+def test_generate_returns_a_png_and_its_breakdown(served: Any) -> None:
+    _, channel = served
+    request = worker_pb2.GenerateRequest(request_id="r1", prompt="a kite", seed=5, level="ac-k5")
+    request.width, request.height = 48, 32
+    reply = stub(channel).Generate(request, timeout=60)
+    image = Image.open(io.BytesIO(reply.png))
+    assert image.format == "PNG"
+    assert image.size == (48, 32)
+    assert reply.request_id == "r1"
+    assert reply.level == "ac-k5"
+    assert reply.model == "sdxl"
+    assert reply.steps_run == STEPS
+    assert reply.worker_id == "worker-0"
+    assert reply.timing.total_ms >= reply.timing.denoise_ms > 0
+    assert worker_pb2.CacheOutcome.Name(reply.cache) == "CACHE_NOT_USED"
+
+
+BAD = [
+    ({"width": 0}, "width"),
+    ({"width": -8}, "width"),
+    ({"height": 100}, "height"),
+    ({"width": 100_000}, "width"),
+    ({"steps": 0}, "steps"),
+    ({"steps": -1}, "steps"),
+    ({"steps": 5000}, "steps"),
+    ({"level": "sm-nope"}, "level"),
+    ({"level": "ac-k25", "steps": 25}, "level"),
+    ({"prompt": "p" * 70_000}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("fields", "name"), BAD)
+def test_bad_input_is_invalid_argument_naming_the_field(
+    served: Any, fields: dict[str, Any], name: str
+) -> None:
+    _, channel = served
+    request = worker_pb2.GenerateRequest(prompt="x")
+    for key, value in fields.items():
+        setattr(request, key, value)
+    with pytest.raises(grpc.RpcError) as err:
+        stub(channel).Generate(request, timeout=30)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{name}:")
+
+
+def test_malformed_bytes_get_an_error_and_the_worker_keeps_serving(served: Any) -> None:
+    _, channel = served
+    raw = channel.unary_unary("/argus.v1.Worker/Generate")  # no serializers: raw bytes
+    with pytest.raises(grpc.RpcError) as err:
+        raw(b"\xff\xff\xff\xff\x0f garbage", timeout=30)
+    assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    # non-UTF-8 bytes in the prompt field (field 2, length-delimited)
+    with pytest.raises(grpc.RpcError):
+        raw(b"\x12\x02\xc3\x28", timeout=30)
+    reply = stub(channel).Generate(worker_pb2.GenerateRequest(prompt="still here"), timeout=60)
+    assert reply.png.startswith(b"\x89PNG")
+
+
+def test_configure_errors_have_status_codes(served: Any) -> None:
+    _, channel = served
+    with pytest.raises(grpc.RpcError) as err:
+        stub(channel).Configure(worker_pb2.ConfigureRequest(variant="sd-9"), timeout=30)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "variant" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub(channel).Configure(worker_pb2.ConfigureRequest(level="ac-k999"), timeout=30)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("level:")
+
+
+def test_stats_report_models_queue_and_counts(served: Any) -> None:
+    _, channel = served
+    stats = stub(channel).Stats(worker_pb2.StatsRequest(), timeout=30)
+    assert stats.worker_id == "worker-0"
+    assert stats.queue_length == 0
+    assert stats.completed >= 0
+    assert [m.name for m in stats.models] == ["sdxl"]
+    assert stats.models[0].active
+    assert worker_pb2.ModelState.State.Name(stats.models[0].state) == "READY"
+    assert stats.memory_used_bytes > 0
+    assert stats.memory_budget_bytes >= stats.memory_used_bytes
+
+
+def test_health_and_reflection(served: Any) -> None:
+    _, channel = served
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "argus.v1.Worker"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answers = reflect.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+    )
+    names = {s.name for a in answers for s in a.list_services_response.service}
+    assert {"argus.v1.Worker", "grpc.health.v1.Health"} <= names
+
+
+def test_health_is_not_serving_before_a_model_loads() -> None:
+    worker = make_worker(load=False)
+    server, port, _ = create_server(worker, "127.0.0.1:0", threads=2)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest(service="argus.v1.Worker")
+            assert (
+                health.Check(check, timeout=10).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                stub(channel).Generate(worker_pb2.GenerateRequest(prompt="x"), timeout=10)
+            assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+            request = worker_pb2.ConfigureRequest(wait=True)
+            stub(channel).Configure(request, timeout=60)
+            assert health.Check(check, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(grace=None)
+        worker.close()
+
+
+def test_argus_worker_process_serves_and_stops_on_sigterm(tmp_path: Any) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "argus",
+            "worker",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+            "--worker-id",
+            "w-proc",
+            "--default-steps",
+            "4",
+            "--no-cache",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        address = None
+        deadline = time.monotonic() + 120
+        while address is None and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            found = re.search(r"listening on (\S+)", line)
+            address = found.group(1) if found else None
+        assert address is not None, "the worker never printed its address"
+        with grpc.insecure_channel(address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest(service="argus.v1.Worker")
+            while health.Check(check, timeout=10).status != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            reply = stub(channel).Generate(worker_pb2.GenerateRequest(prompt="a tram"), timeout=60)
+            assert reply.worker_id == "w-proc"
+            assert reply.steps_run == 4
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -1,0 +1,59 @@
+"""Builders for worker tests: tiny real pipelines, registries and engines (no GPU, no hub)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from argus.profiles import default_profiles
+from argus.worker.engine import Worker, WorkerConfig
+from argus.worker.models import TINY_PREFIX, TINY_VARIANTS, build_tiny_pipeline
+from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.registry import ModelRegistry
+
+STEPS = 10  # tiny runs: 10 steps at 64 px
+
+
+def spec(prompt: str = "a red bus in the snow", **kwargs: Any) -> GenerationSpec:
+    kwargs.setdefault("steps", STEPS)
+    return GenerationSpec(prompt=prompt, **kwargs)
+
+
+@functools.cache
+def tiny_model(variant: str = "sd-1.5", scheduler: str = "euler") -> DiffusionModel:
+    """A shared tiny model; tests must not mutate it."""
+    source = TINY_PREFIX + variant
+    return DiffusionModel(
+        variant, build_tiny_pipeline(source, scheduler), device="cpu", source=source
+    )
+
+
+def tiny_sources() -> dict[str, str]:
+    return {name: TINY_PREFIX + name for name in TINY_VARIANTS}
+
+
+def make_registry(**kwargs: Any) -> ModelRegistry:
+    kwargs.setdefault("device", "cpu")
+    return ModelRegistry(tiny_sources(), **kwargs)
+
+
+def make_worker(
+    *,
+    cache: Any = None,
+    encoder: Any = None,
+    level: str | None = None,
+    load: bool = True,
+    **config: Any,
+) -> Worker:
+    config.setdefault("default_steps", STEPS)
+    worker = Worker(
+        default_profiles(),
+        make_registry(),
+        cache=cache,
+        encoder=encoder,
+        config=WorkerConfig(**config),
+        level=level,
+    )
+    if load:
+        worker.configure(wait=True)
+    return worker
