@@ -30,6 +30,7 @@ class CLISubcommand(Protocol):
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("argus.cli.plan", "PlanCommand", "solve one allocation and PASM; print JSON"),
     "replay": ("argus.cli.replay", "ReplayCommand", "replay a trace through policies (simulated)"),
+    "profile": ("argus.cli.profile", "ProfileCommand", "score every prompt at every level"),
     "worker": ("argus.cli.worker", "WorkerCommand", "run a GPU worker (gRPC)"),
     "generate": (
         "argus.cli.generate",

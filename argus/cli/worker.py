@@ -48,6 +48,7 @@ class WorkerCommand:
         parser.add_argument("--default-size", type=int, default=64, help="pixels (tiny: 64)")
         parser.add_argument("--default-steps", type=int, default=50)
         parser.add_argument("--max-queue", type=int, default=64)
+        parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.worker.app import WorkerSettings, serve
@@ -75,6 +76,7 @@ class WorkerCommand:
             default_size=args.default_size,
             default_steps=args.default_steps,
             max_queue=args.max_queue,
+            metrics_port=args.metrics_port,
         )
         try:
             return serve(settings)

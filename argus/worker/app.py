@@ -15,6 +15,7 @@ from typing import Any
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet, Strategy
 from argus.worker.engine import Worker, WorkerConfig
+from argus.worker.metrics import WorkerMetrics
 from argus.worker.models import TINY_PREFIX, TINY_VARIANTS
 from argus.worker.registry import ModelRegistry
 
@@ -46,6 +47,7 @@ class WorkerSettings:
     default_steps: int = 50
     max_queue: int = 64
     threads: int = 16
+    metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
 
 
 def model_sources(settings: WorkerSettings, profiles: ProfileSet) -> dict[str, str]:
@@ -103,7 +105,12 @@ def _temp_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="argus-cache-"))
 
 
-def build_worker(settings: WorkerSettings, *, wait_for_model: bool = True) -> Worker:
+def build_worker(
+    settings: WorkerSettings,
+    *,
+    wait_for_model: bool = True,
+    metrics: WorkerMetrics | None = None,
+) -> Worker:
     profiles = load_profiles(settings.profile) if settings.profile else default_profiles()
     sources = model_sources(settings, profiles)
     budget = (
@@ -115,6 +122,7 @@ def build_worker(settings: WorkerSettings, *, wait_for_model: bool = True) -> Wo
         dtype=settings.dtype,
         scheduler=settings.scheduler,
         memory_budget_bytes=budget,
+        on_load=metrics.observe_load if metrics is not None else None,
     )
     cache = encoder = None
     if settings.cache:
@@ -140,10 +148,15 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     """Run a worker until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
     from argus.worker.service import create_server
 
-    worker = build_worker(settings, wait_for_model=False)
+    metrics = WorkerMetrics()
+    worker = build_worker(settings, wait_for_model=False, metrics=metrics)
     server, port, servicer = create_server(
-        worker, f"{settings.host}:{settings.port}", threads=settings.threads
+        worker, f"{settings.host}:{settings.port}", threads=settings.threads, metrics=metrics
     )
+    if settings.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, addr=settings.host)
     # health turns SERVING when the first model is ready (it loads in the background)
     loading = worker.registry.activate(worker.level.model)
     loading.add_done_callback(lambda _: servicer.update_health())

@@ -56,6 +56,10 @@ class QueueFullError(RuntimeError):
     pass
 
 
+class NoModelError(RuntimeError):
+    """No model is loaded yet (the first load is still running or failed)."""
+
+
 class CacheOutcome(Enum):
     NOT_USED = "not-used"
     HIT = "hit"
@@ -281,7 +285,7 @@ class Worker:
         if model is None:
             model = self.registry.active()
             if model is None:
-                raise RuntimeError("no model is loaded yet")
+                raise NoModelError("no model is loaded yet")
         timing: dict[str, float] = {}
         outcome = CacheOutcome.NOT_USED
         miss_reason = ""
@@ -402,6 +406,10 @@ class Worker:
             future.result(timeout=timeout_s)
 
     # -- stats and shutdown ----------------------------------------------------------------
+
+    @property
+    def queue_length(self) -> int:
+        return self._queued
 
     def stats(self) -> WorkerStats:
         with self._lock:

@@ -30,10 +30,12 @@ from argus.worker.engine import (
     GenerateCall,
     GenerateResult,
     InvalidRequestError,
+    NoModelError,
     QueueFullError,
     Worker,
     WorkerStats,
 )
+from argus.worker.metrics import WorkerMetrics
 from argus.worker.registry import LoadState, MemoryGuardError, ModelInfo, UnknownModelError
 
 common_pb2: Any = rpc.load("common_pb2")
@@ -138,24 +140,38 @@ def strategy_from_pb(value: int) -> Strategy | None:
 # -- the servicer --------------------------------------------------------------------------
 
 
+def status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and details a Generate failure is reported with."""
+    if isinstance(err, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    if isinstance(err, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+    if isinstance(err, NoModelError):
+        return grpc.StatusCode.UNAVAILABLE, str(err)
+    return grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
-    def __init__(self, worker: Worker, health_servicer: health.HealthServicer) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        health_servicer: health.HealthServicer,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self.worker = worker
         self.health = health_servicer
+        self.metrics = metrics
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             result = self.worker.generate(call_from_pb(request))
-        except InvalidRequestError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except QueueFullError as err:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-        except RuntimeError as err:
-            if "no model is loaded" in str(err):
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
-        except Exception as err:
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+        except Exception as err:  # every failure becomes a status; the worker keeps serving
+            code, details = status_of(err)
+            if self.metrics is not None:
+                self.metrics.observe_error(code.name)
+            context.abort(code, details)
+        if self.metrics is not None:
+            self.metrics.observe(result)
         return result_to_pb(result, self.worker.config.worker_id)
 
     def Configure(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -198,7 +214,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
 
 
 def create_server(
-    worker: Worker, address: str = "127.0.0.1:0", *, threads: int = 16
+    worker: Worker,
+    address: str = "127.0.0.1:0",
+    *,
+    threads: int = 16,
+    metrics: WorkerMetrics | None = None,
 ) -> tuple[grpc.Server, int, WorkerServicer]:
     """A started-later gRPC server bound to ``address``; returns it with the bound port."""
     server = grpc.server(
@@ -209,7 +229,9 @@ def create_server(
         ],
     )
     health_servicer = health.HealthServicer()
-    servicer = WorkerServicer(worker, health_servicer)
+    servicer = WorkerServicer(worker, health_servicer, metrics)
+    if metrics is not None:
+        metrics.watch_queue(lambda: worker.queue_length)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -1,0 +1,99 @@
+"""Prometheus metrics of a worker process: the one module here that touches prometheus_client
+for the request path (the cache exports its retrieval histograms itself).
+
+Names carry the ``argus_worker_`` prefix and base units; label sets are fixed and bounded
+(levels come from the profile, outcomes and states from enums).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from argus.worker.engine import GenerateResult
+
+# latency buckets from 50 ms (tiny models on a CPU) to 2 min (SDXL at K = 0 on a slow GPU)
+LATENCY_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.0,
+    3.0,
+    4.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else REGISTRY
+        self.latency = Histogram(
+            "argus_worker_request_seconds",
+            "Generate latency inside the worker (queue wait included), by level and strategy",
+            ["level", "strategy", "cache"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.queue_wait = Histogram(
+            "argus_worker_queue_seconds",
+            "Time a request waited for the GPU",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.errors = Counter(
+            "argus_worker_errors",
+            "Generate calls that failed, by gRPC status code",
+            ["code"],
+            registry=reg,
+        )
+        self.substituted = Counter(
+            "argus_worker_substituted",
+            "Requests served by the active model because their level's model was not loaded",
+            registry=reg,
+        )
+        self.queue_length = Gauge(
+            "argus_worker_queue_length",
+            "Requests waiting or running",
+            registry=reg,
+        )
+        self.model_loads = Counter(
+            "argus_worker_model_loads",
+            "Models loaded, by model name",
+            ["model"],
+            registry=reg,
+        )
+        self.model_load_seconds = Histogram(
+            "argus_worker_model_load_seconds",
+            "Time to load a model",
+            ["model"],
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 40, 80, 160),
+            registry=reg,
+        )
+
+    def watch_queue(self, length: Callable[[], float]) -> None:
+        self.queue_length.set_function(length)
+
+    def observe(self, result: GenerateResult) -> None:
+        t = result.timing_ms
+        self.latency.labels(result.level, result.strategy.value, result.cache.value).observe(
+            t.get("total_ms", 0.0) / 1e3
+        )
+        self.queue_wait.observe(t.get("queue_ms", 0.0) / 1e3)
+        if result.substituted:
+            self.substituted.inc()
+
+    def observe_error(self, code: str) -> None:
+        self.errors.labels(code).inc()
+
+    def observe_load(self, model: str, seconds: float) -> None:
+        self.model_loads.labels(model).inc()
+        self.model_load_seconds.labels(model).observe(seconds)
