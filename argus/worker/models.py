@@ -55,13 +55,13 @@ class TinySpec:
 TINY_VARIANTS: dict[str, TinySpec] = {
     "sdxl": TinySpec(xl=True, unet_channels=(32, 64), layers_per_block=2, text_hidden=32, seed=0),
     "sd-2.0": TinySpec(
-        xl=False, unet_channels=(32, 64), layers_per_block=2, text_hidden=32, seed=1
+        xl=False, unet_channels=(32, 64), layers_per_block=1, text_hidden=32, seed=1
     ),
     "sd-1.5": TinySpec(
-        xl=False, unet_channels=(32, 64), layers_per_block=1, text_hidden=32, seed=2
+        xl=False, unet_channels=(24, 48), layers_per_block=1, text_hidden=32, seed=2
     ),
     "sd-1.4": TinySpec(
-        xl=False, unet_channels=(32, 64), layers_per_block=1, text_hidden=32, seed=3
+        xl=False, unet_channels=(24, 48), layers_per_block=1, text_hidden=32, seed=3
     ),
     "small-sd": TinySpec(
         xl=False, unet_channels=(16, 32), layers_per_block=1, text_hidden=16, seed=4
