@@ -152,9 +152,8 @@ def denoise_table(args: argparse.Namespace) -> None:
           f"{'ratio':>8}{'(N-K)/N':>9}")  # fmt: skip
     reference = None
     for level in profiles.levels:
-        if level.strategy is Strategy.SM and args.arch != "tiny" and level.model != "sdxl":
-            if level.model not in ("sd-1.5",):
-                continue
+        if args.arch != "tiny" and level.model not in ("sdxl", "sd-1.5"):
+            continue  # full-size architectures: the SDXL base and SD-1.5 only
         k = level.skip_steps
         if k >= args.steps:
             continue
