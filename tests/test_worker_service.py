@@ -28,12 +28,13 @@ worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[Any, grpc.Channel]]:
+def served() -> Iterator[tuple[Any, grpc.Channel, str]]:
     worker = make_worker(max_queue=8)
     server, port, _ = create_server(worker, "127.0.0.1:0", threads=4)
     server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield worker, channel
+    address = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(address)
+    yield worker, channel, address
     channel.close()
     server.stop(grace=None)
     worker.close()
@@ -44,7 +45,7 @@ def stub(channel: grpc.Channel) -> Any:
 
 
 def test_generate_returns_a_png_and_its_breakdown(served: Any) -> None:
-    _, channel = served
+    _, channel, _ = served
     request = worker_pb2.GenerateRequest(request_id="r1", prompt="a kite", seed=5, level="ac-k5")
     request.width, request.height = 48, 32
     reply = stub(channel).Generate(request, timeout=60)
@@ -78,7 +79,7 @@ BAD = [
 def test_bad_input_is_invalid_argument_naming_the_field(
     served: Any, fields: dict[str, Any], name: str
 ) -> None:
-    _, channel = served
+    _, channel, _ = served
     request = worker_pb2.GenerateRequest(prompt="x")
     for key, value in fields.items():
         setattr(request, key, value)
@@ -89,7 +90,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(
 
 
 def test_malformed_bytes_get_an_error_and_the_worker_keeps_serving(served: Any) -> None:
-    _, channel = served
+    _, channel, _ = served
     raw = channel.unary_unary("/argus.v1.Worker/Generate")  # no serializers: raw bytes
     with pytest.raises(grpc.RpcError) as err:
         raw(b"\xff\xff\xff\xff\x0f garbage", timeout=30)
@@ -102,7 +103,7 @@ def test_malformed_bytes_get_an_error_and_the_worker_keeps_serving(served: Any) 
 
 
 def test_configure_errors_have_status_codes(served: Any) -> None:
-    _, channel = served
+    _, channel, _ = served
     with pytest.raises(grpc.RpcError) as err:
         stub(channel).Configure(worker_pb2.ConfigureRequest(variant="sd-9"), timeout=30)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
@@ -114,7 +115,7 @@ def test_configure_errors_have_status_codes(served: Any) -> None:
 
 
 def test_stats_report_models_queue_and_counts(served: Any) -> None:
-    _, channel = served
+    _, channel, _ = served
     stats = stub(channel).Stats(worker_pb2.StatsRequest(), timeout=30)
     assert stats.worker_id == "worker-0"
     assert stats.queue_length == 0
@@ -127,7 +128,7 @@ def test_stats_report_models_queue_and_counts(served: Any) -> None:
 
 
 def test_health_and_reflection(served: Any) -> None:
-    _, channel = served
+    _, channel, _ = served
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "argus.v1.Worker"):
         reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
@@ -212,3 +213,16 @@ def test_argus_worker_process_serves_and_stops_on_sigterm(tmp_path: Any) -> None
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_argus_generate_saves_the_png(served: Any, tmp_path: Any, capsys: Any) -> None:
+    from argus.cli.main import main
+
+    _, _, address = served
+    out = tmp_path / "kite.png"
+    assert main(["generate", "--address", address, "--prompt", "a kite", "--out", str(out)]) == 0
+    assert Image.open(out).format == "PNG"
+    assert '"level": "ac-k0"' in capsys.readouterr().out
+    bad = ["generate", "--address", address, "--prompt", "a kite", "--steps", "0"]
+    assert main([*bad, "--out", str(out)]) == 2
+    assert "INVALID_ARGUMENT: steps:" in capsys.readouterr().err
