@@ -38,11 +38,17 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
 class PromptEmbedder:
     """Embeds prompts as unit vectors; thread-safe, batched, truncating to ``max_tokens``.
 
     Inputs must be ``str``; an empty prompt embeds like the tokenizer's empty sequence
-    (``[CLS] [SEP]``), which is a valid, stable vector.
+    (``[CLS] [SEP]``), which is a valid, stable vector. ``precision="bf16"`` runs the encoder
+    under bfloat16 autocast (pooling stays float32): about 1.5× faster on CPUs with native
+    bf16 (AVX512-BF16, AMX), much slower on CPUs without; the vectors differ from float32
+    ones in the third decimal.
     """
 
     def __init__(
@@ -52,7 +58,10 @@ class PromptEmbedder:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         device: str = "cpu",
         threads: int | None = None,
+        precision: str = "fp32",
     ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -71,6 +80,7 @@ class PromptEmbedder:
         self.max_tokens = min(max_tokens, int(self.model.config.max_position_embeddings))
         self.dim = int(self.model.config.hidden_size)
         self._threads = threads
+        self.precision = precision
         self._lock = threading.Lock()
 
     def embed(self, prompts: Sequence[str]) -> FloatArray:
@@ -87,11 +97,15 @@ class PromptEmbedder:
             max_length=self.max_tokens,
             return_tensors="pt",
         ).to(self.device)
+        autocast = torch.autocast(
+            torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.precision == "bf16"
+        )
         with self._lock, torch.inference_mode():
             if self._threads is not None:
                 torch.set_num_threads(self._threads)
-            hidden = self.model(**batch).last_hidden_state
-            pooled = mean_pool(hidden, batch["attention_mask"])
+            with autocast:
+                hidden = self.model(**batch).last_hidden_state
+            pooled = mean_pool(hidden.float(), batch["attention_mask"])
             unit = torch.nn.functional.normalize(pooled, p=2, dim=1)
         out: FloatArray = unit.float().cpu().numpy()
         return out

@@ -32,6 +32,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "replay": ("argus.cli.replay", "ReplayCommand", "replay a trace through policies (simulated)"),
     "profile": ("argus.cli.profile", "ProfileCommand", "score every prompt at every level"),
     "worker": ("argus.cli.worker", "WorkerCommand", "run a GPU worker (gRPC)"),
+    "train-classifier": (
+        "argus.cli.train_classifier",
+        "TrainClassifierCommand",
+        "train the level classifiers (one per strategy) from quality tables",
+    ),
     "generate": (
         "argus.cli.generate",
         "GenerateCommand",

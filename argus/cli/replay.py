@@ -39,8 +39,13 @@ class ReplayCommand:
         parser.add_argument("--profiles", default="default", help="'default' or a TOML/YAML file")
         parser.add_argument(
             "--classifier",
-            default="oracle",
-            help="'oracle' or a noisy oracle accuracy such as 0.85 (until issue 4)",
+            default="default",
+            help=(
+                "level classifier of argus and nirvana: 'default' (the committed "
+                "classifiers/minilm-logistic: logistic heads on frozen all-MiniLM-L6-v2, "
+                "trained on SYNTHETIC labels), 'oracle' (the quality table's optimal level), "
+                "'noisy-oracle@ACCURACY', or a classifier directory from argus train-classifier"
+            ),
         )
         parser.add_argument(
             "--gpu-failure",
@@ -63,7 +68,7 @@ class ReplayCommand:
     def run(self, args: argparse.Namespace) -> int:
         from argus.profiles import ProfileError, load_profiles
         from argus.sim.cluster import SimConfig, Simulation
-        from argus.sim.policies import NoisyOracleClassifier, make_policy
+        from argus.sim.policies import make_classifier, make_policy
         from argus.sim.quality import synthetic_quality_table
         from argus.sim.report import format_table, write_reports
         from argus.sim.workloads import WorkloadError, workload_by_name
@@ -78,14 +83,10 @@ class ReplayCommand:
                 seed=args.seed,
                 prompts_path=args.prompts,
             )
-            classifier = (
-                None
-                if args.classifier == "oracle"
-                else NoisyOracleClassifier(float(args.classifier))
-            )
             names = [name.strip() for name in args.policies.split(",") if name.strip()]
             if not names:
                 raise CLIError("--policies: no policy named")
+            classifier = make_classifier(args.classifier)
             policies = [make_policy(n, classifier=classifier, seed=args.seed) for n in names]
             faults = parse_faults(args.gpu_failure, args.retrieval_fault)
             config = SimConfig(gpus=args.gpus, faults=faults, seed=args.seed)
@@ -97,6 +98,14 @@ class ReplayCommand:
             )
             for s in Strategy
         }
+        prepare = getattr(classifier, "prepare", None)
+        if prepare is not None and any(
+            getattr(p, "classifier", None) is classifier for p in policies
+        ):
+            try:
+                prepare(quality)  # load the trained models now: errors are one line
+            except ValueError as exc:
+                raise CLIError(f"--classifier: {exc}") from None
         sim = Simulation(profiles, quality, workload, config)
         results = []
         started = time.perf_counter()
@@ -111,7 +120,7 @@ class ReplayCommand:
         print(
             f"\n{len(workload):,} requests × {len(policies)} policies in "
             f"{time.perf_counter() - started:.1f} s; quality model: {_short(description)}; "
-            f"reports in {args.out}/"
+            f"classifier (argus, nirvana): {classifier.label}; reports in {args.out}/"
         )
         return 0
 
@@ -160,7 +169,7 @@ def _description(
         ),
         "trace": workload.source,
         "quality": "; ".join(sources),
-        "classifier": "oracle" if classifier is None else classifier.label,
+        "classifier": classifier.label,
         "gpus": str(args.gpus),
         "seed": str(args.seed),
     }

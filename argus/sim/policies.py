@@ -17,16 +17,22 @@ name. Argus and PAC run the product's own control plane (``Allocator``, ``Prompt
 * ``nirvana``: AC on every GPU with each prompt's own K (from the classifier), uniform routing,
   no accuracy scaling beyond the prompt's K and no strategy switching.
 
-Until the real classifier exists (issue 4), ``argus`` and ``nirvana`` read the optimal level
-from the quality table: :class:`OracleClassifier` (labelled ``oracle``) or
-:class:`NoisyOracleClassifier` with a stated accuracy (labelled ``noisy-oracle@0.85``).
+``argus`` and ``nirvana`` take their per-prompt level from a :class:`Classifier`, chosen by
+:func:`make_classifier`: :class:`TrainedClassifier` (the router's own trained model, loaded
+from a ``classifiers/`` artifact; ``argus replay``'s default), :class:`OracleClassifier` (the
+quality table's optimal level, an upper bound; the library default) or
+:class:`NoisyOracleClassifier` with a stated accuracy (``noisy-oracle@0.85``).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from argus.allocator.allocator import Allocator, AllocatorConfig
 from argus.allocator.planner import PlannerConfig
@@ -34,7 +40,11 @@ from argus.allocator.predictor import LoadPredictor, LoadPredictorConfig
 from argus.allocator.strategy import StrategyMonitor
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.sim.cluster import Policy, SimContext
+from argus.sim.quality import QualityTable
 from argus.types import ClusterView, Strategy
+
+if TYPE_CHECKING:
+    from argus.classifier.serving import ClassifierSet
 
 
 class Classifier(Protocol):
@@ -80,6 +90,124 @@ class NoisyOracleClassifier:
             return true
         other = self._rng.randrange(self._count[strategy] - 1)
         return other if other < true else other + 1
+
+
+class TrainedClassifier:
+    """A trained classifier artifact (``classifiers/<name>``), one model per strategy.
+
+    Predicts once per unique prompt text and caches across runs: a replay of 500k requests
+    over 1,600 prompts runs the encoder 1,600 times. Construction reads only the configs (a
+    bad path fails at once, naming it); the weights and the encoder load at the first
+    :meth:`reset`. Each table's levels must be the classifier's labels.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        from argus.classifier.serving import read_configs, strategy_dirs
+
+        self.directory = Path(directory)
+        self.configs = read_configs(self.directory)
+        details = "; ".join(f"{s}: {c.describe()}" for s, c in self.configs.items())
+        self.label = f"trained {self.directory.name} ({details})"
+        self._models: ClassifierSet | None = None
+        self._cache = {
+            s: _PREDICTIONS.setdefault(artifact_key(path), {})
+            for s, path in strategy_dirs(self.directory).items()
+        }
+
+    def prepare(self, quality: Mapping[Strategy, QualityTable]) -> None:
+        """Check the labels against the tables and load the models; ValueError names why."""
+        from argus.classifier.model import ArtifactError
+
+        missing = [s for s in quality if s not in self.configs]
+        if missing:
+            raise ValueError(f"classifier {self.directory} has no model for {missing[0]}")
+        for strategy, table in quality.items():
+            if table.levels != self.configs[strategy].levels:
+                raise ValueError(
+                    f"classifier {self.directory}: {strategy} labels "
+                    f"{', '.join(self.configs[strategy].levels)} differ from the quality "
+                    f"table's levels {', '.join(table.levels)}"
+                )
+        try:
+            self._load()
+        except ArtifactError as exc:
+            raise ValueError(str(exc)) from None
+
+    def reset(self, ctx: SimContext) -> None:
+        from argus.classifier.prompts import clean_prompt
+
+        self.prepare(ctx.quality)
+        self._ctx = ctx
+        rows = np.unique(ctx.prompt_rows).tolist()
+        texts = {s: [table.prompts[r] for r in rows] for s, table in ctx.quality.items()}
+        todo = sorted({t for s, ts in texts.items() for t in ts if t not in self._cache[s]})
+        if todo:  # one batched pass for every strategy (the encoder runs once per prompt)
+            predicted = self._load().predict_cleaned([clean_prompt(t) for t in todo])
+            for strategy in texts:
+                self._cache[strategy].update(zip(todo, predicted[strategy].tolist(), strict=True))
+        self._levels: dict[Strategy, npt.NDArray[np.int64]] = {}
+        for strategy, table in ctx.quality.items():
+            levels = np.zeros(len(table.prompts), dtype=np.int64)
+            levels[rows] = [self._cache[strategy][t] for t in texts[strategy]]
+            self._levels[strategy] = levels
+
+    def _load(self) -> ClassifierSet:
+        if self._models is None:
+            from argus.classifier.serving import load_classifier_set
+
+            self._models = load_classifier_set(self.directory)
+        return self._models
+
+    def predict(self, strategy: Strategy, request: int) -> int:
+        return int(self._levels[strategy][self._ctx.prompt_rows[request]])
+
+
+# Predictions of trained classifiers in this process, by artifact_key and prompt text: a
+# second replay (or test) with the same artifact does not run the encoder again.
+_PREDICTIONS: dict[str, dict[str, int]] = {}
+
+
+def artifact_key(directory: Path) -> str:
+    """SHA-256 of an artifact's config, label map and head; the config holds the encoder's."""
+    import hashlib
+
+    from argus.classifier.model import ArtifactError
+
+    digest = hashlib.sha256()
+    for name in ("config.json", "labels.json", "model.safetensors"):
+        try:
+            digest.update((directory / name).read_bytes())
+        except OSError as exc:
+            raise ArtifactError(f"{directory / name}: cannot read: {exc.strerror}") from None
+    return digest.hexdigest()
+
+
+def make_classifier(spec: str) -> Classifier:
+    """A classifier by name: ``default`` (the committed ``classifiers/minilm-logistic``),
+    ``oracle``, ``noisy-oracle@ACCURACY`` (a bare accuracy such as ``0.85`` works too), or a
+    classifier directory. Bad specs raise ValueError quoting them."""
+    text = spec.strip()
+    if text == "oracle":
+        return OracleClassifier()
+    accuracy = text.removeprefix("noisy-oracle@")
+    try:
+        value = float(accuracy)
+    except ValueError:
+        if text.startswith("noisy-oracle@"):
+            raise ValueError(f"classifier {spec!r}: {accuracy!r} is not an accuracy") from None
+    else:
+        return NoisyOracleClassifier(value)
+    from argus.classifier.model import ArtifactError
+    from argus.classifier.serving import default_classifier_dir
+
+    directory = default_classifier_dir() if text == "default" else Path(text)
+    try:
+        return TrainedClassifier(directory)
+    except ArtifactError as exc:
+        raise ValueError(
+            f"classifier {spec!r}: {exc} (expected default, oracle, noisy-oracle@ACCURACY "
+            "or a classifier directory)"
+        ) from None
 
 
 class _Planned(Policy):

@@ -1,0 +1,26 @@
+"""The router's classifier: a prompt's optimal approximation level, one model per strategy.
+
+Argus §4.1: a BERT-family encoder reads the prompt and predicts the fastest level whose image
+quality stays within δ of the prompt's best (:mod:`argus.classifier.labels`). Two backbones
+share one inference path, *encoder → mean-pooled unit vector → linear head → softmax*:
+
+* ``logistic``: the encoder is frozen (all-MiniLM-L6-v2 by default) and the head is a
+  multinomial logistic regression (scikit-learn at training time, numpy at inference). Small
+  enough to commit (``classifiers/minilm-logistic``); the default everywhere.
+* ``finetune``: the encoder is fine-tuned with the head (LP-FT: the logistic head first, then
+  everything), as in the paper. Its encoder weights (~90 MB for MiniLM) are written beside the
+  head and kept out of git.
+
+Modules, in the order data flows:
+
+* :mod:`~argus.classifier.prompts`: what counts as a prompt; empty, huge and non-UTF-8 input;
+* :mod:`~argus.classifier.labels`: labels from a quality table (the δ rule);
+* :mod:`~argus.classifier.model`: the classifier, its artifact format, loading;
+* :mod:`~argus.classifier.train`: seeded split and training of either backbone;
+* :mod:`~argus.classifier.evaluate`: accuracy, macro-F1, confusion matrix, downstream quality;
+* :mod:`~argus.classifier.serving`: prompt checks, hot-swappable models, the micro-batcher;
+* :mod:`~argus.classifier.drift`: drift detection and background retraining.
+
+Nothing here imports torch, transformers or scikit-learn at import time; they load when a
+model is loaded or trained.
+"""

@@ -1,0 +1,361 @@
+"""The classifier as the router uses it: load, hot-swap, and batch concurrent prompts.
+
+* :func:`load_classifier_set` reads one artifact per strategy (``<dir>/ac``, ``<dir>/sm``);
+  :func:`load_prompt_classifier` wraps it for serving. Importing this module loads neither
+  torch nor transformers; loading a classifier does.
+* :class:`HotSwapModel` holds the current model of one strategy. A reader takes one
+  reference per batch and uses it throughout; a swap replaces that reference in one step
+  with a model that is already fully built. No request can see a half-loaded model, and a
+  batch never mixes two models.
+* :class:`ClassifierSet` predicts every strategy for a batch of prompts, with one encoder
+  forward pass per distinct encoder (the committed AC and SM heads share frozen MiniLM).
+* :class:`MicroBatcher` gathers concurrent callers from many threads into one forward pass:
+  a batch closes at ``max_batch`` prompts or ``max_wait_s`` after its first prompt arrived,
+  whichever comes first; each caller gets its own answer (or the batch's exception).
+* :class:`PromptClassifier` puts them together: ``classify(prompt) -> {strategy: level}``.
+  Bad input is handled in the caller's thread, before batching, as
+  :mod:`argus.classifier.prompts` documents (``InvalidPromptError`` for bytes that are not
+  UTF-8, the slowest level for empty prompts, truncation for long ones), so one caller's bad
+  prompt never fails another caller's batch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from argus.classifier.model import (
+    CLASSIFIERS_DIR,
+    CONFIG_FILE,
+    DEFAULT_CLASSIFIER,
+    ArtifactError,
+    ClassifierConfig,
+    LevelClassifier,
+    load_artifact,
+    read_config,
+)
+from argus.classifier.prompts import EMPTY_PROMPT_LEVEL, clean_prompt, decode_prompt
+from argus.types import Strategy
+
+IntArray = npt.NDArray[np.int64]
+M = TypeVar("M")
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def default_classifier_dir() -> Path:
+    """``classifiers/minilm-logistic`` of the repository (the committed artifacts)."""
+    return CLASSIFIERS_DIR / DEFAULT_CLASSIFIER
+
+
+def strategy_dirs(directory: str | Path) -> dict[Strategy, Path]:
+    """The artifact directory of each strategy under ``directory``.
+
+    ``directory`` is either one artifact (it has ``config.json``) or holds one per strategy
+    in ``ac/`` and ``sm/``. Reads only the configs; ``ArtifactError`` names what is missing.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"classifier directory {directory} does not exist")
+    if (directory / CONFIG_FILE).is_file():
+        return {read_config(directory).strategy: directory}
+    found: dict[Strategy, Path] = {}
+    for strategy in Strategy:
+        candidate = directory / strategy.value.lower()
+        if (candidate / CONFIG_FILE).is_file():
+            config = read_config(candidate)
+            if config.strategy is not strategy:
+                raise ArtifactError(
+                    f"{candidate}: holds a {config.strategy} classifier, expected {strategy}"
+                )
+            found[strategy] = candidate
+    if not found:
+        raise ArtifactError(
+            f"{directory}: no classifier (expected {CONFIG_FILE}, or ac/ and sm/ subdirectories)"
+        )
+    return found
+
+
+def read_configs(directory: str | Path) -> dict[Strategy, ClassifierConfig]:
+    """The config of each strategy's artifact, without loading any weights."""
+    return {s: read_config(path) for s, path in strategy_dirs(directory).items()}
+
+
+class HotSwapModel(Generic[M]):
+    """The current model of one strategy, replaced atomically by :meth:`swap`.
+
+    The model and its version live in one tuple, so one attribute read gives a consistent
+    pair; assignments of a reference are atomic in Python. Swaps are serialised.
+    """
+
+    def __init__(self, model: M) -> None:
+        self._slot: tuple[M, int] = (model, 0)
+        self._swap_lock = threading.Lock()
+
+    @property
+    def current(self) -> M:
+        return self._slot[0]
+
+    def snapshot(self) -> tuple[M, int]:
+        """(model, version) read together."""
+        return self._slot
+
+    @property
+    def version(self) -> int:
+        return self._slot[1]
+
+    def swap(self, model: M) -> int:
+        """Make ``model`` (fully built) the current one; returns its version."""
+        with self._swap_lock:
+            version = self._slot[1] + 1
+            self._slot = (model, version)
+            return version
+
+
+class ClassifierSet:
+    """One hot-swappable :class:`LevelClassifier` per strategy."""
+
+    def __init__(self, classifiers: Mapping[Strategy, LevelClassifier]) -> None:
+        if not classifiers:
+            raise ValueError("a classifier set needs at least one strategy")
+        for strategy, classifier in classifiers.items():
+            if classifier.strategy is not strategy:
+                raise ValueError(f"the {strategy} slot holds a {classifier.strategy} classifier")
+        self.holders = {s: HotSwapModel(c) for s, c in classifiers.items()}
+
+    @property
+    def strategies(self) -> tuple[Strategy, ...]:
+        return tuple(self.holders)
+
+    def current(self, strategy: Strategy) -> LevelClassifier:
+        return self.holders[strategy].current
+
+    def predict_cleaned(self, texts: Sequence[str | None]) -> dict[Strategy, IntArray]:
+        """Levels per strategy for decoded, stripped texts (``None``: empty prompt).
+
+        Takes each strategy's model once, embeds once per distinct (encoder, character cut)
+        and applies every head.
+        """
+        models = {s: holder.current for s, holder in self.holders.items()}
+        vectors: dict[tuple[int, int], npt.NDArray[np.float32]] = {}
+        rows = [i for i, text in enumerate(texts) if text is not None]
+        out: dict[Strategy, IntArray] = {}
+        for strategy, model in models.items():
+            levels = np.full(len(texts), EMPTY_PROMPT_LEVEL, dtype=np.int64)
+            if rows:
+                key = (id(model.encoder), model.config.max_chars)
+                if key not in vectors:
+                    cut = [clean_prompt(texts[i] or "", max_chars=key[1]) or "" for i in rows]
+                    vectors[key] = model.embed(cut)
+                levels[rows] = model.predict_vectors(vectors[key])
+            out[strategy] = levels
+        return out
+
+    def predict(self, prompts: Sequence[str | bytes]) -> dict[Strategy, IntArray]:
+        """Levels per strategy; raises ``InvalidPromptError`` for the first bad prompt."""
+        return self.predict_cleaned([clean_prompt(decode_prompt(p)) for p in prompts])
+
+
+def load_classifier_set(
+    directory: str | Path | None = None, *, precision: str = "fp32"
+) -> ClassifierSet:
+    """Load every strategy's artifact under ``directory`` (default: the committed one).
+
+    ``precision="bf16"`` trades exact agreement with the float32 evaluation (99.9% of
+    predictions match on PartiPrompts) for speed on CPUs with native bf16.
+    """
+    directory = Path(directory) if directory is not None else default_classifier_dir()
+    return ClassifierSet(
+        {
+            s: load_artifact(path, precision=precision)
+            for s, path in strategy_dirs(directory).items()
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-batching
+
+
+class BatcherClosed(RuntimeError):
+    """The micro-batcher was closed before this prompt ran."""
+
+
+@dataclass(frozen=True)
+class BatcherStats:
+    """Counters of a :class:`MicroBatcher` since it started."""
+
+    batches: int  # forward passes run
+    items: int  # prompts answered, successfully or not
+    largest_batch: int  # most prompts in one forward pass
+    failed_batches: int  # forward passes that raised (every caller got the exception)
+
+
+class _Stop:
+    pass
+
+
+_STOP = _Stop()
+
+
+class MicroBatcher(Generic[T, R]):
+    """Gathers items submitted from many threads into batches for ``run_batch``.
+
+    ``run_batch(items)`` must return one result per item, in order. A batch closes when it
+    holds ``max_batch`` items or ``max_wait_s`` after its first item arrived; a lone caller
+    therefore waits at most ``max_wait_s`` extra. One background thread runs the batches.
+    """
+
+    def __init__(
+        self,
+        run_batch: Callable[[list[T]], Sequence[R]],
+        *,
+        max_batch: int = 32,
+        max_wait_s: float = 0.002,
+        name: str = "argus-classifier-batcher",
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        if not max_wait_s >= 0.0:
+            raise ValueError(f"max_wait_s: must be >= 0, got {max_wait_s}")
+        self._run_batch = run_batch
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self._queue: queue.SimpleQueue[tuple[T, Future[R]] | _Stop] = queue.SimpleQueue()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._batches = self._items = self._largest = self._failed = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, item: T) -> Future[R]:
+        """Queue ``item``; the future resolves to its result."""
+        future: Future[R] = Future()
+        with self._close_lock:
+            if self._closed:
+                raise BatcherClosed("the classifier's micro-batcher is closed")
+            self._queue.put((item, future))
+        return future
+
+    def __call__(self, item: T, timeout: float | None = None) -> R:
+        """Submit and wait for the result (re-raises the batch's exception)."""
+        return self.submit(item).result(timeout)
+
+    def stats(self) -> BatcherStats:
+        return BatcherStats(self._batches, self._items, self._largest, self._failed)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop taking items, answer the queued ones, stop the thread."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._queue.get()
+            if isinstance(first, _Stop):
+                break
+            batch = [first]
+            deadline = time.monotonic() + self.max_wait_s
+            while len(batch) < self.max_batch:
+                remaining = deadline - time.monotonic()
+                try:
+                    if remaining > 0:
+                        entry = self._queue.get(timeout=remaining)
+                    else:  # the wait is over: take only what is already queued
+                        entry = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(entry, _Stop):
+                    stopping = True
+                    break
+                batch.append(entry)
+            self._run(batch)
+
+    def _run(self, batch: list[tuple[T, Future[R]]]) -> None:
+        live = [(item, future) for item, future in batch if future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        self._batches += 1
+        self._items += len(live)
+        self._largest = max(self._largest, len(live))
+        try:
+            results = list(self._run_batch([item for item, _ in live]))
+            if len(results) != len(live):
+                raise RuntimeError(f"batch of {len(live)} returned {len(results)} results")
+        except BaseException as exc:  # every caller of the batch gets the error
+            self._failed += 1
+            for _, future in live:
+                future.set_exception(exc)
+            return
+        for (_, future), result in zip(live, results, strict=True):
+            future.set_result(result)
+
+
+class PromptClassifier:
+    """Router-facing: ``classify(prompt) -> {strategy: level index}``, thread-safe, batched.
+
+    Prompt handling (see :mod:`argus.classifier.prompts`): bytes that are not UTF-8 and lone
+    surrogates raise ``InvalidPromptError`` in the caller's thread; empty and whitespace-only
+    prompts get ``EMPTY_PROMPT_LEVEL`` without touching the model; long prompts are cut and
+    truncated to the encoder's limit.
+    """
+
+    def __init__(
+        self, classifiers: ClassifierSet, *, max_batch: int = 32, max_wait_s: float = 0.002
+    ) -> None:
+        self.classifiers = classifiers
+        self._batcher: MicroBatcher[str, dict[Strategy, int]] = MicroBatcher(
+            self._run_batch, max_batch=max_batch, max_wait_s=max_wait_s
+        )
+
+    def _run_batch(self, texts: list[str]) -> list[dict[Strategy, int]]:
+        levels = self.classifiers.predict_cleaned(list(texts))
+        return [{s: int(levels[s][i]) for s in levels} for i in range(len(texts))]
+
+    def classify(self, prompt: str | bytes, timeout: float | None = None) -> dict[Strategy, int]:
+        """Each strategy's predicted level for ``prompt``."""
+        text = clean_prompt(decode_prompt(prompt))
+        if text is None:
+            return {s: EMPTY_PROMPT_LEVEL for s in self.classifiers.strategies}
+        return self._batcher(text, timeout)
+
+    def classify_level(
+        self, prompt: str | bytes, strategy: Strategy, timeout: float | None = None
+    ) -> int:
+        """The predicted level of ``prompt`` for one strategy."""
+        return self.classify(prompt, timeout)[strategy]
+
+    def stats(self) -> BatcherStats:
+        return self._batcher.stats()
+
+    def close(self) -> None:
+        self._batcher.close()
+
+
+def load_prompt_classifier(
+    directory: str | Path | None = None,
+    *,
+    max_batch: int = 32,
+    max_wait_s: float = 0.002,
+    precision: str = "fp32",
+) -> PromptClassifier:
+    """The router's loader: the artifacts under ``directory`` behind a micro-batcher."""
+    return PromptClassifier(
+        load_classifier_set(directory, precision=precision),
+        max_batch=max_batch,
+        max_wait_s=max_wait_s,
+    )

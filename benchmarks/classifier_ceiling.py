@@ -1,0 +1,62 @@
+"""How predictable the SYNTHETIC labels are from text at all: a reference for the classifier.
+
+The synthetic quality model (argus/sim/quality.py) draws each prompt's latent difficulty as
+``0.7 × text feature + 0.71 × noise``, so no text classifier can recover the optimal level
+exactly. This fits a logistic regression on the model's *own* text feature
+(``prompt_difficulty``), on the same seeded train/test split ``argus train-classifier``
+uses, and prints its held-out accuracy and downstream quality beside the committed
+classifier's ``metrics.json``.
+
+    python benchmarks/classifier_ceiling.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from _machine import machine_line
+
+from argus.classifier.evaluate import evaluate
+from argus.classifier.labels import labels_from_table
+from argus.classifier.serving import default_classifier_dir
+from argus.classifier.train import fit_logistic_head, split_indices
+from argus.profiles import default_profiles
+from argus.sim.quality import prompt_difficulty, synthetic_quality_table
+from argus.traces import default_prompt_trace, load_prompts
+from argus.types import Strategy
+
+
+def main() -> None:
+    print(machine_line())
+    records = load_prompts(default_prompt_trace())
+    feature = {r.prompt: prompt_difficulty(r) for r in records}
+    profiles = default_profiles()
+    for strategy in Strategy:
+        levels = [lv.name for lv in profiles.levels_for(strategy)]
+        data = labels_from_table(synthetic_quality_table(records, strategy, levels, seed=0))
+        split = split_indices(data.labels, 0, 0.15, 0.15)
+        x = np.array([[feature[p]] for p in data.prompts], dtype=np.float32)
+        head = fit_logistic_head(x[split.train], data.labels[split.train], len(levels), 10.0, 5000)
+        predicted = np.argmax(head.logits(x[split.test]), axis=1)
+        assert data.scores is not None
+        result = evaluate(
+            data.labels[split.test], predicted, len(levels), scores=data.scores[split.test]
+        )
+        quality = result.quality
+        assert quality is not None
+        committed = json.loads(
+            (default_classifier_dir() / strategy.value.lower() / "metrics.json").read_text()
+        )["test"]
+        print(
+            f"{strategy}: text-feature ceiling: accuracy {result.accuracy:.3f}, macro-F1 "
+            f"{result.macro_f1:.3f}, quality {quality.classifier:.2f} (random "
+            f"{quality.random:.2f}, oracle {quality.oracle:.2f}), mean level "
+            f"{quality.mean_level_classifier:.2f} | committed classifier: accuracy "
+            f"{committed['accuracy']:.3f}, macro-F1 {committed['macro_f1']:.3f}, quality "
+            f"{committed['quality']['classifier']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
