@@ -135,3 +135,38 @@ def test_directories_without_safetensors_or_with_pickles_are_refused(tmp_path: P
     (tmp_path / "unet" / "diffusion_pytorch_model.bin").write_bytes(b"\x80\x04pickle")
     with pytest.raises(ModelSourceError, match=r"pickled weights .*unet/diffusion_pytorch_model"):
         check_pipeline_dir(tmp_path)
+
+
+def test_adapter_seams_run_in_step_order_and_replace_the_predictor() -> None:
+    model = tiny_model("sd-1.5")
+    events: list[tuple[str, int]] = []
+
+    def predictor(latents: torch.Tensor, t: torch.Tensor, cond, scheduler, step: int):  # type: ignore[no-untyped-def]
+        events.append(("predict", step))
+        return model.predict_noise(latents, t, cond, scheduler, step)
+
+    def start(step: int) -> None:
+        events.append(("start", step))
+
+    def after(done: int, latents: torch.Tensor) -> None:
+        events.append(("after", done))
+
+    run = model.denoise(
+        spec(seed=5, steps=3), before_step=[start], hooks=[after], predictor=predictor
+    )
+    assert events == [
+        (kind, step + (kind == "after"))
+        for step in range(3)
+        for kind in ("start", "predict", "after")
+    ]
+    # the default predictor through the seam changes nothing
+    torch.testing.assert_close(
+        run.latents, model.denoise(spec(seed=5, steps=3)).latents, rtol=0, atol=0
+    )
+
+    def zero(latents: torch.Tensor, t: torch.Tensor, cond, scheduler, step: int):  # type: ignore[no-untyped-def]
+        return torch.zeros_like(latents)
+
+    assert not torch.equal(
+        model.denoise(spec(seed=5, steps=3), predictor=zero).latents, run.latents
+    )

@@ -30,15 +30,29 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from PIL import Image
 
 from argus.worker.models import make_scheduler, scheduler_name
 
-# called after every step with (step index, latents); may return replacement latents
+# called after every step with (steps done, latents); may return replacement latents
 StepHook = Callable[[int, torch.Tensor], torch.Tensor | None]
+# called before every step with the index of the step about to run; may block (LoRA BAL waits)
+StepStart = Callable[[int], None]
+
+
+class NoisePredictor(Protocol):
+    """One guided noise prediction; :meth:`DiffusionModel.predict_noise` is the default.
+
+    Adapter workflows replace it: ControlNet residuals computed beside the UNet, CFG branches
+    on two devices (latent parallelism). ``step`` is the index of the step being run.
+    """
+
+    def __call__(
+        self, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, scheduler: Any, step: int
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -145,23 +159,40 @@ class DiffusionModel:
             embeds = torch.cat([negative, embeds])
         return Conditioning(embeds, None, scale)
 
-    def predict_noise(
-        self, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, scheduler: Any
+    @staticmethod
+    def unet_input(
+        latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, scheduler: Any
     ) -> torch.Tensor:
-        """One UNet evaluation with classifier-free guidance."""
+        """The UNet's input for one step: both CFG branches stacked (negative first), scaled."""
         model_input = torch.cat([latents, latents]) if cond.cfg else latents
-        model_input = scheduler.scale_model_input(model_input, t)
+        scaled: torch.Tensor = scheduler.scale_model_input(model_input, t)
+        return scaled
+
+    @staticmethod
+    def guide(noise: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """Classifier-free guidance over the stacked branches' predictions."""
+        if not cond.cfg:
+            return noise
+        uncond, text = noise.chunk(2)
+        return uncond + cond.guidance_scale * (text - uncond)
+
+    def predict_noise(
+        self,
+        latents: torch.Tensor,
+        t: torch.Tensor,
+        cond: Conditioning,
+        scheduler: Any,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """One UNet evaluation with classifier-free guidance (the default predictor)."""
         noise: torch.Tensor = self.pipeline.unet(
-            model_input,
+            self.unet_input(latents, t, cond, scheduler),
             t,
             encoder_hidden_states=cond.embeds,
             added_cond_kwargs=cond.added,
             return_dict=False,
         )[0]
-        if cond.cfg:
-            uncond, text = noise.chunk(2)
-            noise = uncond + cond.guidance_scale * (text - uncond)
-        return noise
+        return self.guide(noise, cond)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -173,11 +204,16 @@ class DiffusionModel:
         start_step: int = 0,
         capture: Iterable[int] = (),
         hooks: Iterable[StepHook] = (),
+        before_step: Iterable[StepStart] = (),
+        predictor: NoisePredictor | None = None,
     ) -> DenoiseResult:
         """Run steps ``start_step`` … N−1; ``start_latents`` are the latents after ``start_step``.
 
         ``capture`` names the steps K whose latents (after K steps) are returned, for the
         cache. Without ``start_latents`` the run starts from the seed's noise at step 0.
+        ``before_step`` callbacks run before each step (with its index), ``hooks`` after it;
+        ``predictor`` replaces :meth:`predict_noise`. All run under the model's lock, so a
+        callback may patch the model's weights for this request alone.
         """
         if not 0 <= start_step < spec.steps:
             raise ValueError(f"start_step {start_step} outside [0, {spec.steps})")
@@ -185,6 +221,8 @@ class DiffusionModel:
             raise ValueError("resuming at a step > 0 needs start_latents")
         wanted = {k for k in capture if start_step < k < spec.steps}
         hooks = tuple(hooks)
+        starts = tuple(before_step)
+        predict = self.predict_noise if predictor is None else predictor
         with self.lock, torch.inference_mode():
             began = time.perf_counter()
             cond = self.encode(spec)
@@ -202,7 +240,9 @@ class DiffusionModel:
             captured: dict[int, torch.Tensor] = {}
             step = start_step
             for t in timesteps:
-                noise = self.predict_noise(latents, t, cond, scheduler)
+                for start in starts:
+                    start(step)
+                noise = predict(latents, t, cond, scheduler, step)
                 latents = scheduler.step(noise, t, latents, return_dict=False)[0]
                 step += 1
                 for hook in hooks:
