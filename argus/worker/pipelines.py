@@ -206,14 +206,17 @@ class DiffusionModel:
         hooks: Iterable[StepHook] = (),
         before_step: Iterable[StepStart] = (),
         predictor: NoisePredictor | None = None,
+        on_exit: Iterable[Callable[[], None]] = (),
     ) -> DenoiseResult:
         """Run steps ``start_step`` … N−1; ``start_latents`` are the latents after ``start_step``.
 
         ``capture`` names the steps K whose latents (after K steps) are returned, for the
         cache. Without ``start_latents`` the run starts from the seed's noise at step 0.
         ``before_step`` callbacks run before each step (with its index), ``hooks`` after it;
-        ``predictor`` replaces :meth:`predict_noise`. All run under the model's lock, so a
-        callback may patch the model's weights for this request alone.
+        ``predictor`` replaces :meth:`predict_noise`; ``on_exit`` callbacks run when the run
+        ends, normally or by an exception. All run under the model's lock, so a callback may
+        patch the model's weights for this request alone and undo it before another request
+        can see them.
         """
         if not 0 <= start_step < spec.steps:
             raise ValueError(f"start_step {start_step} outside [0, {spec.steps})")
@@ -222,36 +225,41 @@ class DiffusionModel:
         wanted = {k for k in capture if start_step < k < spec.steps}
         hooks = tuple(hooks)
         starts = tuple(before_step)
+        exits = tuple(on_exit)
         predict = self.predict_noise if predictor is None else predictor
         with self.lock, torch.inference_mode():
-            began = time.perf_counter()
-            cond = self.encode(spec)
-            scheduler = self.new_scheduler()
-            scheduler.set_timesteps(spec.steps, device=self.device)
-            order = int(getattr(scheduler, "order", 1))
-            timesteps = scheduler.timesteps[start_step * order :]
-            if hasattr(scheduler, "set_begin_index"):
-                scheduler.set_begin_index(start_step * order)
-            if start_latents is None:
-                latents = self.initial_noise(spec, scheduler)
-            else:
-                latents = start_latents.to(self.device, self.dtype)
-            encoded = time.perf_counter()
-            captured: dict[int, torch.Tensor] = {}
-            step = start_step
-            for t in timesteps:
-                for start in starts:
-                    start(step)
-                noise = predict(latents, t, cond, scheduler, step)
-                latents = scheduler.step(noise, t, latents, return_dict=False)[0]
-                step += 1
-                for hook in hooks:
-                    replaced = hook(step, latents)
-                    if replaced is not None:
-                        latents = replaced
-                if step in wanted:
-                    captured[step] = latents.detach().to("cpu", torch.float32).clone()
-            done = time.perf_counter()
+            try:
+                began = time.perf_counter()
+                cond = self.encode(spec)
+                scheduler = self.new_scheduler()
+                scheduler.set_timesteps(spec.steps, device=self.device)
+                order = int(getattr(scheduler, "order", 1))
+                timesteps = scheduler.timesteps[start_step * order :]
+                if hasattr(scheduler, "set_begin_index"):
+                    scheduler.set_begin_index(start_step * order)
+                if start_latents is None:
+                    latents = self.initial_noise(spec, scheduler)
+                else:
+                    latents = start_latents.to(self.device, self.dtype)
+                encoded = time.perf_counter()
+                captured: dict[int, torch.Tensor] = {}
+                step = start_step
+                for t in timesteps:
+                    for start in starts:
+                        start(step)
+                    noise = predict(latents, t, cond, scheduler, step)
+                    latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+                    step += 1
+                    for hook in hooks:
+                        replaced = hook(step, latents)
+                        if replaced is not None:
+                            latents = replaced
+                    if step in wanted:
+                        captured[step] = latents.detach().to("cpu", torch.float32).clone()
+                done = time.perf_counter()
+            finally:
+                for exit_callback in exits:  # e.g. restore LoRA-patched weights, under the lock
+                    exit_callback()
         return DenoiseResult(
             latents=latents,
             captured=captured,
