@@ -37,6 +37,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "TrainClassifierCommand",
         "train the level classifiers (one per strategy) from quality tables",
     ),
+    "controlnet": (
+        "argus.cli.controlnet",
+        "ControlNetCommand",
+        "run the shared ControlNet service (gRPC)",
+    ),
+    "profile-lora": (
+        "argus.cli.profile_lora",
+        "ProfileLoraCommand",
+        "find the LoRA bound K: the first step where the LoRA changes the latents",
+    ),
     "generate": (
         "argus.cli.generate",
         "GenerateCommand",
