@@ -61,12 +61,22 @@ class ReplayCommand:
             metavar="START:END[:EXTRA_S]",
             help="minutes; retrieval slower by EXTRA_S seconds, or down without it",
         )
+        parser.add_argument(
+            "--adapters",
+            default="katz",
+            help=(
+                "ControlNets and LoRAs on the requests, drawn from Katz's production statistics "
+                "(service A): 'katz' (served as Argus does: ControlNet-as-a-Service + bounded "
+                "async LoRA loading), 'sequential' (the naive pipeline, Katz Eq. 1) or 'none'"
+            ),
+        )
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--out", type=Path, default=Path("replay-out"))
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.profiles import ProfileError, load_profiles
+        from argus.sim.adapters import adapter_model_by_name
         from argus.sim.cluster import SimConfig, Simulation
         from argus.sim.policies import make_classifier, make_policy
         from argus.sim.quality import synthetic_quality_table
@@ -89,7 +99,8 @@ class ReplayCommand:
             classifier = make_classifier(args.classifier)
             policies = [make_policy(n, classifier=classifier, seed=args.seed) for n in names]
             faults = parse_faults(args.gpu_failure, args.retrieval_fault)
-            config = SimConfig(gpus=args.gpus, faults=faults, seed=args.seed)
+            adapters = adapter_model_by_name(args.adapters)
+            config = SimConfig(gpus=args.gpus, faults=faults, seed=args.seed, adapters=adapters)
         except (ProfileError, WorkloadError, ValueError) as exc:
             raise CLIError(str(exc)) from None
         quality = {
@@ -115,12 +126,14 @@ class ReplayCommand:
             if bar:
                 bar.done()
         description = _description(args, workload, quality, classifier)
+        description["adapters"] = "none" if adapters is None else adapters.describe()
         summaries = write_reports(results, args.out, description=description)
         print(format_table(summaries))
         print(
             f"\n{len(workload):,} requests × {len(policies)} policies in "
             f"{time.perf_counter() - started:.1f} s; quality model: {_short(description)}; "
-            f"classifier (argus, nirvana): {classifier.label}; reports in {args.out}/"
+            f"classifier (argus, nirvana): {classifier.label}; adapters: {args.adapters}; "
+            f"reports in {args.out}/"
         )
         return 0
 

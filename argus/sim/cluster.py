@@ -16,6 +16,13 @@ during an outage the request waits ``retrieval_timeout_s`` and is then generated
 K = 0 latency and quality). Policies see every retrieval latency, or the failure, so that Argus
 can switch to SM (§4.6).
 
+Requests may carry adapters (``SimConfig.adapters``, :mod:`argus.sim.adapters`): ControlNets
+and LoRAs drawn from Katz's production statistics, once per simulation so every policy sees
+the same ones, and the seconds they add under the chosen workflow join the service time. BAL
+fetches LoRAs from the request's arrival, so time spent queued on the worker hides them.
+Policies plan with profiles that include the mean adapter seconds of each level, as profiles
+measured on such traffic would; the SLO stays 3 × the adapter-free best latency.
+
 GPU failures take workers down for a window: requests still queued on them are routed again
 at the failure time, and the policy re-plans at once without them; they come back idle, with
 nothing loaded, when the window ends.
@@ -36,6 +43,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import numpy.typing as npt
 
+from argus.sim.adapters import (
+    AdapterCost,
+    AdapterDraws,
+    AdapterModel,
+    adapter_cost,
+    draw_adapters,
+    with_adapter_costs,
+)
 from argus.sim.quality import QualityTable
 from argus.sim.workloads import Workload
 from argus.types import ClusterView, Level, ProfileSet, Strategy, WorkerState
@@ -92,6 +107,9 @@ class SimConfig:
 
     faults: tuple[Fault, ...] = ()
     seed: int = 0
+
+    adapters: AdapterModel | None = None
+    """ControlNets and LoRAs on the requests and how workers serve them; None: no adapters."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -189,6 +207,7 @@ class RunResult:
     plan_change_times_s: list[float] = field(default_factory=list)  # re-plans that moved a worker
     busy_by_minute_s: list[float] = field(default_factory=list)  # GPU-seconds busy per minute
     gpus: int = 1
+    adapter_s: float = 0.0  # seconds adapters added to service times, all requests together
 
     @property
     def violated(self) -> npt.NDArray[np.bool_]:
@@ -241,6 +260,14 @@ class Simulation:
             if (levels := profiles.levels_for(s))
         )
         self.slo_s = self.config.slo_factor * best
+        model = self.config.adapters
+        self.adapter_draws: AdapterDraws | None = None
+        # what policies plan with: the profiles as measured with the requests' adapters
+        self.plan_profiles = self.profiles
+        if model is not None:
+            rng = np.random.default_rng(self.config.seed + 2)
+            self.adapter_draws = draw_adapters(len(workload), rng, model.mix)
+            self.plan_profiles = with_adapter_costs(self.profiles, model, self.adapter_draws)
 
     def run(self, policy: Policy, progress: Callable[[int], None] | None = None) -> RunResult:
         """Replay the workload through ``policy``; ``progress(n)`` is told every 10,000 requests."""
@@ -283,7 +310,7 @@ class _Run:
         self._event_seq = 0
         self.next_tick = self.cfg.period_s
         self.context = SimContext(
-            sim.profiles,
+            sim.plan_profiles,
             tuple(w.worker_id for w in self.workers),
             self.cfg.worker_class,
             sim.quality,
@@ -293,6 +320,8 @@ class _Run:
             sim.slo_s,
         )
         self._latency_cache: dict[str, float] = {}
+        self._adapter_costs: dict[str, AdapterCost] = {}
+        self.adapter_s = 0.0
         self._best_scores = {s: t.scores.max(axis=1) for s, t in sim.quality.items()}
 
     # -- the loop ----------------------------------------------------------------------------
@@ -437,8 +466,9 @@ class _Run:
             else:  # a policy may route to a level the worker lacks: it loads it first
                 self._set_level(worker, level_name, now)
         service, served = self._service_time(level, now)
-        service *= self.jitter[i]
         start = max(worker.free_at, now)
+        service += self._adapter_time(served, i, start - now)
+        service *= self.jitter[i]
         worker.free_at = start + service
         worker.finishes.append((worker.free_at, i))
         self._add_busy(start, worker.free_at)
@@ -475,6 +505,19 @@ class _Run:
             return self.cfg.retrieval_timeout_s + self._latency(full.name), full
         self.policy.observe_retrieval(now, self.cfg.retrieval_s + extra)
         return base + extra, level
+
+    def _adapter_time(self, level: Level, i: int, wait_s: float) -> float:
+        """Seconds request ``i``'s adapters add at ``level`` after waiting ``wait_s`` queued."""
+        model, draws = self.cfg.adapters, self.sim.adapter_draws
+        if model is None or draws is None:
+            return 0.0
+        cost = self._adapter_costs.get(level.name)
+        if cost is None:
+            cost = adapter_cost(model, draws, self._latency(level.name), level.skip_steps)
+            self._adapter_costs[level.name] = cost
+        added = float(cost.fixed_s[i]) + max(float(cost.hideable_s[i]) - wait_s, 0.0)
+        self.adapter_s += added
+        return added
 
     def _latency(self, level_name: str) -> float:
         cached = self._latency_cache.get(level_name)
@@ -530,6 +573,7 @@ class _Run:
             plan_change_times_s=self.plan_change_times,
             busy_by_minute_s=self.busy_by_minute,
             gpus=self.cfg.gpus,
+            adapter_s=self.adapter_s,
         )
 
 

@@ -8,7 +8,9 @@ Definitions (Argus §5):
   when it finishes later than that after arriving;
 * effective quality: mean quality score of the requests finished within the SLO; relative
   quality: the same for score / the prompt's score at the best level of its strategy;
-* utilisation: busy GPU seconds (serving and loading models) / (GPUs × simulated time).
+* utilisation: busy GPU seconds (serving and loading models) / (GPUs × simulated time);
+* adapter seconds: what ControlNets and LoRAs added to the service time, mean per request
+  (0 without adapters; :mod:`argus.sim.adapters`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Summary:
     plan_changes: int
     strategy_switches: int
     utilisation: float
+    adapter_s_mean: float = 0.0
 
 
 def summarise(result: RunResult) -> Summary:
@@ -58,6 +61,7 @@ def summarise(result: RunResult) -> Summary:
         plan_changes=result.plan_changes,
         strategy_switches=result.strategy_switches,
         utilisation=min(1.0, result.busy_s / result.gpu_seconds) if result.gpu_seconds else 0.0,
+        adapter_s_mean=result.adapter_s / n if n else 0.0,
     )
 
 

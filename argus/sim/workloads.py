@@ -66,6 +66,11 @@ an 8-GPU cluster that serves about 110 QPM at full quality and 220 QPM at its fa
 * ``gamma``: 150 QPM, CV 2, 60 minutes; ``poisson``: 150 QPM, 60 minutes. Both need
   approximation on average but fit at the fastest level; they differ only in burstiness.
 
+These capacities are without adapters (``argus replay --adapters none``). With Katz's adapter
+mix (``--adapters katz``, the replay default; :mod:`argus.sim.adapters`) every level is
+slower: about 102 QPM at full quality and 180 QPM at the fastest level (tiny-sd; 156 at
+ac-k25), so ``bursty``'s 180 QPM bursts reach the fastest level's capacity and queue.
+
 ``scale`` multiplies every rate. ``duration_min`` sets the length of a synthetic workload; for
 a recorded trace it plays the trace's shape over that many minutes at the same load level
 (time stretch ``d``, rate scale ``d``, both relative to the trace's own length). Stretching
