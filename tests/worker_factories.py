@@ -43,6 +43,7 @@ def make_worker(
     encoder: Any = None,
     level: str | None = None,
     load: bool = True,
+    adapters: Any = None,
     **config: Any,
 ) -> Worker:
     config.setdefault("default_steps", STEPS)
@@ -53,6 +54,7 @@ def make_worker(
         encoder=encoder,
         config=WorkerConfig(**config),
         level=level,
+        adapters=adapters,
     )
     if load:
         worker.configure(wait=True)

@@ -49,12 +49,39 @@ class WorkerCommand:
         parser.add_argument("--default-steps", type=int, default=50)
         parser.add_argument("--max-queue", type=int, default=64)
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+        adapters = parser.add_argument_group("adapters (Katz: LoRA BAL, ControlNets, CFG split)")
+        adapters.add_argument("--lora-dir", help="LoRA library: a directory of safetensors files")
+        adapters.add_argument("--lora-processes", type=int, default=2, help="LoRA loaders")
+        adapters.add_argument(
+            "--lora-bound", type=int, default=10, help="BAL bound K at 50 steps (scaled to N)"
+        )
+        adapters.add_argument(
+            "--controlnet", help="ControlNet service HOST:PORT, or local / local:DIR in process"
+        )
+        adapters.add_argument("--controlnet-mode", default="sync", choices=("sync", "async"))
+        adapters.add_argument(
+            "--latent-parallel",
+            metavar="DEVICE",
+            help="run the CFG branches on two devices: the peer's device (cpu, cuda:1)",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
+        from argus.worker.adapters import AdapterSettings
         from argus.worker.app import WorkerSettings, serve
 
         if not 0 <= args.port < 65536:
             raise CLIError(f"--port: {args.port} outside 0..65535")
+        try:
+            adapter_settings = AdapterSettings(
+                lora_dir=args.lora_dir,
+                lora_processes=args.lora_processes,
+                lora_bound=args.lora_bound,
+                controlnet=args.controlnet,
+                controlnet_mode=args.controlnet_mode,
+                latent_parallel=args.latent_parallel,
+            )
+        except ValueError as err:
+            raise CLIError(str(err)) from None
         settings = WorkerSettings(
             model=args.model,
             variants=tuple(parse_variant(v) for v in args.variant),
@@ -77,6 +104,7 @@ class WorkerCommand:
             default_steps=args.default_steps,
             max_queue=args.max_queue,
             metrics_port=args.metrics_port,
+            adapters=adapter_settings,
         )
         try:
             return serve(settings)

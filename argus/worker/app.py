@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet, Strategy
+from argus.worker.adapters import AdapterSettings, WorkerAdapters
 from argus.worker.engine import Worker, WorkerConfig
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.models import TINY_PREFIX, TINY_VARIANTS
@@ -48,6 +49,8 @@ class WorkerSettings:
     max_queue: int = 64
     threads: int = 16
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
+    # Katz adapters: LoRA library, ControlNet service, latent parallelism (all off by default)
+    adapters: AdapterSettings = field(default_factory=AdapterSettings)
 
 
 def model_sources(settings: WorkerSettings, profiles: ProfileSet) -> dict[str, str]:
@@ -137,10 +140,23 @@ def build_worker(
         default_steps=settings.default_steps,
         max_queue=settings.max_queue,
     )
+    adapters = None
+    if settings.adapters.enabled:
+        adapters = WorkerAdapters(settings.adapters, device=registry.device, dtype=registry.dtype)
+        adapters.start()
     worker = Worker(
-        profiles, registry, cache=cache, encoder=encoder, config=config, level=settings.level
+        profiles,
+        registry,
+        cache=cache,
+        encoder=encoder,
+        config=config,
+        level=settings.level,
+        adapters=adapters,
     )
     worker.configure(wait=wait_for_model)
+    active = registry.active()
+    if adapters is not None and active is not None:
+        adapters.model_loaded(active)
     return worker
 
 

@@ -18,11 +18,16 @@ A request names a *level* of the worker's profile (or gets the configured one):
 
 If the level's model is not loaded the active model serves the request at the same K (AC) or
 from noise (SM) and the response says ``substituted``; loads are the job of ``configure``.
+
+Adapters (LoRAs, ControlNets) are checked with the rest of the request and run through
+:class:`~argus.worker.adapters.WorkerAdapters` (see there for how they meet the cache: a
+request with ControlNets never resumes from a cached latent, and no adapter request feeds it).
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import math
 import threading
 import time
@@ -37,8 +42,11 @@ import numpy.typing as npt
 import torch
 
 from argus.types import Level, ProfileSet, Strategy
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.adapters import NO_ADAPTERS, AdapterPlan, WorkerAdapters
+from argus.worker.pipelines import DenoiseResult, DiffusionModel, GenerationSpec
 from argus.worker.registry import ModelInfo, ModelRegistry
+
+log = logging.getLogger(__name__)
 
 MAX_PROMPT_CHARS = 64 * 1024  # the tokenizer keeps 77 tokens; more text is only a burden
 MAX_STEPS = 1000
@@ -114,6 +122,7 @@ class GenerateResult:
     substituted: bool = False
     timing_ms: dict[str, float] = field(default_factory=dict)
     image_size: tuple[int, int] = (0, 0)
+    adapter_path: str = ""  # "", "plain" (LoRAs only), "controlnet" or "latent-parallel"
 
 
 @dataclass(frozen=True)
@@ -144,11 +153,13 @@ class Worker:
         encoder: PromptEncoder | None = None,
         config: WorkerConfig | None = None,
         level: str | None = None,
+        adapters: WorkerAdapters | None = None,
     ) -> None:
         self.profiles = profiles
         self.registry = registry
         self.cache = cache
         self.encoder = encoder
+        self.adapters = adapters
         self.config = config or WorkerConfig()
         self._levels = {lv.name: lv for lv in profiles.levels}
         ac_models = {lv.model for lv in profiles.levels if lv.strategy is Strategy.AC}
@@ -201,7 +212,7 @@ class Worker:
 
     # -- validation ------------------------------------------------------------------------
 
-    def validate(self, call: GenerateCall) -> tuple[GenerationSpec, Level]:
+    def validate(self, call: GenerateCall) -> tuple[GenerationSpec, Level, AdapterPlan]:
         cfg = self.config
         if not isinstance(call.prompt, str):
             raise InvalidRequestError("prompt", "must be text")
@@ -231,8 +242,10 @@ class Worker:
             raise InvalidRequestError("guidance_scale", f"{call.guidance_scale} outside [0, 50]")
         if not 0 <= call.seed < 2**64:
             raise InvalidRequestError("seed", "must fit in 64 bits unsigned")
-        if call.adapters:
-            raise InvalidRequestError("adapters", "this worker serves no adapters yet")
+        if call.adapters and self.adapters is None:
+            raise InvalidRequestError(
+                "adapters", "this worker serves no adapters (no --lora-dir or --controlnet)"
+            )
         level = self._level(call.level, "level") if call.level else self.level
         if level.skip_steps >= steps:
             raise InvalidRequestError(
@@ -247,12 +260,13 @@ class Worker:
             steps=steps,
             guidance_scale=call.guidance_scale or 0.0,
         )
-        return spec, level
+        plan = self.adapters.plan(call.adapters) if self.adapters is not None else NO_ADAPTERS
+        return spec, level, plan
 
     # -- the request path ------------------------------------------------------------------
 
     def generate(self, call: GenerateCall) -> GenerateResult:
-        spec, level = self.validate(call)
+        spec, level, plan = self.validate(call)
         with self._lock:
             if self._queued >= self.config.max_queue:
                 self._counts["rejected"] += 1
@@ -264,7 +278,7 @@ class Worker:
         try:
             with self._slots:
                 started = time.perf_counter()
-                result = self._run(spec, level, call.request_id)
+                result = self._run(spec, level, plan, call.request_id)
             result.timing_ms["queue_ms"] = (started - arrived) * 1e3
             result.timing_ms["total_ms"] = (time.perf_counter() - arrived) * 1e3
             with self._lock:
@@ -279,7 +293,9 @@ class Worker:
             with self._lock:
                 self._queued -= 1
 
-    def _run(self, spec: GenerationSpec, level: Level, request_id: str) -> GenerateResult:
+    def _run(
+        self, spec: GenerationSpec, level: Level, plan: AdapterPlan, request_id: str
+    ) -> GenerateResult:
         model = self.registry.get(level.model)
         substituted = model is None
         if model is None:
@@ -297,7 +313,9 @@ class Worker:
         use_cache = (
             level.strategy is Strategy.AC and level.skip_steps > 0 and self.cache is not None
         )
-        if use_cache and self.encoder is not None:
+        if use_cache and plan.controls:  # the control's structure is set in the skipped steps
+            outcome, miss_reason = CacheOutcome.MISS, "controlnet"
+        elif use_cache and self.encoder is not None:
             began = time.perf_counter()
             embedding = self.encoder.embed_one(spec.prompt)
             timing["embed_ms"] = (time.perf_counter() - began) * 1e3
@@ -319,10 +337,11 @@ class Worker:
             and self.cache is not None
             and model.name == self.base_model
             and level.strategy is Strategy.AC
+            and not plan  # the cache holds the base model's latents alone
         )
         capture = self._cache_steps(spec.steps) if feeds_cache else ()
-        result = model.denoise(
-            spec, start_latents=start_latents, start_step=start_step, capture=capture
+        result, adapter_path = self._denoise(
+            model, spec, plan, request_id, start_latents, start_step, capture, timing
         )
         timing["encode_ms"] = result.encode_s * 1e3
         timing["denoise_ms"] = result.denoise_s * 1e3
@@ -348,7 +367,45 @@ class Worker:
             substituted=substituted,
             timing_ms=timing,
             image_size=image.size,
+            adapter_path=adapter_path,
         )
+
+    def _denoise(
+        self,
+        model: DiffusionModel,
+        spec: GenerationSpec,
+        plan: AdapterPlan,
+        request_id: str,
+        start_latents: torch.Tensor | None,
+        start_step: int,
+        capture: tuple[int, ...],
+        timing: dict[str, float],
+    ) -> tuple[DenoiseResult, str]:
+        """Denoise with the request's adapters; returns the result and the adapter path."""
+
+        def run(**extra: Any) -> DenoiseResult:
+            return model.denoise(
+                spec, start_latents=start_latents, start_step=start_step, capture=capture, **extra
+            )
+
+        if self.adapters is None or (not plan and self.adapters.peer is None):
+            return run(), ""
+        from argus.worker.latent_parallel import PeerFailedError
+
+        try:
+            with self.adapters.attach(model, spec, plan, request_id) as extras:
+                result = run(**extras.kwargs())
+            timing.update(extras.timing_ms)
+            return result, extras.path
+        except PeerFailedError as err:  # the peer died: this request reruns on one device
+            log.warning(
+                "latent-parallel peer failed (%s); running %s on one device", err, request_id
+            )
+            self.adapters.note_peer_failure()
+        with self.adapters.attach(model, spec, plan, request_id) as extras:
+            result = run(**extras.kwargs())
+        timing.update(extras.timing_ms)
+        return result, extras.path
 
     # -- the cache -------------------------------------------------------------------------
 
@@ -433,6 +490,8 @@ class Worker:
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
+        if self.adapters is not None:
+            self.adapters.close()
         self.registry.close()
         if self.cache is not None:
             self.cache.close()

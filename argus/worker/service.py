@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from argus import rpc
 from argus.types import Strategy
+from argus.worker.adapters import adapter_status
 from argus.worker.engine import (
     CacheOutcome,
     GenerateCall,
@@ -88,10 +89,13 @@ def result_to_pb(result: GenerateResult, worker_id: str) -> Any:
             denoise_ms=t.get("denoise_ms", 0.0),
             decode_ms=t.get("decode_ms", 0.0),
             total_ms=t.get("total_ms", 0.0),
+            lora_wait_ms=t.get("lora_wait_ms", 0.0),
+            controlnet_wait_ms=t.get("controlnet_wait_ms", 0.0),
         ),
         worker_id=worker_id,
         substituted=result.substituted,
         scheduler=result.scheduler,
+        adapter_path=result.adapter_path,
     )
 
 
@@ -148,6 +152,9 @@ def status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
     if isinstance(err, NoModelError):
         return grpc.StatusCode.UNAVAILABLE, str(err)
+    adapter = adapter_status(err)
+    if adapter is not None:
+        return getattr(grpc.StatusCode, adapter[0]), adapter[1]
     return grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"
 
 
