@@ -16,14 +16,13 @@ the gRPC thread pool, never behind the denoising semaphore.
 
 from __future__ import annotations
 
-from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from argus import rpc
+from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from argus.types import Strategy
 from argus.worker.adapters import adapter_status
 from argus.worker.engine import (
@@ -210,14 +209,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         return stats_to_pb(self.worker.stats())
 
     def update_health(self) -> None:
-        ready = self.worker.registry.active() is not None
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if ready
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+        set_serving(self.health, SERVICE_NAME, self.worker.registry.active() is not None)
 
 
 def create_server(
@@ -228,29 +220,18 @@ def create_server(
     metrics: WorkerMetrics | None = None,
 ) -> tuple[grpc.Server, int, WorkerServicer]:
     """A started-later gRPC server bound to ``address``; returns it with the bound port."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-        options=[
-            ("grpc.max_receive_message_length", 8 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ],
+    server = new_server(
+        threads=threads,
+        thread_prefix="grpc",
+        max_receive_bytes=8 * 1024 * 1024,
+        max_send_bytes=64 * 1024 * 1024,
     )
     health_servicer = health.HealthServicer()
     servicer = WorkerServicer(worker, health_servicer, metrics)
     if metrics is not None:
         metrics.watch_queue(lambda: worker.queue_length)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
+    add_health_and_reflection(server, health_servicer, [SERVICE_NAME])
+    port = bind(server, address)
     servicer.update_health()
     return server, port, servicer

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from argus import rpc
+from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from argus.worker.controlnet.errors import (
     ControlNetBusyError,
     ControlNetError,
@@ -126,13 +125,7 @@ class ControlNetServicer(controlnet_pb2_grpc.ControlNetServicer):  # type: ignor
         return stats_to_pb(self.executor.stats())
 
     def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+        set_serving(self.health, SERVICE_NAME, serving)
 
 
 def create_server(
@@ -145,27 +138,16 @@ def create_server(
     serving: bool = True,
 ) -> tuple[grpc.Server, int, ControlNetServicer]:
     """A gRPC server (not started) bound to ``address``; returns it with the bound port."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc-controlnet"),
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ],
+    server = new_server(
+        threads=threads,
+        thread_prefix="grpc-controlnet",
+        max_receive_bytes=max_message_bytes,
+        max_send_bytes=max_message_bytes,
     )
     health_servicer = health.HealthServicer()
     servicer = ControlNetServicer(executor, health_servicer, metrics)
     controlnet_pb2_grpc.add_ControlNetServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            controlnet_pb2.DESCRIPTOR.services_by_name["ControlNet"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
+    add_health_and_reflection(server, health_servicer, [SERVICE_NAME])
+    port = bind(server, address)
     servicer.set_serving(serving)
     return server, port, servicer
