@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _machine import machine_line
 from PIL import Image
 
 from argus.worker.controlnet.executor import (
@@ -64,7 +65,6 @@ from argus.worker.controlnet.models import TINY_NAMES, ControlNetCatalog, build_
 from argus.worker.controlnet.predictor import ControlNetMode, ControlNetPredictor
 from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, make_scheduler
 from argus.worker.pipelines import Conditioning, DiffusionModel, GenerationSpec
-from benchmarks._machine import machine_line
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
 FAMILY = {"sd-1.5": "sd15", "sdxl": "sdxl"}

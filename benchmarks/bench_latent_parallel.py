@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _machine import machine_line
 
 from argus.worker.latent_parallel import LatentParallelConfig, LatentParallelGroup
 from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, load_pipeline_dir
 from argus.worker.pipelines import DiffusionModel, GenerationSpec
-from benchmarks._machine import machine_line
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
 

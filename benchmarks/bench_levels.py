@@ -29,12 +29,12 @@ import time
 from typing import Any
 
 import torch
+from _machine import machine_line
 
 from argus.profiles import default_profiles
 from argus.types import Strategy
 from argus.worker.models import TINY_PREFIX, build_tiny_pipeline
 from argus.worker.pipelines import DiffusionModel, GenerationSpec
-from benchmarks._machine import machine_line
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
 

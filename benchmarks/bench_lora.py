@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _machine import machine_line
 
 from argus.worker.lora import (
     LoadedLora,
@@ -51,7 +52,6 @@ from argus.worker.lora import (
 )
 from argus.worker.models import TINY_PREFIX, build_tiny_pipeline
 from argus.worker.pipelines import DiffusionModel, GenerationSpec
-from benchmarks._machine import machine_line
 
 PROMPT = "an owl standing on a wire, papercut style"
 TARGET_SETS = {
