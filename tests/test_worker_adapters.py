@@ -219,3 +219,24 @@ def test_latent_parallel_worker_matches_the_single_device_image() -> None:
     finally:
         w.close()
         single.close()
+
+
+def test_argus_generate_sends_adapters(worker: Any, tmp_path: Path, capsys: Any) -> None:
+    from argus.cli.main import main
+
+    server, port, _ = create_server(worker, "127.0.0.1:0", threads=2)
+    server.start()
+    control = tmp_path / "edges.png"
+    control.write_bytes(png(5))
+    out = tmp_path / "out.png"
+    try:
+        base = ["generate", "--address", f"127.0.0.1:{port}", "--prompt", "a cat", "--out"]
+        code = main([*base, str(out), "--lora", "ink=0.5", "--controlnet", f"canny={control}@0.8"])
+        assert code == 0 and out.read_bytes()[:4] == b"\x89PNG"
+        assert '"adapters": "controlnet"' in capsys.readouterr().out
+        assert main([*base, str(out), "--lora", "nope"]) == 2
+        assert "NOT_FOUND" in capsys.readouterr().err
+        assert main([*base, str(out), "--controlnet", "canny"]) == 2
+        assert "NAME=PNG" in capsys.readouterr().err
+    finally:
+        server.stop(grace=None)

@@ -9,6 +9,29 @@ from pathlib import Path
 from argus.cli.main import CLIError
 
 
+def parse_lora(text: str) -> tuple[str, float]:
+    """``NAME`` or ``NAME=SCALE``."""
+    name, sep, scale = text.partition("=")
+    if not name or (sep and not scale):
+        raise CLIError(f"--lora: expected NAME or NAME=SCALE, got {text!r}")
+    try:
+        return name, float(scale) if sep else 1.0
+    except ValueError:
+        raise CLIError(f"--lora: scale {scale!r} is not a number") from None
+
+
+def parse_controlnet(text: str) -> tuple[str, Path, float]:
+    """``NAME=PNG`` or ``NAME=PNG@SCALE``."""
+    name, sep, rest = text.partition("=")
+    image, at, scale = rest.rpartition("@") if "@" in rest else (rest, "", "")
+    if not name or not sep or not image:
+        raise CLIError(f"--controlnet: expected NAME=PNG[@SCALE], got {text!r}")
+    try:
+        return name, Path(image), float(scale) if at else 1.0
+    except ValueError:
+        raise CLIError(f"--controlnet: scale {scale!r} is not a number") from None
+
+
 class GenerateCommand:
     name = "generate"
     help = "Send a prompt to a worker (gRPC) and save the image."
@@ -21,6 +44,12 @@ class GenerateCommand:
         parser.add_argument("--size", type=int, help="width and height in pixels")
         parser.add_argument("--steps", type=int)
         parser.add_argument("--level", default="", help="a profile level, e.g. ac-k10")
+        parser.add_argument(
+            "--lora", action="append", default=[], help="NAME[=SCALE] from the worker's library"
+        )
+        parser.add_argument(
+            "--controlnet", action="append", default=[], help="NAME=PNG[@SCALE]: a control image"
+        )
         parser.add_argument("--out", type=Path, default=Path("image.png"))
         parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
 
@@ -29,6 +58,7 @@ class GenerateCommand:
 
         from argus import rpc
 
+        common_pb2 = rpc.load("common_pb2")
         worker_pb2 = rpc.load("worker_pb2")
         worker_pb2_grpc = rpc.load("worker_pb2_grpc")
         request = worker_pb2.GenerateRequest(
@@ -41,6 +71,17 @@ class GenerateCommand:
             request.width = request.height = args.size
         if args.steps is not None:
             request.steps = args.steps
+        kind = common_pb2.Adapter.Kind
+        for name, image, scale in map(parse_controlnet, args.controlnet):
+            try:
+                png = image.read_bytes()
+            except OSError as err:
+                raise CLIError(
+                    f"--controlnet {name}: cannot read {image}: {err.strerror}"
+                ) from None
+            request.adapters.add(kind=kind.CONTROLNET, name=name, scale=scale, control_image=png)
+        for name, scale in map(parse_lora, args.lora):
+            request.adapters.add(kind=kind.LORA, name=name, scale=scale)
         with grpc.insecure_channel(args.address) as channel:
             try:
                 reply = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=args.timeout)
@@ -53,6 +94,7 @@ class GenerateCommand:
             "model": reply.model,
             "steps_run": reply.steps_run,
             "cache": worker_pb2.CacheOutcome.Name(reply.cache),
+            "adapters": reply.adapter_path,
             "total_ms": round(reply.timing.total_ms, 1),
         }
         print(json.dumps(summary))
