@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "replay": ("argus.cli.replay", "ReplayCommand", "replay a trace through policies (simulated)"),
     "profile": ("argus.cli.profile", "ProfileCommand", "score every prompt at every level"),
     "worker": ("argus.cli.worker", "WorkerCommand", "run a GPU worker (gRPC)"),
+    "allocator": ("argus.cli.allocator", "AllocatorCommand", "run the allocator service (gRPC)"),
     "train-classifier": (
         "argus.cli.train_classifier",
         "TrainClassifierCommand",

@@ -1,0 +1,511 @@
+"""The allocator's control loop: statistics and heartbeats in, versioned plans out.
+
+:class:`AllocatorControl` is what the allocator service runs, with no gRPC in it (the
+servicer converts and delegates). It owns the product's own control plane, wired the way the
+simulator wires it (``argus.sim.policies._Planned``):
+
+* :class:`~argus.allocator.allocator.Allocator`: load forecast W_t, affinity histogram H and
+  the plan (ILP + ODA), the better of the allowed strategies (``plan_best``);
+* :class:`~argus.allocator.strategy.StrategyMonitor`: AC↔SM from the workers' retrieval
+  reports (§4.6). While retrieval is slow or down only SM is allowed, and the plans of the
+  first period after leaving AC are made with a 1.5× load margin (``switch_margin``; the
+  Allocator's ``load_margin``) to cover the models still loading. When the probes of a whole
+  window are healthy AC is allowed again and preferred;
+* :class:`~argus.allocator.membership.Membership`: who is alive.
+
+When plans are made, and why (:class:`ReplanReason`):
+
+* at once, inside the call that caused it: a worker joins (its heartbeat's answer already
+  carries its level), leaves, or reports retrieval that forces AC → SM; a router asks because
+  queues build up (at most once per ``min_replan_interval_s``);
+* in :meth:`AllocatorControl.tick`, which a :class:`ControlLoop` thread calls a few times per
+  heartbeat interval: a worker missed ``missed_heartbeats`` heartbeats; retrieval recovered
+  (SM → AC); the period elapsed since the last plan; the workers' queues exceed
+  ``backlog_replan_per_worker`` per live worker (at most once per ``min_replan_interval_s``).
+
+A plan that fails (a solver error) leaves the current plan in force and is retried at the
+next tick; the heartbeat or report that caused it is answered as usual.
+
+Time is the ``clock`` passed in (``time.monotonic`` in the service, a fake in tests); every
+decision reads it once per call. One lock serialises every call, so a plan and the membership
+it was made from always agree. Solves take milliseconds (``benchmarks/bench_solver.py``); a
+burst of N joins costs N solves, and each leaves a complete plan behind.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from argus.allocator.allocator import Allocator, AllocatorConfig
+from argus.allocator.membership import Change, Membership, WorkerReport
+from argus.allocator.planner import PlannerConfig
+from argus.allocator.predictor import LoadPredictorConfig
+from argus.allocator.solver import SolverFactory
+from argus.allocator.strategy import StrategyConfig, StrategyMonitor
+from argus.types import Plan, ProfileSet, Strategy
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class ReplanReason(enum.StrEnum):
+    """Why a plan was made (a bounded label for metrics)."""
+
+    STARTUP = "startup"
+    PERIODIC = "periodic"
+    WORKER_JOINED = "worker_joined"
+    WORKER_LEFT = "worker_left"
+    WORKER_DEAD = "worker_dead"
+    STRATEGY_SWITCH = "strategy_switch"
+    BACKLOG = "backlog"
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """How the allocator service plans; each ``argus allocator`` flag maps to one field."""
+
+    period_s: float = 60.0
+    """Re-plan at least this often, seconds (the paper: every minute). Also the load
+    forecast's counting period."""
+
+    heartbeat_s: float = 1.0
+    """Interval workers are told to send heartbeats at, seconds."""
+
+    missed_heartbeats: int = 3
+    """A worker silent for this many intervals is dead and planned around."""
+
+    switch_margin: float = 1.5
+    """Load margin of the plans made within one period after a forced AC → SM switch (§4.6):
+    SDXL at K=0 serves while the small variants load, so plan for more than the forecast."""
+
+    switch_cost_weight: float = 1.0
+    """Weight of the model-load switching cost in the objective (as the simulator's Argus)."""
+
+    backlog_replan_per_worker: float = 2.0
+    """Queued requests per live worker above which a plan is made before the period ends."""
+
+    min_replan_interval_s: float = 10.0
+    """Backlog re-plans (the workers' queues, a router's request) at most this often. Also
+    how much of an open period must pass before its arrival rate counts in the forecast."""
+
+    max_workers: int = 1024
+    """Workers tracked at most; further joins get RESOURCE_EXHAUSTED."""
+
+    max_routers: int = 1024
+    """Router ids whose last report sequence is remembered (oldest forgotten first)."""
+
+    strategies: tuple[Strategy, ...] = (Strategy.AC, Strategy.SM)
+    """Strategies plans may use (those the profile has levels for); the better one is run."""
+
+    retrieval: StrategyConfig = field(default_factory=StrategyConfig)
+    """When retrieval is too slow for AC and when it has recovered."""
+
+    histogram_window: int = 1000
+    """Classified prompts the affinity histogram H looks back over (the paper: 1000)."""
+
+    def __post_init__(self) -> None:
+        for name in ("period_s", "heartbeat_s", "backlog_replan_per_worker"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0.0):
+                raise ValueError(f"{name}: must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.min_replan_interval_s) and self.min_replan_interval_s >= 0):
+            raise ValueError(
+                f"min_replan_interval_s: must be a finite number >= 0, "
+                f"got {self.min_replan_interval_s}"
+            )
+        if not (math.isfinite(self.switch_margin) and self.switch_margin >= 1.0):
+            raise ValueError(f"switch_margin: must be >= 1, got {self.switch_margin}")
+        for name in ("missed_heartbeats", "max_workers", "max_routers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.strategies:
+            raise ValueError("strategies: at least one strategy must be allowed")
+
+    @property
+    def dead_after_s(self) -> float:
+        """Silence after which a worker is dead."""
+        return self.missed_heartbeats * self.heartbeat_s
+
+    def allocator_config(self) -> AllocatorConfig:
+        """The Allocator's config, as the simulator's Argus policy builds it."""
+        return AllocatorConfig(
+            planner=PlannerConfig(self.period_s, self.switch_cost_weight),
+            forecast=LoadPredictorConfig(
+                self.period_s, partial_min_s=min(self.min_replan_interval_s, self.period_s)
+            ),
+            histogram_window=self.histogram_window,
+        )
+
+
+@dataclass(frozen=True)
+class PlannedWorker:
+    """A live worker in a published plan: where routers reach it and what it serves."""
+
+    worker_id: str
+    address: str  # HOST:PORT of its argus.v1.Worker service
+    worker_class: str
+    level: str  # the level the plan gives it
+    queue_length: int  # as last reported
+
+
+@dataclass(frozen=True)
+class PublishedPlan:
+    """A plan as routers receive it: the allocator's :class:`~argus.types.Plan` plus where
+    its workers are and why it was made. Round-trips through ``PlanUpdate`` exactly."""
+
+    epoch: str  # the allocator process's incarnation; versions restart with a new one
+    plan: Plan
+    reason: ReplanReason
+    detail: str  # human-readable cause, e.g. "worker w3 joined"
+    workers: tuple[PlannedWorker, ...]  # every live worker, sorted by id
+    load_margin: float  # factor on the forecast beyond the allocator's headroom
+    retrieval_healthy: bool  # False: AC is not allowed (SM by force)
+
+    @property
+    def version(self) -> int:
+        return self.plan.version
+
+    def worker_classes(self) -> dict[str, str]:
+        """worker id → worker class, what ``PlanRouter.install`` takes with the plan."""
+        return {w.worker_id: w.worker_class for w in self.workers}
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """What making one plan cost and changed (for metrics; not sent to routers)."""
+
+    changed: bool  # strategy or worker → level assignment differs from the previous plan
+    strategy_switched: bool  # strategy differs from the previous plan's
+    planning_s: float  # wall time of planning every allowed strategy
+    dead_workers: int  # workers found dead and dropped for this plan
+
+
+@dataclass(frozen=True)
+class RouterReport:
+    """A router's statistics, validated (level names already turned into indices)."""
+
+    router_id: str
+    sequence: int = 0  # 0: no de-duplication
+    arrivals: int = 0
+    arrival_ages_s: tuple[float, ...] = ()  # empty, or one age per arrival
+    classified: tuple[tuple[Strategy, tuple[int, ...]], ...] = ()  # level indices, oldest first
+    replan_wanted: bool = False
+
+
+@dataclass(frozen=True)
+class RouterAnswer:
+    plan_version: int
+    duplicate: bool
+
+
+@dataclass(frozen=True)
+class HeartbeatAnswer:
+    """What a worker is told in reply to its heartbeat."""
+
+    plan_version: int
+    strategy: Strategy
+    assigned_level: str  # "" when the worker is not in the plan
+    probe_retrieval: bool  # retrieval was slow or down: send probes
+    probe_interval_s: float
+    heartbeat_interval_s: float
+    epoch: str
+
+
+PlanListener = Callable[[PublishedPlan, PlanStats], None]
+
+
+class AllocatorControl:
+    """One per allocator process; thread-safe."""
+
+    def __init__(
+        self,
+        profiles: ProfileSet,
+        config: ControlConfig | None = None,
+        *,
+        clock: Clock | None = None,
+        listeners: Sequence[PlanListener] = (),
+        epoch: str | None = None,
+        backend: SolverFactory | None = None,
+    ) -> None:
+        """Build the control plane and make the first plan (no workers yet) at once, so
+        ``current`` always has one; ``listeners`` receive it and every later plan. ``clock``
+        is ``time.monotonic`` unless given."""
+        self.profiles = profiles
+        self.config = config or ControlConfig()
+        self.epoch = epoch or uuid.uuid4().hex[:16]
+        self._strategies = tuple(s for s in self.config.strategies if profiles.levels_for(s))
+        if not self._strategies:
+            allowed = ", ".join(s.value for s in self.config.strategies)
+            raise ValueError(f"strategies: the profile has no level of {allowed}")
+        self._clock = clock or time.monotonic
+        self._lock = threading.Lock()
+        self._listeners = tuple(listeners)
+        start = self._clock()
+        self._allocator = Allocator(
+            profiles, self.config.allocator_config(), start_s=start, backend=backend
+        )
+        self._monitor = StrategyMonitor(self.config.retrieval, start=Strategy.AC)
+        self._members = Membership(self.config.dead_after_s, self.config.max_workers)
+        self._router_seq: OrderedDict[str, int] = OrderedDict()
+        self._forced_sm = False  # the current plan excludes AC because retrieval is unhealthy
+        self._margin_until = -math.inf  # plans before this time use switch_margin
+        self._last: PublishedPlan | None = None
+        self._pending: tuple[ReplanReason, str, int] | None = None  # a re-plan that failed
+        with self._lock:
+            self._current = self._replan(start, ReplanReason.STARTUP, "allocator started")
+
+    # -- reads -----------------------------------------------------------------------------
+
+    @property
+    def current(self) -> PublishedPlan:
+        """The latest plan (there is always one)."""
+        with self._lock:
+            return self._current
+
+    def workers_alive(self) -> int:
+        with self._lock:
+            return len(self._members)
+
+    def retrieval_healthy(self) -> bool:
+        """False while the strategy monitor wants SM."""
+        with self._lock:
+            return self._monitor.strategy is Strategy.AC
+
+    # -- events ----------------------------------------------------------------------------
+
+    def heartbeat(self, report: WorkerReport) -> HeartbeatAnswer:
+        """Record a worker's heartbeat; re-plan at once when it joined, moved or left, or when
+        its retrieval report forces AC → SM. Raises ``MembershipFullError`` on a join beyond
+        ``max_workers``."""
+        with self._lock:
+            now = self._clock()
+            change = self._members.heartbeat(report, now)
+            for observation in report.retrieval.observations():
+                self._monitor.observe(now, observation)
+            who = f"worker {report.worker_id}"
+            if change is Change.JOINED:
+                self._attempt(now, ReplanReason.WORKER_JOINED, f"{who} joined at {report.address}")
+            elif change is Change.MOVED:
+                self._attempt(now, ReplanReason.WORKER_JOINED, f"{who} moved to {report.address}")
+            elif change is Change.LEFT:
+                self._attempt(now, ReplanReason.WORKER_LEFT, f"{who} left")
+            elif self._switch_due(now):
+                self._attempt(now, ReplanReason.STRATEGY_SWITCH, self._switch_detail())
+            return self._answer(report.worker_id)
+
+    def report_router(self, report: RouterReport) -> RouterAnswer:
+        """Feed a router's arrivals and classifications to the forecast and H; a retried
+        report (sequence not above the last one seen) counts nothing."""
+        with self._lock:
+            now = self._clock()
+            if self._duplicate(report):
+                return RouterAnswer(self._current.version, duplicate=True)
+            if report.arrival_ages_s:  # oldest first, so no arrival reads as late
+                for age in sorted(report.arrival_ages_s, reverse=True):
+                    self._allocator.observe_arrival(now - age)
+            else:
+                for _ in range(report.arrivals):
+                    self._allocator.observe_arrival(now)
+            for strategy, indices in report.classified:
+                for index in indices:
+                    self._allocator.observe_classification(strategy, index)
+            if report.replan_wanted and self._since_plan(now) >= self.config.min_replan_interval_s:
+                detail = f"router {report.router_id} sees queues building up"
+                self._attempt(now, ReplanReason.BACKLOG, detail)
+            return RouterAnswer(self._current.version, duplicate=False)
+
+    def tick(self) -> PublishedPlan | None:
+        """Make the plan that time alone calls for, if any: dead workers, recovered
+        retrieval, the period, a backlog. Returns the new plan or None."""
+        with self._lock:
+            now = self._clock()
+            if self._pending is not None:
+                reason, detail, dead_count = self._pending
+                return self._attempt(now, reason, f"{detail} (retried)", dead_count)
+            dead = self._members.expire(now)
+            if dead:
+                detail = f"{_workers(dead)} missed {self.config.missed_heartbeats} heartbeats"
+                return self._attempt(now, ReplanReason.WORKER_DEAD, detail, len(dead))
+            if self._switch_due(now):
+                return self._attempt(now, ReplanReason.STRATEGY_SWITCH, self._switch_detail())
+            if self._since_plan(now) >= self.config.period_s:
+                return self._attempt(now, ReplanReason.PERIODIC, "planning period elapsed")
+            if self._backlogged(now):
+                return self._attempt(now, ReplanReason.BACKLOG, "worker queues building up")
+            return None
+
+    # -- planning --------------------------------------------------------------------------
+
+    def _attempt(
+        self, now: float, reason: ReplanReason, detail: str, dead: int = 0
+    ) -> PublishedPlan | None:
+        """:meth:`_replan`, but a failure (a solver error) keeps the current plan in force and
+        leaves the re-plan pending for the next tick instead of failing the caller: a worker's
+        heartbeat must not fail because a solve did."""
+        try:
+            published = self._replan(now, reason, detail, dead)
+        except Exception:
+            log.exception("plan (%s) failed; the current plan stays in force", reason.value)
+            if self._pending is None:
+                self._pending = (reason, detail, dead)
+            return None
+        self._pending = None
+        return published
+
+    def _replan(
+        self, now: float, reason: ReplanReason, detail: str, dead: int = 0
+    ) -> PublishedPlan:
+        """Plan the live workers with the allowed strategies, publish, return the plan."""
+        late = self._members.expire(now)  # never plan a worker that is already dead
+        if late:
+            detail += f"; {_workers(late)} missed {self.config.missed_heartbeats} heartbeats"
+        previous = self._last
+        was_forced = self._forced_sm
+        allowed = self._allowed(now, previous)
+        if was_forced and not self._forced_sm:
+            prefer = Strategy.AC  # back from a forced SM: AC is the default (§4.6)
+        else:
+            prefer = previous.plan.strategy if previous else self._strategies[0]
+        margin = self.config.switch_margin if now < self._margin_until else 1.0
+        members = self._members.members()
+        started = time.perf_counter()
+        plan = self._allocator.plan_best(
+            now, self._members.view(), allowed, prefer=prefer, load_margin=margin
+        )
+        planning_s = time.perf_counter() - started
+        assignment = plan.allocation.assignment
+        published = PublishedPlan(
+            epoch=self.epoch,
+            plan=plan,
+            reason=reason,
+            detail=detail,
+            workers=tuple(
+                PlannedWorker(
+                    m.worker_id,
+                    m.report.address,
+                    m.report.worker_class,
+                    assignment[m.worker_id],
+                    m.report.queue_length,
+                )
+                for m in members
+            ),
+            load_margin=margin,
+            retrieval_healthy=not self._forced_sm,
+        )
+        switched = previous is not None and previous.plan.strategy is not plan.strategy
+        changed = previous is None or switched or previous.plan.allocation.assignment != assignment
+        stats = PlanStats(changed, switched, planning_s, dead + len(late))
+        self._current = self._last = published
+        log.info("plan %d (%s): %s; %s", plan.version, reason.value, detail, plan.strategy.value)
+        for listener in self._listeners:
+            try:
+                listener(published, stats)
+            except Exception:  # a broken listener must not stop planning
+                log.exception("plan listener failed")
+        return published
+
+    def _allowed(self, now: float, previous: PublishedPlan | None) -> tuple[Strategy, ...]:
+        """Every configured strategy while retrieval is healthy, SM alone while it is not."""
+        fallback = tuple(s for s in self._strategies if s is not Strategy.AC)
+        if Strategy.AC not in self._strategies or not fallback:
+            self._forced_sm = False
+            return self._strategies
+        if self._monitor.decide(now) is Strategy.AC:
+            self._forced_sm = False
+            return self._strategies
+        if previous is not None and previous.plan.strategy is Strategy.AC:
+            self._margin_until = now + self.config.period_s  # cover the reload (§4.6)
+        self._forced_sm = True
+        return fallback
+
+    def _switch_due(self, now: float) -> bool:
+        """Retrieval went bad under an AC plan, or recovered under a forced SM plan."""
+        if Strategy.AC not in self._strategies or len(self._strategies) < 2:
+            return False
+        healthy = self._monitor.decide(now) is Strategy.AC
+        if healthy:
+            return self._forced_sm
+        return self._current.plan.strategy is Strategy.AC
+
+    def _switch_detail(self) -> str:
+        c = self._monitor.config
+        if self._monitor.strategy is Strategy.SM:
+            return f"retrieval p99 above {c.threshold_s:g} s or failing: AC → SM"
+        return f"retrieval probes healthy for {c.window_s:g} s: AC allowed again"
+
+    def _backlogged(self, now: float) -> bool:
+        live = self._members.members()
+        if not live or self._since_plan(now) < self.config.min_replan_interval_s:
+            return False
+        queued = sum(m.report.queue_length for m in live)
+        return queued > self.config.backlog_replan_per_worker * len(live)
+
+    def _since_plan(self, now: float) -> float:
+        return now - self._current.plan.created_at_s
+
+    def _duplicate(self, report: RouterReport) -> bool:
+        """True for a retried report; remembers the sequence of a new one."""
+        if report.sequence == 0:
+            return False
+        last = self._router_seq.get(report.router_id, 0)
+        if report.sequence <= last:
+            return True
+        self._router_seq[report.router_id] = report.sequence
+        self._router_seq.move_to_end(report.router_id)
+        while len(self._router_seq) > self.config.max_routers:
+            self._router_seq.popitem(last=False)
+        return False
+
+    def _answer(self, worker_id: str) -> HeartbeatAnswer:
+        plan = self._current.plan
+        return HeartbeatAnswer(
+            plan_version=plan.version,
+            strategy=plan.strategy,
+            assigned_level=plan.allocation.assignment.get(worker_id, ""),
+            probe_retrieval=self._monitor.strategy is Strategy.SM,
+            probe_interval_s=self._monitor.config.probe_interval_s,
+            heartbeat_interval_s=self.config.heartbeat_s,
+            epoch=self.epoch,
+        )
+
+
+def _workers(ids: Sequence[str]) -> str:
+    return ("worker " if len(ids) == 1 else "workers ") + ", ".join(ids)
+
+
+class ControlLoop:
+    """A daemon thread that calls :meth:`AllocatorControl.tick` every ``interval_s`` seconds
+    of real time (the control's own clock decides what is due). Errors are logged and the
+    loop goes on: a failed plan must not stop the next one."""
+
+    def __init__(self, control: AllocatorControl, interval_s: float) -> None:
+        if not interval_s > 0.0:
+            raise ValueError(f"interval_s: must be > 0, got {interval_s}")
+        self.control = control
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="allocator-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.control.tick()
+            except Exception:
+                log.exception("allocator tick failed")

@@ -1,0 +1,153 @@
+"""Which workers the allocator plans for: the last heartbeat of each, and who has gone quiet.
+
+A worker joins with its first heartbeat and stays a member while heartbeats keep coming. One
+that has sent none for ``timeout_s`` (3 heartbeat intervals in the service) is dead: it is
+removed and planned around; should it come back, its next heartbeat is a join like any other.
+A worker that says it is leaving is removed at once. Only live workers are kept, so memory is
+bounded by ``max_workers``.
+
+Pure bookkeeping: times are the caller's clock, nothing here locks (the allocator's control
+holds one lock around every call) and nothing talks to a network.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from argus.types import ClusterView, Strategy, WorkerState
+
+
+@dataclass(frozen=True)
+class RetrievalReport:
+    """Cache retrievals a worker saw since its previous heartbeat (input of the AC↔SM switch)."""
+
+    samples_s: tuple[float, ...] = ()  # latencies of successful retrievals, seconds
+    count: int = 0  # successful retrievals when only a summary is sent (samples_s empty)
+    p50_s: float = 0.0  # their median, seconds
+    p99_s: float = 0.0  # their 99th percentile, seconds
+    failures: int = 0  # retrievals that failed outright
+
+    def observations(self) -> list[float | None]:
+        """What :class:`~argus.allocator.strategy.StrategyMonitor` observes, failures as None.
+
+        Samples are used as they are. A summary becomes ``count`` observations: ``ceil(1%)``
+        of them at p99 and the rest at p50, so a window of summaries has about the p99 of the
+        retrievals behind it.
+        """
+        values: list[float | None] = list(self.samples_s)
+        if not values and self.count > 0:
+            slow = max(1, math.ceil(0.01 * self.count))
+            values = [self.p99_s] * slow
+            values += [self.p50_s] * (self.count - slow)
+        values.extend([None] * self.failures)
+        return values
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """One heartbeat, already validated (``argus.allocator.convert`` checks the fields)."""
+
+    worker_id: str
+    address: str  # HOST:PORT of the worker's gRPC service
+    worker_class: str  # a worker class of the profile
+    queue_length: int = 0  # requests waiting or running
+    strategy: Strategy | None = None  # strategy served now; None: nothing loaded yet
+    level: str | None = None  # level served now; None: nothing loaded yet
+    model: str = ""  # active model, informational
+    loaded_models: tuple[str, ...] = ()  # informational
+    retrieval: RetrievalReport = field(default_factory=RetrievalReport)
+    leaving: bool = False  # shutting down: remove now
+
+
+@dataclass(frozen=True)
+class Member:
+    """A live worker as the allocator knows it."""
+
+    report: WorkerReport  # its latest heartbeat
+    joined_at_s: float
+    last_seen_s: float
+
+    @property
+    def worker_id(self) -> str:
+        return self.report.worker_id
+
+    def state(self) -> WorkerState:
+        """The control plane's view of this worker (for the solver)."""
+        r = self.report
+        return WorkerState(r.worker_id, r.worker_class, True, r.level, r.queue_length)
+
+
+class Change(enum.Enum):
+    """What a heartbeat changed in the membership."""
+
+    JOINED = "joined"  # a worker not known before
+    MOVED = "moved"  # a known worker at a new address or of a new class: routers must learn it
+    UPDATED = "updated"  # a known worker's queue, level or retrieval: no re-plan needed
+    LEFT = "left"  # a known worker said it is leaving and was removed
+    IGNORED = "ignored"  # an unknown worker said it is leaving: nothing to do
+
+
+class MembershipFullError(RuntimeError):
+    """A join beyond ``max_workers``."""
+
+
+class Membership:
+    """The live workers, by id."""
+
+    def __init__(self, timeout_s: float, max_workers: int) -> None:
+        if not timeout_s > 0.0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        if max_workers < 1:
+            raise ValueError(f"max_workers: must be >= 1, got {max_workers}")
+        self.timeout_s = timeout_s
+        self.max_workers = max_workers
+        self._members: dict[str, Member] = {}
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def get(self, worker_id: str) -> Member | None:
+        return self._members.get(worker_id)
+
+    def members(self) -> tuple[Member, ...]:
+        """Every live worker, sorted by id (plans list workers in this order)."""
+        return tuple(self._members[k] for k in sorted(self._members))
+
+    def view(self) -> ClusterView:
+        """The live workers as the solver takes them."""
+        return ClusterView(tuple(m.state() for m in self.members()))
+
+    def heartbeat(self, report: WorkerReport, now_s: float) -> Change:
+        """Record ``report`` received at ``now_s``; says whether the plan must change."""
+        known = self._members.get(report.worker_id)
+        if report.leaving:
+            if known is None:
+                return Change.IGNORED
+            del self._members[report.worker_id]
+            return Change.LEFT
+        if known is None:
+            if len(self._members) >= self.max_workers:
+                raise MembershipFullError(
+                    f"worker_id: {report.worker_id!r} cannot join, the allocator already "
+                    f"tracks its maximum of {self.max_workers} workers"
+                )
+            self._members[report.worker_id] = Member(report, now_s, now_s)
+            return Change.JOINED
+        self._members[report.worker_id] = Member(report, known.joined_at_s, now_s)
+        old = known.report
+        if (old.address, old.worker_class) != (report.address, report.worker_class):
+            return Change.MOVED
+        return Change.UPDATED
+
+    def expire(self, now_s: float) -> tuple[str, ...]:
+        """Remove the workers silent for more than ``timeout_s``; returns their ids, sorted."""
+        dead = sorted(
+            worker_id
+            for worker_id, member in self._members.items()
+            if now_s - member.last_seen_s > self.timeout_s
+        )
+        for worker_id in dead:
+            del self._members[worker_id]
+        return tuple(dead)

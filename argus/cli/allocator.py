@@ -1,0 +1,82 @@
+"""``argus allocator``: the cluster's allocator as a gRPC service (``argus.v1.Allocator``).
+
+Workers send it heartbeats, routers their arrivals and classifications; it re-plans every
+``--period-s`` seconds and at once when a worker joins, leaves or misses 3 heartbeats
+(``--heartbeat-s`` apart) or when cache retrieval forces AC → SM, and streams each plan
+(worker → level, PASM, strategy) to the routers that watch. Binds loopback unless ``--host``
+says otherwise (it is an internal endpoint). Prints ``argus allocator listening on
+HOST:PORT`` once bound; Ctrl-C or SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from argus.cli.main import CLIError
+
+
+class AllocatorCommand:
+    name = "allocator"
+    help = "Run the allocator service (gRPC): plans for the cluster's workers and routers."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+        parser.add_argument("--port", type=int, default=0, help="port (0: any free port)")
+        parser.add_argument("--profile", help="profile file (default: the embedded one)")
+        parser.add_argument(
+            "--period-s", type=float, default=60.0, help="re-plan at least this often"
+        )
+        parser.add_argument(
+            "--heartbeat-s",
+            type=float,
+            default=1.0,
+            help="workers' heartbeat interval; 3 missed heartbeats mean dead",
+        )
+        parser.add_argument("--max-workers", type=int, default=1024, help="workers tracked")
+        parser.add_argument(
+            "--max-watchers", type=int, default=64, help="open WatchPlan streams at most"
+        )
+        parser.add_argument(
+            "--retrieval-threshold-s",
+            type=float,
+            default=0.5,
+            help="cache retrieval p99 above this switches AC → SM",
+        )
+        parser.add_argument(
+            "--retrieval-window-s",
+            type=float,
+            default=30.0,
+            help="window of that p99, and of the healthy probes that switch back",
+        )
+        parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from argus.allocator.app import AllocatorSettings, serve
+        from argus.profiles import ProfileError
+
+        for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+            if port is not None and not 0 <= port < 65536:
+                raise CLIError(f"{flag}: {port} outside 0..65535")
+        for flag, value in (("--period-s", args.period_s), ("--heartbeat-s", args.heartbeat_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise CLIError(f"{flag}: {value} must be a positive number of seconds")
+        if args.max_watchers < 1:
+            raise CLIError(f"--max-watchers: {args.max_watchers} must be positive")
+        settings = AllocatorSettings(
+            host=args.host,
+            port=args.port,
+            profile=args.profile,
+            period_s=args.period_s,
+            heartbeat_s=args.heartbeat_s,
+            max_workers=args.max_workers,
+            max_watchers=args.max_watchers,
+            retrieval_threshold_s=args.retrieval_threshold_s,
+            retrieval_window_s=args.retrieval_window_s,
+            metrics_port=args.metrics_port,
+        )
+        try:
+            settings.control_config()  # fail before binding, quoting the bad value
+            return serve(settings)
+        except (ValueError, ProfileError, OSError) as err:
+            raise CLIError(str(err)) from None
