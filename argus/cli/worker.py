@@ -5,6 +5,10 @@ no weights needed); ``--model DIR`` serves a diffusers directory as the AC base 
 ``--variant NAME=DIR`` for the smaller models of the SM levels. The cache lives in
 ``--cache-dir`` (latent store and Qdrant Edge shard) or, with ``--qdrant-url``, indexes in a
 Qdrant server. Prints ``argus worker ID listening on HOST:PORT`` once bound; Ctrl-C stops it.
+
+With ``--allocator HOST:PORT`` the worker joins the cluster: it heartbeats to the allocator,
+advertising ``--advertise HOST:PORT`` (default: the bound address) and ``--worker-class``
+(default: the profile's first class), and serves the level the plan assigns it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,14 @@ class WorkerCommand:
         parser.add_argument("--default-steps", type=int, default=50)
         parser.add_argument("--max-queue", type=int, default=64)
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+        cluster = parser.add_argument_group("cluster (the allocator's plan)")
+        cluster.add_argument("--allocator", help="allocator HOST:PORT (default: standalone)")
+        cluster.add_argument(
+            "--advertise", help="HOST:PORT routers reach this worker at (default: the bound one)"
+        )
+        cluster.add_argument(
+            "--worker-class", help="GPU type, a class of the profile (default: the first)"
+        )
         adapters = parser.add_argument_group("adapters (Katz: LoRA BAL, ControlNets, CFG split)")
         adapters.add_argument("--lora-dir", help="LoRA library: a directory of safetensors files")
         adapters.add_argument("--lora-processes", type=int, default=2, help="LoRA loaders")
@@ -68,9 +80,16 @@ class WorkerCommand:
     def run(self, args: argparse.Namespace) -> int:
         from argus.worker.adapters import AdapterSettings
         from argus.worker.app import WorkerSettings, serve
+        from argus.worker.membership import check_address
 
         if not 0 <= args.port < 65536:
             raise CLIError(f"--port: {args.port} outside 0..65535")
+        for flag, value in (("--allocator", args.allocator), ("--advertise", args.advertise)):
+            if value is not None:
+                try:
+                    check_address(value, flag)
+                except ValueError as err:
+                    raise CLIError(str(err)) from None
         try:
             adapter_settings = AdapterSettings(
                 lora_dir=args.lora_dir,
@@ -105,6 +124,9 @@ class WorkerCommand:
             max_queue=args.max_queue,
             metrics_port=args.metrics_port,
             adapters=adapter_settings,
+            allocator=args.allocator,
+            advertise=args.advertise,
+            worker_class=args.worker_class,
         )
         try:
             return serve(settings)

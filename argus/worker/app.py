@@ -16,6 +16,13 @@ from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet, Strategy
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
 from argus.worker.engine import Worker, WorkerConfig
+from argus.worker.membership import (
+    HeartbeatChannel,
+    Membership,
+    MembershipConfig,
+    check_address,
+    default_advertise,
+)
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.models import TINY_PREFIX, TINY_VARIANTS
 from argus.worker.registry import ModelRegistry
@@ -51,6 +58,16 @@ class WorkerSettings:
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
     # Katz adapters: LoRA library, ControlNet service, latent parallelism (all off by default)
     adapters: AdapterSettings = field(default_factory=AdapterSettings)
+    # cluster membership (argus.worker.membership): off without an allocator
+    allocator: str | None = None  # the allocator's HOST:PORT; None: a standalone worker
+    advertise: str | None = None  # HOST:PORT reported in heartbeats; None: the bound host:port
+    worker_class: str | None = None  # GPU type, a worker class of the profile; None: the first
+
+    def __post_init__(self) -> None:
+        for name in ("allocator", "advertise"):
+            value = getattr(self, name)
+            if value is not None:
+                check_address(value, name)
 
 
 def model_sources(settings: WorkerSettings, profiles: ProfileSet) -> dict[str, str]:
@@ -108,13 +125,52 @@ def _temp_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="argus-cache-"))
 
 
+def load_settings_profiles(settings: WorkerSettings) -> ProfileSet:
+    return load_profiles(settings.profile) if settings.profile else default_profiles()
+
+
+def worker_class_of(settings: WorkerSettings, profiles: ProfileSet) -> str:
+    """The worker class reported in heartbeats: the given one, checked, or the profile's first."""
+    if settings.worker_class is None:
+        return profiles.worker_classes[0]
+    if settings.worker_class not in profiles.worker_classes:
+        classes = ", ".join(profiles.worker_classes)
+        raise ValueError(
+            f"worker_class: {settings.worker_class!r} is not a worker class of the profile "
+            f"({classes})"
+        )
+    return settings.worker_class
+
+
+def start_membership(
+    settings: WorkerSettings, worker: Worker, port: int, profiles: ProfileSet
+) -> Membership | None:
+    """Join the allocator in the background (None without one); the worker serves either way."""
+    if settings.allocator is None:
+        return None
+    config = MembershipConfig()
+    membership = Membership(
+        worker,
+        HeartbeatChannel(
+            settings.allocator,
+            timeout_s=config.rpc_timeout_s,
+            max_reconnect_s=config.max_backoff_s,
+        ),
+        advertise=settings.advertise or default_advertise(settings.host, port),
+        worker_class=worker_class_of(settings, profiles),
+        config=config,
+    )
+    membership.start()
+    return membership
+
+
 def build_worker(
     settings: WorkerSettings,
     *,
     wait_for_model: bool = True,
     metrics: WorkerMetrics | None = None,
 ) -> Worker:
-    profiles = load_profiles(settings.profile) if settings.profile else default_profiles()
+    profiles = load_settings_profiles(settings)
     sources = model_sources(settings, profiles)
     budget = (
         int(settings.memory_budget_gib * 2**30) if settings.memory_budget_gib is not None else None
@@ -161,9 +217,15 @@ def build_worker(
 
 
 def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> int:
-    """Run a worker until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
+    """Run a worker until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound.
+
+    With ``settings.allocator`` the worker joins the cluster once its first model is loaded and
+    follows the plan; on a signal it leaves the allocator first, then stops the server.
+    """
     from argus.worker.service import create_server
 
+    profiles = load_settings_profiles(settings)
+    worker_class_of(settings, profiles)  # a bad class fails before any model loads
     metrics = WorkerMetrics()
     worker = build_worker(settings, wait_for_model=False, metrics=metrics)
     server, port, servicer = create_server(
@@ -178,6 +240,7 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     loading.add_done_callback(lambda _: servicer.update_health())
     server.start()
     print(f"argus worker {settings.worker_id} listening on {settings.host}:{port}", flush=True)
+    membership = start_membership(settings, worker, port, profiles)
     stop = threading.Event()
 
     def _stop(signum: int, frame: Any) -> None:
@@ -191,6 +254,8 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if membership is not None:  # leave first: routers stop sending before the server stops
+            membership.stop()
         server.stop(grace=5).wait()
         worker.close()
         servicer.update_health()
