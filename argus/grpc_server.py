@@ -1,5 +1,5 @@
 """What every Argus gRPC server has: a bounded thread pool, message size limits, standard health
-checking, server reflection, and a bind that fails loudly.
+checking, server reflection, a bind that fails loudly, and a clean stop on SIGINT/SIGTERM.
 
 The worker and the ControlNet service build on these (the router and allocator will too), so
 a probe, ``grpcurl`` or a Kubernetes gRPC health check sees the same things on each.
@@ -7,8 +7,12 @@ a probe, ``grpcurl`` or a Kubernetes gRPC health check sees the same things on e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -54,3 +58,20 @@ def bind(server: grpc.Server, address: str) -> int:
     if port == 0:
         raise OSError(f"cannot bind {address}")
     return int(port)
+
+
+@contextlib.contextmanager
+def shutdown_signals() -> Iterator[threading.Event]:
+    """For the block, SIGINT and SIGTERM set the yielded event (a service waits on it, then
+    shuts down in order); the previous handlers come back afterwards."""
+    stop = threading.Event()
+
+    def _stop(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -7,13 +7,12 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 from argus.allocator.control import ControlConfig, ControlLoop
 from argus.allocator.strategy import StrategyConfig
+from argus.grpc_server import shutdown_signals
 from argus.profiles import default_profiles, load_profiles
 
 
@@ -73,20 +72,13 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
     server.start()
     loop.start()
     print(f"argus allocator listening on {settings.host}:{port}", flush=True)
-    stop = threading.Event()
-
-    def _stop(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    if ready is not None:
-        ready.set()
-    try:
-        stop.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        loop.stop()
-        servicer.close()  # NOT_SERVING, and every watch stream ends
-        server.stop(grace=2).wait()
+    with shutdown_signals() as stop:
+        if ready is not None:
+            ready.set()
+        try:
+            stop.wait()
+        finally:
+            loop.stop()
+            servicer.close()  # NOT_SERVING, and every watch stream ends
+            server.stop(grace=2).wait()
     return 0

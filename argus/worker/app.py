@@ -6,12 +6,12 @@ later, every Helm value) maps to one field.
 
 from __future__ import annotations
 
-import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from argus.grpc_server import shutdown_signals
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet, Strategy
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
@@ -241,22 +241,15 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     server.start()
     print(f"argus worker {settings.worker_id} listening on {settings.host}:{port}", flush=True)
     membership = start_membership(settings, worker, port, profiles)
-    stop = threading.Event()
-
-    def _stop(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    if ready is not None:
-        ready.set()
-    try:
-        stop.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if membership is not None:  # leave first: routers stop sending before the server stops
-            membership.stop()
-        server.stop(grace=5).wait()
-        worker.close()
-        servicer.update_health()
+    with shutdown_signals() as stop:
+        if ready is not None:
+            ready.set()
+        try:
+            stop.wait()
+        finally:
+            if membership is not None:  # leave first: routers stop sending before the server stops
+                membership.stop()
+            server.stop(grace=5).wait()
+            worker.close()
+            servicer.update_health()
     return 0

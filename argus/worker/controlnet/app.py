@@ -6,11 +6,10 @@ maps to one field.
 
 from __future__ import annotations
 
-import signal
 import threading
 from dataclasses import dataclass
-from typing import Any
 
+from argus.grpc_server import shutdown_signals
 from argus.worker.controlnet.cache import Policy
 from argus.worker.controlnet.executor import LocalControlNetExecutor
 from argus.worker.controlnet.metrics import ControlNetMetrics
@@ -94,23 +93,16 @@ def serve(settings: ControlNetSettings, *, ready: threading.Event | None = None)
         start_http_server(settings.metrics_port, addr=settings.host)
     server.start()
     print(f"argus controlnet listening on {settings.host}:{port}", flush=True)
-    stop = threading.Event()
-
-    def _stop(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for key in keys:  # NOT_SERVING until the popular ones are resident
-            executor.cache.acquire(key).release()
-        servicer.set_serving(True)
-        if ready is not None:
-            ready.set()
-        stop.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        servicer.set_serving(False)
-        server.stop(grace=5).wait()
-        executor.close()
+    with shutdown_signals() as stop:
+        try:
+            for key in keys:  # NOT_SERVING until the popular ones are resident
+                executor.cache.acquire(key).release()
+            servicer.set_serving(True)
+            if ready is not None:
+                ready.set()
+            stop.wait()
+        finally:
+            servicer.set_serving(False)
+            server.stop(grace=5).wait()
+            executor.close()
     return 0
