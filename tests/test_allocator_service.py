@@ -8,12 +8,8 @@ thread), so nothing depends on how fast this machine is; the process test runs t
 from __future__ import annotations
 
 import math
-import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -37,6 +33,7 @@ from argus.allocator.service import AllocatorServicer, create_server
 from argus.cli.main import main
 from argus.profiles import default_profiles
 from argus.types import Strategy
+from tests.service_process import read_address, start_argus
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
 allocator_pb2_grpc: Any = rpc.load("allocator_pb2_grpc")
@@ -602,23 +599,12 @@ def free_port() -> int:
 
 def test_argus_allocator_process_plans_drops_a_dead_worker_and_stops_on_sigterm() -> None:
     metrics_port = free_port()
-    command = [
-        *(sys.executable, "-m", "argus", "allocator", "--port", "0"),
-        *("--heartbeat-s", "0.1", "--period-s", "60", "--metrics-port", str(metrics_port)),
-    ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    process = start_argus(
+        *("allocator", "--port", "0", "--heartbeat-s", "0.1", "--period-s", "60"),
+        *("--metrics-port", str(metrics_port)),
     )
     try:
-        assert process.stdout is not None
-        address = None
-        for line in process.stdout:
-            found = re.search(r"argus allocator listening on (\S+)", line)
-            if found:
-                address = found.group(1)
-                break
-        assert address is not None, "the allocator never printed its address"
+        address = read_address(process, "allocator")
         assert address.startswith("127.0.0.1:")  # internal endpoint: loopback by default
         lines: list[str] = []  # keep draining the log so the process never blocks on it
         threading.Thread(target=lambda: lines.extend(process.stdout or []), daemon=True).start()

@@ -4,11 +4,8 @@ limits, health, reflection, metrics, and the ``argus controlnet`` process."""
 from __future__ import annotations
 
 import io
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +33,7 @@ from argus.worker.controlnet.models import ControlNetCatalog
 from argus.worker.controlnet.predictor import ControlNetPredictor
 from argus.worker.controlnet.service import create_server
 from argus.worker.controlnet.transport import step_to_pb, tensor_to_pb
+from tests.service_process import read_address, start_argus
 from tests.worker_factories import spec, tiny_model
 
 common_pb2: Any = rpc.load("common_pb2")
@@ -337,26 +335,13 @@ def test_health_reflection_stats_and_metrics(served: Any, channel: grpc.Channel)
 
 
 def test_argus_controlnet_process_serves_and_stops_on_sigterm() -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    command = [
-        *(sys.executable, "-m", "argus", "controlnet", "--port", "0"),
-        *("--base-family", "sd15", "--policy", "lfu", "--cache-size", "2"),
-        *("--preload", "canny", "--device", "cpu"),
-    ]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    process = start_argus(
+        *("controlnet", "--port", "0", "--base-family", "sd15", "--policy", "lfu"),
+        *("--cache-size", "2", "--preload", "canny", "--device", "cpu"),
     )
     try:
-        assert process.stdout is not None
-        address = None
         deadline = time.monotonic() + 120
-        while address is None and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            found = re.search(r"argus controlnet listening on (\S+)", line)
-            address = found.group(1) if found else None
-        assert address is not None, "the service never printed its address"
+        address = read_address(process, "service")
         with grpc.insecure_channel(address) as channel:
             grpc.channel_ready_future(channel).result(timeout=30)
             health = health_pb2_grpc.HealthStub(channel)

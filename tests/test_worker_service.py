@@ -4,11 +4,7 @@ reflection, and the ``argus worker`` process."""
 from __future__ import annotations
 
 import io
-import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +17,7 @@ from PIL import Image
 
 from argus import rpc
 from argus.worker.service import create_server
+from tests.service_process import read_address, start_argus
 from tests.worker_factories import STEPS, make_worker
 
 worker_pb2: Any = rpc.load("worker_pb2")
@@ -164,39 +161,13 @@ def test_health_is_not_serving_before_a_model_loads() -> None:
 
 
 def test_argus_worker_process_serves_and_stops_on_sigterm(tmp_path: Any) -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "argus",
-            "worker",
-            "--model",
-            "tiny",
-            "--port",
-            "0",
-            "--worker-id",
-            "w-proc",
-            "--default-steps",
-            "4",
-            "--no-cache",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+    process = start_argus(
+        *("worker", "--model", "tiny", "--port", "0", "--worker-id", "w-proc"),
+        *("--default-steps", "4", "--no-cache"),
     )
     try:
-        assert process.stdout is not None
-        address = None
         deadline = time.monotonic() + 120
-        while address is None and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            found = re.search(r"listening on (\S+)", line)
-            address = found.group(1) if found else None
-        assert address is not None, "the worker never printed its address"
+        address = read_address(process, "worker")
         with grpc.insecure_channel(address) as channel:
             grpc.channel_ready_future(channel).result(timeout=30)
             health = health_pb2_grpc.HealthStub(channel)
