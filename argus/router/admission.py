@@ -1,0 +1,127 @@
+"""SLO-aware admission and idempotent request ids for the router (LegoDiffusion §5.3).
+
+Pure control-plane code: no grpc. The service asks :func:`admit` after routing, with the
+chosen worker's predicted completion time (``RouteDecision.score``: (queue + 1) × t_proc),
+and rejects at once what cannot finish before the deadline instead of queueing it without
+bound. :class:`RequestLedger` remembers request ids for a window so a client's retry returns
+the first call's result (or joins it while it runs) and the worker runs once; it holds at
+most ``max_entries`` ids, so memory stays bounded under any load.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    """Whether a routed request may go to its worker."""
+
+    admitted: bool
+    predicted_s: float  # predicted completion time on the chosen worker, seconds
+    budget_s: float  # time left before the request's deadline, seconds
+    retry_after_s: float  # when rejected: the predicted excess, a hint for the client's retry
+
+
+def admit(
+    predicted_s: float, budget_s: float, *, min_retry_after_s: float = 0.05
+) -> AdmissionDecision:
+    """Admit when ``predicted_s`` fits in ``budget_s``; otherwise reject with a retry hint.
+
+    The hint is the predicted excess (the queue must drain that much before the request
+    would fit), at least ``min_retry_after_s``.
+    """
+    if predicted_s <= budget_s:
+        return AdmissionDecision(True, predicted_s, budget_s, 0.0)
+    excess = max(predicted_s - max(budget_s, 0.0), min_retry_after_s)
+    return AdmissionDecision(False, predicted_s, budget_s, excess)
+
+
+class IdConflictError(ValueError):
+    """A request id was reused with a different request inside the window."""
+
+
+@dataclass
+class _Entry(Generic[R]):
+    fingerprint: Hashable
+    future: Future[R]
+    done_at: float | None = None  # clock time the call finished; None while it runs
+
+
+class RequestLedger(Generic[R]):
+    """Request id → the call's future, for ``window_s`` after it finished.
+
+    ``claim(id, fingerprint)`` returns ``(future, owner)``: ``owner`` is True for the first
+    call, which must run the request and ``finish`` it; a retry gets the same future. Failed
+    calls are forgotten at once, so a retry after an error runs again. When full, the oldest
+    finished ids are dropped; when every entry is still running, ``claim`` raises
+    ``LedgerFullError`` (the in-flight bound normally rejects earlier).
+    """
+
+    def __init__(self, clock: Callable[[], float], *, window_s: float, max_entries: int) -> None:
+        if window_s < 0.0:
+            raise ValueError(f"window_s: must be >= 0, got {window_s}")
+        if max_entries < 1:
+            raise ValueError(f"max_entries: must be >= 1, got {max_entries}")
+        self._clock = clock
+        self.window_s = window_s
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry[R]] = OrderedDict()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def claim(self, request_id: str, fingerprint: Hashable) -> tuple[Future[R], bool]:
+        with self._lock:
+            self._expire()
+            entry = self._entries.get(request_id)
+            if entry is not None:
+                if entry.fingerprint != fingerprint:
+                    raise IdConflictError(
+                        f"request_id: {request_id!r} was used for a different request"
+                    )
+                return entry.future, False
+            if len(self._entries) >= self.max_entries:
+                raise LedgerFullError(f"{len(self._entries)} request ids in flight")
+            future: Future[R] = Future()
+            self._entries[request_id] = _Entry(fingerprint, future)
+            return future, True
+
+    def finish(self, request_id: str, result: R) -> None:
+        """The owner's call succeeded: retries within the window get ``result``."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is not None:
+                entry.done_at = self._clock()
+                self._entries.move_to_end(request_id)
+        if entry is not None:
+            entry.future.set_result(result)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """The owner's call failed: joined retries get ``error``; later ones run again."""
+        with self._lock:
+            entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            entry.future.set_exception(error)
+
+    def _expire(self) -> None:
+        """Drop finished ids older than the window, and the oldest finished ones when full."""
+        now = self._clock()
+        for key in [k for k, e in self._entries.items() if e.done_at is not None]:
+            entry = self._entries[key]
+            assert entry.done_at is not None
+            if now - entry.done_at > self.window_s or len(self._entries) >= self.max_entries:
+                del self._entries[key]
+
+
+class LedgerFullError(RuntimeError):
+    """Every remembered request id is still running."""

@@ -1,0 +1,445 @@
+"""The router's request path and its thin gRPC servicer (``argus.v1.Router``).
+
+:class:`RouterCore` serves one request, top to bottom:
+
+1. check the request (:func:`check_request`, INVALID_ARGUMENT naming the field);
+2. claim its request id (a retry joins or returns the first call);
+3. take an in-flight slot (RESOURCE_EXHAUSTED when the router holds its maximum);
+4. classify the prompt (AC and SM levels; both are reported to the allocator);
+5. route on the installed plan (PASM sample, Eq. 3 worker selection) and admit against the
+   deadline (RESOURCE_EXHAUSTED with ``retry-after-ms`` trailing metadata);
+6. forward to the worker; a worker that is UNAVAILABLE mid-request is marked down and the
+   request is routed again to another worker while the deadline allows.
+
+Plans come from ``install`` (wired to ``PlanWatcher``'s ``on_plan``). The clock is passed in.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from argus import rpc
+from argus.allocator.control import PublishedPlan
+from argus.router.admission import (
+    IdConflictError,
+    LedgerFullError,
+    RequestLedger,
+    admit,
+)
+from argus.router.routing import PlanRouter, RouterConfig
+from argus.router.scheduler import NoLiveWorkerError
+from argus.types import ProfileSet, RouteDecision, Strategy
+
+router_pb2: Any = rpc.load("router_pb2")
+router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
+worker_pb2: Any = rpc.load("worker_pb2")
+worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
+
+SERVICE_NAME = "argus.v1.Router"
+RETRY_AFTER_KEY = "retry-after-ms"
+_STRATEGY_TO_PB = {Strategy.AC: 1, Strategy.SM: 2}
+MAX_PROMPT_BYTES = 64 * 1024  # longer prompts are refused; the classifier cuts far earlier
+MAX_ID_CHARS = 128
+
+
+class PromptLevels(Protocol):
+    """The classifier as the router uses it (``PromptClassifier`` implements it)."""
+
+    def classify(
+        self, prompt: str | bytes, timeout: float | None = None
+    ) -> dict[Strategy, int]: ...
+
+
+@dataclass(frozen=True)
+class RouterServiceConfig:
+    """How one router process serves requests."""
+
+    router_id: str = "router-0"
+    """Stable id in the allocator's reports."""
+
+    default_deadline_ms: int = 30_000
+    """Deadline of requests that set none, milliseconds."""
+
+    max_in_flight: int = 256
+    """Requests served at once; more are refused with RESOURCE_EXHAUSTED (bounded memory)."""
+
+    id_window_s: float = 300.0
+    """Seconds a finished request id is remembered for retries."""
+
+    max_ids: int = 4096
+    """Request ids remembered at most (finished ones are dropped oldest first)."""
+
+    down_for_s: float = 5.0
+    """Seconds a worker that failed with UNAVAILABLE is routed around."""
+
+    max_attempts: int = 3
+    """Workers tried per request."""
+
+    routing: RouterConfig = field(default_factory=RouterConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("default_deadline_ms", "max_in_flight", "max_ids", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.id_window_s < 0.0 or self.down_for_s < 0.0:
+            raise ValueError("id_window_s, down_for_s: must be >= 0")
+
+
+class RouterError(Exception):
+    """A request ends with ``code``; ``retry_after_s`` becomes the retry-after-ms hint."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after_s: float | None = None):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Classified:
+    """A prompt's levels per strategy, for the allocator's affinity histogram H."""
+
+    at_s: float
+    levels: Mapping[Strategy, int]
+
+
+# -- checks --------------------------------------------------------------------------------
+
+
+def check_request(request: Any) -> None:
+    """Raise RouterError(INVALID_ARGUMENT) naming the first bad field; return otherwise."""
+
+    def bad(message: str) -> RouterError:
+        return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    if len(request.request_id) > MAX_ID_CHARS:
+        raise bad(f"request_id: at most {MAX_ID_CHARS} characters, got {len(request.request_id)}")
+    for name in ("prompt", "negative_prompt"):
+        size = len(getattr(request, name).encode("utf-8", "surrogatepass"))
+        if size > MAX_PROMPT_BYTES:
+            raise bad(f"{name}: at most {MAX_PROMPT_BYTES} bytes, got {size}")
+    for name in ("width", "height"):
+        if request.HasField(name):
+            value = getattr(request, name)
+            if not 64 <= value <= 4096 or value % 8:
+                raise bad(f"{name}: must be a multiple of 8 in 64..4096, got {value}")
+    if request.HasField("steps") and not 1 <= request.steps <= 1000:
+        raise bad(f"steps: must be in 1..1000, got {request.steps}")
+    if request.HasField("deadline_ms") and request.deadline_ms == 0:
+        raise bad("deadline_ms: must be > 0")
+    for i, adapter in enumerate(request.adapters):
+        if adapter.kind == 0 or not adapter.name:
+            raise bad(f"adapters[{i}]: needs a kind and a name")
+
+
+def fingerprint(request: Any) -> bytes:
+    """What must match for a retried request id to be the same request."""
+    copy = router_pb2.RouterGenerateRequest()
+    copy.CopyFrom(request)
+    copy.ClearField("deadline_ms")  # a retry may carry a shorter deadline
+    return bytes(copy.SerializeToString(deterministic=True))
+
+
+# -- workers -------------------------------------------------------------------------------
+
+
+class WorkerChannels:
+    """One gRPC channel per worker address, reused across requests; closed when dropped."""
+
+    def __init__(self, factory: Callable[[str], grpc.Channel] = grpc.insecure_channel) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._stubs: dict[str, tuple[grpc.Channel, Any]] = {}
+
+    def stub(self, address: str) -> Any:
+        with self._lock:
+            found = self._stubs.get(address)
+            if found is None:
+                channel = self._factory(address)
+                found = (channel, worker_pb2_grpc.WorkerStub(channel))
+                self._stubs[address] = found
+            return found[1]
+
+    def keep_only(self, addresses: set[str]) -> None:
+        with self._lock:
+            gone = [a for a in self._stubs if a not in addresses]
+            channels = [self._stubs.pop(a)[0] for a in gone]
+        for channel in channels:
+            channel.close()
+
+    def close(self) -> None:
+        self.keep_only(set())
+
+
+# -- the core ------------------------------------------------------------------------------
+
+
+class RouterCore:
+    """Serves requests on the latest installed plan; thread-safe."""
+
+    def __init__(
+        self,
+        profiles: ProfileSet,
+        classifier: PromptLevels,
+        config: RouterServiceConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        channels: WorkerChannels | None = None,
+    ) -> None:
+        self.profiles = profiles
+        self.classifier = classifier
+        self.config = config
+        self._clock = clock
+        self._router = PlanRouter(profiles, rng or random.Random(0), config.routing)
+        self._channels = channels or WorkerChannels()
+        self._lock = threading.Lock()  # router, queues, down, addresses, observations
+        self._addresses: dict[str, str] = {}
+        self._queues: dict[str, int] = {}
+        self._down_until: dict[str, float] = {}
+        self._plan_version = 0
+        self._in_flight = threading.BoundedSemaphore(config.max_in_flight)
+        self._ledger: RequestLedger[Any] = RequestLedger(
+            clock, window_s=config.id_window_s, max_entries=config.max_ids
+        )
+        self._arrivals: list[float] = []
+        self._classified: list[Classified] = []
+        self.worker_calls = 0  # Generate calls sent to workers (tests, metrics)
+
+    # plans -------------------------------------------------------------------------------
+
+    def install(self, published: PublishedPlan) -> None:
+        """Follow ``published`` from now on (``PlanWatcher``'s ``on_plan``)."""
+        with self._lock:
+            self._router.install(published.plan, published.worker_classes(), self._clock())
+            self._addresses = {w.worker_id: w.address for w in published.workers}
+            self._queues = {w: self._queues.get(w, 0) for w in self._addresses}
+            self._plan_version = published.version
+        self._channels.keep_only(set(self._addresses.values()))
+
+    # statistics for the allocator ---------------------------------------------------------
+
+    def take_statistics(self) -> tuple[list[float], list[Classified], bool]:
+        """Arrivals and classifications since the last call, and whether to re-plan early."""
+        with self._lock:
+            arrivals, self._arrivals = self._arrivals, []
+            classified, self._classified = self._classified, []
+            now = self._clock()
+            wants = self._router.plan is not None and self._router.wants_replan(
+                now, self._queues, self._down(now)
+            )
+        return arrivals, classified, wants
+
+    # requests ----------------------------------------------------------------------------
+
+    def generate(self, request: Any, deadline_s: float | None = None) -> Any:
+        """Serve one RouterGenerateRequest; RouterError carries the status to answer with.
+
+        ``deadline_s`` is the gRPC deadline as a clock time, when the client set one.
+        """
+        arrived = self._clock()
+        check_request(request)
+        budget_ms = request.deadline_ms if request.HasField("deadline_ms") else None
+        deadline = arrived + (budget_ms or self.config.default_deadline_ms) / 1e3
+        if deadline_s is not None:
+            deadline = min(deadline, deadline_s)
+        if not request.request_id:
+            return self._serve(request, arrived, deadline)
+        try:
+            future, owner = self._ledger.claim(request.request_id, fingerprint(request))
+        except IdConflictError as err:
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, str(err)) from None
+        except LedgerFullError as err:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), 1.0) from None
+        if not owner:
+            return self._join(future, deadline)
+        try:
+            response = self._serve(request, arrived, deadline)
+        except BaseException as err:
+            self._ledger.fail(request.request_id, err)
+            raise
+        self._ledger.finish(request.request_id, response)
+        return response
+
+    def _join(self, future: Any, deadline: float) -> Any:
+        try:
+            return future.result(timeout=max(0.0, deadline - self._clock()))
+        except TimeoutError:
+            raise RouterError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "the first call with this id is still running"
+            ) from None
+
+    def _serve(self, request: Any, arrived: float, deadline: float) -> Any:
+        if not self._in_flight.acquire(blocking=False):
+            raise RouterError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"router busy: {self.config.max_in_flight} requests in flight",
+                0.1,
+            )
+        try:
+            return self._classify_route_forward(request, arrived, deadline)
+        finally:
+            self._in_flight.release()
+
+    def _classify_route_forward(self, request: Any, arrived: float, deadline: float) -> Any:
+        levels = self.classifier.classify(request.prompt)
+        classified_at = self._clock()
+        with self._lock:
+            self._arrivals.append(arrived)
+            self._classified.append(Classified(classified_at, dict(levels)))
+            for strategy, level in levels.items():
+                if self._router.plan is not None:
+                    self._router.observe(strategy, level)
+        tried: set[str] = set()
+        last: RouterError | None = None
+        for attempt in range(1, self.config.max_attempts + 1):
+            decision, strategy, address = self._route(levels, deadline, tried)
+            routed_at = self._clock()
+            try:
+                reply = self._forward(request, decision, strategy, address, deadline)
+            except RouterError as err:
+                if err.code is not grpc.StatusCode.UNAVAILABLE:
+                    raise
+                last = err
+                tried.add(decision.worker_id)
+                continue
+            done = self._clock()
+            return self._response(
+                request, reply, decision, strategy, attempt,
+                (arrived, classified_at, routed_at, done),
+            )  # fmt: skip
+        assert last is not None
+        raise last
+
+    def _route(
+        self, levels: Mapping[Strategy, int], deadline: float, tried: set[str]
+    ) -> tuple[RouteDecision, Strategy, str]:
+        """Route and admit under the lock; the chosen worker's queue counts this request."""
+        with self._lock:
+            plan = self._router.plan
+            if plan is None:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no plan yet", 1.0)
+            now = self._clock()
+            down = self._down(now) | tried
+            try:
+                decision = self._router.route(levels.get(plan.strategy, 0), self._queues, down)
+            except NoLiveWorkerError as err:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, str(err), 1.0) from None
+            if decision.worker_id in down:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no live worker left", 1.0)
+            verdict = admit(decision.score, deadline - now)
+            if not verdict.admitted:
+                raise RouterError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"deadline: predicted {verdict.predicted_s * 1e3:.0f} ms exceeds the "
+                    f"{verdict.budget_s * 1e3:.0f} ms left",
+                    verdict.retry_after_s,
+                )
+            self._queues[decision.worker_id] = self._queues.get(decision.worker_id, 0) + 1
+            return decision, plan.strategy, self._addresses[decision.worker_id]
+
+    def _forward(
+        self,
+        request: Any,
+        decision: RouteDecision,
+        strategy: Strategy,
+        address: str,
+        deadline: float,
+    ) -> Any:
+        call = worker_request(request, self._router.level_name(decision.served_level))
+        try:
+            self.worker_calls += 1
+            stub = self._channels.stub(address)
+            return stub.Generate(call, timeout=max(0.001, deadline - self._clock()))
+        except grpc.RpcError as err:
+            code = err.code()
+            if code is grpc.StatusCode.UNAVAILABLE:
+                with self._lock:
+                    self._down_until[decision.worker_id] = self._clock() + self.config.down_for_s
+            raise RouterError(code, f"worker {decision.worker_id}: {err.details()}") from None
+        finally:
+            with self._lock:
+                if self._queues.get(decision.worker_id, 0) > 0:
+                    self._queues[decision.worker_id] -= 1
+
+    def _down(self, now: float) -> set[str]:
+        return {w for w, until in self._down_until.items() if until > now}
+
+    def _response(
+        self,
+        request: Any,
+        reply: Any,
+        decision: RouteDecision,
+        strategy: Strategy,
+        attempts: int,
+        marks: tuple[float, float, float, float],
+    ) -> Any:
+        arrived, classified_at, routed_at, done = marks
+        names = self._router.level_name
+        worker = worker_pb2.GenerateResponse()
+        worker.CopyFrom(reply)
+        worker.ClearField("png")
+        return router_pb2.RouterGenerateResponse(
+            request_id=request.request_id,
+            png=reply.png,
+            level=reply.level or names(decision.served_level),
+            level_index=decision.served_level,
+            strategy=_STRATEGY_TO_PB[strategy],
+            worker_id=reply.worker_id or decision.worker_id,
+            classified_level=names(decision.optimal_level),
+            target_level=names(decision.target_level),
+            plan_version=self._plan_version,
+            timing=router_pb2.RouterTiming(
+                classify_ms=(classified_at - arrived) * 1e3,
+                route_ms=(routed_at - classified_at) * 1e3,
+                forward_ms=(done - routed_at) * 1e3,
+                total_ms=(done - arrived) * 1e3,
+                worker=reply.timing,
+                attempts=attempts,
+            ),
+            worker_response=worker,
+        )
+
+
+def worker_request(request: Any, level: str) -> Any:
+    """The worker's GenerateRequest for a router request served at ``level``."""
+    call = worker_pb2.GenerateRequest(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        seed=request.seed,
+        level=level,
+        adapters=request.adapters,
+    )
+    for name in ("width", "height", "steps", "guidance_scale"):
+        if request.HasField(name):
+            setattr(call, name, getattr(request, name))
+    return call
+
+
+# -- the servicer --------------------------------------------------------------------------
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
+    """Converts and delegates to :class:`RouterCore`; failures become statuses."""
+
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else self.core._clock() + remaining
+        try:
+            return self.core.generate(request, deadline)
+        except RouterError as err:
+            if err.retry_after_s is not None:
+                hint = str(max(1, round(err.retry_after_s * 1e3)))
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, hint),))
+            context.abort(err.code, err.details)
