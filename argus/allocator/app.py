@@ -72,13 +72,13 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
     server.start()
     loop.start()
     print(f"argus allocator listening on {settings.host}:{port}", flush=True)
-    with shutdown_signals() as stop:
-        if ready is not None:
-            ready.set()
-        try:
+    try:
+        with shutdown_signals() as stop:  # the default handlers are back for the shutdown
+            if ready is not None:
+                ready.set()
             stop.wait()
-        finally:
-            loop.stop()
-            servicer.close()  # NOT_SERVING, and every watch stream ends
-            server.stop(grace=2).wait()
+    finally:
+        loop.stop()
+        servicer.close()  # NOT_SERVING, and every watch stream ends
+        server.stop(grace=2).wait()
     return 0

@@ -241,15 +241,15 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     server.start()
     print(f"argus worker {settings.worker_id} listening on {settings.host}:{port}", flush=True)
     membership = start_membership(settings, worker, port, profiles)
-    with shutdown_signals() as stop:
-        if ready is not None:
-            ready.set()
-        try:
+    try:
+        with shutdown_signals() as stop:  # the default handlers are back for the shutdown
+            if ready is not None:
+                ready.set()
             stop.wait()
-        finally:
-            if membership is not None:  # leave first: routers stop sending before the server stops
-                membership.stop()
-            server.stop(grace=5).wait()
-            worker.close()
-            servicer.update_health()
+    finally:
+        if membership is not None:  # leave first: routers stop sending before the server stops
+            membership.stop()
+        server.stop(grace=5).wait()
+        worker.close()
+        servicer.update_health()
     return 0

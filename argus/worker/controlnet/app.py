@@ -93,16 +93,16 @@ def serve(settings: ControlNetSettings, *, ready: threading.Event | None = None)
         start_http_server(settings.metrics_port, addr=settings.host)
     server.start()
     print(f"argus controlnet listening on {settings.host}:{port}", flush=True)
-    with shutdown_signals() as stop:
-        try:
+    try:
+        with shutdown_signals() as stop:  # the default handlers are back for the shutdown
             for key in keys:  # NOT_SERVING until the popular ones are resident
                 executor.cache.acquire(key).release()
             servicer.set_serving(True)
             if ready is not None:
                 ready.set()
             stop.wait()
-        finally:
-            servicer.set_serving(False)
-            server.stop(grace=5).wait()
-            executor.close()
+    finally:
+        servicer.set_serving(False)
+        server.stop(grace=5).wait()
+        executor.close()
     return 0
