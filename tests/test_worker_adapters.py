@@ -16,8 +16,9 @@ import torch
 from PIL import Image
 
 from argus import rpc
+from argus.request_limits import InvalidRequestError
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
-from argus.worker.engine import CacheOutcome, GenerateCall, InvalidRequestError
+from argus.worker.engine import CacheOutcome, GenerateCall
 from argus.worker.lora import LoraNotFoundError, write_tiny_lora, write_unfit_lora
 from argus.worker.service import create_server
 from tests.worker_factories import make_worker

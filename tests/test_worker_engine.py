@@ -12,11 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
+from argus.request_limits import InvalidRequestError
 from argus.types import Strategy
 from argus.worker.engine import (
     CacheOutcome,
     GenerateCall,
-    InvalidRequestError,
     QueueFullError,
 )
 from argus.worker.models import estimate_bytes

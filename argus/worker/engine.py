@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import threading
 import time
 from collections import Counter
@@ -41,23 +40,19 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from argus.request_limits import (
+    ImageLimits,
+    InvalidRequestError,
+    check_image,
+    check_prompts,
+    check_sampling,
+)
 from argus.types import Level, ProfileSet, Strategy
 from argus.worker.adapters import NO_ADAPTERS, AdapterPlan, WorkerAdapters
 from argus.worker.pipelines import DenoiseResult, DiffusionModel, GenerationSpec
 from argus.worker.registry import ModelInfo, ModelRegistry
 
 log = logging.getLogger(__name__)
-
-MAX_PROMPT_CHARS = 64 * 1024  # the tokenizer keeps 77 tokens; more text is only a burden
-MAX_STEPS = 1000
-
-
-class InvalidRequestError(ValueError):
-    """A request the worker will not run; ``field`` names the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 class QueueFullError(RuntimeError):
@@ -214,34 +209,12 @@ class Worker:
 
     def validate(self, call: GenerateCall) -> tuple[GenerationSpec, Level, AdapterPlan]:
         cfg = self.config
-        if not isinstance(call.prompt, str):
-            raise InvalidRequestError("prompt", "must be text")
-        if len(call.prompt) > MAX_PROMPT_CHARS:
-            raise InvalidRequestError(
-                "prompt", f"{len(call.prompt)} characters; at most {MAX_PROMPT_CHARS}"
-            )
-        if len(call.negative_prompt) > MAX_PROMPT_CHARS:
-            raise InvalidRequestError("negative_prompt", f"at most {MAX_PROMPT_CHARS} characters")
+        check_prompts(call.prompt, call.negative_prompt)
         width = cfg.default_width if call.width is None else call.width
         height = cfg.default_height if call.height is None else call.height
-        for name, value in (("width", width), ("height", height)):
-            if value <= 0:
-                raise InvalidRequestError(name, f"{value} must be positive")
-            if value % 8:
-                raise InvalidRequestError(name, f"{value} is not a multiple of 8")
-            if value > cfg.max_side:
-                raise InvalidRequestError(name, f"{value} exceeds the maximum {cfg.max_side}")
-        if width * height > cfg.max_pixels:
-            raise InvalidRequestError("width", f"{width}×{height} exceeds {cfg.max_pixels} pixels")
+        check_image(width, height, ImageLimits(cfg.max_side, cfg.max_pixels))
         steps = cfg.default_steps if call.steps is None else call.steps
-        if not 1 <= steps <= MAX_STEPS:
-            raise InvalidRequestError("steps", f"{steps} outside 1..{MAX_STEPS}")
-        if call.guidance_scale is not None and not (
-            math.isfinite(call.guidance_scale) and 0.0 <= call.guidance_scale <= 50.0
-        ):
-            raise InvalidRequestError("guidance_scale", f"{call.guidance_scale} outside [0, 50]")
-        if not 0 <= call.seed < 2**64:
-            raise InvalidRequestError("seed", "must fit in 64 bits unsigned")
+        check_sampling(steps, call.guidance_scale, call.seed)
         if call.adapters and self.adapters is None:
             raise InvalidRequestError(
                 "adapters", "this worker serves no adapters (no --lora-dir or --controlnet)"

@@ -3,7 +3,7 @@
 The servicer only converts protobuf ↔ :mod:`argus.worker.engine` values and maps errors to
 status codes; the work is the engine's:
 
-* :class:`~argus.worker.engine.InvalidRequestError` → ``INVALID_ARGUMENT`` naming the field;
+* :class:`~argus.request_limits.InvalidRequestError` → ``INVALID_ARGUMENT`` naming the field;
 * :class:`~argus.worker.engine.QueueFullError` → ``RESOURCE_EXHAUSTED``;
 * an unknown variant → ``INVALID_ARGUMENT`` on ``variant``; a load that does not fit →
   ``RESOURCE_EXHAUSTED``;
@@ -23,13 +23,13 @@ from grpc_health.v1 import health
 
 from argus import rpc
 from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from argus.request_limits import InvalidRequestError
 from argus.types import Strategy
 from argus.worker.adapters import adapter_status
 from argus.worker.engine import (
     CacheOutcome,
     GenerateCall,
     GenerateResult,
-    InvalidRequestError,
     NoModelError,
     QueueFullError,
     Worker,
