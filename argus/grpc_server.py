@@ -1,16 +1,19 @@
 """What every Argus gRPC server has: a bounded thread pool, message size limits, standard health
-checking, server reflection, a bind that fails loudly, and a clean stop on SIGINT/SIGTERM.
+checking, server reflection, a bind that fails loudly, and a clean stop on SIGINT/SIGTERM; and
+what the public endpoint adds: TLS and bearer-token authentication. Clients take their
+reconnect options from here.
 
-The worker and the ControlNet service build on these (the router and allocator will too), so
-a probe, ``grpcurl`` or a Kubernetes gRPC health check sees the same things on each.
+The worker, ControlNet, allocator and router services build on these, so a probe, ``grpcurl``
+or a Kubernetes gRPC health check sees the same things on each.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -18,13 +21,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+HEALTH_SERVICE: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
 
 def new_server(
-    *, threads: int, thread_prefix: str, max_receive_bytes: int, max_send_bytes: int
+    *,
+    threads: int,
+    thread_prefix: str,
+    max_receive_bytes: int,
+    max_send_bytes: int,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> grpc.Server:
     """A server (not started) on a pool of ``threads`` threads with the given message limits."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=thread_prefix),
+        interceptors=list(interceptors),
         options=[
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", max_send_bytes),
@@ -37,7 +48,7 @@ def add_health_and_reflection(
 ) -> None:
     """Serve ``grpc.health.v1`` and reflection for ``services`` (full names) on ``server``."""
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    names = (*services, HEALTH_SERVICE)
     reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
 
 
@@ -52,12 +63,85 @@ def set_serving(health_servicer: health.HealthServicer, service: str, serving: b
         health_servicer.set(name, status)
 
 
-def bind(server: grpc.Server, address: str) -> int:
-    """Bind ``address`` without TLS; returns the port (useful with port 0), OSError if it fails."""
-    port = server.add_insecure_port(address)
+def bind(
+    server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Bind ``address``, with TLS when ``credentials`` are given; returns the port (useful with
+    port 0), OSError if it fails."""
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot bind {address}")
     return int(port)
+
+
+def tls_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:
+    """Server TLS from a PEM certificate chain and its private key; OSError names a bad file."""
+    with open(cert_path, "rb") as cert, open(key_path, "rb") as key:
+        chain, private = cert.read(), key.read()
+    if b"-----BEGIN" not in chain or b"-----BEGIN" not in private:
+        raise OSError(f"{cert_path} / {key_path}: expected PEM certificate and key")
+    return grpc.ssl_server_credentials([(private, chain)])
+
+
+def read_token(path: str) -> str:
+    """A bearer token from a file (surrounding whitespace dropped); OSError if empty."""
+    with open(path, encoding="utf-8") as f:
+        token = f.read().strip()
+    if not token:
+        raise OSError(f"{path}: the token file is empty")
+    return token
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without ``authorization: Bearer <token>`` with UNAUTHENTICATED.
+
+    Health checks stay open (Kubernetes probes carry no credentials). Tokens are compared in
+    constant time.
+    """
+
+    def __init__(self, token: str, open_services: Sequence[str] = (HEALTH_SERVICE,)) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._open = tuple(f"/{name}/" for name in open_services)
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong token")
+
+        self._deny: Any = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream: Any = grpc.stream_stream_rpc_method_handler(
+            lambda requests, context: deny(None, context)
+        )
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        if details.method.startswith(self._open):
+            return continuation(details)
+        for key, value in details.invocation_metadata:
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected):
+                    return continuation(details)
+        handler = continuation(details)
+        if handler is not None and handler.request_streaming:
+            return self._deny_stream
+        return self._deny
+
+
+def reconnect_options(max_reconnect_s: float = 2.0) -> list[tuple[str, int]]:
+    """Client channel options: reconnect after at most ``max_reconnect_s`` (gRPC's default
+    backoff grows to two minutes, far longer than a restarted peer takes to come back)."""
+    ms = max(1, int(max_reconnect_s * 1000))
+    return [
+        ("grpc.initial_reconnect_backoff_ms", min(ms, 500)),
+        ("grpc.min_reconnect_backoff_ms", min(ms, 500)),
+        ("grpc.max_reconnect_backoff_ms", ms),
+        ("grpc.use_local_subchannel_pool", 1),  # its backoff is its own
+    ]
 
 
 @contextlib.contextmanager

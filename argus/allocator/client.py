@@ -30,6 +30,7 @@ from argus.allocator.convert import (
     router_report_to_pb,
 )
 from argus.allocator.membership import WorkerReport
+from argus.grpc_server import reconnect_options
 from argus.types import Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
@@ -44,7 +45,7 @@ class AllocatorClient:
     def __init__(self, address: str, *, timeout_s: float = 5.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.insecure_channel(address, options=reconnect_options())
         self._stub = allocator_pb2_grpc.AllocatorStub(self._channel)
 
     def heartbeat(self, report: WorkerReport) -> HeartbeatAnswer:
@@ -139,7 +140,7 @@ class PlanWatcher:
     def _run(self) -> None:
         delay = self._min_backoff_s
         request = allocator_pb2.WatchPlanRequest(watcher_id=self.watcher_id)
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc.insecure_channel(self.address, options=reconnect_options()) as channel:
             stub = allocator_pb2_grpc.AllocatorStub(channel)
             while not self._stopping.is_set():
                 call = stub.WatchPlan(request)

@@ -1,42 +1,102 @@
-"""The router process's parts around :class:`~argus.router.service.RouterCore`: the gRPC
-server (``create_server``) and the periodic statistics report to the allocator
-(:class:`StatsReporter`, whose ``report_once`` tests call directly with a fake clock).
+"""The router process around :class:`~argus.router.service.RouterCore`: the gRPC server
+(``create_server``: the public endpoint with optional TLS and bearer-token auth), the periodic
+statistics report to the allocator (:class:`StatsReporter`, whose ``report_once`` tests call
+directly with a fake clock) and the process itself (:class:`RouterSettings`, ``serve``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health
 
 from argus.allocator.client import AllocatorClient
-from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
-from argus.router.service import SERVICE_NAME, RouterCore, RouterServicer, router_pb2_grpc
+from argus.grpc_server import (
+    BearerTokenInterceptor,
+    add_health_and_reflection,
+    bind,
+    new_server,
+    set_serving,
+)
+from argus.router.service import (
+    SERVICE_NAME,
+    RouterCore,
+    RouterServicer,
+    router_pb2,
+)
 from argus.types import Strategy
 
 log = logging.getLogger(__name__)
 
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """The public endpoint's protection; the default is none (loopback development)."""
+
+    credentials: grpc.ServerCredentials | None = None  # TLS
+    token: str | None = None  # bearer token every call but health checks must carry
+
 
 def create_server(
-    core: RouterCore, address: str = "127.0.0.1:0", *, threads: int = 32
+    core: RouterCore,
+    address: str = "127.0.0.1:0",
+    *,
+    threads: int = 32,
+    security: ServerSecurity = ServerSecurity(),
 ) -> tuple[grpc.Server, int, RouterServicer]:
-    """A not-yet-started server bound to ``address``; returns it with the bound port."""
+    """A not-yet-started server bound to ``address``; returns it with the bound port.
+
+    Health reports NOT_SERVING until the core has a plan (``servicer.plan_installed`` follows
+    plans); requests whose bytes are not a RouterGenerateRequest get INVALID_ARGUMENT instead
+    of gRPC's INTERNAL.
+    """
+    interceptors = [] if security.token is None else [BearerTokenInterceptor(security.token)]
     server = new_server(
         threads=threads,
         thread_prefix="router",
-        max_receive_bytes=8 * 1024 * 1024,
+        max_receive_bytes=MAX_REQUEST_BYTES,
         max_send_bytes=64 * 1024 * 1024,
+        interceptors=interceptors,
     )
     health_servicer = health.HealthServicer()
-    servicer = RouterServicer(core)
-    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    servicer = RouterServicer(core, health_servicer)
+    server.add_generic_rpc_handlers((_raw_router_handler(servicer),))
     add_health_and_reflection(server, health_servicer, [SERVICE_NAME])
-    port = bind(server, address)
-    set_serving(health_servicer, SERVICE_NAME, True)
+    port = bind(server, address, security.credentials)
+    set_serving(health_servicer, SERVICE_NAME, core.has_plan())
     return server, port, servicer
+
+
+def _raw_router_handler(servicer: RouterServicer) -> grpc.GenericRpcHandler:
+    """``argus.v1.Router`` with requests parsed here, so malformed bytes are the client's
+    error (INVALID_ARGUMENT), not a server fault."""
+
+    def generate(raw: bytes, context: grpc.ServicerContext) -> Any:
+        request = router_pb2.RouterGenerateRequest()
+        try:
+            request.ParseFromString(raw)
+        except DecodeError as err:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request: not a valid RouterGenerateRequest ({err})",
+            )
+        return servicer.Generate(request, context)
+
+    handler: Any = grpc.unary_unary_rpc_method_handler(
+        generate,
+        request_deserializer=None,
+        response_serializer=router_pb2.RouterGenerateResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler})
 
 
 class StatsReporter:
@@ -90,3 +150,92 @@ class StatsReporter:
                 self.report_once()
             except grpc.RpcError as err:
                 log.warning("router report failed: %s", err.code())
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """The router process's one config type; every ``argus router`` flag maps to a field."""
+
+    allocator: str  # HOST:PORT of the allocator whose plans the router follows
+    host: str = "127.0.0.1"  # public endpoint; a deployment binds 0.0.0.0 behind TLS and auth
+    port: int = 0  # 0: any free port, printed at start
+    router_id: str = "router-0"
+    profile: str | None = None  # a profile file; None: the embedded default
+    classifier: str | None = None  # classifier directory; None: the committed default
+    metrics_port: int | None = None  # Prometheus /metrics; None: off
+    metrics_host: str = "127.0.0.1"  # internal: loopback unless told otherwise
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token_file: str | None = None
+    report_period_s: float = 1.0
+    default_deadline_ms: int = 30_000
+    max_in_flight: int = 256
+    threads: int = 64
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert, tls_key: give both or neither")
+        if not self.report_period_s > 0.0:
+            raise ValueError(f"report_period_s: must be > 0, got {self.report_period_s}")
+
+    def security(self) -> ServerSecurity:
+        """TLS and token read from their files; OSError names a missing or bad file."""
+        from argus.grpc_server import read_token, tls_credentials
+
+        credentials = None
+        if self.tls_cert is not None and self.tls_key is not None:
+            credentials = tls_credentials(self.tls_cert, self.tls_key)
+        token = None if self.auth_token_file is None else read_token(self.auth_token_file)
+        return ServerSecurity(credentials, token)
+
+
+def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> int:
+    """Run the router until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
+    from argus.allocator.client import PlanWatcher
+    from argus.classifier.serving import load_prompt_classifier
+    from argus.grpc_server import shutdown_signals
+    from argus.profiles import default_profiles, load_profiles
+    from argus.router.metrics import RouterMetrics
+    from argus.router.service import RouterServiceConfig
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    profiles = load_profiles(settings.profile) if settings.profile else default_profiles()
+    config = RouterServiceConfig(
+        router_id=settings.router_id,
+        default_deadline_ms=settings.default_deadline_ms,
+        max_in_flight=settings.max_in_flight,
+    )
+    security = settings.security()
+    classifier = load_prompt_classifier(settings.classifier)
+    metrics = RouterMetrics(profiles)
+    core = RouterCore(profiles, classifier, config, metrics=metrics)
+    server, port, servicer = create_server(
+        core, f"{settings.host}:{settings.port}", threads=settings.threads, security=security
+    )
+    if settings.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, addr=settings.metrics_host)
+    watcher = PlanWatcher(
+        settings.allocator, on_plan=servicer.plan_installed, watcher_id=settings.router_id
+    )
+    client = AllocatorClient(settings.allocator)
+    reporter = StatsReporter(core, client, time.monotonic, period_s=settings.report_period_s)
+    server.start()
+    watcher.start()
+    reporter.start()
+    print(f"argus router listening on {settings.host}:{port}", flush=True)
+    try:
+        with shutdown_signals() as stop:  # the default handlers are back for the shutdown
+            if ready is not None:
+                ready.set()
+            stop.wait()
+    finally:
+        reporter.stop()
+        watcher.stop()
+        server.stop(grace=2).wait()
+        client.close()
+        core.close()
+        classifier.close()
+    return 0

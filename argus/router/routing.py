@@ -101,9 +101,14 @@ class PlanRouter:
         self._recent.observe(strategy, level_index)
 
     def route(
-        self, optimal_level: int, queues: Mapping[str, int], down: AbstractSet[str]
+        self,
+        optimal_level: int,
+        queues: Mapping[str, int],
+        down: AbstractSet[str],
+        max_level: int | None = None,
     ) -> RouteDecision:
-        """Route one prompt whose classified level (for the plan's strategy) is given."""
+        """Route one prompt whose classified level (for the plan's strategy) is given; no level
+        above ``max_level`` (the request's minimum quality) is served."""
         if self._scheduler is None:
             raise RuntimeError("no plan installed: install() comes before route()")
         if self.config.prompt_aware and self.config.realign_every:
@@ -111,7 +116,7 @@ class PlanRouter:
             if self._since_align >= self.config.realign_every:
                 self._since_align = 0
                 self._realign()
-        return self._scheduler.route(optimal_level, queues, down)
+        return self._scheduler.route(optimal_level, queues, down, max_level)
 
     def level_name(self, index: int) -> str:
         assert self._plan is not None

@@ -101,24 +101,32 @@ class PromptScheduler:
         optimal_level: int,
         queue_lengths: Mapping[str, int],
         down: AbstractSet[str] = frozenset(),
+        max_level: int | None = None,
     ) -> RouteDecision:
         """Choose level and worker for a prompt whose classifier level is ``optimal_level``.
 
         ``queue_lengths`` (missing ids count as 0) and ``down`` are the router's current view.
-        Raises ``ValueError`` for an out-of-range level, :class:`NoLiveWorkerError` when every
-        worker is down.
+        ``max_level`` is the request's minimum quality: no level above it (faster, more
+        approximate) is sampled or served; a prompt classified above it is routed as if its
+        optimal level were ``max_level``. Raises ``ValueError`` for an out-of-range level,
+        :class:`NoLiveWorkerError` when no live worker serves an allowed level.
         """
-        if not 0 <= optimal_level < len(self._levels):
-            raise ValueError(
-                f"optimal_level: must be in [0, {len(self._levels) - 1}], got {optimal_level}"
-            )
-        target = bisect.bisect_right(self._cumulative[optimal_level], self._rng.random())
-        target = min(target, len(self._levels) - 1)
+        last = len(self._levels) - 1
+        if not 0 <= optimal_level <= last:
+            raise ValueError(f"optimal_level: must be in [0, {last}], got {optimal_level}")
+        limit = last if max_level is None else min(max(max_level, 0), last)
+        row = min(optimal_level, limit)
+        target = bisect.bisect_right(self._cumulative[row], self._rng.random())
+        target = min(target, limit)
         self._decisions += 1
         self._by_target[target] += 1
-        decision = self._place(optimal_level, target, queue_lengths, down)
+        decision = self._place(optimal_level, target, queue_lengths, down, limit)
         if decision is None:
-            raise NoLiveWorkerError("no live worker in the plan: every worker is down")
+            raise NoLiveWorkerError(
+                "no live worker in the plan serves an allowed level"
+                if limit < last
+                else "no live worker in the plan: every worker is down"
+            )
         return decision
 
     def _place(
@@ -127,11 +135,15 @@ class PromptScheduler:
         target: int,
         queue_lengths: Mapping[str, int],
         down: AbstractSet[str],
+        limit: int,
     ) -> RouteDecision | None:
-        """The target level's best worker; on fallback or spill a nearby level's."""
+        """The target level's best worker; on fallback or spill a nearby level's, never one
+        above ``limit``."""
         budget = self._spill_after_s
         first: tuple[int, tuple[float, str]] | None = None
         for served in self._search_order[target]:
+            if served > limit:
+                continue
             best = _best_worker(self._groups[served], queue_lengths, down)
             if best is None:
                 continue

@@ -16,6 +16,7 @@ Plans come from ``install`` (wired to ``PlanWatcher``'s ``on_plan``). The clock 
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -27,12 +28,23 @@ import grpc
 
 from argus import rpc
 from argus.allocator.control import PublishedPlan
+from argus.classifier.prompts import InvalidPromptError
+from argus.classifier.serving import BatcherClosed
+from argus.grpc_server import reconnect_options, set_serving
+from argus.request_limits import (
+    ImageLimits,
+    InvalidRequestError,
+    check_image,
+    check_prompts,
+    check_sampling,
+)
 from argus.router.admission import (
     IdConflictError,
     LedgerFullError,
     RequestLedger,
     admit,
 )
+from argus.router.metrics import RouterMetrics
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.router.scheduler import NoLiveWorkerError
 from argus.types import ProfileSet, RouteDecision, Strategy
@@ -42,11 +54,14 @@ router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 
+log = logging.getLogger(__name__)
+
 SERVICE_NAME = "argus.v1.Router"
 RETRY_AFTER_KEY = "retry-after-ms"
 _STRATEGY_TO_PB = {Strategy.AC: 1, Strategy.SM: 2}
-MAX_PROMPT_BYTES = 64 * 1024  # longer prompts are refused; the classifier cuts far earlier
 MAX_ID_CHARS = 128
+DEFAULT_LIMITS = ImageLimits()
+SLO_FACTOR = 3.0  # SLO = 3 × the best level's latency (Argus §5; the simulator's default)
 
 
 class PromptLevels(Protocol):
@@ -82,6 +97,12 @@ class RouterServiceConfig:
     max_attempts: int = 3
     """Workers tried per request."""
 
+    slo_s: float | None = None
+    """Latency objective of the SLO-violation count; None: 3 × the best level's latency."""
+
+    limits: ImageLimits = field(default_factory=ImageLimits)
+    """Largest image accepted (the workers' limits)."""
+
     routing: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:
@@ -90,6 +111,21 @@ class RouterServiceConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.id_window_s < 0.0 or self.down_for_s < 0.0:
             raise ValueError("id_window_s, down_for_s: must be >= 0")
+        if self.slo_s is not None and not self.slo_s > 0.0:
+            raise ValueError(f"slo_s: must be > 0, got {self.slo_s}")
+
+    def slo_for(self, profiles: ProfileSet) -> float:
+        """The SLO in seconds: ``slo_s``, or 3 × the best level's latency on the profile's
+        first worker class (the simulator's rule, so live and simulated reports agree)."""
+        if self.slo_s is not None:
+            return self.slo_s
+        reference = profiles.worker_classes[0]
+        best = min(
+            profiles.profile(reference, levels[0].name).latency_s
+            for strategy in Strategy
+            if (levels := profiles.levels_for(strategy))
+        )
+        return SLO_FACTOR * best
 
 
 class RouterError(Exception):
@@ -113,30 +149,31 @@ class Classified:
 # -- checks --------------------------------------------------------------------------------
 
 
-def check_request(request: Any) -> None:
-    """Raise RouterError(INVALID_ARGUMENT) naming the first bad field; return otherwise."""
+def check_request(request: Any, limits: ImageLimits = DEFAULT_LIMITS) -> None:
+    """Raise RouterError(INVALID_ARGUMENT) naming the first bad field; return otherwise.
 
-    def bad(message: str) -> RouterError:
-        return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    Prompts, image size and sampling are checked by the rules the workers apply
+    (:mod:`argus.request_limits`); a worker's defaults fill absent fields.
+    """
 
-    if len(request.request_id) > MAX_ID_CHARS:
-        raise bad(f"request_id: at most {MAX_ID_CHARS} characters, got {len(request.request_id)}")
-    for name in ("prompt", "negative_prompt"):
-        size = len(getattr(request, name).encode("utf-8", "surrogatepass"))
-        if size > MAX_PROMPT_BYTES:
-            raise bad(f"{name}: at most {MAX_PROMPT_BYTES} bytes, got {size}")
-    for name in ("width", "height"):
-        if request.HasField(name):
-            value = getattr(request, name)
-            if not 64 <= value <= 4096 or value % 8:
-                raise bad(f"{name}: must be a multiple of 8 in 64..4096, got {value}")
-    if request.HasField("steps") and not 1 <= request.steps <= 1000:
-        raise bad(f"steps: must be in 1..1000, got {request.steps}")
-    if request.HasField("deadline_ms") and request.deadline_ms == 0:
-        raise bad("deadline_ms: must be > 0")
-    for i, adapter in enumerate(request.adapters):
-        if adapter.kind == 0 or not adapter.name:
-            raise bad(f"adapters[{i}]: needs a kind and a name")
+    def given(name: str) -> Any:
+        return getattr(request, name) if request.HasField(name) else None
+
+    try:
+        if len(request.request_id) > MAX_ID_CHARS:
+            raise InvalidRequestError(
+                "request_id", f"at most {MAX_ID_CHARS} characters, got {len(request.request_id)}"
+            )
+        check_prompts(request.prompt, request.negative_prompt)
+        check_image(given("width"), given("height"), limits)
+        check_sampling(given("steps"), given("guidance_scale"), request.seed)
+        if request.HasField("deadline_ms") and request.deadline_ms == 0:
+            raise InvalidRequestError("deadline_ms", "must be > 0")
+        for i, adapter in enumerate(request.adapters):
+            if adapter.kind == 0 or not adapter.name:
+                raise InvalidRequestError(f"adapters[{i}]", "needs a kind and a name")
+    except InvalidRequestError as err:
+        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
 
 
 def fingerprint(request: Any) -> bytes:
@@ -150,11 +187,15 @@ def fingerprint(request: Any) -> bytes:
 # -- workers -------------------------------------------------------------------------------
 
 
+def _worker_channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=reconnect_options())
+
+
 class WorkerChannels:
     """One gRPC channel per worker address, reused across requests; closed when dropped."""
 
-    def __init__(self, factory: Callable[[str], grpc.Channel] = grpc.insecure_channel) -> None:
-        self._factory = factory
+    def __init__(self, factory: Callable[[str], grpc.Channel] | None = None) -> None:
+        self._factory = factory or _worker_channel
         self._lock = threading.Lock()
         self._stubs: dict[str, tuple[grpc.Channel, Any]] = {}
 
@@ -193,10 +234,13 @@ class RouterCore:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         channels: WorkerChannels | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.profiles = profiles
         self.classifier = classifier
         self.config = config
+        self.slo_s = config.slo_for(profiles)
+        self.metrics = metrics
         self._clock = clock
         self._router = PlanRouter(profiles, rng or random.Random(0), config.routing)
         self._channels = channels or WorkerChannels()
@@ -211,18 +255,44 @@ class RouterCore:
         )
         self._arrivals: list[float] = []
         self._classified: list[Classified] = []
+        self._serving = 0
         self.worker_calls = 0  # Generate calls sent to workers (tests, metrics)
+        if metrics is not None:
+            metrics.in_flight.set_function(lambda: self._serving)
+
+    def close(self) -> None:
+        """Close the worker channels (after the server stopped)."""
+        self._channels.close()
+
+    def has_plan(self) -> bool:
+        with self._lock:
+            return self._router.plan is not None
+
+    def now(self) -> float:
+        """The core's clock (the servicer turns gRPC deadlines into clock times with it)."""
+        return self._clock()
 
     # plans -------------------------------------------------------------------------------
 
-    def install(self, published: PublishedPlan) -> None:
-        """Follow ``published`` from now on (``PlanWatcher``'s ``on_plan``)."""
+    def install(self, published: PublishedPlan) -> bool:
+        """Follow ``published`` from now on (``PlanWatcher``'s ``on_plan``). A plan this router
+        cannot route on (a worker class missing from its profile) is refused and logged: the
+        previous plan stays; returns whether it was installed."""
         with self._lock:
-            self._router.install(published.plan, published.worker_classes(), self._clock())
+            try:
+                self._router.install(published.plan, published.worker_classes(), self._clock())
+            except KeyError as err:
+                log.error("plan %d refused: %s", published.version, err)
+                return False
             self._addresses = {w.worker_id: w.address for w in published.workers}
             self._queues = {w: self._queues.get(w, 0) for w in self._addresses}
+            self._down_until = {w: t for w, t in self._down_until.items() if w in self._addresses}
             self._plan_version = published.version
+            queues = dict(self._queues)
         self._channels.keep_only(set(self._addresses.values()))
+        if self.metrics is not None:
+            self.metrics.observe_plan(published.version, published.plan.strategy, queues)
+        return True
 
     # statistics for the allocator ---------------------------------------------------------
 
@@ -245,7 +315,15 @@ class RouterCore:
         ``deadline_s`` is the gRPC deadline as a clock time, when the client set one.
         """
         arrived = self._clock()
-        check_request(request)
+        try:
+            return self._generate(request, arrived, deadline_s)
+        except RouterError as err:
+            if self.metrics is not None:
+                self.metrics.requests.labels(err.code.name).inc()
+            raise
+
+    def _generate(self, request: Any, arrived: float, deadline_s: float | None) -> Any:
+        check_request(request, self.config.limits)
         budget_ms = request.deadline_ms if request.HasField("deadline_ms") else None
         deadline = arrived + (budget_ms or self.config.default_deadline_ms) / 1e3
         if deadline_s is not None:
@@ -257,6 +335,7 @@ class RouterCore:
         except IdConflictError as err:
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, str(err)) from None
         except LedgerFullError as err:
+            self._rejected("ids")
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), 1.0) from None
         if not owner:
             return self._join(future, deadline)
@@ -278,48 +357,81 @@ class RouterCore:
 
     def _serve(self, request: Any, arrived: float, deadline: float) -> Any:
         if not self._in_flight.acquire(blocking=False):
+            self._rejected("busy")
             raise RouterError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"router busy: {self.config.max_in_flight} requests in flight",
                 0.1,
             )
+        with self._lock:
+            self._serving += 1
         try:
             return self._classify_route_forward(request, arrived, deadline)
         finally:
+            with self._lock:
+                self._serving -= 1
             self._in_flight.release()
 
+    def _classify(self, prompt: str, deadline: float) -> Mapping[Strategy, int]:
+        """The prompt's levels; classifier failures become statuses (never UNKNOWN)."""
+        try:
+            return self.classifier.classify(prompt, timeout=max(0.001, deadline - self._clock()))
+        except InvalidPromptError as err:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {err}") from None
+        except TimeoutError:
+            raise RouterError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while classifying"
+            ) from None
+        except BatcherClosed:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "router shutting down", 1.0) from None
+
     def _classify_route_forward(self, request: Any, arrived: float, deadline: float) -> Any:
-        levels = self.classifier.classify(request.prompt)
+        levels = self._classify(request.prompt, deadline)
         classified_at = self._clock()
+        if self.metrics is not None:
+            self.metrics.classify.observe(classified_at - arrived)
         with self._lock:
             self._arrivals.append(arrived)
             self._classified.append(Classified(classified_at, dict(levels)))
             for strategy, level in levels.items():
                 if self._router.plan is not None:
                     self._router.observe(strategy, level)
+        max_level = request.max_level_index if request.HasField("max_level_index") else None
         tried: set[str] = set()
-        last: RouterError | None = None
-        for attempt in range(1, self.config.max_attempts + 1):
-            decision, strategy, address = self._route(levels, deadline, tried)
-            routed_at = self._clock()
-            try:
-                reply = self._forward(request, decision, strategy, address, deadline)
-            except RouterError as err:
-                if err.code is not grpc.StatusCode.UNAVAILABLE:
-                    raise
-                last = err
-                tried.add(decision.worker_id)
-                continue
-            done = self._clock()
-            return self._response(
-                request, reply, decision, strategy, attempt,
-                (arrived, classified_at, routed_at, done),
-            )  # fmt: skip
-        assert last is not None
-        raise last
+        admitted = False
+        try:
+            for attempt in range(1, self.config.max_attempts + 1):
+                decision, strategy, address = self._route(levels, deadline, tried, max_level)
+                admitted = True
+                routed_at = self._clock()
+                try:
+                    reply = self._forward(request, decision, address, deadline)
+                except RouterError as err:
+                    if err.code is not grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    if attempt == self.config.max_attempts:
+                        raise
+                    tried.add(decision.worker_id)
+                    if self.metrics is not None:
+                        self.metrics.retries.inc()
+                    continue
+                done = self._clock()
+                return self._response(
+                    request, reply, decision, strategy, attempt,
+                    (arrived, classified_at, routed_at, done),
+                )  # fmt: skip
+        except RouterError:
+            if admitted and self.metrics is not None:
+                self.metrics.slo_violations.inc()  # admitted, then not served
+            raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _route(
-        self, levels: Mapping[Strategy, int], deadline: float, tried: set[str]
+        self,
+        levels: Mapping[Strategy, int],
+        deadline: float,
+        tried: set[str],
+        max_level: int | None,
     ) -> tuple[RouteDecision, Strategy, str]:
         """Route and admit under the lock; the chosen worker's queue counts this request."""
         with self._lock:
@@ -329,13 +441,17 @@ class RouterCore:
             now = self._clock()
             down = self._down(now) | tried
             try:
-                decision = self._router.route(levels.get(plan.strategy, 0), self._queues, down)
+                decision = self._router.route(
+                    levels.get(plan.strategy, 0), self._queues, down, max_level
+                )
             except NoLiveWorkerError as err:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, str(err), 1.0) from None
             if decision.worker_id in down:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, "no live worker left", 1.0)
             verdict = admit(decision.score, deadline - now)
             if not verdict.admitted:
+                if not tried:
+                    self._rejected("deadline")
                 raise RouterError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"deadline: predicted {verdict.predicted_s * 1e3:.0f} ms exceeds the "
@@ -349,13 +465,13 @@ class RouterCore:
         self,
         request: Any,
         decision: RouteDecision,
-        strategy: Strategy,
         address: str,
         deadline: float,
     ) -> Any:
         call = worker_request(request, self._router.level_name(decision.served_level))
-        try:
+        with self._lock:
             self.worker_calls += 1
+        try:
             stub = self._channels.stub(address)
             return stub.Generate(call, timeout=max(0.001, deadline - self._clock()))
         except grpc.RpcError as err:
@@ -372,6 +488,10 @@ class RouterCore:
     def _down(self, now: float) -> set[str]:
         return {w for w, until in self._down_until.items() if until > now}
 
+    def _rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(reason).inc()
+
     def _response(
         self,
         request: Any,
@@ -386,6 +506,15 @@ class RouterCore:
         worker = worker_pb2.GenerateResponse()
         worker.CopyFrom(reply)
         worker.ClearField("png")
+        if self.metrics is not None:
+            self.metrics.observe_served(
+                reply.level or names(decision.served_level),
+                strategy,
+                names(decision.optimal_level),
+                done - arrived,
+                reply.timing.total_ms / 1e3,
+                late=done - arrived > self.slo_s,
+            )
         return router_pb2.RouterGenerateResponse(
             request_id=request.request_id,
             png=reply.png,
@@ -430,12 +559,18 @@ def worker_request(request: Any, level: str) -> Any:
 class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
     """Converts and delegates to :class:`RouterCore`; failures become statuses."""
 
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, health_servicer: Any = None) -> None:
         self.core = core
+        self._health = health_servicer
+
+    def plan_installed(self, published: PublishedPlan) -> None:
+        """Install ``published`` in the core; health turns SERVING with the first plan."""
+        if self.core.install(published) and self._health is not None:
+            set_serving(self._health, SERVICE_NAME, True)
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
         remaining = context.time_remaining()
-        deadline = None if remaining is None else self.core._clock() + remaining
+        deadline = None if remaining is None else self.core.now() + remaining
         try:
             return self.core.generate(request, deadline)
         except RouterError as err:

@@ -141,14 +141,9 @@ class HeartbeatChannel:
         import grpc
 
         from argus import rpc
+        from argus.grpc_server import reconnect_options
 
-        ms = max(1, int(max_reconnect_s * 1000))
-        options = [
-            ("grpc.initial_reconnect_backoff_ms", min(ms, 500)),
-            ("grpc.min_reconnect_backoff_ms", min(ms, 500)),
-            ("grpc.max_reconnect_backoff_ms", ms),
-            ("grpc.use_local_subchannel_pool", 1),  # its backoff is its own
-        ]
+        options = reconnect_options(max_reconnect_s)
         self.address = address
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address, options=options)

@@ -1,0 +1,92 @@
+"""``argus router``: the cluster's public endpoint (``argus.v1.Router``).
+
+It follows the allocator's plans (``--allocator HOST:PORT``), classifies each prompt, routes it
+through the plan's shift map to a worker and forwards it; it reports arrivals and classified
+levels back to the allocator every ``--report-period-s``. The public endpoint can carry TLS
+(``--tls-cert`` and ``--tls-key``, PEM files) and bearer-token authentication
+(``--auth-token-file``: every call but health checks needs ``authorization: Bearer TOKEN``).
+Binds loopback unless ``--host`` says otherwise. Prints ``argus router listening on
+HOST:PORT`` once bound; Ctrl-C or SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from argus.cli.main import CLIError
+
+
+class RouterCommand:
+    name = "router"
+    help = "Run a router (gRPC): the public Generate endpoint in front of the workers."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--allocator", required=True, help="allocator HOST:PORT")
+        parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+        parser.add_argument("--port", type=int, default=0, help="port (0: any free port)")
+        parser.add_argument("--router-id", default="router-0", help="id in allocator reports")
+        parser.add_argument("--profile", help="profile file (default: the embedded one)")
+        parser.add_argument(
+            "--classifier", help="classifier directory (default: classifiers/minilm-logistic)"
+        )
+        parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+        parser.add_argument(
+            "--metrics-host", default="127.0.0.1", help="address of /metrics (internal)"
+        )
+        parser.add_argument("--tls-cert", help="PEM certificate chain of the public endpoint")
+        parser.add_argument("--tls-key", help="PEM private key of the public endpoint")
+        parser.add_argument(
+            "--auth-token-file", help="file holding the bearer token callers must send"
+        )
+        parser.add_argument(
+            "--report-period-s", type=float, default=1.0, help="statistics to the allocator"
+        )
+        parser.add_argument(
+            "--default-deadline-ms",
+            type=int,
+            default=30_000,
+            help="deadline of requests that set none",
+        )
+        parser.add_argument(
+            "--max-in-flight", type=int, default=256, help="requests served at once; more: busy"
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        from argus.profiles import ProfileError
+        from argus.router.app import RouterSettings, serve
+        from argus.worker.membership import check_address
+
+        for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+            if port is not None and not 0 <= port < 65536:
+                raise CLIError(f"{flag}: {port} outside 0..65535")
+        if not (math.isfinite(args.report_period_s) and args.report_period_s > 0):
+            raise CLIError(f"--report-period-s: {args.report_period_s} must be positive")
+        for flag, value in (
+            ("--default-deadline-ms", args.default_deadline_ms),
+            ("--max-in-flight", args.max_in_flight),
+        ):
+            if value < 1:
+                raise CLIError(f"{flag}: {value} must be positive")
+        try:
+            check_address(args.allocator, "--allocator")
+            settings = RouterSettings(
+                allocator=args.allocator,
+                host=args.host,
+                port=args.port,
+                router_id=args.router_id,
+                profile=args.profile,
+                classifier=args.classifier,
+                metrics_port=args.metrics_port,
+                metrics_host=args.metrics_host,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+                auth_token_file=args.auth_token_file,
+                report_period_s=args.report_period_s,
+                default_deadline_ms=args.default_deadline_ms,
+                max_in_flight=args.max_in_flight,
+            )
+            settings.security()  # a bad certificate or token file fails before any loading
+            return serve(settings)
+        except (ValueError, ProfileError, OSError) as err:
+            raise CLIError(str(err)) from None
