@@ -29,10 +29,17 @@ class CLISubcommand(Protocol):
 # name -> (module, class, one-line help); modules load only when their command runs
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("argus.cli.plan", "PlanCommand", "solve one allocation and PASM; print JSON"),
-    "replay": ("argus.cli.replay", "ReplayCommand", "replay a trace through policies (simulated)"),
+    "replay": (
+        "argus.cli.replay",
+        "ReplayCommand",
+        "replay a trace through policies (simulated, or --live on a cluster)",
+    ),
     "profile": ("argus.cli.profile", "ProfileCommand", "score every prompt at every level"),
     "worker": ("argus.cli.worker", "WorkerCommand", "run a GPU worker (gRPC)"),
     "allocator": ("argus.cli.allocator", "AllocatorCommand", "run the allocator service (gRPC)"),
+    "router": ("argus.cli.router", "RouterCommand", "run a router: the public endpoint (gRPC)"),
+    "up": ("argus.cli.up", "UpCommand", "run a whole cluster as local processes, until Ctrl-C"),
+    "client": ("argus.cli.client", "ClientCommand", "send prompts to a router, save the images"),
     "train-classifier": (
         "argus.cli.train_classifier",
         "TrainClassifierCommand",

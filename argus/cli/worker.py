@@ -46,6 +46,10 @@ class WorkerCommand:
         parser.add_argument("--no-cache", action="store_true", help="serve without AC caching")
         parser.add_argument("--cache-dir", help="latent store and Qdrant Edge directory")
         parser.add_argument("--qdrant-url", help="Qdrant server URL (default: Qdrant Edge)")
+        parser.add_argument(
+            "--index-outage-file",
+            help="fault injection: the vector index fails as unreachable while this file exists",
+        )
         parser.add_argument("--cache-max-entries", type=int, default=100_000)
         parser.add_argument("--cache-max-bytes", type=int)
         parser.add_argument("--min-similarity", type=float, default=0.0)
@@ -116,6 +120,7 @@ class WorkerCommand:
             cache=not args.no_cache,
             cache_dir=args.cache_dir,
             qdrant_url=args.qdrant_url,
+            index_outage_file=args.index_outage_file,
             cache_max_entries=args.cache_max_entries,
             cache_max_bytes=args.cache_max_bytes,
             min_similarity=args.min_similarity,

@@ -46,6 +46,7 @@ class WorkerSettings:
     cache_dir: str | None = None  # latent store and Qdrant Edge shard; None: a temp dir
     qdrant_url: str | None = None  # a Qdrant server; None: Qdrant Edge in process
     qdrant_collection: str = "argus-prompts"
+    index_outage_file: str | None = None  # fault injection: index unreachable while it exists
     cache_max_entries: int | None = 100_000
     cache_max_bytes: int | None = None
     min_similarity: float = 0.0
@@ -109,6 +110,10 @@ def build_cache(settings: WorkerSettings, dim: int) -> Any:
         index = QdrantServerIndex(settings.qdrant_url, settings.qdrant_collection, dim)
     else:
         index = EdgeVectorIndex(root / "qdrant-edge", dim)
+    if settings.index_outage_file is not None:
+        from argus.worker.vector_index import OutageSwitch
+
+        index = OutageSwitch(index, settings.index_outage_file)
     store = LatentStore(root / "latents")
     return ApproximateCache(
         index,

@@ -111,6 +111,59 @@ class VectorIndex(Protocol):
         ...
 
 
+class IndexOutageError(ConnectionError):
+    """The vector database is unreachable (here: an injected outage)."""
+
+
+class OutageSwitch:
+    """An index that fails like an unreachable vector database while ``flag_file`` exists.
+
+    Fault injection for tests and drills of the AC → SM switch (``argus worker
+    --index-outage-file``): create the file and every call raises :class:`IndexOutageError`,
+    as a Qdrant server behind a dead network would; delete it and calls reach ``index`` again.
+    With an embedded index (Qdrant Edge) this is the only way to take "the database" away.
+    """
+
+    def __init__(self, index: VectorIndex, flag_file: str | Path) -> None:
+        self.index = index
+        self.flag_file = Path(flag_file)
+
+    def _check(self) -> None:
+        if self.flag_file.exists():
+            raise IndexOutageError(f"vector index unreachable ({self.flag_file} exists)")
+
+    @property
+    def dim(self) -> int:
+        return self.index.dim
+
+    def search(self, vector: FloatArray, key: str) -> IndexMatch | None:
+        self._check()
+        return self.index.search(vector, key)
+
+    def upsert(self, point_id: str, vector: FloatArray, payload: Mapping[str, Any]) -> None:
+        self._check()
+        self.index.upsert(point_id, vector, payload)
+
+    def set_payload(self, updates: Mapping[str, Mapping[str, Any]]) -> None:
+        self._check()
+        self.index.set_payload(updates)
+
+    def delete(self, point_ids: Sequence[str]) -> None:
+        self._check()
+        self.index.delete(point_ids)
+
+    def scroll(self, batch: int = 1024) -> Iterator[IndexRecord]:
+        self._check()
+        return self.index.scroll(batch)
+
+    def count(self) -> int:
+        self._check()
+        return self.index.count()
+
+    def close(self) -> None:
+        self.index.close()
+
+
 def check_vector(vector: npt.ArrayLike, dim: int) -> FloatArray:
     """``vector`` as a finite, non-zero float32 array of shape ``(dim,)``; raises ValueError."""
     array = np.asarray(vector, dtype=np.float32)

@@ -1,0 +1,107 @@
+"""``argus up``: a whole cluster on this machine, as local processes, until Ctrl-C.
+
+Starts the allocator, the ControlNet service, ``--workers`` workers and a router on the
+embedded defaults (tiny models with seeded random weights, Qdrant Edge, a local latent store
+under ``--workdir``), prints where each part listens, and with ``--demo N`` sends N prompts
+from the bundled prompt set through the router and saves the images in ``--out``. Ctrl-C (or
+SIGTERM) stops the parts in order: router, workers, ControlNet, allocator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from argus.cli.main import CLIError
+
+
+def demo_prompts(count: int) -> list[str]:
+    """``count`` prompts spread over the bundled prompt set (PartiPrompts)."""
+    from argus.traces import default_prompt_trace, load_prompts
+
+    records = load_prompts(default_prompt_trace())
+    stride = max(1, len(records) // max(count, 1))
+    return [record.prompt for record in records[::stride][:count]]
+
+
+class UpCommand:
+    name = "up"
+    help = "Run a whole cluster (allocator, ControlNet, workers, router) as local processes."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--workers", type=int, default=2)
+        parser.add_argument("--port", type=int, default=50051, help="router port (0: any)")
+        parser.add_argument("--workdir", type=Path, help="caches and logs (default: a temp dir)")
+        parser.add_argument("--steps", type=int, default=10, help="default denoising steps")
+        parser.add_argument("--no-controlnet", action="store_true", help="no ControlNet service")
+        parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoints")
+        parser.add_argument("--period-s", type=float, default=60.0, help="allocator re-plans")
+        parser.add_argument("--auth-token-file", help="the router requires this bearer token")
+        parser.add_argument("--tls-cert", help="PEM certificate of the router's endpoint")
+        parser.add_argument("--tls-key", help="PEM key of the router's endpoint")
+        parser.add_argument("--demo", type=int, default=0, help="send N prompts once up")
+        parser.add_argument("--out", type=Path, default=Path("demo-out"), help="demo images")
+        parser.add_argument(
+            "--exit-after-demo", action="store_true", help="stop the cluster after the demo"
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        from argus.grpc_server import shutdown_signals
+        from argus.local_cluster import ClusterError, ClusterSpec, LocalCluster, describe
+
+        if args.demo < 0:
+            raise CLIError(f"--demo: {args.demo} must be >= 0")
+        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="argus-up-"))
+        try:
+            spec = ClusterSpec(
+                workdir=workdir,
+                workers=args.workers,
+                controlnet=not args.no_controlnet,
+                router_port=args.port,
+                metrics=not args.no_metrics,
+                default_steps=args.steps,
+                period_s=args.period_s,
+                auth_token_file=args.auth_token_file,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+            )
+        except ValueError as err:
+            raise CLIError(str(err)) from None
+        cluster = LocalCluster(spec)
+        print(f"argus up: starting {args.workers} workers; logs in {workdir}/logs", flush=True)
+        failed = 0
+        try:
+            with shutdown_signals() as stop:
+                try:
+                    cluster.start()
+                except ClusterError as err:
+                    raise CLIError(str(err)) from None
+                for line in describe(cluster):
+                    print(f"  {line}", flush=True)
+                print(f"argus up: router listening on {cluster.router}", flush=True)
+                if args.demo:
+                    failed = self._demo(cluster, args)
+                if not args.exit_after_demo:
+                    print("argus up: serving; Ctrl-C stops the cluster", flush=True)
+                    stop.wait()
+        finally:
+            codes = cluster.stop()
+            print(f"argus up: stopped ({', '.join(f'{n} {c}' for n, c in codes.items())})")
+        return 1 if failed else 0
+
+    def _demo(self, cluster: object, args: argparse.Namespace) -> int:
+        from argus.cli.client import send_prompts
+        from argus.client import Connection, RouterClient
+        from argus.grpc_server import read_token
+        from argus.local_cluster import LocalCluster
+
+        assert isinstance(cluster, LocalCluster)
+        token = None if args.auth_token_file is None else read_token(args.auth_token_file)
+        connection = Connection(cluster.router, token=token, tls_ca=args.tls_cert)
+        print(f"argus up: demo: {args.demo} prompts → {args.out}/", flush=True)
+        with RouterClient(connection) as client:
+            failed: int = send_prompts(
+                client, demo_prompts(args.demo), args.out, count=args.demo, concurrency=2
+            )
+        return failed

@@ -1,0 +1,342 @@
+"""A whole Argus cluster as local processes: allocator, ControlNet service, N workers, router.
+
+``argus up`` runs one; the integration tests (faults, dashboards) start them too. Every part
+is the real ``argus`` command in its own process, talking gRPC on loopback: the same commands
+the Helm chart runs in pods. Each process logs to ``WORKDIR/logs/NAME.log``; their Prometheus
+endpoints are listed in ``WORKDIR/prometheus-targets.json`` (Prometheus ``file_sd`` format).
+
+Start order follows the dependencies (allocator, ControlNet, workers, router) and ``stop``
+goes the other way: the router stops taking requests first, the allocator goes last. Children
+run in their own sessions, so a Ctrl-C in the terminal reaches ``argus up`` alone, which then
+stops them in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+
+LISTENING = re.compile(r"listening on (\S+)")
+
+
+class ClusterError(RuntimeError):
+    """A part did not start; the message names it and quotes the end of its log."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. Ports 0 are picked free at start."""
+
+    workdir: Path
+    workers: int = 2
+    controlnet: bool = True
+    host: str = "127.0.0.1"
+    router_port: int = 0
+    metrics: bool = True  # each part serves /metrics on a free port
+    default_steps: int = 10  # tiny models on a CPU: a few steps keep the demo quick
+    default_size: int = 64
+    heartbeat_s: float = 1.0
+    period_s: float = 60.0
+    retrieval_threshold_s: float = 0.5
+    retrieval_window_s: float = 30.0
+    auth_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    index_outage_file: str | None = None  # fault injection, passed to every worker
+    profile: str | None = None
+    router_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers: need at least 1, got {self.workers}")
+        if not 0 <= self.router_port < 65536:
+            raise ValueError(f"router_port: {self.router_port} outside 0..65535")
+
+
+@dataclass
+class Part:
+    """One running process of the cluster."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    address: str = ""
+    metrics_port: int | None = None
+    args: tuple[str, ...] = field(default_factory=tuple)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free at the time of asking (the kernel's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalCluster:
+    """Starts, watches and stops the parts; use as a context manager or call start/stop."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.parts: dict[str, Part] = {}
+        self._logs: list[IO[bytes]] = []
+        (spec.workdir / "logs").mkdir(parents=True, exist_ok=True)
+
+    # -- addresses -----------------------------------------------------------------------
+
+    @property
+    def router(self) -> str:
+        return self.parts["router"].address
+
+    @property
+    def allocator(self) -> str:
+        return self.parts["allocator"].address
+
+    def worker_names(self) -> list[str]:
+        return [name for name in self.parts if name.startswith("worker-")]
+
+    # -- start ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every part and wait until the router serves on a plan with every worker."""
+        try:
+            self._start_all()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_all(self) -> None:
+        spec = self.spec
+        self._launch(
+            "allocator",
+            "allocator",
+            "--heartbeat-s", str(spec.heartbeat_s),
+            "--period-s", str(spec.period_s),
+            "--retrieval-threshold-s", str(spec.retrieval_threshold_s),
+            "--retrieval-window-s", str(spec.retrieval_window_s),
+            *self._profile_args(),
+        )  # fmt: skip
+        self._wait_address("allocator")
+        if spec.controlnet:
+            self._launch("controlnet", "controlnet", "--catalog", "tiny")
+        for i in range(spec.workers):
+            self.start_worker(i, wait=False)
+        if spec.controlnet:
+            self._wait_address("controlnet")
+        for name in self.worker_names():
+            self._wait_address(name)
+        router_args: list[str] = ["--allocator", self.allocator, "--port", str(spec.router_port)]
+        for flag, value in (
+            ("--auth-token-file", spec.auth_token_file),
+            ("--tls-cert", spec.tls_cert),
+            ("--tls-key", spec.tls_key),
+        ):
+            if value is not None:
+                router_args += [flag, value]
+        self._launch("router", "router", *router_args, *self._profile_args(), *spec.router_args)
+        self._wait_address("router")
+        self.wait_for_workers(spec.workers)
+        self._write_targets()
+
+    def start_worker(self, index: int, *, wait: bool = True) -> Part:
+        """Start (or restart) worker ``index``; its cache directory survives restarts."""
+        spec = self.spec
+        name = f"worker-{index}"
+        args = [
+            "--worker-id", name,
+            "--allocator", self.allocator,
+            "--cache-dir", str(spec.workdir / name),
+            "--default-steps", str(spec.default_steps),
+            "--default-size", str(spec.default_size),
+            *self._profile_args(),
+        ]  # fmt: skip
+        if "controlnet" in self.parts:
+            args += ["--controlnet", self.parts["controlnet"].address]
+        if spec.index_outage_file is not None:
+            args += ["--index-outage-file", spec.index_outage_file]
+        part = self._launch(name, "worker", *args, *spec.worker_args)
+        if wait:
+            self._wait_address(name)
+        return part
+
+    def _profile_args(self) -> list[str]:
+        return [] if self.spec.profile is None else ["--profile", self.spec.profile]
+
+    def _launch(self, name: str, command: str, *args: str) -> Part:
+        spec = self.spec
+        metrics_port = free_port(spec.host) if spec.metrics else None
+        full = [command, "--host", spec.host]
+        if command != "router" or "--port" not in args:
+            full += ["--port", "0"]
+        full += list(args)
+        if metrics_port is not None:
+            full += ["--metrics-port", str(metrics_port)]
+        log_path = spec.workdir / "logs" / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
+        self._logs.append(log)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "argus", *full],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # a terminal's Ctrl-C reaches `argus up` only
+        )
+        part = Part(name, process, log_path, metrics_port=metrics_port, args=tuple(full))
+        self.parts[name] = part
+        return part
+
+    def _wait_address(self, name: str) -> str:
+        part = self.parts[name]
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                text = part.log_path.read_text(errors="replace")
+            except OSError:
+                text = ""
+            found = [m for m in LISTENING.findall(text)]
+            if found:
+                part.address = found[-1]
+                return part.address
+            if not part.alive():
+                raise ClusterError(
+                    f"{name} exited with code {part.process.returncode} before serving:\n"
+                    f"{part.log_tail()}"
+                )
+            time.sleep(0.1)
+        raise ClusterError(f"{name} did not start in {self.spec.start_timeout_s:.0f} s")
+
+    def wait_for_workers(self, count: int, timeout_s: float | None = None) -> Any:
+        """Wait until the allocator's plan holds ``count`` workers and the router is SERVING;
+        returns the plan."""
+        from argus.allocator.client import AllocatorClient
+
+        deadline = time.monotonic() + (timeout_s or self.spec.start_timeout_s)
+        client = AllocatorClient(self.allocator, timeout_s=5.0)
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    plan = client.get_plan()
+                except grpc.RpcError:
+                    plan = None
+                if plan is not None and len(plan.workers) == count and self.router_serving():
+                    return plan
+                for part in self.parts.values():
+                    if not part.alive() and part.name in ("allocator", "router"):
+                        raise ClusterError(f"{part.name} exited:\n{part.log_tail()}")
+                time.sleep(0.2)
+        finally:
+            client.close()
+        raise ClusterError(f"the plan did not reach {count} workers in time")
+
+    def router_serving(self) -> bool:
+        """The router's standard health check says SERVING (no credentials needed)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with self.channel() as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=2.0
+                )
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def channel(self) -> grpc.Channel:
+        """A channel to the router (TLS when the cluster serves it, trusting its certificate)."""
+        if self.spec.tls_cert is None:
+            return grpc.insecure_channel(self.router)
+        credentials = grpc.ssl_channel_credentials(Path(self.spec.tls_cert).read_bytes())
+        return grpc.secure_channel(self.router, credentials)
+
+    def _write_targets(self) -> None:
+        targets = [
+            {
+                "targets": [f"{self.spec.host}:{part.metrics_port}"],
+                "labels": {"job": f"argus-{part.name.split('-')[0]}", "part": part.name},
+            }
+            for part in self.parts.values()
+            if part.metrics_port is not None
+        ]
+        (self.spec.workdir / "prometheus-targets.json").write_text(json.dumps(targets, indent=2))
+
+    def metrics_targets(self) -> list[str]:
+        return [
+            f"{self.spec.host}:{part.metrics_port}"
+            for part in self.parts.values()
+            if part.metrics_port is not None
+        ]
+
+    # -- faults and stop -----------------------------------------------------------------
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one part (a crash: no leave message, no cleanup)."""
+        part = self.parts[name]
+        if part.alive():
+            part.process.kill()
+        part.process.wait()
+
+    def stop(self, timeout_s: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM the parts router first, allocator last; SIGKILL what outlives ``timeout_s``.
+
+        Returns each part's exit code.
+        """
+        order = ["router", *self.worker_names(), "controlnet", "allocator"]
+        for group in (order[:1], order[1:-1], order[-1:]):
+            parts = [self.parts[n] for n in group if n in self.parts]
+            for part in parts:
+                if part.alive():
+                    part.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for part in parts:
+                try:
+                    part.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    part.process.kill()
+                    part.process.wait()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+        return {name: part.process.returncode for name, part in self.parts.items()}
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def describe(cluster: LocalCluster) -> Sequence[str]:
+    """One line per part: name, pid, gRPC address, metrics endpoint."""
+    lines = []
+    for part in cluster.parts.values():
+        metrics = f"  metrics http://{cluster.spec.host}:{part.metrics_port}/metrics"
+        lines.append(
+            f"{part.name:<11} pid {part.process.pid:<7} {part.address:<21}"
+            + (metrics if part.metrics_port is not None else "")
+        )
+    return lines
