@@ -1,8 +1,10 @@
-"""``argus replay``: replay a workload through several policies on a simulated cluster.
+"""``argus replay``: replay a workload through several policies on a simulated cluster, or with
+``--live ADDRESS`` through a running cluster's router (:mod:`argus.live`).
 
 Writes ``summary.json``, ``per_minute.csv`` and ``timeseries.png`` into ``--out`` and prints
-the summary table. Bad input (trace, prompts, policy names, fault specs) exits with code 2 and
-a one-line error.
+the summary table (a live replay also writes ``requests.csv``, one row per request). Bad input
+(trace, prompts, policy names, fault specs, flags of the other mode, an unreachable router)
+exits with code 2 and a one-line error.
 """
 
 from __future__ import annotations
@@ -16,10 +18,26 @@ from typing import Any
 
 from argus.cli.main import CLIError
 
+DEFAULT_POLICIES = "argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana"
+SIM_DEFAULTS: dict[str, Any] = {
+    "policies": DEFAULT_POLICIES,
+    "gpus": 8,
+    "classifier": "default",
+    "adapters": "katz",
+}
+SIM_ONLY = ("policies", "gpus", "classifier", "adapters", "gpu_failure", "retrieval_fault")
+LIVE_ONLY = ("speedup", "limit", "timeout_s", "max_outstanding", "auth_token_file", "tls_ca")
+DEFAULT_SPEEDUP = 60.0
+CONNECT_TIMEOUT_S = 5.0
+REFUSALS = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED"})
+
 
 class ReplayCommand:
     name = "replay"
-    help = "Replay a trace through Argus and the baselines on a simulated cluster."
+    help = (
+        "Replay a trace through Argus and the baselines on a simulated cluster, "
+        "or with --live through a running cluster."
+    )
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
@@ -29,17 +47,14 @@ class ReplayCommand:
         )
         parser.add_argument("--prompts", help="prompt file (TSV with a Prompt column)")
         parser.add_argument(
-            "--policies",
-            default="argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana",
-            help="comma-separated policy names",
+            "--policies", help=f"comma-separated policy names (default {DEFAULT_POLICIES})"
         )
-        parser.add_argument("--gpus", type=int, default=8)
+        parser.add_argument("--gpus", type=int, help="simulated GPUs (default 8)")
         parser.add_argument("--duration", type=float, help="minutes, for synthetic traces")
         parser.add_argument("--scale", type=float, default=1.0, help="rate scale of the trace")
         parser.add_argument("--profiles", default="default", help="'default' or a TOML/YAML file")
         parser.add_argument(
             "--classifier",
-            default="default",
             help=(
                 "level classifier of argus and nirvana: 'default' (the committed "
                 "classifiers/minilm-logistic: logistic heads on frozen all-MiniLM-L6-v2, "
@@ -63,18 +78,58 @@ class ReplayCommand:
         )
         parser.add_argument(
             "--adapters",
-            default="katz",
             help=(
                 "ControlNets and LoRAs on the requests, drawn from Katz's production statistics "
                 "(service A): 'katz' (served as Argus does: ControlNet-as-a-Service + bounded "
-                "async LoRA loading), 'sequential' (the naive pipeline, Katz Eq. 1) or 'none'"
+                "async LoRA loading; the default), 'sequential' (the naive pipeline, Katz Eq. 1) "
+                "or 'none'"
             ),
         )
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--out", type=Path, default=Path("replay-out"))
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
+        live = parser.add_argument_group(
+            "live replay", "send the trace to a running cluster's router instead of simulating"
+        )
+        live.add_argument("--live", metavar="ADDRESS", help="HOST:PORT of a router")
+        live.add_argument(
+            "--speedup",
+            type=float,
+            help=(
+                f"trace seconds per wall-clock second (default {DEFAULT_SPEEDUP:g}); the "
+                "cluster sees SPEEDUP x the trace's rate, add --scale 1/SPEEDUP to keep its load"
+            ),
+        )
+        live.add_argument("--limit", type=int, help="send only the first N requests")
+        live.add_argument(
+            "--timeout-s", type=float, help="client timeout per request (default: the SLO + 10 s)"
+        )
+        live.add_argument(
+            "--max-outstanding",
+            type=int,
+            help="requests in flight at most (default 256); more are dropped, not queued",
+        )
+        live.add_argument(
+            "--auth-token-file",
+            type=Path,
+            metavar="PATH",
+            help="bearer token, sent as 'authorization: Bearer <token>'",
+        )
+        live.add_argument(
+            "--tls-ca", type=Path, metavar="PATH", help="PEM CA certificates: connect with TLS"
+        )
 
     def run(self, args: argparse.Namespace) -> int:
+        if args.live is not None:
+            _refuse(args, SIM_ONLY, "does not apply with --live (the cluster decides)")
+            return run_live(args)
+        _refuse(args, LIVE_ONLY, "needs --live")
+        for name, value in SIM_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        return self._simulate(args)
+
+    def _simulate(self, args: argparse.Namespace) -> int:
         from argus.profiles import ProfileError, load_profiles
         from argus.sim.adapters import adapter_model_by_name
         from argus.sim.cluster import SimConfig, Simulation
@@ -136,6 +191,121 @@ class ReplayCommand:
             f"reports in {args.out}/"
         )
         return 0
+
+
+def _refuse(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
+    """CLIError naming the first flag of ``names`` given on the command line."""
+    for name in names:
+        if getattr(args, name) not in (None, []):
+            raise CLIError(f"--{name.replace('_', '-')} {why}")
+
+
+def run_live(args: argparse.Namespace) -> int:
+    """``argus replay --live``: the workload through a running router, the simulator's reports."""
+    from argus.live import (
+        NOT_SENT,
+        LiveConfig,
+        LiveError,
+        open_channel,
+        replay_live,
+        selected_count,
+        write_requests,
+    )
+    from argus.profiles import ProfileError, load_profiles
+    from argus.sim.quality import synthetic_quality_table
+    from argus.sim.report import format_table, write_reports
+    from argus.sim.workloads import WorkloadError, workload_by_name
+    from argus.types import Strategy
+
+    if ":" not in args.live:
+        raise CLIError(f"--live: expected HOST:PORT, got {args.live!r}")
+    try:
+        profiles = load_profiles(args.profiles)
+        workload = workload_by_name(
+            args.trace,
+            duration_min=args.duration,
+            scale=args.scale,
+            seed=args.seed,
+            prompts_path=args.prompts,
+        )
+        config = LiveConfig(
+            address=args.live,
+            speedup=DEFAULT_SPEEDUP if args.speedup is None else args.speedup,
+            limit=args.limit,
+            timeout_s=args.timeout_s,
+            max_outstanding=256 if args.max_outstanding is None else args.max_outstanding,
+            seed=args.seed,
+            auth_token=_read_token(args.auth_token_file),
+        )
+    except (ProfileError, WorkloadError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    tls_ca = _read_file("--tls-ca", args.tls_ca) if args.tls_ca is not None else None
+    count = selected_count(workload, config.limit, config.window_s)
+    if count == 0:
+        raise CLIError(f"workload {workload.name!r} has no requests to send")
+    quality = {
+        s: synthetic_quality_table(
+            workload.prompts, s, [lv.name for lv in profiles.levels_for(s)], seed=args.seed
+        )
+        for s in Strategy
+    }
+    try:
+        channel = open_channel(args.live, tls_ca=tls_ca, connect_timeout_s=CONNECT_TIMEOUT_S)
+    except LiveError as exc:
+        raise CLIError(str(exc)) from None
+    bar = None if args.quiet else _Progress("live", count)
+    try:
+        result = replay_live(
+            workload, profiles, quality, config, channel, progress=bar.update if bar else None
+        )
+    finally:
+        channel.close()
+    if bar:
+        bar.done()
+    sources = sorted({table.source for table in quality.values()})
+    description = {
+        "title": (
+            f"{workload.name} (rate x{args.scale:g}) live against {args.live} at "
+            f"{config.speedup:g}x: {count:,} requests, synthetic quality"
+        ),
+        "trace": workload.source,
+        "quality": "; ".join(sources),
+        "classifier": "the router's",
+        "seed": str(args.seed),
+        **result.describe(),
+    }
+    summaries = write_reports([result.run], args.out, description=description)
+    write_requests(result, args.out / "requests.csv")
+    print(format_table(summaries))
+    c = result.counts
+    print(
+        f"\n{c.total:,} requests live against {args.live} at {config.speedup:g}x in "
+        f"{result.wall_s:.1f} s: {c.sent:,} sent = {c.served:,} served "
+        f"({c.late:,} later than the {result.run.slo_s:g} s SLO) + {c.rejected:,} rejected "
+        f"+ {c.failed:,} failed; {c.dropped:,} dropped unsent; quality model: "
+        f"{_short(description)}; reports in {args.out}/"
+    )
+    statuses = set(result.statuses()) - {NOT_SENT}
+    if c.served == 0 and statuses and statuses <= REFUSALS:
+        first = next(r for r in result.records if r.status in REFUSALS)
+        raise CLIError(f"the router refused every request: {first.status}: {first.detail}")
+    return 0
+
+
+def _read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    token = _read_file("--auth-token-file", path).decode("utf-8", "replace").strip()
+    if not token:
+        raise CLIError(f"--auth-token-file: {path} is empty")
+    return token
+
+
+def _read_file(flag: str, path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise CLIError(f"{flag}: cannot read {path}: {err.strerror}") from None
 
 
 def parse_faults(gpu_specs: list[str], retrieval_specs: list[str]) -> tuple[Any, ...]:
