@@ -45,7 +45,7 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     router_port: int = 0
     metrics: bool = True  # each part serves /metrics on a free port
-    default_steps: int = 10  # tiny models on a CPU: a few steps keep the demo quick
+    default_steps: int = 30  # more than the largest skip (K = 25) so every AC level can run
     default_size: int = 64
     heartbeat_s: float = 1.0
     period_s: float = 60.0

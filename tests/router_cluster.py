@@ -20,7 +20,7 @@ from argus.allocator.control import ControlConfig
 from argus.allocator.membership import WorkerReport
 from argus.allocator.service import create_server as create_allocator
 from argus.profiles import default_profiles
-from argus.router.app import create_server
+from argus.router.app import ServerSecurity, create_server
 from argus.router.service import RouterCore, RouterServiceConfig
 from argus.types import Strategy
 
@@ -106,20 +106,34 @@ class Cluster:
         self.workers[worker_id] = stub
         return stub
 
-    def start_router(self, config: RouterServiceConfig | None = None, level: int = 0) -> str:
+    def start_router(
+        self,
+        config: RouterServiceConfig | None = None,
+        level: int = 0,
+        *,
+        classifier: Any = None,
+        metrics: Any = None,
+        security: ServerSecurity | None = None,
+    ) -> str:
         """Start the router on the allocator's current plan; returns its address."""
         self.core = RouterCore(
-            PROFILES, StubClassifier(level), config or RouterServiceConfig(), clock=self.clock
+            PROFILES,
+            classifier or StubClassifier(level),
+            config or RouterServiceConfig(),
+            clock=self.clock,
+            metrics=metrics,
         )
         self.core.install(self.client.get_plan())
-        server, port, _ = create_server(self.core)
+        server, port, _ = create_server(self.core, security=security or ServerSecurity())
         server.start()
         self.servers.append(server)
         return f"127.0.0.1:{port}"
 
-    def router(self, config: RouterServiceConfig | None = None, level: int = 0) -> Any:
+    def router(
+        self, config: RouterServiceConfig | None = None, level: int = 0, **options: Any
+    ) -> Any:
         """Start the router and return a RouterStub on it."""
-        self.channel = grpc.insecure_channel(self.start_router(config, level))
+        self.channel = grpc.insecure_channel(self.start_router(config, level, **options))
         return router_pb2_grpc.RouterStub(self.channel)
 
     def close(self) -> None:

@@ -9,119 +9,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
 
 from argus import rpc
-from argus.allocator.client import AllocatorClient
-from argus.allocator.control import ControlConfig
-from argus.allocator.membership import WorkerReport
-from argus.allocator.service import create_server as create_allocator
-from argus.profiles import default_profiles
 from argus.router.admission import RequestLedger, admit
-from argus.router.app import StatsReporter, create_server
-from argus.router.service import RETRY_AFTER_KEY, RouterCore, RouterServiceConfig
-from argus.types import Strategy
+from argus.router.app import StatsReporter
+from argus.router.service import RETRY_AFTER_KEY
+from tests.router_cluster import PNG, TIMEOUT, Cluster, FakeClock
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
-worker_pb2: Any = rpc.load("worker_pb2")
-worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
-
-PROFILES = default_profiles()
-PNG = b"\x89PNG\r\n\x1a\nstub"
-TIMEOUT = 10
-
-
-class FakeClock:
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class StubClassifier:
-    def __init__(self, level: int = 0) -> None:
-        self.level = level
-
-    def classify(self, prompt: str | bytes, timeout: float | None = None) -> dict[Strategy, int]:
-        return {Strategy.AC: self.level, Strategy.SM: self.level}
-
-
-class StubWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
-    """Answers a fixed PNG at once, or fails every call with ``fail`` (a status code)."""
-
-    def __init__(self, worker_id: str, fail: grpc.StatusCode | None = None) -> None:
-        self.worker_id = worker_id
-        self.fail = fail
-        self.calls: list[Any] = []
-
-    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self.calls.append(request)
-        if self.fail is not None:
-            context.abort(self.fail, "stub failure")
-        return worker_pb2.GenerateResponse(
-            request_id=request.request_id,
-            png=PNG,
-            level=request.level,
-            worker_id=self.worker_id,
-            timing=worker_pb2.Timing(total_ms=1.0),
-        )
-
-
-class Cluster:
-    """An allocator, stub workers and a router, all in process."""
-
-    def __init__(self) -> None:
-        self.clock = FakeClock()
-        self.servers: list[grpc.Server] = []
-        server, port, self.allocator = create_allocator(
-            PROFILES,
-            "127.0.0.1:0",
-            config=ControlConfig(period_s=60.0, heartbeat_s=1.0),
-            clock=self.clock,
-            epoch="test",
-        )
-        server.start()
-        self.servers.append(server)
-        self.client = AllocatorClient(f"127.0.0.1:{port}", timeout_s=TIMEOUT)
-        self.workers: dict[str, StubWorker] = {}
-
-    def add_worker(self, worker_id: str, fail: grpc.StatusCode | None = None) -> StubWorker:
-        stub = StubWorker(worker_id, fail)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        worker_pb2_grpc.add_WorkerServicer_to_server(stub, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        self.servers.append(server)
-        report = WorkerReport(worker_id, f"127.0.0.1:{port}", PROFILES.worker_classes[0])
-        self.client.heartbeat(report)
-        self.workers[worker_id] = stub
-        return stub
-
-    def router(self, config: RouterServiceConfig | None = None, level: int = 0) -> Any:
-        self.core = RouterCore(
-            PROFILES,
-            StubClassifier(level),
-            config or RouterServiceConfig(),
-            clock=self.clock,
-        )
-        self.core.install(self.client.get_plan())
-        server, port, _ = create_server(self.core)
-        server.start()
-        self.servers.append(server)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        return router_pb2_grpc.RouterStub(self.channel)
-
-    def close(self) -> None:
-        self.client.close()
-        self.allocator.close()
-        for server in self.servers:
-            server.stop(grace=None)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ def scheduler(matrix, workers_by_level, seed=7):
 
 
 IDENTITY = ShiftMap.identity(LEVELS).matrix
+LEVELS_RANGE = range(len(LEVELS))
 WORKERS = {"k0": [("a", 4.0), ("b", 2.0)], "k10": [("c", 3.0)], "k20": [("d", 2.0)]}
 
 
@@ -106,3 +107,21 @@ def test_no_spill_within_budget_or_without_a_better_level():
     assert sched.stats().spills == 0
     with pytest.raises(ValueError, match="spill_after_s"):
         spilling(budget=0.0)
+
+
+def test_max_level_caps_sampled_and_served_levels():
+    # every prompt would go to the fastest level; a minimum quality of level 1 caps it there
+    fastest = tuple(
+        tuple(1.0 if j == len(LEVELS) - 1 else 0.0 for j in LEVELS_RANGE) for _ in LEVELS
+    )
+    workers = {level: [(f"w-{level}", 1.0)] for level in LEVELS}
+    sched = scheduler(fastest, workers)
+    for optimal in LEVELS_RANGE:
+        decision = sched.route(optimal, {}, max_level=1)
+        assert decision.target_level <= 1 and decision.served_level <= 1
+    # no worker at an allowed level: nothing faster is served instead
+    only_fast = {LEVELS[-1]: [("w-fast", 1.0)]}
+    with pytest.raises(NoLiveWorkerError, match="allowed level"):
+        scheduler(IDENTITY, only_fast).route(0, {}, max_level=1)
+    # without a cap the same scheduler serves the fast worker
+    assert scheduler(IDENTITY, only_fast).route(0, {}).worker_id == "w-fast"

@@ -33,7 +33,7 @@ class UpCommand:
         parser.add_argument("--workers", type=int, default=2)
         parser.add_argument("--port", type=int, default=50051, help="router port (0: any)")
         parser.add_argument("--workdir", type=Path, help="caches and logs (default: a temp dir)")
-        parser.add_argument("--steps", type=int, default=10, help="default denoising steps")
+        parser.add_argument("--steps", type=int, default=30, help="default denoising steps")
         parser.add_argument("--no-controlnet", action="store_true", help="no ControlNet service")
         parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoints")
         parser.add_argument("--period-s", type=float, default=60.0, help="allocator re-plans")

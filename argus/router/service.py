@@ -60,6 +60,15 @@ SERVICE_NAME = "argus.v1.Router"
 RETRY_AFTER_KEY = "retry-after-ms"
 _STRATEGY_TO_PB = {Strategy.AC: 1, Strategy.SM: 2}
 MAX_ID_CHARS = 128
+# a worker's answer that blames the request, not the cluster: no SLO violation
+CALLER_ERRORS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
 DEFAULT_LIMITS = ImageLimits()
 SLO_FACTOR = 3.0  # SLO = 3 × the best level's latency (Argus §5; the simulator's default)
 
@@ -256,6 +265,7 @@ class RouterCore:
         self._arrivals: list[float] = []
         self._classified: list[Classified] = []
         self._serving = 0
+        self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
         self.worker_calls = 0  # Generate calls sent to workers (tests, metrics)
         if metrics is not None:
             metrics.in_flight.set_function(lambda: self._serving)
@@ -397,11 +407,12 @@ class RouterCore:
                 if self._router.plan is not None:
                     self._router.observe(strategy, level)
         max_level = request.max_level_index if request.HasField("max_level_index") else None
+        steps = request.steps if request.HasField("steps") else None
         tried: set[str] = set()
         admitted = False
         try:
             for attempt in range(1, self.config.max_attempts + 1):
-                decision, strategy, address = self._route(levels, deadline, tried, max_level)
+                decision, strategy, address = self._route(levels, deadline, tried, max_level, steps)
                 admitted = True
                 routed_at = self._clock()
                 try:
@@ -420,8 +431,8 @@ class RouterCore:
                     request, reply, decision, strategy, attempt,
                     (arrived, classified_at, routed_at, done),
                 )  # fmt: skip
-        except RouterError:
-            if admitted and self.metrics is not None:
+        except RouterError as err:
+            if admitted and err.code not in CALLER_ERRORS and self.metrics is not None:
                 self.metrics.slo_violations.inc()  # admitted, then not served
             raise
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -432,12 +443,23 @@ class RouterCore:
         deadline: float,
         tried: set[str],
         max_level: int | None,
+        steps: int | None,
     ) -> tuple[RouteDecision, Strategy, str]:
-        """Route and admit under the lock; the chosen worker's queue counts this request."""
+        """Route and admit under the lock; the chosen worker's queue counts this request.
+
+        Levels that skip as many steps as the request runs (K ≥ N) are never chosen."""
         with self._lock:
             plan = self._router.plan
             if plan is None:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, "no plan yet", 1.0)
+            if steps is not None:
+                runnable = self._runnable[plan.strategy](steps)
+                if runnable < 0:
+                    raise RouterError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"steps: {steps} leaves no level of {plan.strategy.value} runnable",
+                    )
+                max_level = runnable if max_level is None else min(max_level, runnable)
             now = self._clock()
             down = self._down(now) | tried
             try:
@@ -535,6 +557,17 @@ class RouterCore:
             ),
             worker_response=worker,
         )
+
+
+def _runnable_levels(profiles: ProfileSet, strategy: Strategy) -> Callable[[int], int]:
+    """For N steps, the highest index of ``strategy``'s levels that skips fewer than N (K < N);
+    -1 when none does. Levels are slowest first, so K grows with the index."""
+    skips = [level.skip_steps for level in profiles.levels_for(strategy)]
+
+    def highest(steps: int) -> int:
+        return max((i for i, k in enumerate(skips) if k < steps), default=-1)
+
+    return highest
 
 
 def worker_request(request: Any, level: str) -> Any:

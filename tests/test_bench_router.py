@@ -1,0 +1,50 @@
+"""benchmarks/bench_router.py runs end to end at a tiny setting: its stub-worker and router
+processes start, every request is answered OK and every figure is there (no timing checks)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def bench_router() -> Iterator[Any]:
+    """The benchmark module; benchmarks/ is a folder of scripts that import `_machine`."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_router
+
+        yield bench_router
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_every_request_is_answered_and_measured(
+    bench_router: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "router.json"
+    argv = ["--rates", "20", "--seconds", "1", "--workers", "2", "--json", str(out)]
+    results = bench_router.main(argv)
+
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    [row] = results["rates"]
+    assert row["offered_per_s"] == 20
+    assert row["sent"] > 0
+    assert row["ok"] == row["sent"]
+    assert row["errors"] == {}
+    for name in ("overhead_ms", "client_ms", "router_internal_ms", "route_ms", "worker_ms"):
+        assert all(math.isfinite(v) for v in row[name].values()), name
+    assert row["overhead_ms"]["p50"] <= row["overhead_ms"]["p99"] <= row["overhead_ms"]["max"]
+    assert len(results["plan"]["assignment"]) == 2
+    printed = capsys.readouterr().out
+    assert "classifier: stub (fixed level)" in printed
+    assert "stub-fast workers on this machine" in printed
+    assert "overhead ms: p50" in printed

@@ -1,0 +1,191 @@
+"""The router's edges: classifier failures and malformed bytes as statuses, bearer-token auth,
+TLS, minimum quality and step limits, metrics, and plans it cannot route on.
+
+In process (tests/router_cluster.py): a real RouterCore behind the real server, stub workers.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from argus import rpc
+from argus.classifier.prompts import InvalidPromptError
+from argus.classifier.serving import BatcherClosed
+from argus.grpc_server import tls_credentials
+from argus.router.app import ServerSecurity
+from argus.router.metrics import RouterMetrics
+from argus.router.service import RouterServiceConfig
+from argus.types import Strategy
+from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster
+
+router_pb2: Any = rpc.load("router_pb2")
+router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    made = Cluster()
+    made.add_worker("w1")
+    made.add_worker("w2")
+    yield made
+    made.close()
+
+
+def status(call: Any, *args: Any, **kwargs: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call(*args, timeout=TIMEOUT, **kwargs)
+    return err.value.code(), err.value.details() or ""
+
+
+def request(**fields: Any) -> Any:
+    return router_pb2.RouterGenerateRequest(prompt=fields.pop("prompt", "a fox"), **fields)
+
+
+class FailingClassifier:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def classify(self, prompt: str | bytes, timeout: float | None = None) -> dict[Strategy, int]:
+        if prompt == "fail":
+            raise self.error
+        return {Strategy.AC: 0, Strategy.SM: 0}
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "starts"),
+    [
+        (InvalidPromptError("lone surrogate"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (TimeoutError(), grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"),
+        (BatcherClosed("closed"), grpc.StatusCode.UNAVAILABLE, "router shutting down"),
+    ],
+)
+def test_classifier_failures_become_statuses(
+    cluster: Cluster, error: BaseException, code: grpc.StatusCode, starts: str
+) -> None:
+    stub = cluster.router(classifier=FailingClassifier(error))
+    got, details = status(stub.Generate, request(prompt="fail"))
+    assert got is code and details.startswith(starts)
+    assert stub.Generate(request(), timeout=TIMEOUT).png == PNG  # still serving
+
+
+def test_malformed_bytes_get_invalid_argument(cluster: Cluster) -> None:
+    cluster.router()
+    assert cluster.channel is not None
+    raw = cluster.channel.unary_unary("/argus.v1.Router/Generate")  # bytes in, bytes out
+    for garbage in (b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x12\x02\xc3\x28"):
+        code, details = status(raw, garbage)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request")
+    served = router_pb2.RouterGenerateResponse.FromString(
+        raw(request().SerializeToString(), timeout=TIMEOUT)
+    )
+    assert served.png == PNG
+
+
+def test_bearer_token_is_required_except_for_health(cluster: Cluster) -> None:
+    stub = cluster.router(security=ServerSecurity(token=TOKEN))
+    code, details = status(stub.Generate, request())
+    assert code is grpc.StatusCode.UNAUTHENTICATED and "authorization" in details
+    for wrong in ("Bearer nope", f"Basic {TOKEN}", TOKEN, f"Bearer {TOKEN}x"):
+        code, _ = status(stub.Generate, request(), metadata=(("authorization", wrong),))
+        assert code is grpc.StatusCode.UNAUTHENTICATED
+    good = (("authorization", f"Bearer {TOKEN}"),)
+    assert stub.Generate(request(), timeout=TIMEOUT, metadata=good).png == PNG
+    assert cluster.channel is not None
+    health = health_pb2_grpc.HealthStub(cluster.channel)
+    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=TIMEOUT)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def self_signed(tmp_path: Path) -> tuple[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return str(cert), str(key)
+
+
+def test_tls_endpoint_serves_tls_clients_only(cluster: Cluster, tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    address = cluster.start_router(security=ServerSecurity(credentials=tls_credentials(cert, key)))
+    trust = grpc.ssl_channel_credentials(Path(cert).read_bytes())
+    with grpc.secure_channel(address, trust) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        assert stub.Generate(request(), timeout=TIMEOUT).png == PNG
+    with grpc.insecure_channel(address) as plain:
+        code, _ = status(router_pb2_grpc.RouterStub(plain).Generate, request())
+        assert code is grpc.StatusCode.UNAVAILABLE
+
+
+def test_bad_tls_files_are_named(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    with pytest.raises(OSError, match=r"junk\.pem"):
+        tls_credentials(str(junk), str(junk))
+
+
+def test_minimum_quality_and_steps_cap_the_served_level(cluster: Cluster) -> None:
+    stub = cluster.router(level=4)  # every prompt classified to a fast level
+    for fields in ({"max_level_index": 0}, {"steps": 5}):
+        reply = stub.Generate(request(**fields), timeout=TIMEOUT)
+        assert reply.level_index == 0 and reply.level == "ac-k0"  # K = 5 needs N > 5
+
+
+def test_metrics_count_served_rejected_and_retried(cluster: Cluster) -> None:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(PROFILES, registry)
+    cluster.add_worker("w0", fail=grpc.StatusCode.UNAVAILABLE)  # ids sort first: tried first
+    stub = cluster.router(metrics=metrics)
+    for seed in range(4):
+        stub.Generate(request(seed=seed), timeout=TIMEOUT)
+    status(stub.Generate, request(deadline_ms=1))
+
+    def value(name: str, **labels: str) -> float:
+        found = registry.get_sample_value(name, labels)
+        return 0.0 if found is None else found
+
+    assert value("argus_router_requests_total", code="OK") == 4
+    assert value("argus_router_requests_total", code="RESOURCE_EXHAUSTED") == 1
+    assert value("argus_router_admissions_rejected_total", reason="deadline") == 1
+    assert value("argus_router_retries_total") >= 1
+    assert value("argus_router_request_seconds_count", level="ac-k0", strategy="AC") == 4
+    assert value("argus_router_served_quality_count") == 4
+    assert value("argus_router_slo_violations_total") == 0
+    assert value("argus_router_plan_version") == cluster.client.get_plan().version
+    assert (
+        value("argus_router_strategy", strategy="AC")
+        + value("argus_router_strategy", strategy="SM")
+        == 1
+    )
+
+
+def test_a_plan_with_an_unknown_worker_class_is_refused(cluster: Cluster) -> None:
+    stub = cluster.router()
+    good = cluster.client.get_plan()
+    stranger = replace(good.workers[0], worker_class="tpu-v9")
+    bad = replace(good, workers=(stranger, *good.workers[1:]))
+    assert cluster.core.install(bad) is False
+    assert stub.Generate(request(), timeout=TIMEOUT).png == PNG  # the old plan still serves
+
+
+def test_slo_defaults_to_the_simulators_rule() -> None:
+    config = RouterServiceConfig()
+    assert config.slo_for(PROFILES) == pytest.approx(3 * 4.2)  # 3 × SDXL on the A100 class
+    assert RouterServiceConfig(slo_s=2.0).slo_for(PROFILES) == 2.0
+    with pytest.raises(ValueError, match="slo_s"):
+        RouterServiceConfig(slo_s=0.0)
