@@ -114,7 +114,9 @@ class StatsReporter:
         self.client = client
         self._clock = clock
         self.period_s = period_s
-        self._sequence = 0
+        # reports are numbered from the wall clock in microseconds, so a restarted router (same
+        # id) numbers above its last life's reports and the allocator does not drop them
+        self._sequence = time.time_ns() // 1000
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-report", daemon=True)
 

@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import grpc
@@ -266,6 +266,7 @@ class RouterCore:
         self._classified: list[Classified] = []
         self._serving = 0
         self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
+        self._models = {level.name: level.model for level in profiles.levels}
         self.worker_calls = 0  # Generate calls sent to workers (tests, metrics)
         if metrics is not None:
             metrics.in_flight.set_function(lambda: self._serving)
@@ -462,12 +463,7 @@ class RouterCore:
                 max_level = runnable if max_level is None else min(max_level, runnable)
             now = self._clock()
             down = self._down(now) | tried
-            try:
-                decision = self._router.route(
-                    levels.get(plan.strategy, 0), self._queues, down, max_level
-                )
-            except NoLiveWorkerError as err:
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, str(err), 1.0) from None
+            decision = self._route_capped(levels.get(plan.strategy, 0), down, max_level)
             if decision.worker_id in down:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, "no live worker left", 1.0)
             verdict = admit(decision.score, deadline - now)
@@ -506,6 +502,33 @@ class RouterCore:
             with self._lock:
                 if self._queues.get(decision.worker_id, 0) > 0:
                     self._queues[decision.worker_id] -= 1
+
+    def _route_capped(self, optimal: int, down: set[str], cap: int | None) -> RouteDecision:
+        """Route with no level above ``cap``. When no live worker serves such a level, a worker
+        whose model also runs the capped level serves it there (AC levels share one model:
+        an ac-k25 worker runs ac-k0 for a request of 4 steps); otherwise UNAVAILABLE."""
+        try:
+            return self._router.route(optimal, self._queues, down, cap)
+        except NoLiveWorkerError as err:
+            if cap is None:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, str(err), 1.0) from None
+            try:
+                decision = self._router.route(optimal, self._queues, down)
+            except NoLiveWorkerError:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, str(err), 1.0) from None
+        if decision.served_level <= cap:
+            return decision
+        model = self._model_of
+        if model(decision.served_level) == model(cap):
+            return replace(decision, served_level=cap, fallback=True)
+        raise RouterError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no live worker can serve level index {cap} or slower now",
+            1.0,
+        )
+
+    def _model_of(self, index: int) -> str:
+        return self._models[self._router.level_name(index)]
 
     def _down(self, now: float) -> set[str]:
         return {w for w, until in self._down_until.items() if until > now}
