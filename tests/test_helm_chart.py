@@ -8,8 +8,9 @@ production-like values file (``tests/helm_values/production.yaml``): GPU limits 
 for workers, gRPC health probes on every Argus pod, non-root containers with read-only root
 file systems, NetworkPolicies exposing only the router, PodDisruptionBudgets, Prometheus
 scraping, Grafana dashboards built from metrics the code exports, the external-Qdrant switch,
-and container arguments the real ``argus`` CLI parses. Malformed values are rejected by
-``values.schema.json`` with a message naming the field.
+and container arguments the real ``argus`` CLI parses (every component's, the router's
+included). Malformed values are rejected by ``values.schema.json`` with a message naming the
+field. ``docker/Dockerfile`` cannot be built here; it is held to what the chart assumes.
 """
 
 from __future__ import annotations
@@ -140,6 +141,20 @@ def only(docs: list[Manifest], kind: str, comp: str) -> Manifest:
     found = [d for d in of_kind(docs, kind) if component(d) == comp]
     assert len(found) == 1, f"expected one {kind} for {comp}, found {len(found)}"
     return found[0]
+
+
+def ports_of(service: Manifest) -> set[str]:
+    return {p["name"] for p in service["spec"]["ports"]}
+
+
+def services(docs: list[Manifest], comp: str) -> dict[str, Manifest]:
+    """name → Service of that component (the router has two: public and metrics)."""
+    return {d["metadata"]["name"]: d for d in of_kind(docs, "Service") if component(d) == comp}
+
+
+def public_router_service(docs: list[Manifest]) -> Manifest:
+    (svc,) = [s for name, s in services(docs, "router").items() if not name.endswith("-metrics")]
+    return svc
 
 
 def arg_value(args: list[str], flag: str) -> str:
@@ -409,7 +424,7 @@ def test_profile_configmap_is_shared() -> None:
 
 def test_every_argus_pod_has_grpc_health_probes(variant: str) -> None:
     for name, workload in workloads(rendered(variant)).items():
-        if name == "qdrant":
+        if name in ("qdrant", "router"):
             continue
         container = main_container(workload)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -421,6 +436,26 @@ def test_every_argus_pod_has_grpc_health_probes(variant: str) -> None:
         # the startup probe covers model loading; liveness only starts after it
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 120, name
+
+
+def test_router_probes_never_restart_it_for_want_of_a_plan() -> None:
+    """A router is NOT_SERVING until the allocator's first plan: readiness asks gRPC health,
+    startup and liveness only that the port is open (a restart brings no plan sooner). With TLS
+    the kubelet's plaintext gRPC probe cannot talk to it: readiness is TCP too."""
+    for values, tls in (({}, False), ({"tls": {"enabled": True, "cert": "C", "key": "K"}}, True)):
+        router = main_container(workloads(render(values))["router"])
+        port = {p["name"]: p["containerPort"] for p in router["ports"]}["grpc"]
+        startup = router["startupProbe"]
+        assert startup["tcpSocket"] == {"port": port}
+        assert startup["periodSeconds"] * startup["failureThreshold"] == 300
+        assert router["livenessProbe"]["tcpSocket"] == {"port": port}
+        readiness = router["readinessProbe"]
+        if tls:
+            assert readiness["tcpSocket"] == {"port": port} and "grpc" not in readiness
+        else:
+            assert readiness["grpc"] == {"port": port, "service": ""}
+    prod = main_container(workloads(rendered("production"))["router"])
+    assert "tcpSocket" in prod["readinessProbe"]  # production serves TLS
 
 
 def test_qdrant_has_http_probes(variant: str) -> None:
@@ -471,9 +506,11 @@ def test_only_the_router_service_can_be_exposed(variant: str) -> None:
     for svc in of_kind(docs, "Service"):
         if component(svc) != "router":
             assert svc["spec"]["type"] == "ClusterIP", svc["metadata"]["name"]
-    router = only(docs, "Service", "router")
+    router = public_router_service(docs)
     expected = "LoadBalancer" if variant == "production" else "ClusterIP"
     assert router["spec"]["type"] == expected
+    # the public Service carries the public port only; /metrics has a ClusterIP Service
+    assert ports_of(router) == {"grpc"}
 
 
 def test_network_policies_let_only_the_router_in(variant: str) -> None:
@@ -550,8 +587,10 @@ def test_metrics_ports_and_scrape_annotations(variant: str) -> None:
             continue
         args = main_container(workload)["args"]
         assert arg_value(args, "--metrics-port") == annotations["prometheus.io/port"] == "9090"
-        svc = only(docs, "Service", name)
-        assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "metrics"}
+        svcs = services(docs, name)
+        assert set().union(*map(ports_of, svcs.values())) == {"grpc", "metrics"}, name
+        (metrics_svc,) = [s for s in svcs.values() if "metrics" in ports_of(s)]
+        assert metrics_svc["spec"]["type"] == "ClusterIP", name
 
 
 def test_metrics_off_removes_ports_flags_and_annotations() -> None:
@@ -561,7 +600,8 @@ def test_metrics_off_removes_ports_flags_and_annotations() -> None:
         assert "--metrics-port" not in main_container(workload)["args"]
         annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
         assert "prometheus.io/scrape" not in annotations
-        assert {p["name"] for p in only(docs, "Service", name)["spec"]["ports"]} == {"grpc"}
+        assert "--metrics-host" not in main_container(workload)["args"]
+        assert set().union(*map(ports_of, services(docs, name).values())) == {"grpc"}, name
 
 
 def test_service_monitor_only_when_enabled() -> None:
@@ -578,24 +618,26 @@ def test_service_monitor_only_when_enabled() -> None:
     assert set(endpoints) == {"metrics", "http"}  # Argus services, Qdrant
     for e in endpoints.values():
         assert e["path"] == "/metrics" and e["interval"] == "15s"
-    # every Argus Service it selects exposes the port it scrapes
-    for svc in of_kind(rendered("production"), "Service"):
-        if component(svc) in ARGUS_COMPONENTS:
-            assert "metrics" in {p["name"] for p in svc["spec"]["ports"]}
+    # every Argus component has a Service it selects that exposes the port it scrapes
+    prod = rendered("production")
+    for name in ARGUS_COMPONENTS:
+        assert any("metrics" in ports_of(s) for s in services(prod, name).values()), name
 
 
 def exported_metric_names() -> set[str]:
-    """Every sample name the allocator, workers and ControlNet service export (_total...)."""
+    """Every sample name the allocator, routers, workers and ControlNet service export."""
     from prometheus_client import CollectorRegistry
 
     from argus.allocator.metrics import AllocatorMetrics
     from argus.profiles import default_profiles
+    from argus.router.metrics import RouterMetrics
     from argus.worker.cache import CacheMetrics
     from argus.worker.controlnet.metrics import ControlNetMetrics
     from argus.worker.metrics import WorkerMetrics
 
     registry = CollectorRegistry()
     AllocatorMetrics(default_profiles(), registry)
+    RouterMetrics(default_profiles(), registry)
     WorkerMetrics(registry)
     CacheMetrics(registry)
     cache = SimpleNamespace(
@@ -671,79 +713,94 @@ def test_dashboards_can_be_turned_off() -> None:
 
 # -- the contract with the services: flags the real CLI parses ---------------------------------
 
-# Flags the chart passes that issue 7 adds to the worker; parsed for real once the CLI has them.
-PENDING_WORKER_FLAGS = {"--allocator", "--advertise", "--worker-class"}
-# The contract for commands the CLI does not have yet: checked until `argus router` exists,
-# then its real parser takes over (as the allocator's and worker's already do).
-CONTRACTS = {
-    "router": {
-        "--host", "--port", "--metrics-port", "--profile", "--allocator", "--classifier",
-        "--auth-token-file", "--tls-cert", "--tls-key",
-    },
-}  # fmt: skip
 
-
-def cli_parser(command: str) -> argparse.ArgumentParser | None:
+def cli_parser(command: str) -> argparse.ArgumentParser:
+    """The real parser of ``argus <command>``, as ``argus.cli.main`` builds it."""
     from argus.cli.main import COMMANDS, OneLineParser, load_command
 
-    if command not in COMMANDS:
-        return None
+    assert command in COMMANDS, f"argus has no {command!r} command"
     parser = OneLineParser(prog=f"argus {command}")
     load_command(command).add_arguments(parser)
     return parser
 
 
-def known_flags(parser: argparse.ArgumentParser) -> set[str]:
-    return {s for action in parser._actions for s in action.option_strings}
-
-
-def strip_flags(args: list[str], flags: set[str]) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        else:
-            out.append(a)
-    return out
-
-
-def expand_env(args: list[str]) -> list[str]:
+def expand_env(args: list[str], pod_name: str) -> list[str]:
     """What the kubelet does to $(VAR) in args, with example pod values."""
-    env = {"POD_NAME": "demo-argus-worker-0", "POD_IP": "10.1.2.3"}
+    env = {"POD_NAME": pod_name, "POD_IP": "10.1.2.3"}
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
 
 
 def test_container_args_parse_with_the_real_cli(variant: str) -> None:
     w = workloads(rendered(variant))
+    values = merge(_chart().values, load_values(variant))
     for name in ARGUS_COMPONENTS:
-        args = expand_env(main_container(w[name])["args"])
+        args = expand_env(main_container(w[name])["args"], f"demo-argus-{name}-0")
         command, rest = args[0], args[1:]
-        parser = cli_parser(command)
-        if parser is None:  # not built yet: hold the chart to the written contract
-            flags = {a for a in rest if a.startswith("--")}
-            assert flags <= CONTRACTS[command], (command, flags - CONTRACTS[command])
-            continue
-        pending = PENDING_WORKER_FLAGS - known_flags(parser) if command == "worker" else set()
-        parsed = parser.parse_args(strip_flags(rest, pending))
+        assert command == name
+        parsed = cli_parser(command).parse_args(rest)
         assert parsed.host == "0.0.0.0"
         ports = {p["name"]: p["containerPort"] for p in main_container(w[name])["ports"]}
         assert parsed.port == ports["grpc"]
         assert parsed.metrics_port == ports["metrics"]
+        # /metrics must be reachable from Prometheus: the router binds it on --metrics-host
+        # (loopback unless told), the others on --host
+        assert getattr(parsed, "metrics_host", parsed.host) == "0.0.0.0", name
         if command == "worker":
             assert parsed.worker_id == "demo-argus-worker-0"
             cn_port = main_container(w["controlnet"])["ports"][0]["containerPort"]
             assert parsed.controlnet == f"demo-argus-controlnet:{cn_port}"
-            assert arg_value(args, "--advertise") == f"10.1.2.3:{ports['grpc']}"
-            assert arg_value(args, "--allocator") == "demo-argus-allocator:50052"
-            if variant == "production":
-                assert arg_value(args, "--worker-class") == "h100"
+            assert parsed.advertise == f"10.1.2.3:{ports['grpc']}"
+            assert parsed.allocator == "demo-argus-allocator:50052"
+            assert parsed.worker_class == ("h100" if variant == "production" else None)
+            assert parsed.index_outage_file is None  # fault injection, tests only
         if command == "allocator":
             assert parsed.period_s == 60.0
             assert parsed.heartbeat_s == (2.0 if variant == "production" else 1.0)
             assert parsed.max_watchers >= 2
+        if command == "router":
+            router = values["router"]
+            assert parsed.router_id == "demo-argus-router-0"  # the pod's name: unique
+            assert parsed.allocator == "demo-argus-allocator:50052"
+            assert parsed.classifier == router["classifier"]
+            assert parsed.default_deadline_ms == router["defaultDeadlineMs"]
+            assert parsed.max_in_flight == router["maxInFlight"]
+            assert parsed.report_period_s == router["reportPeriodSeconds"]
+            assert parsed.profile == (
+                "/etc/argus/profile/profile.toml" if variant == "production" else None
+            )
+            secured = variant == "production"
+            assert parsed.tls_cert == ("/etc/argus/tls/tls.crt" if secured else None)
+            assert parsed.tls_key == ("/etc/argus/tls/tls.key" if secured else None)
+            assert parsed.auth_token_file == ("/etc/argus/auth/token" if secured else None)
+
+
+def test_every_flag_the_chart_can_pass_parses() -> None:
+    """Values that switch on every optional flag still give arguments the CLI accepts."""
+    values = {
+        "profile": {"toml": '[[levels]]\nname = "ac-k0"\n'},
+        "auth": {"enabled": True, "token": "t"},
+        "tls": {"enabled": True, "cert": "C", "key": "K"},
+        "router": {"reportPeriodSeconds": 0.5, "defaultDeadlineMs": 2_000_000},
+        "worker": {
+            "workerClass": "a100",
+            "memoryBudgetGiB": 70,
+            "lora": {"dir": "/models/loras"},
+            "model": {
+                "base": "/models/sdxl",
+                "variants": {"sd-1.5": "/models/sd-1.5"},
+                "volume": {"persistentVolumeClaim": {"claimName": "m"}},
+            },
+        },
+        "controlnet": {"preload": ["sd15/canny"], "baseFamily": "sd15"},
+    }
+    w = workloads(render(values))
+    for name in ARGUS_COMPONENTS:
+        args = expand_env(main_container(w[name])["args"], f"demo-argus-{name}-0")
+        parsed = cli_parser(name).parse_args(args[1:])
+        assert parsed.metrics_port == 9090
+    router = cli_parser("router").parse_args(main_container(w["router"])["args"][1:])
+    assert router.report_period_s == 0.5
+    assert router.default_deadline_ms == 2_000_000  # not 2e+06: Helm's float64 integers
 
 
 def test_router_and_allocator_reach_each_other_by_service_name() -> None:
@@ -863,3 +920,29 @@ def test_dockerfile_matches_the_chart() -> None:
     assert "python -m argus.rpc" in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert "argus/v1/" in ignored
+    # every COPY from the build context exists and is let through by .dockerignore
+    kept = [p.removeprefix("!").rstrip("/") for p in ignored if p.startswith("!")]
+    sources = [
+        src
+        for i in instructions
+        if i.startswith("COPY ") and "--from=" not in i
+        for src in i.split()[1:-1]
+    ]
+    assert {"pyproject.toml", "proto", "argus", "classifiers/minilm-logistic"} <= set(sources)
+    for src in sources:
+        assert (ROOT / src).exists(), src
+        assert any(src == k or src.startswith(f"{k}/") for k in kept), src
+    # ENTRYPOINT ["argus"] is the package's console script
+    assert 'argus = "argus.cli.main:main"' in pyproject
+
+
+def test_the_routers_default_classifier_is_the_one_the_image_bakes_in() -> None:
+    """The chart passes /opt/argus/classifiers/minilm-logistic; the image copies the repo's
+    classifiers/minilm-logistic there: an AC and an SM artifact the router's loader accepts."""
+    from argus.classifier.serving import strategy_dirs
+    from argus.types import Strategy
+
+    default = _chart().values["router"]["classifier"]
+    assert default == "/opt/argus/classifiers/minilm-logistic"
+    found = strategy_dirs(ROOT / "classifiers" / "minilm-logistic")
+    assert set(found) == {Strategy.AC, Strategy.SM}

@@ -112,7 +112,9 @@ app.kubernetes.io/part-of: argus
 {{- end }}
 
 {{/* Arguments every Argus service takes: bind address, ports, profile (not the ControlNet
-service, which has none). (dict "ctx" $ "port" N ["noProfile" true]) */}}
+service, which has none). The allocator, workers and the ControlNet service serve /metrics on
+--host; the router on its own --metrics-host (loopback by default), hence "metricsHost".
+(dict "ctx" $ "port" N ["noProfile" true] ["metricsHost" true]) */}}
 {{- define "argus.commonArgs" -}}
 - --host
 - 0.0.0.0
@@ -121,6 +123,10 @@ service, which has none). (dict "ctx" $ "port" N ["noProfile" true]) */}}
 {{- if .ctx.Values.metrics.enabled }}
 - --metrics-port
 - {{ int .ctx.Values.metrics.port | quote }}
+{{- if .metricsHost }}
+- --metrics-host
+- 0.0.0.0
+{{- end }}
 {{- end }}
 {{- if and (include "argus.hasProfile" .ctx) (not .noProfile) }}
 - --profile
@@ -212,6 +218,40 @@ readinessProbe:
   grpc:
     port: {{ .port }}
     service: {{ $p.service | quote }}
+  periodSeconds: {{ $p.periodSeconds }}
+  timeoutSeconds: {{ $p.timeoutSeconds }}
+  failureThreshold: {{ $p.readinessFailureThreshold }}
+{{- end }}
+
+{{/* The router's probes. A router reports NOT_SERVING (every health service name) until its
+first plan arrives from the allocator; restarting it would not bring the plan sooner, so the
+startup and liveness probes only ask that the gRPC port accepts connections (the router opens
+it once its profile and classifier are loaded). Readiness is the gRPC health check: no traffic
+before a plan. Kubelet gRPC probes speak plaintext only (the API's grpc.mode: TLS comes after
+1.36), so with TLS on the public port readiness falls back to TCP as well. (dict "ctx" $ "port" N "startupSeconds" N) */}}
+{{- define "argus.routerProbes" -}}
+{{- $p := .ctx.Values.probes }}
+startupProbe:
+  tcpSocket:
+    port: {{ .port }}
+  periodSeconds: {{ $p.periodSeconds }}
+  timeoutSeconds: {{ $p.timeoutSeconds }}
+  failureThreshold: {{ max 1 (div (int .startupSeconds) (int $p.periodSeconds)) }}
+livenessProbe:
+  tcpSocket:
+    port: {{ .port }}
+  periodSeconds: {{ $p.periodSeconds }}
+  timeoutSeconds: {{ $p.timeoutSeconds }}
+  failureThreshold: {{ $p.livenessFailureThreshold }}
+readinessProbe:
+  {{- if .ctx.Values.tls.enabled }}
+  tcpSocket:
+    port: {{ .port }}
+  {{- else }}
+  grpc:
+    port: {{ .port }}
+    service: {{ $p.service | quote }}
+  {{- end }}
   periodSeconds: {{ $p.periodSeconds }}
   timeoutSeconds: {{ $p.timeoutSeconds }}
   failureThreshold: {{ $p.readinessFailureThreshold }}
