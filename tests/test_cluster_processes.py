@@ -8,8 +8,6 @@ models on the CPU; they take tens of seconds, not minutes.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -28,6 +26,7 @@ from argus.client import Connection, RequestFailed, RouterClient
 from argus.local_cluster import ClusterSpec, LocalCluster
 from argus.profiles import default_profiles
 from argus.types import Strategy
+from tests.service_process import self_signed_certificate
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
@@ -36,26 +35,13 @@ TOKEN = "cluster-token"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def self_signed(directory: Path) -> tuple[str, str]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return str(cert), str(key)
-
-
 # -- the public API of a secured cluster ---------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     workdir = tmp_path_factory.mktemp("secure")
-    cert, key = self_signed(workdir)
+    cert, key = self_signed_certificate(workdir)
     token_file = workdir / "token"
     token_file.write_text(TOKEN + "\n")
     spec = ClusterSpec(

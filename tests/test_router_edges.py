@@ -6,8 +6,6 @@ In process (tests/router_cluster.py): a real RouterCore behind the real server, 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +25,7 @@ from argus.router.metrics import RouterMetrics
 from argus.router.service import RouterServiceConfig
 from argus.types import Strategy
 from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster
+from tests.service_process import self_signed_certificate
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
@@ -107,21 +106,8 @@ def test_bearer_token_is_required_except_for_health(cluster: Cluster) -> None:
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def self_signed(tmp_path: Path) -> tuple[str, str]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return str(cert), str(key)
-
-
 def test_tls_endpoint_serves_tls_clients_only(cluster: Cluster, tmp_path: Path) -> None:
-    cert, key = self_signed(tmp_path)
+    cert, key = self_signed_certificate(tmp_path)
     address = cluster.start_router(security=ServerSecurity(credentials=tls_credentials(cert, key)))
     trust = grpc.ssl_channel_credentials(Path(cert).read_bytes())
     with grpc.secure_channel(address, trust) as channel:
