@@ -1,0 +1,671 @@
+"""Router overhead: the time a request spends outside the workers, at 10, 100 and 500 req/s.
+
+Three processes on this machine, as in a deployment with one router:
+
+* **stub workers** (one child process): ``--workers`` gRPC servers with the real
+  ``argus.v1.Worker`` interface that answer a small fixed PNG at once and report their own
+  service time (handler entry to reply) in ``timing.total_ms``;
+* **the router** (another child process): ``RouterCore`` behind ``create_server``, exactly as
+  ``argus.router.app`` builds it, following a real plan: an allocator in that process (frozen
+  clock, no control loop) receives one heartbeat per stub worker and makes the plan, which
+  the router installs once; the allocator is stopped before the load starts. A thread drains
+  ``take_statistics`` every second, as the ``StatsReporter`` does, without the RPC;
+* **the load generator** (this process): open-loop Poisson arrivals at each rate for
+  ``--seconds``, each request sent with ``Generate.future`` so that slow answers never hold
+  back the next arrival. Every request has a PartiPrompts prompt and, unless
+  ``--request-ids none``, a unique ``request_id``, so the router's idempotency ledger is on
+  the path as it is for clients that retry safely. The ledger is the router's for the whole
+  run (it remembers the last ``max_ids`` ids), so each rate finds the earlier rates' ids in it.
+
+Per request it records the client-observed latency, the status code and the router's
+``RouterTiming``. **Overhead** = client latency − the worker's own ``timing.total_ms``: the
+client's and the router's gRPC stacks, classification, routing, admission, the hop to the
+worker and the worker's gRPC stack. The **router-internal** view is ``timing.total_ms −
+timing.worker.total_ms`` (arrival in the router's handler to its answer, without the
+router's own gRPC transport). The router's ``classify_ms`` runs from its arrival to the
+classifier's answer, so it includes the request checks, the id ledger and the in-flight slot;
+``route_ms`` is routing and admission; the worker hop is ``forward_ms − worker.total_ms``.
+CPU % is each process's user + system time over the rate's wall time (from ``/proc``), 100% =
+one core. The router's garbage collections are counted with ``gc.callbacks``: a full (gen 2)
+collection stops the whole process for as long as it walks every tracked object, which the
+real classifier's torch and transformers make hundreds of thousands; ``--gc-freeze`` calls
+``gc.freeze()`` in the router after start-up to show what taking those out of its reach buys.
+
+The classifier is a stub that returns a fixed level unless ``--classifier default`` loads the
+committed ``classifiers/minilm-logistic`` behind the router's micro-batcher
+(``load_prompt_classifier``). ``--metrics`` also gives the core the ``RouterMetrics`` that
+``argus router`` counts in (prometheus_client, nothing scrapes them here).
+
+Admission: the plan's profile says a request takes seconds (SDXL on an A100), so the router
+admits a request only while (queue + 1) × t_proc fits its deadline, and with stub workers the
+queue is simply the router's requests in flight to that worker. ``--deadline-ms auto`` (the
+default) picks (max_in_flight + 1) × the plan's slowest t_proc, a deadline that admission
+cannot refuse; rejections are reported whatever the deadline.
+
+    .venv/bin/python benchmarks/bench_router.py [--rates 10,100,500] [--seconds 10]
+        [--workers 4] [--classifier stub|default] [--deadline-ms auto|MS]
+        [--request-ids unique|none] [--metrics] [--gc-freeze] [--json PATH]
+
+These are figures for stub-fast workers on this machine: every process shares its CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from _machine import machine_line
+
+from argus import rpc
+from argus.traces import default_prompt_trace, load_prompts
+
+router_pb2: Any = rpc.load("router_pb2")
+router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
+worker_pb2: Any = rpc.load("worker_pb2")
+worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(56)  # a small fixed answer (64 bytes)
+MAX_IN_FLIGHT = 256  # RouterServiceConfig's default, used here for the auto deadline
+READY_TIMEOUT_S = 300.0  # loading the real classifier imports torch and MiniLM
+WARMUP_REQUESTS = 100
+
+
+# -- child processes -----------------------------------------------------------------------
+
+
+class StubWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
+    """Answers a fixed PNG at once; ``timing.total_ms`` is the handler's own time."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        began = time.perf_counter()
+        reply = worker_pb2.GenerateResponse(
+            request_id=request.request_id,
+            png=PNG,
+            level=request.level,
+            worker_id=self.worker_id,
+        )
+        reply.timing.total_ms = (time.perf_counter() - began) * 1e3
+        return reply
+
+
+class StubClassifier:
+    """The same level for every prompt and strategy (no model, no batching)."""
+
+    label = "stub (fixed level)"
+
+    def __init__(self, level: int = 0) -> None:
+        self.level = level
+
+    def classify(self, prompt: str | bytes, timeout: float | None = None) -> dict[Any, int]:
+        from argus.types import Strategy
+
+        return {Strategy.AC: self.level, Strategy.SM: self.level}
+
+
+class GcWatch:
+    """The process's garbage collections per generation: how many, and their pauses (the
+    whole process stops for one: the GIL is held)."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.total_s = [0.0, 0.0, 0.0]
+        self.max_s = [0.0, 0.0, 0.0]  # since the last snapshot
+        self._began = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        generation, pause_s = info["generation"], time.perf_counter() - self._began
+        self.count[generation] += 1
+        self.total_s[generation] += pause_s
+        self.max_s[generation] = max(self.max_s[generation], pause_s)
+
+    def snapshot(self) -> dict[str, list[float]]:
+        """Counts and total pauses so far, and the longest pause since the last snapshot."""
+        taken = {"count": list(self.count), "total_s": list(self.total_s), "max_s": self.max_s}
+        self.max_s = [0.0, 0.0, 0.0]
+        return taken
+
+
+def _child(
+    body: Callable[..., tuple[Any, Callable[[], None]]], conn: Connection, *args: Any
+) -> None:
+    """Run ``body`` in a child: send ("ready", info) or ("error", traceback) on ``conn``, then
+    answer "gc" with a :class:`GcWatch` snapshot until "stop" or until the parent is gone
+    (its end of the pipe closes). Ctrl-C is the parent's to handle."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch = GcWatch()
+    try:
+        info, close = body(*args)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", info))
+    try:
+        while conn.recv() != "stop":
+            conn.send(watch.snapshot())
+    except (EOFError, OSError):
+        pass  # the parent is gone
+    finally:
+        close()
+
+
+def start_workers(count: int) -> tuple[list[tuple[str, str]], Callable[[], None]]:
+    """``count`` stub worker servers; returns [(worker_id, address)] and a closer."""
+    from concurrent import futures
+
+    servers, workers = [], []
+    for i in range(count):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        worker_id = f"stub-{i}"
+        worker_pb2_grpc.add_WorkerServicer_to_server(StubWorker(worker_id), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        workers.append((worker_id, f"127.0.0.1:{port}"))
+
+    def close() -> None:
+        for server in servers:
+            server.stop(grace=None)
+
+    return workers, close
+
+
+def start_router(
+    workers: list[tuple[str, str]], classifier_name: str, with_metrics: bool, gc_freeze: bool
+) -> tuple[dict[str, Any], Callable[[], None]]:
+    """A router serving on a plan the allocator made for ``workers``; returns its port, the
+    plan's summary and a closer. ``gc_freeze``: move every object made so far out of the
+    collector's reach (``gc.freeze``), as a router process could after loading its classifier."""
+    from argus.allocator.client import AllocatorClient
+    from argus.allocator.control import ControlConfig
+    from argus.allocator.membership import WorkerReport
+    from argus.allocator.service import create_server as create_allocator
+    from argus.profiles import default_profiles
+    from argus.router.app import create_server
+    from argus.router.service import RouterCore, RouterServiceConfig
+
+    profiles = default_profiles()
+    server, port, allocator = create_allocator(
+        profiles, "127.0.0.1:0", config=ControlConfig(), clock=lambda: 0.0, epoch="bench"
+    )
+    server.start()
+    client = AllocatorClient(f"127.0.0.1:{port}")
+    try:
+        for worker_id, address in workers:
+            client.heartbeat(WorkerReport(worker_id, address, profiles.worker_classes[0]))
+        published = client.get_plan()
+    finally:
+        client.close()
+        allocator.close()
+        server.stop(grace=None)
+
+    classifier, label = load_classifier(classifier_name)
+    config = RouterServiceConfig(router_id="bench-router", max_in_flight=MAX_IN_FLIGHT)
+    metrics = None
+    if with_metrics:
+        from argus.router.metrics import RouterMetrics
+
+        metrics = RouterMetrics(profiles)
+    core = RouterCore(profiles, classifier, config, metrics=metrics)
+    core.install(published)
+    router, router_port, _ = create_server(core)
+    router.start()
+    draining = threading.Event()
+
+    def drain() -> None:  # what StatsReporter does each period, without the RPC
+        while not draining.wait(1.0):
+            core.take_statistics()
+
+    threading.Thread(target=drain, name="bench-drain", daemon=True).start()
+    if gc_freeze:
+        gc.collect()
+        gc.freeze()
+    classes = published.worker_classes()
+    t_proc = {
+        w: profiles.profile(classes[w], level).latency_s
+        for w, level in published.plan.allocation.assignment.items()
+    }
+    info = {
+        "port": router_port,
+        "classifier": label,
+        "strategy": str(published.plan.strategy),
+        "assignment": dict(published.plan.allocation.assignment),
+        "max_t_proc_s": max(t_proc.values(), default=0.0),
+        "gc_objects": len(gc.get_objects()),
+    }
+
+    def close() -> None:
+        draining.set()
+        router.stop(grace=None)
+        closer = getattr(classifier, "close", None)
+        if closer is not None:
+            closer()
+
+    return info, close
+
+
+def load_classifier(name: str) -> tuple[Any, str]:
+    """The router's classifier and how the printout names it."""
+    if name == "stub":
+        return StubClassifier(), StubClassifier.label
+    from argus.classifier.serving import default_classifier_dir, load_prompt_classifier
+
+    classifier = load_prompt_classifier()
+    classifier.classify("warm-up: a red fox in the snow")
+    return classifier, f"default ({default_classifier_dir().name}, micro-batched)"
+
+
+class Child:
+    """A spawned child process that runs ``body`` until closed; ``info`` is what it sent."""
+
+    def __init__(self, ctx: Any, name: str, body: Callable[..., Any], *args: Any) -> None:
+        self.name = name
+        self._conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_child, args=(body, theirs, *args), name=name, daemon=True
+        )
+        self.process.start()
+        theirs.close()
+        self.info: Any = None
+
+    def wait_ready(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(0.2):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: did not start (exit {self.process.exitcode})")
+        kind, self.info = self._conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"{self.name} failed to start:\n{self.info}")
+        return self.info
+
+    def gc(self) -> dict[str, list[float]]:
+        """The child's :meth:`GcWatch.snapshot`."""
+        self._conn.send("gc")
+        if not self._conn.poll(10.0):
+            raise RuntimeError(f"{self.name}: no answer")
+        snapshot: dict[str, list[float]] = self._conn.recv()
+        return snapshot
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send("stop")
+        self.process.join(5.0)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._conn.close()
+
+
+# -- the load ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request as the load generator saw it; times in milliseconds."""
+
+    lag_ms: float  # sent this late after its scheduled arrival (the generator falling behind)
+    latency_ms: float  # client-observed: just before sending until the answer's callback
+    code: str  # status code name, "OK" when answered
+    classify_ms: float = math.nan  # the router's RouterTiming (NaN when not answered)
+    route_ms: float = math.nan
+    forward_ms: float = math.nan
+    router_ms: float = math.nan  # RouterTiming.total_ms
+    worker_ms: float = math.nan  # RouterTiming.worker.total_ms
+
+
+class Countdown:
+    """Wait until ``n`` callbacks have counted down."""
+
+    def __init__(self, n: int) -> None:
+        self._left = n
+        self._done = threading.Condition()
+
+    def count(self) -> None:
+        with self._done:
+            self._left -= 1
+            if self._left <= 0:
+                self._done.notify_all()
+
+    def wait(self, timeout_s: float) -> bool:
+        with self._done:
+            return self._done.wait_for(lambda: self._left <= 0, timeout_s)
+
+
+def arrivals(rate: float, seconds: float, rng: np.random.Generator) -> np.ndarray:
+    """Poisson arrival times in [0, seconds), seconds from the start."""
+    gaps = rng.exponential(1.0 / rate, size=int(rate * seconds * 1.5) + 100)
+    times = np.cumsum(gaps)
+    return times[times < seconds]
+
+
+def request(tag: str | None, i: int, prompt: str, deadline_ms: int) -> Any:
+    """Request ``i``; ``tag`` None leaves request_id empty (no idempotency ledger)."""
+    return router_pb2.RouterGenerateRequest(
+        request_id="" if tag is None else f"{tag}-{i}", prompt=prompt, seed=i,
+        deadline_ms=deadline_ms,
+    )  # fmt: skip
+
+
+def sample_of(future: Any, lag_s: float, sent: float, done: float) -> Sample:
+    lag_ms, latency_ms = lag_s * 1e3, (done - sent) * 1e3
+    err = future.exception()
+    if err is not None:
+        code = err.code() if isinstance(err, grpc.Call) else None
+        return Sample(lag_ms, latency_ms, code.name if code is not None else type(err).__name__)
+    t = future.result().timing
+    return Sample(
+        lag_ms, latency_ms, "OK", t.classify_ms, t.route_ms, t.forward_ms, t.total_ms,
+        t.worker.total_ms,
+    )  # fmt: skip
+
+
+def offer(
+    stub: Any,
+    tag: str | None,
+    times: np.ndarray,
+    prompts: Sequence[str],
+    deadline_ms: int,
+) -> tuple[list[Sample], float]:
+    """Send one request at each of ``times`` (open loop); the samples and the wall time from
+    the first send to the last answer."""
+    samples: list[Sample | None] = [None] * len(times)
+    countdown = Countdown(len(times))
+    timeout_s = deadline_ms / 1e3 + 5.0
+
+    def record(i: int, lag_s: float, sent: float, future: Any) -> None:
+        samples[i] = sample_of(future, lag_s, sent, time.perf_counter())
+        countdown.count()
+
+    start = time.perf_counter()
+    for i, at in enumerate(times):
+        due = start + float(at)
+        if (delay := due - time.perf_counter()) > 0:
+            time.sleep(delay)
+        sent = time.perf_counter()
+        call = request(tag, i, prompts[i % len(prompts)], deadline_ms)
+        future = stub.Generate.future(call, timeout=timeout_s)
+        future.add_done_callback(lambda f, i=i, lag=sent - due, sent=sent: record(i, lag, sent, f))
+    if not countdown.wait(timeout_s + 10.0):
+        raise RuntimeError(f"answers still missing after {timeout_s + 10.0:.0f} s")
+    wall_s = time.perf_counter() - start
+    return [s for s in samples if s is not None], wall_s
+
+
+def load_average() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (NaN where /proc is not available)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+def pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+def spread(values: np.ndarray, *qs: str) -> dict[str, float]:
+    """Named percentiles of ``values``: "p50", "p99", "max"."""
+    return {q: pct(values, 100.0 if q == "max" else float(q[1:])) for q in qs}
+
+
+def summarize(rate: float, seconds: float, samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    """The figures of one rate: counts, codes, and overhead and latency percentiles (ms)."""
+    ok = [s for s in samples if s.code == "OK"]
+
+    def column(name: str) -> np.ndarray:
+        return np.array([getattr(s, name) for s in ok])
+
+    latency, worker, router = column("latency_ms"), column("worker_ms"), column("router_ms")
+    codes = Counter(s.code for s in samples)
+    return {
+        "offered_per_s": rate,
+        "seconds": seconds,
+        "sent": len(samples),
+        "sent_per_s": len(samples) / seconds,
+        "ok": len(ok),
+        "ok_per_s": len(ok) / wall_s if wall_s > 0 else math.nan,
+        "errors": {code: n for code, n in sorted(codes.items()) if code != "OK"},
+        "overhead_ms": spread(latency - worker, "p50", "p99", "max"),
+        "client_ms": spread(latency, "p50", "p99"),
+        "router_internal_ms": spread(router - worker, "p50", "p99"),
+        "classify_ms": spread(column("classify_ms"), "p50", "p99"),
+        "route_ms": spread(column("route_ms"), "p50", "p99"),
+        "worker_hop_ms": spread(column("forward_ms") - worker, "p50", "p99"),
+        "worker_ms": spread(worker, "p50", "p99"),
+        "send_lag_ms": spread(np.array([s.lag_ms for s in samples]), "p99", "max"),
+    }
+
+
+def print_tables(rows: list[dict[str, Any]]) -> None:
+    print()
+    print(
+        f"{'offered/s':>9} {'sent/s':>7} {'ok/s':>7} {'count':>6} {'errors':>10} | "
+        f"{'overhead ms: p50':>16} {'p99':>6} {'max':>7} | {'client ms: p50':>14} {'p99':>6} | "
+        f"{'router-internal ms: p50':>23} {'p99':>6}"
+    )
+    for r in rows:
+        errors = ",".join(f"{c}:{n}" for c, n in r["errors"].items()) or "0"
+        o, c, i = r["overhead_ms"], r["client_ms"], r["router_internal_ms"]
+        print(
+            f"{r['offered_per_s']:>9g} {r['sent_per_s']:>7.1f} {r['ok_per_s']:>7.1f} "
+            f"{r['sent']:>6} {errors:>10} | {o['p50']:>16.2f} {o['p99']:>6.2f} {o['max']:>7.1f} | "
+            f"{c['p50']:>14.2f} {c['p99']:>6.2f} | {i['p50']:>23.2f} {i['p99']:>6.2f}"
+        )
+    print()
+    print(
+        "where the router's time goes (ms, p50/p99), CPU per process (100% = one core) and the "
+        "router's garbage collections (full ones, longest pause):"
+    )
+    print(
+        f"{'offered/s':>9} {'classify':>13} {'route':>13} {'worker hop':>13} {'worker':>13} "
+        f"{'send lag p99':>12} | {'cpu: router':>11} {'workers':>8} {'loadgen':>8} | "
+        f"{'gc: full':>8} {'max ms':>7}"
+    )
+    for r in rows:
+        cells = [
+            f"{r[k]['p50']:.2f}/{r[k]['p99']:.2f}"
+            for k in ("classify_ms", "route_ms", "worker_hop_ms", "worker_ms")
+        ]
+        cpu = r["cpu_percent"]
+        print(
+            f"{r['offered_per_s']:>9g} " + " ".join(f"{c:>13}" for c in cells) + " "
+            f"{r['send_lag_ms']['p99']:>12.2f} | {cpu['router']:>10.0f}% "
+            f"{cpu['workers']:>7.0f}% {cpu['loadgen']:>7.0f}% | "
+            f"{r['router_gc']['gen2_count']:>8} {r['router_gc']['pause_max_ms']:>7.1f}"
+        )
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="10,100,500", help="offered req/s, comma-separated")
+    parser.add_argument("--seconds", type=float, default=10.0, help="duration of each rate")
+    parser.add_argument("--workers", type=int, default=4, help="stub workers")
+    parser.add_argument("--classifier", choices=["stub", "default"], default="stub")
+    parser.add_argument(
+        "--deadline-ms",
+        default="auto",
+        help="request deadline_ms; auto: (max_in_flight + 1) × the plan's slowest t_proc",
+    )
+    parser.add_argument(
+        "--request-ids",
+        choices=["unique", "none"],
+        default="unique",
+        help="unique: every request has an id (the ledger is used); none: empty ids",
+    )
+    parser.add_argument("--metrics", action="store_true", help="count in RouterMetrics")
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() in the router after start-up"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="arrival times")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    args.rates = [float(r) for r in args.rates.split(",")]
+    if args.workers < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates):
+        parser.error("--workers, --seconds and every rate must be > 0")
+    return args
+
+
+def deadline_for(text: str, max_t_proc_s: float) -> int:
+    if text == "auto":
+        return math.ceil((MAX_IN_FLIGHT + 1) * max_t_proc_s * 1e3)
+    return int(text)
+
+
+def warm_up(stub: Any, tag: str | None, prompts: Sequence[str], deadline_ms: int) -> None:
+    """Open the router's channels to every worker and the client's to the router."""
+    for i in range(WARMUP_REQUESTS):
+        stub.Generate(request(tag, i, prompts[i], deadline_ms), timeout=30.0)
+
+
+@contextlib.contextmanager
+def processes(args: argparse.Namespace) -> Iterator[tuple[Child, dict[str, int]]]:
+    """Start the stub workers' and the router's processes; yields the router's and the pids
+    (router, workers, loadgen); stops both children on the way out, Ctrl-C included."""
+    ctx = multiprocessing.get_context("spawn")
+    children: list[Child] = []
+    try:
+        workers = Child(ctx, "stub-workers", start_workers, args.workers)
+        children.append(workers)
+        addresses = workers.wait_ready(60.0)
+        router = Child(
+            ctx, "router", start_router, addresses, args.classifier, args.metrics, args.gc_freeze
+        )
+        children.append(router)
+        router.wait_ready(READY_TIMEOUT_S)
+        pids = {
+            "router": router.process.pid,
+            "workers": workers.process.pid,
+            "loadgen": os.getpid(),
+        }
+        yield router, pids
+    finally:
+        for child in reversed(children):
+            child.close()
+
+
+def measure(
+    stub: Any,
+    rate: float,
+    args: argparse.Namespace,
+    prompts: Sequence[str],
+    deadline_ms: int,
+    router: Child,
+    pids: dict[str, int],
+    rng: np.random.Generator,
+) -> dict[str, Any]:
+    """Offer ``rate`` req/s for ``args.seconds``; the rate's figures with CPU % per process and
+    the router's garbage collections."""
+    times = arrivals(rate, args.seconds, rng)
+    gc_before = router.gc()
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    tag = f"r{rate:g}" if args.request_ids == "unique" else None
+    samples, wall_s = offer(stub, tag, times, prompts, deadline_ms)
+    row = summarize(rate, args.seconds, samples, wall_s)
+    row["cpu_percent"] = {
+        name: (cpu_seconds(pid) - before[name]) / wall_s * 100 for name, pid in pids.items()
+    }
+    gc_after = router.gc()
+    row["router_gc"] = {
+        "gen2_count": gc_after["count"][2] - gc_before["count"][2],
+        "gen2_max_ms": gc_after["max_s"][2] * 1e3,
+        "pause_total_ms": (sum(gc_after["total_s"]) - sum(gc_before["total_s"])) * 1e3,
+        "pause_max_ms": max(gc_after["max_s"]) * 1e3,
+    }
+    print(f"  {rate:g} req/s: {row['ok']}/{row['sent']} OK in {wall_s:.1f} s", flush=True)
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; prints the figures and returns them (as ``--json`` writes them)."""
+    args = parse_args(argv)
+    prompts = [p.prompt for p in load_prompts(default_prompt_trace())]
+    print(machine_line())
+    print(f"load average at start: {load_average()}")
+    with processes(args) as (router, pids):
+        info = router.info
+        deadline_ms = deadline_for(args.deadline_ms, info["max_t_proc_s"])
+        print(
+            f"stub-fast workers on this machine: {args.workers} stub workers (one process), "
+            f"the router (another), the load generator (this one)"
+        )
+        print(
+            f"classifier: {info['classifier']}; request ids: {args.request_ids}; "
+            f"RouterMetrics: {'on' if args.metrics else 'off'}; gc.freeze: "
+            f"{'yes' if args.gc_freeze else 'no'} ({info['gc_objects']:,} objects tracked)"
+        )
+        print(
+            f"plan: {info['strategy']}, {sorted(Counter(info['assignment'].values()).items())}; "
+            f"deadline_ms {deadline_ms}; open-loop Poisson arrivals, {args.seconds:g} s per rate",
+            flush=True,
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{info['port']}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            warm_up(stub, "warm-up" if args.request_ids == "unique" else None, prompts, deadline_ms)
+            rng = np.random.default_rng(args.seed)
+            rows = [
+                measure(stub, rate, args, prompts, deadline_ms, router, pids, rng)
+                for rate in args.rates
+            ]
+    print_tables(rows)
+    print(f"load average at end: {load_average()}")
+    results = {
+        "machine": machine_line(),
+        "note": "stub-fast workers on this machine",
+        "classifier": info["classifier"],
+        "workers": args.workers,
+        "request_ids": args.request_ids,
+        "metrics": args.metrics,
+        "gc_freeze": args.gc_freeze,
+        "router_gc_objects": info["gc_objects"],
+        "deadline_ms": deadline_ms,
+        "plan": {"strategy": info["strategy"], "assignment": info["assignment"]},
+        "rates": rows,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:  # the child processes are already stopped
+        raise SystemExit(130) from None
