@@ -142,10 +142,9 @@ class LocalCluster:
         self._wait_address("allocator")
         if spec.controlnet:
             self._launch("controlnet", "controlnet", "--catalog", "tiny")
+            self._wait_address("controlnet")  # workers are told where it is
         for i in range(spec.workers):
             self.start_worker(i, wait=False)
-        if spec.controlnet:
-            self._wait_address("controlnet")
         for name in self.worker_names():
             self._wait_address(name)
         router_args: list[str] = ["--allocator", self.allocator, "--port", str(spec.router_port)]

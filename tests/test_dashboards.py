@@ -1,0 +1,403 @@
+"""Every Grafana dashboard panel's PromQL, run through a real Prometheus scraping a live cluster.
+
+A :class:`~argus.local_cluster.LocalCluster` (allocator, ControlNet service, a worker and a
+router, each a real process serving ``/metrics``) takes load while Debian's ``prometheus``
+scrapes every part each second. Then every ``expr`` of every panel in
+``helm/argus/dashboards/*.json`` goes through ``GET /api/v1/query``: each must succeed and
+return at least one sample that is a number. An answer of NaN only (a quantile or a ratio over
+no events) is what Grafana draws as no data, so it fails too. All failures are reported at once.
+
+The load is what a busy cluster sees: a few prompts over and over from two clients (once the
+allocator has moved the worker to a level K > 0, repeats hit the approximate cache), one
+ControlNet request, one naming a ControlNet that does not exist (a worker error), requests whose
+deadline the router predicts it cannot meet (admission rejections) and one malformed router
+report at the allocator (its rejected-requests counter). Requests run 30 steps: the AC levels
+skip up to K = 25 steps, and the router never sends a request to a level that would skip all of
+its steps.
+
+Skipped when the ``prometheus`` binary is missing, except in CI (``CI=true``), which installs it
+(``.ci/run``).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+
+from argus import rpc
+from argus.client import Connection, RequestFailed, RouterClient
+from argus.local_cluster import ClusterSpec, LocalCluster, free_port
+
+common_pb2: Any = rpc.load("common_pb2")
+router_pb2: Any = rpc.load("router_pb2")
+worker_pb2: Any = rpc.load("worker_pb2")
+allocator_pb2: Any = rpc.load("allocator_pb2")
+allocator_pb2_grpc: Any = rpc.load("allocator_pb2_grpc")
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARDS = ROOT / "helm" / "argus" / "dashboards"
+
+STEPS = 30  # > 25, the largest K of the default profile's AC levels
+SIZE = 64
+SCRAPE_INTERVAL_S = 1
+LOAD_MAX_S = 90.0  # stop the load here even if the cache has not hit yet
+CACHE_HITS_WANTED = 3
+PROMPTS = (
+    "a red fox in the snow",
+    "a blue car on a mountain road",
+    "a lighthouse at dusk",
+    "a bowl of fruit on a wooden table",
+)
+# Grafana's own variables, as Grafana would expand them for a short time range
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "1m",
+    "${__rate_interval}": "1m",
+    "$__interval": "5s",
+    "${__interval}": "5s",
+    "$__range": "1h",
+    "${__range}": "1h",
+}
+
+
+# -- the dashboards' queries -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PanelQuery:
+    board: str
+    panel: str
+    ref_id: str
+    expr: str
+
+    def __str__(self) -> str:
+        return f"{self.board} / {self.panel} / {self.ref_id}: {self.expr}"
+
+
+def panels(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Every panel, those inside (collapsed) rows included."""
+    for panel in items:
+        yield panel
+        yield from panels(panel.get("panels", []))
+
+
+def expand_grafana_variables(expr: str) -> str:
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    return expr
+
+
+def dashboard_queries() -> list[PanelQuery]:
+    queries = []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        board = json.loads(path.read_text())
+        for panel in panels(board["panels"]):
+            for target in panel.get("targets", []):
+                expr = expand_grafana_variables(target["expr"])
+                queries.append(PanelQuery(path.name, panel["title"], target["refId"], expr))
+    return queries
+
+
+def test_dashboard_queries_are_found() -> None:
+    """The integration test below checks something: every board has queries."""
+    boards = {q.board for q in dashboard_queries()}
+    assert boards == {p.name for p in DASHBOARDS.glob("*.json")}
+    assert {"argus-overview.json", "argus-quality.json", "argus-cache.json"} <= boards
+
+
+# -- Prometheus --------------------------------------------------------------------------------
+
+
+def prometheus_binary() -> str:
+    """The ``prometheus`` command; skips the test without it, fails it in CI."""
+    binary = shutil.which("prometheus")
+    if binary is not None:
+        return binary
+    message = "the prometheus binary is not installed (Debian: apt-get install prometheus)"
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        pytest.fail(f"{message}; CI must install it (.ci/run)")
+    pytest.skip(message)
+
+
+class Prometheus:
+    """A Prometheus server on loopback, scraping the targets of a ``file_sd`` file every second."""
+
+    def __init__(self, binary: str, workdir: Path, targets_file: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        config = {
+            "global": {
+                "scrape_interval": f"{SCRAPE_INTERVAL_S}s",
+                "scrape_timeout": f"{SCRAPE_INTERVAL_S}s",
+            },
+            "scrape_configs": [
+                {"job_name": "argus", "file_sd_configs": [{"files": [str(targets_file)]}]}
+            ],
+        }
+        config_path = workdir / "prometheus.yml"
+        config_path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+        self.address = f"127.0.0.1:{free_port()}"
+        self.log_path = workdir / "prometheus.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self.process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address={self.address}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def get(self, path: str, **params: str) -> Any:
+        """GET an API path; returns the decoded JSON (error answers included)."""
+        url = f"http://{self.address}{path}?{urllib.parse.urlencode(params)}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                return json.load(reply)
+        except urllib.error.HTTPError as err:  # 400/422/503 carry a JSON error body
+            return json.load(err)
+
+    def query(self, expr: str) -> Any:
+        return self.get("/api/v1/query", query=expr)
+
+    def wait(self, what: str, ready: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"prometheus exited while waiting for {what}:\n{self.tail()}")
+            try:
+                if ready():
+                    return
+            except (OSError, ValueError, KeyError):
+                pass  # not listening or not ready yet
+            time.sleep(0.2)
+        raise AssertionError(f"prometheus: no {what} in {timeout_s:.0f} s:\n{self.tail()}")
+
+    def wait_for_targets(self, count: int) -> None:
+        """Until ``count`` targets are up, each scraped at least once."""
+
+        def up() -> bool:
+            active = self.get("/api/v1/targets")["data"]["activeTargets"]
+            return len(active) == count and all(t["health"] == "up" for t in active)
+
+        self.wait(f"{count} targets up", up)
+
+    def wait_for_scrapes(self, since: float, count: int) -> None:
+        """Until every target has been scraped ``count`` times after the wall time ``since``."""
+
+        def scraped() -> bool:
+            window = math.floor(time.time() - since)
+            if window < count * SCRAPE_INTERVAL_S:
+                return False
+            reply = self.query(f"min(count_over_time(up[{window}s]))")
+            result = reply["data"]["result"]
+            return bool(result) and float(result[0]["value"][1]) >= count
+
+        self.wait(f"{count} scrapes of every target", scraped)
+
+    def tail(self, lines: int = 20) -> str:
+        text = self.log_path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def has_data(reply: Any) -> str | None:
+    """None when a query's answer holds a number; otherwise what is wrong with it."""
+    if reply.get("status") != "success":
+        return f"{reply.get('errorType')}: {reply.get('error')}"
+    data = reply["data"]
+    if data["resultType"] == "vector":
+        values = [series["value"][1] for series in data["result"]]
+    elif data["resultType"] == "scalar":
+        values = [data["result"][1]]
+    else:
+        return f"a {data['resultType']} (a panel needs an instant vector or a scalar)"
+    if not values:
+        return "no series"
+    if all(math.isnan(float(value)) for value in values):
+        return f"NaN only ({len(values)} series)"
+    return None
+
+
+def failing(prometheus: Prometheus, queries: list[PanelQuery]) -> list[str]:
+    """Each query that returns no data, with the reason."""
+    failures = []
+    for query in queries:
+        problem = has_data(prometheus.query(query.expr))
+        if problem is not None:
+            failures.append(f"{query}\n    -> {problem}")
+    return failures
+
+
+# -- the cluster and its load ------------------------------------------------------------------
+
+
+def control_png() -> bytes:
+    pixels = np.random.default_rng(1).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def controlnet_request(name: str) -> Any:
+    request = router_pb2.RouterGenerateRequest(
+        request_id=uuid.uuid4().hex,
+        prompt="a house by a lake",
+        seed=7,
+        steps=STEPS,
+        width=SIZE,
+        height=SIZE,
+    )
+    request.adapters.add(
+        kind=common_pb2.Adapter.Kind.CONTROLNET, name=name, scale=1.0, control_image=control_png()
+    )
+    return request
+
+
+class Load:
+    """Requests through the router from a few threads; ``outcomes`` counts how each ended."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.client = RouterClient(Connection(cluster.router))
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def count(self, outcome: str) -> None:
+        with self._lock:
+            self.outcomes[outcome] += 1
+
+    def cache_hits(self) -> int:
+        with self._lock:
+            return self.outcomes["cache hits"]
+
+    def summary(self) -> str:
+        with self._lock:
+            return ", ".join(f"{name} {n}" for name, n in sorted(self.outcomes.items()))
+
+    def send(self, label: str, call: Callable[[], Any]) -> None:
+        try:
+            reply = call()
+        except RequestFailed as err:
+            self.count(f"{label} {err.code.name}")
+            return
+        cache = worker_pb2.CacheOutcome.Name(reply.worker_response.cache)
+        self.count(f"{label} OK {reply.level} {cache}")
+        if cache == "CACHE_HIT":
+            self.count("cache hits")
+
+    def steady(self, client: int) -> None:
+        """Back-to-back requests over a few prompts: repeats find each other in the cache."""
+        i = 0
+        while not self._stop.is_set():
+            prompt = PROMPTS[(i + client) % len(PROMPTS)]
+            seed = i
+            self.send(
+                "plain",
+                lambda p=prompt, s=seed: self.client.generate(p, seed=s, steps=STEPS, size=SIZE),
+            )
+            i += 1
+
+    def events(self) -> None:
+        """The requests whose series exist only once something happened."""
+        self.send("controlnet", lambda: self.client.call(controlnet_request("canny"), 120.0))
+        self.send("bad-controlnet", lambda: self.client.call(controlnet_request("nosuch"), 60.0))
+        for _ in range(3):  # predicted seconds (the profile's GPU latency) exceed 1 s
+            self.send(
+                "deadline",
+                lambda: self.client.generate(PROMPTS[0], steps=STEPS, size=SIZE, deadline_ms=1000),
+            )
+        with grpc.insecure_channel(self.cluster.allocator) as channel:
+            stub = allocator_pb2_grpc.AllocatorStub(channel)
+            try:  # router_id must not be empty
+                stub.ReportRouter(allocator_pb2.RouterReport(router_id=""), timeout=10)
+                self.count("bad-report OK")
+            except grpc.RpcError as err:
+                self.count(f"bad-report {err.code().name}")
+
+    def run(self) -> None:
+        """Load until the one-off requests are done and the cache has hit a few times (the
+        allocator has re-planned for the load by then); LOAD_MAX_S at most, after which the
+        queries tell what is missing."""
+        threads = [threading.Thread(target=self.steady, args=(c,)) for c in range(2)]
+        threads.append(threading.Thread(target=self.events))
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        try:
+            while time.monotonic() - started < LOAD_MAX_S:
+                if self.cache_hits() >= CACHE_HITS_WANTED and not threads[-1].is_alive():
+                    break
+                time.sleep(0.2)
+        finally:
+            self._stop.set()
+            for thread in threads:
+                thread.join()
+            self.client.close()
+
+
+# -- the test ----------------------------------------------------------------------------------
+
+
+def test_every_dashboard_query_returns_data(tmp_path: Path) -> None:
+    binary = prometheus_binary()
+    queries = dashboard_queries()
+    spec = ClusterSpec(
+        workdir=tmp_path / "cluster",
+        workers=1,
+        default_steps=STEPS,
+        default_size=SIZE,
+        period_s=5.0,  # re-plan for the load within the test
+    )
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start()
+        prometheus = Prometheus(
+            binary, tmp_path / "prometheus", spec.workdir / "prometheus-targets.json"
+        )
+        try:
+            prometheus.wait_for_targets(len(cluster.metrics_targets()))
+            load = Load(cluster)
+            load.run()
+            # counters a request created at the very end need two samples for rate()
+            prometheus.wait_for_scrapes(since=time.time(), count=2)
+            failures = failing(prometheus, queries)
+        finally:
+            prometheus.stop()
+    finally:
+        cluster.stop()
+    assert not failures, (
+        f"{len(failures)} of {len(queries)} dashboard queries returned no data:\n"
+        + "\n".join(failures)
+        + f"\nthe load: {load.summary()}\nlogs of the cluster and Prometheus: {tmp_path}"
+    )
