@@ -5,11 +5,11 @@ Three processes on this machine, as in a deployment with one router:
 * **stub workers** (one child process): ``--workers`` gRPC servers with the real
   ``argus.v1.Worker`` interface that answer a small fixed PNG at once and report their own
   service time (handler entry to reply) in ``timing.total_ms``;
-* **the router** (another child process): ``RouterCore`` behind ``create_server``, exactly as
-  ``argus.router.app`` builds it, following a real plan: an allocator in that process (frozen
-  clock, no control loop) receives one heartbeat per stub worker and makes the plan, which
-  the router installs once; the allocator is stopped before the load starts. A thread drains
-  ``take_statistics`` every second, as the ``StatsReporter`` does, without the RPC;
+* **the router** (another child process): ``RouterCore`` behind ``argus.router.app``'s
+  ``create_server`` with its defaults, following a real plan: an allocator in that process
+  (frozen clock, no control loop) receives one heartbeat per stub worker and makes the plan,
+  which the router installs once; the allocator is stopped before the load starts. A thread
+  drains ``take_statistics`` every second, as the ``StatsReporter`` does, without the RPC;
 * **the load generator** (this process): open-loop Poisson arrivals at each rate for
   ``--seconds``, each request sent with ``Generate.future`` so that slow answers never hold
   back the next arrival. Every request has a PartiPrompts prompt and, unless
@@ -33,8 +33,10 @@ real classifier's torch and transformers make hundreds of thousands; ``--gc-free
 
 The classifier is a stub that returns a fixed level unless ``--classifier default`` loads the
 committed ``classifiers/minilm-logistic`` behind the router's micro-batcher
-(``load_prompt_classifier``). ``--metrics`` also gives the core the ``RouterMetrics`` that
-``argus router`` counts in (prometheus_client, nothing scrapes them here).
+(``load_prompt_classifier``); torch then uses its default intra-op threads (one per core),
+and ``OMP_NUM_THREADS=1`` in the environment, which the children inherit, measures one.
+``--metrics`` also gives the core the ``RouterMetrics`` that ``argus router`` counts in
+(prometheus_client; nothing scrapes them here).
 
 Admission: the plan's profile says a request takes seconds (SDXL on an A100), so the router
 admits a request only while (queue + 1) × t_proc fits its deadline, and with stub workers the
@@ -143,7 +145,11 @@ class GcWatch:
 
     def snapshot(self) -> dict[str, list[float]]:
         """Counts and total pauses so far, and the longest pause since the last snapshot."""
-        taken = {"count": list(self.count), "total_s": list(self.total_s), "max_s": self.max_s}
+        taken = {
+            "count": [float(n) for n in self.count],
+            "total_s": list(self.total_s),
+            "max_s": self.max_s,
+        }
         self.max_s = [0.0, 0.0, 0.0]
         return taken
 
@@ -225,12 +231,12 @@ def start_router(
 
     classifier, label = load_classifier(classifier_name)
     config = RouterServiceConfig(router_id="bench-router", max_in_flight=MAX_IN_FLIGHT)
-    metrics = None
+    extra: dict[str, Any] = {}
     if with_metrics:
         from argus.router.metrics import RouterMetrics
 
-        metrics = RouterMetrics(profiles)
-    core = RouterCore(profiles, classifier, config, metrics=metrics)
+        extra["metrics"] = RouterMetrics(profiles)
+    core = RouterCore(profiles, classifier, config, **extra)
     core.install(published)
     router, router_port, _ = create_server(core)
     router.start()
@@ -241,6 +247,7 @@ def start_router(
             core.take_statistics()
 
     threading.Thread(target=drain, name="bench-drain", daemon=True).start()
+    tracked = len(gc.get_objects())
     if gc_freeze:
         gc.collect()
         gc.freeze()
@@ -255,7 +262,7 @@ def start_router(
         "strategy": str(published.plan.strategy),
         "assignment": dict(published.plan.allocation.assignment),
         "max_t_proc_s": max(t_proc.values(), default=0.0),
-        "gc_objects": len(gc.get_objects()),
+        "gc_objects": tracked,
     }
 
     def close() -> None:
@@ -604,7 +611,7 @@ def measure(
     }
     gc_after = router.gc()
     row["router_gc"] = {
-        "gen2_count": gc_after["count"][2] - gc_before["count"][2],
+        "gen2_count": int(gc_after["count"][2] - gc_before["count"][2]),
         "gen2_max_ms": gc_after["max_s"][2] * 1e3,
         "pause_total_ms": (sum(gc_after["total_s"]) - sum(gc_before["total_s"])) * 1e3,
         "pause_max_ms": max(gc_after["max_s"]) * 1e3,
