@@ -74,53 +74,60 @@ class RequestLedger(Generic[R]):
         self.window_s = window_s
         self.max_entries = max_entries
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, _Entry[R]] = OrderedDict()
+        self._running: dict[str, _Entry[R]] = {}
+        self._finished: OrderedDict[str, _Entry[R]] = OrderedDict()  # in finishing order
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._entries)
+            return len(self._running) + len(self._finished)
 
     def claim(self, request_id: str, fingerprint: Hashable) -> tuple[Future[R], bool]:
         with self._lock:
             self._expire()
-            entry = self._entries.get(request_id)
+            entry = self._running.get(request_id) or self._finished.get(request_id)
             if entry is not None:
                 if entry.fingerprint != fingerprint:
                     raise IdConflictError(
                         f"request_id: {request_id!r} was used for a different request"
                     )
                 return entry.future, False
-            if len(self._entries) >= self.max_entries:
-                raise LedgerFullError(f"{len(self._entries)} request ids in flight")
+            if len(self._running) >= self.max_entries:
+                raise LedgerFullError(f"{len(self._running)} request ids in flight")
             future: Future[R] = Future()
-            self._entries[request_id] = _Entry(fingerprint, future)
+            self._running[request_id] = _Entry(fingerprint, future)
             return future, True
 
     def finish(self, request_id: str, result: R) -> None:
         """The owner's call succeeded: retries within the window get ``result``."""
         with self._lock:
-            entry = self._entries.get(request_id)
+            entry = self._running.pop(request_id, None)
             if entry is not None:
                 entry.done_at = self._clock()
-                self._entries.move_to_end(request_id)
+                self._finished[request_id] = entry
         if entry is not None:
             entry.future.set_result(result)
 
     def fail(self, request_id: str, error: BaseException) -> None:
         """The owner's call failed: joined retries get ``error``; later ones run again."""
         with self._lock:
-            entry = self._entries.pop(request_id, None)
+            entry = self._running.pop(request_id, None)
         if entry is not None:
             entry.future.set_exception(error)
 
     def _expire(self) -> None:
-        """Drop finished ids older than the window, and the oldest finished ones when full."""
+        """Drop finished ids older than the window, and the oldest finished ones when full.
+
+        Finished ids are kept in finishing order, so this stops at the first one that stays:
+        the cost is the number dropped, not the number held."""
         now = self._clock()
-        for key in [k for k, e in self._entries.items() if e.done_at is not None]:
-            entry = self._entries[key]
-            assert entry.done_at is not None
-            if now - entry.done_at > self.window_s or len(self._entries) >= self.max_entries:
-                del self._entries[key]
+        finished = self._finished
+        while finished:
+            oldest = next(iter(finished.values()))
+            assert oldest.done_at is not None
+            full = len(self._running) + len(finished) >= self.max_entries
+            if not full and now - oldest.done_at <= self.window_s:
+                break
+            finished.popitem(last=False)
 
 
 class LedgerFullError(RuntimeError):
