@@ -71,6 +71,15 @@ class ProfileSet:
         """Levels of one strategy, slowest first."""
         return tuple(level for level in self.levels if level.strategy is strategy)
 
+    def best_latency_s(self, worker_class: str) -> float:
+        """Latency of the best (slowest) level of any strategy on ``worker_class``: the SLO's
+        unit (the SLO is a multiple of it)."""
+        return min(
+            self.profile(worker_class, levels[0].name).latency_s
+            for strategy in Strategy
+            if (levels := self.levels_for(strategy))
+        )
+
     def profile(self, worker_class: str, level: str) -> LevelProfile:
         """Numbers of ``level`` on ``worker_class``; ``KeyError`` names both when missing."""
         try:

@@ -128,13 +128,7 @@ class RouterServiceConfig:
         first worker class (the simulator's rule, so live and simulated reports agree)."""
         if self.slo_s is not None:
             return self.slo_s
-        reference = profiles.worker_classes[0]
-        best = min(
-            profiles.profile(reference, levels[0].name).latency_s
-            for strategy in Strategy
-            if (levels := profiles.levels_for(strategy))
-        )
-        return SLO_FACTOR * best
+        return SLO_FACTOR * profiles.best_latency_s(profiles.worker_classes[0])
 
 
 class RouterError(Exception):

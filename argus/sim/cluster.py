@@ -254,12 +254,7 @@ class Simulation:
                     f"quality table for {strategy} has levels {table.levels}, "
                     f"the profiles have {names}"
                 )
-        best = min(
-            profiles.profile(self.config.worker_class, levels[0].name).latency_s
-            for s in Strategy
-            if (levels := profiles.levels_for(s))
-        )
-        self.slo_s = self.config.slo_factor * best
+        self.slo_s = self.config.slo_factor * profiles.best_latency_s(self.config.worker_class)
         model = self.config.adapters
         self.adapter_draws: AdapterDraws | None = None
         # what policies plan with: the profiles as measured with the requests' adapters
