@@ -159,3 +159,22 @@ def shutdown_signals() -> Iterator[threading.Event]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def wait_for_shutdown(ready: threading.Event | None = None) -> None:
+    """Set ``ready`` and block until SIGINT or SIGTERM; returns with the default handlers back,
+    so a second Ctrl-C during the caller's shutdown stops the process at once."""
+    with shutdown_signals() as stop:
+        if ready is not None:
+            ready.set()
+        stop.wait()
+
+
+def check_address(value: str, name: str) -> str:
+    """``value`` if it is HOST:PORT with a port in 1..65535; else ValueError naming ``name``."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host.strip() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name}: expected HOST:PORT with a port in 1..65535, got {value!r}")
+    if any(c.isspace() for c in value):
+        raise ValueError(f"{name}: expected HOST:PORT without spaces, got {value!r}")
+    return value

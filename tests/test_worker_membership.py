@@ -24,6 +24,7 @@ from argus.allocator.control import ControlConfig, HeartbeatAnswer
 from argus.allocator.membership import WorkerReport
 from argus.allocator.service import AllocatorServicer, create_server
 from argus.cli.main import main
+from argus.grpc_server import check_address
 from argus.profiles import default_profiles
 from argus.types import Strategy
 from argus.worker.cache import ApproximateCache, CacheStats, EdgeVectorIndex, LatentStore
@@ -34,7 +35,6 @@ from argus.worker.membership import (
     Membership,
     MembershipConfig,
     State,
-    check_address,
     plan_change,
     retrieval_since,
 )

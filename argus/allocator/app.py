@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from argus.allocator.control import ControlConfig, ControlLoop
 from argus.allocator.strategy import StrategyConfig
-from argus.grpc_server import shutdown_signals
+from argus.grpc_server import wait_for_shutdown
 from argus.profiles import default_profiles, load_profiles
 
 
@@ -73,10 +73,7 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
     loop.start()
     print(f"argus allocator listening on {settings.host}:{port}", flush=True)
     try:
-        with shutdown_signals() as stop:  # the default handlers are back for the shutdown
-            if ready is not None:
-                ready.set()
-            stop.wait()
+        wait_for_shutdown(ready)
     finally:
         loop.stop()
         servicer.close()  # NOT_SERVING, and every watch stream ends

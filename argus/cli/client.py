@@ -38,8 +38,7 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_connection(address: str, args: argparse.Namespace) -> Any:
     from argus.client import Connection
-    from argus.grpc_server import read_token
-    from argus.worker.membership import check_address
+    from argus.grpc_server import check_address, read_token
 
     try:
         check_address(address, "--router")

@@ -53,9 +53,9 @@ class RouterCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
+        from argus.grpc_server import check_address
         from argus.profiles import ProfileError
         from argus.router.app import RouterSettings, serve
-        from argus.worker.membership import check_address
 
         for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
             if port is not None and not 0 <= port < 65536:

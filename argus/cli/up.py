@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from argus.cli.main import CLIError
+
+if TYPE_CHECKING:
+    from argus.local_cluster import LocalCluster
 
 
 def demo_prompts(count: int) -> list[str]:
@@ -90,13 +94,11 @@ class UpCommand:
             print(f"argus up: stopped ({', '.join(f'{n} {c}' for n, c in codes.items())})")
         return 1 if failed else 0
 
-    def _demo(self, cluster: object, args: argparse.Namespace) -> int:
+    def _demo(self, cluster: LocalCluster, args: argparse.Namespace) -> int:
         from argus.cli.client import send_prompts
         from argus.client import Connection, RouterClient
         from argus.grpc_server import read_token
-        from argus.local_cluster import LocalCluster
 
-        assert isinstance(cluster, LocalCluster)
         token = None if args.auth_token_file is None else read_token(args.auth_token_file)
         connection = Connection(cluster.router, token=token, tls_ca=args.tls_cert)
         print(f"argus up: demo: {args.demo} prompts → {args.out}/", flush=True)

@@ -82,9 +82,9 @@ class WorkerCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
+        from argus.grpc_server import check_address
         from argus.worker.adapters import AdapterSettings
         from argus.worker.app import WorkerSettings, serve
-        from argus.worker.membership import check_address
 
         if not 0 <= args.port < 65536:
             raise CLIError(f"--port: {args.port} outside 0..65535")

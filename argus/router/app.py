@@ -195,7 +195,7 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     """Run the router until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
     from argus.allocator.client import PlanWatcher
     from argus.classifier.serving import load_prompt_classifier
-    from argus.grpc_server import shutdown_signals
+    from argus.grpc_server import wait_for_shutdown
     from argus.profiles import default_profiles, load_profiles
     from argus.router.metrics import RouterMetrics
     from argus.router.service import RouterServiceConfig
@@ -229,10 +229,7 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     reporter.start()
     print(f"argus router listening on {settings.host}:{port}", flush=True)
     try:
-        with shutdown_signals() as stop:  # the default handlers are back for the shutdown
-            if ready is not None:
-                ready.set()
-            stop.wait()
+        wait_for_shutdown(ready)
     finally:
         reporter.stop()
         watcher.stop()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from argus.grpc_server import shutdown_signals
+from argus.grpc_server import check_address, wait_for_shutdown
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet, Strategy
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
@@ -20,7 +20,6 @@ from argus.worker.membership import (
     HeartbeatChannel,
     Membership,
     MembershipConfig,
-    check_address,
     default_advertise,
 )
 from argus.worker.metrics import WorkerMetrics
@@ -247,10 +246,7 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     print(f"argus worker {settings.worker_id} listening on {settings.host}:{port}", flush=True)
     membership = start_membership(settings, worker, port, profiles)
     try:
-        with shutdown_signals() as stop:  # the default handlers are back for the shutdown
-            if ready is not None:
-                ready.set()
-            stop.wait()
+        wait_for_shutdown(ready)
     finally:
         if membership is not None:  # leave first: routers stop sending before the server stops
             membership.stop()

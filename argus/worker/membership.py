@@ -51,6 +51,7 @@ import numpy as np
 from argus.allocator.control import HeartbeatAnswer
 from argus.allocator.convert import heartbeat_answer_from_pb, heartbeat_to_pb
 from argus.allocator.membership import RetrievalReport, WorkerReport
+from argus.grpc_server import check_address
 from argus.types import Strategy
 from argus.worker.engine import Worker
 from argus.worker.registry import LoadState
@@ -159,16 +160,6 @@ class HeartbeatChannel:
 
 
 # -- decisions (pure) ------------------------------------------------------------------------
-
-
-def check_address(value: str, name: str) -> str:
-    """``value`` if it is HOST:PORT with a port in 1..65535; else ValueError naming ``name``."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host.strip() or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{name}: expected HOST:PORT with a port in 1..65535, got {value!r}")
-    if any(c.isspace() for c in value):
-        raise ValueError(f"{name}: expected HOST:PORT without spaces, got {value!r}")
-    return value
 
 
 def default_advertise(host: str, port: int) -> str:
