@@ -12,6 +12,7 @@ Conventions used everywhere in Argus:
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -193,6 +194,54 @@ class ShiftMap:
             src: {dst: p for dst, p in zip(self.levels, row, strict=True) if p > 0.0}
             for src, row in zip(self.levels, self.matrix, strict=True)
         }
+
+
+@dataclass(frozen=True)
+class ClassQuality:
+    """Q(v | c) of one strategy: the mean quality at each level of the prompts in each class.
+
+    A *class* is what the router's classifier outputs for a prompt: a bin of its calibrated
+    tolerance (the joint planner) or its predicted optimal level (the paper's planner). There
+    is one class per level, ordered least tolerant first, so class ``c`` and level ``c`` share
+    an index and the PASM stays square. Measured on the calibration prompts, which the
+    classifier never trained on, so its mistakes are priced into Q.
+    """
+
+    strategy: Strategy
+    levels: tuple[str, ...]  # the strategy's levels, slowest first
+    quality: tuple[tuple[float, ...], ...]  # [class][level]: mean score relative to the best
+    # level's mean over all calibration prompts (so about 1.0 at the best level)
+    prior: tuple[float, ...]  # share of the calibration prompts in each class
+    source: str  # where Q came from, e.g. "calibration split of classifiers/minilm-logistic"
+
+    def __post_init__(self) -> None:
+        n = len(self.levels)
+        if n == 0:
+            raise ValueError("levels: at least one level is needed")
+        if len(self.quality) != n or any(len(row) != n for row in self.quality):
+            raise ValueError(f"quality: expected {n} classes × {n} levels (one class per level)")
+        if len(self.prior) != n:
+            raise ValueError(f"prior: expected {n} values, got {len(self.prior)}")
+        for c, row in enumerate(self.quality):
+            for v, value in enumerate(row):
+                if not math.isfinite(value) or value < 0.0:
+                    raise ValueError(f"quality[{c}][{v}]: must be finite and >= 0, got {value}")
+        if any(not math.isfinite(p) or p < 0.0 for p in self.prior):
+            raise ValueError(f"prior: values must be finite and >= 0, got {self.prior}")
+
+    @classmethod
+    def from_levels(cls, levels: tuple[Level, ...]) -> ClassQuality:
+        """Every class sees each level's average quality ``Level.quality``: what a planner
+        that ignores the prompt knows (PAC, the paper's Eq. 1)."""
+        row = tuple(level.quality for level in levels)
+        n = len(levels)
+        return cls(
+            levels[0].strategy,
+            tuple(level.name for level in levels),
+            tuple(row for _ in levels),
+            tuple(1.0 / n for _ in levels),
+            "level averages",
+        )
 
 
 @dataclass(frozen=True)
