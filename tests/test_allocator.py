@@ -46,8 +46,7 @@ def test_load_margin_overprovisions():
     allocator = Allocator(default_profiles())
     now = feed(allocator, 100.0, 2)
     plan = allocator.plan(now, ClusterView.uniform(8), Strategy.SM, load_margin=1.5)
-    headroom = allocator.config.headroom
-    assert plan.allocation.served_qpm == pytest.approx(1.5 * headroom * plan.forecast.qpm)
+    assert plan.allocation.served_qpm == pytest.approx(1.5 * plan.forecast.qpm)
 
 
 def test_queued_backlog_is_planned_to_drain():
@@ -56,8 +55,9 @@ def test_queued_backlog_is_planned_to_drain():
     idle = allocator.plan(now, ClusterView.uniform(8), Strategy.AC)
     queued = ClusterView(tuple(WorkerState(f"w{i}", "a100", queue_length=5) for i in range(8)))
     busy = allocator.plan(now, queued, Strategy.AC)
-    # 40 queued requests drained in 30 s add 80 QPM to the load planned for
-    assert busy.forecast.qpm == pytest.approx(idle.forecast.qpm + 80.0)
+    # 5 queued per worker is 1 in service and 4 waiting: 32 waiting requests drained in
+    # 30 s add 64 QPM to the load planned for
+    assert busy.forecast.qpm == pytest.approx(idle.forecast.qpm + 64.0)
     assert (
         busy.allocation.objective / busy.forecast.qpm
         < idle.allocation.objective / idle.forecast.qpm
@@ -67,8 +67,6 @@ def test_queued_backlog_is_planned_to_drain():
 def test_mismatched_periods_and_bad_values_are_rejected():
     with pytest.raises(ValueError, match="period_s"):
         AllocatorConfig(planner=PlannerConfig(period_s=30.0), forecast=LoadPredictorConfig())
-    with pytest.raises(ValueError, match="headroom"):
-        AllocatorConfig(headroom=0.5)
     with pytest.raises(ValueError, match="backlog_drain_s"):
         AllocatorConfig(backlog_drain_s=-1.0)
 

@@ -13,7 +13,7 @@ from argus.classifier.serving import load_classifier_set
 from argus.classifier.train import TrainConfig, save_trained, train_classifier
 from argus.cli.main import main
 from argus.profiles import default_profiles
-from argus.sim import policies
+from argus.sim import classifiers
 from argus.sim.cluster import SimConfig, Simulation
 from argus.sim.policies import (
     NoisyOracleClassifier,
@@ -63,7 +63,7 @@ def test_make_classifier_specs() -> None:
 
 
 def test_replay_predicts_once_per_unique_prompt(artifact: Path, monkeypatch) -> None:
-    monkeypatch.setattr(policies, "_PREDICTIONS", {})
+    monkeypatch.setattr(classifiers, "_PREDICTIONS", {})
     profiles = default_profiles()
     records = load_prompts(default_prompt_trace())[:PROMPTS]
     workload = poisson(mean_qpm=120.0, duration_min=2.0, seed=0, prompts=records)

@@ -1,6 +1,7 @@
 """The simulated cluster running the product's policies and the baselines."""
 
 import json
+from dataclasses import replace
 import math
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 from argus.profiles import default_profiles
 from argus.sim.cluster import GpuFailure, Policy, RetrievalFault, SimConfig, Simulation
+from argus.sim.planned import PlannedPolicy
 from argus.sim.policies import POLICIES, NoisyOracleClassifier, make_policy
 from argus.sim.quality import synthetic_quality_table
 from argus.sim.report import per_minute, summarise, write_reports
@@ -109,7 +111,7 @@ def test_retrieval_outage_takes_argus_off_cached_levels_until_probes_are_healthy
     assert cached[before].sum() >= 5  # Argus was using the cache when it failed
     assert cached[during].sum() == 0  # and stopped at once
     assert result.strategy_switches >= 1
-    assert policy.monitor.strategy is Strategy.AC  # probes saw retrieval recover
+    assert policy.control.retrieval_healthy()  # probes saw retrieval recover
 
 
 def test_nirvana_does_not_switch_and_pays_for_the_outage(light):
@@ -153,6 +155,7 @@ def test_unknown_policy_is_quoted():
         "clipper-ht",
         "sommelier",
         "nirvana",
+        "argus-paper",
     }
 
 
@@ -197,7 +200,9 @@ def test_bursts_trigger_replans_so_argus_keeps_up():
     argus = summarise(simulate(wave, "argus"))
     clipper = summarise(simulate(wave, "clipper-ha"))
     ticks_only = make_policy("argus")
-    ticks_only.backlog_replan_per_worker = 1e9  # re-plan on the minute only
+    assert isinstance(ticks_only, PlannedPolicy)
+    control = replace(ticks_only.config.control, backlog_replan_per_worker=1e9)
+    ticks_only.config = replace(ticks_only.config, control=control)  # re-plan on the minute only
     slow = summarise(simulate(wave, ticks_only))
     assert argus.slo_violation_ratio < 0.1
     assert clipper.slo_violation_ratio > 0.3

@@ -8,13 +8,13 @@ touches a worker itself (decide, then act). Time is always the caller's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from argus.allocator.planner import PlannerConfig, make_plan
 from argus.allocator.predictor import AffinityHistogram, LoadPredictor, LoadPredictorConfig
 from argus.allocator.solver import SolverFactory
-from argus.types import ClusterView, LoadForecast, Plan, ProfileSet, Strategy
+from argus.types import ClassQuality, ClusterView, LoadForecast, Plan, ProfileSet, Strategy
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,14 @@ class AllocatorConfig:
     """Classified prompts the affinity histogram H looks back over (the paper uses 1000)."""
 
     backlog_drain_s: float = 60.0
-    """Requests already queued on the workers are planned to drain within this many seconds,
-    on top of the forecast (0: ignore the backlog). Without it a plan sized to the arrival rate
-    alone never catches up with a queue built before it."""
-
-    headroom: float = 1.1
-    """Plan for this factor more load than expected: peak throughput P_th is a rate the workers
-    reach only with a queue, so planning at 100% of it keeps queues long under bursty arrivals."""
+    """Requests waiting on the workers (not those in service) are planned to drain within
+    this many seconds, on top of the forecast (0: ignore the backlog). Without it a plan sized
+    to the arrival rate alone never catches up with a queue built before it. Headroom for
+    the queue that arrivals build comes from the planner's queue model, not from here."""
 
     def __post_init__(self) -> None:
         if not self.backlog_drain_s >= 0.0:
             raise ValueError(f"backlog_drain_s: must be >= 0, got {self.backlog_drain_s}")
-        if not self.headroom >= 1.0:
-            raise ValueError(f"headroom: must be >= 1, got {self.headroom}")
         if self.forecast.period_s != self.planner.period_s:
             raise ValueError(
                 f"forecast.period_s ({self.forecast.period_s}) must equal planner.period_s "
@@ -63,10 +58,14 @@ class Allocator:
         *,
         start_s: float = 0.0,
         backend: SolverFactory | None = None,
+        class_quality: Mapping[Strategy, ClassQuality] | None = None,
     ) -> None:
+        """``class_quality``: Q(v | c) per strategy for the joint planner (the classifier's
+        calibration); a strategy without one plans with the level averages (Eq. 1)."""
         self.profiles = profiles
         self.config = config or AllocatorConfig()
         self._backend = backend
+        self.class_quality = dict(class_quality or {})
         self._load = LoadPredictor(self.config.forecast, start_s=start_s)
         self._affinity = AffinityHistogram(
             {s: len(profiles.levels_for(s)) for s in Strategy if profiles.levels_for(s)},
@@ -136,9 +135,8 @@ class Allocator:
     ) -> Plan:
         """A plan for ``strategy`` following the last one; does not change the allocator."""
         planner = self.config.planner
-        margin = load_margin * self.config.headroom
-        if margin != planner.load_margin:
-            planner = PlannerConfig(planner.period_s, planner.switch_cost_weight, margin)
+        if load_margin != planner.load_margin:
+            planner = replace(planner, load_margin=load_margin)
         return make_plan(
             self.profiles,
             strategy,
@@ -148,13 +146,16 @@ class Allocator:
             config=planner,
             previous=self._last,
             backend=self._backend,
+            class_quality=self.class_quality.get(strategy),
         )
 
     def _planned_load(self, now_s: float, workers: ClusterView) -> LoadForecast:
-        """The forecast arrival rate plus the drain rate of the backlog already queued."""
+        """The forecast arrival rate plus the drain rate of the requests already waiting (a
+        worker's queue length counts the request in service too, which needs no capacity
+        beyond what it already has)."""
         forecast = self._load.forecast(now_s)
         if self.config.backlog_drain_s == 0.0:
             return forecast
-        backlog = sum(w.queue_length for w in workers.alive())
+        backlog = sum(max(0, w.queue_length - 1) for w in workers.alive())
         drain_qpm = backlog * 60.0 / self.config.backlog_drain_s
         return replace(forecast, qpm=forecast.qpm + drain_qpm)

@@ -4,13 +4,15 @@
 servicer converts and delegates). It owns the product's own control plane, wired the way the
 simulator wires it (``argus.sim.policies._Planned``):
 
-* :class:`~argus.allocator.allocator.Allocator`: load forecast W_t, affinity histogram H and
-  the plan (ILP + ODA), the better of the allowed strategies (``plan_best``);
+* :class:`~argus.allocator.allocator.Allocator`: load forecast W_t, class histogram H and
+  the plan (the joint program over class × level, or the paper's Eq. 1 + ODA), with
+  headroom from queueing against the SLO;
 * :class:`~argus.allocator.strategy.StrategyMonitor`: AC↔SM from the workers' retrieval
-  reports (§4.6). While retrieval is slow or down only SM is allowed, and the plans of the
-  first period after leaving AC are made with a 1.5× load margin (``switch_margin``; the
-  Allocator's ``load_margin``) to cover the models still loading. When the probes of a whole
-  window are healthy AC is allowed again and preferred;
+  reports (§4.6). AC is the default and runs while retrieval is healthy (``strategy_choice``
+  ``ac-first``; ``best`` instead plans both and keeps the better objective); while retrieval
+  is slow or down only SM is allowed, and the plans of the first period after leaving AC are
+  made with a 1.5× load margin (``switch_margin``; the Allocator's ``load_margin``) to cover
+  the models still loading. When the probes of a whole window are healthy AC comes back;
 * :class:`~argus.allocator.membership.Membership`: who is alive.
 
 When plans are made, and why (:class:`ReplanReason`):
@@ -41,20 +43,38 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from argus.allocator.allocator import Allocator, AllocatorConfig
 from argus.allocator.membership import Change, Membership, WorkerReport
-from argus.allocator.planner import PlannerConfig
+from argus.allocator.planner import PlannerConfig, PlannerMode
 from argus.allocator.predictor import LoadPredictorConfig
+from argus.allocator.queueing import QueueModel
 from argus.allocator.solver import SolverFactory
 from argus.allocator.strategy import StrategyConfig, StrategyMonitor
-from argus.types import Plan, ProfileSet, Strategy
+from argus.types import ClassQuality, Plan, ProfileSet, Strategy
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+
+DEFAULT_SLO_FACTOR = 3.0  # the SLO is 3 × the best level's latency (Argus §5.1)
+
+
+class StrategyChoice(enum.StrEnum):
+    """Which strategy runs while retrieval is healthy."""
+
+    AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper, §4.6)
+    BEST = "best"  # plan every allowed strategy and keep the better objective
+
+    @classmethod
+    def parse(cls, value: str) -> StrategyChoice:
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            known = ", ".join(c.value for c in cls)
+            raise ValueError(f"unknown strategy choice {value!r}: expected {known}") from None
 
 
 class ReplanReason(enum.StrEnum):
@@ -110,9 +130,29 @@ class ControlConfig:
     """When retrieval is too slow for AC and when it has recovered."""
 
     histogram_window: int = 1000
-    """Classified prompts the affinity histogram H looks back over (the paper: 1000)."""
+    """Classified prompts the class histogram H looks back over (the paper: 1000)."""
+
+    planner: PlannerMode = PlannerMode.JOINT
+    """``joint``: one program over (prompt class × level) with Q(v | c); ``paper``: Eq. 1
+    with level averages, then ODA (the ablation)."""
+
+    strategy_choice: StrategyChoice = StrategyChoice.AC_FIRST
+    """``ac-first``: AC while retrieval is healthy, SM on retrieval trouble (§4.6);
+    ``best``: the better objective of both each plan."""
+
+    slo_s: float | None = None
+    """The SLO the queue model plans against, seconds; None: 3 × the best level's latency on
+    the profile's first worker class (the router's default deadline)."""
+
+    queueing: bool = True
+    """Plan each level's utilisation so the expected wait fits in the SLO; False plans every
+    level up to its peak throughput."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "planner", PlannerMode(self.planner))
+        object.__setattr__(self, "strategy_choice", StrategyChoice(self.strategy_choice))
+        if self.slo_s is not None and not (math.isfinite(self.slo_s) and self.slo_s > 0.0):
+            raise ValueError(f"slo_s: must be a finite number > 0, got {self.slo_s}")
         for name in ("period_s", "heartbeat_s", "backlog_replan_per_worker"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0.0):
@@ -135,13 +175,36 @@ class ControlConfig:
         """Silence after which a worker is dead."""
         return self.missed_heartbeats * self.heartbeat_s
 
-    def allocator_config(self) -> AllocatorConfig:
-        """The Allocator's config, as the simulator's Argus policy builds it."""
+    def forecast_config(self) -> LoadPredictorConfig:
+        """The load forecast the plans are made for: the expected rate, not a peak.
+
+        With queueing headroom in the planner, the forecast is an EWMA of the per-period
+        rates (weight 0.5 on the newest), raised to the open period's rate once half a period
+        of it has passed (so a re-plan in a burst sees the burst). No peak term and no flat
+        multiplier: each of them stacked on the others planned 15–30% above the offered load.
+        """
+        return LoadPredictorConfig(
+            self.period_s,
+            alpha=0.5,
+            peak_window=1,
+            peak_fraction=0.0,
+            partial_min_s=max(self.min_replan_interval_s, self.period_s / 2.0),
+        )
+
+    def slo_for(self, profiles: ProfileSet) -> float:
+        """The SLO in seconds: ``slo_s``, or 3 × the best level's latency on the first class."""
+        if self.slo_s is not None:
+            return self.slo_s
+        return DEFAULT_SLO_FACTOR * profiles.best_latency_s(profiles.worker_classes[0])
+
+    def allocator_config(self, profiles: ProfileSet) -> AllocatorConfig:
+        """The Allocator's config for ``profiles`` (the SLO is theirs unless given)."""
+        queue = QueueModel(self.slo_for(profiles)) if self.queueing else None
         return AllocatorConfig(
-            planner=PlannerConfig(self.period_s, self.switch_cost_weight),
-            forecast=LoadPredictorConfig(
-                self.period_s, partial_min_s=min(self.min_replan_interval_s, self.period_s)
+            planner=PlannerConfig(
+                self.period_s, self.switch_cost_weight, mode=self.planner, queue=queue
             ),
+            forecast=self.forecast_config(),
             histogram_window=self.histogram_window,
         )
 
@@ -235,10 +298,12 @@ class AllocatorControl:
         listeners: Sequence[PlanListener] = (),
         epoch: str | None = None,
         backend: SolverFactory | None = None,
+        class_quality: Mapping[Strategy, ClassQuality] | None = None,
     ) -> None:
         """Build the control plane and make the first plan (no workers yet) at once, so
         ``current`` always has one; ``listeners`` receive it and every later plan. ``clock``
-        is ``time.monotonic`` unless given."""
+        is ``time.monotonic`` unless given. ``class_quality`` is Q(v | c) per strategy, from
+        the classifier's calibration, for the joint planner."""
         self.profiles = profiles
         self.config = config or ControlConfig()
         self.epoch = epoch or uuid.uuid4().hex[:16]
@@ -251,7 +316,11 @@ class AllocatorControl:
         self._listeners = tuple(listeners)
         start = self._clock()
         self._allocator = Allocator(
-            profiles, self.config.allocator_config(), start_s=start, backend=backend
+            profiles,
+            self.config.allocator_config(profiles),
+            start_s=start,
+            backend=backend,
+            class_quality=class_quality,
         )
         self._monitor = StrategyMonitor(self.config.retrieval, start=Strategy.AC)
         self._members = Membership(self.config.dead_after_s, self.config.max_workers)
@@ -414,13 +483,16 @@ class AllocatorControl:
         return published
 
     def _allowed(self, now: float, previous: PublishedPlan | None) -> tuple[Strategy, ...]:
-        """Every configured strategy while retrieval is healthy, SM alone while it is not."""
+        """While retrieval is healthy: AC (``ac-first``) or every configured strategy
+        (``best``); SM alone while it is not."""
         fallback = tuple(s for s in self._strategies if s is not Strategy.AC)
         if Strategy.AC not in self._strategies or not fallback:
             self._forced_sm = False
             return self._strategies
         if self._monitor.decide(now) is Strategy.AC:
             self._forced_sm = False
+            if self.config.strategy_choice is StrategyChoice.AC_FIRST:
+                return (Strategy.AC,)
             return self._strategies
         if previous is not None and previous.plan.strategy is Strategy.AC:
             self._margin_until = now + self.config.period_s  # cover the reload (§4.6)

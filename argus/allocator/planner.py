@@ -1,19 +1,61 @@
-"""One planning step of the allocator: solve (Eq. 1), then align (Algorithm 1) into a Plan.
+"""One planning step of the allocator: forecast and class histogram in, a Plan out.
 
-Pure: it takes the forecast and the affinity histogram as values and returns a new
+Two planners (:class:`PlannerMode`):
+
+* ``joint`` (the default): one program over (prompt class × level)
+  (:mod:`argus.allocator.joint`), maximising Σ_c H_c Σ_v y[c][v]·Q(v | c) with Q measured
+  per class on a calibration split; the PASM is y. Given level averages for Q (every class
+  alike) it is Eq. 1, which is how the prompt-agnostic baselines plan.
+* ``paper``: the paper's two steps, Eq. 1 with each level's average quality
+  (:mod:`argus.allocator.solver`), then ODA (Algorithm 1) for the PASM; kept for the ablation.
+
+Both plan each level's utilisation with headroom from queueing
+(:mod:`argus.allocator.queueing`) when a queue model is given: the expected wait at the
+forecast load must fit in the SLO minus the service time. The pool size that the wait
+depends on comes from the previous plan; when the new plan's pools differ the caps are
+recomputed from them and the program solved once more.
+
+Pure: it takes the forecast and the histogram as values and returns a new
 :class:`~argus.types.Plan`. The allocator service and the simulator call it every period and
 when a worker dies or joins.
 """
 
 from __future__ import annotations
 
+import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from argus.allocator.joint import HighsOptions, solve_joint
 from argus.allocator.oda import align
+from argus.allocator.queueing import QueueModel
 from argus.allocator.solver import SolverFactory, solve
-from argus.types import Allocation, ClusterView, LoadForecast, Plan, ProfileSet, Strategy
+from argus.types import (
+    Allocation,
+    ClassQuality,
+    ClusterView,
+    LoadForecast,
+    Plan,
+    ProfileSet,
+    ShiftMap,
+    Strategy,
+)
+
+
+class PlannerMode(enum.StrEnum):
+    """How a plan is made (see the module docstring)."""
+
+    JOINT = "joint"
+    PAPER = "paper"
+
+    @classmethod
+    def parse(cls, value: str) -> PlannerMode:
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            known = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown planner {value!r}: expected one of {known}") from None
 
 
 @dataclass(frozen=True)
@@ -28,6 +70,13 @@ class PlannerConfig:
 
     load_margin: float = 1.0
     """Factor on the forecast the solver plans for; the AC→SM switch uses 1.5 (§4.6)."""
+
+    mode: PlannerMode = PlannerMode.JOINT
+    """``joint`` (one program over class × level) or ``paper`` (Eq. 1, then ODA)."""
+
+    queue: QueueModel | None = None
+    """Headroom from queueing: caps each level's utilisation so the expected wait fits in
+    the SLO; None plans every level up to its peak throughput."""
 
     def __post_init__(self) -> None:
         if not self.period_s > 0.0:
@@ -48,25 +97,27 @@ def make_plan(
     config: PlannerConfig | None = None,
     previous: Plan | None = None,
     backend: SolverFactory | None = None,
+    class_quality: ClassQuality | None = None,
 ) -> Plan:
-    """Plan the live ``workers`` for ``forecast`` given the affinity ``histogram`` (slowest first).
+    """Plan the live ``workers`` for ``forecast`` given the class ``histogram`` H.
 
-    The histogram must have one non-negative entry per level of ``strategy``; an all-zero one
-    (nothing classified yet) means no preference and is taken as uniform.
+    The histogram has one non-negative entry per class (as many as ``strategy`` has levels);
+    an all-zero one (nothing classified yet) is taken as uniform. ``class_quality`` is
+    Q(v | c) for the joint planner; without it every class sees the level averages (Eq. 1).
     """
     config = config or PlannerConfig()
     levels = profiles.levels_for(strategy)
     weights = _normalised_histogram(histogram, len(levels))
-    allocation = solve(
-        profiles,
-        strategy,
-        workers,
-        forecast.qpm * config.load_margin,
-        switch_cost_weight=config.switch_cost_weight,
-        period_s=config.period_s,
-        backend=backend,
+    load = forecast.qpm * config.load_margin
+    pools = _pools(previous, strategy, workers)
+    allocation, shift_map = _solve(
+        profiles, strategy, workers, load, weights, config, pools, backend, class_quality
     )
-    shift_map = align(weights, _routing_share(allocation, profiles, workers), allocation.levels)
+    if config.queue is not None and _pools_of(allocation) != pools:
+        pools = _pools_of(allocation)
+        allocation, shift_map = _solve(
+            profiles, strategy, workers, load, weights, config, pools, backend, class_quality
+        )
     return Plan(
         version=previous.version + 1 if previous else 1,
         strategy=strategy,
@@ -76,6 +127,89 @@ def make_plan(
         histogram=weights,
         created_at_s=forecast.at_s,
     )
+
+
+def _solve(
+    profiles: ProfileSet,
+    strategy: Strategy,
+    workers: ClusterView,
+    load: float,
+    weights: tuple[float, ...],
+    config: PlannerConfig,
+    pools: Mapping[str, int],
+    backend: SolverFactory | None,
+    class_quality: ClassQuality | None,
+) -> tuple[Allocation, ShiftMap]:
+    caps = utilisation_caps(profiles, strategy, workers, config.queue, pools)
+    if config.mode is PlannerMode.JOINT:
+        levels = profiles.levels_for(strategy)
+        quality = class_quality or ClassQuality.from_levels(levels)
+        joint = solve_joint(
+            profiles,
+            strategy,
+            workers,
+            load,
+            quality,
+            weights,
+            caps=caps,
+            switch_cost_weight=config.switch_cost_weight,
+            period_s=config.period_s,
+            options=HighsOptions(),
+        )
+        if joint.allocation.served_qpm > 0.0:
+            return joint.allocation, joint.shift_map
+        share = _routing_share(joint.allocation, profiles, workers)
+        return joint.allocation, align(weights, share, joint.allocation.levels)
+    allocation = solve(
+        profiles,
+        strategy,
+        workers,
+        load,
+        switch_cost_weight=config.switch_cost_weight,
+        period_s=config.period_s,
+        backend=backend,
+        caps=caps,
+    )
+    share = _routing_share(allocation, profiles, workers)
+    return allocation, align(weights, share, allocation.levels)
+
+
+def utilisation_caps(
+    profiles: ProfileSet,
+    strategy: Strategy,
+    workers: ClusterView,
+    queue: QueueModel | None,
+    pools: Mapping[str, int],
+) -> dict[tuple[str, str], float]:
+    """(worker class, level) → the utilisation at which a level of ``pools[level]`` workers
+    keeps the expected wait within the SLO (empty without a queue model)."""
+    if queue is None:
+        return {}
+    classes = sorted({w.worker_class for w in workers.alive()})
+    return {
+        (g, level.name): queue.max_utilisation(
+            profiles.profile(g, level.name).latency_s, max(1, pools.get(level.name, 1))
+        )
+        for g in classes
+        for level in profiles.levels_for(strategy)
+    }
+
+
+def _pools(previous: Plan | None, strategy: Strategy, workers: ClusterView) -> dict[str, int]:
+    """Workers per loaded level in the previous plan of this strategy (the queue model's c)."""
+    if previous is None or previous.strategy is not strategy:
+        return {}
+    return _pools_of(previous.allocation)
+
+
+def _pools_of(allocation: Allocation) -> dict[str, int]:
+    return {
+        name: count
+        for name, count, load in zip(
+            allocation.levels, allocation.workers_per_level, allocation.load_share_qpm, strict=True
+        )
+        if load > 0.0
+    }
 
 
 def _normalised_histogram(histogram: Sequence[float], count: int) -> tuple[float, ...]:

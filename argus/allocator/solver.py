@@ -33,7 +33,7 @@ import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import pulp
@@ -76,9 +76,12 @@ class _Problem:
     served_qpm: float
     switch_cost_weight: float
     period_s: float
+    caps: Mapping[tuple[str, str], float] = field(default_factory=dict)  # utilisation caps
 
     def throughput(self, worker_class: str, level: Level) -> float:
-        return self.profiles.profile(worker_class, level.name).throughput_qpm
+        """QPM one worker of ``worker_class`` may be planned for at ``level``: u · P_th."""
+        cap = self.caps.get((worker_class, level.name), 1.0)
+        return cap * self.profiles.profile(worker_class, level.name).throughput_qpm
 
     def load_cost(self, worker_class: str, model: str) -> float:
         """Objective charged for one worker of ``worker_class`` loading ``model``."""
@@ -114,13 +117,17 @@ def solve(
     switch_cost_weight: float = 0.0,
     period_s: float = 60.0,
     backend: SolverFactory | None = None,
+    caps: Mapping[tuple[str, str], float] | None = None,
 ) -> Allocation:
     """Plan the live workers of ``workers`` for ``load_qpm`` (Eq. 1, aggregated by class).
 
     Called by the allocator every period and on events. Returns an :class:`Allocation` naming a
-    level for every live worker; dead workers are left out.
+    level for every live worker; dead workers are left out. ``caps`` bounds the utilisation of
+    each (worker class, level) (:mod:`argus.allocator.queueing`); 1 where absent.
     """
-    problem = _prepare(profiles, strategy, workers, load_qpm, switch_cost_weight, period_s)
+    problem = _prepare(
+        profiles, strategy, workers, load_qpm, switch_cost_weight, period_s, caps or {}
+    )
     return _solve_with(_solve_counts, problem, backend)
 
 
@@ -135,7 +142,7 @@ def solve_per_worker(
     backend: SolverFactory | None = None,
 ) -> Allocation:
     """The paper's per-worker binary formulation of Eq. 1; the reference for :func:`solve`."""
-    problem = _prepare(profiles, strategy, workers, load_qpm, switch_cost_weight, period_s)
+    problem = _prepare(profiles, strategy, workers, load_qpm, switch_cost_weight, period_s, {})
     return _solve_with(_solve_counts_per_worker, problem, backend)
 
 
@@ -193,6 +200,7 @@ def _prepare(
     load_qpm: float,
     switch_cost_weight: float,
     period_s: float,
+    caps: Mapping[tuple[str, str], float],
 ) -> _Problem:
     if not load_qpm >= 0.0 or load_qpm == float("inf"):
         raise ValueError(f"load_qpm: must be a finite number >= 0, got {load_qpm}")
@@ -210,11 +218,11 @@ def _prepare(
                 f"worker {worker.worker_id!r}: unknown worker class {worker.worker_class!r}; "
                 f"the profiles know {', '.join(profiles.worker_classes)}"
             )
-    capacity = sum(profiles.profile(w.worker_class, levels[-1].name).throughput_qpm for w in live)
-    served = min(load_qpm, capacity)
-    return _Problem(
-        strategy, levels, profiles, live, load_qpm, served, switch_cost_weight, period_s
+    problem = _Problem(
+        strategy, levels, profiles, live, load_qpm, 0.0, switch_cost_weight, period_s, caps
     )
+    capacity = sum(max(problem.throughput(w.worker_class, lv) for lv in levels) for w in live)
+    return replace(problem, served_qpm=min(load_qpm, capacity))
 
 
 @dataclass

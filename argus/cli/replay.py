@@ -132,8 +132,9 @@ class ReplayCommand:
     def _simulate(self, args: argparse.Namespace) -> int:
         from argus.profiles import ProfileError, load_profiles
         from argus.sim.adapters import adapter_model_by_name
+        from argus.sim.classifiers import make_classifier
         from argus.sim.cluster import SimConfig, Simulation
-        from argus.sim.policies import make_classifier, make_policy
+        from argus.sim.policies import make_policy
         from argus.sim.quality import synthetic_quality_table
         from argus.sim.report import format_table, write_reports
         from argus.sim.workloads import WorkloadError, workload_by_name

@@ -1,0 +1,104 @@
+"""Headroom from queueing: how busy a level's workers may be planned so requests meet the SLO.
+
+A plan that loads a level's workers to their peak throughput P_th leaves no room for the
+queue that random arrivals build: the wait grows without bound as utilisation nears 1. Instead
+of a flat multiplier on the forecast, the planner caps each level's utilisation so that the
+*expected wait* of a request, at the forecast load, fits in what the SLO leaves after its
+service time::
+
+    W_q(ρ) ≤ SLO − s          (s: the level's service time on that worker class)
+
+The router sends a prompt to the level's worker with the shortest expected completion
+(Eq. 3), which behaves like one queue in front of the level's c workers, so W_q is that of a
+G/G/c queue, estimated by the Allen–Cunneen approximation: the M/M/c wait (Erlang C) scaled by
+``(c_a² + c_s²) / 2``, where c_a² and c_s² are the squared coefficients of variation of
+inter-arrival and service times (1 and 1 for M/M/c; service times of one diffusion level vary
+little, so c_s² is small, and bursts within a minute make c_a² ≥ 1).
+
+Pure functions; results are cached, since plans ask for the same few (c, s, budget) again and
+again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+@dataclass(frozen=True)
+class QueueModel:
+    """How the planner turns the SLO into a utilisation cap per level."""
+
+    slo_s: float
+    """Latency objective of a request, seconds (the router's default deadline)."""
+
+    arrival_scv: float = 1.0
+    """Squared coefficient of variation of inter-arrival times (1: Poisson arrivals)."""
+
+    service_scv: float = 0.1
+    """Squared coefficient of variation of service times at one level (0: deterministic)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.slo_s) and self.slo_s > 0.0):
+            raise ValueError(f"slo_s: must be a finite number > 0, got {self.slo_s}")
+        for name in ("arrival_scv", "service_scv"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
+
+    def max_utilisation(self, service_s: float, servers: int) -> float:
+        """The highest utilisation of ``servers`` workers of service time ``service_s`` at
+        which the expected wait still fits in ``slo_s − service_s`` (0 when none does)."""
+        if servers < 1:
+            raise ValueError(f"servers: must be >= 1, got {servers}")
+        return _max_utilisation(
+            round(service_s, 6),
+            servers,
+            round(self.slo_s - service_s, 6),
+            round((self.arrival_scv + self.service_scv) / 2.0, 6),
+        )
+
+    def expected_wait_s(self, service_s: float, servers: int, utilisation: float) -> float:
+        """Expected wait in queue (seconds) at ``utilisation`` (inf at 1 or above)."""
+        variability = (self.arrival_scv + self.service_scv) / 2.0
+        return variability * mmc_wait_s(service_s, servers, utilisation)
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """Probability that an arrival waits in an M/M/c queue with ``offered`` = λ/μ Erlangs."""
+    if offered <= 0.0:
+        return 0.0
+    if offered >= servers:
+        return 1.0
+    blocking = 1.0  # Erlang B by its stable recursion, then C from B
+    for k in range(1, servers + 1):
+        blocking = offered * blocking / (k + offered * blocking)
+    rho = offered / servers
+    return blocking / (1.0 - rho * (1.0 - blocking))
+
+
+def mmc_wait_s(service_s: float, servers: int, utilisation: float) -> float:
+    """Expected wait in queue of M/M/c at per-server ``utilisation`` (inf at 1 or above)."""
+    if utilisation >= 1.0:
+        return math.inf
+    if utilisation <= 0.0:
+        return 0.0
+    waits = erlang_c(servers, utilisation * servers)
+    return waits * service_s / (servers * (1.0 - utilisation))
+
+
+@lru_cache(maxsize=65536)
+def _max_utilisation(service_s: float, servers: int, budget_s: float, variability: float) -> float:
+    if budget_s <= 0.0:
+        return 0.0
+    if variability == 0.0:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(40):  # bisection to ~1e-12: W_q grows monotonically with utilisation
+        mid = (low + high) / 2.0
+        if variability * mmc_wait_s(service_s, servers, mid) <= budget_s:
+            low = mid
+        else:
+            high = mid
+    return low

@@ -1,0 +1,258 @@
+"""The classifiers a simulated router can use, by name (:func:`make_classifier`).
+
+Each gives, per request and strategy, two outputs of the router's classifier:
+
+* ``predict_level``: the predicted optimal level (what the paper's planner and NIRVANA use);
+* ``predict_class``: the class the joint planner routes by (a calibrated tolerance bin for a
+  trained classifier; the optimal level itself for the oracles),
+
+and ``class_quality``: Q(v | c) per strategy, the mean quality at each level of the prompts
+in each class. A trained classifier brings the Q it measured on its calibration prompts (the
+only honest source: those prompts are neither trained on nor replayed); the oracles measure
+it on the replay's own table, which is what makes them upper bounds.
+
+* :class:`TrainedClassifier`: the router's own trained model, loaded from a ``classifiers/``
+  artifact (``argus replay``'s default);
+* :class:`OracleClassifier`: the quality table's optimal level (the library default);
+* :class:`NoisyOracleClassifier`: right with a stated accuracy (``noisy-oracle@0.85``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from argus.sim.cluster import SimContext
+from argus.sim.quality import QualityTable
+from argus.types import ClassQuality, Strategy
+
+if TYPE_CHECKING:
+    from argus.classifier.serving import ClassifierSet
+
+IntArray = npt.NDArray[np.int64]
+
+
+class Classifier(Protocol):
+    """The router's classifier as the simulator runs it (see the module docstring)."""
+
+    label: str
+
+    def reset(self, ctx: SimContext) -> None:
+        """Prepare for a run over ``ctx``'s requests (predict every unique prompt now)."""
+
+    def predict_level(self, strategy: Strategy, request: int) -> int:
+        """The predicted optimal level index of ``request``."""
+
+    def predict_class(self, strategy: Strategy, request: int) -> int:
+        """The class of ``request`` that the joint planner's PASM rows are indexed by."""
+
+    def class_quality(self) -> Mapping[Strategy, ClassQuality]:
+        """Q(v | c) per strategy, for the joint planner (after :meth:`reset`)."""
+
+
+class _TableClassifier:
+    """A classifier whose outputs are per-row arrays over the replay's quality tables."""
+
+    label: str
+
+    def reset(self, ctx: SimContext) -> None:
+        self._ctx = ctx
+        self._levels = {s: self._row_levels(ctx, s, t) for s, t in ctx.quality.items()}
+        self._quality = {
+            s: measured_class_quality(t, self._levels[s], f"{self.label}, measured on the replay")
+            for s, t in ctx.quality.items()
+        }
+
+    def _row_levels(self, ctx: SimContext, strategy: Strategy, table: QualityTable) -> IntArray:
+        raise NotImplementedError
+
+    def predict_level(self, strategy: Strategy, request: int) -> int:
+        return int(self._levels[strategy][self._ctx.prompt_rows[request]])
+
+    predict_class = predict_level  # its classes are its levels
+
+    def class_quality(self) -> Mapping[Strategy, ClassQuality]:
+        return self._quality
+
+
+class OracleClassifier(_TableClassifier):
+    """The quality table's own optimal level: an upper bound for a trained classifier."""
+
+    label = "oracle"
+
+    def _row_levels(self, ctx: SimContext, strategy: Strategy, table: QualityTable) -> IntArray:
+        return table.optimal_levels()
+
+
+class NoisyOracleClassifier(_TableClassifier):
+    """Right with probability ``accuracy``, otherwise a uniformly random other level; the
+    same prompt always gets the same answer."""
+
+    def __init__(self, accuracy: float, seed: int = 0) -> None:
+        if not 0.0 <= accuracy <= 1.0:
+            raise ValueError(f"accuracy: must be in [0, 1], got {accuracy}")
+        self.accuracy = accuracy
+        self.label = f"noisy-oracle@{accuracy:g}"
+        self._seed = seed
+
+    def _row_levels(self, ctx: SimContext, strategy: Strategy, table: QualityTable) -> IntArray:
+        true = table.optimal_levels()
+        count = len(table.levels)
+        if count < 2:
+            return true
+        rng = np.random.default_rng([self._seed, 1 if strategy is Strategy.AC else 2])
+        wrong = rng.random(len(true)) >= self.accuracy
+        other = rng.integers(0, count - 1, len(true))
+        other = np.where(other >= true, other + 1, other)
+        result: IntArray = np.where(wrong, other, true).astype(np.int64)
+        return result
+
+
+def measured_class_quality(table: QualityTable, classes: IntArray, source: str) -> ClassQuality:
+    """Q(v | c) of ``table``'s prompts grouped by ``classes`` (one per row): each class's
+    mean score per level over the mean at the best level of all rows. A class with no rows
+    gets the level averages."""
+    n = len(table.levels)
+    scores = table.scores
+    best = float(scores[:, 0].mean())
+    average = tuple(float(value) / best for value in scores.mean(axis=0))
+    rows = []
+    prior = []
+    for c in range(n):
+        chosen = classes == c
+        prior.append(float(chosen.mean()))
+        if not chosen.any():
+            rows.append(average)
+            continue
+        rows.append(tuple(float(value) / best for value in scores[chosen].mean(axis=0)))
+    return ClassQuality(table.strategy, table.levels, tuple(rows), tuple(prior), source)
+
+
+class TrainedClassifier:
+    """A trained classifier artifact (``classifiers/<name>``), one model per strategy.
+
+    Predicts once per unique prompt text and caches across runs: a replay of 500k requests
+    over 1,600 prompts runs the encoder 1,600 times. Construction reads only the configs (a
+    bad path fails at once, naming it); the weights and the encoder load at the first
+    :meth:`reset`. Each table's levels must be the classifier's labels.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        from argus.classifier.serving import read_configs, strategy_dirs
+
+        self.directory = Path(directory)
+        self.configs = read_configs(self.directory)
+        details = "; ".join(f"{s}: {c.describe()}" for s, c in self.configs.items())
+        self.label = f"trained {self.directory.name} ({details})"
+        self._models: ClassifierSet | None = None
+        self._cache = {
+            s: _PREDICTIONS.setdefault(artifact_key(path), {})
+            for s, path in strategy_dirs(self.directory).items()
+        }
+
+    def prepare(self, quality: Mapping[Strategy, QualityTable]) -> None:
+        """Check the labels against the tables and load the models; ValueError names why."""
+        from argus.classifier.model import ArtifactError
+
+        missing = [s for s in quality if s not in self.configs]
+        if missing:
+            raise ValueError(f"classifier {self.directory} has no model for {missing[0]}")
+        for strategy, table in quality.items():
+            if table.levels != self.configs[strategy].levels:
+                raise ValueError(
+                    f"classifier {self.directory}: {strategy} labels "
+                    f"{', '.join(self.configs[strategy].levels)} differ from the quality "
+                    f"table's levels {', '.join(table.levels)}"
+                )
+        try:
+            self._load()
+        except ArtifactError as exc:
+            raise ValueError(str(exc)) from None
+
+    def reset(self, ctx: SimContext) -> None:
+        from argus.classifier.prompts import clean_prompt
+
+        self.prepare(ctx.quality)
+        self._ctx = ctx
+        rows = np.unique(ctx.prompt_rows).tolist()
+        texts = {s: [table.prompts[r] for r in rows] for s, table in ctx.quality.items()}
+        todo = sorted({t for s, ts in texts.items() for t in ts if t not in self._cache[s]})
+        if todo:  # one batched pass for every strategy (the encoder runs once per prompt)
+            predicted = self._load().predict_cleaned([clean_prompt(t) for t in todo])
+            for strategy in texts:
+                self._cache[strategy].update(zip(todo, predicted[strategy].tolist(), strict=True))
+        self._levels: dict[Strategy, npt.NDArray[np.int64]] = {}
+        for strategy, table in ctx.quality.items():
+            levels = np.zeros(len(table.prompts), dtype=np.int64)
+            levels[rows] = [self._cache[strategy][t] for t in texts[strategy]]
+            self._levels[strategy] = levels
+
+    def _load(self) -> ClassifierSet:
+        if self._models is None:
+            from argus.classifier.serving import load_classifier_set
+
+            self._models = load_classifier_set(self.directory)
+        return self._models
+
+    def predict_level(self, strategy: Strategy, request: int) -> int:
+        return int(self._levels[strategy][self._ctx.prompt_rows[request]])
+
+    predict_class = predict_level
+
+    def class_quality(self) -> Mapping[Strategy, ClassQuality]:
+        return {
+            s: measured_class_quality(t, self._levels[s], f"{self.label}, measured on the replay")
+            for s, t in self._ctx.quality.items()
+        }
+
+
+# Predictions of trained classifiers in this process, by artifact_key and prompt text: a
+# second replay (or test) with the same artifact does not run the encoder again.
+_PREDICTIONS: dict[str, dict[str, int]] = {}
+
+
+def artifact_key(directory: Path) -> str:
+    """SHA-256 of an artifact's config, label map and head; the config holds the encoder's."""
+    import hashlib
+
+    from argus.classifier.model import ArtifactError
+
+    digest = hashlib.sha256()
+    for name in ("config.json", "labels.json", "model.safetensors"):
+        try:
+            digest.update((directory / name).read_bytes())
+        except OSError as exc:
+            raise ArtifactError(f"{directory / name}: cannot read: {exc.strerror}") from None
+    return digest.hexdigest()
+
+
+def make_classifier(spec: str) -> Classifier:
+    """A classifier by name: ``default`` (the committed ``classifiers/minilm-logistic``),
+    ``oracle``, ``noisy-oracle@ACCURACY`` (a bare accuracy such as ``0.85`` works too), or a
+    classifier directory. Bad specs raise ValueError quoting them."""
+    text = spec.strip()
+    if text == "oracle":
+        return OracleClassifier()
+    accuracy = text.removeprefix("noisy-oracle@")
+    try:
+        value = float(accuracy)
+    except ValueError:
+        if text.startswith("noisy-oracle@"):
+            raise ValueError(f"classifier {spec!r}: {accuracy!r} is not an accuracy") from None
+    else:
+        return NoisyOracleClassifier(value)
+    from argus.classifier.model import ArtifactError
+    from argus.classifier.serving import default_classifier_dir
+
+    directory = default_classifier_dir() if text == "default" else Path(text)
+    try:
+        return TrainedClassifier(directory)
+    except ArtifactError as exc:
+        raise ValueError(
+            f"classifier {spec!r}: {exc} (expected default, oracle, noisy-oracle@ACCURACY "
+            "or a classifier directory)"
+        ) from None

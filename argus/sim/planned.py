@@ -1,0 +1,263 @@
+"""The policies that follow the allocator's plans (Argus, its ablations, PAC, Proteus), run
+through the product's own control loop on the simulated clock.
+
+A :class:`PlannedPolicy` owns what the live cluster runs, unchanged:
+
+* the allocator's :class:`~argus.allocator.control.AllocatorControl` (membership from
+  heartbeats, re-plan triggers, the AC↔SM switch and its margin, the planner), with the
+  simulator's clock as its clock;
+* the router's :class:`~argus.router.routing.PlanRouter` (PASM sampling, Eq. 3 worker
+  selection, spill, the backlog signal).
+
+and plays the parts of the processes around them the way they talk live: every
+``heartbeat_s`` of simulated time each live worker sends its heartbeat (queue length, level,
+the retrievals it saw, probes while the allocator asks for them) and the router sends its
+report (arrivals, classifications, whether queues are building up); then the control's
+``tick`` runs. A dead GPU simply stops sending heartbeats and is planned around once the
+allocator notices, as live. Admission is the simulator's, with the router's own rule
+(:func:`argus.router.admission.admit`), for every policy alike.
+
+The policies differ only by a :class:`PlannedConfig`: which planner and strategies the
+control runs, whether routing looks at the prompt, and which classifier.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from argus.allocator.control import (
+    AllocatorControl,
+    ControlConfig,
+    RouterReport,
+    StrategyChoice,
+)
+from argus.allocator.membership import RetrievalReport, WorkerReport
+from argus.allocator.planner import PlannerMode
+from argus.router.routing import PlanRouter, RouterConfig
+from argus.sim.classifiers import Classifier, OracleClassifier
+from argus.sim.cluster import Policy, SimContext
+from argus.types import ClusterView, Strategy
+
+SIM_ADDRESS = "sim"  # simulated workers have no address; the membership only stores it
+
+
+@dataclass(frozen=True)
+class PlannedConfig:
+    """Everything that tells one planned policy from another."""
+
+    control: ControlConfig = field(default_factory=ControlConfig)
+    """The allocator's configuration: planner, strategies, switching cost, margins, timers.
+    Its ``slo_s`` is set from the simulated cluster's SLO."""
+
+    prompt_aware: bool = True
+    """Route each prompt by its class through the PASM; False: by the load shares F alone
+    (and plan with level averages: the classifier is not consulted at all)."""
+
+    background_loads: bool = True
+    """A worker moved to another model keeps serving while the new one loads (§4.6)."""
+
+    spill_fraction_of_slo: float | None = None
+    """The router spills a prompt off a level whose best worker would take longer than this
+    share of the SLO (None: never)."""
+
+    def __post_init__(self) -> None:
+        share = self.spill_fraction_of_slo
+        if share is not None and not 0.0 < share <= 1.0:
+            raise ValueError(f"spill_fraction_of_slo: must be in (0, 1] or None, got {share}")
+
+
+class PlannedPolicy(Policy):
+    """A policy whose levels and routes come from the allocator's and the router's code."""
+
+    def __init__(
+        self,
+        name: str,
+        config: PlannedConfig,
+        classifier: Classifier | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.background_loads = config.background_loads
+        self.classifier = classifier or OracleClassifier()
+        self._seed = seed
+
+    def reset(self, ctx: SimContext) -> None:
+        self.ctx = ctx
+        self._now = 0.0
+        control = replace(self.config.control, slo_s=ctx.slo_s)
+        quality = None
+        if self.config.prompt_aware:
+            self.classifier.reset(ctx)
+            if control.planner is PlannerMode.JOINT:
+                quality = self.classifier.class_quality()
+        self.control = AllocatorControl(
+            ctx.profiles, control, clock=self._clock, epoch="sim", class_quality=quality
+        )
+        spill = self.config.spill_fraction_of_slo
+        self.router = PlanRouter(
+            ctx.profiles,
+            random.Random(self._seed),
+            RouterConfig(
+                prompt_aware=self.config.prompt_aware,
+                realign_every=0,  # the allocator owns the PASM
+                spill_after_s=spill * ctx.slo_s if spill else None,
+                backlog_replan_per_worker=control.backlog_replan_per_worker,
+                min_replan_interval_s=control.min_replan_interval_s,
+            ),
+        )
+        self._installed = -1
+        self._next_beat = 0.0
+        self._next_probe = 0.0
+        self._arrivals: list[float] = []
+        self._classified: dict[Strategy, list[int]] = {s: [] for s in Strategy}
+        self._retrievals: list[float] = []
+        self._failures = 0
+        self._report_seq = 0
+        self._switches = 0
+
+    @property
+    def strategy_switches(self) -> int:
+        """Changes of strategy between consecutive plans (for the report)."""
+        return self._switches
+
+    def _clock(self) -> float:
+        return self._now
+
+    # -- the simulator's hooks ---------------------------------------------------------------
+
+    def observe_arrival(self, now_s: float) -> None:
+        self._arrivals.append(now_s)
+
+    def observe_retrieval(self, now_s: float, latency_s: float | None) -> None:
+        if latency_s is None:
+            self._failures += 1
+        else:
+            self._retrievals.append(latency_s)
+
+    def next_timer(self) -> float | None:
+        return self._next_beat
+
+    def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
+        """One heartbeat interval: workers' heartbeats, the router's report, the control's
+        tick; returns the levels of the plan in force."""
+        self._now = now_s
+        self._send_heartbeats(view)
+        self._send_report(view)
+        self.control.tick()
+        self._install(view)
+        self._next_beat = now_s + self.control.config.heartbeat_s
+        return self.control.current.plan.allocation.assignment
+
+    def route(
+        self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
+    ) -> tuple[str, str]:
+        optimal = 0
+        if self.config.prompt_aware:
+            strategy = self.router.plan.strategy if self.router.plan else Strategy.AC
+            for s in self.ctx.quality:
+                c = self._classify(s, request)
+                self._classified[s].append(c)
+                self.router.observe(s, c)
+                if s is strategy:
+                    optimal = c
+        decision = self.router.route(optimal, queues, down)
+        return decision.worker_id, self.router.level_name(decision.served_level)
+
+    # -- the processes around the control plane ----------------------------------------------
+
+    def _classify(self, strategy: Strategy, request: int) -> int:
+        if self.control.config.planner is PlannerMode.JOINT:
+            return self.classifier.predict_class(strategy, request)
+        return self.classifier.predict_level(strategy, request)
+
+    def _send_heartbeats(self, view: ClusterView) -> None:
+        """Every live worker reports; the retrievals of the interval travel with the first
+        (the allocator pools them), probes run while the allocator asks for them."""
+        retrieval = self._retrieval_report()
+        for worker in view.alive():
+            answer = self.control.heartbeat(
+                WorkerReport(
+                    worker_id=worker.worker_id,
+                    address=SIM_ADDRESS,
+                    worker_class=worker.worker_class,
+                    queue_length=worker.queue_length,
+                    level=worker.level,
+                    retrieval=retrieval,
+                )
+            )
+            retrieval = RetrievalReport()
+            self._probe_if_asked(answer.probe_retrieval, answer.probe_interval_s)
+
+    def _retrieval_report(self) -> RetrievalReport:
+        report = RetrievalReport(samples_s=tuple(self._retrievals), failures=self._failures)
+        self._retrievals, self._failures = [], 0
+        return report
+
+    def _probe_if_asked(self, asked: bool, interval_s: float) -> None:
+        if not asked or self._now < self._next_probe:
+            return
+        self._next_probe = self._now + interval_s
+        self.observe_retrieval(self._now, self.ctx.probe_retrieval(self._now))
+
+    def _send_report(self, view: ClusterView) -> None:
+        self._report_seq += 1
+        queues = {w.worker_id: w.queue_length for w in view.workers}
+        down = {w.worker_id for w in view.workers if not w.alive}
+        wants = self.router.plan is not None and self.router.wants_replan(self._now, queues, down)
+        self.control.report_router(
+            RouterReport(
+                router_id="sim-router",
+                sequence=self._report_seq,
+                arrivals=len(self._arrivals),
+                arrival_ages_s=tuple(self._now - t for t in self._arrivals),
+                classified=tuple((s, tuple(levels)) for s, levels in self._classified.items()),
+                replan_wanted=wants,
+            )
+        )
+        self._arrivals = []
+        self._classified = {s: [] for s in Strategy}
+
+    def _install(self, view: ClusterView) -> None:
+        published = self.control.current
+        if published.version == self._installed:
+            return
+        if (
+            self.router.plan is not None
+            and self.router.plan.strategy is not published.plan.strategy
+        ):
+            self._switches += 1
+        self._installed = published.version
+        classes = {w.worker_id: w.worker_class for w in view.workers}
+        self.router.install(published.plan, classes, self._now)
+
+
+def planned_policies() -> dict[str, PlannedConfig]:
+    """The planned policies by name; each differs from Argus only by what its config says.
+
+    * ``argus``: the joint program over (classifier class × level) with Q(v | c) from the
+      classifier's calibration; AC, SM on retrieval trouble (§4.6);
+    * ``argus-paper``: the paper's Eq. 1 with level averages, then ODA on the predicted
+      optimal levels (the ablation the joint program improves on);
+    * ``pac``: prompt-agnostic Argus: the same control loop, planning with level averages and
+      routing by the load shares alone;
+    * ``proteus``: SM only, prompt-agnostic accuracy scaling with the same solver, without
+      switching cost (Proteus has none) and without background model loads.
+    """
+    argus = PlannedConfig()
+    return {
+        "argus": argus,
+        "argus-paper": replace(argus, control=replace(argus.control, planner=PlannerMode.PAPER)),
+        "pac": replace(argus, prompt_aware=False),
+        "proteus": PlannedConfig(
+            control=ControlConfig(
+                strategies=(Strategy.SM,),
+                switch_cost_weight=0.0,
+                strategy_choice=StrategyChoice.AC_FIRST,
+            ),
+            prompt_aware=False,
+            background_loads=False,
+        ),
+    }
