@@ -99,8 +99,8 @@ def test_replay_predicts_once_per_unique_prompt(artifact: Path, monkeypatch) -> 
         assert [cache[p] for p in used] == expected[strategy].tolist()
         for request in range(0, len(workload), 7):
             text = workload.prompts[request % PROMPTS].prompt
-            assert classifier.predict(strategy, request) == cache[text]
-            assert again.predict(strategy, request) == cache[text]
+            assert classifier.predict_level(strategy, request) == cache[text]
+            assert again.predict_level(strategy, request) == cache[text]
 
 
 def test_replay_reports_the_classifier(artifact: Path, capsys, tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """The simulated cluster running the product's policies and the baselines."""
 
 import json
-from dataclasses import replace
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
