@@ -6,7 +6,13 @@ The output is a contract other tools rely on. Keys:
 (QPM), both ``{level: value}`` in level order; ``pasm`` (``{from: {to: probability}}``, zero
 entries left out); ``objective``; ``switch_cost``; ``served_qpm``; ``shortfall_qpm``;
 ``saturated``; ``moved_workers``; ``solve_ms``; ``assignment`` (``{worker_id: level}``, which
-``--current-plan`` reads back); ``profiles`` (where the numbers came from).
+``--current-plan`` reads back); ``profiles`` (where the numbers came from); ``planner``
+(``joint`` or ``paper``); ``class_quality`` (where Q(v | c) came from); ``slo_s`` (what the
+queue model planned against, null without one); ``why`` (``{level: sentence}``: what each
+level with workers serves and how busy the queue model lets it be).
+
+The PASM's rows are the classifier's classes (``joint``: tolerance bins, least tolerant first;
+``paper``: predicted optimal levels); row ``c`` is keyed by the name of level ``c``.
 
 Bad input (histogram length or values, strategy, worker counts, profile files) exits with
 code 2 and a one-line error.
@@ -18,15 +24,18 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from argus.cli.main import CLIError
+
+if TYPE_CHECKING:
+    from argus.allocator.queueing import QueueModel
 from argus.types import ClusterView, LoadForecast, Plan, ProfileSet, Strategy, WorkerState
 
 
 class PlanCommand:
     name = "plan"
-    help = "Solve one allocation (Eq. 1) and its PASM (Algorithm 1) and print them as JSON."
+    help = "Solve one plan (workers per level and the PASM) for a given load; print it as JSON."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--profiles", default="default", help="'default' or a TOML/YAML file")
@@ -51,15 +60,37 @@ class PlanCommand:
             help="weight of the model-load switching cost (0 turns it off; default 1)",
         )
         parser.add_argument("--period", type=float, default=60.0, help="planning period, s")
+        parser.add_argument(
+            "--planner",
+            default="joint",
+            help="joint (one program over class × level, the default) or paper (Eq. 1 + ODA)",
+        )
+        parser.add_argument(
+            "--slo",
+            type=float,
+            help="SLO in seconds the queue model plans against (default 3 × the best level's "
+            "latency on the first class); 0 plans every level up to its peak throughput",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
-        from argus.allocator.planner import PlannerConfig, make_plan
+        from argus.allocator.planner import PlannerConfig, PlannerMode, make_plan
+        from argus.allocator.queueing import QueueModel
         from argus.profiles import ProfileError, load_profiles
 
         try:
             strategy = Strategy.parse(args.strategy)
             profiles = load_profiles(args.profiles)
-            config = PlannerConfig(period_s=args.period, switch_cost_weight=args.switch_cost)
+            slo = 3.0 * profiles.best_latency_s(profiles.worker_classes[0])
+            if args.slo is not None:
+                if not (math.isfinite(args.slo) and args.slo >= 0.0):
+                    raise ValueError(f"--slo: must be a finite number >= 0, got {args.slo}")
+                slo = args.slo
+            config = PlannerConfig(
+                period_s=args.period,
+                switch_cost_weight=args.switch_cost,
+                mode=PlannerMode.parse(args.planner),
+                queue=QueueModel(slo) if slo > 0.0 else None,
+            )
         except (ValueError, ProfileError) as exc:
             raise CLIError(str(exc)) from None
         levels = profiles.levels_for(strategy)
@@ -76,7 +107,12 @@ class PlanCommand:
             plan = make_plan(profiles, strategy, workers, forecast, histogram, config=config)
         except ValueError as exc:
             raise CLIError(str(exc)) from None
-        print(json.dumps(plan_to_json(plan, profiles), indent=2))
+        document = plan_to_json(plan, profiles)
+        document["planner"] = config.mode.value
+        document["class_quality"] = "level averages"
+        document["slo_s"] = config.queue.slo_s if config.queue else None
+        document["why"] = explain(plan, profiles, workers, config.queue)
+        print(json.dumps(document, indent=2))
         return 0
 
 
@@ -163,3 +199,50 @@ def plan_to_json(plan: Plan, profiles: ProfileSet) -> dict[str, Any]:
         "assignment": dict(sorted(allocation.assignment.items())),
         "profiles": profiles.source,
     }
+
+
+def explain(
+    plan: Plan, profiles: ProfileSet, workers: ClusterView, queue: QueueModel | None
+) -> dict[str, str]:
+    """One sentence per level with workers: which classes it serves, its planned load, and
+    the utilisation and expected wait the queue model allows there."""
+    allocation = plan.allocation
+    levels = allocation.levels
+    by_id = {w.worker_id: w for w in workers.workers}
+    why: dict[str, str] = {}
+    for v, name in enumerate(levels):
+        count = allocation.workers_per_level[v]
+        if count == 0:
+            continue
+        load = allocation.load_share_qpm[v]
+        if load <= 0.0:
+            why[name] = f"{count} spare worker(s) with no planned load: headroom at this level"
+            continue
+        total = max(sum(plan.histogram), 1e-12)
+        shares = [
+            plan.histogram[c] * plan.shift_map.matrix[c][v] / total for c in range(len(levels))
+        ]
+        served = [
+            f"{share:.0%} of all prompts from class {c}"
+            for c, share in enumerate(shares)
+            if share > 0.005
+        ]
+        sentence = f"{load:.1f} QPM on {count} worker(s): {', '.join(served) or 'no class'}"
+        if queue is not None:
+            ids = [w for w, level in allocation.assignment.items() if level == name]
+            worker_class = by_id[ids[0]].worker_class if ids and ids[0] in by_id else ""
+            service = profiles.profile(worker_class, name).latency_s
+            peak = sum(
+                profiles.profile(by_id[w].worker_class, name).throughput_qpm
+                for w in ids
+                if w in by_id
+            )
+            busy = load / peak if peak else 0.0
+            cap = queue.max_utilisation(service, count)
+            wait = queue.expected_wait_s(service, count, busy)
+            sentence += (
+                f"; {busy:.0%} busy (cap {cap:.0%}), expected wait {wait:.2f} s within the "
+                f"{queue.slo_s - service:.2f} s the SLO leaves after {service:.2f} s of service"
+            )
+        why[name] = sentence
+    return why
