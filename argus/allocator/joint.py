@@ -32,7 +32,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import highspy
 import numpy as np
@@ -72,6 +72,8 @@ class JointPlan:
     class_load_qpm: tuple[tuple[float, ...], ...]  # x[c][v]
     capacity_qpm: tuple[float, ...]  # per level: Σ_g u·P_th·n, what the level may take
 
+
+NO_INCUMBENT_LIMIT_S = 10.0  # branch-and-bound time when the rounding is infeasible
 
 Caps = Mapping[tuple[str, str], float]  # (worker class, level name) → utilisation cap in [0, 1]
 
@@ -322,6 +324,8 @@ def _round_then_certify(
     if rounded is not None and rounded[0] >= bound - options.rel_gap * max(1.0, abs(bound)):
         return rounded[1]
     hint = rounded[1] if rounded is not None else None
+    if hint is None:  # the rounding lost too much capacity: search longer, there is no fallback
+        options = replace(options, time_limit_s=max(options.time_limit_s, NO_INCUMBENT_LIMIT_S))
     exact = _run(cols, rows, options, integer=True, hint=hint)
     if exact is not None:
         return exact[1]

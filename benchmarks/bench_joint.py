@@ -1,0 +1,100 @@
+"""Solve time of the joint program (argus/allocator/joint.py) as the planner calls it.
+
+Instances: the SYNTHETIC 12-level AC profile of ``bench_solver.py``, 1 or 4 worker classes,
+8 / 64 / 512 live workers, loads drawn uniformly between 30% and 120% of the cluster's
+capacity, a class histogram drawn from a flat Dirichlet per instance, and a SYNTHETIC
+Q(v | c) in which class c keeps full quality up to level c and loses 6% per level beyond it.
+Everything the product plans with is on: switching cost weight 1 with workers already holding
+the model, utilisation caps from the queue model (SLO 12.6 s) for the pools of the previous
+plan, and the planner's second solve when the pools change. Each figure is over ``--repeats``
+plans after ``--warmup`` plans that are not counted; percentiles are order statistics of the
+samples (p99 needs ≥ 100 samples to mean anything). CPU time is the process's.
+
+    python benchmarks/bench_joint.py [--repeats 200] [--warmup 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import numpy as np
+from _machine import machine_line
+from bench_solver import cluster, synthetic_profiles
+
+from argus.allocator.planner import PlannerConfig, make_plan
+from argus.allocator.queueing import QueueModel
+from argus.types import ClassQuality, ClusterView, LoadForecast, Plan, Strategy, WorkerState
+
+
+def class_quality(levels: tuple[str, ...]) -> ClassQuality:
+    n = len(levels)
+    rows = tuple(
+        tuple(1.0 if v <= c else max(0.5, 1.0 - 0.06 * (v - c)) for v in range(n)) for c in range(n)
+    )
+    return ClassQuality(Strategy.AC, levels, rows, tuple(1.0 / n for _ in levels), "SYNTHETIC")
+
+
+def holding(view: ClusterView, level: str) -> ClusterView:
+    return ClusterView(
+        tuple(WorkerState(w.worker_id, w.worker_class, True, level) for w in view.workers)
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(np.ceil(q * len(ordered))) - 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    args = parser.parse_args()
+    print(machine_line())
+    print("SYNTHETIC 12-level profile and Q(v | c); times per plan in ms (two solves at most)")
+    print(f"{'workers':>7} {'classes':>7} | {'wall p50':>8} {'wall p99':>8} {'cpu mean':>8} | n")
+    rng = random.Random(2026)
+    draws = np.random.default_rng(2026)
+    config = PlannerConfig(queue=QueueModel(12.6))
+    for workers in (8, 64, 512):
+        for class_count in (1, 4):
+            profiles = synthetic_profiles(class_count)
+            levels = profiles.levels_for(Strategy.AC)
+            quality = class_quality(tuple(level.name for level in levels))
+            view = holding(cluster(workers, class_count), levels[0].name)
+            fastest = levels[-1].name
+            cap = sum(
+                profiles.profile(w.worker_class, fastest).throughput_qpm for w in view.workers
+            )
+            previous: Plan | None = None
+            wall, cpu = [], []
+            for i in range(args.warmup + args.repeats):
+                load = rng.uniform(0.3, 1.2) * cap
+                histogram = tuple(draws.dirichlet(np.ones(len(levels))))
+                forecast = LoadForecast(load, load, load, float(i))
+                started, started_cpu = time.perf_counter(), time.process_time()
+                previous = make_plan(
+                    profiles,
+                    Strategy.AC,
+                    view,
+                    forecast,
+                    histogram,
+                    config=config,
+                    previous=previous,
+                    class_quality=quality,
+                )
+                if i >= args.warmup:
+                    wall.append((time.perf_counter() - started) * 1000.0)
+                    cpu.append((time.process_time() - started_cpu) * 1000.0)
+            print(
+                f"{workers:>7} {class_count:>7} | {statistics.median(wall):>8.2f} "
+                f"{percentile(wall, 0.99):>8.2f} {statistics.mean(cpu):>8.2f} | {len(wall)}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
