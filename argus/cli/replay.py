@@ -25,7 +25,15 @@ SIM_DEFAULTS: dict[str, Any] = {
     "classifier": "default",
     "adapters": "katz",
 }
-SIM_ONLY = ("policies", "gpus", "classifier", "adapters", "gpu_failure", "retrieval_fault")
+SIM_ONLY = (
+    "policies",
+    "gpus",
+    "classifier",
+    "adapters",
+    "gpu_failure",
+    "retrieval_fault",
+    "no_admission",
+)
 LIVE_ONLY = ("speedup", "limit", "timeout_s", "max_outstanding", "auth_token_file", "tls_ca")
 DEFAULT_SPEEDUP = 60.0
 CONNECT_TIMEOUT_S = 5.0
@@ -83,6 +91,15 @@ class ReplayCommand:
                 "(service A): 'katz' (served as Argus does: ControlNet-as-a-Service + bounded "
                 "async LoRA loading; the default), 'sequential' (the naive pipeline, Katz Eq. 1) "
                 "or 'none'"
+            ),
+        )
+        parser.add_argument(
+            "--no-admission",
+            action="store_true",
+            default=None,
+            help=(
+                "queue every request (an ablation); by default the simulator refuses, as the "
+                "router does, a request predicted to miss its deadline"
             ),
         )
         parser.add_argument("--seed", type=int, default=0)
@@ -155,7 +172,13 @@ class ReplayCommand:
             policies = [make_policy(n, classifier=classifier, seed=args.seed) for n in names]
             faults = parse_faults(args.gpu_failure, args.retrieval_fault)
             adapters = adapter_model_by_name(args.adapters)
-            config = SimConfig(gpus=args.gpus, faults=faults, seed=args.seed, adapters=adapters)
+            config = SimConfig(
+                gpus=args.gpus,
+                faults=faults,
+                seed=args.seed,
+                adapters=adapters,
+                admission=not args.no_admission,
+            )
         except (ProfileError, WorkloadError, ValueError) as exc:
             raise CLIError(str(exc)) from None
         quality = {
@@ -182,6 +205,11 @@ class ReplayCommand:
                 bar.done()
         description = _description(args, workload, quality, classifier)
         description["adapters"] = "none" if adapters is None else adapters.describe()
+        description["admission"] = (
+            "on: refuse what is predicted to miss its deadline, as the router does"
+            if config.admission
+            else "off: every request queued (ablation)"
+        )
         summaries = write_reports(results, args.out, description=description)
         print(format_table(summaries))
         print(

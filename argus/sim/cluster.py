@@ -23,9 +23,22 @@ fetches LoRAs from the request's arrival, so time spent queued on the worker hid
 Policies plan with profiles that include the mean adapter seconds of each level, as profiles
 measured on such traffic would; the SLO stays 3 × the adapter-free best latency.
 
+Admission (``SimConfig.admission``, on by default) is the router's: once the policy has chosen
+a worker and a level for a request, the simulator predicts the request's completion as the
+router does, :func:`argus.router.admission.predicted_completion_s` of the worker's queue and
+the level's latency on the worker's class in the profiles the policies plan with (adapter
+seconds included when adapters are on), and asks :func:`argus.router.admission.admit` whether
+it fits in the time left before the request's deadline (the SLO at arrival). A refused request
+is not served and uses no worker time; :class:`RunResult` marks it ``refused`` (finish time,
+score and relative quality NaN, level and worker -1). This is what the live router answers
+with RESOURCE_EXHAUSTED. The prediction counts a model load queued on the worker as one
+request, as the policies' queue lengths do. ``admission=False`` queues everything (an
+ablation).
+
 GPU failures take workers down for a window: requests still queued on them are routed again
 at the failure time, and the policy re-plans at once without them; they come back idle, with
-nothing loaded, when the window ends.
+nothing loaded, when the window ends. A request routed again is admitted again against what is
+left of its SLO, as the live router does on a retry; if it no longer fits it is refused.
 
 Arrivals are not events: they come from a sorted array. Period ticks, faults and policy
 timers are the only events.
@@ -43,6 +56,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import numpy.typing as npt
 
+from argus.router.admission import admit, predicted_completion_s
 from argus.sim.adapters import (
     AdapterCost,
     AdapterDraws,
@@ -110,6 +124,10 @@ class SimConfig:
 
     adapters: AdapterModel | None = None
     """ControlNets and LoRAs on the requests and how workers serve them; None: no adapters."""
+
+    admission: bool = True
+    """Refuse a routed request whose predicted completion misses its deadline, as the router
+    does (see the module docstring); False: serve every request, however late."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -208,10 +226,37 @@ class RunResult:
     busy_by_minute_s: list[float] = field(default_factory=list)  # GPU-seconds busy per minute
     gpus: int = 1
     adapter_s: float = 0.0  # seconds adapters added to service times, all requests together
+    # True for the requests admission refused (never served); left out: none refused
+    refused: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+
+    def __post_init__(self) -> None:
+        if len(self.refused) != len(self.arrivals_s):
+            if len(self.refused):
+                raise ValueError(
+                    f"refused: {len(self.refused)} flags for {len(self.arrivals_s)} requests"
+                )
+            self.refused = np.zeros(len(self.arrivals_s), dtype=np.bool_)
+
+    @property
+    def admitted(self) -> npt.NDArray[np.bool_]:
+        """True for the requests admission let through (served, within the SLO or not)."""
+        return ~self.refused
+
+    @property
+    def late(self) -> npt.NDArray[np.bool_]:
+        """Admitted requests that finished later than the SLO after arriving."""
+        with np.errstate(invalid="ignore"):
+            return self.admitted & ((self.finish_s - self.arrivals_s) > self.slo_s)
 
     @property
     def violated(self) -> npt.NDArray[np.bool_]:
-        return (self.finish_s - self.arrivals_s) > self.slo_s
+        """Requests not served within the SLO: late ones and refused ones."""
+        return self.late | self.refused
+
+    @property
+    def good(self) -> npt.NDArray[np.bool_]:
+        """Requests served within the SLO (the ones effective quality averages)."""
+        return ~self.violated
 
 
 class _Worker:
@@ -295,6 +340,8 @@ class _Run:
         self.worker_index = {w.worker_id: i for i, w in enumerate(self.workers)}
         self.score = np.zeros(n)
         self.relative = np.zeros(n)
+        self.refused = np.zeros(n, dtype=np.bool_)
+        self._plan_latency_cache: dict[str, float] = {}
         self.model_switches = 0
         self.plan_changes = 0
         self.busy_s = 0.0
@@ -451,7 +498,33 @@ class _Run:
             if not worker.alive:
                 down.append(worker.worker_id)
         worker_id, level_name = self.policy.route(i, now, queues, frozenset(down))
-        self._serve(i, now, self.by_id[worker_id], level_name)
+        worker = self.by_id[worker_id]
+        if self.cfg.admission:
+            predicted = predicted_completion_s(queues[worker_id], self._plan_latency(level_name))
+            budget = self.sim.slo_s - (now - float(self.arrivals[i]))
+            if not admit(predicted, budget).admitted:
+                self._refuse(i)
+                return
+        self.refused[i] = False  # a request routed again after a failure may be admitted now
+        self._serve(i, now, worker, level_name)
+
+    def _refuse(self, i: int) -> None:
+        """Request ``i`` is refused: it gets no worker, no image and no score."""
+        self.refused[i] = True
+        self.finish[i] = math.nan
+        self.level[i] = -1
+        self.worker[i] = -1
+        self.score[i] = math.nan
+        self.relative[i] = math.nan
+
+    def _plan_latency(self, level_name: str) -> float:
+        """The level's latency in the profiles the policies plan with: the router's t_proc."""
+        cached = self._plan_latency_cache.get(level_name)
+        if cached is None:
+            profiles = self.sim.plan_profiles
+            cached = profiles.profile(self.cfg.worker_class, level_name).latency_s
+            self._plan_latency_cache[level_name] = cached
+        return cached
 
     def _serve(self, i: int, now: float, worker: _Worker, level_name: str) -> None:
         level = self.sim._levels[level_name]
@@ -547,7 +620,8 @@ class _Run:
 
     def _result(self) -> RunResult:
         duration = float(self.arrivals[-1]) if len(self.arrivals) else 0.0
-        end = max(duration, float(self.finish.max()) if len(self.finish) else 0.0)
+        served = self.finish[~self.refused]
+        end = max(duration, float(served.max()) if len(served) else 0.0)
         strategy_switches = int(getattr(self.policy, "strategy_switches", 0))
         return RunResult(
             policy=self.policy.name,
@@ -569,6 +643,7 @@ class _Run:
             busy_by_minute_s=self.busy_by_minute,
             gpus=self.cfg.gpus,
             adapter_s=self.adapter_s,
+            refused=self.refused,
         )
 
 

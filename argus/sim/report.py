@@ -82,7 +82,8 @@ class MinuteSeries:
 def per_minute(result: RunResult) -> MinuteSeries:
     minutes = int(result.duration_s // 60.0) + 1
     arrival_minute = (result.arrivals_s // 60.0).astype(np.int64)
-    finish_minute = (result.finish_s // 60.0).astype(np.int64)
+    admitted = result.admitted
+    finish_minute = np.where(admitted, result.finish_s // 60.0, minutes).astype(np.int64)
     offered = np.bincount(arrival_minute, minlength=minutes)[:minutes].astype(float)
     done = finish_minute < minutes
     served = np.bincount(finish_minute[done], minlength=minutes)[:minutes].astype(float)
