@@ -29,6 +29,24 @@ def test_replay_writes_reports_for_every_policy(capsys, tmp_path):
     assert "synthetic" in summary["description"]["quality"]
     assert (tmp_path / "per_minute.csv").exists() and (tmp_path / "timeseries.png").exists()
     assert "argus" in out and "clipper-ht" in out
+    assert "SYNTHETIC" in out and "goodput" in out
+    assert summary["description"]["admission"].startswith("on")
+    argus = summary["policies"]["argus"]
+    assert argus["requests"] == argus["admitted"] + argus["refused"]
+    assert argus["quality_n"] == argus["goodput"]
+
+
+def test_no_admission_queues_every_request(capsys, tmp_path):
+    args = ["--trace", "poisson", "--duration", "2", "--scale", "2", "--policies", "clipper-ha"]
+    code, _, err = replay(capsys, *args, "--no-admission", "--out", str(tmp_path))
+    assert code == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["description"]["admission"].startswith("off")
+    assert summary["policies"]["clipper-ha"]["refused"] == 0
+    code, _, err = replay(capsys, *args, "--out", str(tmp_path / "on"))
+    assert code == 0, err
+    summary = json.loads((tmp_path / "on" / "summary.json").read_text())
+    assert summary["policies"]["clipper-ha"]["refused"] > 0  # 300 QPM on 8 SDXL GPUs
 
 
 def test_faults_on_the_command_line(capsys, tmp_path):
@@ -59,6 +77,7 @@ def test_faults_on_the_command_line(capsys, tmp_path):
         (["--gpu-failure", "1:2"], "--gpu-failure"),
         (["--retrieval-fault", "a:b"], "not a number"),
         (["--gpus", "0"], "gpus"),
+        (["--live", "127.0.0.1:1", "--no-admission"], "--no-admission does not apply"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, tmp_path, args, needle):

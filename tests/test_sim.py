@@ -12,7 +12,7 @@ from argus.sim.adapters import AdapterModel
 from argus.sim.cluster import GpuFailure, Policy, RetrievalFault, SimConfig, Simulation
 from argus.sim.policies import POLICIES, NoisyOracleClassifier, make_policy
 from argus.sim.quality import synthetic_quality_table
-from argus.sim.report import per_minute, summarise, write_reports
+from argus.sim.report import format_table, per_minute, summarise, write_reports
 from argus.sim.workloads import Workload, bursty, poisson
 from argus.types import Strategy
 
@@ -167,15 +167,27 @@ def test_reports_are_written(tmp_path, light):
     summaries = write_reports(results, tmp_path, description={"title": "t", "quality": "q"})
     document = json.loads((tmp_path / "summary.json").read_text())
     for key in (
+        "requests",
         "served_qpm",
         "offered_qpm",
+        "admitted",
+        "admitted_qpm",
+        "refused",
+        "refused_qpm",
+        "goodput",
+        "goodput_qpm",
         "effective_quality",
         "relative_quality",
+        "quality_n",
         "slo_violation_ratio",
+        "slo_violation_ratio_admitted",
         "model_switches",
         "utilisation",
     ):
         assert key in document["policies"]["argus"]
+    header = (tmp_path / "per_minute.csv").read_text().splitlines()[0].split(",")
+    for column in ("admitted_qpm", "refused_qpm", "goodput_qpm", "quality_n"):
+        assert column in header
     rows = (tmp_path / "per_minute.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * len(per_minute(results[0]).offered_qpm)
     assert (tmp_path / "timeseries.png").read_bytes()[:4] == b"\x89PNG"
@@ -320,3 +332,37 @@ def test_predicted_completion_is_the_schedulers_score():
     assert predicted_completion_s(2, 4.2) == pytest.approx(12.6)
     assert admit(predicted_completion_s(2, 4.0), budget_s=12.0).admitted
     assert not admit(predicted_completion_s(3, 4.0), budget_s=12.0).admitted
+
+
+def test_summary_counts_add_up_and_every_mean_says_over_how_many():
+    workload = burst(60, gap_s=0.25)
+    result = simulate(workload, "clipper-ha", gpus=2, jitter=0.0)
+    summary = summarise(result)
+    assert summary.requests == len(workload) == summary.admitted + summary.refused
+    assert summary.refused == int(result.refused.sum()) > 0
+    assert summary.goodput == summary.quality_n == int(result.good.sum())
+    late = int(result.late.sum())
+    assert summary.slo_violation_ratio == pytest.approx((late + summary.refused) / len(workload))
+    assert summary.slo_violation_ratio_admitted == pytest.approx(late / summary.admitted)
+    good = result.good
+    assert summary.effective_quality == pytest.approx(result.score[good].mean())
+    minutes = result.duration_s / 60.0
+    assert summary.goodput_qpm == pytest.approx(summary.goodput / minutes)
+    assert summary.refused_qpm == pytest.approx(summary.refused / minutes)
+    series = per_minute(result)
+    assert (series.offered_qpm == series.admitted_qpm + series.refused_qpm).all()
+    assert series.refused_qpm.sum() == summary.refused
+    assert series.goodput_qpm.sum() == series.quality_n.sum() == summary.goodput
+    table = format_table([summary])
+    assert f"({summary.refused:,})" in table and f"of {summary.admitted:,}" in table
+    assert f"{summary.quality_n:,}" in table and "SYNTHETIC" in table
+    assert "SYNTHETIC" not in format_table([summary], synthetic_quality=False)
+
+
+def test_quality_means_are_zero_over_zero_requests_when_nothing_meets_the_slo():
+    result = simulate(burst(5), _AllTo("sm-sd-xl"), gpus=2, jitter=0.0, slo_factor=0.5)
+    summary = summarise(result)
+    assert summary.refused == 5 and summary.quality_n == 0
+    assert summary.effective_quality == 0.0 and summary.slo_violation_ratio == 1.0
+    assert summary.slo_violation_ratio_admitted == 0.0  # nothing admitted, nothing late
+    assert " - " in format_table([summary])  # no mean printed over no requests

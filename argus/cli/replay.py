@@ -152,7 +152,7 @@ class ReplayCommand:
         from argus.sim.cluster import SimConfig, Simulation
         from argus.sim.policies import make_classifier, make_policy
         from argus.sim.quality import synthetic_quality_table
-        from argus.sim.report import format_table, write_reports
+        from argus.sim.report import format_table, is_synthetic, write_reports
         from argus.sim.workloads import WorkloadError, workload_by_name
         from argus.types import Strategy
 
@@ -211,7 +211,7 @@ class ReplayCommand:
             else "off: every request queued (ablation)"
         )
         summaries = write_reports(results, args.out, description=description)
-        print(format_table(summaries))
+        print(format_table(summaries, synthetic_quality=is_synthetic(description["quality"])))
         print(
             f"\n{len(workload):,} requests × {len(policies)} policies in "
             f"{time.perf_counter() - started:.1f} s; quality model: {_short(description)}; "
@@ -241,7 +241,7 @@ def run_live(args: argparse.Namespace) -> int:
     )
     from argus.profiles import ProfileError, load_profiles
     from argus.sim.quality import synthetic_quality_table
-    from argus.sim.report import format_table, write_reports
+    from argus.sim.report import format_table, is_synthetic, write_reports
     from argus.sim.workloads import WorkloadError, workload_by_name
     from argus.types import Strategy
 
@@ -304,7 +304,7 @@ def run_live(args: argparse.Namespace) -> int:
     }
     summaries = write_reports([result.run], args.out, description=description)
     write_requests(result, args.out / "requests.csv")
-    print(format_table(summaries))
+    print(format_table(summaries, synthetic_quality=is_synthetic(description["quality"])))
     c = result.counts
     print(
         f"\n{c.total:,} requests live against {args.live} at {config.speedup:g}x in "
