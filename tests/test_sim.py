@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -366,3 +367,114 @@ def test_quality_means_are_zero_over_zero_requests_when_nothing_meets_the_slo():
     assert summary.effective_quality == 0.0 and summary.slo_violation_ratio == 1.0
     assert summary.slo_violation_ratio_admitted == 0.0  # nothing admitted, nothing late
     assert " - " in format_table([summary])  # no mean printed over no requests
+
+
+# -- heterogeneous GPU classes ----------------------------------------------------------------
+
+
+def sparse(count: int, every_s: float = 20.0, first_s: float = 20.0) -> Workload:
+    """Requests far enough apart that each finds its worker idle."""
+    return burst(count, at_s=first_s, gap_s=every_s)
+
+
+def test_each_worker_is_served_at_its_own_class_latency():
+    config = {"gpus": 2, "worker_class": "a100", "gpus_by_class": (("a100", 1), ("h100", 1))}
+    for worker, worker_class in (("w0", "a100"), ("w1", "h100")):
+        result = simulate(sparse(4), _AllTo("sm-sd-xl", worker), jitter=0.0, **config)
+        latency = result.finish_s - result.arrivals_s
+        expected = PROFILES.profile(worker_class, "sm-sd-xl").latency_s
+        assert latency == pytest.approx([expected] * 4)
+        assert result.worker_classes == ("a100", "h100")
+        assert result.slo_s == pytest.approx(3 * 4.2)  # the slowest class's best latency
+
+
+def test_model_loads_take_the_load_time_of_the_workers_class():
+    table = dict(PROFILES.table)
+    for level in PROFILES.levels:
+        key = ("h100", level.name)
+        table[key] = replace(table[key], load_time_s=3.0)
+    profiles = replace(PROFILES, table=table)
+    workload = burst(1, at_s=0.5)  # arrives while the first model loads
+    for worker, load in (("w0", PROFILES.profile("a100", "sm-sd-xl").load_time_s), ("w1", 3.0)):
+        sim = Simulation(
+            profiles,
+            quality_for(workload),
+            workload,
+            SimConfig.with_classes({"a100": 1, "h100": 1}, jitter=0.0),
+        )
+        result = sim.run(_AllTo("sm-sd-xl", worker))
+        worker_class = result.worker_classes[int(worker[1])]
+        latency = profiles.profile(worker_class, "sm-sd-xl").latency_s
+        assert result.finish_s[0] == pytest.approx(load + latency)
+
+
+class _Recorder(_AllTo):
+    """Records what the simulator shows the policy."""
+
+    def reset(self, ctx):
+        super().reset(ctx)
+        self.classes = dict(ctx.worker_classes)
+        self.views = []
+
+    def replan(self, now_s, view):
+        self.views.append({w.worker_id: w.worker_class for w in view.workers})
+        return super().replan(now_s, view)
+
+
+def test_policies_see_every_workers_class():
+    policy = _Recorder()
+    config = SimConfig.with_classes({"h100": 2, "a100": 1}, jitter=0.0)
+    assert (config.gpus, config.worker_class) == (3, "h100")
+    result = Simulation(PROFILES, quality_for(sparse(3)), sparse(3), config).run(policy)
+    expected = {"w0": "h100", "w1": "h100", "w2": "a100"}
+    assert policy.classes == expected
+    assert policy.views and all(view == expected for view in policy.views)
+    assert result.slo_s == pytest.approx(3 * PROFILES.best_latency_s("a100"))
+    only_fast = simulate(sparse(2), "clipper-ha", **{"gpus": 2, "worker_class": "h100"})
+    assert only_fast.slo_s == pytest.approx(3 * PROFILES.best_latency_s("h100"))
+
+
+def test_clipper_sends_more_work_to_the_faster_class():
+    mixed = SimConfig.with_classes({"a100": 2, "h100": 2}, jitter=0.0)
+    light = sparse(5)
+    result = Simulation(PROFILES, quality_for(light), light, mixed).run(make_policy("clipper-ha"))
+    assert set(result.worker[~result.refused]) <= {2, 3}  # an idle H100 finishes first
+    heavy = poisson(mean_qpm=60.0, duration_min=4, seed=3)
+    result = Simulation(PROFILES, quality_for(heavy), heavy, mixed).run(make_policy("clipper-ha"))
+    served = result.worker[~result.refused]
+    on_h100 = np.isin(served, [2, 3]).sum()
+    on_a100 = np.isin(served, [0, 1]).sum()
+    assert on_a100 > 0 and on_h100 > 1.5 * on_a100  # H100s are twice as fast
+
+
+def test_sommelier_sizes_each_gpu_by_its_own_class():
+    workload = poisson(mean_qpm=40.0, duration_min=4, seed=5)  # 20 QPM per GPU
+    policy = make_policy("sommelier")
+    config = SimConfig.with_classes({"a100": 1, "h100": 1})
+    Simulation(PROFILES, quality_for(workload), workload, config).run(policy)
+    sm = [level.name for level in PROFILES.levels_for(Strategy.SM)]
+    a100, h100 = policy.assignment["w0"], policy.assignment["w1"]
+    assert sm.index(h100) < sm.index(a100)  # the H100 keeps a better (slower) level
+    assert PROFILES.profile("h100", h100).throughput_qpm >= 20.0
+    assert PROFILES.profile("a100", a100).throughput_qpm >= 20.0
+    assert PROFILES.profile("a100", h100).throughput_qpm < 20.0
+
+
+def test_bad_gpu_classes_are_named():
+    with pytest.raises(ValueError, match="gpus: 8 differs"):
+        SimConfig(gpus_by_class=(("a100", 2),))
+    with pytest.raises(ValueError, match="h100 must have >= 1"):
+        SimConfig.with_classes({"a100": 2, "h100": 0})
+    with pytest.raises(ValueError, match="first class"):
+        SimConfig(gpus=2, worker_class="h100", gpus_by_class=(("a100", 2),))
+    with pytest.raises(ValueError, match="'v100' has no profiles"):
+        simulate(sparse(1), "clipper-ha", **{"gpus": 1, "worker_class": "v100"})
+
+
+def test_admission_predicts_with_the_chosen_workers_class():
+    config = SimConfig.with_classes({"a100": 1, "h100": 1}, jitter=0.0)
+    sim = Simulation(PROFILES, quality_for(burst(10)), burst(10), config)
+    to_h100 = sim.run(_AllTo("sm-sd-xl", "w1"))
+    fits = int(round(sim.slo_s / PROFILES.profile("h100", "sm-sd-xl").latency_s, 9))
+    assert (~to_h100.refused).sum() == fits == 6  # (k + 1) x 2.1 s within 12.6 s
+    assert (~sim.run(_AllTo("sm-sd-xl", "w0")).refused).sum() == 3

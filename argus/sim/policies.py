@@ -38,6 +38,7 @@ from argus.allocator.allocator import Allocator, AllocatorConfig
 from argus.allocator.planner import PlannerConfig
 from argus.allocator.predictor import LoadPredictor, LoadPredictorConfig
 from argus.allocator.strategy import StrategyMonitor
+from argus.router.admission import predicted_completion_s
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.sim.cluster import Policy, SimContext
 from argus.sim.quality import QualityTable
@@ -332,14 +333,19 @@ class ProteusPolicy(_Planned):
 
 
 class _Static(Policy):
-    """Every GPU at one level chosen up front; routes to the least-loaded live worker."""
+    """Every GPU at one level chosen up front; routes to the live worker that would finish the
+    request first, ``(queue + 1) × latency`` on the worker's class: the least-loaded worker
+    when every GPU is of one class, and a fast GPU takes a longer queue than a slow one."""
 
     level_index = 0  # index into the SM levels
 
     def reset(self, ctx: SimContext) -> None:
         self.ctx = ctx
         self.level = ctx.profiles.levels_for(Strategy.SM)[self.level_index].name
-        self.latency = ctx.profiles.profile(ctx.worker_class, self.level).latency_s
+        self.latency = {
+            worker_id: ctx.profiles.profile(ctx.worker_classes[worker_id], self.level).latency_s
+            for worker_id in ctx.worker_ids
+        }
 
     def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
         return {w.worker_id: self.level for w in view.alive()}
@@ -348,7 +354,9 @@ class _Static(Policy):
         self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
     ) -> tuple[str, str]:
         live = [w for w in self.ctx.worker_ids if w not in down]
-        return min(live, key=lambda w: queues.get(w, 0)), self.level
+        latency = self.latency
+        best = min(live, key=lambda w: predicted_completion_s(queues.get(w, 0), latency[w]))
+        return best, self.level
 
 
 class ClipperHaPolicy(_Static):
@@ -377,7 +385,9 @@ class _Uniform(Policy):
 
 
 class SommelierPolicy(_Uniform):
-    """Per-GPU accuracy scaling: each GPU sizes its level for its own 1/N of the load."""
+    """Per-GPU accuracy scaling: each GPU sizes its level for its own 1/N of the load (uniform
+    routing sends it that much), the best SM level whose throughput on the GPU's own class
+    covers it: on a mixed cluster a fast GPU keeps a better level than a slow one."""
 
     name = "sommelier"
 
@@ -410,7 +420,8 @@ class SommelierPolicy(_Uniform):
 
 
 class NirvanaPolicy(_Uniform):
-    """AC with each prompt's own K on every GPU, uniform routing."""
+    """AC with each prompt's own K on every GPU, uniform routing. The K depends on the prompt
+    alone (quality does not depend on the GPU), so every class serves the same levels."""
 
     name = "nirvana"
 
