@@ -29,6 +29,24 @@ def test_replay_writes_reports_for_every_policy(capsys, tmp_path):
     assert "synthetic" in summary["description"]["quality"]
     assert (tmp_path / "per_minute.csv").exists() and (tmp_path / "timeseries.png").exists()
     assert "argus" in out and "clipper-ht" in out
+    assert "SYNTHETIC" in out and "goodput" in out
+    assert summary["description"]["admission"].startswith("on")
+    argus = summary["policies"]["argus"]
+    assert argus["requests"] == argus["admitted"] + argus["refused"]
+    assert argus["quality_n"] == argus["goodput"]
+
+
+def test_no_admission_queues_every_request(capsys, tmp_path):
+    args = ["--trace", "poisson", "--duration", "2", "--scale", "2", "--policies", "clipper-ha"]
+    code, _, err = replay(capsys, *args, "--no-admission", "--out", str(tmp_path))
+    assert code == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["description"]["admission"].startswith("off")
+    assert summary["policies"]["clipper-ha"]["refused"] == 0
+    code, _, err = replay(capsys, *args, "--out", str(tmp_path / "on"))
+    assert code == 0, err
+    summary = json.loads((tmp_path / "on" / "summary.json").read_text())
+    assert summary["policies"]["clipper-ha"]["refused"] > 0  # 300 QPM on 8 SDXL GPUs
 
 
 def test_faults_on_the_command_line(capsys, tmp_path):
@@ -59,6 +77,11 @@ def test_faults_on_the_command_line(capsys, tmp_path):
         (["--gpu-failure", "1:2"], "--gpu-failure"),
         (["--retrieval-fault", "a:b"], "not a number"),
         (["--gpus", "0"], "gpus"),
+        (["--live", "127.0.0.1:1", "--no-admission"], "--no-admission does not apply"),
+        (["--gpus", "v100=2"], "unknown GPU class 'v100'"),
+        (["--gpus", "a100=x"], "expected N or CLASS=N"),
+        (["--gpus", "a100=2,a100=2"], "given twice"),
+        (["--gpus", "a100=0"], "needs >= 1 GPU"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, tmp_path, args, needle):
@@ -83,3 +106,32 @@ def test_bad_trace_files(capsys, tmp_path, content, needle):
     assert code == 2
     assert len(err.strip().splitlines()) == 1
     assert needle in err.lower()
+
+
+def test_gpus_per_class(capsys, tmp_path):
+    code, _, err = replay(
+        capsys,
+        "--trace",
+        "poisson",
+        "--duration",
+        "2",
+        "--gpus",
+        "a100=2,h100=2",
+        "--policies",
+        "clipper-ha,sommelier",
+        "--out",
+        str(tmp_path),
+    )
+    assert code == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["description"]["gpus"] == "a100=2,h100=2"
+    assert "4 GPUs (a100=2, h100=2)" in summary["description"]["title"]
+    assert float(summary["description"]["slo_s"]) == pytest.approx(12.6)  # A100's 3 x 4.2 s
+    code, _, err = replay(
+        capsys,
+        *("--trace", "poisson", "--duration", "1", "--gpus", "3", "--policies", "clipper-ht"),
+        *("--out", str(tmp_path)),
+    )
+    assert code == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["description"]["gpus"] == "a100=3"  # a count: the profiles' first class

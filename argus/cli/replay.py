@@ -21,11 +21,19 @@ from argus.cli.main import CLIError
 DEFAULT_POLICIES = "argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana"
 SIM_DEFAULTS: dict[str, Any] = {
     "policies": DEFAULT_POLICIES,
-    "gpus": 8,
+    "gpus": "8",
     "classifier": "default",
     "adapters": "katz",
 }
-SIM_ONLY = ("policies", "gpus", "classifier", "adapters", "gpu_failure", "retrieval_fault")
+SIM_ONLY = (
+    "policies",
+    "gpus",
+    "classifier",
+    "adapters",
+    "gpu_failure",
+    "retrieval_fault",
+    "no_admission",
+)
 LIVE_ONLY = ("speedup", "limit", "timeout_s", "max_outstanding", "auth_token_file", "tls_ca")
 DEFAULT_SPEEDUP = 60.0
 CONNECT_TIMEOUT_S = 5.0
@@ -49,7 +57,15 @@ class ReplayCommand:
         parser.add_argument(
             "--policies", help=f"comma-separated policy names (default {DEFAULT_POLICIES})"
         )
-        parser.add_argument("--gpus", type=int, help="simulated GPUs (default 8)")
+        parser.add_argument(
+            "--gpus",
+            metavar="N|CLASS=N,...",
+            help=(
+                "simulated GPUs: a count, all of the profiles' first GPU class (default 8), or "
+                "counts per class such as a100=4,h100=4; the SLO is 3 x the best level's "
+                "latency on the slowest class present"
+            ),
+        )
         parser.add_argument("--duration", type=float, help="minutes, for synthetic traces")
         parser.add_argument("--scale", type=float, default=1.0, help="rate scale of the trace")
         parser.add_argument("--profiles", default="default", help="'default' or a TOML/YAML file")
@@ -83,6 +99,15 @@ class ReplayCommand:
                 "(service A): 'katz' (served as Argus does: ControlNet-as-a-Service + bounded "
                 "async LoRA loading; the default), 'sequential' (the naive pipeline, Katz Eq. 1) "
                 "or 'none'"
+            ),
+        )
+        parser.add_argument(
+            "--no-admission",
+            action="store_true",
+            default=None,
+            help=(
+                "queue every request (an ablation); by default the simulator refuses, as the "
+                "router does, a request predicted to miss its deadline"
             ),
         )
         parser.add_argument("--seed", type=int, default=0)
@@ -136,7 +161,7 @@ class ReplayCommand:
         from argus.sim.cluster import SimConfig, Simulation
         from argus.sim.policies import make_policy
         from argus.sim.quality import synthetic_quality_table
-        from argus.sim.report import format_table, write_reports
+        from argus.sim.report import format_table, is_synthetic, write_reports
         from argus.sim.workloads import WorkloadError, workload_by_name
         from argus.types import Strategy
 
@@ -156,7 +181,14 @@ class ReplayCommand:
             policies = [make_policy(n, classifier=classifier, seed=args.seed) for n in names]
             faults = parse_faults(args.gpu_failure, args.retrieval_fault)
             adapters = adapter_model_by_name(args.adapters)
-            config = SimConfig(gpus=args.gpus, faults=faults, seed=args.seed, adapters=adapters)
+            gpu_counts = parse_gpus(args.gpus, profiles.worker_classes)
+            config = SimConfig.with_classes(
+                gpu_counts,
+                faults=faults,
+                seed=args.seed,
+                adapters=adapters,
+                admission=not args.no_admission,
+            )
         except (ProfileError, WorkloadError, ValueError) as exc:
             raise CLIError(str(exc)) from None
         quality = {
@@ -181,10 +213,16 @@ class ReplayCommand:
             results.append(sim.run(policy, bar.update if bar else None))
             if bar:
                 bar.done()
-        description = _description(args, workload, quality, classifier)
+        description = _description(args, workload, quality, classifier, gpu_counts)
+        description["slo_s"] = f"{sim.slo_s:g}"
         description["adapters"] = "none" if adapters is None else adapters.describe()
+        description["admission"] = (
+            "on: refuse what is predicted to miss its deadline, as the router does"
+            if config.admission
+            else "off: every request queued (ablation)"
+        )
         summaries = write_reports(results, args.out, description=description)
-        print(format_table(summaries))
+        print(format_table(summaries, synthetic_quality=is_synthetic(description["quality"])))
         print(
             f"\n{len(workload):,} requests × {len(policies)} policies in "
             f"{time.perf_counter() - started:.1f} s; quality model: {_short(description)}; "
@@ -214,7 +252,7 @@ def run_live(args: argparse.Namespace) -> int:
     )
     from argus.profiles import ProfileError, load_profiles
     from argus.sim.quality import synthetic_quality_table
-    from argus.sim.report import format_table, write_reports
+    from argus.sim.report import format_table, is_synthetic, write_reports
     from argus.sim.workloads import WorkloadError, workload_by_name
     from argus.types import Strategy
 
@@ -277,7 +315,7 @@ def run_live(args: argparse.Namespace) -> int:
     }
     summaries = write_reports([result.run], args.out, description=description)
     write_requests(result, args.out / "requests.csv")
-    print(format_table(summaries))
+    print(format_table(summaries, synthetic_quality=is_synthetic(description["quality"])))
     c = result.counts
     print(
         f"\n{c.total:,} requests live against {args.live} at {config.speedup:g}x in "
@@ -331,6 +369,42 @@ def parse_faults(gpu_specs: list[str], retrieval_specs: list[str]) -> tuple[Any,
     return tuple(faults)
 
 
+def parse_gpus(text: str, known: tuple[str, ...] | None) -> dict[str, int]:
+    """``--gpus``: ``N`` (N GPUs of the first known class, ``a100`` when ``known`` is None)
+    or ``CLASS=N,CLASS=N`` -> {class: count}, in the given order. Classes not in ``known``
+    (when given), counts below 1 and repeated classes are CLIErrors quoting the text."""
+    spec = text.strip()
+    if spec.isdigit():
+        count = int(spec)
+        if count < 1:
+            raise CLIError(f"--gpus: must be >= 1, got {text!r}")
+        return {known[0] if known else "a100": count}
+    counts: dict[str, int] = {}
+    for part in spec.split(","):
+        name, equals, number = part.partition("=")
+        name = name.strip()
+        if not equals or not name or not number.strip().isdigit():
+            raise CLIError(f"--gpus: expected N or CLASS=N[,CLASS=N...], got {text!r}")
+        if name in counts:
+            raise CLIError(f"--gpus: class {name!r} given twice in {text!r}")
+        if known is not None and name not in known:
+            raise CLIError(
+                f"--gpus: unknown GPU class {name!r}; the profiles have {', '.join(known)}"
+            )
+        counts[name] = int(number)
+        if counts[name] < 1:
+            raise CLIError(f"--gpus: class {name!r} needs >= 1 GPU, got {text!r}")
+    return counts
+
+
+def describe_gpus(counts: dict[str, int]) -> str:
+    """``8 GPUs`` or ``8 GPUs (a100=4, h100=4)``."""
+    total = sum(counts.values())
+    if len(counts) == 1:
+        return f"{total} GPUs"
+    return f"{total} GPUs ({', '.join(f'{c}={n}' for c, n in counts.items())})"
+
+
 def _minutes(text: str, spec: str) -> float:
     return 60.0 * _number(text, spec)
 
@@ -343,18 +417,22 @@ def _number(text: str, spec: str) -> float:
 
 
 def _description(
-    args: argparse.Namespace, workload: Any, quality: Any, classifier: Any
+    args: argparse.Namespace,
+    workload: Any,
+    quality: Any,
+    classifier: Any,
+    gpu_counts: dict[str, int],
 ) -> dict[str, str]:
     sources = sorted({table.source for table in quality.values()})
     return {
         "title": (
             f"{workload.name} (rate x{args.scale:g}): {len(workload):,} requests on "
-            f"{args.gpus} GPUs, synthetic quality"
+            f"{describe_gpus(gpu_counts)}, synthetic quality"
         ),
         "trace": workload.source,
         "quality": "; ".join(sources),
         "classifier": classifier.label,
-        "gpus": str(args.gpus),
+        "gpus": ",".join(f"{name}={count}" for name, count in gpu_counts.items()),
         "seed": str(args.seed),
     }
 

@@ -30,6 +30,17 @@ class AdmissionDecision:
     retry_after_s: float  # when rejected: the predicted excess, a hint for the client's retry
 
 
+def predicted_completion_s(queue_length: int, t_proc_s: float) -> float:
+    """Seconds until a request routed now to a worker would finish there: ``(queue_length + 1)
+    × t_proc_s``, the requests ahead of it plus itself, each taking the level's profiled
+    latency on that worker's class.
+
+    This is the scheduler's Eq. 3 score (``RouteDecision.score``); the simulator calls it to
+    predict what the router predicts, so both admit the same requests.
+    """
+    return (queue_length + 1) * t_proc_s
+
+
 def admit(
     predicted_s: float, budget_s: float, *, min_retry_after_s: float = 0.05
 ) -> AdmissionDecision:

@@ -6,7 +6,15 @@ decides levels and routes exactly as it would live.
 
 Model of a worker: one request at a time (batch size 1, Argus §3.2), first come first served.
 A request's finish time is fixed when it is routed: ``max(now, worker free) + service``, where
-service is the level's profiled latency times a seeded log-normal jitter. Changing a worker to
+service is the level's profiled latency on the worker's GPU class times a seeded log-normal
+jitter.
+
+Workers may be of several GPU classes (``SimConfig.with_classes``, e.g. 4 a100 + 4 h100):
+each worker's latency, model load time and throughput come from the profiles of its own class,
+and policies see every worker's class in the :class:`~argus.types.ClusterView` and in
+``SimContext.worker_classes``. The SLO is ``slo_factor`` × the best level's latency on the
+*slowest* class present (the class whose best level takes longest), so a request the cluster
+serves at full quality on any of its GPUs can meet it. Changing a worker to
 a level whose model it does not hold makes it load that model first (``load_time_s``), during
 which it serves nothing; a change of K on the loaded model is free.
 
@@ -23,9 +31,22 @@ fetches LoRAs from the request's arrival, so time spent queued on the worker hid
 Policies plan with profiles that include the mean adapter seconds of each level, as profiles
 measured on such traffic would; the SLO stays 3 × the adapter-free best latency.
 
+Admission (``SimConfig.admission``, on by default) is the router's: once the policy has chosen
+a worker and a level for a request, the simulator predicts the request's completion as the
+router does, :func:`argus.router.admission.predicted_completion_s` of the worker's queue and
+the level's latency on the worker's class in the profiles the policies plan with (adapter
+seconds included when adapters are on), and asks :func:`argus.router.admission.admit` whether
+it fits in the time left before the request's deadline (the SLO at arrival). A refused request
+is not served and uses no worker time; :class:`RunResult` marks it ``refused`` (finish time,
+score and relative quality NaN, level and worker -1). This is what the live router answers
+with RESOURCE_EXHAUSTED. The prediction counts a model load queued on the worker as one
+request, as the policies' queue lengths do. ``admission=False`` queues everything (an
+ablation).
+
 GPU failures take workers down for a window: requests still queued on them are routed again
 at the failure time, and the policy re-plans at once without them; they come back idle, with
-nothing loaded, when the window ends.
+nothing loaded, when the window ends. A request routed again is admitted again against what is
+left of its SLO, as the live router does on a retry; if it no longer fits it is refused.
 
 Arrivals are not events: they come from a sorted array. Period ticks, faults and policy
 timers are the only events.
@@ -39,10 +60,12 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from argus.router.admission import admit, predicted_completion_s
 from argus.sim.adapters import (
     AdapterCost,
     AdapterDraws,
@@ -85,10 +108,15 @@ class SimConfig:
     """The simulated cluster."""
 
     gpus: int = 8
-    """Workers, one per GPU."""
+    """Workers, one per GPU (with ``gpus_by_class``: their total)."""
 
     worker_class: str = "a100"
-    """GPU type of every worker (a profile class)."""
+    """GPU type of every worker (a profile class); with ``gpus_by_class``: its first class."""
+
+    gpus_by_class: tuple[tuple[str, int], ...] = ()
+    """(GPU class, workers) pairs, in worker order: ``(("a100", 4), ("h100", 4))`` makes w0-w3
+    A100s and w4-w7 H100s. Empty: ``gpus`` workers of ``worker_class``. Build it with
+    :meth:`with_classes`, which sets ``gpus`` and ``worker_class`` to match."""
 
     period_s: float = 60.0
     """How often policies re-plan, seconds of simulated time (the paper: every minute)."""
@@ -111,7 +139,34 @@ class SimConfig:
     adapters: AdapterModel | None = None
     """ControlNets and LoRAs on the requests and how workers serve them; None: no adapters."""
 
+    admission: bool = True
+    """Refuse a routed request whose predicted completion misses its deadline, as the router
+    does (see the module docstring); False: serve every request, however late."""
+
+    @classmethod
+    def with_classes(cls, counts: Mapping[str, int], **fields: Any) -> SimConfig:
+        """A config with ``counts[class]`` workers of each class, in the mapping's order."""
+        pairs = tuple((str(name), int(count)) for name, count in counts.items())
+        if not pairs:
+            raise ValueError("gpus_by_class: no GPU class given")
+        return cls(
+            gpus=sum(count for _, count in pairs),
+            worker_class=pairs[0][0],
+            gpus_by_class=pairs,
+            **fields,
+        )
+
+    def worker_counts(self) -> tuple[tuple[str, int], ...]:
+        """(GPU class, workers) in worker order; one pair on a uniform cluster."""
+        return self.gpus_by_class or ((self.worker_class, self.gpus),)
+
+    def worker_class_list(self) -> tuple[str, ...]:
+        """The GPU class of each worker, w0 first."""
+        return tuple(name for name, count in self.worker_counts() for _ in range(count))
+
     def __post_init__(self) -> None:
+        if self.gpus_by_class:
+            self._check_classes()
         if self.gpus < 1:
             raise ValueError(f"gpus: must be >= 1, got {self.gpus}")
         if not self.period_s > 0.0:
@@ -126,6 +181,25 @@ class SimConfig:
             if isinstance(fault, GpuFailure) and not 0 < fault.count <= self.gpus:
                 raise ValueError(f"faults: GPU failure count must be in [1, gpus], got {fault}")
 
+    def _check_classes(self) -> None:
+        names = [name for name, _ in self.gpus_by_class]
+        if len(set(names)) != len(names):
+            raise ValueError(f"gpus_by_class: a class is named twice in {self.gpus_by_class}")
+        for name, count in self.gpus_by_class:
+            if count < 1:
+                raise ValueError(f"gpus_by_class: {name} must have >= 1 GPU, got {count}")
+        total = sum(count for _, count in self.gpus_by_class)
+        if total != self.gpus:
+            raise ValueError(
+                f"gpus: {self.gpus} differs from the {total} of gpus_by_class "
+                f"{self.gpus_by_class} (SimConfig.with_classes sets both)"
+            )
+        if self.worker_class != names[0]:
+            raise ValueError(
+                f"worker_class: {self.worker_class!r} is not the first class of gpus_by_class "
+                f"{self.gpus_by_class} (SimConfig.with_classes sets both)"
+            )
+
 
 @dataclass
 class SimContext:
@@ -139,6 +213,8 @@ class SimContext:
     rng: np.random.Generator
     probe_retrieval: Callable[[float], float | None]  # a background probe's latency, or None
     slo_s: float  # the latency objective requests are judged by
+    # worker id -> GPU class; empty: every worker is of ``worker_class`` (filled in)
+    worker_classes: Mapping[str, str] = field(default_factory=dict)
 
     def optimal_level(self, strategy: Strategy, request: int) -> int:
         """The oracle's level index for a request (see :mod:`argus.sim.policies`)."""
@@ -146,6 +222,8 @@ class SimContext:
 
     def __post_init__(self) -> None:
         self._optimal = {s: table.optimal_levels() for s, table in self.quality.items()}
+        if not self.worker_classes:
+            self.worker_classes = {worker_id: self.worker_class for worker_id in self.worker_ids}
 
 
 class Policy(ABC):
@@ -208,17 +286,55 @@ class RunResult:
     busy_by_minute_s: list[float] = field(default_factory=list)  # GPU-seconds busy per minute
     gpus: int = 1
     adapter_s: float = 0.0  # seconds adapters added to service times, all requests together
+    # True for the requests admission refused (never served); left out: none refused
+    refused: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    worker_classes: tuple[str, ...] = ()  # GPU class of each worker index; () when unknown
+
+    def __post_init__(self) -> None:
+        if len(self.refused) != len(self.arrivals_s):
+            if len(self.refused):
+                raise ValueError(
+                    f"refused: {len(self.refused)} flags for {len(self.arrivals_s)} requests"
+                )
+            self.refused = np.zeros(len(self.arrivals_s), dtype=np.bool_)
+
+    @property
+    def admitted(self) -> npt.NDArray[np.bool_]:
+        """True for the requests admission let through (served, within the SLO or not)."""
+        return ~self.refused
+
+    @property
+    def late(self) -> npt.NDArray[np.bool_]:
+        """Admitted requests that finished later than the SLO after arriving."""
+        with np.errstate(invalid="ignore"):
+            return self.admitted & ((self.finish_s - self.arrivals_s) > self.slo_s)
 
     @property
     def violated(self) -> npt.NDArray[np.bool_]:
-        return (self.finish_s - self.arrivals_s) > self.slo_s
+        """Requests not served within the SLO: late ones and refused ones."""
+        return self.late | self.refused
+
+    @property
+    def good(self) -> npt.NDArray[np.bool_]:
+        """Requests served within the SLO (the ones effective quality averages)."""
+        return ~self.violated
 
 
 class _Worker:
-    __slots__ = ("alive", "finishes", "free_at", "level", "model", "pending", "worker_id")
+    __slots__ = (
+        "alive",
+        "finishes",
+        "free_at",
+        "level",
+        "model",
+        "pending",
+        "worker_class",
+        "worker_id",
+    )
 
-    def __init__(self, worker_id: str) -> None:
+    def __init__(self, worker_id: str, worker_class: str) -> None:
         self.worker_id = worker_id
+        self.worker_class = worker_class
         self.alive = True
         self.level: str | None = None
         self.model: str | None = None
@@ -254,7 +370,15 @@ class Simulation:
                     f"quality table for {strategy} has levels {table.levels}, "
                     f"the profiles have {names}"
                 )
-        self.slo_s = self.config.slo_factor * profiles.best_latency_s(self.config.worker_class)
+        classes = [name for name, _ in self.config.worker_counts()]
+        unknown = [name for name in classes if name not in profiles.worker_classes]
+        if unknown:
+            raise ValueError(
+                f"GPU class {unknown[0]!r} has no profiles; the profiles know "
+                f"{', '.join(profiles.worker_classes)}"
+            )
+        # the SLO's unit: the best level's latency on the slowest class present
+        self.slo_s = self.config.slo_factor * max(profiles.best_latency_s(c) for c in classes)
         model = self.config.adapters
         self.adapter_draws: AdapterDraws | None = None
         # what policies plan with: the profiles as measured with the requests' adapters
@@ -286,7 +410,10 @@ class _Run:
         self.jitter: FloatArray = (
             np.exp(rng.normal(0.0, self.cfg.jitter, n)) if self.cfg.jitter > 0 else np.ones(n)
         )
-        self.workers = [_Worker(f"w{i}") for i in range(self.cfg.gpus)]
+        self.workers = [
+            _Worker(f"w{i}", worker_class)
+            for i, worker_class in enumerate(self.cfg.worker_class_list())
+        ]
         self.by_id = {w.worker_id: w for w in self.workers}
         self.arrivals = np.asarray(sim.workload.arrivals_s, dtype=np.float64)
         self.finish = np.zeros(n)
@@ -295,6 +422,8 @@ class _Run:
         self.worker_index = {w.worker_id: i for i, w in enumerate(self.workers)}
         self.score = np.zeros(n)
         self.relative = np.zeros(n)
+        self.refused = np.zeros(n, dtype=np.bool_)
+        self._plan_latency_cache: dict[tuple[str, str], float] = {}
         self.model_switches = 0
         self.plan_changes = 0
         self.busy_s = 0.0
@@ -313,9 +442,10 @@ class _Run:
             np.random.default_rng(self.cfg.seed + 1),
             self._probe,
             sim.slo_s,
+            {w.worker_id: w.worker_class for w in self.workers},
         )
-        self._latency_cache: dict[str, float] = {}
-        self._adapter_costs: dict[str, AdapterCost] = {}
+        self._latency_cache: dict[tuple[str, str], float] = {}
+        self._adapter_costs: dict[tuple[str, str], AdapterCost] = {}
         self.adapter_s = 0.0
         self._best_scores = {s: t.scores.max(axis=1) for s, t in sim.quality.items()}
 
@@ -392,7 +522,7 @@ class _Run:
     def _view(self) -> ClusterView:
         return ClusterView(
             tuple(
-                WorkerState(w.worker_id, self.cfg.worker_class, w.alive, w.level, len(w.finishes))
+                WorkerState(w.worker_id, w.worker_class, w.alive, w.level, len(w.finishes))
                 for w in self.workers
             )
         )
@@ -417,7 +547,7 @@ class _Run:
         if worker.model == level.model:
             worker.level, worker.pending = level_name, None  # a K change: nothing to load
             return
-        load = self.sim.profiles.profile(self.cfg.worker_class, level_name).load_time_s
+        load = self.sim.profiles.profile(worker.worker_class, level_name).load_time_s
         self.model_switches += 1
         if background and worker.model is not None:
             if worker.pending is None or worker.pending[0] != level_name:
@@ -451,7 +581,35 @@ class _Run:
             if not worker.alive:
                 down.append(worker.worker_id)
         worker_id, level_name = self.policy.route(i, now, queues, frozenset(down))
-        self._serve(i, now, self.by_id[worker_id], level_name)
+        worker = self.by_id[worker_id]
+        if self.cfg.admission:
+            t_proc = self._plan_latency(worker.worker_class, level_name)
+            predicted = predicted_completion_s(queues[worker_id], t_proc)
+            budget = self.sim.slo_s - (now - float(self.arrivals[i]))
+            if not admit(predicted, budget).admitted:
+                self._refuse(i)
+                return
+        self.refused[i] = False  # a request routed again after a failure may be admitted now
+        self._serve(i, now, worker, level_name)
+
+    def _refuse(self, i: int) -> None:
+        """Request ``i`` is refused: it gets no worker, no image and no score."""
+        self.refused[i] = True
+        self.finish[i] = math.nan
+        self.level[i] = -1
+        self.worker[i] = -1
+        self.score[i] = math.nan
+        self.relative[i] = math.nan
+
+    def _plan_latency(self, worker_class: str, level_name: str) -> float:
+        """The level's latency on a class in the profiles the policies plan with: the router's
+        t_proc."""
+        key = (worker_class, level_name)
+        cached = self._plan_latency_cache.get(key)
+        if cached is None:
+            cached = self.sim.plan_profiles.profile(worker_class, level_name).latency_s
+            self._plan_latency_cache[key] = cached
+        return cached
 
     def _serve(self, i: int, now: float, worker: _Worker, level_name: str) -> None:
         level = self.sim._levels[level_name]
@@ -460,9 +618,9 @@ class _Run:
                 level = self.sim._levels[worker.level]  # still loading: serve the old level
             else:  # a policy may route to a level the worker lacks: it loads it first
                 self._set_level(worker, level_name, now)
-        service, served = self._service_time(level, now)
+        service, served = self._service_time(worker.worker_class, level, now)
         start = max(worker.free_at, now)
-        service += self._adapter_time(served, i, start - now)
+        service += self._adapter_time(worker.worker_class, served, i, start - now)
         service *= self.jitter[i]
         worker.free_at = start + service
         worker.finishes.append((worker.free_at, i))
@@ -488,37 +646,42 @@ class _Run:
             busy[minute] += stop - start
             start = stop
 
-    def _service_time(self, level: Level, now: float) -> tuple[float, Level]:
-        """Service seconds and the level actually served (K=0 after a failed retrieval)."""
-        base = self._latency(level.name)
+    def _service_time(self, worker_class: str, level: Level, now: float) -> tuple[float, Level]:
+        """Service seconds on a class and the level actually served (K=0 after a failed
+        retrieval)."""
+        base = self._latency(worker_class, level.name)
         if level.strategy is not Strategy.AC or level.skip_steps == 0:
             return base, level
         extra = self._retrieval_extra(now)
         if math.isinf(extra):
             self.policy.observe_retrieval(now, None)
             full = self.sim.profiles.levels_for(Strategy.AC)[0]
-            return self.cfg.retrieval_timeout_s + self._latency(full.name), full
+            return self.cfg.retrieval_timeout_s + self._latency(worker_class, full.name), full
         self.policy.observe_retrieval(now, self.cfg.retrieval_s + extra)
         return base + extra, level
 
-    def _adapter_time(self, level: Level, i: int, wait_s: float) -> float:
-        """Seconds request ``i``'s adapters add at ``level`` after waiting ``wait_s`` queued."""
+    def _adapter_time(self, worker_class: str, level: Level, i: int, wait_s: float) -> float:
+        """Seconds request ``i``'s adapters add at ``level`` on a class after waiting
+        ``wait_s`` queued."""
         model, draws = self.cfg.adapters, self.sim.adapter_draws
         if model is None or draws is None:
             return 0.0
-        cost = self._adapter_costs.get(level.name)
+        key = (worker_class, level.name)
+        cost = self._adapter_costs.get(key)
         if cost is None:
-            cost = adapter_cost(model, draws, self._latency(level.name), level.skip_steps)
-            self._adapter_costs[level.name] = cost
+            latency = self._latency(worker_class, level.name)
+            cost = adapter_cost(model, draws, latency, level.skip_steps)
+            self._adapter_costs[key] = cost
         added = float(cost.fixed_s[i]) + max(float(cost.hideable_s[i]) - wait_s, 0.0)
         self.adapter_s += added
         return added
 
-    def _latency(self, level_name: str) -> float:
-        cached = self._latency_cache.get(level_name)
+    def _latency(self, worker_class: str, level_name: str) -> float:
+        key = (worker_class, level_name)
+        cached = self._latency_cache.get(key)
         if cached is None:
-            cached = self.sim.profiles.profile(self.cfg.worker_class, level_name).latency_s
-            self._latency_cache[level_name] = cached
+            cached = self.sim.profiles.profile(worker_class, level_name).latency_s
+            self._latency_cache[key] = cached
         return cached
 
     # -- faults ------------------------------------------------------------------------------
@@ -547,7 +710,8 @@ class _Run:
 
     def _result(self) -> RunResult:
         duration = float(self.arrivals[-1]) if len(self.arrivals) else 0.0
-        end = max(duration, float(self.finish.max()) if len(self.finish) else 0.0)
+        served = self.finish[~self.refused]
+        end = max(duration, float(served.max()) if len(served) else 0.0)
         strategy_switches = int(getattr(self.policy, "strategy_switches", 0))
         return RunResult(
             policy=self.policy.name,
@@ -569,6 +733,8 @@ class _Run:
             busy_by_minute_s=self.busy_by_minute,
             gpus=self.cfg.gpus,
             adapter_s=self.adapter_s,
+            refused=self.refused,
+            worker_classes=tuple(w.worker_class for w in self.workers),
         )
 
 

@@ -22,6 +22,7 @@ import random
 from collections.abc import Mapping
 
 from argus.allocator.predictor import LoadPredictor
+from argus.router.admission import predicted_completion_s
 from argus.sim.classifiers import (  # noqa: F401  (re-exported)
     Classifier,
     NoisyOracleClassifier,
@@ -35,14 +36,19 @@ from argus.types import ClusterView, Strategy
 
 
 class _Static(Policy):
-    """Every GPU at one level chosen up front; routes to the least-loaded live worker."""
+    """Every GPU at one level chosen up front; routes to the live worker that would finish the
+    request first, ``(queue + 1) × latency`` on the worker's class: the least-loaded worker
+    when every GPU is of one class, and a fast GPU takes a longer queue than a slow one."""
 
     level_index = 0  # index into the SM levels
 
     def reset(self, ctx: SimContext) -> None:
         self.ctx = ctx
         self.level = ctx.profiles.levels_for(Strategy.SM)[self.level_index].name
-        self.latency = ctx.profiles.profile(ctx.worker_class, self.level).latency_s
+        self.latency = {
+            worker_id: ctx.profiles.profile(ctx.worker_classes[worker_id], self.level).latency_s
+            for worker_id in ctx.worker_ids
+        }
 
     def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
         return {w.worker_id: self.level for w in view.alive()}
@@ -51,7 +57,9 @@ class _Static(Policy):
         self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
     ) -> tuple[str, str]:
         live = [w for w in self.ctx.worker_ids if w not in down]
-        return min(live, key=lambda w: queues.get(w, 0)), self.level
+        latency = self.latency
+        best = min(live, key=lambda w: predicted_completion_s(queues.get(w, 0), latency[w]))
+        return best, self.level
 
 
 class ClipperHaPolicy(_Static):
@@ -80,7 +88,9 @@ class _Uniform(Policy):
 
 
 class SommelierPolicy(_Uniform):
-    """Per-GPU accuracy scaling: each GPU sizes its level for its own 1/N of the load."""
+    """Per-GPU accuracy scaling: each GPU sizes its level for its own 1/N of the load (uniform
+    routing sends it that much), the best SM level whose throughput on the GPU's own class
+    covers it: on a mixed cluster a fast GPU keeps a better level than a slow one."""
 
     name = "sommelier"
 
@@ -113,7 +123,8 @@ class SommelierPolicy(_Uniform):
 
 
 class NirvanaPolicy(_Uniform):
-    """AC with each prompt's own K on every GPU, uniform routing."""
+    """AC with each prompt's own K on every GPU, uniform routing. The K depends on the prompt
+    alone (quality does not depend on the GPU), so every class serves the same levels."""
 
     name = "nirvana"
 

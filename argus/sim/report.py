@@ -1,16 +1,28 @@
 """Metrics of replay runs: per-minute series, a summary per policy, files and plots.
 
-Definitions (Argus §5):
+Definitions (Argus §5, with the router's admission added):
 
-* offered QPM: arrivals per minute; served QPM: requests completed per minute of the trace
-  (completions after the last arrival are not counted, so an overloaded policy shows it);
-* SLO: ``slo_factor × the best level's latency`` (3 × SDXL by default); a request violates it
-  when it finishes later than that after arriving;
-* effective quality: mean quality score of the requests finished within the SLO; relative
-  quality: the same for score / the prompt's score at the best level of its strategy;
+* offered: the requests of the trace (QPM: per minute of the trace); each one is either
+  *admitted* (routed to a worker and served) or *refused* (admission predicted it would miss
+  its deadline, :mod:`argus.router.admission`; it gets no image), so
+  ``offered = admitted + refused``;
+* served QPM: requests completed per minute of the trace (completions after the last arrival
+  are not counted, so an overloaded policy without admission shows it);
+* SLO: ``slo_factor × the best level's latency`` (3 × SDXL by default); an admitted request is
+  *late* when it finishes later than that after arriving;
+* goodput: requests served within the SLO (admitted and not late), per minute of the trace;
+* SLO violation ratio of admitted requests: late / admitted; of all requests:
+  (late + refused) / offered — a refused request is a violation of "all";
+* effective quality: mean quality score of the requests served within the SLO, with
+  ``quality_n``, how many that is (the goodput's count); relative quality: the same mean of
+  score / the prompt's score at the best level of its strategy, over the same requests;
 * utilisation: busy GPU seconds (serving and loading models) / (GPUs × simulated time);
 * adapter seconds: what ControlNets and LoRAs added to the service time, mean per request
   (0 without adapters; :mod:`argus.sim.adapters`).
+
+Per-minute series count arrivals, refusals, goodput, violations and quality by the minute the
+request *arrived*, and served QPM by the minute it finished. Every printed average says how
+many requests it covers; quality columns say SYNTHETIC when the quality table is.
 """
 
 from __future__ import annotations
@@ -31,12 +43,20 @@ class Summary:
     """Whole-run figures of one policy (the keys of ``summary.json``)."""
 
     policy: str
-    requests: int
+    requests: int  # offered: every request of the trace
     offered_qpm: float
-    served_qpm: float
-    effective_quality: float
-    relative_quality: float
-    slo_violation_ratio: float
+    admitted: int  # let through by admission (served, within the SLO or late)
+    admitted_qpm: float
+    refused: int  # refused by admission (no image)
+    refused_qpm: float
+    served_qpm: float  # completions per minute within the trace
+    goodput: int  # requests served within the SLO
+    goodput_qpm: float
+    slo_violation_ratio: float  # (late + refused) / offered
+    slo_violation_ratio_admitted: float  # late / admitted (0 when nothing was admitted)
+    effective_quality: float  # mean score over the quality_n requests (0 when there are none)
+    relative_quality: float  # mean relative score over the same requests
+    quality_n: int  # requests the two quality means average: those served within the SLO
     model_switches: int
     plan_changes: int
     strategy_switches: int
@@ -46,17 +66,29 @@ class Summary:
 
 def summarise(result: RunResult) -> Summary:
     minutes = max(result.duration_s / 60.0, 1e-9)
-    ok = ~result.violated
+    good = result.good
+    admitted = result.admitted
     n = len(result.arrivals_s)
-    completed = int(np.count_nonzero(result.finish_s <= result.duration_s))
+    n_admitted = int(np.count_nonzero(admitted))
+    n_good = int(np.count_nonzero(good))
+    n_late = int(np.count_nonzero(result.late))
+    completed = int(np.count_nonzero(admitted & (result.finish_s <= result.duration_s)))
     return Summary(
         policy=result.policy,
         requests=n,
         offered_qpm=n / minutes,
+        admitted=n_admitted,
+        admitted_qpm=n_admitted / minutes,
+        refused=n - n_admitted,
+        refused_qpm=(n - n_admitted) / minutes,
         served_qpm=completed / minutes,
-        effective_quality=float(result.score[ok].mean()) if ok.any() else 0.0,
-        relative_quality=float(result.relative[ok].mean()) if ok.any() else 0.0,
-        slo_violation_ratio=float(1.0 - ok.mean()) if n else 0.0,
+        goodput=n_good,
+        goodput_qpm=n_good / minutes,
+        slo_violation_ratio=float(1.0 - n_good / n) if n else 0.0,
+        slo_violation_ratio_admitted=n_late / n_admitted if n_admitted else 0.0,
+        effective_quality=float(result.score[good].mean()) if n_good else 0.0,
+        relative_quality=float(result.relative[good].mean()) if n_good else 0.0,
+        quality_n=n_good,
         model_switches=result.model_switches,
         plan_changes=result.plan_changes,
         strategy_switches=result.strategy_switches,
@@ -70,10 +102,15 @@ class MinuteSeries:
     """Per-minute figures of one policy, minute i covering [60 i, 60 (i + 1)) seconds."""
 
     policy: str
-    offered_qpm: np.ndarray
-    served_qpm: np.ndarray
-    effective_quality: np.ndarray  # NaN in minutes where nothing met the SLO
-    slo_violation_ratio: np.ndarray  # NaN in minutes without arrivals
+    offered_qpm: np.ndarray  # arrivals in the minute
+    admitted_qpm: np.ndarray  # arrivals in the minute that admission let through
+    refused_qpm: np.ndarray  # arrivals in the minute that admission refused
+    served_qpm: np.ndarray  # completions in the minute
+    goodput_qpm: np.ndarray  # arrivals in the minute later served within the SLO
+    effective_quality: np.ndarray  # mean score of those; NaN in minutes where none met the SLO
+    quality_n: np.ndarray  # how many requests each minute's quality averages (= goodput)
+    slo_violation_ratio: np.ndarray  # (late + refused) / offered; NaN without arrivals
+    slo_violation_ratio_admitted: np.ndarray  # late / admitted; NaN when nothing was admitted
     model_switches: np.ndarray  # model loads begun in the minute
     plan_changes: np.ndarray  # re-plans in the minute that moved at least one worker
     utilisation: np.ndarray  # busy GPU-seconds / (GPUs x 60 s)
@@ -82,18 +119,21 @@ class MinuteSeries:
 def per_minute(result: RunResult) -> MinuteSeries:
     minutes = int(result.duration_s // 60.0) + 1
     arrival_minute = (result.arrivals_s // 60.0).astype(np.int64)
-    finish_minute = (result.finish_s // 60.0).astype(np.int64)
-    offered = np.bincount(arrival_minute, minlength=minutes)[:minutes].astype(float)
+    admitted = result.admitted
+    finish_minute = np.where(admitted, result.finish_s // 60.0, minutes).astype(np.int64)
     done = finish_minute < minutes
+    good = result.good
+
+    def by_arrival_minute(weights: np.ndarray | None = None) -> np.ndarray:
+        counts = np.bincount(arrival_minute, weights=weights, minlength=minutes)[:minutes]
+        return counts.astype(float)
+
+    offered = by_arrival_minute()
+    admitted_n = by_arrival_minute(admitted.astype(float))
+    late = by_arrival_minute(result.late.astype(float))
+    good_n = by_arrival_minute(good.astype(float))
+    quality = by_arrival_minute(np.where(good, result.score, 0.0))
     served = np.bincount(finish_minute[done], minlength=minutes)[:minutes].astype(float)
-    ok = ~result.violated
-
-    def by_arrival_minute(weights: np.ndarray) -> np.ndarray:
-        return np.bincount(arrival_minute, weights=weights, minlength=minutes)[:minutes]
-
-    violations = by_arrival_minute((~ok).astype(float))
-    good = by_arrival_minute(ok.astype(float))
-    quality = by_arrival_minute(np.where(ok, result.score, 0.0))
     busy = np.zeros(minutes)
     recorded = np.asarray(result.busy_by_minute_s[:minutes], dtype=float)
     busy[: len(recorded)] = recorded
@@ -101,9 +141,14 @@ def per_minute(result: RunResult) -> MinuteSeries:
         return MinuteSeries(
             policy=result.policy,
             offered_qpm=offered,
+            admitted_qpm=admitted_n,
+            refused_qpm=offered - admitted_n,
             served_qpm=served,
-            effective_quality=np.where(good > 0, quality / good, np.nan),
-            slo_violation_ratio=np.where(offered > 0, violations / offered, np.nan),
+            goodput_qpm=good_n,
+            effective_quality=np.where(good_n > 0, quality / good_n, np.nan),
+            quality_n=good_n,
+            slo_violation_ratio=np.where(offered > 0, (offered - good_n) / offered, np.nan),
+            slo_violation_ratio_admitted=np.where(admitted_n > 0, late / admitted_n, np.nan),
             model_switches=_count_by_minute(result.switch_times_s, minutes),
             plan_changes=_count_by_minute(result.plan_change_times_s, minutes),
             utilisation=np.minimum(1.0, busy / (60.0 * result.gpus)),
@@ -117,20 +162,51 @@ def _count_by_minute(times_s: Sequence[float], minutes: int) -> np.ndarray:
     return np.bincount(index[index < minutes], minlength=minutes)[:minutes].astype(float)
 
 
-def format_table(summaries: Sequence[Summary]) -> str:
-    """A fixed-width table of the summaries, one row per policy."""
+def is_synthetic(quality_description: str) -> bool:
+    """Whether a report's quality description names the SYNTHETIC quality model."""
+    return "synthetic" in quality_description.lower()
+
+
+def format_table(summaries: Sequence[Summary], *, synthetic_quality: bool = True) -> str:
+    """A fixed-width table of the summaries, one row per policy, with a legend.
+
+    Rates are per minute of the trace with the request count they cover in parentheses; each
+    ratio and mean says over how many requests it is taken.
+    """
     header = (
-        f"{'policy':<11} {'offered':>8} {'served':>8} {'quality':>8} {'rel.q':>6} "
-        f"{'SLO viol':>8} {'switches':>8} {'util':>5}"
+        f"{'policy':<12} {'offered QPM (n)':>16} {'refused QPM (n)':>16} "
+        f"{'goodput QPM (n)':>16} {'late/admitted':>16} {'violated/all':>16} "
+        f"{'quality':>7} {'rel.q':>6} {'over n':>7} {'switches':>8} {'util':>5}"
     )
     rows = [header, "-" * len(header)]
     for s in summaries:
         rows.append(
-            f"{s.policy:<11} {s.offered_qpm:>8.1f} {s.served_qpm:>8.1f} "
-            f"{s.effective_quality:>8.2f} {s.relative_quality:>6.3f} "
-            f"{s.slo_violation_ratio:>8.1%} {s.model_switches:>8d} {s.utilisation:>5.0%}"
+            f"{s.policy:<12} {_rate(s.offered_qpm, s.requests):>16} "
+            f"{_rate(s.refused_qpm, s.refused):>16} {_rate(s.goodput_qpm, s.goodput):>16} "
+            f"{_share(s.slo_violation_ratio_admitted, s.admitted):>16} "
+            f"{_share(s.slo_violation_ratio, s.requests):>16} "
+            f"{_mean(s.effective_quality, s.quality_n, 2):>7} "
+            f"{_mean(s.relative_quality, s.quality_n, 3):>6} {s.quality_n:>7,} "
+            f"{s.model_switches:>8d} {s.utilisation:>5.0%}"
         )
+    source = "SYNTHETIC scores, argus/sim/quality.py" if synthetic_quality else "measured scores"
+    rows.append(
+        f"quality ({source}), rel.q: means over the 'over n' requests served within the SLO"
+    )
+    rows.append("late/admitted: SLO violations of admitted requests; violated/all: late + refused")
     return "\n".join(rows)
+
+
+def _rate(qpm: float, count: int) -> str:
+    return f"{qpm:.1f} ({count:,})"
+
+
+def _share(ratio: float, count: int) -> str:
+    return f"{ratio:.1%} of {count:,}"
+
+
+def _mean(value: float, count: int, digits: int) -> str:
+    return f"{value:.{digits}f}" if count else "-"
 
 
 def write_reports(
@@ -142,30 +218,48 @@ def write_reports(
     series = [per_minute(r) for r in results]
     document = {
         "description": description,
+        "definitions": DEFINITIONS,
         "policies": {s.policy: asdict(s) for s in summaries},
     }
     (out_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
     _write_csv(series, out_dir / "per_minute.csv")
-    _plot(series, out_dir / "timeseries.png", description.get("title", "replay"))
+    synthetic = is_synthetic(description.get("quality", ""))
+    _plot(series, out_dir / "timeseries.png", description.get("title", "replay"), synthetic)
     return summaries
+
+
+DEFINITIONS = {
+    "requests": "offered requests (= admitted + refused)",
+    "refused": "refused by admission: predicted to miss the deadline, never served",
+    "goodput": "requests served within the SLO",
+    "slo_violation_ratio": "(late + refused) / offered",
+    "slo_violation_ratio_admitted": "late / admitted",
+    "effective_quality": "mean score of the quality_n requests served within the SLO",
+    "relative_quality": "mean score / best-level score over the same quality_n requests",
+}
+
+_CSV_COLUMNS = (
+    "policy",
+    "minute",
+    "offered_qpm",
+    "admitted_qpm",
+    "refused_qpm",
+    "served_qpm",
+    "goodput_qpm",
+    "effective_quality",
+    "quality_n",
+    "slo_violation_ratio",
+    "slo_violation_ratio_admitted",
+    "model_switches",
+    "plan_changes",
+    "utilisation",
+)
 
 
 def _write_csv(series: Sequence[MinuteSeries], path: Path) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(
-            [
-                "policy",
-                "minute",
-                "offered_qpm",
-                "served_qpm",
-                "effective_quality",
-                "slo_violation_ratio",
-                "model_switches",
-                "plan_changes",
-                "utilisation",
-            ]
-        )
+        writer.writerow(_CSV_COLUMNS)
         for s in series:
             for minute in range(len(s.offered_qpm)):
                 writer.writerow(
@@ -173,9 +267,14 @@ def _write_csv(series: Sequence[MinuteSeries], path: Path) -> None:
                         s.policy,
                         minute,
                         f"{s.offered_qpm[minute]:.0f}",
+                        f"{s.admitted_qpm[minute]:.0f}",
+                        f"{s.refused_qpm[minute]:.0f}",
                         f"{s.served_qpm[minute]:.0f}",
+                        f"{s.goodput_qpm[minute]:.0f}",
                         _fmt(s.effective_quality[minute]),
+                        f"{s.quality_n[minute]:.0f}",
                         _fmt(s.slo_violation_ratio[minute]),
+                        _fmt(s.slo_violation_ratio_admitted[minute]),
                         f"{s.model_switches[minute]:.0f}",
                         f"{s.plan_changes[minute]:.0f}",
                         f"{s.utilisation[minute]:.4f}",
@@ -187,25 +286,28 @@ def _fmt(value: float) -> str:
     return "" if np.isnan(value) else f"{value:.4f}"
 
 
-def _plot(series: Sequence[MinuteSeries], path: Path, title: str) -> None:
-    """Three panels in the style of the paper's Fig. 16: throughput, quality, SLO violations."""
+def _plot(series: Sequence[MinuteSeries], path: Path, title: str, synthetic: bool) -> None:
+    """Four panels in the style of the paper's Fig. 16: offered load and goodput, refusals,
+    effective quality, SLO violations of all requests."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
     minutes = np.arange(len(series[0].offered_qpm)) if series else np.arange(0)
     if series:
         axes[0].plot(minutes, series[0].offered_qpm, color="black", lw=2, label="offered load")
     for s in series:
-        axes[0].plot(minutes, s.served_qpm, lw=1, label=s.policy)
-        axes[1].plot(minutes, s.effective_quality, lw=1, label=s.policy)
-        axes[2].plot(minutes, 100 * s.slo_violation_ratio, lw=1, label=s.policy)
-    axes[0].set_ylabel("throughput (QPM)")
-    axes[1].set_ylabel("effective quality")
-    axes[2].set_ylabel("SLO violations (%)")
-    axes[2].set_xlabel("minute")
+        axes[0].plot(minutes, s.goodput_qpm, lw=1, label=s.policy)
+        axes[1].plot(minutes, s.refused_qpm, lw=1, label=s.policy)
+        axes[2].plot(minutes, s.effective_quality, lw=1, label=s.policy)
+        axes[3].plot(minutes, 100 * s.slo_violation_ratio, lw=1, label=s.policy)
+    axes[0].set_ylabel("goodput (QPM within SLO)")
+    axes[1].set_ylabel("refused (QPM)")
+    axes[2].set_ylabel("effective quality" + (" (SYNTHETIC)" if synthetic else ""))
+    axes[3].set_ylabel("SLO violations,\nrefused included (%)")
+    axes[3].set_xlabel("minute of arrival")
     axes[0].set_title(title)
     axes[0].legend(ncol=4, fontsize=8)
     for ax in axes:
