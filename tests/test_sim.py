@@ -219,7 +219,7 @@ def test_bursts_trigger_replans_so_argus_keeps_up():
     clipper = summarise(simulate(wave, "clipper-ha"))
     ticks_only = make_policy("argus")
     assert isinstance(ticks_only, PlannedPolicy)
-    control = replace(ticks_only.config.control, backlog_replan_per_worker=1e9)
+    control = replace(ticks_only.config.control, backlog_replan_per_worker=1e9, surge_factor=1e9)
     ticks_only.config = replace(ticks_only.config, control=control)  # re-plan on the minute only
     slow = summarise(simulate(wave, ticks_only))
     assert argus.slo_violation_ratio < 0.1

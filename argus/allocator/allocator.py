@@ -77,6 +77,10 @@ class Allocator:
     def last_plan(self) -> Plan | None:
         return self._last
 
+    def forecast(self, now_s: float) -> LoadForecast:
+        """The load forecast at ``now_s`` (arrivals only, no backlog)."""
+        return self._load.forecast(now_s)
+
     def observe_arrival(self, arrival_s: float) -> None:
         """A prompt arrived at the router (for the load forecast)."""
         self._load.observe(arrival_s)

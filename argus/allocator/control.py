@@ -87,6 +87,7 @@ class ReplanReason(enum.StrEnum):
     WORKER_DEAD = "worker_dead"
     STRATEGY_SWITCH = "strategy_switch"
     BACKLOG = "backlog"
+    LOAD_SURGE = "load_surge"
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,13 @@ class ControlConfig:
     """Queued requests per live worker above which a plan is made before the period ends."""
 
     min_replan_interval_s: float = 10.0
-    """Backlog re-plans (the workers' queues, a router's request) at most this often. Also
-    how much of an open period must pass before its arrival rate counts in the forecast."""
+    """Backlog and surge re-plans (the workers' queues, a router's request, a jump in the
+    arrival rate) at most this often. Also how much of an open period must pass before its
+    arrival rate counts in the forecast."""
+
+    surge_factor: float = 1.2
+    """Re-plan before the period ends when the forecast, the open period's rate included,
+    exceeds the load the plan was made for by this factor."""
 
     max_workers: int = 1024
     """Workers tracked at most; further joins get RESOURCE_EXHAUSTED."""
@@ -153,7 +159,7 @@ class ControlConfig:
         object.__setattr__(self, "strategy_choice", StrategyChoice(self.strategy_choice))
         if self.slo_s is not None and not (math.isfinite(self.slo_s) and self.slo_s > 0.0):
             raise ValueError(f"slo_s: must be a finite number > 0, got {self.slo_s}")
-        for name in ("period_s", "heartbeat_s", "backlog_replan_per_worker"):
+        for name in ("period_s", "heartbeat_s", "backlog_replan_per_worker", "surge_factor"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0.0):
                 raise ValueError(f"{name}: must be a finite number > 0, got {value}")
@@ -179,16 +185,17 @@ class ControlConfig:
         """The load forecast the plans are made for: the expected rate, not a peak.
 
         With queueing headroom in the planner, the forecast is an EWMA of the per-period
-        rates (weight 0.5 on the newest), raised to the open period's rate once half a period
-        of it has passed (so a re-plan in a burst sees the burst). No peak term and no flat
-        multiplier: each of them stacked on the others planned 15–30% above the offered load.
+        rates (weight 0.5 on the newest), raised to the open period's rate once
+        ``min_replan_interval_s`` of it has passed (so a re-plan in a burst sees the burst).
+        No peak term and no flat multiplier: stacked on each other they planned 15–30% above
+        the offered load.
         """
         return LoadPredictorConfig(
             self.period_s,
             alpha=0.5,
             peak_window=1,
             peak_fraction=0.0,
-            partial_min_s=max(self.min_replan_interval_s, self.period_s / 2.0),
+            partial_min_s=min(self.min_replan_interval_s, self.period_s),
         )
 
     def slo_for(self, profiles: ProfileSet) -> float:
@@ -410,6 +417,9 @@ class AllocatorControl:
                 return self._attempt(now, ReplanReason.PERIODIC, "planning period elapsed")
             if self._backlogged(now):
                 return self._attempt(now, ReplanReason.BACKLOG, "worker queues building up")
+            surge = self._surge(now)
+            if surge is not None:
+                return self._attempt(now, ReplanReason.LOAD_SURGE, surge)
             return None
 
     # -- planning --------------------------------------------------------------------------
@@ -520,6 +530,17 @@ class AllocatorControl:
             return False
         queued = sum(m.report.queue_length for m in live)
         return queued > self.config.backlog_replan_per_worker * len(live)
+
+    def _surge(self, now: float) -> str | None:
+        """A description when arrivals run ``surge_factor`` above the load the current plan
+        was made for (at most once per ``min_replan_interval_s``), else None."""
+        if self._since_plan(now) < self.config.min_replan_interval_s:
+            return None
+        planned = self._current.plan.forecast.qpm * self._current.load_margin
+        seen = self._allocator.forecast(now).qpm
+        if seen <= max(planned * self.config.surge_factor, planned + 1.0):
+            return None
+        return f"arrivals at {seen:.0f} QPM, the plan was made for {planned:.0f} QPM"
 
     def _since_plan(self, now: float) -> float:
         return now - self._current.plan.created_at_s

@@ -3,15 +3,16 @@
 A plan that loads a level's workers to their peak throughput P_th leaves no room for the
 queue that random arrivals build: the wait grows without bound as utilisation nears 1. Instead
 of a flat multiplier on the forecast, the planner caps each level's utilisation so that the
-*expected wait* of a request, at the forecast load, fits in what the SLO leaves after its
-service time::
+wait of all but a small share ε of the requests, at the forecast load, fits in what the SLO
+leaves after their service time (the mean alone is not enough: the router refuses every
+request predicted to miss its deadline, so the tail is what costs)::
 
-    W_q(ρ) ≤ SLO − s          (s: the level's service time on that worker class)
+    P(W_q > SLO − s) ≤ ε       (s: the level's service time on that worker class)
 
 The router sends a prompt to the level's worker with the shortest expected completion
 (Eq. 3), which behaves like one queue in front of the level's c workers, so W_q is that of a
-G/G/c queue, estimated by the Allen–Cunneen approximation: the M/M/c wait (Erlang C) scaled by
-``(c_a² + c_s²) / 2``, where c_a² and c_s² are the squared coefficients of variation of
+G/G/c queue, estimated by the Allen–Cunneen approximation: the M/M/c wait (Erlang C, with
+its exponential tail ``P(W > t) = C·e^{−(cμ−λ)t}``) scaled by ``(c_a² + c_s²) / 2``, where c_a² and c_s² are the squared coefficients of variation of
 inter-arrival and service times (1 and 1 for M/M/c; service times of one diffusion level vary
 little, so c_s² is small, and bursts within a minute make c_a² ≥ 1).
 
@@ -39,6 +40,11 @@ class QueueModel:
     service_scv: float = 0.1
     """Squared coefficient of variation of service times at one level (0: deterministic)."""
 
+    late_share: float = 0.02
+    """Share of requests whose wait may exceed what the SLO leaves after service. The
+    router refuses a request whose predicted completion misses its deadline, so planning
+    only the *mean* wait into the budget (a share of a half) leaves too many to refusal."""
+
     def __post_init__(self) -> None:
         if not (math.isfinite(self.slo_s) and self.slo_s > 0.0):
             raise ValueError(f"slo_s: must be a finite number > 0, got {self.slo_s}")
@@ -46,10 +52,13 @@ class QueueModel:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
+        if not 0.0 < self.late_share < 1.0:
+            raise ValueError(f"late_share: must be in (0, 1), got {self.late_share}")
 
     def max_utilisation(self, service_s: float, servers: int) -> float:
         """The highest utilisation of ``servers`` workers of service time ``service_s`` at
-        which the expected wait still fits in ``slo_s − service_s`` (0 when none does)."""
+        which at most ``late_share`` of the requests wait longer than ``slo_s − service_s``
+        (0 when none does)."""
         if servers < 1:
             raise ValueError(f"servers: must be >= 1, got {servers}")
         return _max_utilisation(
@@ -57,6 +66,7 @@ class QueueModel:
             servers,
             round(self.slo_s - service_s, 6),
             round((self.arrival_scv + self.service_scv) / 2.0, 6),
+            self.late_share,
         )
 
     def expected_wait_s(self, service_s: float, servers: int, utilisation: float) -> float:
@@ -88,16 +98,27 @@ def mmc_wait_s(service_s: float, servers: int, utilisation: float) -> float:
     return waits * service_s / (servers * (1.0 - utilisation))
 
 
+def mmc_late_share(service_s: float, servers: int, utilisation: float, wait_s: float) -> float:
+    """P(wait > ``wait_s``) in M/M/c: Erlang C × exp(−(cμ − λ)·wait)."""
+    if utilisation >= 1.0:
+        return 1.0
+    waits = erlang_c(servers, utilisation * servers)
+    return waits * math.exp(-servers * (1.0 - utilisation) * wait_s / service_s)
+
+
 @lru_cache(maxsize=65536)
-def _max_utilisation(service_s: float, servers: int, budget_s: float, variability: float) -> float:
+def _max_utilisation(
+    service_s: float, servers: int, budget_s: float, variability: float, late_share: float
+) -> float:
     if budget_s <= 0.0:
         return 0.0
     if variability == 0.0:
         return 1.0
     low, high = 0.0, 1.0
-    for _ in range(40):  # bisection to ~1e-12: W_q grows monotonically with utilisation
+    for _ in range(40):  # bisection to ~1e-12: the tail grows monotonically with utilisation
         mid = (low + high) / 2.0
-        if variability * mmc_wait_s(service_s, servers, mid) <= budget_s:
+        # Allen–Cunneen: a G/G/c wait is the M/M/c one scaled by the variability factor
+        if mmc_late_share(service_s, servers, mid, budget_s / variability) <= late_share:
             low = mid
         else:
             high = mid
