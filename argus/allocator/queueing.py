@@ -12,7 +12,8 @@ request predicted to miss its deadline, so the tail is what costs)::
 The router sends a prompt to the level's worker with the shortest expected completion
 (Eq. 3), which behaves like one queue in front of the level's c workers, so W_q is that of a
 G/G/c queue, estimated by the Allen–Cunneen approximation: the M/M/c wait (Erlang C, with
-its exponential tail ``P(W > t) = C·e^{−(cμ−λ)t}``) scaled by ``(c_a² + c_s²) / 2``, where c_a² and c_s² are the squared coefficients of variation of
+its exponential tail ``P(W > t) = C·e^{−(cμ−λ)t}``) scaled by ``(c_a² + c_s²) / 2``, where
+c_a² and c_s² are the squared coefficients of variation of
 inter-arrival and service times (1 and 1 for M/M/c; service times of one diffusion level vary
 little, so c_s² is small, and bursts within a minute make c_a² ≥ 1).
 
