@@ -3,9 +3,9 @@
 The synthetic quality model (argus/sim/quality.py) draws each prompt's latent difficulty as
 ``0.7 × text feature + 0.71 × noise``, so no text classifier can recover the optimal level
 exactly. This fits a logistic regression on the model's *own* text feature
-(``prompt_difficulty``), on the same seeded train/test split ``argus train-classifier``
-uses, and prints its held-out accuracy and downstream quality beside the committed
-classifier's ``metrics.json``.
+(``prompt_difficulty``) on the TRAIN prompts of the fixed split (``argus.prompt_split``)
+that ``argus train-classifier`` uses, and prints its accuracy and downstream quality on the
+EVAL prompts beside the committed classifier's ``metrics.json``.
 
     python benchmarks/classifier_ceiling.py
 """
@@ -20,8 +20,9 @@ from _machine import machine_line
 from argus.classifier.evaluate import evaluate
 from argus.classifier.labels import labels_from_table
 from argus.classifier.serving import default_classifier_dir
-from argus.classifier.train import fit_logistic_head, split_indices
+from argus.classifier.train import fit_logistic_head
 from argus.profiles import default_profiles
+from argus.prompt_split import PromptSet
 from argus.sim.quality import prompt_difficulty, synthetic_quality_table
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
@@ -35,19 +36,19 @@ def main() -> None:
     for strategy in Strategy:
         levels = [lv.name for lv in profiles.levels_for(strategy)]
         data = labels_from_table(synthetic_quality_table(records, strategy, levels, seed=0))
-        split = split_indices(data.labels, 0, 0.15, 0.15)
+        sets = data.prompt_sets()
+        train = np.array([s is PromptSet.TRAIN for s in sets])
+        test = np.array([s is PromptSet.EVAL for s in sets])
         x = np.array([[feature[p]] for p in data.prompts], dtype=np.float32)
-        head = fit_logistic_head(x[split.train], data.labels[split.train], len(levels), 10.0, 5000)
-        predicted = np.argmax(head.logits(x[split.test]), axis=1)
+        head = fit_logistic_head(x[train], data.labels[train], len(levels), 10.0, 5000)
+        predicted = np.argmax(head.logits(x[test]), axis=1)
         assert data.scores is not None
-        result = evaluate(
-            data.labels[split.test], predicted, len(levels), scores=data.scores[split.test]
-        )
+        result = evaluate(data.labels[test], predicted, len(levels), scores=data.scores[test])
         quality = result.quality
         assert quality is not None
         committed = json.loads(
             (default_classifier_dir() / strategy.value.lower() / "metrics.json").read_text()
-        )["test"]
+        )["eval"]
         print(
             f"{strategy}: text-feature ceiling: accuracy {result.accuracy:.3f}, macro-F1 "
             f"{result.macro_f1:.3f}, quality {quality.classifier:.2f} (random "

@@ -168,3 +168,60 @@ def labelled(prompts: Sequence[str], labels: Sequence[int]) -> LabelledPrompts:
         source="test",
         delta=0.9,
     )
+
+
+def tolerance_classifier(
+    *,
+    temperature: float = 1.0,
+    encoder: FakeEncoder | None = None,
+    levels: Sequence[str] = AC_LEVELS,
+    encoder_sha256: str = "",
+) -> LevelClassifier:
+    """A classifier on a fake encoder whose logits grow along the levels with the vector's
+    first coordinate, calibrated with equal-count classes over 600 probe prompts and
+    made-up scores (level ``v`` of class ``c`` loses ``(n - 1 - c) · v / n`` points)."""
+    from argus.classifier.calibration import (
+        Calibration,
+        CalibrationFit,
+        class_edges,
+        measure_class_quality,
+    )
+
+    encoder = encoder or FakeEncoder()
+    n = len(levels)
+    weight = np.zeros((n, encoder.dim), dtype=np.float32)
+    weight[:, 0] = 4.0 * (np.arange(n) - (n - 1) / 2.0)
+    config = ClassifierConfig(
+        strategy=Strategy.AC,
+        levels=tuple(levels),
+        backbone=Backbone.LOGISTIC,
+        encoder="fake",
+        encoder_sha256=encoder_sha256,
+        hidden_size=encoder.dim,
+        max_tokens=encoder.max_tokens,
+        delta=0.9,
+        seed=0,
+        labels_source="test",
+    )
+    head = LinearHead(weight, np.zeros(n, dtype=np.float32))
+    plain = LevelClassifier(config, encoder, head)
+    probes = plain.embed([f"probe {i}" for i in range(600)])
+    from argus.classifier.calibration import softmax_t, tolerance_scores
+
+    tolerance = tolerance_scores(softmax_t(head.logits(probes), temperature))
+    edges = class_edges(tolerance, n)
+    classes = np.searchsorted(np.array(edges), tolerance, side="left")
+    scores = np.array([[20.0 - (n - 1 - c) * v / n for v in range(n)] for c in classes])
+    stats = measure_class_quality(classes, scores, n)
+    calibration = Calibration(
+        Strategy.AC,
+        tuple(levels),
+        temperature,
+        edges,
+        len(classes),
+        stats.counts,
+        stats,
+        "test",
+        CalibrationFit(1.0, 1.0, 0.1, 0.1),
+    )
+    return LevelClassifier(config, encoder, head, calibration)

@@ -33,7 +33,12 @@ from argus.classifier.prompts import (
     prepare_prompt,
 )
 from argus.classifier.serving import default_classifier_dir, load_classifier_set
-from argus.classifier.train import TrainConfig, save_trained, split_indices, train_classifier
+from argus.classifier.train import (
+    TrainConfig,
+    save_trained,
+    stratified_holdout,
+    train_classifier,
+)
 from argus.sim.quality import QualityTable, synthetic_quality_table
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
@@ -142,15 +147,14 @@ def test_downstream_quality_by_hand() -> None:
 # ----------------------------------------------------------------------------------- training
 
 
-def test_split_is_stratified_disjoint_and_seeded() -> None:
+def test_validation_slice_is_stratified_disjoint_and_seeded() -> None:
     labels = np.repeat(np.arange(4), [100, 40, 20, 2])
-    split = split_indices(labels, 7, 0.15, 0.15)
-    rows = np.concatenate([split.train, split.val, split.test])
-    assert sorted(rows.tolist()) == list(range(len(labels)))
-    assert np.bincount(labels[split.test], minlength=4).tolist() == [15, 6, 3, 0]
-    again = split_indices(labels, 7, 0.15, 0.15)
-    assert np.array_equal(again.test, split.test) and np.array_equal(again.val, split.val)
-    assert not np.array_equal(split_indices(labels, 8, 0.15, 0.15).test, split.test)
+    kept, held = stratified_holdout(labels, 7, 0.15)
+    assert sorted(np.concatenate([kept, held]).tolist()) == list(range(len(labels)))
+    assert np.bincount(labels[held], minlength=4).tolist() == [15, 6, 3, 0]
+    again = stratified_holdout(labels, 7, 0.15)
+    assert np.array_equal(again[1], held) and np.array_equal(again[0], kept)
+    assert not np.array_equal(stratified_holdout(labels, 8, 0.15)[1], held)
 
 
 def test_logistic_learns_the_lexical_rule_and_is_reproducible(tiny_bert: Path) -> None:
@@ -159,7 +163,7 @@ def test_logistic_learns_the_lexical_rule_and_is_reproducible(tiny_bert: Path) -
     second = train_classifier(data, FAST, encoder_dir=tiny_bert)
     assert np.array_equal(first.classifier.head.weight, second.classifier.head.weight)
     assert np.array_equal(first.classifier.head.bias, second.classifier.head.bias)
-    test = first.evaluations["test"]
+    test = first.evaluations["eval"]
     assert test.accuracy >= 0.9
     assert test.quality is not None and test.quality.gap_closed > 0.8
     assert first.selection["criterion"] == "validation log-loss"
@@ -168,7 +172,7 @@ def test_logistic_learns_the_lexical_rule_and_is_reproducible(tiny_bert: Path) -
 def test_trained_classifier_beats_random_on_a_synthetic_table(tiny_bert: Path, parti) -> None:
     table = synthetic_quality_table(parti[:600], Strategy.SM, ["s0", "s1", "s2", "s3"], seed=0)
     result = train_classifier(labels_from_table(table), FAST, encoder_dir=tiny_bert)
-    quality = result.evaluations["test"].quality
+    quality = result.evaluations["eval"].quality
     assert quality is not None
     assert quality.classifier > quality.random + 1.0
     assert quality.gap_closed > 0.5
@@ -201,6 +205,7 @@ def test_logistic_artifact_round_trips(tiny_bert: Path, tmp_path: Path) -> None:
     result = train_classifier(data, FAST, encoder_dir=tiny_bert)
     directory = save_trained(result, tmp_path / "ac")
     assert sorted(p.name for p in directory.iterdir()) == [
+        "calibration.json",
         "config.json",
         "labels.json",
         "metrics.json",
@@ -211,7 +216,7 @@ def test_logistic_artifact_round_trips(tiny_bert: Path, tmp_path: Path) -> None:
     assert np.array_equal(loaded.head.weight, result.classifier.head.weight)
     prompts = [*data.prompts[:30], "", "  ", "a cat and a calligraphy"]
     assert np.array_equal(loaded.predict(prompts), result.classifier.predict(prompts))
-    assert read_metrics(directory)["test"]["accuracy"] == result.evaluations["test"].accuracy
+    assert read_metrics(directory)["eval"]["accuracy"] == result.evaluations["eval"].accuracy
     labels = json.loads((directory / "labels.json").read_text())
     assert labels["labels"] == {str(i): name for i, name in enumerate(AC_LEVELS)}
 
@@ -268,10 +273,10 @@ def test_committed_artifacts_load_and_beat_random() -> None:
         assert predicted.tolist() == one_by_one
         metrics = read_metrics(directory / strategy.value.lower())
         assert metrics["labels"]["synthetic"] is True
-        quality = metrics["test"]["quality"]
+        quality = metrics["eval"]["quality"]
         assert quality["classifier"] > quality["random"] + 1.0
         majority = max(metrics["labels"]["level_counts"]) / metrics["labels"]["prompts"]
-        assert metrics["test"]["accuracy"] > majority
+        assert metrics["eval"]["accuracy"] > majority
 
 
 def test_router_modules_do_not_import_torch() -> None:

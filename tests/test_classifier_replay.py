@@ -189,17 +189,18 @@ def test_train_classifier_cli_is_reproducible(tmp_path: Path, capsys) -> None:
         )
         printed, err = capsys.readouterr()
         assert code == 0, err
-        assert "SYNTHETIC" in printed and "test: accuracy" in printed
+        assert "SYNTHETIC" in printed and "eval: accuracy" in printed
         runs.append(out)
     for strategy in ("ac", "sm"):
-        for file in ("model.safetensors", "metrics.json", "config.json", "labels.json"):
+        files = ("model.safetensors", "metrics.json", "config.json", "labels.json")
+        for file in (*files, "calibration.json"):
             first = (runs[0] / strategy / file).read_bytes()
             assert first == (runs[1] / strategy / file).read_bytes(), file
         metrics = json.loads((runs[0] / strategy / "metrics.json").read_text())
         assert metrics["labels"]["synthetic"] is True
-        assert metrics["split"]["seed"] == 3
-        assert set(metrics["test"]) >= {"accuracy", "macro_f1", "confusion", "quality"}
-        assert np.array(metrics["test"]["confusion"]).sum() == metrics["split"]["test"]
+        assert metrics["split"]["validation"]["seed"] == 3
+        assert set(metrics["eval"]) >= {"accuracy", "macro_f1", "confusion", "quality"}
+        assert np.array(metrics["eval"]["confusion"]).sum() == metrics["split"]["eval"]
 
 
 @pytest.mark.parametrize(

@@ -207,7 +207,8 @@ def test_bad_prompts_do_not_disturb_concurrent_callers(served: PromptClassifier)
 def test_concurrent_callers_match_one_by_one_predictions(served: PromptClassifier) -> None:
     prompts = [f"a {a} and a {b}" for a in ("cat", "mosaic", "sun") for b in ("origami", "cup")]
     model = served.classifiers.current(Strategy.AC)
-    expected = model.predict(prompts).tolist()
+    assert model.has_classes and served.has_classes(Strategy.AC)
+    expected = model.classes(prompts).tolist()
     got: dict[int, int] = {}
 
     def caller(i: int) -> None:

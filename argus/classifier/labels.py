@@ -5,8 +5,13 @@ prompt gets at any level of the strategy (Argus §3, δ = 0.9); :meth:`QualityTa
 implements the rule and this module only packages its result with the prompts for training.
 Prompts are cleaned exactly as serving cleans them (:func:`argus.classifier.prompts.clean_prompt`),
 so a model never trains on text it would not see; prompts that clean to nothing (empty or
-whitespace-only) are left out, since serving answers them without the model. A prompt listed
-twice keeps its first row, so that it cannot sit in both the training and the test split.
+whitespace-only) are left out, since serving answers them without the model.
+
+Each prompt keeps the table's own text as its *split key*: the fixed split of
+:mod:`argus.prompt_split` hashes the text as the prompt files hold it, and replays select
+their evaluation prompts by that text, so training must too. Several rows that clean to the
+same text keep the first row; if their split keys fall in different sets the prompt is left
+out altogether, since using it for one purpose would use its twin for another.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.classifier.prompts import clean_prompt
+from argus.prompt_split import PromptSet, prompt_set
 from argus.sim.quality import DEFAULT_DELTA, QualityTable
 from argus.types import Strategy
 
@@ -36,8 +42,12 @@ class LabelledPrompts:
     scores: FloatArray | None  # [prompts, levels] quality scores, when known (evaluation)
     source: str  # where the labels come from, e.g. the quality table's "synthetic: ..."
     delta: float  # the δ of the rule that made the labels
+    split_keys: tuple[str, ...] | None = None  # text argus.prompt_split hashes, per prompt;
+    # None: the prompts themselves
 
     def __post_init__(self) -> None:
+        if self.split_keys is not None and len(self.split_keys) != len(self.prompts):
+            raise ValueError(f"{len(self.prompts)} prompts but {len(self.split_keys)} split keys")
         labels = np.asarray(self.labels, dtype=np.int64)
         if labels.shape != (len(self.prompts),):
             raise ValueError(f"{len(self.prompts)} prompts but labels of shape {labels.shape}")
@@ -52,6 +62,10 @@ class LabelledPrompts:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def prompt_sets(self) -> tuple[PromptSet, ...]:
+        """The set of :mod:`argus.prompt_split` each prompt belongs to."""
+        return tuple(prompt_set(key) for key in (self.split_keys or self.prompts))
 
     @property
     def synthetic(self) -> bool:
@@ -69,6 +83,9 @@ class LabelledPrompts:
             scores=None if self.scores is None else self.scores[rows],
             source=self.source,
             delta=self.delta,
+            split_keys=None
+            if self.split_keys is None
+            else tuple(self.split_keys[i] for i in rows.tolist()),
         )
 
 
@@ -81,16 +98,16 @@ def labels_from_table(
     whole. Raises ``ValueError`` when no prompt is left.
     """
     optimal = table.optimal_levels(delta)
-    keep: list[int] = []
-    prompts: list[str] = []
-    seen: set[str] = set()
+    first: dict[str, int] = {}  # cleaned text -> its first row
+    sets: dict[str, set[PromptSet]] = {}  # cleaned text -> the sets of its rows' texts
     for row, text in enumerate(table.prompts):
         cleaned = clean_prompt(text, max_chars=max_chars)
-        if cleaned is None or cleaned in seen:
+        if cleaned is None:
             continue
-        seen.add(cleaned)
-        keep.append(row)
-        prompts.append(cleaned)
+        first.setdefault(cleaned, row)
+        sets.setdefault(cleaned, set()).add(prompt_set(text))
+    prompts = [cleaned for cleaned in first if len(sets[cleaned]) == 1]
+    keep = [first[cleaned] for cleaned in prompts]
     if not keep:
         raise ValueError(f"the {table.strategy} quality table has no non-empty prompt")
     return LabelledPrompts(
@@ -101,4 +118,5 @@ def labels_from_table(
         scores=table.scores[keep],
         source=table.source,
         delta=delta,
+        split_keys=tuple(table.prompts[row] for row in keep),
     )

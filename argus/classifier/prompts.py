@@ -9,7 +9,8 @@ The rules, applied in this order by :func:`prepare_prompt` (serving) and
    ``str`` or ``bytes`` raises ``TypeError``. A router answers these with INVALID_ARGUMENT.
 2. Leading and trailing whitespace is removed. An **empty or whitespace-only** prompt is not
    an error (a diffusion model generates from it) but carries nothing to classify: it gets
-   :data:`EMPTY_PROMPT_LEVEL`, the slowest and best level, which can lose no quality.
+   :data:`EMPTY_PROMPT_LEVEL`, the slowest and best level, which can lose no quality (or
+   :data:`EMPTY_PROMPT_CLASS`, the least tolerant class, from a calibrated classifier).
 3. A **long** prompt (say 1 MB) is cut to ``max_chars`` characters before tokenising, then the
    tokenizer truncates it to the encoder's token limit (256 tokens for all-MiniLM-L6-v2). The
    character cut only bounds the tokenizer's work (1 MB takes the BERT tokenizer about a
@@ -21,6 +22,10 @@ from __future__ import annotations
 
 EMPTY_PROMPT_LEVEL = 0
 """Level index given to empty and whitespace-only prompts: the slowest, best level."""
+
+EMPTY_PROMPT_CLASS = 0
+"""Class given to empty and whitespace-only prompts by a calibrated classifier: the least
+tolerant class, whose prompts the planner keeps at the slowest levels."""
 
 CHARS_PER_TOKEN = 16
 """Characters kept per token of the encoder's limit before tokenising (see rule 3)."""

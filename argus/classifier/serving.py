@@ -8,15 +8,20 @@
   with a model that is already fully built. No request can see a half-loaded model, and a
   batch never mixes two models.
 * :class:`ClassifierSet` predicts every strategy for a batch of prompts, with one encoder
-  forward pass per distinct encoder (the committed AC and SM heads share frozen MiniLM).
+  forward pass per distinct encoder (the committed AC and SM heads share frozen MiniLM):
+  arg-max levels (the paper's planner), classes and calibrated probabilities (the joint
+  planner), optionally through an on-disk embedding cache for replays.
+* :func:`read_class_qualities` gives the allocator Q(v | c) of each strategy from the
+  artifacts' ``calibration.json`` without loading a model.
 * :class:`MicroBatcher` gathers concurrent callers from many threads into one forward pass:
   a batch closes at ``max_batch`` prompts or ``max_wait_s`` after its first prompt arrived,
   whichever comes first; each caller gets its own answer (or the batch's exception).
-* :class:`PromptClassifier` puts them together: ``classify(prompt) -> {strategy: level}``.
-  Bad input is handled in the caller's thread, before batching, as
+* :class:`PromptClassifier` puts them together: ``classify(prompt) -> {strategy: class}``,
+  the class being a calibrated tolerance bin (or the arg-max level for an artifact without
+  ``calibration.json``). Bad input is handled in the caller's thread, before batching, as
   :mod:`argus.classifier.prompts` documents (``InvalidPromptError`` for bytes that are not
-  UTF-8, the slowest level for empty prompts, truncation for long ones), so one caller's bad
-  prompt never fails another caller's batch.
+  UTF-8, class or level 0 for empty prompts, truncation for long ones), so one caller's
+  bad prompt never fails another caller's batch.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from typing import Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from argus.classifier.calibration import softmax_t
+from argus.classifier.embedding_cache import EmbeddingCache, EncoderIdentity
 from argus.classifier.model import (
     CLASSIFIERS_DIR,
     CONFIG_FILE,
@@ -41,12 +48,20 @@ from argus.classifier.model import (
     ClassifierConfig,
     LevelClassifier,
     load_artifact,
+    read_class_quality,
     read_config,
 )
-from argus.classifier.prompts import EMPTY_PROMPT_LEVEL, clean_prompt, decode_prompt
-from argus.types import Strategy
+from argus.classifier.prompts import (
+    EMPTY_PROMPT_CLASS,
+    EMPTY_PROMPT_LEVEL,
+    clean_prompt,
+    decode_prompt,
+)
+from argus.types import ClassQuality, Strategy
 
 IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+Float32Array = npt.NDArray[np.float32]
 M = TypeVar("M")
 T = TypeVar("T")
 R = TypeVar("R")
@@ -121,6 +136,16 @@ class HotSwapModel(Generic[M]):
             return version
 
 
+@dataclass(frozen=True, eq=False)
+class Inference:
+    """What one strategy's classifier says about a batch of prompts (one row per prompt)."""
+
+    levels: IntArray  # arg-max level (EMPTY_PROMPT_LEVEL for empty prompts)
+    classes: IntArray  # class: tolerance bin with a calibration, else the arg-max level
+    probabilities: FloatArray  # calibrated [prompts, levels]; one-hot at level 0 when empty
+    has_classes: bool  # True when ``classes`` are tolerance bins
+
+
 class ClassifierSet:
     """One hot-swappable :class:`LevelClassifier` per strategy."""
 
@@ -139,30 +164,114 @@ class ClassifierSet:
     def current(self, strategy: Strategy) -> LevelClassifier:
         return self.holders[strategy].current
 
-    def predict_cleaned(self, texts: Sequence[str | None]) -> dict[Strategy, IntArray]:
-        """Levels per strategy for decoded, stripped texts (``None``: empty prompt).
+    def has_classes(self, strategy: Strategy) -> bool:
+        """True when the current model of ``strategy`` outputs tolerance classes."""
+        return self.current(strategy).has_classes
+
+    def class_quality(self, strategy: Strategy) -> ClassQuality:
+        """Q(v | c) of the current model of ``strategy``; ``ValueError`` without calibration."""
+        return self.current(strategy).class_quality()
+
+    def infer_cleaned(
+        self,
+        texts: Sequence[str | None],
+        *,
+        cache: EmbeddingCache | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[Strategy, Inference]:
+        """Levels, classes and calibrated probabilities per strategy for decoded, stripped
+        texts (``None``: empty prompt).
 
         Takes each strategy's model once, embeds once per distinct (encoder, character cut)
-        and applies every head.
+        and applies every head. With ``cache``, vectors of encoders whose weights' hash is
+        known are read from and kept in it (:mod:`argus.classifier.embedding_cache`);
+        ``progress(done, total)`` reports the embedding.
         """
         models = {s: holder.current for s, holder in self.holders.items()}
-        vectors: dict[tuple[int, int], npt.NDArray[np.float32]] = {}
+        vectors: dict[tuple[int, int], Float32Array] = {}
         rows = [i for i, text in enumerate(texts) if text is not None]
-        out: dict[Strategy, IntArray] = {}
+        out: dict[Strategy, Inference] = {}
         for strategy, model in models.items():
+            n = len(model.levels)
             levels = np.full(len(texts), EMPTY_PROMPT_LEVEL, dtype=np.int64)
+            classes = np.full(len(texts), EMPTY_PROMPT_CLASS, dtype=np.int64)
+            probabilities = np.zeros((len(texts), n), dtype=np.float64)
+            probabilities[:, EMPTY_PROMPT_LEVEL] = 1.0
             if rows:
                 key = (id(model.encoder), model.config.max_chars)
                 if key not in vectors:
                     cut = [clean_prompt(texts[i] or "", max_chars=key[1]) or "" for i in rows]
-                    vectors[key] = model.embed(cut)
-                levels[rows] = model.predict_vectors(vectors[key])
-            out[strategy] = levels
+                    vectors[key] = _embed(model, cut, cache, progress)
+                logits = model.head.logits(vectors[key])
+                levels[rows] = np.argmax(logits, axis=1)
+                probabilities[rows] = softmax_t(logits, model.temperature)
+                if model.calibration is None:
+                    classes[rows] = levels[rows]
+                else:
+                    classes[rows] = model.calibration.classes_of_logits(logits)
+            out[strategy] = Inference(levels, classes, probabilities, model.has_classes)
         return out
+
+    def predict_cleaned(
+        self,
+        texts: Sequence[str | None],
+        *,
+        cache: EmbeddingCache | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[Strategy, IntArray]:
+        """Arg-max levels per strategy (what the paper's planner routes by); see
+        :meth:`infer_cleaned`."""
+        inferred = self.infer_cleaned(texts, cache=cache, progress=progress)
+        return {s: result.levels for s, result in inferred.items()}
+
+    def classes_cleaned(
+        self,
+        texts: Sequence[str | None],
+        *,
+        cache: EmbeddingCache | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[Strategy, IntArray]:
+        """Classes per strategy (tolerance bins where calibrated, arg-max levels elsewhere;
+        ``EMPTY_PROMPT_CLASS`` for empty prompts); see :meth:`infer_cleaned`."""
+        inferred = self.infer_cleaned(texts, cache=cache, progress=progress)
+        return {s: result.classes for s, result in inferred.items()}
+
+    def probabilities_cleaned(
+        self, texts: Sequence[str | None], *, cache: EmbeddingCache | None = None
+    ) -> dict[Strategy, FloatArray]:
+        """Calibrated probabilities ``[prompts, levels]`` per strategy."""
+        inferred = self.infer_cleaned(texts, cache=cache)
+        return {s: result.probabilities for s, result in inferred.items()}
 
     def predict(self, prompts: Sequence[str | bytes]) -> dict[Strategy, IntArray]:
         """Levels per strategy; raises ``InvalidPromptError`` for the first bad prompt."""
         return self.predict_cleaned([clean_prompt(decode_prompt(p)) for p in prompts])
+
+    def classes(self, prompts: Sequence[str | bytes]) -> dict[Strategy, IntArray]:
+        """Classes per strategy; raises ``InvalidPromptError`` for the first bad prompt."""
+        return self.classes_cleaned([clean_prompt(decode_prompt(p)) for p in prompts])
+
+
+def _embed(
+    model: LevelClassifier,
+    texts: list[str],
+    cache: EmbeddingCache | None,
+    progress: Callable[[int, int], None] | None,
+) -> Float32Array:
+    """The model's vectors of ``texts``, through ``cache`` when its encoder can be keyed."""
+    if cache is not None:
+        identity = EncoderIdentity.of(model)
+        if identity is not None:
+            return cache.embed(model.encoder, identity, texts, progress)
+    return model.embed(texts, progress)
+
+
+def read_class_qualities(directory: str | Path | None = None) -> dict[Strategy, ClassQuality]:
+    """Q(v | c) of every strategy's artifact under ``directory`` (default: the committed
+    one), for the allocator: reads JSON only, no encoder, no weights, no torch.
+    ``ArtifactError`` names the file and field at fault, or the artifact without calibration."""
+    directory = Path(directory) if directory is not None else default_classifier_dir()
+    return {s: read_class_quality(path) for s, path in strategy_dirs(directory).items()}
 
 
 def load_classifier_set(
@@ -306,12 +415,17 @@ class MicroBatcher(Generic[T, R]):
 
 
 class PromptClassifier:
-    """Router-facing: ``classify(prompt) -> {strategy: level index}``, thread-safe, batched.
+    """Router-facing: ``classify(prompt) -> {strategy: class}``, thread-safe, batched.
+
+    A strategy whose artifact has a calibration answers with the prompt's *class* (a bin of
+    its calibrated tolerance, 0 = least tolerant; see :mod:`argus.classifier.calibration`),
+    which the joint planner's PASM rows are indexed by; a strategy without one answers with
+    its arg-max level, as before calibration existed. :meth:`has_classes` says which.
 
     Prompt handling (see :mod:`argus.classifier.prompts`): bytes that are not UTF-8 and lone
     surrogates raise ``InvalidPromptError`` in the caller's thread; empty and whitespace-only
-    prompts get ``EMPTY_PROMPT_LEVEL`` without touching the model; long prompts are cut and
-    truncated to the encoder's limit.
+    prompts get ``EMPTY_PROMPT_CLASS`` (= ``EMPTY_PROMPT_LEVEL``, 0) without touching the
+    model; long prompts are cut and truncated to the encoder's limit.
     """
 
     def __init__(
@@ -323,20 +437,25 @@ class PromptClassifier:
         )
 
     def _run_batch(self, texts: list[str]) -> list[dict[Strategy, int]]:
-        levels = self.classifiers.predict_cleaned(list(texts))
-        return [{s: int(levels[s][i]) for s in levels} for i in range(len(texts))]
+        classes = self.classifiers.classes_cleaned(list(texts))
+        return [{s: int(classes[s][i]) for s in classes} for i in range(len(texts))]
+
+    def has_classes(self, strategy: Strategy) -> bool:
+        """True when :meth:`classify` answers ``strategy`` with a tolerance class, False when
+        with an arg-max level (no calibration in the artifact)."""
+        return self.classifiers.has_classes(strategy)
 
     def classify(self, prompt: str | bytes, timeout: float | None = None) -> dict[Strategy, int]:
-        """Each strategy's predicted level for ``prompt``."""
+        """Each strategy's class for ``prompt`` (its level where there is no calibration)."""
         text = clean_prompt(decode_prompt(prompt))
         if text is None:
-            return {s: EMPTY_PROMPT_LEVEL for s in self.classifiers.strategies}
+            return {s: EMPTY_PROMPT_CLASS for s in self.classifiers.strategies}
         return self._batcher(text, timeout)
 
     def classify_level(
         self, prompt: str | bytes, strategy: Strategy, timeout: float | None = None
     ) -> int:
-        """The predicted level of ``prompt`` for one strategy."""
+        """:meth:`classify` for one strategy: its class, or its level without calibration."""
         return self.classify(prompt, timeout)[strategy]
 
     def stats(self) -> BatcherStats:

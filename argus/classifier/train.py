@@ -1,22 +1,31 @@
-"""Training a level classifier, reproducibly from a seed.
+"""Training a level classifier on the fixed prompt split, reproducibly from a seed.
 
-Steps of :func:`train_classifier`:
+Every prompt has one purpose, set by :mod:`argus.prompt_split` from its text (60 / 20 / 20):
+TRAIN prompts fit the weights, CALIBRATION prompts calibrate them, EVAL prompts are only
+reported on. Steps of :func:`train_classifier`:
 
-1. **Split** the labelled prompts into train / validation / test, stratified by label, from
-   the seed (:func:`split_indices`). The test split is only evaluated, never selected on.
+1. **Split** (:func:`split_prompts`): the three sets; inside TRAIN a seeded slice of each
+   label's prompts (``val_fraction``, stratified) is held out to choose ``C`` or the
+   fine-tuning epoch.
 2. **Embed** every prompt with the frozen encoder (mean-pooled unit vectors).
 3. **Logistic head** (both backbones): a multinomial logistic regression (scikit-learn,
-   L-BFGS, deterministic) for each ``C`` of the grid; the one with the lowest validation
-   log-loss wins. For the ``logistic`` backbone this is the model.
-4. **Fine-tune** (``finetune`` backbone only): encoder and head together from the logistic
-   head (LP-FT, Kumar et al., ICLR 2022: fitting the head first keeps the first gradient
-   steps from distorting the pretrained features), AdamW with linear warm-up and decay,
-   cross-entropy, seeded shuffling and dropout. After every epoch the validation log-loss is
-   measured; the best epoch is kept (epoch 0 is the logistic head itself).
-5. **Evaluate** on all three splits (:mod:`argus.classifier.evaluate`).
+   L-BFGS, deterministic) fitted on TRAIN minus the validation slice for each ``C`` of the
+   grid; the lowest validation log-loss wins. For the ``logistic`` backbone the head is then
+   refitted with that ``C`` on all TRAIN prompts, and that is the model.
+4. **Fine-tune** (``finetune`` backbone only): encoder and head together from the step-3 head
+   fitted without the validation slice (LP-FT, Kumar et al., ICLR 2022: fitting the head
+   first keeps the first gradient steps from distorting the pretrained features), AdamW with
+   linear warm-up and decay, cross-entropy, seeded shuffling and dropout, on TRAIN minus the
+   validation slice. After every epoch the validation log-loss is measured; the best epoch is
+   kept (epoch 0 is the logistic head itself).
+5. **Calibrate** on the CALIBRATION prompts (:mod:`argus.classifier.calibration`):
+   temperature, tolerance classes and Q(v | c).
+6. **Evaluate** on TRAIN (in-sample, for comparison) and EVAL
+   (:mod:`argus.classifier.evaluate`), with the calibration's log-loss, ECE and Q(v | c) on
+   EVAL beside the ones measured on CALIBRATION.
 
-Same seed, same data, same thread count → identical weights and predictions (torch's CPU
-kernels and L-BFGS are deterministic for a given thread count).
+Same seed, same data, same thread count → identical weights, calibration and metrics (torch's
+CPU kernels and L-BFGS are deterministic for a given thread count).
 """
 
 from __future__ import annotations
@@ -31,6 +40,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from argus.classifier.calibration import (
+    Calibration,
+    calibrate,
+    expected_calibration_error,
+    measure_class_quality,
+    negative_log_likelihood,
+    softmax_t,
+)
 from argus.classifier.evaluate import Evaluation, evaluate
 from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import (
@@ -47,12 +64,14 @@ from argus.classifier.model import (
     shared_encoder,
     softmax,
 )
+from argus.prompt_split import PromptSet
 
 IntArray = npt.NDArray[np.int64]
 Float32Array = npt.NDArray[np.float32]
 FloatArray = npt.NDArray[np.float64]
 
 ABSENT_LEVEL_BIAS = -30.0  # logit bias of a level no training prompt has: probability ~1e-13
+SPLIT_SCHEME = "argus.prompt_split: keyed hash of the prompt text, train/calibration/eval 60/20/20"
 
 
 @dataclass(frozen=True)
@@ -63,13 +82,10 @@ class TrainConfig:
     """``logistic`` (frozen encoder, the cheap CPU default) or ``finetune`` (Argus §4.1)."""
 
     seed: int = 0
-    """Seeds the split, the shuffling and dropout."""
+    """Seeds the validation slice, the shuffling and dropout (the three sets are fixed)."""
 
     val_fraction: float = 0.15
-    """Share of each label's prompts held out for model selection."""
-
-    test_fraction: float = 0.15
-    """Share of each label's prompts held out for the reported metrics."""
+    """Share of each label's TRAIN prompts held out to choose ``C`` or the epoch."""
 
     c_grid: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
     """Inverse L2 strengths tried for the logistic head; validation log-loss picks one."""
@@ -102,10 +118,8 @@ class TrainConfig:
         object.__setattr__(self, "backbone", Backbone(self.backbone))
         if self.seed < 0:
             raise ValueError(f"seed: must be >= 0, got {self.seed}")
-        for name in ("val_fraction", "test_fraction"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 0.5:
-                raise ValueError(f"{name}: must be in [0, 0.5), got {value}")
+        if not 0.0 <= self.val_fraction < 0.5:
+            raise ValueError(f"val_fraction: must be in [0, 0.5), got {self.val_fraction}")
         if not self.c_grid or any(not c > 0 for c in self.c_grid):
             raise ValueError(f"c_grid: need positive values, got {self.c_grid}")
         for name in ("max_iter", "epochs", "batch_size", "max_tokens"):
@@ -120,30 +134,46 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class Split:
-    """Row indices of the three splits, each sorted."""
+    """Row indices of each purpose, each sorted; ``fit`` and ``val`` partition TRAIN."""
 
-    train: IntArray
-    val: IntArray
-    test: IntArray
+    fit: IntArray  # TRAIN prompts the weights are fitted on
+    val: IntArray  # TRAIN prompts held out to choose C or the epoch
+    calibration: IntArray  # CALIBRATION prompts: temperature, classes, Q(v | c)
+    test: IntArray  # EVAL prompts: reported only
+
+    @property
+    def train(self) -> IntArray:
+        """Every TRAIN prompt (``fit`` and ``val``)."""
+        out: IntArray = np.sort(np.concatenate([self.fit, self.val]))
+        return out
 
 
-def split_indices(labels: IntArray, seed: int, val_fraction: float, test_fraction: float) -> Split:
-    """Stratified seeded split: each label's rows shuffled, then cut test | val | train.
-
-    A label with fewer than three prompts goes to training whole. When validation would be
-    empty, selection falls back to the training split (see :func:`train_classifier`).
-    """
+def stratified_holdout(labels: IntArray, seed: int, fraction: float) -> tuple[IntArray, IntArray]:
+    """``(kept, held_out)`` positions: each label's positions shuffled from ``seed`` and the
+    first ``round(fraction × count)`` held out. A label with fewer than three prompts is kept
+    whole; both arrays are sorted."""
     rng = np.random.default_rng([seed, 0x5E1])
-    parts: dict[str, list[int]] = {"train": [], "val": [], "test": []}
+    kept: list[int] = []
+    held: list[int] = []
     for label in np.unique(labels).tolist():
         rows = np.flatnonzero(labels == label)
         rows = rows[rng.permutation(len(rows))]
-        n_test = round(test_fraction * len(rows)) if len(rows) >= 3 else 0
-        n_val = round(val_fraction * len(rows)) if len(rows) >= 3 else 0
-        parts["test"] += rows[:n_test].tolist()
-        parts["val"] += rows[n_test : n_test + n_val].tolist()
-        parts["train"] += rows[n_test + n_val :].tolist()
-    return Split(**{k: np.array(sorted(v), dtype=np.int64) for k, v in parts.items()})
+        n_held = round(fraction * len(rows)) if len(rows) >= 3 else 0
+        held += rows[:n_held].tolist()
+        kept += rows[n_held:].tolist()
+    return np.array(sorted(kept), dtype=np.int64), np.array(sorted(held), dtype=np.int64)
+
+
+def split_prompts(data: LabelledPrompts, seed: int, val_fraction: float) -> Split:
+    """Step 1: the fixed sets of :mod:`argus.prompt_split` and the validation slice of TRAIN."""
+    sets = np.array([str(s) for s in data.prompt_sets()])
+
+    def rows(which: PromptSet) -> IntArray:
+        return np.flatnonzero(sets == str(which)).astype(np.int64)
+
+    train = rows(PromptSet.TRAIN)
+    kept, held = stratified_holdout(data.labels[train], seed, val_fraction)
+    return Split(train[kept], train[held], rows(PromptSet.CALIBRATION), rows(PromptSet.EVAL))
 
 
 @dataclass
@@ -155,12 +185,14 @@ class TrainResult:
     config: TrainConfig
     split: Split
     selection: dict[str, Any]  # what validation chose (C, epoch) and its log-loss
-    evaluations: dict[str, Evaluation]  # "train", "val", "test"
+    evaluations: dict[str, Evaluation]  # arg-max levels on "train" and "eval"
+    calibration: dict[str, Any] | None  # temperature, log-loss and ECE on both sets
+    classes: dict[str, Any] | None  # class edges, counts and Q(v | c) on EVAL
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per step
 
     def metrics_json(self) -> dict[str, Any]:
         """The ``metrics.json`` of the artifact (no timings: it is reproducible from a seed)."""
-        data, config = self.data, self.classifier.config
+        data, config, split = self.data, self.classifier.config, self.split
         return {
             "strategy": config.strategy.value,
             "backbone": config.backbone.value,
@@ -173,15 +205,22 @@ class TrainResult:
                 "level_counts": np.bincount(data.labels, minlength=len(data.levels)).tolist(),
             },
             "split": {
-                "seed": self.config.seed,
-                "stratified": True,
-                "train": len(self.split.train),
-                "val": len(self.split.val),
-                "test": len(self.split.test),
+                "scheme": SPLIT_SCHEME,
+                "train": len(split.fit) + len(split.val),
+                "calibration": len(split.calibration),
+                "eval": len(split.test),
+                "validation": {
+                    "seed": self.config.seed,
+                    "fraction": self.config.val_fraction,
+                    "stratified": True,
+                    "fit": len(split.fit),
+                    "val": len(split.val),
+                },
             },
             "selection": self.selection,
-            "test": self.evaluations["test"].to_json() if "test" in self.evaluations else None,
-            "val": self.evaluations["val"].to_json() if "val" in self.evaluations else None,
+            "calibration": self.calibration,
+            "classes": self.classes,
+            "eval": self.evaluations["eval"].to_json() if "eval" in self.evaluations else None,
             "train": self.evaluations["train"].to_json(),
         }
 
@@ -223,13 +262,14 @@ def fit_logistic_head(
 def _select_logistic(
     vectors: Float32Array, labels: IntArray, split: Split, n_levels: int, config: TrainConfig
 ) -> tuple[LinearHead, dict[str, Any]]:
-    """Step 3: the grid's head with the lowest validation log-loss (smaller C on ties)."""
-    select = split.val if len(split.val) else split.train
+    """Step 3: the grid's head with the lowest validation log-loss (smaller C on ties),
+    fitted on ``split.fit``."""
+    select = split.val if len(split.val) else split.fit
     best: tuple[float, float, LinearHead] | None = None
     losses: dict[str, float] = {}
     for c in sorted(config.c_grid):
         head = fit_logistic_head(
-            vectors[split.train], labels[split.train], n_levels, c, config.max_iter
+            vectors[split.fit], labels[split.fit], n_levels, c, config.max_iter
         )
         loss = log_loss(softmax(head.logits(vectors[select])), labels[select])
         losses[f"{c:g}"] = round(loss, 6)
@@ -245,6 +285,57 @@ def _select_logistic(
     return best[2], selection
 
 
+def _calibration_summary(
+    calibration: Calibration, logits: Float32Array, labels: IntArray
+) -> dict[str, Any]:
+    """Temperature with log-loss and ECE before / after on CALIBRATION and EVAL."""
+    fit = calibration.fit
+    summary: dict[str, Any] = {
+        "method": "temperature scaling, NLL minimised on the calibration prompts",
+        "temperature": calibration.temperature,
+        "calibration": {
+            "prompts": calibration.prompts,
+            "log_loss_before": fit.log_loss_before,
+            "log_loss_after": fit.log_loss_after,
+            "ece_before": fit.ece_before,
+            "ece_after": fit.ece_after,
+        },
+        "eval": None,
+    }
+    if len(labels):
+        t = calibration.temperature
+        summary["eval"] = {
+            "prompts": len(labels),
+            "log_loss_before": negative_log_likelihood(logits, labels),
+            "log_loss_after": negative_log_likelihood(logits, labels, t),
+            "ece_before": expected_calibration_error(softmax_t(logits), labels),
+            "ece_after": expected_calibration_error(softmax_t(logits, t), labels),
+        }
+    return summary
+
+
+def _class_summary(
+    calibration: Calibration, logits: Float32Array, scores: FloatArray | None
+) -> dict[str, Any]:
+    """The classes' edges and counts, and Q(v | c) measured again on EVAL for comparison."""
+    classes = calibration.classes_of_logits(logits)
+    n = calibration.n_classes
+    summary: dict[str, Any] = {
+        "score": "expected optimal level index under the calibrated probabilities",
+        "edges": list(calibration.edges),
+        "calibration_counts": list(calibration.counts),
+        "calibration_quality": None
+        if calibration.stats is None
+        else [list(row) for row in calibration.stats.quality],
+        "eval_counts": np.bincount(classes, minlength=n).tolist(),
+        "eval_quality": None,
+    }
+    if scores is not None and len(classes):
+        stats = measure_class_quality(classes, scores, n)
+        summary["eval_quality"] = [list(row) for row in stats.quality]
+    return summary
+
+
 def train_classifier(
     data: LabelledPrompts,
     config: TrainConfig | None = None,
@@ -253,13 +344,16 @@ def train_classifier(
     clock: Callable[[], float] = time.perf_counter,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
-    """Steps 1–5 of the module docstring; ``encoder_dir`` defaults to all-MiniLM-L6-v2."""
+    """Steps 1–6 of the module docstring; ``encoder_dir`` defaults to all-MiniLM-L6-v2."""
     config = config or TrainConfig()
     say = log or (lambda _message: None)
     seconds: dict[str, float] = {}
-    if len(data) < 2:
-        raise ValueError(f"need at least 2 labelled prompts to train, got {len(data)}")
-    split = split_indices(data.labels, config.seed, config.val_fraction, config.test_fraction)
+    split = split_prompts(data, config.seed, config.val_fraction)
+    if len(split.fit) + len(split.val) < 2:
+        raise ValueError(
+            f"need at least 2 TRAIN prompts of the fixed split to train, got "
+            f"{len(split.fit) + len(split.val)} of {len(data)} prompts"
+        )
     reference = DEFAULT_ENCODER if encoder_dir is None else str(Path(encoder_dir).resolve())
     base = reference
     from argus.classifier.model import resolve_encoder_dir
@@ -283,6 +377,12 @@ def train_classifier(
 
     started = clock()
     head, selection = _select_logistic(vectors, data.labels, split, n_levels, config)
+    if config.backbone is Backbone.LOGISTIC and len(split.val):
+        train = split.train
+        head = fit_logistic_head(
+            vectors[train], data.labels[train], n_levels, selection["C"], config.max_iter
+        )
+        selection["refit"] = "all TRAIN prompts (fit and validation) with the chosen C"
     seconds["fit_head"] = clock() - started
     say(f"{data.strategy}: logistic head C={selection['C']:g} in {seconds['fit_head']:.1f} s")
 
@@ -306,7 +406,25 @@ def train_classifier(
         labels_source=data.source,
         base_encoder=base,
     )
-    classifier = LevelClassifier(classifier_config, encoder, head)
+    logits = head.logits(vectors)
+    calibration = calibration_metrics = class_metrics = None
+    held = split.calibration
+    if len(held):
+        started = clock()
+        scores = None if data.scores is None else data.scores[held]
+        calibration = calibrate(
+            data.strategy, data.levels, logits[held], data.labels[held], scores, data.source
+        )
+        test = split.test
+        calibration_metrics = _calibration_summary(calibration, logits[test], data.labels[test])
+        test_scores = None if data.scores is None else data.scores[test]
+        class_metrics = _class_summary(calibration, logits[test], test_scores)
+        seconds["calibrate"] = clock() - started
+        say(
+            f"{data.strategy}: temperature {calibration.temperature:.3f} on "
+            f"{len(held)} calibration prompts"
+        )
+    classifier = LevelClassifier(classifier_config, encoder, head, calibration)
     predicted = classifier.predict_vectors(vectors)
     evaluations = {
         name: evaluate(
@@ -316,11 +434,21 @@ def train_classifier(
             scores=None if data.scores is None else data.scores[rows],
             delta=data.delta,
         )
-        for name, rows in (("train", split.train), ("val", split.val), ("test", split.test))
+        for name, rows in (("train", split.train), ("eval", split.test))
         if len(rows)
     }
     seconds["total"] = sum(seconds.values())
-    return TrainResult(classifier, data, config, split, selection, evaluations, seconds)
+    return TrainResult(
+        classifier,
+        data,
+        config,
+        split,
+        selection,
+        evaluations,
+        calibration_metrics,
+        class_metrics,
+        seconds,
+    )
 
 
 def save_trained(result: TrainResult, directory: str | Path) -> Path:
@@ -334,7 +462,9 @@ def save_trained(result: TrainResult, directory: str | Path) -> Path:
         embedder.model.save_pretrained(encoder_dir)
         embedder.tokenizer.save_pretrained(encoder_dir)
         config = replace(classifier.config, encoder_sha256=encoder_sha256(encoder_dir))
-        classifier = LevelClassifier(config, classifier.encoder, classifier.head)
+        classifier = LevelClassifier(
+            config, classifier.encoder, classifier.head, classifier.calibration
+        )
         result.classifier = classifier
     return save_artifact(directory, classifier, result.metrics_json())
 
@@ -358,9 +488,9 @@ def _finetune(
     from argus.embedding import PromptEmbedder
 
     assert isinstance(encoder, PromptEmbedder)
-    select = split.val if len(split.val) else split.train
-    train_texts = [data.prompts[i] for i in split.train.tolist()]
-    train_labels = data.labels[split.train]
+    select = split.val if len(split.val) else split.fit
+    train_texts = [data.prompts[i] for i in split.fit.tolist()]
+    train_labels = data.labels[split.fit]
     select_texts = [data.prompts[i] for i in select.tolist()]
 
     def select_loss(current: LinearHead) -> float:

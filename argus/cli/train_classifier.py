@@ -4,7 +4,10 @@ Labels come from quality tables (``--quality-table``, e.g. from ``argus profile`
 any, from the SYNTHETIC quality model over the prompts (PartiPrompts by default) and the
 profile's levels, with ``--quality-seed`` (0, as ``argus replay`` uses by default). Writes
 ``<out>/ac`` and ``<out>/sm`` (see :mod:`argus.classifier.model` for the files) and prints
-the held-out metrics. Same flags, same seed → the same weights and ``metrics.json``.
+what training measured. The prompts' purposes come from the fixed split of
+:mod:`argus.prompt_split`: TRAIN fits the weights, CALIBRATION the temperature, classes and
+Q(v | c) (``calibration.json``), EVAL is only reported. Same flags, same seed → the same
+weights, ``calibration.json`` and ``metrics.json``.
 
 Bad input (tables, prompts, profiles, flags) exits with code 2 and a one-line error.
 """
@@ -135,25 +138,52 @@ def _log(message: str) -> None:
 
 
 def _report(metrics: dict[str, Any], directory: Path, seconds: float) -> None:
-    """Print the held-out figures of one strategy's classifier."""
-    test, split = metrics["test"], metrics["split"]
+    """Print what training measured for one strategy's classifier."""
+    test, split = metrics["eval"], metrics["split"]
     labels = "SYNTHETIC" if metrics["labels"]["synthetic"] else "profiled"
+    validation = split["validation"]
     print(
         f"{metrics['strategy']}: {metrics['description']} -> {directory} ({seconds:.1f} s)\n"
         f"  labels: {labels} ({metrics['labels']['source']}), δ = {metrics['labels']['delta']}, "
-        f"{metrics['labels']['prompts']} prompts; split train/val/test "
-        f"{split['train']}/{split['val']}/{split['test']} (seed {split['seed']})"
+        f"{metrics['labels']['prompts']} prompts; fixed split train/calibration/eval "
+        f"{split['train']}/{split['calibration']}/{split['eval']}; validation slice of train "
+        f"{validation['val']} (seed {validation['seed']})"
     )
+    _report_calibration(metrics)
     if test is None:
-        print("  no test split (too few prompts)")
+        print("  no eval prompts")
         return
-    print(f"  test: accuracy {test['accuracy']:.3f}, macro-F1 {test['macro_f1']:.3f}")
+    print(f"  eval: accuracy {test['accuracy']:.3f}, macro-F1 {test['macro_f1']:.3f}")
     quality = test["quality"]
     if quality is not None:
         print(
-            f"  test quality: classifier {quality['classifier']:.2f}, random "
+            f"  eval quality (arg-max level): classifier {quality['classifier']:.2f}, random "
             f"{quality['random']:.2f}, oracle {quality['oracle']:.2f}, slowest "
             f"{quality['slowest']:.2f}; gap closed {quality['gap_closed']:.0%}; within δ "
             f"{quality['within_delta']:.0%}; mean level classifier "
             f"{quality['mean_level_classifier']:.2f} vs oracle {quality['mean_level_oracle']:.2f}"
         )
+
+
+def _report_calibration(metrics: dict[str, Any]) -> None:
+    calibration, classes = metrics["calibration"], metrics["classes"]
+    if calibration is None or classes is None:
+        print("  no calibration prompts: no calibration.json (classes are arg-max levels)")
+        return
+    for name in ("calibration", "eval"):
+        fit = calibration[name]
+        if fit is not None:
+            print(
+                f"  {name}: log-loss {fit['log_loss_before']:.4f} -> {fit['log_loss_after']:.4f}, "
+                f"ECE {fit['ece_before']:.4f} -> {fit['ece_after']:.4f} "
+                f"(temperature {calibration['temperature']:.3f}, {fit['prompts']} prompts)"
+            )
+    edges = ", ".join(f"{e:.3f}" for e in classes["edges"])
+    print(
+        f"  classes: edges {edges}; calibration counts {classes['calibration_counts']}, "
+        f"eval counts {classes['eval_counts']}"
+    )
+    quality = classes["calibration_quality"]
+    if quality is not None:
+        for c, row in enumerate(quality):
+            print(f"    Q(v | {c}) " + " ".join(f"{q:.3f}" for q in row))
