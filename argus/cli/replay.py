@@ -197,6 +197,8 @@ class ReplayCommand:
             )
             for s in Strategy
         }
+        if not args.quiet and hasattr(classifier, "progress"):
+            classifier.progress = _EmbeddingProgress()
         prepare = getattr(classifier, "prepare", None)
         if prepare is not None and any(
             getattr(p, "classifier", None) is classifier for p in policies
@@ -442,6 +444,21 @@ def _short(description: dict[str, str]) -> str:
     if description["quality"].startswith("synthetic"):
         return "SYNTHETIC (argus/sim/quality.py)"
     return description["quality"]
+
+
+class _EmbeddingProgress:
+    """The progress bar of the classifier's embedding pass, made at its first report."""
+
+    def __init__(self) -> None:
+        self._bar: _Progress | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is None:
+            self._bar = _Progress("classify", total)
+        self._bar.update(done)
+        if done >= total:
+            self._bar.done()
+            self._bar = None
 
 
 class _Progress:

@@ -19,7 +19,7 @@ it on the replay's own table, which is what makes them upper bounds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -149,7 +149,8 @@ class TrainedClassifier:
         details = "; ".join(f"{s}: {c.describe()}" for s, c in self.configs.items())
         self.label = f"trained {self.directory.name} ({details})"
         self._models: ClassifierSet | None = None
-        self._cache = {
+        self.progress: Callable[[int, int], None] | None = None  # (done, total) embedding
+        self._cache: dict[Strategy, dict[str, tuple[int, int]]] = {
             s: _PREDICTIONS.setdefault(artifact_key(path), {})
             for s, path in strategy_dirs(self.directory).items()
         }
@@ -174,6 +175,10 @@ class TrainedClassifier:
             raise ValueError(str(exc)) from None
 
     def reset(self, ctx: SimContext) -> None:
+        """Predict levels and classes of every unique prompt of the replay not seen before
+        in this process, embedding through the on-disk cache (a prompt is embedded once per
+        machine, not once per replay); ``progress`` reports the embedding."""
+        from argus.classifier.embedding_cache import EmbeddingCache
         from argus.classifier.prompts import clean_prompt
 
         self.prepare(ctx.quality)
@@ -182,14 +187,28 @@ class TrainedClassifier:
         texts = {s: [table.prompts[r] for r in rows] for s, table in ctx.quality.items()}
         todo = sorted({t for s, ts in texts.items() for t in ts if t not in self._cache[s]})
         if todo:  # one batched pass for every strategy (the encoder runs once per prompt)
-            predicted = self._load().predict_cleaned([clean_prompt(t) for t in todo])
+            inferred = self._load().infer_cleaned(
+                [clean_prompt(t) for t in todo],
+                cache=EmbeddingCache(),
+                progress=self.progress,
+            )
             for strategy in texts:
-                self._cache[strategy].update(zip(todo, predicted[strategy].tolist(), strict=True))
-        self._levels: dict[Strategy, npt.NDArray[np.int64]] = {}
+                pairs = zip(
+                    inferred[strategy].levels.tolist(),
+                    inferred[strategy].classes.tolist(),
+                    strict=True,
+                )
+                self._cache[strategy].update(zip(todo, pairs, strict=True))
+        self._levels: dict[Strategy, IntArray] = {}
+        self._classes: dict[Strategy, IntArray] = {}
         for strategy, table in ctx.quality.items():
             levels = np.zeros(len(table.prompts), dtype=np.int64)
-            levels[rows] = [self._cache[strategy][t] for t in texts[strategy]]
+            classes = np.zeros(len(table.prompts), dtype=np.int64)
+            predicted = [self._cache[strategy][t] for t in texts[strategy]]
+            levels[rows] = [level for level, _ in predicted]
+            classes[rows] = [klass for _, klass in predicted]
             self._levels[strategy] = levels
+            self._classes[strategy] = classes
 
     def _load(self) -> ClassifierSet:
         if self._models is None:
@@ -201,18 +220,24 @@ class TrainedClassifier:
     def predict_level(self, strategy: Strategy, request: int) -> int:
         return int(self._levels[strategy][self._ctx.prompt_rows[request]])
 
-    predict_class = predict_level
+    def predict_class(self, strategy: Strategy, request: int) -> int:
+        return int(self._classes[strategy][self._ctx.prompt_rows[request]])
 
     def class_quality(self) -> Mapping[Strategy, ClassQuality]:
+        """Q(v | c) from the artifact's calibration prompts; an artifact without a
+        calibration has classes = levels, measured on the replay (labelled so)."""
+        models = self._load()
         return {
-            s: measured_class_quality(t, self._levels[s], f"{self.label}, measured on the replay")
+            s: models.class_quality(s)
+            if models.has_classes(s)
+            else measured_class_quality(t, self._classes[s], f"{self.label}, on the replay")
             for s, t in self._ctx.quality.items()
         }
 
 
 # Predictions of trained classifiers in this process, by artifact_key and prompt text: a
 # second replay (or test) with the same artifact does not run the encoder again.
-_PREDICTIONS: dict[str, dict[str, int]] = {}
+_PREDICTIONS: dict[str, dict[str, tuple[int, int]]] = {}  # text → (level, class)
 
 
 def artifact_key(directory: Path) -> str:
