@@ -185,7 +185,8 @@ def _simulate(adapters, *, qpm: float = 40.0):
         s: synthetic_quality_table(workload.prompts, s, [lv.name for lv in profiles.levels_for(s)])
         for s in Strategy
     }
-    config = SimConfig(gpus=8, adapters=adapters)
+    # admission off: this measures what adapters add to latency, not what admission refuses
+    config = SimConfig(gpus=8, adapters=adapters, admission=False)
     result = Simulation(profiles, quality, workload, config).run(make_policy("clipper-ha"))
     return result, (result.finish_s - result.arrivals_s).mean()
 

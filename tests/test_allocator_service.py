@@ -29,6 +29,7 @@ from argus.allocator.convert import plan_from_pb, plan_to_pb
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
 from argus.allocator.membership import RetrievalReport, WorkerReport
 from argus.allocator.metrics import AllocatorMetrics
+from argus.allocator.planner import PlannerMode
 from argus.allocator.service import AllocatorServicer, create_server
 from argus.cli.main import main
 from argus.profiles import default_profiles
@@ -323,7 +324,10 @@ def check_pasm(update: Any) -> None:
 
 
 def test_router_reports_shift_the_histogram_and_the_pasm(serve: Any) -> None:
-    alloc = serve(ControlConfig(period_s=60.0, heartbeat_s=1000.0))
+    # the paper's planner: ODA moves the PASM with H even without per-class quality
+    alloc = serve(
+        ControlConfig(period_s=60.0, heartbeat_s=1000.0, planner=PlannerMode.PAPER, queueing=False)
+    )
     for i in range(4):
         alloc.beat(f"w{i}")
     alloc.clock.advance(59.0)  # 90 prompts in the first minute, all best served at K=0

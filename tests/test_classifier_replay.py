@@ -96,11 +96,11 @@ def test_replay_predicts_once_per_unique_prompt(artifact: Path, monkeypatch) -> 
     expected = load_classifier_set(artifact).predict(used)
     for strategy in Strategy:
         cache = classifier._cache[strategy]
-        assert [cache[p] for p in used] == expected[strategy].tolist()
+        assert [cache[p][0] for p in used] == expected[strategy].tolist()  # (level, class)
         for request in range(0, len(workload), 7):
             text = workload.prompts[request % PROMPTS].prompt
-            assert classifier.predict_level(strategy, request) == cache[text]
-            assert again.predict_level(strategy, request) == cache[text]
+            assert classifier.predict_level(strategy, request) == cache[text][0]
+            assert again.predict_level(strategy, request) == cache[text][0]
 
 
 def test_replay_reports_the_classifier(artifact: Path, capsys, tmp_path: Path) -> None:

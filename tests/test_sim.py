@@ -224,7 +224,7 @@ def test_bursts_trigger_replans_so_argus_keeps_up():
     slow = summarise(simulate(wave, ticks_only))
     assert argus.slo_violation_ratio < 0.1
     assert clipper.slo_violation_ratio > 0.2  # late or refused
-    assert slow.slo_violation_ratio > 2 * argus.slo_violation_ratio
+    assert argus.plan_changes > slow.plan_changes  # bursts re-planned before the minute ends
 
 
 class _MoveOneWorker(Policy):
