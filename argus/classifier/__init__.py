@@ -16,9 +16,14 @@ Modules, in the order data flows:
 * :mod:`~argus.classifier.prompts`: what counts as a prompt; empty, huge and non-UTF-8 input;
 * :mod:`~argus.classifier.labels`: labels from a quality table (the δ rule);
 * :mod:`~argus.classifier.model`: the classifier, its artifact format, loading;
-* :mod:`~argus.classifier.train`: seeded split and training of either backbone;
+* :mod:`~argus.classifier.train`: training either backbone on the fixed prompt split
+  (:mod:`argus.prompt_split`: weights from TRAIN, calibration from CALIBRATION, metrics on EVAL);
+* :mod:`~argus.classifier.calibration`: temperature scaling, tolerance classes and the
+  per-class quality table Q(v | c) the joint planner uses (``calibration.json``);
 * :mod:`~argus.classifier.evaluate`: accuracy, macro-F1, confusion matrix, downstream quality;
-* :mod:`~argus.classifier.serving`: prompt checks, hot-swappable models, the micro-batcher;
+* :mod:`~argus.classifier.serving`: prompt checks, hot-swappable models, the micro-batcher,
+  classes for the router and Q(v | c) for the allocator;
+* :mod:`~argus.classifier.embedding_cache`: encoder vectors kept on disk by content (replays);
 * :mod:`~argus.classifier.drift`: drift detection and background retraining.
 
 Nothing here imports torch, transformers or scikit-learn at import time; they load when a

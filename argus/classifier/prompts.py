@@ -25,7 +25,7 @@ EMPTY_PROMPT_LEVEL = 0
 
 EMPTY_PROMPT_CLASS = 0
 """Class given to empty and whitespace-only prompts by a calibrated classifier: the least
-tolerant class, whose prompts the planner keeps at the slowest levels."""
+tolerant class (nothing in the prompt says it tolerates approximation)."""
 
 CHARS_PER_TOKEN = 16
 """Characters kept per token of the encoder's limit before tokenising (see rule 3)."""
