@@ -68,14 +68,6 @@ class StrategyChoice(enum.StrEnum):
     AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper, §4.6)
     BEST = "best"  # plan every allowed strategy and keep the better objective
 
-    @classmethod
-    def parse(cls, value: str) -> StrategyChoice:
-        try:
-            return cls(value.strip().lower())
-        except ValueError:
-            known = ", ".join(c.value for c in cls)
-            raise ValueError(f"unknown strategy choice {value!r}: expected {known}") from None
-
 
 class ReplanReason(enum.StrEnum):
     """Why a plan was made (a bounded label for metrics)."""

@@ -203,15 +203,3 @@ class EmbeddingCache:
         finally:
             if temporary is not None:
                 Path(temporary).unlink(missing_ok=True)
-
-
-def embed_cached(
-    encoder: Encoder,
-    identity: EncoderIdentity,
-    texts: Sequence[str],
-    *,
-    directory: str | Path | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> Float32Array:
-    """:meth:`EmbeddingCache.embed` with the cache in ``directory`` (default: see module)."""
-    return EmbeddingCache(directory).embed(encoder, identity, texts, progress)
