@@ -313,3 +313,15 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, args, needle):
     assert code == 2
     assert len(err.strip().splitlines()) == 1
     assert needle in err
+
+
+def test_worker_processes_give_the_same_runs(capsys, tmp_path):
+    args = ("--loads", "0.6", "--seeds", "2", "--duration", "2", "--gpus", "2")
+    args += ("--policies", "argus,clipper-ha", "--classifier", "oracle", "--adapters", "none")
+    for jobs in ("1", "2"):
+        code, _, err = evaluate_cli(capsys, *args, "--jobs", jobs, "--out", str(tmp_path / jobs))
+        assert code == 0, err
+    one, two = read_csv(tmp_path / "1" / "runs.csv"), read_csv(tmp_path / "2" / "runs.csv")
+    for row in one + two:
+        del row["wall_s"]
+    assert one == two and len(one) == 4
