@@ -980,7 +980,8 @@ def format_evaluation(evaluation: Evaluation) -> str:
             f"{'gap closed':>10}",
         ]
         for p in sorted(comparisons, key=lambda p: (p.load, p.peak or 0.0)):
-            closed = f"{p.gap_closed:.0%}" if math.isfinite(p.gap_closed) else "-"
+            closed = f"{p.gap_closed + 0.0:.0%}" if math.isfinite(p.gap_closed) else "-"
+            closed = "0%" if closed == "-0%" else closed  # no sign on a rounded zero
             lines.append(
                 f"{_load_label(p.load, p.peak):>8} {_bracket(p.quality_diff):>28} "
                 f"{_bracket(p.oracle_diff):>28} {closed:>10}"
