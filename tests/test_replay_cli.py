@@ -97,6 +97,7 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, args, needle):
         ("arrival_s\n", "empty"),
         ("arrival_s\n5.0\n2.0\n", "before"),
         ("arrival_s\n-1.0\n", "negative"),
+        ("when,prompt\n1,a\n", "looked for arrival_s, timestamp, time, any case"),
     ],
 )
 def test_bad_trace_files(capsys, tmp_path, content, needle):
@@ -135,3 +136,25 @@ def test_gpus_per_class(capsys, tmp_path):
     assert code == 0, err
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["description"]["gpus"] == "a100=3"  # a count: the profiles' first class
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "Time\n1700000000\n1700000030.5\n1700000075\n",
+        "timestamp\n12\n42.5\n87\n",
+        "TIMESTAMP\n2023-11-16 18:15:46\n2023-11-16 18:16:16.5\n2023-11-16 18:17:01\n",
+        "arrival_s\n0\n30.5\n75\n",
+    ],
+)
+def test_trace_files_with_any_arrival_column(capsys, tmp_path, content):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(content)
+    out_dir = tmp_path / "out"
+    code, _, err = replay(
+        capsys, "--trace", str(trace), "--policies", "clipper-ht", "--out", str(out_dir)
+    )
+    assert code == 0, err
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["policies"]["clipper-ht"]["requests"] == 3
+    assert summary["policies"]["clipper-ht"]["offered_qpm"] == pytest.approx(3 / 1.25)

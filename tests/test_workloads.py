@@ -268,6 +268,31 @@ def test_lowercase_and_iso_timestamps_are_sorted(tmp_path: Path) -> None:
     assert [w.prompt(i).prompt for i in range(3)] == ["a", "b", "c"]
 
 
+@pytest.mark.parametrize("name", ["timestamp", "Timestamp", "TIME", "time"])
+def test_numeric_clock_columns_are_seconds_from_the_first_arrival(
+    tmp_path: Path, name: str
+) -> None:
+    path = _write(
+        tmp_path / "t.csv",
+        f"{name},prompt\n1700000010.25,b\n1700000000,a\n1700000060,c\n",
+    )
+    w = load_workload(path)
+    np.testing.assert_allclose(w.arrivals_s, [0.0, 10.25, 60.0])
+    assert [w.prompt(i).prompt for i in range(3)] == ["a", "b", "c"]
+
+
+def test_datetimes_in_a_time_column(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.csv", "time\n2024-01-01 00:00:30\n2024-01-01 00:00:00\n")
+    np.testing.assert_allclose(load_workload(path).arrivals_s, [0.0, 30.0])
+
+
+def test_arrival_s_wins_over_timestamp_and_timestamp_over_time(tmp_path: Path) -> None:
+    both = _write(tmp_path / "both.csv", "time,TIMESTAMP,arrival_s\n5,100,3\n9,130,4\n")
+    np.testing.assert_allclose(load_workload(both).arrivals_s, [3.0, 4.0])  # not shifted
+    two = _write(tmp_path / "two.csv", "time,TIMESTAMP\n5,100\n9,130\n")
+    np.testing.assert_allclose(load_workload(two).arrivals_s, [0.0, 30.0])
+
+
 # ---------------------------------------------------------------------------------- trace files
 
 
@@ -307,8 +332,14 @@ def test_minimal_file_and_prompt_override(tmp_path: Path) -> None:
         ("arrival_s\n1\ninf\n", "line 3: arrival_s inf is not finite"),
         ("arrival_s\n", "empty trace"),
         ("", "empty trace"),
-        ("when,prompt\n1,a\n", "no arrival_s or TIMESTAMP column; header is when,prompt"),
+        (
+            "when,prompt\n1,a\n",
+            "no arrival time column (looked for arrival_s, timestamp, time, any case); "
+            "header is when,prompt",
+        ),
         ("TIMESTAMP\n2023-11-16 18:15:46\nyesterday\n", "line 3: malformed TIMESTAMP 'yesterday'"),
+        ("Time\n17.5\n2023-11-16 18:15:46\n", "line 3: Time '2023-11-16 18:15:46' is not a number"),
+        ("timestamp\n1.0\nnan\n", "line 3: timestamp nan is not finite"),
         ("arrival_s,prompt\n1,a\n2,\n", "line 3: empty prompt"),
         ("# horizon_s: 5\narrival_s\n1\n9\n", "horizon_s 5.0 is before the last arrival 9.0"),
     ],

@@ -34,6 +34,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "ReplayCommand",
         "replay a trace through policies (simulated, or --live on a cluster)",
     ),
+    "evaluate": (
+        "argus.cli.evaluate",
+        "EvaluateCommand",
+        "load sweep of every policy over paired seeds (the paper's Fig. 17), simulated",
+    ),
     "profile": ("argus.cli.profile", "ProfileCommand", "score every prompt at every level"),
     "worker": ("argus.cli.worker", "WorkerCommand", "run a GPU worker (gRPC)"),
     "allocator": ("argus.cli.allocator", "AllocatorCommand", "run the allocator service (gRPC)"),

@@ -279,7 +279,7 @@ class RunResult:
     plan_changes: int
     busy_s: float
     gpu_seconds: float
-    duration_s: float
+    duration_s: float  # length of the trace: its horizon when known, else the last arrival
     strategy_switches: int = 0
     switch_times_s: list[float] = field(default_factory=list)  # when each model load began
     plan_change_times_s: list[float] = field(default_factory=list)  # re-plans that moved a worker
@@ -709,7 +709,7 @@ class _Run:
     # -- result ------------------------------------------------------------------------------
 
     def _result(self) -> RunResult:
-        duration = float(self.arrivals[-1]) if len(self.arrivals) else 0.0
+        duration = self.sim.workload.duration_s  # the horizon when known, else the last arrival
         served = self.finish[~self.refused]
         end = max(duration, float(served.max()) if len(served) else 0.0)
         strategy_switches = int(getattr(self.policy, "strategy_switches", 0))

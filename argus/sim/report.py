@@ -6,8 +6,9 @@ Definitions (Argus §5, with the router's admission added):
   *admitted* (routed to a worker and served) or *refused* (admission predicted it would miss
   its deadline, :mod:`argus.router.admission`; it gets no image), so
   ``offered = admitted + refused``;
-* served QPM: requests completed per minute of the trace (completions after the last arrival
-  are not counted, so an overloaded policy without admission shows it);
+* served QPM: requests completed per minute of the trace (completions after the trace's end,
+  its horizon or else its last arrival, are not counted, so an overloaded policy without
+  admission shows it);
 * SLO: ``slo_factor × the best level's latency`` (3 × SDXL by default); an admitted request is
   *late* when it finishes later than that after arriving;
 * goodput: requests served within the SLO (admitted and not late), per minute of the trace;
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -117,8 +119,9 @@ class MinuteSeries:
 
 
 def per_minute(result: RunResult) -> MinuteSeries:
-    minutes = int(result.duration_s // 60.0) + 1
-    arrival_minute = (result.arrivals_s // 60.0).astype(np.int64)
+    minutes = max(1, math.ceil(result.duration_s / 60.0))
+    # an arrival exactly at the end of the run counts in its last minute
+    arrival_minute = np.minimum((result.arrivals_s // 60.0).astype(np.int64), minutes - 1)
     admitted = result.admitted
     finish_minute = np.where(admitted, result.finish_s // 60.0, minutes).astype(np.int64)
     done = finish_minute < minutes

@@ -46,10 +46,19 @@ Trace file format (read by :func:`load_workload`, written by :func:`save_workloa
   prompt. ``category`` and ``challenge`` are optional labels for it. Other columns are ignored;
   column names are matched without regard to case.
 
-:func:`load_workload` also reads any CSV with a ``TIMESTAMP``/``timestamp`` column of datetimes
-(``YYYY-MM-DD HH:MM:SS[.fraction]`` or ISO 8601, UTC when no zone is given), such as the Azure
-trace: rows are sorted by time and converted to seconds since the first one, as
-:func:`argus.traces.load_arrivals` does.
+:func:`load_workload` also reads other CSV files of arrivals. It takes the first of these
+columns it finds, names matched without regard to case:
+
+* ``arrival_s``: seconds from the start of the run, as above;
+* ``timestamp``, then ``time``: the time of each arrival on the file's own clock, either as
+  numbers of seconds (Unix time, or seconds from any origin) or as date-times
+  (``YYYY-MM-DD HH:MM:SS[.fraction]`` or ISO 8601, UTC when no zone is given; the Azure trace's
+  ``TIMESTAMP``), as the column's first value is. Rows are sorted by time (their prompts with
+  them) and converted to seconds since the first one, as :func:`argus.traces.load_arrivals`
+  does.
+
+A file with none of them is refused with a message naming the columns looked for and the
+header found.
 
 Bad input raises :class:`WorkloadError` (a ``ValueError``) with a one-line message that names
 the file and line, or the argument and its value.
@@ -125,7 +134,8 @@ GAMMA_CV = 2.0
 MAX_ARRIVALS = 50_000_000  # refuse to generate more than this (about 0.4 GB of float64)
 
 _ARRIVAL_COLUMN = "arrival_s"
-_TIMESTAMP_COLUMN = "timestamp"
+# arrival time columns load_workload looks for, in this order, any case
+_ARRIVAL_COLUMNS = (_ARRIVAL_COLUMN, "timestamp", "time")
 _PROMPT_COLUMNS = ("prompt", "category", "challenge")
 
 
@@ -650,8 +660,109 @@ def _cell(row: list[str], column: int | None) -> str:
     return row[column].strip()
 
 
+def _arrival_column(path: Path, header: list[str]) -> int:
+    """Index of the arrival time column: the first of :data:`_ARRIVAL_COLUMNS` (any case)."""
+    lowered = [name.lower() for name in header]
+    for name in _ARRIVAL_COLUMNS:
+        if name in lowered:
+            return lowered.index(name)
+    looked = ", ".join(_ARRIVAL_COLUMNS)
+    raise WorkloadError(
+        f"{path}: no arrival time column (looked for {looked}, any case); "
+        f"header is {','.join(header)}"
+    )
+
+
+def _offsets(path: Path, name: str, cells: list[tuple[int, str]]) -> FloatArray:
+    """``arrival_s`` cells: seconds from the start of the run, finite, >= 0, non-decreasing."""
+    values: list[float] = []
+    previous = 0.0
+    for line, cell in cells:
+        try:
+            value = float(cell)
+        except ValueError:
+            raise WorkloadError(f"{path}: line {line}: {name} {cell!r} is not a number") from None
+        if not math.isfinite(value):
+            raise WorkloadError(f"{path}: line {line}: {name} {value!r} is not finite")
+        if value < 0.0:
+            raise WorkloadError(f"{path}: line {line}: {name} {value!r} is negative")
+        if values and value < previous:
+            raise WorkloadError(
+                f"{path}: line {line}: {name} {value!r} is before the previous {previous!r}"
+            )
+        values.append(value)
+        previous = value
+    return np.asarray(values, dtype=np.float64)
+
+
+def _clock_seconds(path: Path, name: str, cells: list[tuple[int, str]]) -> FloatArray:
+    """``timestamp`` / ``time`` cells of numbers: seconds on the file's own clock (such as
+    Unix time), in any order; the caller sorts them and measures from the first."""
+    first = cells[0][1] if cells else ""
+    values: list[float] = []
+    for line, cell in cells:
+        try:
+            value = float(cell)
+        except ValueError:
+            raise WorkloadError(
+                f"{path}: line {line}: {name} {cell!r} is not a number (the column's first "
+                f"value {first!r} is, so it is read as seconds)"
+            ) from None
+        if not math.isfinite(value):
+            raise WorkloadError(f"{path}: line {line}: {name} {value!r} is not finite")
+        values.append(value)
+    return np.asarray(values, dtype=np.float64)
+
+
+def _datetimes(
+    path: Path, name: str, cells: list[tuple[int, str]]
+) -> tuple[npt.NDArray[np.int64], FloatArray]:
+    """Date-time cells as (whole epoch seconds, fractions), in file order."""
+    wholes: list[int] = []
+    fractions: list[float] = []
+    for line, cell in cells:
+        try:
+            whole, fraction = _timestamp_seconds(cell)
+        except ValueError:
+            raise WorkloadError(
+                f"{path}: line {line}: malformed {name} {cell!r} "
+                "(expected seconds, YYYY-MM-DD HH:MM:SS[.fraction] or ISO 8601)"
+            ) from None
+        wholes.append(whole)
+        fractions.append(fraction)
+    return np.asarray(wholes, dtype=np.int64), np.asarray(fractions, dtype=np.float64)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _from_first(
+    path: Path, name: str, cells: list[tuple[int, str]]
+) -> tuple[FloatArray, npt.NDArray[np.int64]]:
+    """Clock times (seconds or date-times, as the first cell is) -> (seconds since the first
+    arrival, sorted; the order of the rows that sorts them)."""
+    if cells and _is_number(cells[0][1]):
+        values = _clock_seconds(path, name, cells)
+        order = np.argsort(values, kind="stable").astype(np.int64)
+        values = values[order]
+        return (values - values[0] if values.size else values), order
+    wholes, fractions = _datetimes(path, name, cells)
+    order = np.lexsort((fractions, wholes)).astype(np.int64)
+    wholes, fractions = wholes[order], fractions[order]
+    if not wholes.size:
+        return np.zeros(0, dtype=np.float64), order
+    return (wholes - wholes[0]).astype(np.float64) + (fractions - fractions[0]), order
+
+
 def load_workload(path: str | Path, prompts: PromptsLike = None) -> Workload:
-    """A workload from a trace file in our format or a CSV with a ``TIMESTAMP`` column.
+    """A workload from a trace file in our format or any CSV with an arrival time column:
+    ``arrival_s`` (seconds from the start), else ``timestamp``, else ``time`` (any case;
+    seconds on any clock, or date-times), as the module docstring describes.
 
     Prompts: ``prompts`` when given (records, or the path of a prompts file), else the file's
     ``prompt`` column when it has one, else PartiPrompts.
@@ -666,18 +777,11 @@ def load_workload(path: str | Path, prompts: PromptsLike = None) -> Workload:
         def column(name: str) -> int | None:
             return lowered.index(name) if name in lowered else None
 
-        arrival_col = column(_ARRIVAL_COLUMN)
-        stamp_col = column(_TIMESTAMP_COLUMN)
-        if arrival_col is None and stamp_col is None:
-            raise WorkloadError(
-                f"{path}: no arrival_s or TIMESTAMP column; header is {','.join(header)}"
-            )
+        time_col = _arrival_column(path, header)
+        time_name = header[time_col]
         prompt_col, category_col, challenge_col = (column(name) for name in _PROMPT_COLUMNS)
         texts: list[PromptRecord] = []
-        values: list[float] = []
-        wholes: list[int] = []
-        fractions: list[float] = []
-        previous = 0.0
+        cells: list[tuple[int, str]] = []
         for line, row in rows:
             if prompt_col is not None:
                 text = _cell(row, prompt_col)
@@ -686,49 +790,13 @@ def load_workload(path: str | Path, prompts: PromptsLike = None) -> Workload:
                 texts.append(
                     PromptRecord(text, _cell(row, category_col), _cell(row, challenge_col))
                 )
-            if arrival_col is not None:
-                cell = _cell(row, arrival_col)
-                try:
-                    value = float(cell)
-                except ValueError:
-                    raise WorkloadError(
-                        f"{path}: line {line}: arrival_s {cell!r} is not a number"
-                    ) from None
-                if not math.isfinite(value):
-                    raise WorkloadError(f"{path}: line {line}: arrival_s {value!r} is not finite")
-                if value < 0.0:
-                    raise WorkloadError(f"{path}: line {line}: arrival_s {value!r} is negative")
-                if values and value < previous:
-                    raise WorkloadError(
-                        f"{path}: line {line}: arrival_s {value!r} is before the previous "
-                        f"{previous!r}"
-                    )
-                values.append(value)
-                previous = value
-            else:
-                cell = _cell(row, stamp_col)
-                try:
-                    whole, fraction = _timestamp_seconds(cell)
-                except ValueError:
-                    raise WorkloadError(
-                        f"{path}: line {line}: malformed {header[stamp_col or 0]} {cell!r} "
-                        "(expected YYYY-MM-DD HH:MM:SS[.fraction] or ISO 8601)"
-                    ) from None
-                wholes.append(whole)
-                fractions.append(fraction)
-    if arrival_col is not None:
-        arrivals = np.asarray(values, dtype=np.float64)
+            cells.append((line, _cell(row, time_col)))
+    if time_name.lower() == _ARRIVAL_COLUMN:
+        arrivals = _offsets(path, time_name, cells)
         source = f"trace file {path}"
     else:
-        whole_arr = np.asarray(wholes, dtype=np.int64)
-        frac_arr = np.asarray(fractions, dtype=np.float64)
-        order = np.lexsort((frac_arr, whole_arr))
-        whole_arr, frac_arr = whole_arr[order], frac_arr[order]
+        arrivals, order = _from_first(path, time_name, cells)
         texts = [texts[i] for i in order] if texts else texts
-        if whole_arr.size:
-            arrivals = (whole_arr - whole_arr[0]).astype(np.float64) + (frac_arr - frac_arr[0])
-        else:
-            arrivals = np.zeros(0, dtype=np.float64)
         label = AZURE_ATTRIBUTION if path.name == AZURE_CONV_TRACE else "timestamps"
         source = f"{label} ({path})"
     if arrivals.size == 0:
