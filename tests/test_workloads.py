@@ -169,13 +169,16 @@ def test_generators_validate_arguments(make: Callable[[], object], words: str) -
 # ----------------------------------------------------------------------------------------- prompts
 
 
-def test_prompts_cycle_in_partiprompts_order() -> None:
+def test_prompts_cycle_through_partiprompts_in_a_fixed_shuffled_order() -> None:
     parti = load_prompts(default_prompt_trace())
     w = poisson(600.0, 10.0, seed=0)
     assert len(w) > 2 * len(parti)
-    assert w.prompts == tuple(parti)
+    assert sorted(w.prompts, key=repr) == sorted(parti, key=repr)
+    assert w.prompts == poisson(60.0, 10.0, seed=5).prompts  # the same order every time
+    first = {p.category for p in w.prompts[:100]}
+    assert len(first) >= 5  # not the file's category blocks
     for i in (0, 1, len(parti) - 1, len(parti), len(parti) + 7, len(w) - 1):
-        assert w.prompt(i) == parti[i % len(parti)]
+        assert w.prompt(i) == w.prompts[i % len(parti)]
 
 
 def test_custom_prompt_file_with_only_a_prompt_column(tmp_path: Path) -> None:

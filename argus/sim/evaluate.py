@@ -346,7 +346,8 @@ def rescale_to_load(
 
 
 def eval_prompts(prompts_path: str | None) -> tuple[PromptRecord, ...]:
-    """The evaluation-set prompts of the prompt file (PartiPrompts when None), file order."""
+    """The evaluation-set prompts of the prompt file (PartiPrompts when None); each seed
+    permutes them, so their order here does not matter."""
     from argus.sim.workloads import _default_prompts, load_prompt_file
 
     records = _default_prompts() if prompts_path is None else load_prompt_file(prompts_path)

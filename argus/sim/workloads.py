@@ -2,7 +2,7 @@
 
 A :class:`Workload` is a sorted array of arrival times (seconds from the start of the run) plus
 a list of prompts; request ``i`` carries ``prompts[i % len(prompts)]``, so with the default list
-the requests walk through PartiPrompts in file order and start over at the end.
+the requests walk through PartiPrompts in a fixed shuffled order and start over at the end.
 
 Arrival processes (Argus §5.1 evaluates on production traces, a bursty synthetic workload and a
 linear stress ramp; this module provides the same shapes from data we can ship):
@@ -285,13 +285,24 @@ def _check_arrivals(arrivals: FloatArray, where: str) -> None:
 # --------------------------------------------------------------------------------------- prompts
 
 
+DEFAULT_PROMPT_ORDER_SEED = 20220622  # PartiPrompts' release date; any fixed seed would do
+
+
 @functools.lru_cache(maxsize=1)
 def _default_prompts() -> tuple[PromptRecord, ...]:
+    """PartiPrompts in one fixed shuffled order.
+
+    The file is a benchmark sorted by category, not a log of traffic: walked in file order,
+    the first minutes of a replay carry only abstract one-word prompts and the mix of prompt
+    difficulty drifts for the whole run, which real traffic does not do. A prompt file given
+    by the user keeps its order (it may be a log)."""
     try:
         path = default_prompt_trace()
     except FileNotFoundError as error:
         raise WorkloadError(str(error)) from None
-    return load_prompt_file(path)
+    records = load_prompt_file(path)
+    order = np.random.default_rng(DEFAULT_PROMPT_ORDER_SEED).permutation(len(records))
+    return tuple(records[i] for i in order)
 
 
 def load_prompt_file(path: str | Path) -> tuple[PromptRecord, ...]:
