@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sized
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -353,3 +354,22 @@ def test_partial_period_counts_once_enough_of_it_has_passed() -> None:
     assert eager.forecast(190.0).qpm == pytest.approx(60.0, rel=0.05)  # only 10 s of it so far
     with pytest.raises(ValueError, match="partial_min_s"):
         LoadPredictorConfig(partial_min_s=-1.0)
+
+
+def test_open_period_noise_does_not_raise_the_forecast_but_a_surge_does() -> None:
+    rng = np.random.default_rng(7)
+    steady = np.sort(rng.random(2 * 110) * 120.0).tolist()  # Poisson-ish 110 QPM, 2 min
+    config = LoadPredictorConfig(alpha=0.5, peak_fraction=0.0, partial_min_s=10.0)
+    raw = LoadPredictor(config, start_s=0.0)
+    tested = LoadPredictor(replace(config, partial_z=2.0), start_s=0.0)
+    blip = [120.0 + i * 0.4 for i in range(25)]  # 150 QPM for 10 s: within Poisson noise
+    for predictor in (raw, tested):
+        predictor.observe_many(steady + blip)
+    ewma = tested.forecast(130.0).ewma_qpm
+    assert raw.forecast(130.0).qpm > 1.3 * ewma  # the raw rate follows the blip
+    assert tested.forecast(130.0).qpm == ewma  # two standard deviations absorb it
+    surge = [130.0 + i * (1 / 3) for i in range(30)]  # then 180 QPM for 10 s
+    tested.observe_many(surge)
+    assert tested.forecast(140.0).qpm > 1.3 * ewma
+    with pytest.raises(ValueError, match="partial_z"):
+        LoadPredictorConfig(partial_z=-1.0)

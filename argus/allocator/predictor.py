@@ -87,6 +87,10 @@ class LoadPredictorConfig:
     peak_fraction: float = 1.0  # share of that peak the forecast never drops below, in [0, 1]
     partial_min_s: float = 0.0  # once this much of the open period has passed, its rate counts
     # too (0: only completed periods); lets a re-plan in the middle of a burst see the burst
+    partial_z: float = 0.0  # the open period's rate counts only when it stays above the EWMA
+    # with its count lowered by this many Poisson standard deviations (count - z·√count): a few
+    # seconds of arrivals are noisy, and the forecast, a max, would otherwise follow every
+    # upward blip (0: always)
 
     def __post_init__(self) -> None:
         period_s = _finite("period_s", self.period_s)
@@ -104,6 +108,8 @@ class LoadPredictorConfig:
         partial = _finite("partial_min_s", self.partial_min_s)
         if partial < 0.0:
             raise ValueError(f"partial_min_s must be >= 0 seconds, got {self.partial_min_s!r}")
+        if _finite("partial_z", self.partial_z) < 0.0:
+            raise ValueError(f"partial_z must be >= 0, got {self.partial_z!r}")
         peak_fraction = _finite("peak_fraction", self.peak_fraction)
         if not 0.0 <= peak_fraction <= 1.0:
             raise ValueError(f"peak_fraction must be in [0, 1], got {self.peak_fraction!r}")
@@ -240,15 +246,19 @@ class LoadPredictor:
             rate = self._count * 60.0 / elapsed
             return LoadForecast(qpm=rate, ewma_qpm=rate, peak_qpm=rate, at_s=now)
         peak = max(recent)
-        qpm = max(ewma, self.config.peak_fraction * peak, self._open_rate(now, upto))
+        qpm = max(ewma, self.config.peak_fraction * peak, self._open_rate(now, upto, ewma))
         return LoadForecast(qpm=qpm, ewma_qpm=ewma, peak_qpm=peak, at_s=now)
 
-    def _open_rate(self, now: float, upto: int) -> float:
-        """Rate of the open period so far, once ``partial_min_s`` of it has passed; else 0."""
+    def _open_rate(self, now: float, upto: int, ewma: float) -> float:
+        """Rate of the open period so far, once ``partial_min_s`` of it has passed and if it is
+        ``partial_z`` standard deviations above ``ewma``; else 0."""
         if not self.config.partial_min_s or upto != self._period:
             return 0.0
         elapsed = now - self.period_start(self._period)
         if elapsed < self.config.partial_min_s:
+            return 0.0
+        low = self._count - self.config.partial_z * math.sqrt(self._count)
+        if low * 60.0 / elapsed <= ewma:
             return 0.0
         return self._count * 60.0 / elapsed
 
