@@ -1,8 +1,11 @@
 import random
+from dataclasses import replace
 
 import pytest
 
 from argus.allocator.planner import PlannerConfig, make_plan
+from argus.allocator.queueing import QueueModel
+from argus.classifier.serving import read_class_qualities
 from argus.profiles import default_profiles
 from argus.router.scheduler import PromptScheduler
 from argus.types import ClusterView, LoadForecast, Strategy
@@ -98,3 +101,49 @@ def test_load_margin_plans_for_more_load():
 def test_config_validation_quotes_the_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
         PlannerConfig(**kwargs)
+
+
+def test_plan_does_not_depend_on_the_mix_it_starts_from():
+    """The queue caps depend on the pools a plan picks; starting only from the previous plan's
+    pools kept the cluster in whatever mix it first fell into (all workers at one middle
+    level, a third less quality than the k0/k25 split the same load allows)."""
+    profiles = default_profiles()
+    quality = read_class_qualities()[Strategy.AC]
+    workers = ClusterView.uniform(8)
+    config = PlannerConfig(queue=QueueModel(slo_s=12.6))
+    histogram = quality.prior
+    fresh = make_plan(
+        profiles,
+        Strategy.AC,
+        workers,
+        forecast(112.0),
+        histogram,
+        config=config,
+        class_quality=quality,
+    )
+    stuck = make_plan(
+        profiles,
+        Strategy.AC,
+        workers,
+        forecast(112.0),
+        histogram,
+        config=config,
+        class_quality=quality,
+        previous=replace(fresh, allocation=_all_at(fresh, "ac-k10")),
+    )
+    assert stuck.allocation.workers_per_level == fresh.allocation.workers_per_level
+    assert fresh.allocation.workers_per_level[2] < 8
+
+
+def _all_at(plan, level):
+    allocation = plan.allocation
+    counts = tuple(
+        len(plan.allocation.assignment) if name == level else 0 for name in allocation.levels
+    )
+    shares = tuple(allocation.served_qpm if name == level else 0.0 for name in allocation.levels)
+    return replace(
+        allocation,
+        workers_per_level=counts,
+        load_share_qpm=shares,
+        assignment={w: level for w in allocation.assignment},
+    )

@@ -109,15 +109,40 @@ def make_plan(
     levels = profiles.levels_for(strategy)
     weights = _normalised_histogram(histogram, len(levels))
     load = forecast.qpm * config.load_margin
-    pools = _pools(previous, strategy, workers)
-    allocation, shift_map = _solve(
-        profiles, strategy, workers, load, weights, config, pools, backend, class_quality
-    )
-    if config.queue is not None and _pools_of(allocation) != pools:
-        pools = _pools_of(allocation)
+
+    def settled(pools: Mapping[str, int]) -> tuple[Allocation, ShiftMap]:
+        """The plan with the caps of ``pools``, solved again with the caps of its own pools
+        when they differ (the caps depend on the pools the plan chooses)."""
         allocation, shift_map = _solve(
             profiles, strategy, workers, load, weights, config, pools, backend, class_quality
         )
+        if config.queue is not None and _pools_of(allocation) != pools:
+            allocation, shift_map = _solve(
+                profiles,
+                strategy,
+                workers,
+                load,
+                weights,
+                config,
+                _pools_of(allocation),
+                backend,
+                class_quality,
+            )
+        return allocation, shift_map
+
+    pools = _pools(previous, strategy, workers)
+    allocation, shift_map = settled(pools)
+    if config.queue is not None:
+        # Starting from the previous pools alone is path-dependent: a level no worker runs
+        # gets the caps of a one-worker pool, which are low, so new splits are never tried and
+        # the plan stays in whatever mix it first fell into. The second start prices every
+        # level as if it had every live worker.
+        everyone = len(workers.alive())
+        open_start = {level.name: everyone for level in profiles.levels_for(strategy)}
+        if open_start != pools:
+            other, other_map = settled(open_start)
+            if (other.served_qpm, other.objective) > (allocation.served_qpm, allocation.objective):
+                allocation, shift_map = other, other_map
     return Plan(
         version=previous.version + 1 if previous else 1,
         strategy=strategy,
