@@ -161,7 +161,7 @@ def main() -> None:
             pooled_agnostic = pooled(average, one, qpm, rate, full_pool, args.gpus)
             print(
                 f"{strategy.value:<8} {load:>5.2f} {qpm:>6.1f}  {by_class:>12.2f} {agnostic:>9.2f} "
-                f"{_gain(by_class, agnostic):>6}  {str(split):<20} {pooled_class:>13.2f} "
+                f"{_gain(by_class, agnostic):>6}  {split!s:<20} {pooled_class:>13.2f} "
                 f"{pooled_agnostic:>9.2f} {_gain(pooled_class, pooled_agnostic):>6}"
             )
     print("load: × the fastest level's capacity; -inf: the load does not fit under the caps")
