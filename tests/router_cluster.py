@@ -53,17 +53,22 @@ class StubClassifier:
 
 
 class StubWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
-    """Answers a fixed PNG at once at the level asked for, or fails every call with ``fail``."""
+    """Answers a fixed PNG at once at the level asked for, or fails every call with ``fail``;
+    while ``hold`` is set to an unset event, calls wait for it (a request in service)."""
 
     def __init__(self, worker_id: str, fail: grpc.StatusCode | None = None) -> None:
         self.worker_id = worker_id
         self.fail = fail
+        self.hold: threading.Event | None = None
         self._lock = threading.Lock()
         self.calls: list[Any] = []
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
         with self._lock:
             self.calls.append(request)
+            hold = self.hold
+        if hold is not None:
+            hold.wait(TIMEOUT)
         if self.fail is not None:
             context.abort(self.fail, "stub failure")
         return worker_pb2.GenerateResponse(

@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from argus import rpc
-from argus.router.admission import RequestLedger, admit
+from argus.router.admission import AdmissionRule, RequestLedger, admit
 from argus.router.app import StatsReporter
-from argus.router.service import RETRY_AFTER_KEY
-from tests.router_cluster import PNG, TIMEOUT, Cluster, FakeClock
+from argus.router.service import RETRY_AFTER_KEY, RouterServiceConfig
+from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster, FakeClock
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
@@ -69,6 +69,54 @@ def test_admission_rejects_what_misses_the_deadline(cluster: Cluster) -> None:
     assert "deadline" in details
     assert int(trailing[RETRY_AFTER_KEY]) >= 1
     assert cluster.workers["w1"].calls == []
+
+
+def test_admission_counts_what_the_request_in_service_has_left(cluster: Cluster) -> None:
+    worker = cluster.add_worker("w1")
+    rule = AdmissionRule(service_scv=0.0)  # the mean alone: the test is about elapsed time
+    stub = cluster.router(RouterServiceConfig(admission=rule))
+    level = cluster.client.get_plan().workers[0].level
+    t_proc = PROFILES.profile(PROFILES.worker_classes[0], level).latency_s
+    worker.hold = threading.Event()
+    first = threading.Thread(target=ask, args=(stub,), kwargs={"deadline_ms": 60_000})
+    first.start()
+    try:
+        for _ in range(200):  # until the router has sent it (the worker holds it)
+            if worker.calls:
+                break
+            threading.Event().wait(0.01)
+        tight = int(1.5 * t_proc * 1e3)  # behind a whole t_proc, 2 t_proc > 1.5 t_proc
+        code, _, _ = code_of(stub, deadline_ms=tight)
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        cluster.clock.now += 0.75 * t_proc  # the request in service is three quarters done
+        answers: list[Any] = []
+        second = threading.Thread(target=lambda: answers.append(ask(stub, deadline_ms=tight)))
+        second.start()
+        for _ in range(200):  # admitted: it reaches the worker behind the first
+            if len(worker.calls) == 2 or not second.is_alive():
+                break
+            threading.Event().wait(0.01)
+        worker.hold.set()
+        second.join(TIMEOUT)
+        assert [a.png for a in answers] == [PNG]  # 2 t_proc - 0.75 t_proc fits
+    finally:
+        worker.hold.set()
+        first.join(TIMEOUT)
+
+
+def test_admission_rule_is_a_quantile_of_what_is_left() -> None:
+    mean = AdmissionRule(service_scv=0.0)
+    assert mean.completion_s(0, 2.0) == 2.0
+    assert mean.completion_s(0, 2.0, head_elapsed_s=5.0) == 2.0  # idle: nothing to subtract
+    assert mean.completion_s(2, 2.0, head_elapsed_s=1.5) == pytest.approx(4.5)
+    assert mean.completion_s(2, 2.0, head_elapsed_s=9.0) == pytest.approx(4.0)  # overrun: 0 left
+    spread = AdmissionRule(service_scv=0.05, confidence=0.9)
+    z = 1.2815515655446004
+    assert spread.completion_s(3, 2.0) == pytest.approx(8.0 + z * 2.0 * (0.05 * 4) ** 0.5)
+    with pytest.raises(ValueError, match="confidence"):
+        AdmissionRule(confidence=1.0)
+    with pytest.raises(ValueError, match="service_scv"):
+        AdmissionRule(service_scv=-0.1)
 
 
 def test_failing_worker_is_retried_elsewhere(cluster: Cluster) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from argus.allocator.control import ReplanReason
 from argus.profiles import default_profiles
-from argus.router.admission import admit, predicted_completion_s
+from argus.router.admission import AdmissionRule, admit, predicted_completion_s
 from argus.sim.adapters import AdapterModel
 from argus.sim.cluster import GpuFailure, Policy, RetrievalFault, SimConfig, Simulation
 from argus.sim.planned import PlannedPolicy
@@ -68,8 +68,9 @@ def test_argus_approximates_under_load_where_clipper_ha_falls_behind(heavy):
     argus = summarise(simulate(heavy, "argus"))
     clipper = summarise(simulate(heavy, "clipper-ha"))
     tiny = summarise(simulate(heavy, "clipper-ht"))
-    # 150 QPM is far beyond 8 SDXL GPUs (114 QPM): admission refuses what cannot finish in time
-    assert clipper.slo_violation_ratio > 0.25
+    # 150 QPM is far beyond 8 SDXL GPUs (114 QPM): admission refuses what cannot finish in
+    # time, about 1 - 114 / 150 = 24% of the requests
+    assert clipper.slo_violation_ratio > 0.2
     assert argus.slo_violation_ratio < clipper.slo_violation_ratio / 3
     assert argus.served_qpm > clipper.served_qpm
     assert tiny.slo_violation_ratio < 0.01  # Tiny-SD keeps up, at low quality
@@ -499,3 +500,19 @@ def test_admission_predicts_with_the_chosen_workers_class():
     fits = int(round(sim.slo_s / PROFILES.profile("h100", "sm-sd-xl").latency_s, 9))
     assert (~to_h100.refused).sum() == fits == 6  # (k + 1) x 2.1 s within 12.6 s
     assert (~sim.run(_AllTo("sm-sd-xl", "w0")).refused).sum() == 3
+
+
+def test_admission_on_a_quantile_keeps_admitted_requests_on_time_under_overload():
+    """Katz's adapters spread service times; admitting on the mean let about a tenth of the
+    admitted requests in late at 1.5 × capacity, the quantile keeps it to a few percent and
+    the workers as busy."""
+    wave = poisson(mean_qpm=230.0, duration_min=6, seed=3)
+    katz = AdapterModel("katz")
+    quantile = simulate(wave, "argus", adapters=katz)
+    on_mean = simulate(
+        wave, "argus", adapters=katz, admission_rule=AdmissionRule(service_scv=0.0, confidence=0.5)
+    )
+    late_share = summarise(quantile).slo_violation_ratio_admitted
+    assert late_share < 0.03
+    assert summarise(on_mean).slo_violation_ratio_admitted > 2 * late_share
+    assert summarise(quantile).goodput_qpm >= 0.97 * summarise(on_mean).goodput_qpm

@@ -39,6 +39,7 @@ from argus.request_limits import (
     check_sampling,
 )
 from argus.router.admission import (
+    AdmissionRule,
     IdConflictError,
     LedgerFullError,
     RequestLedger,
@@ -113,6 +114,9 @@ class RouterServiceConfig:
     """Largest image accepted (the workers' limits)."""
 
     routing: RouterConfig = field(default_factory=RouterConfig)
+
+    admission: AdmissionRule = field(default_factory=AdmissionRule)
+    """How sure the predicted completion must be to admit a request (the simulator's rule)."""
 
     def __post_init__(self) -> None:
         for name in ("default_deadline_ms", "max_in_flight", "max_ids", "max_attempts"):
@@ -250,6 +254,7 @@ class RouterCore:
         self._lock = threading.Lock()  # router, queues, down, addresses, observations
         self._addresses: dict[str, str] = {}
         self._queues: dict[str, int] = {}
+        self._head_started: dict[str, float] = {}  # when each worker began its current request
         self._down_until: dict[str, float] = {}
         self._plan_version = 0
         self._in_flight = threading.BoundedSemaphore(config.max_in_flight)
@@ -291,6 +296,9 @@ class RouterCore:
                 return False
             self._addresses = {w.worker_id: w.address for w in published.workers}
             self._queues = {w: self._queues.get(w, 0) for w in self._addresses}
+            self._head_started = {
+                w: t for w, t in self._head_started.items() if w in self._addresses
+            }
             self._down_until = {w: t for w, t in self._down_until.items() if w in self._addresses}
             self._plan_version = published.version
             queues = dict(self._queues)
@@ -460,7 +468,12 @@ class RouterCore:
             decision = self._route_capped(levels.get(plan.strategy, 0), down, max_level)
             if decision.worker_id in down:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, "no live worker left", 1.0)
-            verdict = admit(decision.score, deadline - now)
+            worker = decision.worker_id
+            queue = self._queues.get(worker, 0)
+            t_proc = decision.score / (queue + 1)  # the score is (queue + 1) × t_proc
+            elapsed = now - self._head_started.get(worker, now)
+            predicted = self.config.admission.completion_s(queue, t_proc, elapsed)
+            verdict = admit(predicted, deadline - now)
             if not verdict.admitted:
                 if not tried:
                     self._rejected("deadline")
@@ -470,8 +483,10 @@ class RouterCore:
                     f"{verdict.budget_s * 1e3:.0f} ms left",
                     verdict.retry_after_s,
                 )
-            self._queues[decision.worker_id] = self._queues.get(decision.worker_id, 0) + 1
-            return decision, plan.strategy, self._addresses[decision.worker_id]
+            if queue == 0:
+                self._head_started[worker] = now
+            self._queues[worker] = queue + 1
+            return decision, plan.strategy, self._addresses[worker]
 
     def _forward(
         self,
@@ -496,6 +511,8 @@ class RouterCore:
             with self._lock:
                 if self._queues.get(decision.worker_id, 0) > 0:
                     self._queues[decision.worker_id] -= 1
+                    # a worker serves in order: the next request started as this one ended
+                    self._head_started[decision.worker_id] = self._clock()
 
     def _route_capped(self, optimal: int, down: set[str], cap: int | None) -> RouteDecision:
         """Route with no level above ``cap``. When no live worker serves such a level, a worker

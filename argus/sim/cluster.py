@@ -33,10 +33,11 @@ measured on such traffic would; the SLO stays 3 × the adapter-free best latency
 
 Admission (``SimConfig.admission``, on by default) is the router's: once the policy has chosen
 a worker and a level for a request, the simulator predicts the request's completion as the
-router does, :func:`argus.router.admission.predicted_completion_s` of the worker's queue and
-the level's latency on the worker's class in the profiles the policies plan with (adapter
-seconds included when adapters are on), and asks :func:`argus.router.admission.admit` whether
-it fits in the time left before the request's deadline (the SLO at arrival). A refused request
+router does, with the router's :class:`argus.router.admission.AdmissionRule` (a quantile of the
+completion time from the worker's queue and the level's latency on the worker's class in the
+profiles the policies plan with, adapter seconds included when adapters are on), and asks
+:func:`argus.router.admission.admit` whether it fits in the time left before the request's
+deadline (the SLO at arrival). A refused request
 is not served and uses no worker time; :class:`RunResult` marks it ``refused`` (finish time,
 score and relative quality NaN, level and worker -1). This is what the live router answers
 with RESOURCE_EXHAUSTED. The prediction counts a model load queued on the worker as one
@@ -65,7 +66,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from argus.router.admission import admit, predicted_completion_s
+from argus.router.admission import AdmissionRule, admit
 from argus.sim.adapters import (
     AdapterCost,
     AdapterDraws,
@@ -142,6 +143,11 @@ class SimConfig:
     admission: bool = True
     """Refuse a routed request whose predicted completion misses its deadline, as the router
     does (see the module docstring); False: serve every request, however late."""
+
+    admission_rule: AdmissionRule | None = None
+    """How sure the prediction must be; None: the router's rule with the spread of this
+    simulation's own service times (jitter, and adapters when on), as a deployment would
+    measure it."""
 
     @classmethod
     def with_classes(cls, counts: Mapping[str, int], **fields: Any) -> SimConfig:
@@ -339,7 +345,8 @@ class _Worker:
         self.level: str | None = None
         self.model: str | None = None
         self.free_at = 0.0
-        self.finishes: deque[tuple[float, int]] = deque()  # (finish time, request; -1 = load)
+        # (finish time, request or -1 for a model load, start time), in the order served
+        self.finishes: deque[tuple[float, int, float]] = deque()
         self.pending: tuple[str, str, float] | None = None  # (level, model, ready) loading now
 
 
@@ -387,6 +394,25 @@ class Simulation:
             rng = np.random.default_rng(self.config.seed + 2)
             self.adapter_draws = draw_adapters(len(workload), rng, model.mix)
             self.plan_profiles = with_adapter_costs(self.profiles, model, self.adapter_draws)
+        self.admission_rule = self.config.admission_rule or AdmissionRule(
+            service_scv=self._service_scv()
+        )
+
+    def _service_scv(self) -> float:
+        """The largest squared coefficient of variation of the service time of one level on
+        one class: the jitter's log-normal factor times the base latency plus each request's
+        adapter seconds (no queue wait, the widest case)."""
+        jitter = math.expm1(self.config.jitter**2)
+        model, draws = self.config.adapters, self.adapter_draws
+        if model is None or draws is None:
+            return jitter
+        by_level = {level.name: level for level in self.profiles.levels}
+        widest = 0.0
+        for (_, name), profile in self.profiles.table.items():
+            cost = adapter_cost(model, draws, profile.latency_s, by_level[name].skip_steps)
+            service = profile.latency_s + cost.seconds()
+            widest = max(widest, float(service.var() / service.mean() ** 2))
+        return (1.0 + widest) * (1.0 + jitter) - 1.0
 
     def run(self, policy: Policy, progress: Callable[[int], None] | None = None) -> RunResult:
         """Replay the workload through ``policy``; ``progress(n)`` is told every 10,000 requests."""
@@ -559,7 +585,7 @@ class _Run:
             return
         start = max(worker.free_at, now)
         worker.free_at = start + load
-        worker.finishes.append((worker.free_at, -1))
+        worker.finishes.append((worker.free_at, -1, start))
         worker.level, worker.model, worker.pending = level_name, level.model, None
         self.switch_times.append(start)
         self._add_busy(start, worker.free_at)
@@ -584,7 +610,8 @@ class _Run:
         worker = self.by_id[worker_id]
         if self.cfg.admission:
             t_proc = self._plan_latency(worker.worker_class, level_name)
-            predicted = predicted_completion_s(queues[worker_id], t_proc)
+            head = worker.finishes[0][2] if worker.finishes else now
+            predicted = self.sim.admission_rule.completion_s(queues[worker_id], t_proc, now - head)
             budget = self.sim.slo_s - (now - float(self.arrivals[i]))
             if not admit(predicted, budget).admitted:
                 self._refuse(i)
@@ -623,7 +650,7 @@ class _Run:
         service += self._adapter_time(worker.worker_class, served, i, start - now)
         service *= self.jitter[i]
         worker.free_at = start + service
-        worker.finishes.append((worker.free_at, i))
+        worker.finishes.append((worker.free_at, i, start))
         self._add_busy(start, worker.free_at)
         self.finish[i] = worker.free_at
         self.level[i] = self.sim._level_index[served.name]
@@ -691,7 +718,7 @@ class _Run:
         orphans: list[int] = []
         for worker in victims:
             worker.alive = False
-            for finish, request in worker.finishes:
+            for finish, request, _ in worker.finishes:
                 if finish > now and request >= 0:
                     orphans.append(request)
             worker.finishes.clear()
