@@ -1001,8 +1001,8 @@ def format_evaluation(evaluation: Evaluation) -> str:
             closed = f"{p.gap_closed + 0.0:.0%}" if math.isfinite(p.gap_closed) else "-"
             closed = "0%" if closed == "-0%" else closed  # no sign on a rounded zero
             lines.append(
-                f"{_load_label(p.load, p.peak):>8} {_bracket(p.quality_diff):>28} "
-                f"{_bracket(p.oracle_diff):>28} {closed:>10}"
+                f"{_load_label(p.load, p.peak):>8} {format_difference(p.quality_diff):>28} "
+                f"{format_difference(p.oracle_diff):>28} {closed:>10}"
             )
         lines.append(
             "paired over seeds; gap closed = (Q_argus − Q_pac) / (Q_argus-oracle − Q_pac), "
@@ -1020,7 +1020,8 @@ def _load_label(load: float, peak: float | None) -> str:
     return f"{load:g}x" if peak is None else f"{load:g}:{peak:g}x"
 
 
-def _bracket(interval: Interval) -> str:
+def format_difference(interval: Interval) -> str:
+    """A paired difference as ``+m [+lo, +hi]`` (``+m`` over one seed, ``-`` over none)."""
     if interval.n == 0:
         return "-"
     if interval.n == 1:
