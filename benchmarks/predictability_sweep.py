@@ -40,9 +40,9 @@ smaller ρ. For each ρ of ``--rhos``:
    the misses, so both policies' violations are printed side by side.
 
 Every quality figure is SYNTHETIC, and every line that prints one says so. The default run
-(5 values of ρ, 20 seeds of 15 simulated minutes, one thread) took about three minutes on two
-busy cores, mostly simulating; the first run on a machine also embeds the prompts (cached
-after that). Run from the repository root::
+(5 values of ρ, 20 seeds of 15 simulated minutes, one thread) took four minutes on two cores
+busy with other jobs, three quarters of it simulating, embedding the prompts included (they
+are cached for later runs). Run from the repository root::
 
     .venv/bin/python benchmarks/predictability_sweep.py [--rhos 0,0.25,0.5,0.75,1]
         [--seeds 20] [--duration 15] [--target-load 0.65:1.0] [--prompts FILE]
