@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from argus.classifier.embedding_cache import EmbeddingCache
 from argus.classifier.evaluate import evaluate
 from argus.classifier.labels import labels_from_table
 from argus.classifier.model import (
@@ -32,7 +33,7 @@ from argus.classifier.prompts import (
     decode_prompt,
     prepare_prompt,
 )
-from argus.classifier.serving import default_classifier_dir, load_classifier_set
+from argus.classifier.serving import ClassifierSet, default_classifier_dir, load_classifier_set
 from argus.classifier.train import (
     TrainConfig,
     save_trained,
@@ -167,6 +168,28 @@ def test_logistic_learns_the_lexical_rule_and_is_reproducible(tiny_bert: Path) -
     assert test.accuracy >= 0.9
     assert test.quality is not None and test.quality.gap_closed > 0.8
     assert first.selection["criterion"] == "validation log-loss"
+
+
+def test_training_embeds_through_the_cache_that_serving_reads(
+    tiny_bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = labels_from_table(lexical_table())
+    plain = train_classifier(data, FAST, encoder_dir=tiny_bert)
+    cache = EmbeddingCache(tmp_path)
+    cached = train_classifier(data, FAST, encoder_dir=tiny_bert, cache=cache)
+    assert np.array_equal(cached.classifier.head.weight, plain.classifier.head.weight)
+    expected = plain.classifier.predict(data.prompts)
+
+    def embed_again(texts: list[str]) -> None:
+        raise AssertionError(f"the encoder ran again on {texts[:2]}")
+
+    monkeypatch.setattr(cached.classifier.encoder, "embed", embed_again)
+    again = train_classifier(data, FAST, encoder_dir=tiny_bert, cache=cache)
+    assert np.array_equal(again.classifier.head.weight, plain.classifier.head.weight)
+    served = ClassifierSet({data.strategy: again.classifier}).infer_cleaned(
+        list(data.prompts), cache=cache
+    )
+    assert np.array_equal(served[data.strategy].levels, expected)
 
 
 def test_trained_classifier_beats_random_on_a_synthetic_table(tiny_bert: Path, parti) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from argus.sim.policies import (
     make_policy,
 )
 from argus.sim.quality import synthetic_quality_table
+from argus.sim.report import summarise
 from argus.sim.workloads import poisson
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
@@ -101,6 +103,32 @@ def test_replay_predicts_once_per_unique_prompt(artifact: Path, monkeypatch) -> 
             text = workload.prompts[request % PROMPTS].prompt
             assert classifier.predict_level(strategy, request) == cache[text][0]
             assert again.predict_level(strategy, request) == cache[text][0]
+
+
+def test_a_classifier_in_memory_replays_as_its_artifact(artifact: Path, monkeypatch) -> None:
+    monkeypatch.setattr(classifiers, "_PREDICTIONS", {})
+    profiles = default_profiles()
+    records = load_prompts(default_prompt_trace())[:PROMPTS]
+    workload = poisson(mean_qpm=120.0, duration_min=2.0, seed=0, prompts=records)
+    quality = {
+        s: synthetic_quality_table(records, s, [lv.name for lv in profiles.levels_for(s)])
+        for s in Strategy
+    }
+    saved = TrainedClassifier(artifact)
+    held = TrainedClassifier.in_memory(load_classifier_set(artifact), "on the fly")
+    assert held.label.startswith("trained on the fly (AC: logistic regression")
+    sim = Simulation(profiles, quality, workload, SimConfig(gpus=4))
+    runs = [summarise(sim.run(make_policy("argus", classifier=c))) for c in (saved, held)]
+    assert runs[0] == runs[1]
+    assert held.class_quality() == saved.class_quality()
+    for strategy in Strategy:
+        for request in range(0, len(workload), 5):
+            assert held.predict_level(strategy, request) == saved.predict_level(strategy, request)
+            assert held.predict_class(strategy, request) == saved.predict_class(strategy, request)
+    assert len(classifiers._PREDICTIONS) == len(Strategy)  # the artifact's only
+    other = {Strategy.AC: replace(quality[Strategy.AC], levels=("a", "b", "c", "d", "e", "f"))}
+    with pytest.raises(ValueError, match="classifier on the fly: AC labels"):
+        held.prepare(other)
 
 
 def test_replay_reports_the_classifier(artifact: Path, capsys, tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,7 @@ from argus.cli.main import main
 from argus.profiles import default_profiles
 from argus.prompt_split import PromptSet, prompt_set
 from argus.sim.adapters import AdapterModel, draw_adapters, with_adapter_costs
+from argus.sim.classifiers import OracleClassifier
 from argus.sim.evaluate import (
     PAIRED_COLUMNS,
     EvaluationConfig,
@@ -26,16 +27,19 @@ from argus.sim.evaluate import (
     aggregate_columns,
     cluster_capacity_qpm,
     eval_prompts,
+    gpu_counts_of,
     mean_interval,
     paired,
     planning_profiles,
     quality_tables,
     rescale_to_load,
+    run_point,
     seeded_workload,
     t_quantile_975,
     target_rates,
     whole_counts,
 )
+from argus.sim.quality import SYNTHETIC_MODELS
 from argus.sim.report import Summary
 from argus.sim.workloads import Workload, azure_trace, bursty, poisson
 from argus.types import Strategy
@@ -154,6 +158,30 @@ def test_seeds_change_arrivals_prompt_order_and_quality_noise_and_prompts_are_ev
     assert "seed 1000" in tables_a[Strategy.AC].source
     assert "seed 1001" in tables_b[Strategy.AC].source
     assert not np.array_equal(tables_a[Strategy.AC].scores, tables_b[Strategy.AC].scores)
+
+
+def test_a_point_runs_on_the_quality_models_and_the_classifier_given():
+    prompts = eval_prompts(None)
+    flat = {s: replace(SYNTHETIC_MODELS[s], feature_share=0.0) for s in Strategy}
+    given = quality_tables(PROFILES, prompts, 0, flat)
+    default = quality_tables(PROFILES, prompts, 0)
+    for strategy in Strategy:
+        assert "text share 0," in given[strategy].source
+        assert "text share 1," in default[strategy].source
+        assert not np.array_equal(given[strategy].scores, default[strategy].scores)
+    config = EvaluationConfig(
+        policies=("argus", "pac"),
+        duration_min=2.0,
+        adapters="none",
+        classifier="/no/such/classifier",  # never read: the classifier given stands in
+    )
+    capacity = cluster_capacity_qpm(PROFILES, gpu_counts_of(config, PROFILES))
+    rows = run_point(
+        config, LoadPoint(0.65, 1.0), 0, capacity, classifier=OracleClassifier(), models=flat
+    )
+    by_policy = {row.policy: row.summary for row in rows}
+    assert list(by_policy) == ["argus", "pac", "argus-oracle"]
+    assert replace(by_policy["argus-oracle"], policy="argus") == by_policy["argus"]
 
 
 # -- intervals ---------------------------------------------------------------------------------

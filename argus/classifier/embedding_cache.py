@@ -80,12 +80,18 @@ class EncoderIdentity:
         config = classifier.config
         if not config.encoder_sha256:
             return None
+        return cls.of_encoder(config.encoder, config.encoder_sha256, classifier.encoder)
+
+    @classmethod
+    def of_encoder(cls, reference: str, sha256: str, encoder: Encoder) -> EncoderIdentity:
+        """The identity of ``encoder``, loaded from ``reference`` with weights of ``sha256``:
+        training keys its vectors as serving does, so each reuses the other's."""
         return cls(
-            reference=config.encoder,
-            sha256=config.encoder_sha256,
-            max_tokens=classifier.encoder.max_tokens,
-            dim=classifier.encoder.dim,
-            precision=str(getattr(classifier.encoder, "precision", "fp32")),
+            reference=reference,
+            sha256=sha256,
+            max_tokens=encoder.max_tokens,
+            dim=encoder.dim,
+            precision=str(getattr(encoder, "precision", "fp32")),
         )
 
     def metadata(self) -> str:

@@ -7,7 +7,9 @@ reported on. Steps of :func:`train_classifier`:
 1. **Split** (:func:`split_prompts`): the three sets; inside TRAIN a seeded slice of each
    label's prompts (``val_fraction``, stratified) is held out to choose ``C`` or the
    fine-tuning epoch.
-2. **Embed** every prompt with the frozen encoder (mean-pooled unit vectors).
+2. **Embed** every prompt with the frozen encoder (mean-pooled unit vectors), through an
+   :class:`~argus.classifier.embedding_cache.EmbeddingCache` when one is given, so that
+   retraining on the same prompts (new labels, another seed) runs the encoder once.
 3. **Logistic head** (both backbones): a multinomial logistic regression (scikit-learn,
    L-BFGS, deterministic) fitted on TRAIN minus the validation slice for each ``C`` of the
    grid; the lowest validation log-loss wins. For the ``logistic`` backbone the head is then
@@ -48,6 +50,7 @@ from argus.classifier.calibration import (
     negative_log_likelihood,
     softmax_t,
 )
+from argus.classifier.embedding_cache import EmbeddingCache, EncoderIdentity
 from argus.classifier.evaluate import Evaluation, evaluate
 from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import (
@@ -341,10 +344,12 @@ def train_classifier(
     config: TrainConfig | None = None,
     *,
     encoder_dir: str | Path | None = None,
+    cache: EmbeddingCache | None = None,
     clock: Callable[[], float] = time.perf_counter,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
-    """Steps 1–6 of the module docstring; ``encoder_dir`` defaults to all-MiniLM-L6-v2."""
+    """Steps 1–6 of the module docstring; ``encoder_dir`` defaults to all-MiniLM-L6-v2,
+    ``cache`` (none by default) keeps the step-2 vectors."""
     config = config or TrainConfig()
     say = log or (lambda _message: None)
     seconds: dict[str, float] = {}
@@ -371,7 +376,11 @@ def train_classifier(
         encoder = PromptEmbedder(directory, max_tokens=config.max_tokens)  # private: trained
     seconds["load_encoder"] = clock() - started
     started = clock()
-    vectors = embed_many(encoder, data.prompts)
+    if cache is None:
+        vectors = embed_many(encoder, data.prompts)
+    else:
+        identity = EncoderIdentity.of_encoder(reference, encoder_sha256(directory), encoder)
+        vectors = cache.embed(encoder, identity, data.prompts)
     seconds["embed"] = clock() - started
     say(f"{data.strategy}: embedded {len(data)} prompts in {seconds['embed']:.1f} s")
 

@@ -12,7 +12,7 @@ only honest source: those prompts are neither trained on nor replayed); the orac
 it on the replay's own table, which is what makes them upper bounds.
 
 * :class:`TrainedClassifier`: the router's own trained model, loaded from a ``classifiers/``
-  artifact (``argus replay``'s default);
+  artifact (``argus replay``'s default) or held in memory by a benchmark that trains it;
 * :class:`OracleClassifier`: the quality table's optimal level (the library default);
 * :class:`NoisyOracleClassifier`: right with a stated accuracy (``noisy-oracle@0.85``).
 """
@@ -31,6 +31,7 @@ from argus.sim.quality import QualityTable
 from argus.types import ClassQuality, Strategy
 
 if TYPE_CHECKING:
+    from argus.classifier.model import ClassifierConfig
     from argus.classifier.serving import ClassifierSet
 
 IntArray = npt.NDArray[np.int64]
@@ -133,27 +134,63 @@ def measured_class_quality(table: QualityTable, classes: IntArray, source: str) 
 
 
 class TrainedClassifier:
-    """A trained classifier artifact (``classifiers/<name>``), one model per strategy.
+    """A trained classifier, one model per strategy: an artifact (``classifiers/<name>``),
+    or models trained in this process and never saved (:meth:`in_memory`).
 
     Predicts once per unique prompt text and caches across runs: a replay of 500k requests
-    over 1,600 prompts runs the encoder 1,600 times. Construction reads only the configs (a
-    bad path fails at once, naming it); the weights and the encoder load at the first
-    :meth:`reset`. Each table's levels must be the classifier's labels.
+    over 1,600 prompts runs the encoder 1,600 times. Construction from a directory reads only
+    the configs (a bad path fails at once, naming it); the weights and the encoder load at the
+    first :meth:`reset`. Each table's levels must be the classifier's labels.
     """
 
     def __init__(self, directory: str | Path) -> None:
-        from argus.classifier.serving import read_configs, strategy_dirs
+        from argus.classifier.serving import load_classifier_set, read_configs, strategy_dirs
 
-        self.directory = Path(directory)
-        self.configs = read_configs(self.directory)
+        path = Path(directory)
+        self._start(
+            str(path),
+            path.name,
+            read_configs(path),
+            lambda: load_classifier_set(path),
+            {
+                s: _PREDICTIONS.setdefault(artifact_key(p), {})
+                for s, p in strategy_dirs(path).items()
+            },
+        )
+
+    @classmethod
+    def in_memory(cls, models: ClassifierSet, name: str) -> TrainedClassifier:
+        """``models`` as they are, under ``name``: what a benchmark that trains classifiers
+        on the fly replays with. Its predictions are cached for this object only (the same
+        text may be classified differently by the next model trained)."""
+        classifier = cls.__new__(cls)
+        classifier._start(
+            name,
+            name,
+            {s: models.current(s).config for s in models.strategies},
+            lambda: models,
+            {s: {} for s in models.strategies},
+        )
+        return classifier
+
+    def _start(
+        self,
+        name: str,
+        short_name: str,
+        configs: Mapping[Strategy, ClassifierConfig],
+        load: Callable[[], ClassifierSet],
+        predictions: dict[Strategy, dict[str, tuple[int, int]]],
+    ) -> None:
+        """What both constructors set: ``name`` in errors, ``short_name`` in the label,
+        ``load`` called once, when the models are first needed, ``predictions`` by prompt text."""
+        self.name = name
+        self.configs = dict(configs)
         details = "; ".join(f"{s}: {c.describe()}" for s, c in self.configs.items())
-        self.label = f"trained {self.directory.name} ({details})"
+        self.label = f"trained {short_name} ({details})"
+        self._loader = load
         self._models: ClassifierSet | None = None
         self.progress: Callable[[int, int], None] | None = None  # (done, total) embedding
-        self._cache: dict[Strategy, dict[str, tuple[int, int]]] = {
-            s: _PREDICTIONS.setdefault(artifact_key(path), {})
-            for s, path in strategy_dirs(self.directory).items()
-        }
+        self._cache = predictions
 
     def prepare(self, quality: Mapping[Strategy, QualityTable]) -> None:
         """Check the labels against the tables and load the models; ValueError names why."""
@@ -161,11 +198,11 @@ class TrainedClassifier:
 
         missing = [s for s in quality if s not in self.configs]
         if missing:
-            raise ValueError(f"classifier {self.directory} has no model for {missing[0]}")
+            raise ValueError(f"classifier {self.name} has no model for {missing[0]}")
         for strategy, table in quality.items():
             if table.levels != self.configs[strategy].levels:
                 raise ValueError(
-                    f"classifier {self.directory}: {strategy} labels "
+                    f"classifier {self.name}: {strategy} labels "
                     f"{', '.join(self.configs[strategy].levels)} differ from the quality "
                     f"table's levels {', '.join(table.levels)}"
                 )
@@ -212,9 +249,7 @@ class TrainedClassifier:
 
     def _load(self) -> ClassifierSet:
         if self._models is None:
-            from argus.classifier.serving import load_classifier_set
-
-            self._models = load_classifier_set(self.directory)
+            self._models = self._loader()
         return self._models
 
     def predict_level(self, strategy: Strategy, request: int) -> int:

@@ -73,7 +73,8 @@ from argus.traces import PromptRecord
 from argus.types import ProfileSet, Strategy
 
 if TYPE_CHECKING:
-    from argus.sim.quality import QualityTable
+    from argus.sim.classifiers import Classifier
+    from argus.sim.quality import QualityTable, SyntheticModel
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -388,9 +389,13 @@ def seeded_workload(
 
 
 def quality_tables(
-    profiles: ProfileSet, prompts: Sequence[PromptRecord], seed: int
+    profiles: ProfileSet,
+    prompts: Sequence[PromptRecord],
+    seed: int,
+    models: Mapping[Strategy, SyntheticModel] | None = None,
 ) -> dict[Strategy, QualityTable]:
-    """SYNTHETIC quality tables of seed ``seed``'s evaluation (drawn with 1000 + seed)."""
+    """SYNTHETIC quality tables of seed ``seed``'s evaluation (drawn with 1000 + seed), of
+    the synthetic model ``models[strategy]`` (default: the calibrated ``SYNTHETIC_MODELS``)."""
     from argus.sim.quality import synthetic_quality_table
 
     return {
@@ -399,6 +404,7 @@ def quality_tables(
             s,
             [lv.name for lv in profiles.levels_for(s)],
             seed=QUALITY_SEED_BASE + seed,
+            model=None if models is None else models[s],
         )
         for s in Strategy
     }
@@ -437,7 +443,7 @@ _CLASSIFIERS: dict[str, Any] = {}  # make_classifier(spec) per process: load a m
 
 
 def _classifier(spec: str) -> Any:
-    from argus.sim.policies import make_classifier
+    from argus.sim.classifiers import make_classifier
 
     if spec not in _CLASSIFIERS:
         _CLASSIFIERS[spec] = make_classifier(spec)
@@ -450,9 +456,19 @@ def gpu_counts_of(config: EvaluationConfig, profiles: ProfileSet) -> tuple[tuple
 
 
 def run_point(
-    config: EvaluationConfig, point: LoadPoint, seed: int, capacity_qpm: float
+    config: EvaluationConfig,
+    point: LoadPoint,
+    seed: int,
+    capacity_qpm: float,
+    *,
+    classifier: Classifier | None = None,
+    models: Mapping[Strategy, SyntheticModel] | None = None,
 ) -> list[RunRow]:
-    """Every policy (and argus-oracle) on the workload and tables of one (load, seed)."""
+    """Every policy (and argus-oracle) on the workload and tables of one (load, seed).
+
+    ``classifier`` stands in for ``config.classifier`` (argus and nirvana), for a caller that
+    trained one in memory; ``models`` are the synthetic quality model of each strategy
+    (:func:`quality_tables`)."""
     from argus.profiles import load_profiles
     from argus.sim.adapters import adapter_model_by_name
     from argus.sim.cluster import SimConfig, Simulation
@@ -461,7 +477,7 @@ def run_point(
     profiles = load_profiles(config.profiles)
     prompts = eval_prompts(config.prompts_path)
     workload = seeded_workload(config, point, capacity_qpm, seed, prompts)
-    tables = quality_tables(profiles, workload.prompts, seed)
+    tables = quality_tables(profiles, workload.prompts, seed, models)
     sim_config = SimConfig.with_classes(
         dict(gpu_counts_of(config, profiles)),
         seed=seed,
@@ -469,7 +485,8 @@ def run_point(
         admission=config.admission,
     )
     sim = Simulation(profiles, tables, workload, sim_config)
-    classifier = _classifier(config.classifier)
+    if classifier is None:
+        classifier = _classifier(config.classifier)
     rows = []
     for name in config.run_names():
         if name == ORACLE_POLICY:
@@ -984,8 +1001,8 @@ def format_evaluation(evaluation: Evaluation) -> str:
             closed = f"{p.gap_closed + 0.0:.0%}" if math.isfinite(p.gap_closed) else "-"
             closed = "0%" if closed == "-0%" else closed  # no sign on a rounded zero
             lines.append(
-                f"{_load_label(p.load, p.peak):>8} {_bracket(p.quality_diff):>28} "
-                f"{_bracket(p.oracle_diff):>28} {closed:>10}"
+                f"{_load_label(p.load, p.peak):>8} {format_difference(p.quality_diff):>28} "
+                f"{format_difference(p.oracle_diff):>28} {closed:>10}"
             )
         lines.append(
             "paired over seeds; gap closed = (Q_argus − Q_pac) / (Q_argus-oracle − Q_pac), "
@@ -1003,7 +1020,8 @@ def _load_label(load: float, peak: float | None) -> str:
     return f"{load:g}x" if peak is None else f"{load:g}:{peak:g}x"
 
 
-def _bracket(interval: Interval) -> str:
+def format_difference(interval: Interval) -> str:
+    """A paired difference as ``+m [+lo, +hi]`` (``+m`` over one seed, ``-`` over none)."""
     if interval.n == 0:
         return "-"
     if interval.n == 1:
