@@ -437,7 +437,7 @@ _CLASSIFIERS: dict[str, Any] = {}  # make_classifier(spec) per process: load a m
 
 
 def _classifier(spec: str) -> Any:
-    from argus.sim.policies import make_classifier
+    from argus.sim.classifiers import make_classifier
 
     if spec not in _CLASSIFIERS:
         _CLASSIFIERS[spec] = make_classifier(spec)
