@@ -56,6 +56,7 @@ class ClusterSpec:
     tls_key: str | None = None
     index_outage_file: str | None = None  # fault injection, passed to every worker
     profile: str | None = None
+    classifier: str | None = None  # given to the router and the allocator alike; None: default
     router_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
     start_timeout_s: float = 300.0
@@ -138,6 +139,7 @@ class LocalCluster:
             "--retrieval-threshold-s", str(spec.retrieval_threshold_s),
             "--retrieval-window-s", str(spec.retrieval_window_s),
             *self._profile_args(),
+            *self._classifier_args(),
         )  # fmt: skip
         self._wait_address("allocator")
         if spec.controlnet:
@@ -155,7 +157,14 @@ class LocalCluster:
         ):
             if value is not None:
                 router_args += [flag, value]
-        self._launch("router", "router", *router_args, *self._profile_args(), *spec.router_args)
+        self._launch(
+            "router",
+            "router",
+            *router_args,
+            *self._profile_args(),
+            *self._classifier_args(),
+            *spec.router_args,
+        )
         self._wait_address("router")
         self.wait_for_workers(spec.workers)
         self._write_targets()
@@ -183,6 +192,11 @@ class LocalCluster:
 
     def _profile_args(self) -> list[str]:
         return [] if self.spec.profile is None else ["--profile", self.spec.profile]
+
+    def _classifier_args(self) -> list[str]:
+        """The router classifies with it and the allocator prices those classes with its
+        Q(v | c): both must read the same artifacts."""
+        return [] if self.spec.classifier is None else ["--classifier", self.spec.classifier]
 
     def _launch(self, name: str, command: str, *args: str) -> Part:
         spec = self.spec

@@ -7,13 +7,19 @@ thread), so nothing depends on how fast this machine is; the process test runs t
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import re
+import shutil
 import signal
 import socket
+import subprocess
 import threading
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,16 +30,21 @@ from prometheus_client import CollectorRegistry
 
 from argus import rpc
 from argus.allocator.client import AllocatorClient, PlanWatcher
-from argus.allocator.control import ControlConfig, ReplanReason
+from argus.allocator.control import AllocatorControl, ControlConfig, ReplanReason
 from argus.allocator.convert import plan_from_pb, plan_to_pb
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
 from argus.allocator.membership import RetrievalReport, WorkerReport
 from argus.allocator.metrics import AllocatorMetrics
 from argus.allocator.planner import PlannerMode
 from argus.allocator.service import AllocatorServicer, create_server
+from argus.classifier.serving import (
+    classifier_key,
+    default_classifier_dir,
+    read_class_qualities,
+)
 from argus.cli.main import main
 from argus.profiles import default_profiles
-from argus.types import Strategy
+from argus.types import Plan, Strategy
 from tests.service_process import read_address, start_argus
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
@@ -86,10 +97,13 @@ class Allocator:
 
 @pytest.fixture
 def serve() -> Iterator[Any]:
-    """``serve(config, max_watchers=...)`` starts an allocator; all stop at teardown."""
+    """``serve(config, max_watchers=..., **create_server_options)`` starts an allocator; all
+    stop at teardown."""
     started: list[tuple[grpc.Server, AllocatorServicer, grpc.Channel]] = []
 
-    def start(config: ControlConfig | None = None, max_watchers: int = 4) -> Allocator:
+    def start(
+        config: ControlConfig | None = None, max_watchers: int = 4, **options: Any
+    ) -> Allocator:
         clock = FakeClock()
         registry = CollectorRegistry()
         server, port, servicer = create_server(
@@ -100,6 +114,7 @@ def serve() -> Iterator[Any]:
             max_watchers=max_watchers,
             metrics=AllocatorMetrics(PROFILES, registry),
             epoch="test-epoch",
+            **options,
         )
         server.start()
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -354,6 +369,34 @@ def test_router_reports_shift_the_histogram_and_the_pasm(serve: Any) -> None:
     assert alloc.metric("argus_allocator_affinity", level="ac-k15") == 1.0
 
 
+def test_a_router_on_another_classifier_is_logged_once_and_counted(
+    serve: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    alloc = serve(class_quality=read_class_qualities(), classifier_key="allocator-key")
+    assert alloc.metric("argus_allocator_classifier", key="allocator-key") == 1.0
+
+    def send(router_id: str, key: str, seq: int) -> None:
+        request = report(router_id, 1, 1.0, ["ac-k0"], seq=seq)
+        request.classifier = key
+        alloc.stub.ReportRouter(request, timeout=TIMEOUT)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    send("r0", "allocator-key", 1)
+    send("r1", "", 1)  # a router that does not say: not checked
+    assert warnings() == []
+    assert alloc.metric("argus_allocator_routers_other_classifier") == 0.0
+    send("r0", "other-key", 2)
+    send("r0", "other-key", 3)
+    (warning,) = warnings()
+    assert "router r0 classifies with classifier other-key" in warning
+    assert "plans with the Q(v | c) of classifier allocator-key" in warning
+    assert alloc.metric("argus_allocator_routers_other_classifier") == 1.0
+    send("r0", "allocator-key", 4)  # restarted with the allocator's classifier
+    assert alloc.metric("argus_allocator_routers_other_classifier") == 0.0
+
+
 def test_a_retried_router_report_is_not_counted_twice(serve: Any) -> None:
     alloc = serve(ControlConfig(period_s=60.0, heartbeat_s=1000.0, histogram_window=10))
     alloc.beat("w0")
@@ -491,6 +534,7 @@ BAD_INPUTS = [
         router(classified=classified(SM, "nope")),
         "classified[0].levels[0]: 'nope' is not a SM level of the profile",
     ),
+    ("ReportRouter", router(classifier="k" * 257), "classifier: at most 256 characters"),
 ]
 
 
@@ -642,6 +686,98 @@ def test_argus_allocator_process_plans_drops_a_dead_worker_and_stops_on_sigterm(
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# -- the classifier whose Q(v | c) prices the routers' classes -----------------------------
+
+JOINERS = [
+    WorkerReport(f"w{i}", f"127.0.0.1:{5000 + i}", "a100", queue_length=21) for i in range(4)
+]
+"""Four workers with 20 requests waiting on each: 80 QPM to drain, which the joint planner
+spreads over two levels with the committed classifier's Q(v | c) and puts on one level with
+the level averages."""
+
+
+def reference_plan(class_quality: Any) -> Plan:
+    """The plan an in-process control makes for :data:`JOINERS` with ``class_quality``."""
+    control = AllocatorControl(
+        PROFILES,
+        ControlConfig(period_s=60.0, heartbeat_s=30.0),
+        clock=FakeClock(),
+        class_quality=class_quality,
+    )
+    for worker in JOINERS:
+        control.heartbeat(worker)
+    return control.current.plan
+
+
+def start_allocator(*flags: str) -> tuple[subprocess.Popen[str], str | None, str]:
+    """An ``argus allocator FLAGS`` process, the address it listens on (None: it exited
+    first) and what it printed until then."""
+    process = start_argus("allocator", "--port", "0", "--heartbeat-s", "30", *flags)
+    assert process.stdout is not None
+    printed: list[str] = []
+    for line in process.stdout:
+        printed.append(line)
+        found = re.search(r"listening on (\S+)", line)
+        if found:
+            return process, found.group(1), "".join(printed)
+    return process, None, "".join(printed)
+
+
+def process_plan(*flags: str) -> tuple[Plan, str]:
+    """The plan of an ``argus allocator FLAGS`` process once :data:`JOINERS` joined, and what
+    it printed up to its ``listening on`` line."""
+    process, address, printed = start_allocator(*flags)
+    try:
+        assert address is not None, printed
+        client = AllocatorClient(address, timeout_s=TIMEOUT)
+        try:
+            for worker in JOINERS:
+                client.heartbeat(worker)
+            plan = client.get_plan().plan
+        finally:
+            client.close()
+    finally:
+        process.kill()
+        process.wait()
+    return plan, printed
+
+
+def test_argus_allocator_plans_with_the_routers_classifier_or_level_averages() -> None:
+    with_classes = reference_plan(read_class_qualities())
+    with_averages = reference_plan(None)
+    assert with_classes.allocation.workers_per_level != with_averages.allocation.workers_per_level
+    plan, printed = process_plan()  # the router's default: the committed classifier
+    assert plan.allocation.workers_per_level == with_classes.allocation.workers_per_level
+    assert list(plan.shift_map.matrix) == [
+        pytest.approx(row) for row in with_classes.shift_map.matrix
+    ]
+    assert f"classifier {classifier_key()} ({default_classifier_dir()}): AC, SM planned" in printed
+    plan, printed = process_plan("--classifier", "none")
+    assert plan.allocation.workers_per_level == with_averages.allocation.workers_per_level
+    assert "--classifier none: every strategy planned with level averages" in printed
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(quality=None), "ac/calibration.json: field 'quality'"),
+        (lambda d: d.update(edges=[0.5]), "ac/calibration.json: field 'edges'"),
+    ],
+)
+def test_argus_allocator_refuses_a_calibration_it_cannot_price(
+    tmp_path: Path, change: Any, message: str
+) -> None:
+    directory = shutil.copytree(default_classifier_dir(), tmp_path / "classifier")
+    path = directory / "ac" / "calibration.json"
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+    process, address, printed = start_allocator("--classifier", str(directory))
+    process.kill()  # in case it took the file and serves
+    assert address is None and process.wait() == 2
+    assert message in printed
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -43,8 +44,10 @@ from argus.classifier.prompts import EMPTY_PROMPT_CLASS
 from argus.classifier.serving import (
     ClassifierSet,
     PromptClassifier,
+    classifier_key,
     default_classifier_dir,
     read_class_qualities,
+    read_planning_classes,
 )
 from argus.classifier.train import TrainConfig, save_trained, train_classifier
 from argus.prompt_split import PromptSet, prompt_set
@@ -386,14 +389,49 @@ def test_calibration_of_other_levels_is_refused() -> None:
 def test_reading_class_quality_loads_no_model() -> None:
     code = (
         "import sys\n"
-        "from argus.classifier.serving import read_class_qualities\n"
-        "q = read_class_qualities()\n"
+        "from argus.classifier.serving import read_planning_classes\n"
+        "q = read_planning_classes().class_quality\n"
         "print(sorted(s.value for s in q), 'torch' in sys.modules, 'safetensors' in sys.modules)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "['AC', 'SM'] False False"
+
+
+@pytest.fixture
+def committed_copy(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(default_classifier_dir(), tmp_path / "copy"))
+
+
+def test_the_allocator_prices_calibrated_strategies_and_the_rest_by_level(
+    committed_copy: Path,
+) -> None:
+    planning = read_planning_classes(committed_copy)
+    assert planning.class_quality == read_class_qualities(committed_copy)
+    assert planning.by_level == () and planning.directory == committed_copy
+    (committed_copy / "sm" / CALIBRATION_FILE).unlink()  # the router classifies SM by level
+    planning = read_planning_classes(committed_copy)
+    assert list(planning.class_quality) == [Strategy.AC] and planning.by_level == (Strategy.SM,)
+
+
+def test_a_calibration_without_quality_cannot_be_priced(committed_copy: Path) -> None:
+    _rewrite(committed_copy / "ac" / CALIBRATION_FILE, lambda d: d.update(quality=None))
+    with pytest.raises(ArtifactError, match=r"ac/calibration\.json: field 'quality'"):
+        read_planning_classes(committed_copy)
+
+
+def test_the_classifier_key_follows_what_classifies_not_where_it_lies(
+    committed_copy: Path,
+) -> None:
+    key = classifier_key(committed_copy)
+    assert key == classifier_key() and len(key) == 16
+    _rewrite(committed_copy / "sm" / "metrics.json", lambda d: d.update(note="reported only"))
+    assert classifier_key(committed_copy) == key
+    _rewrite(committed_copy / "sm" / CALIBRATION_FILE, lambda d: d.update(temperature=9.0))
+    assert classifier_key(committed_copy) != key  # other classes
+    (committed_copy / "sm" / CALIBRATION_FILE).unlink()  # SM classified by arg-max level
+    assert classifier_key(committed_copy) != key
 
 
 def test_committed_artifacts_have_calibrated_classes() -> None:

@@ -1,6 +1,7 @@
 """The cluster as real processes (``argus.local_cluster``): the public API under garbage and
-wrong credentials, ``argus client``, a worker killed under load, and a vector database outage
-that sends the cluster to SM and back.
+wrong credentials, ``argus client``, ``argus up --classifier`` reaching the router and the
+allocator alike, a worker killed under load, and a vector database outage that sends the
+cluster to SM and back.
 
 Each test starts allocator, workers and router as ``python -m argus`` processes with tiny
 models on the CPU; they take tens of seconds, not minutes.
@@ -8,6 +9,7 @@ models on the CPU; they take tens of seconds, not minutes.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections import Counter
@@ -21,6 +23,7 @@ import pytest
 
 from argus import rpc
 from argus.allocator.client import AllocatorClient
+from argus.classifier.serving import classifier_key, default_classifier_dir
 from argus.cli.main import main as argus_main
 from argus.client import Connection, RequestFailed, RouterClient
 from argus.local_cluster import ClusterSpec, LocalCluster
@@ -122,6 +125,24 @@ def test_client_command_saves_images(secure: LocalCluster, tmp_path: Path) -> No
     wrong.write_text("nope")
     args[args.index(token_file)] = str(wrong)
     assert argus_main([*args, "--out", str(tmp_path / "none")]) == 1  # UNAUTHENTICATED lines
+
+
+# -- one classifier for the router and the allocator -----------------------------------------
+
+
+def test_up_gives_the_router_and_the_allocator_the_same_classifier(tmp_path: Path) -> None:
+    classifier = shutil.copytree(default_classifier_dir(), tmp_path / "classifier")
+    (classifier / "sm" / "calibration.json").unlink()  # SM: classified and planned by level
+    workdir = tmp_path / "up"
+    args = ["up", "--workers", "1", "--no-controlnet", "--no-metrics", "--steps", "4"]
+    args += ["--port", "0", "--workdir", str(workdir), "--exit-after-demo"]
+    assert argus_main([*args, "--classifier", str(classifier)]) == 0
+    allocator = (workdir / "logs" / "allocator.log").read_text()
+    router = (workdir / "logs" / "router.log").read_text()
+    where = f"classifier {classifier_key(classifier)} ({classifier})"
+    assert f"{where}: AC planned with the Q(v | c) of its calibrated classes" in allocator
+    assert f"{where}: the SM artifact has no calibration.json" in allocator
+    assert where in router
 
 
 # -- faults under load ---------------------------------------------------------------------

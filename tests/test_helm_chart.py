@@ -327,6 +327,27 @@ def test_worker_model_volume_and_shared_latent_store() -> None:
     assert "small-sd=/models/small-sd" in variants and len(variants) == 5
 
 
+def test_the_allocator_reads_the_routers_classifier() -> None:
+    """The allocator prices the router's classes with the Q(v | c) of the same artifacts:
+    one value names them for both pods, and a classifier volume is mounted in both."""
+    volume = {"persistentVolumeClaim": {"claimName": "classifiers", "readOnly": True}}
+    values = {"router": {"classifier": "/classifiers/v2", "classifierVolume": volume}}
+    w = workloads(render(values))
+    for name in ("router", "allocator"):
+        assert arg_value(main_container(w[name])["args"], "--classifier") == "/classifiers/v2"
+        mounts = {m["name"]: m for m in main_container(w[name])["volumeMounts"]}
+        assert mounts["classifiers"] == {
+            "name": "classifiers",
+            "mountPath": "/classifiers",
+            "readOnly": True,
+        }
+        assert {"name": "classifiers", **volume} in pod_spec(w[name])["volumes"]
+    averages = workloads(render(merge(values, {"allocator": {"classQuality": False}})))
+    allocator = averages["allocator"]
+    assert arg_value(main_container(allocator)["args"], "--classifier") == "none"
+    assert all(v["name"] != "classifiers" for v in pod_spec(allocator)["volumes"])
+
+
 def test_latent_store_existing_claim_and_cache_off() -> None:
     docs = render({"latentStore": {"existingClaim": "shared-latents"}})
     assert of_kind(docs, "PersistentVolumeClaim") == []
@@ -754,6 +775,7 @@ def test_container_args_parse_with_the_real_cli(variant: str) -> None:
             assert parsed.worker_class == ("h100" if variant == "production" else None)
             assert parsed.index_outage_file is None  # fault injection, tests only
         if command == "allocator":
+            assert parsed.classifier == values["router"]["classifier"]
             assert parsed.period_s == 60.0
             assert parsed.heartbeat_s == (2.0 if variant == "production" else 1.0)
             assert parsed.max_watchers >= 2
@@ -840,6 +862,7 @@ INVALID = [
     ({"router": {"autoscaling": {"enabled": "yes"}}}, "/router/autoscaling/enabled"),
     ({"allocator": {"periodSeconds": 0}}, "/allocator/periodSeconds"),
     ({"allocator": {"period": 60}}, "period"),
+    ({"allocator": {"classQuality": "yes"}}, "/allocator/classQuality"),
 ]
 
 

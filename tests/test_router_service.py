@@ -191,6 +191,19 @@ def test_reports_reach_the_allocator(cluster: Cluster) -> None:
     assert arrivals == [] and classified == []
 
 
+def test_reports_name_the_classifier_and_the_allocator_checks_it(cluster: Cluster) -> None:
+    cluster.add_worker("w1")
+    cluster.router()
+    control = cluster.allocator.control
+    control.classifier_key = "allocator-key"
+    StatsReporter(cluster.core, cluster.client, cluster.clock, classifier_key="k1").report_once()
+    assert control.routers_on_other_classifier() == 1
+    StatsReporter(
+        cluster.core, cluster.client, cluster.clock, classifier_key="allocator-key"
+    ).report_once()
+    assert control.routers_on_other_classifier() == 0
+
+
 def test_admit_and_ledger_units() -> None:
     assert admit(1.0, 2.0).admitted
     late = admit(3.0, 1.0)

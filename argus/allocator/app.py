@@ -1,7 +1,16 @@
-"""Assemble the allocator process from its settings: profile, control, gRPC server, loop.
+"""Assemble the allocator process from its settings: profile, classifier, control, gRPC
+server, loop.
 
 :class:`AllocatorSettings` is the allocator's one config type; every ``argus allocator`` flag
-(and, later, every Helm value) maps to one field.
+(and every Helm value) maps to one field.
+
+The joint planner prices each class the routers send with Q(v | c), so the allocator reads
+the routers' classifier too (``calibration.json`` only: no model, no torch), at start-up: a
+strategy whose artifact has a calibration is planned with its Q, one without it (an artifact
+from before calibration, which the router classifies by arg-max level) with the level
+averages and a warning. A calibration the router would refuse, or one without Q, stops the
+allocator before it binds. Its :func:`~argus.classifier.serving.classifier_key` is logged,
+exported (``argus_allocator_classifier``) and compared with the one each router reports.
 """
 
 from __future__ import annotations
@@ -9,11 +18,20 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from argus.allocator.control import ControlConfig, ControlLoop
 from argus.allocator.strategy import StrategyConfig
 from argus.grpc_server import wait_for_shutdown
 from argus.profiles import default_profiles, load_profiles
+from argus.types import ProfileSet
+
+if TYPE_CHECKING:
+    from argus.classifier.serving import PlanningClasses
+
+log = logging.getLogger(__name__)
+
+NO_CLASSIFIER = "none"  # --classifier none: plan every strategy with the level averages
 
 
 @dataclass(frozen=True)
@@ -28,6 +46,8 @@ class AllocatorSettings:
     retrieval_threshold_s: float = 0.5  # retrieval p99 above this forces SM
     retrieval_window_s: float = 30.0  # ... over this window; healthy probes this long: AC
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
+    classifier: str | None = None  # the routers' classifier directory, whose Q(v | c) prices
+    # their classes; None: the committed default (as the router's); "none": level averages
 
     def control_config(self) -> ControlConfig:
         """The control's config; ValueError names a bad field."""
@@ -38,6 +58,41 @@ class AllocatorSettings:
             retrieval=StrategyConfig(
                 threshold_s=self.retrieval_threshold_s, window_s=self.retrieval_window_s
             ),
+        )
+
+    def planning_classes(self, profiles: ProfileSet) -> PlanningClasses | None:
+        """What :attr:`classifier` gives the planner, checked against ``profiles``; None for
+        ``"none"``. ValueError (``ArtifactError``) names the file and field at fault."""
+        if self.classifier == NO_CLASSIFIER:
+            return None
+        from argus.classifier.serving import read_planning_classes
+
+        classes = read_planning_classes(self.classifier)
+        for strategy, quality in classes.class_quality.items():
+            names = tuple(level.name for level in profiles.levels_for(strategy))
+            if names and quality.levels != names:
+                raise ValueError(
+                    f"{classes.directory}: the {strategy} classifier's levels "
+                    f"{', '.join(quality.levels)} differ from the profile's {', '.join(names)}"
+                )
+        return classes
+
+
+def log_classes(classes: PlanningClasses | None) -> None:
+    """Say at start-up what the routers' classes are priced with, strategy by strategy."""
+    if classes is None:
+        log.info("--classifier none: every strategy planned with level averages")
+        return
+    where = f"classifier {classes.key} ({classes.directory})"
+    if classes.class_quality:
+        strategies = ", ".join(s.value for s in classes.class_quality)
+        log.info("%s: %s planned with the Q(v | c) of its calibrated classes", where, strategies)
+    for strategy in classes.by_level:
+        log.warning(
+            "%s: the %s artifact has no calibration.json: routers classify its prompts by "
+            "arg-max level, which are planned with level averages",
+            where,
+            strategy.value,
         )
 
 
@@ -56,6 +111,8 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     profiles = load_profiles(settings.profile) if settings.profile else default_profiles()
     config = settings.control_config()
+    classes = settings.planning_classes(profiles)
+    log_classes(classes)
     metrics = AllocatorMetrics(profiles)
     server, port, servicer = create_server(
         profiles,
@@ -63,6 +120,8 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
         config=config,
         max_watchers=settings.max_watchers,
         metrics=metrics,
+        class_quality=None if classes is None else classes.class_quality,
+        classifier_key="" if classes is None else classes.key,
     )
     if settings.metrics_port is not None:
         from prometheus_client import start_http_server

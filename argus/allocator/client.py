@@ -61,6 +61,7 @@ class AllocatorClient:
         arrival_ages_s: Sequence[float] = (),
         classified: Mapping[Strategy, Sequence[str]] | None = None,
         replan_wanted: bool = False,
+        classifier: str = "",
     ) -> RouterAnswer:
         """Send a router's statistics since its last report (see ``RouterReport``)."""
         request = router_report_to_pb(
@@ -69,6 +70,7 @@ class AllocatorClient:
             arrival_ages_s=arrival_ages_s,
             classified=classified,
             replan_wanted=replan_wanted,
+            classifier=classifier,
         )
         return router_answer_from_pb(self._stub.ReportRouter(request, timeout=self.timeout_s))
 

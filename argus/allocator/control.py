@@ -263,8 +263,9 @@ class RouterReport:
     sequence: int = 0  # 0: no de-duplication
     arrivals: int = 0
     arrival_ages_s: tuple[float, ...] = ()  # empty, or one age per arrival
-    classified: tuple[tuple[Strategy, tuple[int, ...]], ...] = ()  # level indices, oldest first
+    classified: tuple[tuple[Strategy, tuple[int, ...]], ...] = ()  # class indices, oldest first
     replan_wanted: bool = False
+    classifier: str = ""  # classifier_key of the router's classifier; "": not said
 
 
 @dataclass(frozen=True)
@@ -302,12 +303,16 @@ class AllocatorControl:
         epoch: str | None = None,
         backend: SolverFactory | None = None,
         class_quality: Mapping[Strategy, ClassQuality] | None = None,
+        classifier_key: str = "",
     ) -> None:
         """Build the control plane and make the first plan (no workers yet) at once, so
         ``current`` always has one; ``listeners`` receive it and every later plan. ``clock``
         is ``time.monotonic`` unless given. ``class_quality`` is Q(v | c) per strategy, from
-        the classifier's calibration, for the joint planner."""
+        the classifier's calibration, for the joint planner; ``classifier_key`` identifies
+        that classifier, and a router that reports another one is logged (its classes are
+        priced with a Q that is not theirs). Empty: no check."""
         self.profiles = profiles
+        self.classifier_key = classifier_key
         self.config = config or ControlConfig()
         self.epoch = epoch or uuid.uuid4().hex[:16]
         self._strategies = tuple(s for s in self.config.strategies if profiles.levels_for(s))
@@ -328,6 +333,7 @@ class AllocatorControl:
         self._monitor = StrategyMonitor(self.config.retrieval, start=Strategy.AC)
         self._members = Membership(self.config.dead_after_s, self.config.max_workers)
         self._router_seq: OrderedDict[str, int] = OrderedDict()
+        self._router_classifier: OrderedDict[str, str] = OrderedDict()  # keys routers reported
         self._forced_sm = False  # the current plan excludes AC because retrieval is unhealthy
         self._margin_until = -math.inf  # plans before this time use switch_margin
         self._last: PublishedPlan | None = None
@@ -351,6 +357,11 @@ class AllocatorControl:
         """False while the strategy monitor wants SM."""
         with self._lock:
             return self._monitor.strategy is Strategy.AC
+
+    def routers_on_other_classifier(self) -> int:
+        """Routers whose latest report named a classifier other than ``classifier_key``."""
+        with self._lock:
+            return sum(key != self.classifier_key for key in self._router_classifier.values())
 
     # -- events ----------------------------------------------------------------------------
 
@@ -381,6 +392,7 @@ class AllocatorControl:
             now = self._clock()
             if self._duplicate(report):
                 return RouterAnswer(self._current.version, duplicate=True)
+            self._check_classifier(report)
             if report.arrival_ages_s:  # oldest first, so no arrival reads as late
                 for age in sorted(report.arrival_ages_s, reverse=True):
                     self._allocator.observe_arrival(now - age)
@@ -553,6 +565,27 @@ class AllocatorControl:
         while len(self._router_seq) > self.config.max_routers:
             self._router_seq.popitem(last=False)
         return False
+
+    def _check_classifier(self, report: RouterReport) -> None:
+        """Remember the classifier ``report`` names; warn when it changes to one that is not
+        ``classifier_key`` (once per router and key, not once per report)."""
+        if not self.classifier_key or not report.classifier:
+            return
+        if self._router_classifier.get(report.router_id) == report.classifier:
+            return
+        self._router_classifier[report.router_id] = report.classifier
+        self._router_classifier.move_to_end(report.router_id)
+        while len(self._router_classifier) > self.config.max_routers:
+            self._router_classifier.popitem(last=False)
+        if report.classifier != self.classifier_key:
+            log.warning(
+                "router %s classifies with classifier %s, but the allocator plans with the "
+                "Q(v | c) of classifier %s: its classes are priced with another classifier's "
+                "quality (give the router and the allocator the same --classifier)",
+                report.router_id,
+                report.classifier,
+                self.classifier_key,
+            )
 
     def _answer(self, worker_id: str) -> HeartbeatAnswer:
         plan = self._current.plan

@@ -60,6 +60,10 @@ class FieldError(ValueError):
 def _identifier(value: str, where: str) -> str:
     if not value.strip():
         raise FieldError(f"{where}: must not be empty")
+    return _at_most_chars(value, where)
+
+
+def _at_most_chars(value: str, where: str) -> str:
     if len(value) > MAX_ID_CHARS:
         raise FieldError(f"{where}: at most {MAX_ID_CHARS} characters, got {len(value)}")
     return value
@@ -216,6 +220,7 @@ def router_report_from_pb(message: Any, profiles: ProfileSet) -> RouterReport:
         arrival_ages_s=tuple(_seconds(a, f"arrival_ages_s[{i}]") for i, a in enumerate(ages)),
         classified=tuple(classified),
         replan_wanted=message.replan_wanted,
+        classifier=_at_most_chars(message.classifier, "classifier"),
     )
 
 
@@ -243,9 +248,11 @@ def router_report_to_pb(
     arrival_ages_s: Sequence[float] = (),
     classified: Mapping[Strategy, Sequence[str]] | None = None,
     replan_wanted: bool = False,
+    classifier: str = "",
 ) -> Any:
     """The router's side: a ``RouterReport`` of the arrivals since its last one (each given by
-    its age, seconds before sending) and the level names its classifiers chose."""
+    its age, seconds before sending), the level names its classifiers chose and the identity
+    of those classifiers."""
     return allocator_pb2.RouterReport(
         router_id=router_id,
         sequence=sequence,
@@ -256,6 +263,7 @@ def router_report_to_pb(
             for s, levels in (classified or {}).items()
         ],
         replan_wanted=replan_wanted,
+        classifier=classifier,
     )
 
 

@@ -99,6 +99,18 @@ class AllocatorMetrics:
         self.watchers = Gauge(
             "argus_allocator_plan_watchers", "Open WatchPlan streams", registry=reg
         )
+        self.classifier = Gauge(
+            "argus_allocator_classifier",
+            "1 for the classifier whose Q(v | c) the plans price classes with (its "
+            'classifier_key; "none": level averages)',
+            ["key"],
+            registry=reg,
+        )
+        self.routers_other_classifier = Gauge(
+            "argus_allocator_routers_other_classifier",
+            "Routers whose latest report named another classifier than the allocator's",
+            registry=reg,
+        )
         self.rejected = Counter(
             "argus_allocator_rejected_requests",
             "Requests answered with an error status, by method and code",
@@ -108,6 +120,10 @@ class AllocatorMetrics:
 
     def watch(self, control: AllocatorControl, watchers: Callable[[], int]) -> None:
         """Read live values from ``control`` and the watcher count at scrape time."""
+        self.classifier.labels(control.classifier_key or "none").set(1.0)
+        self.routers_other_classifier.set_function(
+            lambda: float(control.routers_on_other_classifier())
+        )
         self.workers_alive.set_function(lambda: control.workers_alive())
         self.retrieval_healthy.set_function(lambda: 1.0 if control.retrieval_healthy() else 0.0)
         self.watchers.set_function(lambda: float(watchers()))

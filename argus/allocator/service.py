@@ -17,7 +17,7 @@ plus :data:`SPARE_THREADS` that heartbeats, reports and health checks always fin
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
 import grpc
@@ -45,7 +45,7 @@ from argus.allocator.membership import MembershipFullError
 from argus.allocator.metrics import AllocatorMetrics
 from argus.allocator.solver import SolverFactory
 from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
-from argus.types import ProfileSet
+from argus.types import ClassQuality, ProfileSet, Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
 allocator_pb2_grpc: Any = rpc.load("allocator_pb2_grpc")
@@ -157,11 +157,14 @@ def create_server(
     metrics: AllocatorMetrics | None = None,
     epoch: str | None = None,
     backend: SolverFactory | None = None,
+    class_quality: Mapping[Strategy, ClassQuality] | None = None,
+    classifier_key: str = "",
 ) -> tuple[grpc.Server, int, AllocatorServicer]:
     """A not-yet-started server bound to ``address``; returns it, the port and the servicer.
 
-    The control is built here (it makes its first plan at once) and reachable as
-    ``servicer.control``; nothing calls its ``tick`` until a
+    The control is built here (it makes its first plan at once, with ``class_quality`` and
+    ``classifier_key`` as :class:`~argus.allocator.control.AllocatorControl` takes them) and
+    reachable as ``servicer.control``; nothing calls its ``tick`` until a
     :class:`~argus.allocator.control.ControlLoop` is started (``argus.allocator.app`` does;
     tests with a fake ``clock`` call ``tick`` themselves).
     """
@@ -170,7 +173,14 @@ def create_server(
     if metrics is not None:
         listeners.append(metrics.observe_plan)
     control = AllocatorControl(
-        profiles, config, clock=clock, listeners=listeners, epoch=epoch, backend=backend
+        profiles,
+        config,
+        clock=clock,
+        listeners=listeners,
+        epoch=epoch,
+        backend=backend,
+        class_quality=class_quality,
+        classifier_key=classifier_key,
     )
     if metrics is not None:
         metrics.watch(control, lambda: feed.readers)

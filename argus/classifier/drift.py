@@ -19,6 +19,19 @@ the swap is one reference assignment, so requests keep using the old model until
 never see a half-built one. A trigger while a retrain runs, or with too few labels, is
 counted and dropped. What feeds the monitor is the caller's choice; note that a plan which
 moves prompts to faster levels under load lowers quality too, without any drift in prompts.
+
+**Not wired into the live router, and not safe to wire as it is.** ``argus router`` builds
+no :class:`Retrainer` (its ``argus_router_classifier_retrains`` counter stays at 0). The
+allocator prices the router's classes with the Q(v | c) it read at start-up from the
+artifact's ``calibration.json`` (:func:`~argus.classifier.serving.read_planning_classes`),
+and the router reports the :func:`~argus.classifier.serving.classifier_key` of the artifact
+it loaded. A swapped-in model would break both: :class:`RecentLabels` carry no scores, so
+the retrained model's calibration has new edges and temperature but no Q (or no calibration
+at all when none of the recent prompts falls in the CALIBRATION split, and the router would
+send arg-max levels where the allocator expects classes); the allocator would keep pricing
+the new classes with the old head's Q, and the router would go on reporting the old key.
+Wiring it needs scores for the recent prompts (so the retrain measures Q) and a way to give
+the new Q to the allocator: a new artifact both processes reload, or Q in the router's report.
 """
 
 from __future__ import annotations

@@ -632,3 +632,21 @@ def read_class_quality(directory: str | Path) -> ClassQuality:
         return calibration.class_quality(source)
     except ValueError as exc:
         raise ArtifactError(f"{directory / CALIBRATION_FILE}: field 'quality': {exc}") from None
+
+
+def artifact_key(directory: str | Path) -> str:
+    """SHA-256 of what decides an artifact's answers: its config (which names the encoder's
+    weights by their hash), label map, head and, when present, calibration (the classes and
+    their Q). Two directories with the same key classify every prompt alike."""
+    directory = Path(directory)
+    digest = hashlib.sha256()
+    for name in (CONFIG_FILE, LABELS_FILE, WEIGHTS_FILE, CALIBRATION_FILE):
+        path = directory / name
+        if name == CALIBRATION_FILE and not path.exists():
+            continue
+        try:
+            content = path.read_bytes()
+        except OSError as exc:
+            raise ArtifactError(f"{path}: cannot read: {exc.strerror}") from None
+        digest.update(name.encode() + b"\0" + len(content).to_bytes(8, "big") + content)
+    return digest.hexdigest()

@@ -11,8 +11,9 @@
   forward pass per distinct encoder (the committed AC and SM heads share frozen MiniLM):
   arg-max levels (the paper's planner), classes and calibrated probabilities (the joint
   planner), optionally through an on-disk embedding cache for replays.
-* :func:`read_class_qualities` gives the allocator Q(v | c) of each strategy from the
-  artifacts' ``calibration.json`` without loading a model.
+* :func:`read_planning_classes` gives the allocator Q(v | c) of each strategy from the
+  artifacts' ``calibration.json`` without loading a model, and :func:`classifier_key` the
+  identity routers report, so the allocator sees when they classify with other artifacts.
 * :class:`MicroBatcher` gathers concurrent callers from many threads into one forward pass:
   a batch closes at ``max_batch`` prompts or ``max_wait_s`` after its first prompt arrived,
   whichever comes first; each caller gets its own answer (or the batch's exception).
@@ -26,6 +27,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
@@ -38,7 +40,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from argus.classifier.calibration import softmax_t
+from argus.classifier.calibration import CALIBRATION_FILE, softmax_t
 from argus.classifier.embedding_cache import EmbeddingCache, EncoderIdentity
 from argus.classifier.model import (
     CLASSIFIERS_DIR,
@@ -47,6 +49,7 @@ from argus.classifier.model import (
     ArtifactError,
     ClassifierConfig,
     LevelClassifier,
+    artifact_key,
     load_artifact,
     read_class_quality,
     read_config,
@@ -268,10 +271,53 @@ def _embed(
 
 def read_class_qualities(directory: str | Path | None = None) -> dict[Strategy, ClassQuality]:
     """Q(v | c) of every strategy's artifact under ``directory`` (default: the committed
-    one), for the allocator: reads JSON only, no encoder, no weights, no torch.
-    ``ArtifactError`` names the file and field at fault, or the artifact without calibration."""
+    one): reads JSON only, no encoder, no weights, no torch. ``ArtifactError`` names the file
+    and field at fault, or the artifact without calibration."""
     directory = Path(directory) if directory is not None else default_classifier_dir()
     return {s: read_class_quality(path) for s, path in strategy_dirs(directory).items()}
+
+
+def classifier_key(directory: str | Path | None = None) -> str:
+    """A short identity of the artifacts under ``directory`` (default: the committed one):
+    equal for two directories whose every strategy classifies alike (same config, labels,
+    head and calibration; see :func:`~argus.classifier.model.artifact_key`), wherever they
+    are. The router reports it and the allocator compares it with its own."""
+    directory = Path(directory) if directory is not None else default_classifier_dir()
+    digest = hashlib.sha256()
+    for strategy, path in sorted(strategy_dirs(directory).items()):
+        digest.update(f"{strategy.value}={artifact_key(path)};".encode())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PlanningClasses:
+    """What the allocator plans with from the routers' classifier, read without a model.
+
+    The allocator must price exactly the classes the router sends: a strategy whose artifact
+    has a ``calibration.json`` is classified into tolerance bins, planned with their Q(v | c);
+    one without (an artifact from before calibration) is classified by arg-max level, which
+    the planner prices with the level averages.
+    """
+
+    directory: Path
+    key: str  # classifier_key: what a router using the same artifacts reports
+    class_quality: Mapping[Strategy, ClassQuality]  # calibrated strategies: Q(v | c)
+    by_level: tuple[Strategy, ...]  # strategies without calibration.json: level averages
+
+
+def read_planning_classes(directory: str | Path | None = None) -> PlanningClasses:
+    """:class:`PlanningClasses` of the artifacts under ``directory`` (default: the committed
+    one). ``ArtifactError`` names the file and field of a ``calibration.json`` that the router
+    would refuse too, or one whose Q(v | c) was never measured (its classes cannot be priced)."""
+    directory = Path(directory) if directory is not None else default_classifier_dir()
+    quality: dict[Strategy, ClassQuality] = {}
+    by_level: list[Strategy] = []
+    for strategy, path in strategy_dirs(directory).items():
+        if (path / CALIBRATION_FILE).exists():
+            quality[strategy] = read_class_quality(path)
+        else:
+            by_level.append(strategy)
+    return PlanningClasses(directory, classifier_key(directory), quality, tuple(by_level))
 
 
 def load_classifier_set(

@@ -3,9 +3,12 @@
 Workers send it heartbeats, routers their arrivals and classifications; it re-plans every
 ``--period-s`` seconds and at once when a worker joins, leaves or misses 3 heartbeats
 (``--heartbeat-s`` apart) or when cache retrieval forces AC → SM, and streams each plan
-(worker → level, PASM, strategy) to the routers that watch. Binds loopback unless ``--host``
-says otherwise (it is an internal endpoint). Prints ``argus allocator listening on
-HOST:PORT`` once bound; Ctrl-C or SIGTERM stops it.
+(worker → level, PASM, strategy) to the routers that watch. ``--classifier`` must name the
+routers' classifier directory (the default is theirs): the plans price each class the
+routers send with the Q(v | c) of its ``calibration.json``; ``--classifier none`` plans with
+level averages. Binds loopback unless ``--host`` says otherwise (it is an internal
+endpoint). Prints ``argus allocator listening on HOST:PORT`` once bound; Ctrl-C or SIGTERM
+stops it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ class AllocatorCommand:
         parser.add_argument("--host", default="127.0.0.1", help="address to bind")
         parser.add_argument("--port", type=int, default=0, help="port (0: any free port)")
         parser.add_argument("--profile", help="profile file (default: the embedded one)")
+        parser.add_argument(
+            "--classifier",
+            help="the routers' classifier directory, whose Q(v | c) prices their classes "
+            "(default: classifiers/minilm-logistic); none: plan with level averages",
+        )
         parser.add_argument(
             "--period-s", type=float, default=60.0, help="re-plan at least this often"
         )
@@ -74,9 +82,10 @@ class AllocatorCommand:
             retrieval_threshold_s=args.retrieval_threshold_s,
             retrieval_window_s=args.retrieval_window_s,
             metrics_port=args.metrics_port,
+            classifier=args.classifier,
         )
         try:
             settings.control_config()  # fail before binding, quoting the bad value
-            return serve(settings)
+            return serve(settings)  # a bad classifier fails before binding too
         except (ValueError, ProfileError, OSError) as err:
             raise CLIError(str(err)) from None

@@ -41,6 +41,11 @@ class UpCommand:
         parser.add_argument("--no-controlnet", action="store_true", help="no ControlNet service")
         parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoints")
         parser.add_argument("--period-s", type=float, default=60.0, help="allocator re-plans")
+        parser.add_argument(
+            "--classifier",
+            help="classifier directory of the router and the allocator "
+            "(default: classifiers/minilm-logistic)",
+        )
         parser.add_argument("--auth-token-file", help="the router requires this bearer token")
         parser.add_argument("--tls-cert", help="PEM certificate of the router's endpoint")
         parser.add_argument("--tls-key", help="PEM key of the router's endpoint")
@@ -66,6 +71,7 @@ class UpCommand:
                 metrics=not args.no_metrics,
                 default_steps=args.steps,
                 period_s=args.period_s,
+                classifier=args.classifier,
                 auth_token_file=args.auth_token_file,
                 tls_cert=args.tls_cert,
                 tls_key=args.tls_key,

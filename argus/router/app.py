@@ -100,7 +100,9 @@ def _raw_router_handler(servicer: RouterServicer) -> grpc.GenericRpcHandler:
 
 
 class StatsReporter:
-    """Sends the router's arrivals and classified levels to the allocator every period."""
+    """Sends the router's arrivals and classes to the allocator every period, with the
+    ``classifier_key`` of the artifacts they come from (the allocator checks it against the
+    classifier whose Q(v | c) it plans with)."""
 
     def __init__(
         self,
@@ -109,11 +111,13 @@ class StatsReporter:
         clock: Callable[[], float],
         *,
         period_s: float = 1.0,
+        classifier_key: str = "",
     ) -> None:
         self.core = core
         self.client = client
         self._clock = clock
         self.period_s = period_s
+        self.classifier_key = classifier_key
         # reports are numbered from the wall clock in microseconds, so a restarted router (same
         # id) numbers above its last life's reports and the allocator does not drop them
         self._sequence = time.time_ns() // 1000
@@ -136,6 +140,7 @@ class StatsReporter:
             arrival_ages_s=[max(0.0, now - t) for t in arrivals],
             classified=by_strategy,
             replan_wanted=wants,
+            classifier=self.classifier_key,
         )
 
     def start(self) -> None:
@@ -194,7 +199,11 @@ class RouterSettings:
 def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> int:
     """Run the router until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
     from argus.allocator.client import PlanWatcher
-    from argus.classifier.serving import load_prompt_classifier
+    from argus.classifier.serving import (
+        classifier_key,
+        default_classifier_dir,
+        load_prompt_classifier,
+    )
     from argus.grpc_server import wait_for_shutdown
     from argus.profiles import default_profiles, load_profiles
     from argus.router.metrics import RouterMetrics
@@ -210,6 +219,8 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     )
     security = settings.security()
     classifier = load_prompt_classifier(settings.classifier)
+    key = classifier_key(settings.classifier)
+    log.info("classifier %s (%s)", key, settings.classifier or default_classifier_dir())
     metrics = RouterMetrics(profiles)
     core = RouterCore(profiles, classifier, config, metrics=metrics)
     server, port, servicer = create_server(
@@ -223,7 +234,9 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
         settings.allocator, on_plan=servicer.plan_installed, watcher_id=settings.router_id
     )
     client = AllocatorClient(settings.allocator)
-    reporter = StatsReporter(core, client, time.monotonic, period_s=settings.report_period_s)
+    reporter = StatsReporter(
+        core, client, time.monotonic, period_s=settings.report_period_s, classifier_key=key
+    )
     server.start()
     watcher.start()
     reporter.start()

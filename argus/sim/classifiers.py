@@ -144,6 +144,7 @@ class TrainedClassifier:
     """
 
     def __init__(self, directory: str | Path) -> None:
+        from argus.classifier.model import artifact_key
         from argus.classifier.serving import load_classifier_set, read_configs, strategy_dirs
 
         path = Path(directory)
@@ -273,21 +274,6 @@ class TrainedClassifier:
 # Predictions of trained classifiers in this process, by artifact_key and prompt text: a
 # second replay (or test) with the same artifact does not run the encoder again.
 _PREDICTIONS: dict[str, dict[str, tuple[int, int]]] = {}  # text → (level, class)
-
-
-def artifact_key(directory: Path) -> str:
-    """SHA-256 of an artifact's config, label map and head; the config holds the encoder's."""
-    import hashlib
-
-    from argus.classifier.model import ArtifactError
-
-    digest = hashlib.sha256()
-    for name in ("config.json", "labels.json", "model.safetensors"):
-        try:
-            digest.update((directory / name).read_bytes())
-        except OSError as exc:
-            raise ArtifactError(f"{directory / name}: cannot read: {exc.strerror}") from None
-    return digest.hexdigest()
 
 
 def make_classifier(spec: str) -> Classifier:
