@@ -23,7 +23,18 @@ The switching cost is :mod:`argus.allocator.solver`'s: a worker that must load a
 does not hold is charged the quality-weighted work it forgoes while loading.
 
 Solved with HiGHS through ``highspy`` directly (no modelling layer: the model is a handful of
-numpy arrays), to a relative gap of 1e-3 by default.
+numpy arrays), on one HiGHS instance per solve, to a relative gap of 1e-2 by default:
+
+1. the LP relaxation (presolve off: the program has a few hundred columns at most);
+2. its worker counts rounded, then repaired until they serve W again (``_rounded``);
+3. the loads for those counts: the same LP with n fixed, warm from step 1's basis;
+4. while that is short of step 1's bound by more than the gap, local search: add, remove
+   or move one worker, as the reduced costs suggest, each candidate valued as in step 3;
+5. if it is still short, branch and bound from the best counts, within
+   ``HighsOptions.time_limit_s``. Within the gap, the bound certifies the plan.
+
+From a few dozen workers up step 5 is all but never needed (one worker barely moves the
+value); on a handful of workers it sometimes is, and the time limit bounds it.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 
 import highspy
 import numpy as np
@@ -48,6 +59,7 @@ from argus.allocator.solver import (
 from argus.types import Allocation, ClassQuality, ClusterView, Level, ProfileSet, ShiftMap, Strategy
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -60,7 +72,8 @@ class HighsOptions:
     with a standard error of a few percent, so a 1% gap is below what Q can tell apart."""
 
     time_limit_s: float = 0.1
-    """Branch and bound stops here and keeps its best solution, at worst the rounding."""
+    """Branch and bound stops here and keeps its best solution, at worst the rounding;
+    at 0 it does not run, and the rounding improved by local search is the plan."""
 
 
 @dataclass(frozen=True)
@@ -199,34 +212,63 @@ def _with_mean_quality(
     )
 
 
-class _Columns:
-    """Column bookkeeping of the HiGHS model."""
+@dataclass(frozen=True)
+class _Block:
+    """Columns and rows of one part of the model, in the arrays HiGHS takes; the matrix as
+    (row, column, value) triplets."""
 
-    def __init__(self) -> None:
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-        self.cost: list[float] = []
-        self.integer: list[bool] = []
+    cost: FloatArray
+    col_lower: FloatArray
+    col_upper: FloatArray
+    row_lower: FloatArray
+    row_upper: FloatArray
+    row: IntArray
+    column: IntArray
+    value: FloatArray
 
-    def add(self, cost: float, lower: float, upper: float, integer: bool = False) -> int:
-        self.cost.append(cost)
-        self.lower.append(lower)
-        self.upper.append(upper)
-        self.integer.append(integer)
-        return len(self.cost) - 1
+    def then(self, other: _Block) -> _Block:
+        """This block with ``other``'s columns and rows after its own (``other`` indexes them
+        already)."""
+        return _Block(
+            *(
+                np.concatenate([getattr(self, part.name), getattr(other, part.name)])
+                for part in fields(self)
+            )
+        )
+
+    def lp(self) -> highspy.HighsLp:
+        """The maximisation, its matrix stored row by row."""
+        lp = highspy.HighsLp()
+        lp.num_col_ = len(self.cost)
+        lp.num_row_ = len(self.row_lower)
+        lp.sense_ = highspy.ObjSense.kMaximize
+        lp.col_cost_ = self.cost
+        lp.col_lower_ = self.col_lower
+        lp.col_upper_ = self.col_upper
+        lp.row_lower_ = self.row_lower
+        lp.row_upper_ = self.row_upper
+        order = np.argsort(self.row, kind="stable")
+        per_row = np.bincount(self.row, minlength=lp.num_row_)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32)
+        lp.a_matrix_.index_ = self.column[order].astype(np.int32)
+        lp.a_matrix_.value_ = self.value[order]
+        return lp
 
 
-class _Rows:
-    def __init__(self) -> None:
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-        self.entries: list[tuple[int, int, float]] = []  # (row, column, value)
+@dataclass(frozen=True)
+class _Program:
+    """The joint program for HiGHS, and what rounding needs to know about it.
 
-    def add(self, terms: Sequence[tuple[int, float]], lower: float, upper: float) -> None:
-        row = len(self.lower)
-        self.lower.append(lower)
-        self.upper.append(upper)
-        self.entries.extend((row, column, value) for column, value in terms)
+    Columns: n[g, v] first, worker class major (so ``values[:rate.size]`` reshapes to
+    ``rate``'s shape), then x[c, v] for each class with load, then the switching cost's.
+    """
+
+    lp: highspy.HighsLp
+    classes: IntArray  # the prompt classes with load, in the order of x's rows
+    totals: FloatArray  # [g]: live workers of worker class g
+    rate: FloatArray  # [g, v]: u · P_th, the QPM one worker of g may take at v
+    served: float  # W, the load the program serves
 
 
 def _solve(
@@ -238,179 +280,325 @@ def _solve(
     options: HighsOptions | None,
 ) -> tuple[_Counts, FloatArray]:
     """Build and solve the program; return integer worker counts and x[c, v]."""
-    options = options or HighsOptions()
-    n_levels = len(problem.levels)
-    classes = [c for c in range(n_levels) if weights[c] > 0.0]
-    quality = class_quality.quality
-    cols, rows = _Columns(), _Rows()
-    inf = highspy.kHighsInf
-    n = {
-        (g, v): cols.add(0.0, 0.0, float(live_by_class[g]), integer=True)
-        for g in sorted(live_by_class)
-        for v in range(n_levels)
-    }
-    x = {(c, v): cols.add(quality[c][v], 0.0, inf) for c in classes for v in range(n_levels)}
-    for g in sorted(live_by_class):
-        rows.add([(n[g, v], 1.0) for v in range(n_levels)], -inf, float(live_by_class[g]))
-    for v in range(n_levels):
-        terms = [(x[c, v], 1.0) for c in classes]
-        terms += [(n[g, v], -rate[g][v]) for g in sorted(live_by_class)]
-        rows.add(terms, -inf, 0.0)
-    for c in classes:
-        mass = float(weights[c]) * problem.served_qpm
-        rows.add([(x[c, v], 1.0) for v in range(n_levels)], mass, mass)
-    _switch_cost(problem, cols, rows, n, live_by_class)
-    values = _round_then_certify(cols, rows, n, live_by_class, options)
+    worker_classes = sorted(live_by_class)
+    program = _program(
+        problem,
+        class_quality,
+        weights,
+        np.array([rate[g] for g in worker_classes], dtype=np.float64).reshape(
+            len(worker_classes), len(problem.levels)
+        ),
+        np.array([live_by_class[g] for g in worker_classes], dtype=np.float64),
+    )
+    values = _round_then_certify(program, options or HighsOptions())
+    workers = np.rint(values[: program.rate.size]).astype(np.int64).reshape(program.rate.shape)
     counts = _Counts.empty()
-    for key, column in n.items():
-        counts.workers[key] = round(values[column])
+    for i, g in enumerate(worker_classes):
+        for v, count in enumerate(workers[i].tolist()):
+            counts.workers[g, v] = count
     counts.switch_cost = _rounded_switch_cost(problem, counts.workers)
+    n_levels = len(problem.levels)
     loads = np.zeros((n_levels, n_levels))
-    for (c, v), column in x.items():
-        loads[c, v] = max(0.0, values[column])
+    x = values[program.rate.size : program.rate.size + program.classes.size * n_levels]
+    loads[program.classes] = np.maximum(0.0, x.reshape(program.classes.size, n_levels))
     _split_by_class(counts, loads, rate, live_by_class)
     return counts, loads
 
 
-def _switch_cost(
+def _program(
     problem: _Problem,
-    cols: _Columns,
-    rows: _Rows,
-    n: Mapping[tuple[str, int], int],
-    live_by_class: Mapping[str, int],
-) -> None:
+    class_quality: ClassQuality,
+    weights: FloatArray,
+    rate: FloatArray,
+    totals: FloatArray,
+) -> _Program:
+    """The program of the module docstring. Rows: one per worker class, one per level, one
+    per class with load, then the switching cost's."""
+    groups, n_levels = rate.shape
+    classes = np.flatnonzero(weights > 0.0)
+    mass = weights[classes] * problem.served_qpm
+    n_size, x_size = rate.size, classes.size * n_levels
+    g, v_of_n = np.divmod(np.arange(n_size), n_levels)
+    c, v_of_x = np.divmod(np.arange(x_size), n_levels)
+    n_col, x_col = np.arange(n_size), n_size + np.arange(x_size)
+    inf = highspy.kHighsInf
+    core = _Block(
+        cost=np.concatenate([np.zeros(n_size), np.asarray(class_quality.quality)[classes].ravel()]),
+        col_lower=np.zeros(n_size + x_size),
+        col_upper=np.concatenate([np.repeat(totals, n_levels), np.full(x_size, inf)]),
+        row_lower=np.concatenate([np.full(groups + n_levels, -inf), mass]),
+        row_upper=np.concatenate([totals, np.zeros(n_levels), mass]),
+        row=np.concatenate([g, groups + v_of_n, groups + v_of_x, groups + n_levels + c]),
+        column=np.concatenate([n_col, n_col, x_col, x_col]),
+        value=np.concatenate([np.ones(n_size), -rate.ravel(), np.ones(2 * x_size)]),
+    )
+    rows = groups + n_levels + classes.size
+    model = core.then(_switch_cost(problem, n_size + x_size, rows))
+    return _Program(model.lp(), classes, totals, rate, problem.served_qpm)
+
+
+def _switch_cost(problem: _Problem, first_column: int, first_row: int) -> _Block:
     """Model loads: u[g, m] ≥ Σ_{v on m} n[g, v] − holding; up to the idle workers' number of
     loads per class go free (placing a worker that holds nothing is not moving it)."""
+    block = _Builder(first_column, first_row)
     if problem.switch_cost_weight == 0.0:
-        return
-    inf = highspy.kHighsInf
+        return block.done()
     holding = problem.holding
+    n_levels = len(problem.levels)
     models = sorted({level.model for level in problem.levels})
-    for g in sorted(live_by_class):
+    for i, g in enumerate(sorted({w.worker_class for w in problem.live})):
         frees = []
         for model in models:
             cost = problem.load_cost(g, model)
-            u = cols.add(-cost, 0.0, inf)
-            free = cols.add(cost, 0.0, inf)
-            on_model = [v for v, level in enumerate(problem.levels) if level.model == model]
-            rows.add([(n[g, v], 1.0) for v in on_model] + [(u, -1.0)], -inf, holding[g, model])
-            rows.add([(free, 1.0), (u, -1.0)], -inf, 0.0)
+            u = block.column(-cost)
+            free = block.column(cost)
+            on_model = [
+                i * n_levels + v for v, lv in enumerate(problem.levels) if lv.model == model
+            ]
+            block.row([*((n, 1.0) for n in on_model), (u, -1.0)], holding[g, model])
+            block.row([(free, 1.0), (u, -1.0)], 0.0)
             frees.append(free)
-        rows.add([(f, 1.0) for f in frees], -inf, float(holding[g, None]))
+        block.row([(free, 1.0) for free in frees], float(holding[g, None]))
+    return block.done()
 
 
-def _round_then_certify(
-    cols: _Columns,
-    rows: _Rows,
-    n: Mapping[tuple[str, int], int],
-    live_by_class: Mapping[str, int],
-    options: HighsOptions,
-) -> FloatArray:
+class _Builder:
+    """A block built a column and a row at a time: columns ≥ 0, rows bounded above."""
+
+    def __init__(self, first_column: int, first_row: int) -> None:
+        self._next_column = first_column
+        self._next_row = first_row
+        self._cost: list[float] = []
+        self._row_upper: list[float] = []
+        self._entries: list[tuple[int, int, float]] = []  # (row, column, value)
+
+    def column(self, cost: float) -> int:
+        self._cost.append(cost)
+        self._next_column += 1
+        return self._next_column - 1
+
+    def row(self, terms: Sequence[tuple[int, float]], upper: float) -> None:
+        self._entries.extend((self._next_row, column, value) for column, value in terms)
+        self._row_upper.append(upper)
+        self._next_row += 1
+
+    def done(self) -> _Block:
+        entries = np.array(self._entries, dtype=np.float64).reshape(-1, 3)
+        return _Block(
+            cost=np.array(self._cost, dtype=np.float64),
+            col_lower=np.zeros(len(self._cost)),
+            col_upper=np.full(len(self._cost), highspy.kHighsInf),
+            row_lower=np.full(len(self._row_upper), -highspy.kHighsInf),
+            row_upper=np.array(self._row_upper, dtype=np.float64),
+            row=entries[:, 0].astype(np.int64),
+            column=entries[:, 1].astype(np.int64),
+            value=entries[:, 2],
+        )
+
+
+def _round_then_certify(program: _Program, options: HighsOptions) -> FloatArray:
     """Solve the LP relaxation, round its worker counts, and keep the rounding when it is
-    within ``rel_gap`` of the relaxation's bound (the bound certifies it); otherwise branch
-    and bound from the rounding as the first incumbent.
+    within ``rel_gap`` of the relaxation's bound (the bound certifies it); otherwise improve
+    it by local search, and if that falls short too, branch and bound from the best found.
 
-    Rounding: per worker class, every level keeps the floor of its relaxed count and the
-    workers left over go to the levels with the largest fractional parts; the loads are then
-    the LP with those counts fixed. Branch and bound is rarely needed on large clusters (one
-    worker more or less barely moves the value) and bounded by the time limit on small ones.
+    Every set of counts is valued by the LP with those counts fixed, solved warm on the
+    relaxation's HiGHS instance. Branch and bound is all but never needed on large clusters
+    (one worker more or less barely moves the value) and bounded by the time limit on small
+    ones.
     """
-    relaxed = _run(cols, rows, options, integer=False)
+    highs = _Highs(program)
+    relaxed = highs.relaxation()
     if relaxed is None:
         raise InfeasiblePlanError("joint program: the LP relaxation has no solution")
-    bound, values = relaxed
-    fixed = _rounded_counts(values, n, live_by_class)
-    rounded = _run(cols, rows, options, integer=False, fixed=fixed)
-    if rounded is not None and rounded[0] >= bound - options.rel_gap * max(1.0, abs(bound)):
-        return rounded[1]
-    hint = rounded[1] if rounded is not None else None
-    if hint is None:  # the rounding lost too much capacity: search longer, there is no fallback
-        options = replace(options, time_limit_s=max(options.time_limit_s, NO_INCUMBENT_LIMIT_S))
-    exact = _run(cols, rows, options, integer=True, hint=hint)
+    target = relaxed.objective - options.rel_gap * max(1.0, abs(relaxed.objective))
+    start = highs.with_counts(
+        _rounded(relaxed.counts, program.totals, program.rate, program.served)
+    )
+    best = _improved(highs, start, program, target) if start is not None else None
+    if best is not None and (best.objective >= target or options.time_limit_s == 0.0):
+        return best.values
+    exact = highs.branch_and_bound(options, best)
     if exact is not None:
-        return exact[1]
-    if hint is not None:
-        return hint
+        return exact
+    if best is not None:
+        return best.values
     raise InfeasiblePlanError("joint program: branch and bound found no solution")
 
 
-def _rounded_counts(
-    values: FloatArray, n: Mapping[tuple[str, int], int], live_by_class: Mapping[str, int]
-) -> dict[int, float]:
-    """Column → integer count: floors, then the leftover workers by largest fraction."""
-    fixed: dict[int, float] = {}
-    for g, total in live_by_class.items():
-        columns = [column for (wc, _), column in n.items() if wc == g]
-        relaxed = {column: max(0.0, float(values[column])) for column in columns}
-        floors = {column: math.floor(value + 1e-9) for column, value in relaxed.items()}
-        left = total - sum(floors.values())
-        by_fraction = sorted(columns, key=lambda column: relaxed[column] - floors[column])
-        while left > 0 and by_fraction:
-            column = by_fraction.pop()
-            if relaxed[column] - floors[column] <= 1e-9:
+@dataclass(frozen=True)
+class _Solution:
+    """A solution of the program, relaxed or with the worker counts fixed."""
+
+    objective: float
+    values: FloatArray  # every column
+    counts: FloatArray  # [g, v]: n
+    reduced: FloatArray  # [g, v]: ∂ objective / ∂ n, from the LP's duals
+
+
+class _Highs:
+    """One HiGHS instance through a solve: the relaxation, then fixed counts warm from its
+    basis, then (when those fall short) branch and bound. Presolve is off but for branch and
+    bound: on a program this small it costs more than it saves."""
+
+    def __init__(self, program: _Program) -> None:
+        self._program = program
+        self._highs = highspy.Highs()  # type: ignore[no-untyped-call]
+        self._highs.setOptionValue("output_flag", False)
+        self._highs.setOptionValue("presolve", "off")
+        self._highs.setOptionValue("mip_heuristic_run_feasibility_jump", False)
+        self._highs.passModel(program.lp)
+        self._columns = np.arange(program.rate.size, dtype=np.int32)
+
+    def relaxation(self) -> _Solution | None:
+        return self._run()
+
+    def with_counts(self, counts: FloatArray) -> _Solution | None:
+        """The best loads for ``counts`` workers [g, v]; None when they cannot serve W."""
+        fixed = counts.ravel()
+        self._highs.changeColsBounds(fixed.size, self._columns, fixed, fixed)
+        return self._run()
+
+    def branch_and_bound(self, options: HighsOptions, start: _Solution | None) -> FloatArray | None:
+        """The program with integer counts, from ``start`` when there is one (without one
+        it searches at least ``NO_INCUMBENT_LIMIT_S``, having no fallback)."""
+        lp, size = self._program.lp, self._columns.size
+        self._highs.changeColsBounds(
+            size, self._columns, lp.col_lower_[:size], lp.col_upper_[:size]
+        )
+        self._highs.changeColsIntegrality(
+            size, self._columns, np.full(size, highspy.HighsVarType.kInteger)
+        )
+        limit = options.time_limit_s
+        if start is None:
+            limit = max(limit, NO_INCUMBENT_LIMIT_S)
+        else:
+            incumbent = highspy.HighsSolution()
+            incumbent.col_value = list(start.values)
+            self._highs.setSolution(incumbent)
+        self._highs.setOptionValue("presolve", "on")
+        self._highs.setOptionValue("mip_rel_gap", options.rel_gap)
+        # HiGHS's clock runs on from the LPs before
+        self._highs.setOptionValue("time_limit", self._highs.getRunTime() + limit)
+        found = self._run()
+        return found.values if found is not None else None
+
+    def _run(self) -> _Solution | None:
+        """Run; None when HiGHS found no feasible solution."""
+        self._highs.run()
+        status = self._highs.getModelStatus()
+        info = self._highs.getInfo()
+        solved = status == highspy.HighsModelStatus.kOptimal
+        timed_out = (
+            status == highspy.HighsModelStatus.kTimeLimit and info.primal_solution_status == 2
+        )
+        if not (solved or timed_out):
+            return None
+        solution = self._highs.getSolution()
+        values = np.asarray(solution.col_value, dtype=np.float64)
+        size, shape = self._columns.size, self._program.rate.shape
+        return _Solution(
+            float(info.objective_function_value),
+            values,
+            values[:size].reshape(shape),
+            np.asarray(solution.col_dual, dtype=np.float64)[:size].reshape(shape),
+        )
+
+
+SEARCH_STEPS = 20  # local search: improving moves at most
+SEARCH_TRIES = 5  # candidates valued per step before the search gives up
+
+
+def _improved(highs: _Highs, start: _Solution, program: _Program, target: float) -> _Solution:
+    """Local search from ``start`` until it reaches ``target``: add, remove or move one
+    worker, the candidates the reduced costs rate best valued first, the first that gains
+    kept. Closes most of the rounding's shortfall where a few workers carry the load or
+    model loads are costly, for a few warm LPs instead of branch and bound."""
+    best = start
+    for _ in range(SEARCH_STEPS):
+        if best.objective >= target:
+            break
+        for counts in _neighbours(best, program, SEARCH_TRIES):
+            trial = highs.with_counts(counts)
+            if trial is not None and trial.objective > best.objective + 1e-9 * max(
+                1.0, abs(best.objective)
+            ):
+                best = trial
                 break
-            floors[column] += 1
-            left -= 1
-        fixed.update({column: float(count) for column, count in floors.items()})
-    return fixed
+        else:
+            break
+    return best
 
 
-def _run(
-    cols: _Columns,
-    rows: _Rows,
-    options: HighsOptions,
-    *,
-    integer: bool,
-    fixed: Mapping[int, float] | None = None,
-    hint: FloatArray | None = None,
-) -> tuple[float, FloatArray] | None:
-    """(objective, column values), or None when HiGHS found no feasible solution."""
-    lower = np.asarray(cols.lower, dtype=np.float64)
-    upper = np.asarray(cols.upper, dtype=np.float64)
-    for column, value in (fixed or {}).items():
-        lower[column] = upper[column] = value
-    lp = highspy.HighsLp()
-    lp.num_col_ = len(cols.cost)
-    lp.num_row_ = len(rows.lower)
-    lp.sense_ = highspy.ObjSense.kMaximize
-    lp.col_cost_ = np.asarray(cols.cost, dtype=np.float64)
-    lp.col_lower_ = lower
-    lp.col_upper_ = upper
-    lp.row_lower_ = np.asarray(rows.lower, dtype=np.float64)
-    lp.row_upper_ = np.asarray(rows.upper, dtype=np.float64)
-    entries = sorted(rows.entries, key=lambda e: (e[1], e[0]))  # column-wise
-    starts = np.zeros(lp.num_col_ + 1, dtype=np.int32)
-    for _, column, _ in entries:
-        starts[column + 1] += 1
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = np.cumsum(starts).astype(np.int32)
-    lp.a_matrix_.index_ = np.asarray([e[0] for e in entries], dtype=np.int32)
-    lp.a_matrix_.value_ = np.asarray([e[2] for e in entries], dtype=np.float64)
-    if integer:
-        lp.integrality_ = [
-            highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous
-            for flag in cols.integer
-        ]
-    solver = highspy.Highs()  # type: ignore[no-untyped-call]
-    solver.setOptionValue("output_flag", False)
-    solver.setOptionValue("mip_rel_gap", options.rel_gap)
-    solver.setOptionValue("time_limit", options.time_limit_s)
-    solver.passModel(lp)
-    if hint is not None:
-        start = highspy.HighsSolution()
-        start.col_value = list(hint)
-        solver.setSolution(start)
-    solver.run()
-    status = solver.getModelStatus()
-    solved = status == highspy.HighsModelStatus.kOptimal
-    timed_out = (
-        status == highspy.HighsModelStatus.kTimeLimit
-        and solver.getInfo().primal_solution_status == 2
+def _neighbours(best: _Solution, program: _Program, count: int) -> list[FloatArray]:
+    """Up to ``count`` counts one worker away from ``best``'s that still serve W, best
+    first by the first-order gain the reduced costs promise, only those that promise one.
+    The spare workers are a level of their own at index L, worth nothing and serving
+    nothing. (The reduced costs cannot see W: alone they would rate first the moves that
+    drop the capacity below it.)"""
+    groups, n_levels = best.counts.shape
+    spare = np.zeros((groups, 1))
+    worth = np.concatenate([best.reduced, spare], axis=1)
+    rate = np.concatenate([program.rate, spare], axis=1)
+    has = np.concatenate(
+        [best.counts >= 1.0, (program.totals - best.counts.sum(axis=1) >= 1.0)[:, None]], axis=1
     )
-    if not (solved or timed_out):
-        return None
-    values = np.asarray(solver.getSolution().col_value, dtype=np.float64)
-    return float(solver.getInfo().objective_function_value), values
+    gain = worth[:, None, :] - worth[:, :, None]  # [g, v, w]: one worker of g from v to w
+    capacity = float((program.rate * best.counts).sum()) + rate[:, None, :] - rate[:, :, None]
+    possible = (
+        has[:, :, None]
+        & ~np.eye(n_levels + 1, dtype=bool)[None]
+        & (capacity >= program.served - 1e-9 * max(1.0, program.served))
+        & (gain > 1e-9)
+    )
+    ranked = np.argsort(-np.where(possible, gain, -np.inf), axis=None)[:count]
+    result = []
+    for g, v, w in zip(*np.unravel_index(ranked, gain.shape), strict=True):
+        if not possible[g, v, w]:
+            break
+        counts = best.counts.copy()
+        if v < n_levels:
+            counts[g, v] -= 1.0
+        if w < n_levels:
+            counts[g, w] += 1.0
+        result.append(counts)
+    return result
+
+
+def _rounded(
+    relaxed: FloatArray, totals: FloatArray, rate: FloatArray, served: float
+) -> FloatArray:
+    """Integer worker counts [g, v] near the relaxed ones that still serve the load.
+
+    Per worker class, every level keeps the floor of its relaxed count and the workers left
+    over go to the levels with the largest fractional parts. That can lose capacity the
+    relaxation relied on, and then no loads fit; so while the capacity is short, a leftover
+    worker moves from the slowest level it went to to the fastest level with a fractional
+    part it did not get, the largest such gain first. This ends serving the load: once no
+    move gains, each worker class's k leftovers sit at the k fastest of its fractional
+    levels, and those carry at least Σ_v frac_v · rate_v, since the fractions are below 1 and
+    sum to at most k. With the floors, that is the relaxation's capacity, ≥ W.
+    """
+    relaxed = np.maximum(relaxed, 0.0)
+    floors = np.floor(relaxed + 1e-9)
+    fraction = np.where(relaxed - floors > 1e-9, relaxed - floors, 0.0)
+    room = np.maximum(0.0, totals - floors.sum(axis=1))
+    leftover = np.minimum(np.ceil(fraction.sum(axis=1) - 1e-9), room).astype(np.int64)
+    up = np.zeros(relaxed.shape, dtype=bool)
+    for g, count in enumerate(leftover.tolist()):
+        up[g, np.argsort(-fraction[g], kind="stable")[:count]] = True
+    short = served - float((rate * floors).sum())
+    tolerance = 1e-9 * max(1.0, served)
+    while float((rate * up).sum()) < short - tolerance:
+        slowest = np.where(up, rate, np.inf)
+        fastest = np.where((fraction > 0.0) & ~up, rate, -np.inf)
+        gain = fastest.max(axis=1) - slowest.min(axis=1)
+        g = int(np.argmax(gain))
+        if not gain[g] > 0.0:
+            break
+        up[g, np.argmin(slowest[g])] = False
+        up[g, np.argmax(fastest[g])] = True
+    result: FloatArray = floors + up
+    return result
 
 
 def _split_by_class(
