@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from argus.allocator.joint import HighsOptions, JointPlan, _rounded, solve_joint
+from argus.allocator.joint import HighsOptions, JointPlan, JointSolver, _rounded, solve_joint
 from argus.types import ClassQuality, ClusterView, ProfileSet, Strategy, WorkerState
 from tests.factories import make_profiles
 
@@ -120,6 +120,31 @@ def test_default_gap_is_within_a_percent_of_exact_on_small_clusters(seed: int) -
     exact = instance.solve(EXACT)
     instance.check_feasible(plan)
     assert within_a_percent(plan, exact)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_second_solve_under_other_caps_matches_a_fresh_one(seed: int) -> None:
+    """The planner's second solve starts from the first's basis; the answer must not care."""
+    rng = random.Random(60260 + seed)
+    instance = Instance(rng, 8, 64)
+    other_caps = {key: rng.uniform(0.5, 1.0) for key in instance.caps}
+    solver = JointSolver(
+        instance.profiles,
+        Strategy.AC,
+        instance.workers,
+        instance.load,
+        instance.quality,
+        instance.histogram,
+        switch_cost_weight=instance.switch_cost_weight,
+        options=EXACT,
+    )
+    solver.solve(instance.caps)
+    second = solver.solve(other_caps)
+    instance.caps = other_caps
+    fresh = instance.solve(EXACT)
+    instance.check_feasible(second)
+    assert second.allocation.objective == pytest.approx(fresh.allocation.objective, rel=1e-7)
+    assert second.allocation.served_qpm == pytest.approx(fresh.allocation.served_qpm)
 
 
 @settings(max_examples=200, deadline=None)

@@ -106,63 +106,144 @@ def solve_joint(
 ) -> JointPlan:
     """Plan the live ``workers`` for ``load_qpm`` spread over prompt classes as ``histogram``.
 
-    Called by the planner every period and on events. ``caps`` bounds each level's
-    utilisation per worker class (1 when absent). Returns every live worker's level, the load
-    per level, and the PASM.
+    ``caps`` bounds each level's utilisation per worker class (1 when absent). Returns every
+    live worker's level, the load per level, and the PASM.
     """
-    started = time.perf_counter()
-    levels = profiles.levels_for(strategy)
-    if class_quality.levels != tuple(level.name for level in levels):
-        raise ValueError(
-            f"class_quality: levels {', '.join(class_quality.levels)} differ from the "
-            f"{strategy.value} levels {', '.join(level.name for level in levels)}"
-        )
-    weights = _histogram(histogram, len(levels))
-    live = workers.alive()
-    _check_classes(profiles, live)
-    rate = _effective_rates(profiles, levels, live, caps or {})
-    live_by_class = Counter(w.worker_class for w in live)
-    capacity = sum(count * max(rate[g]) for g, count in live_by_class.items())
-    if not (math.isfinite(load_qpm) and load_qpm >= 0.0):
-        raise ValueError(f"load_qpm: must be a finite number >= 0, got {load_qpm}")
-    served = min(load_qpm, capacity)
-    problem = _Problem(
-        strategy,
-        _with_mean_quality(levels, class_quality, weights),
+    solver = JointSolver(
         profiles,
-        live,
+        strategy,
+        workers,
         load_qpm,
-        served,
-        switch_cost_weight,
-        period_s,
+        class_quality,
+        histogram,
+        switch_cost_weight=switch_cost_weight,
+        period_s=period_s,
+        options=options,
     )
-    counts, x = _solve(problem, class_quality, weights, rate, live_by_class, options)
-    assignment = _assign_workers(problem, counts)
-    shift = _shift_map(class_quality, levels, x, weights, served, counts)
-    per_level = Counter(assignment.values())
-    names = tuple(level.name for level in levels)
-    load = tuple(float(x[:, v].sum()) for v in range(len(levels)))
-    level_capacity = tuple(
-        sum(rate[g][v] * counts.workers[g, v] for g in live_by_class) for v in range(len(levels))
-    )
-    quality = np.asarray(class_quality.quality, dtype=np.float64)
-    value = float((quality * x).sum())
-    allocation = Allocation(
-        strategy=strategy,
-        levels=names,
-        workers_per_level=tuple(per_level[name] for name in names),
-        load_share_qpm=load,
-        assignment=assignment,
-        objective=value - counts.switch_cost,
-        switch_cost=counts.switch_cost,
-        served_qpm=served,
-        shortfall_qpm=max(0.0, load_qpm - served),
-        moved_workers=sum(
-            1 for w in live if w.level is not None and assignment[w.worker_id] != w.level
-        ),
-        solve_ms=(time.perf_counter() - started) * 1000.0,
-    )
-    return JointPlan(allocation, shift, tuple(tuple(row) for row in x.tolist()), level_capacity)
+    return solver.solve(caps)
+
+
+class JointSolver:
+    """The joint program of one planning step, solved for one set of utilisation caps after
+    another.
+
+    The planner solves twice when the pools its caps assume change; only the capacity
+    coefficients and W differ between the two, so the second solve skips the checks and
+    starts HiGHS from the first relaxation's optimal basis: a few simplex iterations instead
+    of dozens. It keeps that basis, so it belongs to one planning step.
+    """
+
+    def __init__(
+        self,
+        profiles: ProfileSet,
+        strategy: Strategy,
+        workers: ClusterView,
+        load_qpm: float,
+        class_quality: ClassQuality,
+        histogram: Sequence[float],
+        *,
+        switch_cost_weight: float = 0.0,
+        period_s: float = 60.0,
+        options: HighsOptions | None = None,
+    ) -> None:
+        levels = profiles.levels_for(strategy)
+        if class_quality.levels != tuple(level.name for level in levels):
+            raise ValueError(
+                f"class_quality: levels {', '.join(class_quality.levels)} differ from the "
+                f"{strategy.value} levels {', '.join(level.name for level in levels)}"
+            )
+        self._weights = _histogram(histogram, len(levels))
+        live = workers.alive()
+        _check_classes(profiles, live)
+        if not (math.isfinite(load_qpm) and load_qpm >= 0.0):
+            raise ValueError(f"load_qpm: must be a finite number >= 0, got {load_qpm}")
+        self._levels = levels
+        self._class_quality = class_quality
+        self._live_by_class = Counter(w.worker_class for w in live)
+        self._worker_classes = sorted(self._live_by_class)
+        self._options = options or HighsOptions()
+        # served_qpm is W at utilisation 1; each solve has its own W from its caps
+        self._problem = _Problem(
+            strategy,
+            _with_mean_quality(levels, class_quality, self._weights),
+            profiles,
+            live,
+            load_qpm,
+            min(load_qpm, self._capacity(_effective_rates(profiles, levels, live, {}))),
+            switch_cost_weight,
+            period_s,
+        )
+        totals = [self._live_by_class[g] for g in self._worker_classes]
+        self._model = _Model(
+            self._problem, class_quality, self._weights, np.array(totals, dtype=np.float64)
+        )
+        self._basis: highspy.HighsBasis | None = None  # the last relaxation's optimal basis
+
+    def solve(self, caps: Caps | None = None) -> JointPlan:
+        """Plan under ``caps`` (1 where absent). Called by the planner every period and on
+        events, a second time when the pools change."""
+        started = time.perf_counter()
+        problem = self._problem
+        rate = _effective_rates(problem.profiles, self._levels, problem.live, caps or {})
+        served = min(problem.load_qpm, self._capacity(rate))
+        counts, x = self._solve(rate, served)
+        assignment = _assign_workers(problem, counts)
+        shift = _shift_map(self._class_quality, self._levels, x, self._weights, served, counts)
+        per_level = Counter(assignment.values())
+        names = tuple(level.name for level in self._levels)
+        load = tuple(float(x[:, v].sum()) for v in range(len(names)))
+        level_capacity = tuple(
+            sum(rate[g][v] * counts.workers[g, v] for g in self._live_by_class)
+            for v in range(len(names))
+        )
+        quality = np.asarray(self._class_quality.quality, dtype=np.float64)
+        value = float((quality * x).sum())
+        allocation = Allocation(
+            strategy=problem.strategy,
+            levels=names,
+            workers_per_level=tuple(per_level[name] for name in names),
+            load_share_qpm=load,
+            assignment=assignment,
+            objective=value - counts.switch_cost,
+            switch_cost=counts.switch_cost,
+            served_qpm=served,
+            shortfall_qpm=max(0.0, problem.load_qpm - served),
+            moved_workers=sum(
+                1
+                for w in problem.live
+                if w.level is not None and assignment[w.worker_id] != w.level
+            ),
+            solve_ms=(time.perf_counter() - started) * 1000.0,
+        )
+        return JointPlan(allocation, shift, tuple(tuple(row) for row in x.tolist()), level_capacity)
+
+    def _capacity(self, rate: Mapping[str, Sequence[float]]) -> float:
+        """What the live workers can serve at ``rate``: each at its fastest level."""
+        return sum(count * max(rate[g]) for g, count in self._live_by_class.items())
+
+    def _solve(
+        self, rate: Mapping[str, Sequence[float]], served: float
+    ) -> tuple[_Counts, FloatArray]:
+        """Solve the program for ``rate`` and W = ``served``; return integer worker counts
+        and x[c, v]."""
+        shape = (len(self._worker_classes), len(self._levels))
+        rates = np.array([rate[g] for g in self._worker_classes], dtype=np.float64).reshape(shape)
+        program = self._model.program(rates, served)
+        highs = _Highs(program, self._basis)
+        values = _round_then_certify(highs, program, self._options)
+        self._basis = highs.relaxed_basis
+        workers = np.rint(values[: rates.size]).astype(np.int64).reshape(shape)
+        counts = _Counts.empty()
+        for i, g in enumerate(self._worker_classes):
+            for v, count in enumerate(workers[i].tolist()):
+                counts.workers[g, v] = count
+        counts.switch_cost = _rounded_switch_cost(self._problem, counts.workers)
+        n_levels = len(self._levels)
+        loads = np.zeros((n_levels, n_levels))
+        x = values[rates.size : rates.size + program.classes.size * n_levels]
+        loads[program.classes] = np.maximum(0.0, x.reshape(program.classes.size, n_levels))
+        _split_by_class(counts, loads, rate, self._live_by_class)
+        return counts, loads
 
 
 def _histogram(histogram: Sequence[float], count: int) -> FloatArray:
@@ -236,25 +317,6 @@ class _Block:
             )
         )
 
-    def lp(self) -> highspy.HighsLp:
-        """The maximisation, its matrix stored row by row."""
-        lp = highspy.HighsLp()
-        lp.num_col_ = len(self.cost)
-        lp.num_row_ = len(self.row_lower)
-        lp.sense_ = highspy.ObjSense.kMaximize
-        lp.col_cost_ = self.cost
-        lp.col_lower_ = self.col_lower
-        lp.col_upper_ = self.col_upper
-        lp.row_lower_ = self.row_lower
-        lp.row_upper_ = self.row_upper
-        order = np.argsort(self.row, kind="stable")
-        per_row = np.bincount(self.row, minlength=lp.num_row_)
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32)
-        lp.a_matrix_.index_ = self.column[order].astype(np.int32)
-        lp.a_matrix_.value_ = self.value[order]
-        return lp
-
 
 @dataclass(frozen=True)
 class _Program:
@@ -271,70 +333,81 @@ class _Program:
     served: float  # W, the load the program serves
 
 
-def _solve(
-    problem: _Problem,
-    class_quality: ClassQuality,
-    weights: FloatArray,
-    rate: Mapping[str, Sequence[float]],
-    live_by_class: Mapping[str, int],
-    options: HighsOptions | None,
-) -> tuple[_Counts, FloatArray]:
-    """Build and solve the program; return integer worker counts and x[c, v]."""
-    worker_classes = sorted(live_by_class)
-    program = _program(
-        problem,
-        class_quality,
-        weights,
-        np.array([rate[g] for g in worker_classes], dtype=np.float64).reshape(
-            len(worker_classes), len(problem.levels)
-        ),
-        np.array([live_by_class[g] for g in worker_classes], dtype=np.float64),
-    )
-    values = _round_then_certify(program, options or HighsOptions())
-    workers = np.rint(values[: program.rate.size]).astype(np.int64).reshape(program.rate.shape)
-    counts = _Counts.empty()
-    for i, g in enumerate(worker_classes):
-        for v, count in enumerate(workers[i].tolist()):
-            counts.workers[g, v] = count
-    counts.switch_cost = _rounded_switch_cost(problem, counts.workers)
-    n_levels = len(problem.levels)
-    loads = np.zeros((n_levels, n_levels))
-    x = values[program.rate.size : program.rate.size + program.classes.size * n_levels]
-    loads[program.classes] = np.maximum(0.0, x.reshape(program.classes.size, n_levels))
-    _split_by_class(counts, loads, rate, live_by_class)
-    return counts, loads
+class _Model:
+    """The program of the module docstring as HiGHS takes it, the matrix row by row. One
+    JointSolver's solves share all of it but the capacity coefficients −u·P_th of n in the
+    level rows and W in the class rows, which :meth:`program` fills in.
 
+    Rows: one per worker class, one per level, one per class with load, then the switching
+    cost's.
+    """
 
-def _program(
-    problem: _Problem,
-    class_quality: ClassQuality,
-    weights: FloatArray,
-    rate: FloatArray,
-    totals: FloatArray,
-) -> _Program:
-    """The program of the module docstring. Rows: one per worker class, one per level, one
-    per class with load, then the switching cost's."""
-    groups, n_levels = rate.shape
-    classes = np.flatnonzero(weights > 0.0)
-    mass = weights[classes] * problem.served_qpm
-    n_size, x_size = rate.size, classes.size * n_levels
-    g, v_of_n = np.divmod(np.arange(n_size), n_levels)
-    c, v_of_x = np.divmod(np.arange(x_size), n_levels)
-    n_col, x_col = np.arange(n_size), n_size + np.arange(x_size)
-    inf = highspy.kHighsInf
-    core = _Block(
-        cost=np.concatenate([np.zeros(n_size), np.asarray(class_quality.quality)[classes].ravel()]),
-        col_lower=np.zeros(n_size + x_size),
-        col_upper=np.concatenate([np.repeat(totals, n_levels), np.full(x_size, inf)]),
-        row_lower=np.concatenate([np.full(groups + n_levels, -inf), mass]),
-        row_upper=np.concatenate([totals, np.zeros(n_levels), mass]),
-        row=np.concatenate([g, groups + v_of_n, groups + v_of_x, groups + n_levels + c]),
-        column=np.concatenate([n_col, n_col, x_col, x_col]),
-        value=np.concatenate([np.ones(n_size), -rate.ravel(), np.ones(2 * x_size)]),
-    )
-    rows = groups + n_levels + classes.size
-    model = core.then(_switch_cost(problem, n_size + x_size, rows))
-    return _Program(model.lp(), classes, totals, rate, problem.served_qpm)
+    def __init__(
+        self,
+        problem: _Problem,
+        class_quality: ClassQuality,
+        weights: FloatArray,
+        totals: FloatArray,
+    ) -> None:
+        groups, n_levels = totals.size, len(problem.levels)
+        self.classes = np.flatnonzero(weights > 0.0)
+        self.totals = totals
+        self._share = weights[self.classes]
+        n_size, x_size = groups * n_levels, self.classes.size * n_levels
+        g, v_of_n = np.divmod(np.arange(n_size), n_levels)
+        c, v_of_x = np.divmod(np.arange(x_size), n_levels)
+        n_col, x_col = np.arange(n_size), n_size + np.arange(x_size)
+        inf = highspy.kHighsInf
+        rows = groups + n_levels + self.classes.size
+        self._class_rows = np.arange(groups + n_levels, rows)
+        core = _Block(
+            cost=np.concatenate(
+                [np.zeros(n_size), np.asarray(class_quality.quality)[self.classes].ravel()]
+            ),
+            col_lower=np.zeros(n_size + x_size),
+            col_upper=np.concatenate([np.repeat(totals, n_levels), np.full(x_size, inf)]),
+            row_lower=np.concatenate(
+                [np.full(groups + n_levels, -inf), np.zeros(rows - groups - n_levels)]
+            ),
+            row_upper=np.concatenate(
+                [totals, np.zeros(n_levels), np.zeros(rows - groups - n_levels)]
+            ),
+            row=np.concatenate([g, groups + v_of_n, groups + v_of_x, groups + n_levels + c]),
+            column=np.concatenate([n_col, n_col, x_col, x_col]),
+            value=np.concatenate([np.ones(n_size), np.zeros(n_size), np.ones(2 * x_size)]),
+        )
+        self._block = core.then(_switch_cost(problem, n_size + x_size, rows))
+        order = np.argsort(self._block.row, kind="stable")
+        self._start = np.concatenate(
+            [[0], np.cumsum(np.bincount(self._block.row, minlength=len(self._block.row_lower)))]
+        ).astype(np.int32)
+        self._index = self._block.column[order].astype(np.int32)
+        self._value = self._block.value[order]
+        position = np.empty_like(order)
+        position[order] = np.arange(order.size)
+        self._rate_slots = position[n_size : 2 * n_size]  # where −rate[g, v] goes
+
+    def program(self, rate: FloatArray, served: float) -> _Program:
+        """The program with ``rate`` [g, v] = u · P_th and W = ``served``."""
+        block = self._block
+        value = self._value.copy()
+        value[self._rate_slots] = -rate.ravel()
+        row_lower, row_upper = block.row_lower.copy(), block.row_upper.copy()
+        row_lower[self._class_rows] = row_upper[self._class_rows] = self._share * served
+        lp = highspy.HighsLp()
+        lp.num_col_ = len(block.cost)
+        lp.num_row_ = len(row_lower)
+        lp.sense_ = highspy.ObjSense.kMaximize
+        lp.col_cost_ = block.cost
+        lp.col_lower_ = block.col_lower
+        lp.col_upper_ = block.col_upper
+        lp.row_lower_ = row_lower
+        lp.row_upper_ = row_upper
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = self._start
+        lp.a_matrix_.index_ = self._index
+        lp.a_matrix_.value_ = value
+        return _Program(lp, self.classes, self.totals, rate, served)
 
 
 def _switch_cost(problem: _Problem, first_column: int, first_row: int) -> _Block:
@@ -396,7 +469,7 @@ class _Builder:
         )
 
 
-def _round_then_certify(program: _Program, options: HighsOptions) -> FloatArray:
+def _round_then_certify(highs: _Highs, program: _Program, options: HighsOptions) -> FloatArray:
     """Solve the LP relaxation, round its worker counts, and keep the rounding when it is
     within ``rel_gap`` of the relaxation's bound (the bound certifies it); otherwise improve
     it by local search, and if that falls short too, branch and bound from the best found.
@@ -406,7 +479,6 @@ def _round_then_certify(program: _Program, options: HighsOptions) -> FloatArray:
     (one worker more or less barely moves the value) and bounded by the time limit on small
     ones.
     """
-    highs = _Highs(program)
     relaxed = highs.relaxation()
     if relaxed is None:
         raise InfeasiblePlanError("joint program: the LP relaxation has no solution")
@@ -449,7 +521,9 @@ class _Highs:
     counts changes only bounds, so the optimal basis stays dual feasible and dual simplex
     goes on from it."""
 
-    def __init__(self, program: _Program) -> None:
+    def __init__(self, program: _Program, basis: highspy.HighsBasis | None) -> None:
+        """``basis``: where the relaxation starts, an optimal basis of the same program
+        under other caps (the slack basis when None)."""
         self._program = program
         self._highs = highspy.Highs()  # type: ignore[no-untyped-call]
         self._highs.setOptionValue("output_flag", False)
@@ -457,10 +531,15 @@ class _Highs:
         self._highs.setOptionValue("simplex_strategy", PRIMAL_SIMPLEX)
         self._highs.setOptionValue("mip_heuristic_run_feasibility_jump", False)
         self._highs.passModel(program.lp)
+        if basis is not None:
+            self._highs.setBasis(basis)
         self._columns = np.arange(program.rate.size, dtype=np.int32)
+        self.relaxed_basis: highspy.HighsBasis | None = None  # once the relaxation is solved
 
     def relaxation(self) -> _Solution | None:
-        return self._run()
+        solution = self._run()
+        self.relaxed_basis = self._highs.getBasis()
+        return solution
 
     def with_counts(self, counts: FloatArray) -> _Solution | None:
         """The best loads for ``counts`` workers [g, v]; None when they cannot serve W."""

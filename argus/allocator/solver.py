@@ -87,12 +87,21 @@ class _Problem:
         """Objective charged for one worker of ``worker_class`` loading ``model``."""
         if self.switch_cost_weight == 0.0:
             return 0.0
-        same_model = [level for level in self.levels if level.model == model]
-        load_time = max(
-            self.profiles.profile(worker_class, lv.name).load_time_s for lv in same_model
-        )
-        value = max(lv.quality * self.throughput(worker_class, lv) for lv in same_model)
-        return self.switch_cost_weight * load_time / self.period_s * value
+        cost = self._load_costs.get((worker_class, model))
+        if cost is None:
+            same_model = [level for level in self.levels if level.model == model]
+            load_time = max(
+                self.profiles.profile(worker_class, lv.name).load_time_s for lv in same_model
+            )
+            value = max(lv.quality * self.throughput(worker_class, lv) for lv in same_model)
+            cost = self.switch_cost_weight * load_time / self.period_s * value
+            self._load_costs[worker_class, model] = cost
+        return cost
+
+    @cached_property
+    def _load_costs(self) -> dict[tuple[str, str], float]:
+        """load_cost's answers so far: the program and the rounding ask for each again."""
+        return {}
 
     @cached_property
     def _model_of_level(self) -> dict[str, str]:
