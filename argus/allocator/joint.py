@@ -191,7 +191,7 @@ class JointSolver:
         shift = _shift_map(self._class_quality, self._levels, x, self._weights, served, counts)
         per_level = Counter(assignment.values())
         names = tuple(level.name for level in self._levels)
-        load = tuple(float(x[:, v].sum()) for v in range(len(names)))
+        load = tuple(x.sum(axis=0).tolist())
         level_capacity = tuple(
             sum(rate[g][v] * counts.workers[g, v] for g in self._live_by_class)
             for v in range(len(names))
@@ -698,8 +698,7 @@ def _split_by_class(
     live_by_class: Mapping[str, int],
 ) -> None:
     """Each level's load spread over the worker classes in proportion to their capacity."""
-    for v in range(loads.shape[1]):
-        total = float(loads[:, v].sum())
+    for v, total in enumerate(loads.sum(axis=0).tolist()):
         capacity = {g: rate[g][v] * counts.workers[g, v] for g in live_by_class}
         room = sum(capacity.values())
         for g, cap in capacity.items():
@@ -720,15 +719,15 @@ def _shift_map(
     with workers."""
     names = tuple(level.name for level in levels)
     n_levels = len(levels)
-    open_levels = [v for v in range(n_levels) if loads[:, v].sum() > 0.0]
+    open_levels = np.flatnonzero(loads.sum(axis=0) > 0.0).tolist()
     if not open_levels:
         open_levels = [v for v in range(n_levels) if any(k == v for (_, k) in +counts.workers)]
+    totals = loads.sum(axis=1)
+    shares = (loads / np.where(totals > 0.0, totals, 1.0)[:, None]).tolist()
     rows = []
     for c in range(n_levels):
-        mass = weights[c] * served
-        total = float(loads[c].sum())
-        if mass > 0.0 and total > 0.0:
-            rows.append(tuple(float(value) / total for value in loads[c]))
+        if weights[c] * served > 0.0 and totals[c] > 0.0:
+            rows.append(tuple(shares[c]))
             continue
         candidates = open_levels or [0]
         best = max(candidates, key=lambda v: (class_quality.quality[c][v], -v))
