@@ -73,7 +73,8 @@ class HighsOptions:
 
     time_limit_s: float = 0.1
     """Branch and bound stops here and keeps its best solution, at worst the rounding;
-    at 0 it does not run, and the rounding improved by local search is the plan."""
+    at 0 it runs only when there is no rounding to fall back on, and otherwise the
+    rounding improved by local search is the plan."""
 
 
 @dataclass(frozen=True)
@@ -516,10 +517,10 @@ class _Highs:
     basis, then (when those fall short) branch and bound.
 
     Presolve is off but for branch and bound: on a program this small it costs more than it
-    saves. The relaxation runs primal simplex, which takes a quarter to a third fewer iterations
-    than dual from the slack basis here (``benchmarks/bench_joint.py``'s instances); fixing
-    counts changes only bounds, so the optimal basis stays dual feasible and dual simplex
-    goes on from it."""
+    saves. The relaxation runs primal simplex, which takes a quarter to a third fewer
+    iterations than dual from the slack basis here (``benchmarks/bench_joint.py``'s
+    instances); fixing counts changes only bounds, so the optimal basis stays dual feasible
+    and dual simplex goes on from it."""
 
     def __init__(self, program: _Program, basis: highspy.HighsBasis | None) -> None:
         """``basis``: where the relaxation starts, an optimal basis of the same program
