@@ -476,7 +476,7 @@ def _place(
     """Give each worker in turn the first level in ``fitting(worker)`` with a slot of its
     class left; return those that got none. Slots only run out, so a level found full is
     passed over for good (``full``), which keeps this linear in the workers."""
-    full: dict[tuple[str, tuple[int, ...]], int] = {}  # levels of those found full, a prefix
+    full: dict[tuple[str, tuple[int, ...]], int] = {}  # (class, fits) → its first i are full
     left = []
     for worker in pending:
         fits = fitting(worker)
