@@ -25,7 +25,8 @@ does not hold is charged the quality-weighted work it forgoes while loading.
 Solved with HiGHS through ``highspy`` directly (no modelling layer: the model is a handful of
 numpy arrays), on one HiGHS instance per solve, to a relative gap of 1e-2 by default:
 
-1. the LP relaxation (presolve off: the program has a few hundred columns at most);
+1. the LP relaxation (presolve off: the program has a few hundred columns at most), from
+   the last one's optimal basis when a :class:`JointSolver` solves again under other caps;
 2. its worker counts rounded, then repaired until they serve W again (``_rounded``);
 3. the loads for those counts: the same LP with n fixed, warm from step 1's basis;
 4. while that is short of step 1's bound by more than the gap, local search: add, remove
@@ -147,6 +148,7 @@ class JointSolver:
         period_s: float = 60.0,
         options: HighsOptions | None = None,
     ) -> None:
+        started = time.perf_counter()
         levels = profiles.levels_for(strategy)
         if class_quality.levels != tuple(level.name for level in levels):
             raise ValueError(
@@ -179,6 +181,7 @@ class JointSolver:
             self._problem, class_quality, self._weights, np.array(totals, dtype=np.float64)
         )
         self._basis: highspy.HighsBasis | None = None  # the last relaxation's optimal basis
+        self._setup_s = time.perf_counter() - started  # counted in the first solve's solve_ms
 
     def solve(self, caps: Caps | None = None) -> JointPlan:
         """Plan under ``caps`` (1 where absent). Called by the planner every period and on
@@ -214,8 +217,9 @@ class JointSolver:
                 for w in problem.live
                 if w.level is not None and assignment[w.worker_id] != w.level
             ),
-            solve_ms=(time.perf_counter() - started) * 1000.0,
+            solve_ms=(time.perf_counter() - started + self._setup_s) * 1000.0,
         )
+        self._setup_s = 0.0
         return JointPlan(allocation, shift, tuple(tuple(row) for row in x.tolist()), level_capacity)
 
     def _capacity(self, rate: Mapping[str, Sequence[float]]) -> float:
