@@ -13,7 +13,8 @@ Both plan each level's utilisation with headroom from queueing
 (:mod:`argus.allocator.queueing`) when a queue model is given: the expected wait at the
 forecast load must fit in the SLO minus the service time. The pool size that the wait
 depends on comes from the previous plan; when the new plan's pools differ the caps are
-recomputed from them and the program solved once more.
+recomputed from them and the program solved once more (the joint program from where its
+first solve ended, :class:`~argus.allocator.joint.JointSolver`).
 
 Pure: it takes the forecast and the histogram as values and returns a new
 :class:`~argus.types.Plan`. The allocator service and the simulator call it every period and
@@ -27,7 +28,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from argus.allocator.joint import HighsOptions, solve_joint
+from argus.allocator.joint import HighsOptions, JointSolver
 from argus.allocator.oda import align
 from argus.allocator.queueing import QueueModel
 from argus.allocator.solver import SolverFactory, solve
@@ -109,12 +110,25 @@ def make_plan(
     levels = profiles.levels_for(strategy)
     weights = _normalised_histogram(histogram, len(levels))
     load = forecast.qpm * config.load_margin
+    joint = None
+    if config.mode is PlannerMode.JOINT:
+        joint = JointSolver(
+            profiles,
+            strategy,
+            workers,
+            load,
+            class_quality or ClassQuality.from_levels(levels),
+            weights,
+            switch_cost_weight=config.switch_cost_weight,
+            period_s=config.period_s,
+            options=HighsOptions(),
+        )
 
     def settled(pools: Mapping[str, int]) -> tuple[Allocation, ShiftMap]:
         """The plan with the caps of ``pools``, solved again with the caps of its own pools
         when they differ (the caps depend on the pools the plan chooses)."""
         allocation, shift_map = _solve(
-            profiles, strategy, workers, load, weights, config, pools, backend, class_quality
+            profiles, strategy, workers, load, weights, config, pools, backend, joint
         )
         if config.queue is not None and _pools_of(allocation) != pools:
             allocation, shift_map = _solve(
@@ -126,7 +140,7 @@ def make_plan(
                 config,
                 _pools_of(allocation),
                 backend,
-                class_quality,
+                joint,
             )
         return allocation, shift_map
 
@@ -163,28 +177,17 @@ def _solve(
     config: PlannerConfig,
     pools: Mapping[str, int],
     backend: SolverFactory | None,
-    class_quality: ClassQuality | None,
+    joint: JointSolver | None,
 ) -> tuple[Allocation, ShiftMap]:
+    """One solve under the caps that ``pools`` imply: the joint program when ``joint`` is
+    given, else Eq. 1 and ODA."""
     caps = utilisation_caps(profiles, strategy, workers, config.queue, pools)
-    if config.mode is PlannerMode.JOINT:
-        levels = profiles.levels_for(strategy)
-        quality = class_quality or ClassQuality.from_levels(levels)
-        joint = solve_joint(
-            profiles,
-            strategy,
-            workers,
-            load,
-            quality,
-            weights,
-            caps=caps,
-            switch_cost_weight=config.switch_cost_weight,
-            period_s=config.period_s,
-            options=HighsOptions(),
-        )
-        if joint.allocation.served_qpm > 0.0:
-            return joint.allocation, joint.shift_map
-        share = _routing_share(joint.allocation, profiles, workers)
-        return joint.allocation, align(weights, share, joint.allocation.levels)
+    if joint is not None:
+        plan = joint.solve(caps)
+        if plan.allocation.served_qpm > 0.0:
+            return plan.allocation, plan.shift_map
+        share = _routing_share(plan.allocation, profiles, workers)
+        return plan.allocation, align(weights, share, plan.allocation.levels)
     allocation = solve(
         profiles,
         strategy,

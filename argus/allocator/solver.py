@@ -87,12 +87,21 @@ class _Problem:
         """Objective charged for one worker of ``worker_class`` loading ``model``."""
         if self.switch_cost_weight == 0.0:
             return 0.0
-        same_model = [level for level in self.levels if level.model == model]
-        load_time = max(
-            self.profiles.profile(worker_class, lv.name).load_time_s for lv in same_model
-        )
-        value = max(lv.quality * self.throughput(worker_class, lv) for lv in same_model)
-        return self.switch_cost_weight * load_time / self.period_s * value
+        cost = self._load_costs.get((worker_class, model))
+        if cost is None:
+            same_model = [level for level in self.levels if level.model == model]
+            load_time = max(
+                self.profiles.profile(worker_class, lv.name).load_time_s for lv in same_model
+            )
+            value = max(lv.quality * self.throughput(worker_class, lv) for lv in same_model)
+            cost = self.switch_cost_weight * load_time / self.period_s * value
+            self._load_costs[worker_class, model] = cost
+        return cost
+
+    @cached_property
+    def _load_costs(self) -> dict[tuple[str, str], float]:
+        """load_cost's answers so far: the program and the rounding ask for each again."""
+        return {}
 
     @cached_property
     def _model_of_level(self) -> dict[str, str]:
@@ -428,22 +437,20 @@ def _assign_workers(problem: _Problem, counts: _Counts) -> dict[str, str]:
     """Name the workers: keep levels where possible, then models, then fill; spares last."""
     assignment: dict[str, str] = {}
     slots = Counter(counts.workers)
-    level_index = {level.name: v for v, level in enumerate(problem.levels)}
+    everywhere = tuple(range(len(problem.levels)))
+    at_level = {level.name: (v,) for v, level in enumerate(problem.levels)}
+    on_model: dict[str | None, tuple[int, ...]] = {}
+    for v, level in enumerate(problem.levels):
+        on_model[level.model] = (*on_model.get(level.model, ()), v)
     pending = sorted(problem.live, key=lambda w: w.worker_id)
     # 1. a worker already at a level that keeps slots stays (no change at all)
-    pending = _place(
-        pending, slots, assignment, problem, lambda w, v: level_index.get(w.level or "") == v
-    )
+    pending = _place(pending, slots, assignment, problem, lambda w: at_level.get(w.level or "", ()))
     # 2. a worker holding the model of a level with slots changes only K (no reload)
     pending = _place(
-        pending,
-        slots,
-        assignment,
-        problem,
-        lambda w, v: problem.current_model(w) == problem.levels[v].model,
+        pending, slots, assignment, problem, lambda w: on_model.get(problem.current_model(w), ())
     )
     # 3. anyone left fills the remaining slots
-    pending = _place(pending, slots, assignment, problem, lambda w, v: True)
+    pending = _place(pending, slots, assignment, problem, lambda w: everywhere)
     # 4. spares carry no load: headroom at the best level their loaded model allows
     for worker in pending:
         assignment[worker.worker_id] = _spare_level(problem, worker)
@@ -464,17 +471,25 @@ def _place(
     slots: Counter[tuple[str, int]],
     assignment: dict[str, str],
     problem: _Problem,
-    fits: Callable[[WorkerState, int], bool],
+    fitting: Callable[[WorkerState], tuple[int, ...]],
 ) -> list[WorkerState]:
+    """Give each worker in turn the first level in ``fitting(worker)`` with a slot of its
+    class left; return those that got none. Slots only run out, so a level found full is
+    passed over for good (``full``), which keeps this linear in the workers."""
+    full: dict[tuple[str, tuple[int, ...]], int] = {}  # (class, fits) → its first i are full
     left = []
     for worker in pending:
-        for v in range(len(problem.levels)):
-            if slots[worker.worker_class, v] > 0 and fits(worker, v):
-                slots[worker.worker_class, v] -= 1
-                assignment[worker.worker_id] = problem.levels[v].name
-                break
-        else:
+        fits = fitting(worker)
+        key = (worker.worker_class, fits)
+        i = full.get(key, 0)
+        while i < len(fits) and slots[worker.worker_class, fits[i]] <= 0:
+            i += 1
+        full[key] = i
+        if i == len(fits):
             left.append(worker)
+            continue
+        slots[worker.worker_class, fits[i]] -= 1
+        assignment[worker.worker_id] = problem.levels[fits[i]].name
     return left
 
 

@@ -1,0 +1,179 @@
+"""Tests of the joint program (argus.allocator.joint): the rounding against exact answers."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from argus.allocator.joint import HighsOptions, JointPlan, JointSolver, _rounded, solve_joint
+from argus.types import ClassQuality, ClusterView, ProfileSet, Strategy, WorkerState
+from tests.factories import make_profiles
+
+EXACT = HighsOptions(rel_gap=1e-9, time_limit_s=30.0)
+NO_BRANCHING = HighsOptions(time_limit_s=0.0)  # the rounding and its local search alone
+
+
+class Instance:
+    """A random joint program: profiles, a cluster holding models, Q(v | c), a histogram
+    (some classes empty), utilisation caps and a load up to a fifth over capacity."""
+
+    def __init__(self, rng: random.Random, min_workers: int, max_workers: int) -> None:
+        level_count = rng.randint(3, 8)
+        gpus = [f"gpu{g}" for g in range(rng.randint(1, 3))]
+        throughputs = {g: sorted(rng.uniform(5.0, 40.0) for _ in range(level_count)) for g in gpus}
+        qualities = sorted((rng.uniform(0.5, 1.0) for _ in range(level_count)), reverse=True)
+        self.profiles: ProfileSet = make_profiles(
+            throughputs,
+            qualities,
+            models=[rng.choice(["m0", "m1"]) for _ in range(level_count)],
+            load_times=[rng.uniform(0.0, 30.0) for _ in range(level_count)],
+        )
+        levels = self.profiles.levels_for(Strategy.AC)
+        names = tuple(level.name for level in levels)
+        self.workers = ClusterView(
+            tuple(
+                WorkerState(f"w{i:03d}", rng.choice(gpus), level=rng.choice([*names, None]))
+                for i in range(rng.randint(min_workers, max_workers))
+            )
+        )
+        self.quality = ClassQuality(
+            Strategy.AC,
+            names,
+            tuple(
+                tuple(1.0 if v <= c else rng.uniform(0.3, 1.0) for v in range(level_count))
+                for c in range(level_count)
+            ),
+            tuple(1.0 / level_count for _ in names),
+            "random",
+        )
+        self.histogram = tuple(rng.choice([0.0, rng.random()]) for _ in names)
+        self.caps = {(g, name): rng.uniform(0.5, 1.0) for g in gpus for name in names}
+        capacity = sum(
+            max(
+                self.caps[w.worker_class, n] * throughputs[w.worker_class][v]
+                for v, n in enumerate(names)
+            )
+            for w in self.workers.workers
+        )
+        self.load = rng.uniform(0.0, 1.2) * capacity
+        self.switch_cost_weight = rng.uniform(0.0, 3.0)
+
+    def solve(self, options: HighsOptions) -> JointPlan:
+        return solve_joint(
+            self.profiles,
+            Strategy.AC,
+            self.workers,
+            self.load,
+            self.quality,
+            self.histogram,
+            caps=self.caps,
+            switch_cost_weight=self.switch_cost_weight,
+            options=options,
+        )
+
+    def check_feasible(self, plan: JointPlan) -> None:
+        """Every class's load is placed, no level takes more than its workers may, and every
+        live worker has a level."""
+        allocation = plan.allocation
+        x = np.array(plan.class_load_qpm)
+        total = sum(self.histogram) or 1.0
+        weights = [h / total if sum(self.histogram) else 1.0 / len(x) for h in self.histogram]
+        for c, row in enumerate(x):
+            assert row.sum() == pytest.approx(weights[c] * allocation.served_qpm, abs=1e-6)
+        room = np.zeros(len(allocation.levels))
+        for worker in self.workers.workers:
+            v = allocation.levels.index(allocation.assignment[worker.worker_id])
+            profile = self.profiles.profile(worker.worker_class, allocation.levels[v])
+            room[v] += self.caps[worker.worker_class, allocation.levels[v]] * profile.throughput_qpm
+        assert np.all(x.sum(axis=0) <= room + 1e-6)
+        assert sum(allocation.workers_per_level) == len(self.workers.workers)
+
+
+def within_a_percent(plan: JointPlan, exact: JointPlan) -> bool:
+    """The default gap's test: 1% of the optimum, or of 1 when the optimum is below 1."""
+    best = exact.allocation.objective
+    return best - 0.01 * max(1.0, abs(best)) <= plan.allocation.objective <= best + 1e-6
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_rounding_without_branching_is_feasible_and_within_a_percent_of_exact(seed: int) -> None:
+    """From 24 workers up the plan is the rounding, repaired and improved by local search;
+    branch and bound is a fallback the planner should not need there."""
+    instance = Instance(random.Random(20260 + seed), 24, 64)
+    rounded = instance.solve(NO_BRANCHING)
+    exact = instance.solve(EXACT)
+    instance.check_feasible(rounded)
+    instance.check_feasible(exact)
+    assert within_a_percent(rounded, exact)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_default_gap_is_within_a_percent_of_exact_on_small_clusters(seed: int) -> None:
+    """Few workers: the rounding alone can be several percent off, so branch and bound runs
+    from it."""
+    instance = Instance(random.Random(40260 + seed), 1, 8)
+    plan = instance.solve(HighsOptions(time_limit_s=30.0))
+    exact = instance.solve(EXACT)
+    instance.check_feasible(plan)
+    assert within_a_percent(plan, exact)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_second_solve_under_other_caps_matches_a_fresh_one(seed: int) -> None:
+    """The planner's second solve starts from the first's basis; the answer must not care."""
+    rng = random.Random(60260 + seed)
+    instance = Instance(rng, 8, 64)
+    other_caps = {key: rng.uniform(0.5, 1.0) for key in instance.caps}
+    solver = JointSolver(
+        instance.profiles,
+        Strategy.AC,
+        instance.workers,
+        instance.load,
+        instance.quality,
+        instance.histogram,
+        switch_cost_weight=instance.switch_cost_weight,
+        options=EXACT,
+    )
+    solver.solve(instance.caps)
+    second = solver.solve(other_caps)
+    instance.caps = other_caps
+    fresh = instance.solve(EXACT)
+    instance.check_feasible(second)
+    assert second.allocation.objective == pytest.approx(fresh.allocation.objective, rel=1e-7)
+    assert second.allocation.served_qpm == pytest.approx(fresh.allocation.served_qpm)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(
+        lambda groups: st.tuples(
+            st.lists(
+                st.lists(st.floats(0.0, 6.0), min_size=5, max_size=5),
+                min_size=groups,
+                max_size=groups,
+            ),
+            st.lists(
+                st.lists(st.floats(0.1, 50.0), min_size=5, max_size=5),
+                min_size=groups,
+                max_size=groups,
+            ),
+            st.lists(st.integers(0, 3), min_size=groups, max_size=groups),
+        )
+    )
+)
+def test_rounded_counts_keep_the_relaxed_capacity(
+    drawn: tuple[list[list[float]], list[list[float]], list[int]],
+) -> None:
+    """Whatever the relaxed counts, the rounding never serves less than they did, and never
+    uses more workers than a class has."""
+    relaxed, rate, spare = (np.array(part, dtype=np.float64) for part in drawn)
+    totals = np.ceil(relaxed.sum(axis=1)) + spare
+    served = float((relaxed * rate).sum())
+    counts = _rounded(relaxed, totals, rate, served)
+    assert np.all(counts == np.round(counts)) and np.all(counts >= 0.0)
+    assert np.all(counts.sum(axis=1) <= totals)
+    assert float((counts * rate).sum()) >= served - 1e-9 * max(1.0, served)
