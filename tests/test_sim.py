@@ -516,3 +516,43 @@ def test_admission_on_a_quantile_keeps_admitted_requests_on_time_under_overload(
     assert late_share < 0.03
     assert summarise(on_mean).slo_violation_ratio_admitted > 2 * late_share
     assert summarise(quantile).goodput_qpm >= 0.97 * summarise(on_mean).goodput_qpm
+
+
+def test_the_simulation_runs_the_allocators_and_the_routers_own_code(monkeypatch, light):
+    """Not a copy: the planned policies call the allocator's control, planner and queue model
+    and the router's routing and admission, so changing any of them changes the run."""
+    import argus.allocator.allocator as allocator_module
+    from argus.allocator.control import AllocatorControl
+    from argus.allocator.queueing import QueueModel
+    from argus.router.routing import PlanRouter
+
+    calls: dict[str, int] = {}
+
+    def counted(owner, name):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for owner, name in (
+        (AllocatorControl, "heartbeat"),
+        (AllocatorControl, "report_router"),
+        (AllocatorControl, "tick"),
+        (allocator_module, "make_plan"),
+        (PlanRouter, "route"),
+        (PlanRouter, "install"),
+    ):
+        counted(owner, name)
+    before = summarise(simulate(light, "argus"))
+    assert set(calls) == {"heartbeat", "report_router", "tick", "make_plan", "route", "install"}
+    assert calls["route"] == before.requests
+
+    monkeypatch.setattr(QueueModel, "max_utilisation", lambda self, service_s, servers: 0.25)
+    squeezed = summarise(simulate(light, "argus"))  # caps a quarter: faster levels planned
+    assert squeezed.effective_quality < before.effective_quality
+
+    monkeypatch.setattr(AdmissionRule, "completion_s", lambda self, *args: math.inf)
+    assert summarise(simulate(light, "argus")).admitted == 0
