@@ -400,15 +400,18 @@ class Simulation:
 
     def _service_scv(self) -> float:
         """The largest squared coefficient of variation of the service time of one level on
-        one class: the jitter's log-normal factor times the base latency plus each request's
-        adapter seconds (no queue wait, the widest case)."""
+        one of the simulation's classes: the jitter's log-normal factor times the base latency
+        plus each request's adapter seconds (no queue wait, the widest case)."""
         jitter = math.expm1(self.config.jitter**2)
         model, draws = self.config.adapters, self.adapter_draws
         if model is None or draws is None:
             return jitter
         by_level = {level.name: level for level in self.profiles.levels}
+        present = {name for name, _ in self.config.worker_counts()}
         widest = 0.0
-        for (_, name), profile in self.profiles.table.items():
+        for (worker_class, name), profile in self.profiles.table.items():
+            if worker_class not in present:
+                continue
             cost = adapter_cost(model, draws, profile.latency_s, by_level[name].skip_steps)
             service = profile.latency_s + cost.seconds()
             widest = max(widest, float(service.var() / service.mean() ** 2))
