@@ -6,8 +6,8 @@ capacity, a class histogram drawn from a flat Dirichlet per instance, and a SYNT
 Q(v | c) in which class c keeps full quality up to level c and loses 6% per level beyond it.
 Everything the product plans with is on: switching cost weight 1 with workers already holding
 the model, utilisation caps from the queue model (SLO 12.6 s) for the pools of the previous
-plan, and the planner's second solve when the pools change (warm from the first: see
-``JointSolver``). A solve is the LP relaxation, its rounding and local search, and branch and
+plan and the second start that prices every level as if it had every worker, each solved
+again when the pools it picks change (up to four solves, all on one warm ``JointSolver``). A solve is the LP relaxation, its rounding and local search, and branch and
 bound only when those are not within 1% of the bound (small clusters, now and then: the p99
 at 8 workers is those). Each figure is over ``--repeats`` plans after ``--warmup`` plans
 that are not counted; percentiles are order statistics of the samples (p99 needs ≥ 100
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     args = parser.parse_args()
     print(machine_line())
-    print("SYNTHETIC 12-level profile and Q(v | c); times per plan in ms (two solves at most)")
+    print("SYNTHETIC 12-level profile and Q(v | c); times per plan in ms (four solves at most)")
     print(f"{'workers':>7} {'classes':>7} | {'wall p50':>8} {'wall p99':>8} {'cpu mean':>8} | n")
     rng = random.Random(2026)
     draws = np.random.default_rng(2026)
