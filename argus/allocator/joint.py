@@ -129,10 +129,11 @@ class JointSolver:
     """The joint program of one planning step, solved for one set of utilisation caps after
     another.
 
-    The planner solves twice when the pools its caps assume change; only the capacity
-    coefficients and W differ between the two, so the second solve skips the checks and
-    starts HiGHS from the first relaxation's optimal basis: a few simplex iterations instead
-    of dozens. It keeps that basis, so it belongs to one planning step.
+    The planner solves up to four times per step (two starts, each solved again when the
+    pools its caps assume change); only the capacity coefficients and W differ between the
+    solves, so the later ones skip the checks and start HiGHS from the first relaxation's
+    optimal basis: a few simplex iterations instead of dozens. It keeps that basis, so it
+    belongs to one planning step.
     """
 
     def __init__(
