@@ -5,10 +5,13 @@ is the real ``argus`` command in its own process, talking gRPC on loopback: the 
 the Helm chart runs in pods. Each process logs to ``WORKDIR/logs/NAME.log``; their Prometheus
 endpoints are listed in ``WORKDIR/prometheus-targets.json`` (Prometheus ``file_sd`` format).
 
-Start order follows the dependencies (allocator, ControlNet, workers, router) and ``stop``
-goes the other way: the router stops taking requests first, the allocator goes last. Children
-run in their own sessions, so a Ctrl-C in the terminal reaches ``argus up`` alone, which then
-stops them in order.
+Start order follows the dependencies (allocator, ControlNet, workers, router); the router
+starts while the workers warm up. The cluster is ready when every worker has run its pipeline
+once (it prints ``ready``, then joins the allocator) and the router is SERVING on a plan with
+every worker; ``start`` reports each part as it gets there. ``stop`` goes the other way: the
+router stops taking requests first, the allocator goes last. Children run in their own
+sessions, so a Ctrl-C in the terminal reaches ``argus up`` alone, which then stops them in
+order.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -29,6 +32,7 @@ from typing import IO, Any
 import grpc
 
 LISTENING = re.compile(r"listening on (\S+)")
+WORKER_READY = re.compile(r"argus worker \S+ ready")  # printed after the worker's warm-up
 
 
 class ClusterError(RuntimeError):
@@ -78,16 +82,22 @@ class Part:
     address: str = ""
     metrics_port: int | None = None
     args: tuple[str, ...] = field(default_factory=tuple)
+    log_offset: int = 0  # where this process's output starts in the log (restarts append)
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def log_tail(self, lines: int = 20) -> str:
+    def log_text(self) -> str:
+        """What this process has written to its log so far."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as log:
+                log.seek(self.log_offset)
+                return log.read().decode(errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,10 +110,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LocalCluster:
     """Starts, watches and stops the parts; use as a context manager or call start/stop."""
 
-    def __init__(self, spec: ClusterSpec) -> None:
+    def __init__(self, spec: ClusterSpec, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.parts: dict[str, Part] = {}
         self._logs: list[IO[bytes]] = []
+        self._clock = clock
         (spec.workdir / "logs").mkdir(parents=True, exist_ok=True)
 
     # -- addresses -----------------------------------------------------------------------
@@ -121,15 +132,26 @@ class LocalCluster:
 
     # -- start ---------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start every part and wait until the router serves on a plan with every worker."""
+    def start(self, on_ready: Callable[[str, float], None] | None = None) -> None:
+        """Start every part and wait until the router serves on a plan with every worker.
+
+        ``on_ready(name, seconds)`` is called as each part gets ready (the allocator, the
+        ControlNet service, each worker after its warm-up, the router, then "cluster"), with
+        the seconds since ``start`` was called.
+        """
+        began = self._clock()
+
+        def ready(name: str) -> None:
+            if on_ready is not None:
+                on_ready(name, self._clock() - began)
+
         try:
-            self._start_all()
+            self._start_all(ready)
         except BaseException:
             self.stop()
             raise
 
-    def _start_all(self) -> None:
+    def _start_all(self, ready: Callable[[str], None]) -> None:
         spec = self.spec
         self._launch(
             "allocator",
@@ -142,13 +164,23 @@ class LocalCluster:
             *self._classifier_args(),
         )  # fmt: skip
         self._wait_address("allocator")
+        ready("allocator")
         if spec.controlnet:
             self._launch("controlnet", "controlnet", "--catalog", "tiny")
             self._wait_address("controlnet")  # workers are told where it is
+            ready("controlnet")
         for i in range(spec.workers):
             self.start_worker(i, wait=False)
-        for name in self.worker_names():
-            self._wait_address(name)
+        self._launch_router()  # it needs only the allocator: it starts while workers warm up
+        self._wait_workers_ready(ready)
+        self._wait_address("router")
+        self.wait_for_workers(spec.workers)
+        ready("router")
+        self._write_targets()
+        ready("cluster")
+
+    def _launch_router(self) -> None:
+        spec = self.spec
         router_args: list[str] = ["--allocator", self.allocator, "--port", str(spec.router_port)]
         for flag, value in (
             ("--auth-token-file", spec.auth_token_file),
@@ -165,9 +197,33 @@ class LocalCluster:
             *self._classifier_args(),
             *spec.router_args,
         )
-        self._wait_address("router")
-        self.wait_for_workers(spec.workers)
-        self._write_targets()
+
+    def _wait_workers_ready(self, ready: Callable[[str], None]) -> None:
+        """Wait until every worker printed ``ready`` (its warm-up ran), reporting each."""
+        waiting = self.worker_names()
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        while waiting:
+            for name in list(waiting):
+                part = self.parts[name]
+                text = part.log_text()
+                if not part.address and LISTENING.search(text):
+                    part.address = LISTENING.findall(text)[-1]
+                if WORKER_READY.search(text):
+                    waiting.remove(name)
+                    ready(name)
+                elif not part.alive():
+                    raise ClusterError(
+                        f"{name} exited with code {part.process.returncode} before it was "
+                        f"ready:\n{part.log_tail()}"
+                    )
+            for name in ("allocator", "router"):
+                if name in self.parts and not self.parts[name].alive():
+                    raise ClusterError(f"{name} exited:\n{self.parts[name].log_tail()}")
+            if waiting and time.monotonic() > deadline:
+                raise ClusterError(
+                    f"{', '.join(waiting)} not ready in {self.spec.start_timeout_s:.0f} s"
+                )
+            time.sleep(0.1)
 
     def start_worker(self, index: int, *, wait: bool = True) -> Part:
         """Start (or restart) worker ``index``; its cache directory survives restarts."""
@@ -209,6 +265,7 @@ class LocalCluster:
             full += ["--metrics-port", str(metrics_port)]
         log_path = spec.workdir / "logs" / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
+        offset = log.seek(0, os.SEEK_END)
         self._logs.append(log)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         process = subprocess.Popen(
@@ -218,7 +275,9 @@ class LocalCluster:
             env=env,
             start_new_session=True,  # a terminal's Ctrl-C reaches `argus up` only
         )
-        part = Part(name, process, log_path, metrics_port=metrics_port, args=tuple(full))
+        part = Part(
+            name, process, log_path, metrics_port=metrics_port, args=tuple(full), log_offset=offset
+        )
         self.parts[name] = part
         return part
 
@@ -226,11 +285,7 @@ class LocalCluster:
         part = self.parts[name]
         deadline = time.monotonic() + self.spec.start_timeout_s
         while time.monotonic() < deadline:
-            try:
-                text = part.log_path.read_text(errors="replace")
-            except OSError:
-                text = ""
-            found = [m for m in LISTENING.findall(text)]
+            found = LISTENING.findall(part.log_text())
             if found:
                 part.address = found[-1]
                 return part.address

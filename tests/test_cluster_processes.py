@@ -145,6 +145,30 @@ def test_up_gives_the_router_and_the_allocator_the_same_classifier(tmp_path: Pat
     assert where in router
 
 
+def test_up_demo_runs_once_every_worker_is_ready_and_saves_every_image(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo-out"
+    args = ["up", "--workers", "1", "--no-controlnet", "--no-metrics", "--steps", "4"]
+    args += ["--port", "0", "--workdir", str(tmp_path / "up"), "--out", str(out)]
+    assert argus_main([*args, "--demo", "3", "--exit-after-demo"]) == 0
+    printed = capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("*.png")) == ["0000.png", "0001.png", "0002.png"]
+    lines = printed.splitlines()
+    order = [
+        next(i for i, line in enumerate(lines) if line.startswith(prefix))
+        for prefix in (
+            "argus up: allocator ready (",
+            "argus up: worker-0 ready (",
+            "argus up: router ready (",
+            "argus up: cluster ready (",
+            "argus up: demo:",
+        )
+    ]
+    assert order == sorted(order)
+    assert "router 0" in lines[-1] and "worker-0 0" in lines[-1]  # stopped, none killed
+
+
 # -- faults under load ---------------------------------------------------------------------
 
 

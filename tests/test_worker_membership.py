@@ -99,7 +99,7 @@ def allocator() -> Iterator[Callable[..., Allocator]]:
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Worker]:
-    w = make_worker(worker_id="w7")
+    w = make_worker(worker_id="w7", warm=True)
     yield w
     w.close()
 
@@ -171,6 +171,25 @@ def test_a_worker_joins_and_appears_in_the_plan(
     assert report.model in report.loaded_models
     stats = membership.stats()
     assert (stats.state, stats.beats, stats.plan_version) == (State.MEMBER, 1, answer.plan_version)
+
+
+def test_a_loaded_worker_joins_the_plan_only_after_its_warm_up(
+    allocator: Callable[..., Allocator], join: Callable[..., Membership]
+) -> None:
+    cold = make_worker(worker_id="w-cold")  # the model is loaded, the pipeline never ran
+    try:
+        alloc = allocator()
+        membership = join(cold, alloc.address)
+        assert membership.beat_once() is None  # no heartbeat sent: not in the plan
+        assert isinstance(membership.client, RecordingClient)
+        assert membership.client.reports == []
+        assert "w-cold" not in alloc.members()
+        assert membership.stats().state is State.WAITING
+        cold.warm_up()
+        assert membership.beat_once() is not None
+        assert "w-cold" in alloc.members()
+    finally:
+        cold.close()
 
 
 def test_the_assigned_level_is_applied_through_configure(
@@ -277,7 +296,7 @@ def cached_worker(tmp_path: Path) -> Iterator[Worker]:
     cache = ApproximateCache(
         index, store, max_entries=10, max_bytes=None, registry=CollectorRegistry()
     )
-    w = make_worker(cache=cache, worker_id="w8")
+    w = make_worker(cache=cache, worker_id="w8", warm=True)
     yield w
     w.close()
 

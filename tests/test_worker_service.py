@@ -26,7 +26,7 @@ worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[Any, grpc.Channel, str]]:
-    worker = make_worker(max_queue=8)
+    worker = make_worker(max_queue=8, warm=True)
     server, port, _ = create_server(worker, "127.0.0.1:0", threads=4)
     server.start()
     address = f"127.0.0.1:{port}"
@@ -138,9 +138,9 @@ def test_health_and_reflection(served: Any) -> None:
     assert {"argus.v1.Worker", "grpc.health.v1.Health"} <= names
 
 
-def test_health_is_not_serving_before_a_model_loads() -> None:
+def test_health_is_serving_only_after_the_model_loads_and_warms_up() -> None:
     worker = make_worker(load=False)
-    server, port, _ = create_server(worker, "127.0.0.1:0", threads=2)
+    server, port, servicer = create_server(worker, "127.0.0.1:0", threads=2)
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -154,6 +154,10 @@ def test_health_is_not_serving_before_a_model_loads() -> None:
             assert err.value.code() is grpc.StatusCode.UNAVAILABLE
             request = worker_pb2.ConfigureRequest(wait=True)
             stub(channel).Configure(request, timeout=60)
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            assert health.Check(check, timeout=10).status == not_serving  # loaded, not run yet
+            worker.warm_up()
+            servicer.update_health()
             assert health.Check(check, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(grace=None)
@@ -172,9 +176,14 @@ def test_argus_worker_process_serves_and_stops_on_sigterm(tmp_path: Any) -> None
             grpc.channel_ready_future(channel).result(timeout=30)
             health = health_pb2_grpc.HealthStub(channel)
             check = health_pb2.HealthCheckRequest(service="argus.v1.Worker")
+            statuses = []
             while health.Check(check, timeout=10).status != health_pb2.HealthCheckResponse.SERVING:
+                statuses.append("NOT_SERVING")
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
+            assert statuses  # not serving while the model loads and warms up
+            stats = stub(channel).Stats(worker_pb2.StatsRequest(), timeout=30)
+            assert stats.completed == 0  # the warm-up run is not counted as a request
             reply = stub(channel).Generate(worker_pb2.GenerateRequest(prompt="a tram"), timeout=60)
             assert reply.worker_id == "w-proc"
             assert reply.steps_run == 4

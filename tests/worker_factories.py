@@ -43,6 +43,7 @@ def make_worker(
     encoder: Any = None,
     level: str | None = None,
     load: bool = True,
+    warm: bool = False,
     adapters: Any = None,
     **config: Any,
 ) -> Worker:
@@ -58,6 +59,8 @@ def make_worker(
     )
     if load:
         worker.configure(wait=True)
+    if warm:  # ready: health SERVING, heartbeats sent
+        worker.warm_up()
     return worker
 
 

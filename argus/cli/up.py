@@ -2,8 +2,10 @@
 
 Starts the allocator, the ControlNet service, ``--workers`` workers and a router on the
 embedded defaults (tiny models with seeded random weights, Qdrant Edge, a local latent store
-under ``--workdir``), prints where each part listens, and with ``--demo N`` sends N prompts
-from the bundled prompt set through the router and saves the images in ``--out``. Ctrl-C (or
+under ``--workdir``), prints each part as it gets ready (a worker once its pipeline has run
+once; the cluster once the router serves on a plan with every worker) and where each listens,
+and with ``--demo N`` then sends N prompts from the bundled prompt set through the router and
+saves the images in ``--out``. Ctrl-C (or
 SIGTERM) stops the parts in order: router, workers, ControlNet, allocator.
 """
 
@@ -27,6 +29,11 @@ def demo_prompts(count: int) -> list[str]:
     records = load_prompts(default_prompt_trace())
     stride = max(1, len(records) // max(count, 1))
     return [record.prompt for record in records[::stride][:count]]
+
+
+def print_ready(name: str, seconds: float) -> None:
+    """``argus up: worker-0 ready (21.3 s)``: one line as each part gets ready."""
+    print(f"argus up: {name} ready ({seconds:.1f} s)", flush=True)
 
 
 class UpCommand:
@@ -84,7 +91,7 @@ class UpCommand:
         try:
             with shutdown_signals() as stop:
                 try:
-                    cluster.start()
+                    cluster.start(on_ready=print_ready)
                 except ClusterError as err:
                     raise CLIError(str(err)) from None
                 for line in describe(cluster):

@@ -55,9 +55,9 @@ def create_server(
 ) -> tuple[grpc.Server, int, RouterServicer]:
     """A not-yet-started server bound to ``address``; returns it with the bound port.
 
-    Health reports NOT_SERVING until the core has a plan (``servicer.plan_installed`` follows
-    plans); requests whose bytes are not a RouterGenerateRequest get INVALID_ARGUMENT instead
-    of gRPC's INTERNAL.
+    Health reports NOT_SERVING until the core has a plan with at least one worker
+    (``servicer.plan_installed`` follows plans); requests whose bytes are not a
+    RouterGenerateRequest get INVALID_ARGUMENT instead of gRPC's INTERNAL.
     """
     interceptors = [] if security.token is None else [BearerTokenInterceptor(security.token)]
     server = new_server(
@@ -72,7 +72,7 @@ def create_server(
     server.add_generic_rpc_handlers((_raw_router_handler(servicer),))
     add_health_and_reflection(server, health_servicer, [SERVICE_NAME])
     port = bind(server, address, security.credentials)
-    set_serving(health_servicer, SERVICE_NAME, core.has_plan())
+    set_serving(health_servicer, SERVICE_NAME, core.can_serve())
     return server, port, servicer
 
 

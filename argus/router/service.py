@@ -278,6 +278,12 @@ class RouterCore:
         with self._lock:
             return self._router.plan is not None
 
+    def can_serve(self) -> bool:
+        """A plan is installed and names at least one worker (workers join the allocator only
+        once ready, so this is "some worker can take a request"); health reports this."""
+        with self._lock:
+            return self._router.plan is not None and bool(self._addresses)
+
     def now(self) -> float:
         """The core's clock (the servicer turns gRPC deadlines into clock times with it)."""
         return self._clock()
@@ -631,9 +637,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
         self._health = health_servicer
 
     def plan_installed(self, published: PublishedPlan) -> None:
-        """Install ``published`` in the core; health turns SERVING with the first plan."""
+        """Install ``published`` in the core; health says SERVING while the plan has workers."""
         if self.core.install(published) and self._health is not None:
-            set_serving(self._health, SERVICE_NAME, True)
+            set_serving(self._health, SERVICE_NAME, self.core.can_serve())
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
         remaining = context.time_remaining()

@@ -6,7 +6,11 @@ later, every Helm value) maps to one field.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,8 @@ from argus.worker.membership import (
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.models import TINY_PREFIX, TINY_VARIANTS
 from argus.worker.registry import ModelRegistry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -220,10 +226,41 @@ def build_worker(
     return worker
 
 
+def start_warm_up(
+    worker: Worker, loading: Future[Any], on_ready: Callable[[], None]
+) -> threading.Thread:
+    """Wait for the first model, run :meth:`Worker.warm_up`, then call ``on_ready``.
+
+    Runs in a daemon thread so that a signal during a long warm-up does not hold the process;
+    a failed load or warm-up is logged and the worker stays not ready (NOT_SERVING, not joined).
+    """
+
+    def run() -> None:
+        try:
+            loading.result()
+            seconds = worker.warm_up()
+        except Exception:
+            log.exception("worker %s: load or warm-up failed; not ready", worker.config.worker_id)
+            return
+        log.info("worker %s: warm-up run took %.1f s", worker.config.worker_id, seconds)
+        on_ready()
+
+    thread = threading.Thread(target=run, name="warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
+def _on_ready(worker_id: str, servicer: Any, began: float) -> None:
+    servicer.update_health()
+    elapsed = time.monotonic() - began
+    print(f"argus worker {worker_id} ready ({elapsed:.1f} s after start)", flush=True)
+
+
 def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> int:
     """Run a worker until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound.
 
-    With ``settings.allocator`` the worker joins the cluster once its first model is loaded and
+    Prints ``ready`` once its first model is loaded and has run once (the warm-up); health says
+    SERVING from then on. With ``settings.allocator`` the worker joins the cluster then, and
     follows the plan; on a signal it leaves the allocator first, then stops the server.
     """
     from argus.worker.service import create_server
@@ -239,11 +276,13 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, addr=settings.host)
-    # health turns SERVING when the first model is ready (it loads in the background)
+    began = time.monotonic()
+    # health turns SERVING and the worker joins once the first model is loaded (in the
+    # background) and has run once
     loading = worker.registry.activate(worker.level.model)
-    loading.add_done_callback(lambda _: servicer.update_health())
     server.start()
     print(f"argus worker {settings.worker_id} listening on {settings.host}:{port}", flush=True)
+    start_warm_up(worker, loading, lambda: _on_ready(settings.worker_id, servicer, began))
     membership = start_membership(settings, worker, port, profiles)
     try:
         wait_for_shutdown(ready)

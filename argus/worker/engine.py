@@ -63,6 +63,9 @@ class NoModelError(RuntimeError):
     """No model is loaded yet (the first load is still running or failed)."""
 
 
+WARM_UP_PROMPT = "a warm-up image, never served"
+
+
 class CacheOutcome(Enum):
     NOT_USED = "not-used"
     HIT = "hit"
@@ -169,6 +172,7 @@ class Worker:
         self._counts: Counter[str] = Counter()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-insert")
         self._pending: set[Future[Any]] = set()
+        self._warm = threading.Event()  # set by warm_up(): the pipeline has run once
 
     def _default_level(self) -> str:
         fastest_ac = [lv for lv in self.profiles.levels if lv.strategy is Strategy.AC]
@@ -204,6 +208,31 @@ class Worker:
         if wait:
             future.result()
         return future
+
+    # -- readiness -------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether the worker should be sent requests: a model is loaded and :meth:`warm_up`
+        has run it once (health and membership report this)."""
+        return self._warm.is_set() and self.registry.active() is not None
+
+    def warm_up(self) -> float:
+        """Run the pipeline once at the current level, then report ready; returns seconds.
+
+        Called once the first model is loaded, before the worker joins the cluster: the first
+        run of a pipeline pays lazy start-up costs (kernel selection, allocator pools, the
+        encoder's first call) that took 25 s on a loaded CPU, longer than a router deadline.
+        The warm-up prompt is not stored in the cache and is not counted as a request.
+        """
+        spec, level, plan = self.validate(GenerateCall(prompt=WARM_UP_PROMPT))
+        began = time.perf_counter()
+        if self.encoder is not None:
+            self.encoder.embed_one(WARM_UP_PROMPT)
+        with self._slots:
+            self._run(spec, level, plan, "warm-up", feed_cache=False)
+        self._warm.set()
+        return time.perf_counter() - began
 
     # -- validation ------------------------------------------------------------------------
 
@@ -267,7 +296,13 @@ class Worker:
                 self._queued -= 1
 
     def _run(
-        self, spec: GenerationSpec, level: Level, plan: AdapterPlan, request_id: str
+        self,
+        spec: GenerationSpec,
+        level: Level,
+        plan: AdapterPlan,
+        request_id: str,
+        *,
+        feed_cache: bool = True,
     ) -> GenerateResult:
         model = self.registry.get(level.model)
         substituted = model is None
@@ -306,7 +341,8 @@ class Worker:
         elif use_cache:
             outcome, miss_reason = CacheOutcome.MISS, "no-encoder"
         feeds_cache = (
-            start_step == 0
+            feed_cache
+            and start_step == 0
             and self.cache is not None
             and model.name == self.base_model
             and level.strategy is Strategy.AC

@@ -19,9 +19,11 @@ and the cache retrievals since the last accepted heartbeat; then it acts on the 
    logs once per state change, never per attempt. Retrievals since the last *accepted*
    heartbeat are kept, so nothing is lost by a failed one.
 
-A worker joins only once its first model is loaded: routers must not be sent to a worker that
-cannot serve yet. ``stop`` ends the thread and sends ``leaving=True`` once, best effort with a
-short timeout, so the allocator re-plans at once instead of after 3 missed heartbeats.
+A worker joins only once it is ready (``Worker.ready``: its first model is loaded and has run
+once, see ``Worker.warm_up``): routers must not be sent to a worker that cannot serve yet, nor
+to one whose first request would outlast their deadline. ``stop`` ends the thread and sends
+``leaving=True`` once, best effort with a short timeout, so the allocator re-plans at once
+instead of after 3 missed heartbeats.
 
 Retrieval figures: the cache keeps no per-lookup log, only counters and a window of recent
 latencies (``CacheStats``). A heartbeat therefore reports the lookups since the previous one
@@ -90,7 +92,7 @@ class MembershipConfig:
     leave_timeout_s: float = 1.0
     """Deadline of the ``leaving`` heartbeat sent on stop (best effort)."""
     ready_poll_s: float = 0.2
-    """How often to check whether the first model is loaded before joining."""
+    """How often to check whether the worker is ready before joining."""
 
     def __post_init__(self) -> None:
         for name in ("min_backoff_s", "max_backoff_s", "rpc_timeout_s", "leave_timeout_s"):
@@ -108,7 +110,7 @@ class MembershipConfig:
 class State(enum.Enum):
     """Where the worker stands with the allocator (logged when it changes)."""
 
-    WAITING = "waiting"  # the first model is not loaded yet: not joined
+    WAITING = "waiting"  # not ready yet (loading or warming up): not joined
     MEMBER = "member"  # the last heartbeat was answered
     UNREACHABLE = "unreachable"  # the last heartbeat failed: retrying with backoff
     STOPPED = "stopped"
@@ -328,8 +330,8 @@ class Membership:
 
     def beat_once(self) -> HeartbeatAnswer | None:
         """Send one heartbeat and act on the answer; None if none was sent or it failed."""
-        if self.worker.registry.active() is None:
-            self._set_state(State.WAITING, "the first model is still loading")
+        if not self.worker.ready:
+            self._set_state(State.WAITING, "the first model is loading or warming up")
             self._next_beat_s = self._clock() + self.config.ready_poll_s
             return None
         after = self._cache_stats()

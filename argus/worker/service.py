@@ -10,8 +10,9 @@ status codes; the work is the engine's:
 * no model loaded yet → ``UNAVAILABLE``; anything else → ``INTERNAL`` with the error's text,
   and the worker keeps serving.
 
-Health (``grpc.health.v1``) says ``NOT_SERVING`` until a model is loaded; it is answered by
-the gRPC thread pool, never behind the denoising semaphore.
+Health (``grpc.health.v1``) says ``NOT_SERVING`` until the worker is ready (``Worker.ready``:
+a model is loaded and its warm-up run is done); it is answered by the gRPC thread pool, never
+behind the denoising semaphore.
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         return stats_to_pb(self.worker.stats())
 
     def update_health(self) -> None:
-        set_serving(self.health, SERVICE_NAME, self.worker.registry.active() is not None)
+        """Report SERVING once the worker is ready (called after loads and the warm-up)."""
+        set_serving(self.health, SERVICE_NAME, self.worker.ready)
 
 
 def create_server(
