@@ -1,6 +1,8 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -181,3 +183,52 @@ def test_client_lines_quote_long_prompts_cut_short(tmp_path, capsys):
     line = capsys.readouterr().out
     assert len(line) < 400
     assert json.loads(line)["prompt"].startswith("x" * 80 + "… [100,000 characters]")
+
+
+class FakeCluster:
+    """Stands in for :class:`LocalCluster` in ``argus up``: writes to its workdir like the
+    real one, starts nothing."""
+
+    workdirs: ClassVar[list[Path]] = []
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.router = "127.0.0.1:1"
+        (spec.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        (spec.workdir / "logs" / "router.log").write_text("listening on 127.0.0.1:1\n")
+        FakeCluster.workdirs.append(spec.workdir)
+
+    def start(self):
+        pass
+
+    def stop(self):
+        return {"router": 0}
+
+
+@pytest.fixture
+def fake_cluster(monkeypatch, tmp_path):
+    import tempfile
+
+    import argus.local_cluster
+
+    monkeypatch.setattr(argus.local_cluster, "LocalCluster", FakeCluster)
+    monkeypatch.setattr(argus.local_cluster, "describe", lambda cluster: [])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    FakeCluster.workdirs = []
+    return FakeCluster
+
+
+def test_up_removes_its_temporary_workdir(fake_cluster, tmp_path, capsys):
+    assert main(["up", "--port", "0", "--exit-after-demo"]) == 0
+    [workdir] = fake_cluster.workdirs
+    assert workdir.name.startswith("argus-up-") and workdir.parent == tmp_path / "tmp"
+    assert not workdir.exists()
+    assert "removed on exit" in capsys.readouterr().out
+
+
+def test_up_keeps_a_given_workdir(fake_cluster, tmp_path):
+    workdir = tmp_path / "mine"
+    assert main(["up", "--port", "0", "--exit-after-demo", "--workdir", str(workdir)]) == 0
+    assert fake_cluster.workdirs == [workdir]
+    assert (workdir / "logs" / "router.log").exists()
