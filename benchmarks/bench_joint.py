@@ -7,8 +7,9 @@ Q(v | c) in which class c keeps full quality up to level c and loses 6% per leve
 Everything the product plans with is on: switching cost weight 1 with workers already holding
 the model, utilisation caps from the queue model (SLO 12.6 s) for the pools of the previous
 plan and the second start that prices every level as if it had every worker, each solved
-again when the pools it picks change (up to four solves, all on one warm ``JointSolver``). A solve is the LP relaxation, its rounding and local search, and branch and
-bound only when those are not within 1% of the bound (small clusters, now and then: the p99
+again when the pools it picks change (up to four solves, all on one warm ``JointSolver``).
+A solve is the LP relaxation, its rounding and local search, and branch and bound only when
+those are not within 1% of the bound (small clusters, now and then: the p99
 at 8 workers is those). Each figure is over ``--repeats`` plans after ``--warmup`` plans
 that are not counted; percentiles are order statistics of the samples (p99 needs ≥ 100
 samples to mean anything). CPU time is the process's.
