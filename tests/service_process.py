@@ -4,10 +4,12 @@ self-signed certificate for TLS tests."""
 from __future__ import annotations
 
 import os
+import queue
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,18 +28,47 @@ def start_argus(*args: str) -> subprocess.Popen[str]:
     )
 
 
-def read_address(process: subprocess.Popen[str], name: str, timeout_s: float = 120) -> str:
-    """The HOST:PORT of the process's ``argus NAME ... listening on HOST:PORT`` line."""
-    assert process.stdout is not None
+START_TIMEOUT_S = 600.0
+"""How long a service process may take to print its address: generous, since imports alone
+take tens of seconds on a loaded two-core machine; only a process that never gets ready
+should reach it (one that exits fails at once)."""
+
+
+def read_address(
+    process: subprocess.Popen[str], name: str, timeout_s: float = START_TIMEOUT_S
+) -> str:
+    """The HOST:PORT of the process's ``argus NAME ... listening on HOST:PORT`` line.
+
+    A thread reads the output and keeps draining it afterwards, so the wait is bounded even
+    while the process prints nothing, and the process never blocks on a full pipe later.
+    Fails, quoting the end of the output, when the process exits first or the bound passes.
+    """
+    stdout = process.stdout
+    assert stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    printed: list[str] = []
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            why = f"printed no address within {timeout_s:.0f} s"
             break
+        if line is None:
+            why = f"exited (status {process.wait()}) without printing its address"
+            break
+        printed.append(line)
         found = re.search(r"listening on (\S+)", line)
         if found:
             return found.group(1)
-    raise AssertionError(f"the {name} never printed its address")
+    raise AssertionError(f"the {name} {why}; its output ends:\n" + "".join(printed[-20:]))
 
 
 def self_signed_certificate(directory: Path) -> tuple[str, str]:

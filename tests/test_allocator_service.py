@@ -15,7 +15,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -654,8 +653,6 @@ def test_argus_allocator_process_plans_drops_a_dead_worker_and_stops_on_sigterm(
     try:
         address = read_address(process, "allocator")
         assert address.startswith("127.0.0.1:")  # internal endpoint: loopback by default
-        lines: list[str] = []  # keep draining the log so the process never blocks on it
-        threading.Thread(target=lambda: lines.extend(process.stdout or []), daemon=True).start()
         with grpc.insecure_channel(address) as channel:
             stub = allocator_pb2_grpc.AllocatorStub(channel)
             stream = stub.WatchPlan(allocator_pb2.WatchPlanRequest(watcher_id="t"), timeout=60)

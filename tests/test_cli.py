@@ -1,10 +1,12 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
-from argus.cli.main import main
+from argus.cli.main import COMMANDS, OneLineParser, load_command, main
 
 
 def run_plan(capsys, *args):
@@ -118,3 +120,115 @@ def test_unknown_command(capsys):
     with pytest.raises(SystemExit) as info:
         main(["bogus"])
     assert info.value.code == 2
+
+
+# -- command-line hygiene --------------------------------------------------------------------
+
+
+def test_abbreviated_options_are_refused(capsys):
+    """``--worker 3`` once ran as ``--workers 3``; an abbreviation is now an unknown option."""
+    with pytest.raises(SystemExit) as info:
+        main(["up", "--worker", "3"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --worker 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_no_command_takes_abbreviations(name):
+    parser = OneLineParser(prog=f"argus {name}")
+    load_command(name).add_arguments(parser)
+    for action in parser._actions:
+        action.required = False  # only the option's spelling is under test
+    long_options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    for option in long_options:
+        prefix = option[:-1]
+        if prefix not in long_options and prefix != "--":
+            assert parser.parse_known_args([prefix])[1] == [prefix], (name, prefix)
+
+
+LONG = "x" * 100_000
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--load", "1", "--histogram", LONG],  # a CLIError quoting the value
+        ["plan", "--load", LONG],  # an argparse error quoting it
+        ["plan", "--load", "1", LONG],  # an unrecognized argument
+        [LONG],  # an unknown command
+    ],
+)
+def test_errors_quote_long_values_cut_short(capsys, argv):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err) < 400, err[:400]
+    assert "characters]" in err
+
+
+def test_client_lines_quote_long_prompts_cut_short(tmp_path, capsys):
+    import grpc
+
+    from argus.cli.client import send_prompts
+    from argus.client import RequestFailed
+
+    class Refusing:
+        def generate(self, prompt, **options):
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "prompt: too long", None)
+
+    assert send_prompts(Refusing(), [LONG], tmp_path, count=1, concurrency=1) == 1
+    line = capsys.readouterr().out
+    assert len(line) < 400
+    assert json.loads(line)["prompt"].startswith("x" * 80 + "… [100,000 characters]")
+
+
+class FakeCluster:
+    """Stands in for :class:`LocalCluster` in ``argus up``: writes to its workdir like the
+    real one, starts nothing."""
+
+    workdirs: ClassVar[list[Path]] = []
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.router = "127.0.0.1:1"
+        (spec.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        (spec.workdir / "logs" / "router.log").write_text("listening on 127.0.0.1:1\n")
+        FakeCluster.workdirs.append(spec.workdir)
+
+    def start(self):
+        pass
+
+    def stop(self):
+        return {"router": 0}
+
+
+@pytest.fixture
+def fake_cluster(monkeypatch, tmp_path):
+    import tempfile
+
+    import argus.local_cluster
+
+    monkeypatch.setattr(argus.local_cluster, "LocalCluster", FakeCluster)
+    monkeypatch.setattr(argus.local_cluster, "describe", lambda cluster: [])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    FakeCluster.workdirs = []
+    return FakeCluster
+
+
+def test_up_removes_its_temporary_workdir(fake_cluster, tmp_path, capsys):
+    assert main(["up", "--port", "0", "--exit-after-demo"]) == 0
+    [workdir] = fake_cluster.workdirs
+    assert workdir.name.startswith("argus-up-") and workdir.parent == tmp_path / "tmp"
+    assert not workdir.exists()
+    assert "removed on exit" in capsys.readouterr().out
+
+
+def test_up_keeps_a_given_workdir(fake_cluster, tmp_path):
+    workdir = tmp_path / "mine"
+    assert main(["up", "--port", "0", "--exit-after-demo", "--workdir", str(workdir)]) == 0
+    assert fake_cluster.workdirs == [workdir]
+    assert (workdir / "logs" / "router.log").exists()

@@ -259,8 +259,14 @@ def test_killed_worker_is_planned_around_and_requests_end(tmp_path: Path) -> Non
         codes = load.codes()
         assert sum(codes.values()) == load.sent  # every request sent ended, one way or another
         assert set(codes) <= {"OK", "UNAVAILABLE", "DEADLINE_EXCEEDED"}, codes
-        late = [w for t, code, w in load.outcomes if t > killed_at + dropped_after_s + 1]
-        assert late and set(late) == {"worker-0"}  # after the drop only the live worker serves
+        # after the drop only the live worker serves; failures (a deadline missed on a loaded
+        # machine) name no worker and say nothing about routing
+        late = {
+            w
+            for t, code, w in load.outcomes
+            if code == "OK" and t > killed_at + dropped_after_s + 1
+        }
+        assert late == {"worker-0"}
         print(f"worker dropped from the plan {dropped_after_s:.2f} s after SIGKILL; {codes}")
 
 

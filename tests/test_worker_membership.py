@@ -7,6 +7,7 @@ for conditions with a generous deadline and never assert on elapsed time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -143,10 +144,18 @@ def wait_until(condition: Callable[[], bool]) -> None:
     raise AssertionError("condition not met in time")
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A loopback port nothing listens on, held for the block so that no other process on a
+    busy machine can take it in between (a plain free port is free only until closed).
+
+    The holding socket is bound but never listens, so connecting to it is refused, and it sets
+    ``SO_REUSEPORT``, as gRPC servers do on Linux, so that an allocator can still bind it.
+    """
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        yield int(sock.getsockname()[1])
 
 
 # -- against the allocator service -----------------------------------------------------------
@@ -231,9 +240,9 @@ def test_an_unreachable_allocator_is_retried_while_the_worker_serves(
     worker: Worker,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    address = f"127.0.0.1:{free_port()}"  # nothing listens here yet
-    membership = join(worker, address)
-    with caplog.at_level(logging.INFO, logger="argus.worker.membership"):
+    with reserved_port() as port, caplog.at_level(logging.INFO, logger="argus.worker.membership"):
+        address = f"127.0.0.1:{port}"  # nothing listens here yet
+        membership = join(worker, address)
         membership.start()
         wait_until(lambda: membership.stats().failures >= 3)
         assert membership.stats().state is State.UNREACHABLE
@@ -241,19 +250,22 @@ def test_an_unreachable_allocator_is_retried_while_the_worker_serves(
         assert result.png  # the worker keeps serving
         alloc = allocator(address)  # the allocator comes up: the next retry joins
         wait_until(lambda: "w7" in alloc.members())
-    assert membership.stats().state is State.MEMBER
     messages = [r.getMessage() for r in caplog.records]
-    assert sum("unreachable" in m for m in messages) == 1  # once per state change
-    assert sum("joined the allocator" in m for m in messages) == 1
+    joined = [i for i, m in enumerate(messages) if "joined the allocator" in m]
+    assert joined
+    # up to the join: three or more failed attempts, one state change, one line. After it, a
+    # heartbeat timing out on a loaded machine is a new state change with a line of its own.
+    assert sum("unreachable" in m for m in messages[: joined[0]]) == 1
 
 
 def test_stop_is_prompt_and_quiet_when_the_allocator_is_gone(
     join: Callable[..., Membership], worker: Worker
 ) -> None:
-    membership = join(worker, f"127.0.0.1:{free_port()}", config=replace(FAST, rpc_timeout_s=0.5))
-    membership.start()
-    wait_until(lambda: membership.stats().failures >= 1)
-    membership.stop()  # the leaving heartbeat fails: logged, not raised
+    with reserved_port() as port:
+        membership = join(worker, f"127.0.0.1:{port}", config=replace(FAST, rpc_timeout_s=0.5))
+        membership.start()
+        wait_until(lambda: membership.stats().failures >= 1)
+        membership.stop()  # the leaving heartbeat fails: logged, not raised
     assert membership.stats().state is State.STOPPED
 
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 from argus import rpc
 from argus.worker.service import create_server
-from tests.service_process import read_address, start_argus
+from tests.service_process import START_TIMEOUT_S, read_address, start_argus
 from tests.worker_factories import STEPS, make_worker
 
 worker_pb2: Any = rpc.load("worker_pb2")
@@ -170,10 +170,10 @@ def test_argus_worker_process_serves_and_stops_on_sigterm(tmp_path: Any) -> None
         *("--default-steps", "4", "--no-cache"),
     )
     try:
-        deadline = time.monotonic() + 120
         address = read_address(process, "worker")
+        deadline = time.monotonic() + START_TIMEOUT_S  # bound, not a budget: see read_address
         with grpc.insecure_channel(address) as channel:
-            grpc.channel_ready_future(channel).result(timeout=30)
+            grpc.channel_ready_future(channel).result(timeout=START_TIMEOUT_S)
             health = health_pb2_grpc.HealthStub(channel)
             check = health_pb2.HealthCheckRequest(service="argus.v1.Worker")
             statuses = []

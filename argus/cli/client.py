@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from argus.cli.main import CLIError
+from argus.quoting import shorten
 
 
 def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
@@ -72,14 +73,14 @@ def send_prompts(
         except RequestFailed as err:
             return {
                 "index": i,
-                "prompt": prompt,
+                "prompt": shorten(prompt),
                 "error": err.code.name,
                 "details": err.details,
                 "retry_after_ms": err.retry_after_ms,
             }
         path = out / f"{i:04d}.png"
         path.write_bytes(response.png)
-        return {"index": i, "prompt": prompt, **summary(response, path)}
+        return {"index": i, "prompt": shorten(prompt), **summary(response, path)}
 
     failed = 0
     with ThreadPoolExecutor(max_workers=concurrency) as pool:

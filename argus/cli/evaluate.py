@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from argus.cli.main import CLIError
+from argus.quoting import quoted
 
 DEFAULT_LOADS = "0.3,0.5,0.7,0.9,1.1,1.3,1.5"
 DEFAULT_POLICIES = "argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana"
@@ -160,7 +161,7 @@ def parse_loads(loads: str | None, targets: list[str]) -> tuple[Any, ...]:
     text = DEFAULT_LOADS if loads is None else loads
     values = [_number("--loads", part, text) for part in text.split(",") if part.strip()]
     if not values:
-        raise CLIError(f"--loads: no load in {text!r}")
+        raise CLIError(f"--loads: no load in {quoted(text)}")
     return tuple(LoadPoint(value) for value in values)
 
 
@@ -168,7 +169,9 @@ def _number(flag: str, text: str, spec: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise CLIError(f"{flag}: {text.strip()!r} is not a number (in {spec!r})") from None
+        raise CLIError(
+            f"{flag}: {quoted(text.strip())} is not a number (in {quoted(spec)})"
+        ) from None
 
 
 def _names(text: str) -> list[str]:

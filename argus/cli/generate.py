@@ -7,17 +7,18 @@ import json
 from pathlib import Path
 
 from argus.cli.main import CLIError
+from argus.quoting import quoted
 
 
 def parse_lora(text: str) -> tuple[str, float]:
     """``NAME`` or ``NAME=SCALE``."""
     name, sep, scale = text.partition("=")
     if not name or (sep and not scale):
-        raise CLIError(f"--lora: expected NAME or NAME=SCALE, got {text!r}")
+        raise CLIError(f"--lora: expected NAME or NAME=SCALE, got {quoted(text)}")
     try:
         return name, float(scale) if sep else 1.0
     except ValueError:
-        raise CLIError(f"--lora: scale {scale!r} is not a number") from None
+        raise CLIError(f"--lora: scale {quoted(scale)} is not a number") from None
 
 
 def parse_controlnet(text: str) -> tuple[str, Path, float]:
@@ -25,11 +26,11 @@ def parse_controlnet(text: str) -> tuple[str, Path, float]:
     name, sep, rest = text.partition("=")
     image, at, scale = rest.rpartition("@") if "@" in rest else (rest, "", "")
     if not name or not sep or not image:
-        raise CLIError(f"--controlnet: expected NAME=PNG[@SCALE], got {text!r}")
+        raise CLIError(f"--controlnet: expected NAME=PNG[@SCALE], got {quoted(text)}")
     try:
         return name, Path(image), float(scale) if at else 1.0
     except ValueError:
-        raise CLIError(f"--controlnet: scale {scale!r} is not a number") from None
+        raise CLIError(f"--controlnet: scale {quoted(scale)} is not a number") from None
 
 
 class GenerateCommand:

@@ -10,7 +10,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
+
+from argus.quoting import LIMIT, quoted, shorten
 
 
 class CLIError(Exception):
@@ -68,11 +70,23 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+ERROR_CHARS = 3 * LIMIT
+"""Length at which argparse's own error messages are cut: they quote the user's values inside
+their words ("argument --steps: invalid int value: '...'"), so the whole line is shortened,
+keeping argparse's words and the start of the value."""
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage error on a single line (exit code 2)."""
+    """argparse that reports a usage error on a single, bounded line (exit code 2) and takes no
+    abbreviated options: ``--worker 3`` is an error, not ``--workers 3``, and adding an option
+    can never change what an existing command line means."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {shorten(message, ERROR_CHARS)}\n")
 
 
 def load_command(name: str) -> CLISubcommand:
@@ -94,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     name = argv[0]
     if name not in COMMANDS:
-        parser.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
+        parser.error(f"unknown command {quoted(name)}; choose from {', '.join(COMMANDS)}")
     command = load_command(name)
     sub = OneLineParser(prog=f"argus {name}", description=command.help)
     command.add_arguments(sub)

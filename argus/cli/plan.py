@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from argus.cli.main import CLIError
+from argus.quoting import quoted
 
 if TYPE_CHECKING:
     from argus.allocator.queueing import QueueModel
@@ -95,7 +96,9 @@ class PlanCommand:
             raise CLIError(str(exc)) from None
         levels = profiles.levels_for(strategy)
         if not levels:
-            raise CLIError(f"--strategy: profiles {profiles.source!r} have no {strategy} levels")
+            raise CLIError(
+                f"--strategy: profiles {quoted(profiles.source)} have no {strategy} levels"
+            )
         if not math.isfinite(args.load) or args.load < 0:
             raise CLIError(f"--load: must be a finite number >= 0, got {args.load}")
         histogram = parse_histogram(args.histogram, len(levels))
@@ -122,7 +125,9 @@ def parse_histogram(text: str | None, count: int) -> tuple[float, ...]:
     try:
         values = tuple(float(part) for part in text.split(","))
     except ValueError:
-        raise CLIError(f"--histogram: expected comma-separated numbers, got {text!r}") from None
+        raise CLIError(
+            f"--histogram: expected comma-separated numbers, got {quoted(text)}"
+        ) from None
     if len(values) != count:
         raise CLIError(f"--histogram: expected {count} values (one per level), got {len(values)}")
     for index, value in enumerate(values):
@@ -143,10 +148,12 @@ def cluster_from_args(args: argparse.Namespace, profiles: ProfileSet) -> Cluster
     for part in args.workers_by_class.split(","):
         name, sep, number = part.partition("=")
         if not sep or not number.strip().isdigit():
-            raise CLIError(f"--workers-by-class: expected CLASS=COUNT, got {part!r}")
+            raise CLIError(f"--workers-by-class: expected CLASS=COUNT, got {quoted(part)}")
         if name not in profiles.worker_classes:
             known = ", ".join(profiles.worker_classes)
-            raise CLIError(f"--workers-by-class: unknown class {name!r}; profiles know {known}")
+            raise CLIError(
+                f"--workers-by-class: unknown class {quoted(name)}; profiles know {known}"
+            )
         counts[name] = int(number)
     return ClusterView.by_class(counts)
 

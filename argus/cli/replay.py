@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from argus.cli.main import CLIError
+from argus.quoting import quoted
 
 DEFAULT_POLICIES = "argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana"
 SIM_DEFAULTS: dict[str, Any] = {
@@ -259,7 +260,7 @@ def run_live(args: argparse.Namespace) -> int:
     from argus.types import Strategy
 
     if ":" not in args.live:
-        raise CLIError(f"--live: expected HOST:PORT, got {args.live!r}")
+        raise CLIError(f"--live: expected HOST:PORT, got {quoted(args.live)}")
     try:
         profiles = load_profiles(args.profiles)
         workload = workload_by_name(
@@ -357,15 +358,17 @@ def parse_faults(gpu_specs: list[str], retrieval_specs: list[str]) -> tuple[Any,
     for spec in gpu_specs:
         parts = spec.split(":")
         if len(parts) != 3:
-            raise CLIError(f"--gpu-failure: expected START:END:COUNT in minutes, got {spec!r}")
+            raise CLIError(
+                f"--gpu-failure: expected START:END:COUNT in minutes, got {quoted(spec)}"
+            )
         start, end = _minutes(parts[0], spec), _minutes(parts[1], spec)
         if not parts[2].isdigit():
-            raise CLIError(f"--gpu-failure: COUNT must be a whole number, got {spec!r}")
+            raise CLIError(f"--gpu-failure: COUNT must be a whole number, got {quoted(spec)}")
         faults.append(GpuFailure(start, end, int(parts[2])))
     for spec in retrieval_specs:
         parts = spec.split(":")
         if len(parts) not in (2, 3):
-            raise CLIError(f"--retrieval-fault: expected START:END[:EXTRA_S], got {spec!r}")
+            raise CLIError(f"--retrieval-fault: expected START:END[:EXTRA_S], got {quoted(spec)}")
         extra = math.inf if len(parts) == 2 else _number(parts[2], spec)
         faults.append(RetrievalFault(_minutes(parts[0], spec), _minutes(parts[1], spec), extra))
     return tuple(faults)
@@ -379,23 +382,23 @@ def parse_gpus(text: str, known: tuple[str, ...] | None) -> dict[str, int]:
     if spec.isdigit():
         count = int(spec)
         if count < 1:
-            raise CLIError(f"--gpus: must be >= 1, got {text!r}")
+            raise CLIError(f"--gpus: must be >= 1, got {quoted(text)}")
         return {known[0] if known else "a100": count}
     counts: dict[str, int] = {}
     for part in spec.split(","):
         name, equals, number = part.partition("=")
         name = name.strip()
         if not equals or not name or not number.strip().isdigit():
-            raise CLIError(f"--gpus: expected N or CLASS=N[,CLASS=N...], got {text!r}")
+            raise CLIError(f"--gpus: expected N or CLASS=N[,CLASS=N...], got {quoted(text)}")
         if name in counts:
-            raise CLIError(f"--gpus: class {name!r} given twice in {text!r}")
+            raise CLIError(f"--gpus: class {quoted(name)} given twice in {quoted(text)}")
         if known is not None and name not in known:
             raise CLIError(
-                f"--gpus: unknown GPU class {name!r}; the profiles have {', '.join(known)}"
+                f"--gpus: unknown GPU class {quoted(name)}; the profiles have {', '.join(known)}"
             )
         counts[name] = int(number)
         if counts[name] < 1:
-            raise CLIError(f"--gpus: class {name!r} needs >= 1 GPU, got {text!r}")
+            raise CLIError(f"--gpus: class {quoted(name)} needs >= 1 GPU, got {quoted(text)}")
     return counts
 
 
@@ -415,7 +418,7 @@ def _number(text: str, spec: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise CLIError(f"fault {spec!r}: {text!r} is not a number") from None
+        raise CLIError(f"fault {quoted(spec)}: {quoted(text)} is not a number") from None
 
 
 def _description(

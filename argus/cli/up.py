@@ -12,6 +12,7 @@ SIGTERM) stops the parts in order: router, workers, ControlNet, allocator.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,7 +44,9 @@ class UpCommand:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--workers", type=int, default=2)
         parser.add_argument("--port", type=int, default=50051, help="router port (0: any)")
-        parser.add_argument("--workdir", type=Path, help="caches and logs (default: a temp dir)")
+        parser.add_argument(
+            "--workdir", type=Path, help="caches and logs, kept (default: a temp dir, removed)"
+        )
         parser.add_argument("--steps", type=int, default=30, help="default denoising steps")
         parser.add_argument("--no-controlnet", action="store_true", help="no ControlNet service")
         parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoints")
@@ -63,12 +66,23 @@ class UpCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
+        if args.demo < 0:
+            raise CLIError(f"--demo: {args.demo} must be >= 0")
+        if args.workdir is not None:
+            return self._serve(args, args.workdir)
+        # caches and logs of one run, useless after it: a temp dir left behind per run adds
+        # up; --workdir keeps them
+        workdir = Path(tempfile.mkdtemp(prefix="argus-up-"))
+        try:
+            return self._serve(args, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _serve(self, args: argparse.Namespace, workdir: Path) -> int:
+        """Start the cluster in ``workdir``, run the demo, serve until asked to stop."""
         from argus.grpc_server import shutdown_signals
         from argus.local_cluster import ClusterError, ClusterSpec, LocalCluster, describe
 
-        if args.demo < 0:
-            raise CLIError(f"--demo: {args.demo} must be >= 0")
-        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="argus-up-"))
         try:
             spec = ClusterSpec(
                 workdir=workdir,
@@ -86,7 +100,10 @@ class UpCommand:
         except ValueError as err:
             raise CLIError(str(err)) from None
         cluster = LocalCluster(spec)
-        print(f"argus up: starting {args.workers} workers; logs in {workdir}/logs", flush=True)
+        kept = "" if args.workdir is not None else " (removed on exit; --workdir keeps them)"
+        print(
+            f"argus up: starting {args.workers} workers; logs in {workdir}/logs{kept}", flush=True
+        )
         failed = 0
         try:
             with shutdown_signals() as stop:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 
 from argus.cli.main import CLIError
+from argus.quoting import quoted
 
 
 def parse_variant(text: str) -> tuple[str, str]:
     name, sep, directory = text.partition("=")
     if not sep or not name or not directory:
-        raise CLIError(f"--variant: expected NAME=DIR, got {text!r}")
+        raise CLIError(f"--variant: expected NAME=DIR, got {quoted(text)}")
     return name, directory
 
 

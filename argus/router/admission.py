@@ -19,6 +19,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from argus.quoting import quoted
+
 R = TypeVar("R")
 
 
@@ -147,7 +149,7 @@ class RequestLedger(Generic[R]):
             if entry is not None:
                 if entry.fingerprint != fingerprint:
                     raise IdConflictError(
-                        f"request_id: {request_id!r} was used for a different request"
+                        f"request_id: {quoted(request_id)} was used for a different request"
                     )
                 return entry.future, False
             if len(self._running) >= self.max_entries:

@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from argus.quoting import quoted
 from argus.request_limits import (
     ImageLimits,
     InvalidRequestError,
@@ -180,7 +181,7 @@ class Worker:
 
     def _level(self, name: str, field_name: str) -> Level:
         if name not in self._levels:
-            raise InvalidRequestError(field_name, f"unknown level {name!r}")
+            raise InvalidRequestError(field_name, f"unknown level {quoted(name)}")
         return self._levels[name]
 
     # -- configuration ---------------------------------------------------------------------

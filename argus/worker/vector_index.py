@@ -659,7 +659,7 @@ class QdrantServerIndex:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m argus.worker.vector_index optimize DIR``: load the Edge shard in ``DIR``,
     build its HNSW graph, flush and exit (run by :class:`EdgeVectorIndex` in a child)."""
-    parser = argparse.ArgumentParser(prog="python -m argus.worker.vector_index")
+    parser = argparse.ArgumentParser(prog="python -m argus.worker.vector_index", allow_abbrev=False)
     parser.add_argument("command", choices=["optimize"])
     parser.add_argument("directory", type=Path)
     args = parser.parse_args(argv)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from argus.quoting import quoted
 from argus.worker.controlnet.errors import (
     ControlImageError,
     ControlNetLoadError,
@@ -189,7 +190,7 @@ class ControlNetCatalog:
         """The entry for ``name`` in ``family``; raises with a message naming ``field``."""
         if family not in FAMILIES:
             raise InvalidControlNetRequest(
-                "base_family", f"{family!r} is not a base family (expected sd15 or sdxl)"
+                "base_family", f"{quoted(family)} is not a base family (expected sd15 or sdxl)"
             )
         if family not in self.families():
             served = ", ".join(self.families())
@@ -202,11 +203,11 @@ class ControlNetCatalog:
         others = [fam for fam in FAMILIES if (fam, name) in self._entries]
         if others:
             raise FamilyMismatchError(
-                field, f"ControlNet {name!r} is for {others[0]} base models, not {family}"
+                field, f"ControlNet {quoted(name)} is for {others[0]} base models, not {family}"
             )
         known = ", ".join(self.names(family))
         raise UnknownControlNetError(
-            field, f"unknown {family} ControlNet {name!r} (known: {known})"
+            field, f"unknown {family} ControlNet {quoted(name)} (known: {known})"
         )
 
 
@@ -275,7 +276,7 @@ def build_tiny_controlnet(family: str, name: str) -> Any:
     cannot interleave their draws and every process builds the same network.
     """
     if name not in TINY_NAMES.get(family, ()):
-        raise UnknownControlNetError("name", f"no tiny {family} ControlNet {name!r}")
+        raise UnknownControlNetError("name", f"no tiny {family} ControlNet {quoted(name)}")
     model = _tiny_skeleton(family)
     generator = torch.Generator().manual_seed(zlib.crc32(f"{family}/{name}".encode()))
     zero_convs = (

@@ -21,6 +21,8 @@ class                      gRPC status           meaning
 
 from __future__ import annotations
 
+from argus.quoting import quoted
+
 
 class LoraError(Exception):
     """Base class: a LoRA named ``name`` (asked for in request field ``field``) cannot be served."""
@@ -32,7 +34,7 @@ class LoraError(Exception):
         self.field = field
 
     def __str__(self) -> str:
-        return f"LoRA {self.name!r}: {self.message}"
+        return f"LoRA {quoted(self.name)}: {self.message}"
 
     def at(self, field: str) -> LoraError:
         """A copy of this error that names request field ``field`` (errors of shared loads are
