@@ -198,8 +198,9 @@ class FakeCluster:
         (spec.workdir / "logs" / "router.log").write_text("listening on 127.0.0.1:1\n")
         FakeCluster.workdirs.append(spec.workdir)
 
-    def start(self):
-        pass
+    def start(self, on_ready=None):
+        if on_ready is not None:
+            on_ready("cluster", 0.0)
 
     def stop(self):
         return {"router": 0}
