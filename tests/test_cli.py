@@ -2,7 +2,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
@@ -190,9 +190,11 @@ class FakeCluster:
     real one, starts nothing."""
 
     workdirs: ClassVar[list[Path]] = []
+    specs: ClassVar[list[Any]] = []
 
     def __init__(self, spec):
         self.spec = spec
+        FakeCluster.specs.append(spec)
         self.router = "127.0.0.1:1"
         (spec.workdir / "logs").mkdir(parents=True, exist_ok=True)
         (spec.workdir / "logs" / "router.log").write_text("listening on 127.0.0.1:1\n")
@@ -226,6 +228,20 @@ def test_up_removes_its_temporary_workdir(fake_cluster, tmp_path, capsys):
     assert workdir.name.startswith("argus-up-") and workdir.parent == tmp_path / "tmp"
     assert not workdir.exists()
     assert "removed on exit" in capsys.readouterr().out
+
+
+def test_up_gives_the_workers_real_model_directories(fake_cluster, tmp_path):
+    model, small = tmp_path / "sdxl", tmp_path / "tiny-sd"
+    argv = ["up", "--port", "0", "--exit-after-demo", "--model", str(model)]
+    assert main([*argv, "--variant", f"sm-tiny-sd={small}"]) == 0
+    assert fake_cluster.specs[-1].worker_args == (
+        "--model",
+        str(model),
+        "--variant",
+        f"sm-tiny-sd={small}",
+    )
+    assert main(["up", "--port", "0", "--exit-after-demo"]) == 0
+    assert fake_cluster.specs[-1].worker_args == ()  # the tiny default
 
 
 def test_up_keeps_a_given_workdir(fake_cluster, tmp_path):

@@ -48,6 +48,18 @@ class UpCommand:
             "--workdir", type=Path, help="caches and logs, kept (default: a temp dir, removed)"
         )
         parser.add_argument("--steps", type=int, default=30, help="default denoising steps")
+        parser.add_argument(
+            "--model",
+            default="tiny",
+            help="every worker's AC base model: 'tiny' (random weights: images are noise) or "
+            "a diffusers directory",
+        )
+        parser.add_argument(
+            "--variant",
+            action="append",
+            default=[],
+            help="NAME=DIR of a smaller model for the SM levels (repeatable; as argus worker)",
+        )
         parser.add_argument("--no-controlnet", action="store_true", help="no ControlNet service")
         parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoints")
         parser.add_argument("--period-s", type=float, default=60.0, help="allocator re-plans")
@@ -96,6 +108,7 @@ class UpCommand:
                 auth_token_file=args.auth_token_file,
                 tls_cert=args.tls_cert,
                 tls_key=args.tls_key,
+                worker_args=_model_args(args.model, args.variant),
             )
         except ValueError as err:
             raise CLIError(str(err)) from None
@@ -137,3 +150,14 @@ class UpCommand:
                 client, demo_prompts(args.demo), args.out, count=args.demo, concurrency=2
             )
         return failed
+
+
+def _model_args(model: str, variants: list[str]) -> tuple[str, ...]:
+    """The workers' model flags: nothing for the tiny default, else ``--model`` and each
+    ``--variant`` as ``argus worker`` takes them (it checks the directories)."""
+    if model == "tiny" and not variants:
+        return ()
+    args = ["--model", model]
+    for variant in variants:
+        args += ["--variant", variant]
+    return tuple(args)
