@@ -39,7 +39,7 @@ from argus.allocator.service import AllocatorServicer, create_server
 from argus.classifier.serving import (
     classifier_key,
     default_classifier_dir,
-    read_class_qualities,
+    read_planning_classes,
 )
 from argus.cli.main import main
 from argus.profiles import default_profiles
@@ -371,7 +371,9 @@ def test_router_reports_shift_the_histogram_and_the_pasm(serve: Any) -> None:
 def test_a_router_on_another_classifier_is_logged_once_and_counted(
     serve: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    alloc = serve(class_quality=read_class_qualities(), classifier_key="allocator-key")
+    alloc = serve(
+        class_quality=read_planning_classes().class_quality, classifier_key="allocator-key"
+    )
     assert alloc.metric("argus_allocator_classifier", key="allocator-key") == 1.0
 
     def send(router_id: str, key: str, seq: int) -> None:
@@ -742,7 +744,7 @@ def process_plan(*flags: str) -> tuple[Plan, str]:
 
 
 def test_argus_allocator_plans_with_the_routers_classifier_or_level_averages() -> None:
-    with_classes = reference_plan(read_class_qualities())
+    with_classes = reference_plan(read_planning_classes().class_quality)
     with_averages = reference_plan(None)
     assert with_classes.allocation.workers_per_level != with_averages.allocation.workers_per_level
     plan, printed = process_plan()  # the router's default: the committed classifier

@@ -46,7 +46,6 @@ from argus.classifier.serving import (
     PromptClassifier,
     classifier_key,
     default_classifier_dir,
-    read_class_qualities,
     read_planning_classes,
 )
 from argus.classifier.train import TrainConfig, save_trained, train_classifier
@@ -258,7 +257,7 @@ def test_calibration_json_round_trips(artifact: Path, trained) -> None:
     assert quality.quality == calibration.stats.quality
     assert sum(quality.prior) == pytest.approx(1.0)
     assert str(artifact) in quality.source and "SYNTHETIC" in quality.source
-    assert read_class_qualities(artifact.parent) == {Strategy.AC: quality}
+    assert read_planning_classes(artifact.parent).class_quality == {Strategy.AC: quality}
 
 
 def _rewrite(path: Path, change) -> None:
@@ -408,7 +407,7 @@ def test_the_allocator_prices_calibrated_strategies_and_the_rest_by_level(
     committed_copy: Path,
 ) -> None:
     planning = read_planning_classes(committed_copy)
-    assert planning.class_quality == read_class_qualities(committed_copy)
+    assert set(planning.class_quality) == {Strategy.AC, Strategy.SM}
     assert planning.by_level == () and planning.directory == committed_copy
     (committed_copy / "sm" / CALIBRATION_FILE).unlink()  # the router classifies SM by level
     planning = read_planning_classes(committed_copy)
@@ -435,7 +434,7 @@ def test_the_classifier_key_follows_what_classifies_not_where_it_lies(
 
 
 def test_committed_artifacts_have_calibrated_classes() -> None:
-    qualities = read_class_qualities(default_classifier_dir())
+    qualities = read_planning_classes(default_classifier_dir()).class_quality
     for strategy, quality in qualities.items():
         metrics = json.loads(
             (default_classifier_dir() / strategy.value.lower() / "metrics.json").read_text()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from argus.allocator.joint import HighsOptions, JointPlan, JointSolver, _rounded, solve_joint
+from argus.allocator.joint import HighsOptions, JointPlan, JointSolver, _rounded
 from argus.types import ClassQuality, ClusterView, ProfileSet, Strategy, WorkerState
 from tests.factories import make_profiles
 
@@ -63,17 +63,16 @@ class Instance:
         self.switch_cost_weight = rng.uniform(0.0, 3.0)
 
     def solve(self, options: HighsOptions) -> JointPlan:
-        return solve_joint(
+        return JointSolver(
             self.profiles,
             Strategy.AC,
             self.workers,
             self.load,
             self.quality,
             self.histogram,
-            caps=self.caps,
             switch_cost_weight=self.switch_cost_weight,
             options=options,
-        )
+        ).solve(self.caps)
 
     def check_feasible(self, plan: JointPlan) -> None:
         """Every class's load is placed, no level takes more than its workers may, and every

@@ -6,7 +6,7 @@ import pytest
 
 from argus.allocator.planner import PlannerConfig, make_plan
 from argus.allocator.queueing import QueueModel
-from argus.classifier.serving import read_class_qualities
+from argus.classifier.serving import read_planning_classes
 from argus.profiles import default_profiles
 from argus.router.scheduler import PromptScheduler
 from argus.types import ClusterView, LoadForecast, Strategy
@@ -110,7 +110,7 @@ def test_plan_does_not_depend_on_the_mix_it_starts_from():
     middle level: in simulation at 112 QPM, 8% less quality than the k0/k25 split the same
     load allows)."""
     profiles = default_profiles()
-    quality = read_class_qualities()[Strategy.AC]
+    quality = read_planning_classes().class_quality[Strategy.AC]
     workers = ClusterView.uniform(8)
     plan = partial(
         make_plan,

@@ -93,38 +93,6 @@ NO_INCUMBENT_LIMIT_S = 10.0  # branch-and-bound time when the rounding is infeas
 Caps = Mapping[tuple[str, str], float]  # (worker class, level name) → utilisation cap in [0, 1]
 
 
-def solve_joint(
-    profiles: ProfileSet,
-    strategy: Strategy,
-    workers: ClusterView,
-    load_qpm: float,
-    class_quality: ClassQuality,
-    histogram: Sequence[float],
-    *,
-    caps: Caps | None = None,
-    switch_cost_weight: float = 0.0,
-    period_s: float = 60.0,
-    options: HighsOptions | None = None,
-) -> JointPlan:
-    """Plan the live ``workers`` for ``load_qpm`` spread over prompt classes as ``histogram``.
-
-    ``caps`` bounds each level's utilisation per worker class (1 when absent). Returns every
-    live worker's level, the load per level, and the PASM.
-    """
-    solver = JointSolver(
-        profiles,
-        strategy,
-        workers,
-        load_qpm,
-        class_quality,
-        histogram,
-        switch_cost_weight=switch_cost_weight,
-        period_s=period_s,
-        options=options,
-    )
-    return solver.solve(caps)
-
-
 class JointSolver:
     """The joint program of one planning step, solved for one set of utilisation caps after
     another.

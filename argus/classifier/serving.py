@@ -269,14 +269,6 @@ def _embed(
     return model.embed(texts, progress)
 
 
-def read_class_qualities(directory: str | Path | None = None) -> dict[Strategy, ClassQuality]:
-    """Q(v | c) of every strategy's artifact under ``directory`` (default: the committed
-    one): reads JSON only, no encoder, no weights, no torch. ``ArtifactError`` names the file
-    and field at fault, or the artifact without calibration."""
-    directory = Path(directory) if directory is not None else default_classifier_dir()
-    return {s: read_class_quality(path) for s, path in strategy_dirs(directory).items()}
-
-
 def classifier_key(directory: str | Path | None = None) -> str:
     """A short identity of the artifacts under ``directory`` (default: the committed one):
     equal for two directories whose every strategy classifies alike (same config, labels,
