@@ -172,16 +172,23 @@ def test_argus_worker_process_serves_and_stops_on_sigterm(tmp_path: Any) -> None
     try:
         address = read_address(process, "worker")
         deadline = time.monotonic() + START_TIMEOUT_S  # bound, not a budget: see read_address
+        check = health_pb2.HealthCheckRequest(service="argus.v1.Worker")
+        statuses = []
+        while True:
+            # a new channel per attempt: a channel that failed to connect once can sit in
+            # reconnect backoff (a fresh-clone run once hung in channel_ready_future here)
+            with grpc.insecure_channel(address) as probe:
+                try:
+                    status = health_pb2_grpc.HealthStub(probe).Check(check, timeout=5).status
+                except grpc.RpcError:
+                    status = None
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                break
+            statuses.append(status)
+            assert time.monotonic() < deadline, f"never SERVING; saw {statuses[-5:]}"
+            time.sleep(0.1)
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses  # loading, warming up
         with grpc.insecure_channel(address) as channel:
-            grpc.channel_ready_future(channel).result(timeout=START_TIMEOUT_S)
-            health = health_pb2_grpc.HealthStub(channel)
-            check = health_pb2.HealthCheckRequest(service="argus.v1.Worker")
-            statuses = []
-            while health.Check(check, timeout=10).status != health_pb2.HealthCheckResponse.SERVING:
-                statuses.append("NOT_SERVING")
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-            assert statuses  # not serving while the model loads and warms up
             stats = stub(channel).Stats(worker_pb2.StatsRequest(), timeout=30)
             assert stats.completed == 0  # the warm-up run is not counted as a request
             reply = stub(channel).Generate(worker_pb2.GenerateRequest(prompt="a tram"), timeout=60)
