@@ -10,6 +10,7 @@ most ``max_entries`` ids, so memory stays bounded under any load.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import threading
@@ -78,6 +79,11 @@ class AdmissionRule:
         if not 0.5 <= self.confidence < 1.0:
             raise ValueError(f"confidence: must be in [0.5, 1), got {self.confidence}")
 
+    @functools.cached_property
+    def _z(self) -> float:
+        """The normal quantile of ``confidence``, once per rule (admission runs per request)."""
+        return statistics.NormalDist().inv_cdf(self.confidence)
+
     def completion_s(
         self, queue_length: int, t_proc_s: float, head_elapsed_s: float = 0.0
     ) -> float:
@@ -86,8 +92,7 @@ class AdmissionRule:
         ``head_elapsed_s``), each taking ``t_proc_s``."""
         n = queue_length + 1
         done = min(max(head_elapsed_s, 0.0), t_proc_s) if queue_length else 0.0
-        z = statistics.NormalDist().inv_cdf(self.confidence)
-        spread = z * t_proc_s * math.sqrt(self.service_scv * n)
+        spread = self._z * t_proc_s * math.sqrt(self.service_scv * n)
         return predicted_completion_s(queue_length, t_proc_s) - done + spread
 
 
