@@ -1,0 +1,232 @@
+"""Soak: a local cluster (`argus up`'s processes) under overload for minutes, with the memory
+of every process sampled as it runs.
+
+Starts a :class:`~argus.local_cluster.LocalCluster` on the embedded defaults, measures its
+capacity closed-loop (three callers per worker, so no worker waits for work, for
+``--capacity-s``), then offers
+``--load`` × that capacity open-loop (Poisson arrivals, at most ``--max-outstanding`` calls in
+flight; arrivals beyond that count as dropped by the client) for ``--minutes``. Every
+``--sample-s`` it reads the resident memory (VmRSS) of every process of the cluster and their
+children (the workers' LoRA loaders) and prints one row; at the end, each process's memory
+growth as the slope of a least-squares line over the run's second half (after warm-up), in
+MB per minute, and the served / refused / failed counts per minute.
+
+    python benchmarks/soak.py [--minutes 10] [--load 2.0] [--workers 2] [--sample-s 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from _machine import machine_line
+
+from argus.client import Connection, RequestFailed, RouterClient
+from argus.local_cluster import ClusterSpec, LocalCluster
+
+
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of ``pid`` in MB, None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def memory(cluster: LocalCluster) -> dict[str, float]:
+    """MB per process: each part, and its children as PART/child-N."""
+    out: dict[str, float] = {}
+    for name, part in cluster.parts.items():
+        mb = rss_mb(part.process.pid)
+        if mb is not None:
+            out[name] = mb
+        for i, child in enumerate(sorted(children(part.process.pid))):
+            mb = rss_mb(child)
+            if mb is not None:
+                out[f"{name}/child-{i}"] = mb
+    return out
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+class Offered:
+    """Open-loop sender: outcomes per minute since ``start``."""
+
+    def __init__(self, client: RouterClient, prompts: list[str], max_outstanding: int) -> None:
+        self.client = client
+        self.prompts = prompts
+        self.slots = threading.BoundedSemaphore(max_outstanding)
+        self.pool = ThreadPoolExecutor(max_outstanding, thread_name_prefix="soak")
+        self.lock = threading.Lock()
+        self.per_minute: dict[int, Counter[str]] = {}
+        self.start = time.monotonic()
+
+    def count(self, outcome: str, at: float) -> None:
+        minute = int((at - self.start) // 60)
+        with self.lock:
+            self.per_minute.setdefault(minute, Counter())[outcome] += 1
+
+    def send(self, i: int) -> None:
+        try:
+            self.client.generate(self.prompts[i % len(self.prompts)], seed=i, timeout_s=60.0)
+            outcome = "served"
+        except RequestFailed as err:
+            outcome = "refused" if err.code.name == "RESOURCE_EXHAUSTED" else err.code.name
+        finally:
+            self.slots.release()
+        self.count(outcome, time.monotonic())
+
+    def offer(self, rate: float, seconds: float, rng: random.Random) -> None:
+        end = self.start + seconds
+        at = self.start
+        i = 0
+        while True:
+            at += rng.expovariate(rate)
+            if at >= end:
+                break
+            time.sleep(max(0.0, at - time.monotonic()))
+            if not self.slots.acquire(blocking=False):
+                self.count("dropped by client", at)
+                continue
+            self.pool.submit(self.send, i)
+            i += 1
+        self.pool.shutdown(wait=True)
+
+
+def capacity(client: RouterClient, prompts: list[str], callers: int, seconds: float) -> float:
+    """Requests served per second with ``callers`` closed-loop callers."""
+    served = 0
+    lock = threading.Lock()
+    end = time.monotonic() + seconds
+
+    def caller(k: int) -> None:
+        nonlocal served
+        i = k
+        while time.monotonic() < end:
+            try:
+                client.generate(prompts[i % len(prompts)], seed=i, timeout_s=60.0)
+            except RequestFailed:
+                time.sleep(0.05)
+                continue
+            with lock:
+                served += 1
+            i += callers
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return served / (time.monotonic() - began)
+
+
+def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, MB) over the second half of the samples."""
+    half = samples[len(samples) // 2 :]
+    if len(half) < 2:
+        return float("nan")
+    t = np.array([s for s, _ in half]) / 60.0
+    mb = np.array([m for _, m in half])
+    return float(np.polyfit(t, mb, 1)[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--load", type=float, default=2.0, help="offered / measured capacity")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30, help="denoising steps (argus up's)")
+    parser.add_argument("--capacity-s", type=float, default=30.0)
+    parser.add_argument("--sample-s", type=float, default=30.0)
+    parser.add_argument("--max-outstanding", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from argus.cli.up import demo_prompts
+
+    print(machine_line())
+    print(f"start: {load_average()}")
+    prompts = demo_prompts(200)
+    with tempfile.TemporaryDirectory(prefix="argus-soak-") as tmp:
+        spec = ClusterSpec(
+            workdir=Path(tmp), workers=args.workers, default_steps=args.steps, metrics=False
+        )
+        with LocalCluster(spec) as cluster, RouterClient(Connection(cluster.router)) as client:
+            cap = capacity(client, prompts, 3 * args.workers, args.capacity_s)
+            rate = args.load * cap
+            print(
+                f"capacity {cap:.2f} req/s ({args.workers} workers, {args.steps} steps, "
+                f"{3 * args.workers} closed-loop callers, {args.capacity_s:.0f} s); "
+                f"offering {rate:.2f} req/s ({args.load}x) for {args.minutes} min"
+            )
+            offered = Offered(client, prompts, args.max_outstanding)
+            sender = threading.Thread(
+                target=offered.offer,
+                args=(rate, args.minutes * 60.0, random.Random(args.seed)),
+            )
+            sender.start()
+            series: dict[str, list[tuple[float, float]]] = {}
+            names: list[str] = []
+            while sender.is_alive():
+                now = time.monotonic() - offered.start
+                sample = memory(cluster)
+                for name, mb in sample.items():
+                    series.setdefault(name, []).append((now, mb))
+                    if name not in names:
+                        names.append(name)
+                if len(series[names[0]]) == 1:
+                    print("t (s)  " + "  ".join(f"{n:>16}" for n in names) + "   (RSS, MB)")
+                row = "  ".join(f"{sample.get(n, float('nan')):16.1f}" for n in names)
+                print(f"{now:5.0f}  {row}", flush=True)
+                sender.join(args.sample_s)
+            print("\nminute  " + "  ".join(f"{k:>10}" for k in ("served", "refused", "other")))
+            for minute in sorted(offered.per_minute):
+                c = offered.per_minute[minute]
+                other = sum(v for k, v in c.items() if k not in ("served", "refused"))
+                print(f"{minute:6d}  {c['served']:10d}  {c['refused']:10d}  {other:10d}")
+            totals: Counter[str] = sum(offered.per_minute.values(), Counter())
+            print(f"totals over the run: {dict(totals)}")
+            print("\nmemory growth over the second half (MB/min, least squares):")
+            for name in names:
+                samples = series[name]
+                print(
+                    f"  {name:<20} {samples[0][1]:8.1f} -> {samples[-1][1]:8.1f} MB  "
+                    f"slope {slope_mb_per_min(samples):+.2f} MB/min"
+                )
+    print(f"end: {load_average()}")
+
+
+if __name__ == "__main__":
+    main()
