@@ -263,6 +263,11 @@ class LocalCluster:
         full += list(args)
         if metrics_port is not None:
             full += ["--metrics-port", str(metrics_port)]
+        return self._spawn(name, full, metrics_port)
+
+    def _spawn(self, name: str, full: Sequence[str], metrics_port: int | None) -> Part:
+        """Run ``argus FULL...`` as the part ``name``, its output appended to its log."""
+        spec = self.spec
         log_path = spec.workdir / "logs" / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
         offset = log.seek(0, os.SEEK_END)
@@ -366,6 +371,26 @@ class LocalCluster:
         if part.alive():
             part.process.kill()
         part.process.wait()
+
+    def dead(self) -> list[tuple[str, int | None]]:
+        """Parts whose process has exited, with its exit code (what a supervisor watches)."""
+        return [
+            (name, part.process.returncode) for name, part in self.parts.items() if not part.alive()
+        ]
+
+    def restart(self, name: str) -> Part:
+        """Start a part that exited again with the same arguments on the same port: the other
+        parts keep its address (workers know the allocator's and the ControlNet service's,
+        clients the router's), so it must come back where it was."""
+        old = self.parts[name]
+        if old.alive():
+            raise ClusterError(f"{name} is running (pid {old.process.pid}); not restarting it")
+        args = list(old.args)
+        if old.address and "--port" in args:
+            args[args.index("--port") + 1] = old.address.rpartition(":")[2]
+        part = self._spawn(name, args, old.metrics_port)
+        part.address = old.address
+        return part
 
     def stop(self, timeout_s: float = 30.0) -> dict[str, int | None]:
         """SIGTERM the parts router first, allocator last; SIGKILL what outlives ``timeout_s``.

@@ -60,7 +60,7 @@ class Supervised(Protocol):
         """Parts whose process has exited, with the exit code."""
         ...
 
-    def restart(self, name: str) -> None:
+    def restart(self, name: str) -> object:
         """Start the part ``name`` again, where it was (same address)."""
         ...
 

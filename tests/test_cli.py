@@ -207,6 +207,9 @@ class FakeCluster:
     def stop(self):
         return {"router": 0}
 
+    def dead(self):
+        return []
+
 
 @pytest.fixture
 def fake_cluster(monkeypatch, tmp_path):

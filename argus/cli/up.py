@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,14 @@ def demo_prompts(count: int) -> list[str]:
     records = load_prompts(default_prompt_trace())
     stride = max(1, len(records) // max(count, 1))
     return [record.prompt for record in records[::stride][:count]]
+
+
+GAVE_UP_EXIT = 3  # a part died --max-restarts times within the window
+
+
+def say(message: str) -> None:
+    """The supervisor's lines (a part died, restarted) on argus up's output."""
+    print(f"argus up: {message}", flush=True)
 
 
 def print_ready(name: str, seconds: float) -> None:
@@ -71,6 +80,13 @@ class UpCommand:
         parser.add_argument("--auth-token-file", help="the router requires this bearer token")
         parser.add_argument("--tls-cert", help="PEM certificate of the router's endpoint")
         parser.add_argument("--tls-key", help="PEM key of the router's endpoint")
+        parser.add_argument(
+            "--max-restarts",
+            type=int,
+            default=5,
+            help="a part that dies is restarted with backoff; dying this many times within "
+            "5 minutes stops the cluster with exit code 3",
+        )
         parser.add_argument("--demo", type=int, default=0, help="send N prompts once up")
         parser.add_argument("--out", type=Path, default=Path("demo-out"), help="demo images")
         parser.add_argument(
@@ -80,6 +96,8 @@ class UpCommand:
     def run(self, args: argparse.Namespace) -> int:
         if args.demo < 0:
             raise CLIError(f"--demo: {args.demo} must be >= 0")
+        if args.max_restarts < 1:
+            raise CLIError(f"--max-restarts: {args.max_restarts} must be >= 1")
         if args.workdir is not None:
             return self._serve(args, args.workdir)
         # caches and logs of one run, useless after it: a temp dir left behind per run adds
@@ -94,6 +112,7 @@ class UpCommand:
         """Start the cluster in ``workdir``, run the demo, serve until asked to stop."""
         from argus.grpc_server import shutdown_signals
         from argus.local_cluster import ClusterError, ClusterSpec, LocalCluster, describe
+        from argus.supervision import RestartPolicy, Supervisor
 
         try:
             spec = ClusterSpec(
@@ -117,6 +136,7 @@ class UpCommand:
         print(
             f"argus up: starting {args.workers} workers; logs in {workdir}/logs{kept}", flush=True
         )
+        supervisor = Supervisor(cluster, RestartPolicy(max_deaths=args.max_restarts), say=say)
         failed = 0
         try:
             with shutdown_signals() as stop:
@@ -124,6 +144,7 @@ class UpCommand:
                     cluster.start(on_ready=print_ready)
                 except ClusterError as err:
                     raise CLIError(str(err)) from None
+                supervisor.start()
                 for line in describe(cluster):
                     print(f"  {line}", flush=True)
                 print(f"argus up: router listening on {cluster.router}", flush=True)
@@ -131,10 +152,15 @@ class UpCommand:
                     failed = self._demo(cluster, args)
                 if not args.exit_after_demo:
                     print("argus up: serving; Ctrl-C stops the cluster", flush=True)
-                    stop.wait()
+                    while not stop.wait(0.2) and not supervisor.failed.is_set():
+                        pass
         finally:
+            supervisor.stop()
             codes = cluster.stop()
             print(f"argus up: stopped ({', '.join(f'{n} {c}' for n, c in codes.items())})")
+        if supervisor.failure is not None:
+            print(f"argus up: {supervisor.failure}; stopped the cluster", file=sys.stderr)
+            return GAVE_UP_EXIT
         return 1 if failed else 0
 
     def _demo(self, cluster: LocalCluster, args: argparse.Namespace) -> int:
