@@ -720,7 +720,8 @@ class RouterCore:
 
 
 def _size(request: Any) -> str:
-    """ "W×H, N steps" as the request gave them ("default" for a field left to the worker)."""
+    """The request's size for messages, "W×H, N steps" ("default" for a field it left to the
+    worker)."""
 
     def given(name: str) -> str:
         return str(getattr(request, name)) if request.HasField(name) else "default"
