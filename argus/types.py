@@ -56,6 +56,16 @@ class LevelProfile:
 
 
 @dataclass(frozen=True)
+class ReferenceRequest:
+    """The request a profile's latencies were measured with: image size and denoising steps
+    (N; an AC level skips K of them). The router prices other sizes relative to it."""
+
+    width: int = 1024
+    height: int = 1024
+    steps: int = 50
+
+
+@dataclass(frozen=True)
 class ProfileSet:
     """All levels of all strategies and their numbers on each worker class.
 
@@ -67,6 +77,7 @@ class ProfileSet:
     worker_classes: tuple[str, ...]
     table: Mapping[tuple[str, str], LevelProfile]
     source: str = "<memory>"  # file or "default", for reports
+    reference: ReferenceRequest = ReferenceRequest()  # what the latencies were measured on
 
     def levels_for(self, strategy: Strategy) -> tuple[Level, ...]:
         """Levels of one strategy, slowest first."""

@@ -146,7 +146,7 @@ def test_metrics_count_served_rejected_and_retried(cluster: Cluster) -> None:
         return 0.0 if found is None else found
 
     assert value("argus_router_requests_total", code="OK") == 4
-    assert value("argus_router_requests_total", code="RESOURCE_EXHAUSTED") == 1
+    assert value("argus_router_requests_total", code="DEADLINE_EXCEEDED") == 1
     assert value("argus_router_admissions_rejected_total", reason="deadline") == 1
     assert value("argus_router_retries_total") >= 1
     assert value("argus_router_request_seconds_count", level="ac-k0", strategy="AC") == 4

@@ -164,7 +164,7 @@ def test_a_worker_without_adapters_refuses_them() -> None:
         w.close()
 
 
-def test_status_codes_over_grpc(worker: Any) -> None:
+def test_status_codes_over_grpc(worker: Any, lora_dir: Path) -> None:
     server, port, _ = create_server(worker, "127.0.0.1:0", threads=2)
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -186,6 +186,7 @@ def test_status_codes_over_grpc(worker: Any) -> None:
                 stub.Generate(request, timeout=60)
             assert err.value.code() == code, err.value.details()
             assert needle in err.value.details()
+            assert str(lora_dir.parent) not in err.value.details()  # no server path leaks
         ok = stub.Generate(
             worker_pb2.GenerateRequest(prompt="a cat", seed=1, adapters=[controlnet("canny")]),
             timeout=60,

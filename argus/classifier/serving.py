@@ -16,7 +16,11 @@
   identity routers report, so the allocator sees when they classify with other artifacts.
 * :class:`MicroBatcher` gathers concurrent callers from many threads into one forward pass:
   a batch closes at ``max_batch`` prompts or ``max_wait_s`` after its first prompt arrived,
-  whichever comes first; each caller gets its own answer (or the batch's exception).
+  whichever comes first; each caller gets its own answer (or the batch's exception). At most
+  ``max_pending`` prompts wait (more are refused with :class:`BatcherFull`), a caller that
+  gave up is dropped from its batch, and :meth:`MicroBatcher.backlog_s` estimates how long a
+  new prompt would wait, so the router can refuse before queueing what would miss its
+  deadline in the classifier alone.
 * :class:`PromptClassifier` puts them together: ``classify(prompt) -> {strategy: class}``,
   the class being a calibrated tolerance bin (or the arg-max level for an artifact without
   ``calibration.json``). Bad input is handled in the caller's thread, before batching, as
@@ -337,6 +341,10 @@ class BatcherClosed(RuntimeError):
     """The micro-batcher was closed before this prompt ran."""
 
 
+class BatcherFull(RuntimeError):
+    """``max_pending`` prompts are already waiting for the classifier; retry later."""
+
+
 @dataclass(frozen=True)
 class BatcherStats:
     """Counters of a :class:`MicroBatcher` since it started."""
@@ -360,6 +368,10 @@ class MicroBatcher(Generic[T, R]):
     ``run_batch(items)`` must return one result per item, in order. A batch closes when it
     holds ``max_batch`` items or ``max_wait_s`` after its first item arrived; a lone caller
     therefore waits at most ``max_wait_s`` extra. One background thread runs the batches.
+
+    The queue is bounded: with ``max_pending`` items waiting, :meth:`submit` raises
+    :class:`BatcherFull` at once. A caller whose wait times out cancels its item, which is
+    then left out of its batch (nobody would read the answer).
     """
 
     def __init__(
@@ -368,18 +380,25 @@ class MicroBatcher(Generic[T, R]):
         *,
         max_batch: int = 32,
         max_wait_s: float = 0.002,
+        max_pending: int = 1024,
         name: str = "argus-classifier-batcher",
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         if not max_wait_s >= 0.0:
             raise ValueError(f"max_wait_s: must be >= 0, got {max_wait_s}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending: must be >= 1, got {max_pending}")
         self._run_batch = run_batch
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
+        self.max_pending = max_pending
         self._queue: queue.SimpleQueue[tuple[T, Future[R]] | _Stop] = queue.SimpleQueue()
         self._closed = False
-        self._close_lock = threading.Lock()
+        self._close_lock = threading.Lock()  # also guards the backlog counters below
+        self._pending = 0  # items submitted and not yet taken into a batch
+        self._running = False  # a batch is being run
+        self._batch_s = 0.0  # moving average of one batch's run time, seconds (0: none yet)
         self._batches = self._items = self._largest = self._failed = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -390,12 +409,35 @@ class MicroBatcher(Generic[T, R]):
         with self._close_lock:
             if self._closed:
                 raise BatcherClosed("the classifier's micro-batcher is closed")
+            if self._pending >= self.max_pending:
+                raise BatcherFull(f"classifier busy: {self._pending} prompts waiting")
+            self._pending += 1
             self._queue.put((item, future))
         return future
 
     def __call__(self, item: T, timeout: float | None = None) -> R:
-        """Submit and wait for the result (re-raises the batch's exception)."""
-        return self.submit(item).result(timeout)
+        """Submit and wait for the result (re-raises the batch's exception); on a timeout
+        the item is cancelled, so its batch skips it if it has not started."""
+        future = self.submit(item)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    @property
+    def batch_s(self) -> float:
+        """Moving average of one batch's run time, seconds (0 before the first batch)."""
+        with self._close_lock:
+            return self._batch_s
+
+    def backlog_s(self) -> float:
+        """Seconds a prompt submitted now would wait for its answer, estimated from the
+        prompts waiting and the recent batches' run time (0 before the first batch): the
+        batch running now, the full batches ahead, and its own."""
+        with self._close_lock:
+            batches = self._pending // self.max_batch + 1 + int(self._running)
+            return batches * self._batch_s
 
     def stats(self) -> BatcherStats:
         return BatcherStats(self._batches, self._items, self._largest, self._failed)
@@ -415,6 +457,7 @@ class MicroBatcher(Generic[T, R]):
             first = self._queue.get()
             if isinstance(first, _Stop):
                 break
+            self._took(1)
             batch = [first]
             deadline = time.monotonic() + self.max_wait_s
             while len(batch) < self.max_batch:
@@ -429,8 +472,19 @@ class MicroBatcher(Generic[T, R]):
                 if isinstance(entry, _Stop):
                     stopping = True
                     break
+                self._took(1)
                 batch.append(entry)
+            began = time.monotonic()
             self._run(batch)
+            with self._close_lock:
+                self._running = False
+                took = time.monotonic() - began
+                self._batch_s = took if not self._batch_s else 0.8 * self._batch_s + 0.2 * took
+
+    def _took(self, count: int) -> None:
+        with self._close_lock:
+            self._pending -= count
+            self._running = True
 
     def _run(self, batch: list[tuple[T, Future[R]]]) -> None:
         live = [(item, future) for item, future in batch if future.set_running_or_notify_cancel()]
@@ -467,11 +521,16 @@ class PromptClassifier:
     """
 
     def __init__(
-        self, classifiers: ClassifierSet, *, max_batch: int = 32, max_wait_s: float = 0.002
+        self,
+        classifiers: ClassifierSet,
+        *,
+        max_batch: int = 32,
+        max_wait_s: float = 0.002,
+        max_pending: int = 1024,
     ) -> None:
         self.classifiers = classifiers
         self._batcher: MicroBatcher[str, dict[Strategy, int]] = MicroBatcher(
-            self._run_batch, max_batch=max_batch, max_wait_s=max_wait_s
+            self._run_batch, max_batch=max_batch, max_wait_s=max_wait_s, max_pending=max_pending
         )
 
     def _run_batch(self, texts: list[str]) -> list[dict[Strategy, int]]:
@@ -498,6 +557,10 @@ class PromptClassifier:
 
     def stats(self) -> BatcherStats:
         return self._batcher.stats()
+
+    def backlog_s(self) -> float:
+        """Seconds a prompt classified now would wait (:meth:`MicroBatcher.backlog_s`)."""
+        return self._batcher.backlog_s()
 
     def close(self) -> None:
         self._batcher.close()

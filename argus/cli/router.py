@@ -6,7 +6,9 @@ levels back to the allocator every ``--report-period-s``. The public endpoint ca
 (``--tls-cert`` and ``--tls-key``, PEM files) and bearer-token authentication
 (``--auth-token-file``: every call but health checks needs ``authorization: Bearer TOKEN``).
 Binds loopback unless ``--host`` says otherwise. Prints ``argus router listening on
-HOST:PORT`` once bound; Ctrl-C or SIGTERM stops it.
+HOST:PORT`` once bound; Ctrl-C or SIGTERM stops it. ``--max-cost`` caps a request's size:
+pixels × steps in units of the profile's reference request (1024 × 1024 at 50 steps for the
+default profile); a larger request is INVALID_ARGUMENT naming width, height and steps.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class RouterCommand:
         parser.add_argument(
             "--max-in-flight", type=int, default=256, help="requests served at once; more: busy"
         )
+        parser.add_argument(
+            "--max-cost",
+            type=float,
+            help="largest request accepted: pixels × steps in reference requests of the profile "
+            "(default: no cap)",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.grpc_server import check_address
@@ -68,6 +76,8 @@ class RouterCommand:
         ):
             if value < 1:
                 raise CLIError(f"{flag}: {value} must be positive")
+        if args.max_cost is not None and not (math.isfinite(args.max_cost) and args.max_cost > 0):
+            raise CLIError(f"--max-cost: {args.max_cost} must be a positive number")
         try:
             check_address(args.allocator, "--allocator")
             settings = RouterSettings(
@@ -85,6 +95,7 @@ class RouterCommand:
                 report_period_s=args.report_period_s,
                 default_deadline_ms=args.default_deadline_ms,
                 max_in_flight=args.max_in_flight,
+                max_cost=args.max_cost,
             )
             settings.security()  # a bad certificate or token file fails before any loading
             return serve(settings)

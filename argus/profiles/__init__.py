@@ -4,7 +4,9 @@ A profile file has ``worker_classes`` (list of GPU type names) and ``levels``, a
 with ``name``, ``strategy`` (AC or SM), ``model``, ``skip_steps`` (AC only), ``quality`` and
 ``profiles.<class>`` holding ``latency_s``, ``load_time_s``, ``gpu_memory_gib`` and optionally
 ``throughput_qpm`` (default 60 / latency_s: batch size 1). Levels of each strategy are listed
-slowest first; see ``default.toml`` for the shipped set and its sources.
+slowest first; see ``default.toml`` for the shipped set and its sources. An optional
+``reference`` table (``width``, ``height``, ``steps``) says what request the latencies were
+measured on (default 1024 × 1024, 50 steps); the router prices requests relative to it.
 
 Every error is a :class:`ProfileError` whose message starts with the path of the bad field,
 for example ``levels[3].profiles.a100.throughput_qpm: must be > 0, got -1``.
@@ -21,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from argus.types import Level, LevelProfile, ProfileSet, Strategy
+from argus.types import Level, LevelProfile, ProfileSet, ReferenceRequest, Strategy
 
 DEFAULT_PROFILE_PATH = Path(__file__).with_name("default.toml")
 
@@ -73,7 +75,20 @@ def parse_profiles(data: Any, source: str = "<memory>") -> ProfileSet:
         levels.append(level)
         table.update(_class_profiles(_mapping(raw, where).get("profiles"), classes, level, where))
     _check_speed_order(levels, classes, table)
-    return ProfileSet(tuple(levels), classes, table, source)
+    return ProfileSet(tuple(levels), classes, table, source, _reference(root.get("reference")))
+
+
+def _reference(value: Any) -> ReferenceRequest:
+    if value is None:
+        return ReferenceRequest()
+    raw = _mapping(value, "reference")
+    sizes = {}
+    for key in ("width", "height", "steps"):
+        number = raw.get(key, getattr(ReferenceRequest, key))
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise ProfileError(f"reference.{key}: must be an integer >= 1, got {number!r}")
+        sizes[key] = number
+    return ReferenceRequest(**sizes)
 
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:

@@ -1,9 +1,16 @@
 """SLO-aware admission and idempotent request ids for the router (LegoDiffusion §5.3).
 
-Pure control-plane code: no grpc. The service asks :func:`admit` after routing, with the
-chosen worker's predicted completion time (``RouteDecision.score``: (queue + 1) × t_proc),
-and rejects at once what cannot finish before the deadline instead of queueing it without
-bound. :class:`RequestLedger` remembers request ids for a window so a client's retry returns
+Pure control-plane code: no grpc. A request is priced by :func:`request_cost`: pixels ×
+steps relative to the profile's reference request, so a level's profiled latency times the
+cost is what the request takes there (a 2048 × 2048, 1000-step request costs 80 reference
+requests). The service checks twice. Before classifying, :func:`earliest_completion_s` over
+the live workers (each at the cheapest level it could serve the request at, with its queue)
+refuses what cannot finish in time anyway, so a refusal never waits for the classifier.
+After routing, :func:`admit` gets the chosen worker's predicted completion time
+(``RouteDecision.score``: (queue + 1) × t_proc, scaled by the cost) and rejects at once what
+cannot finish before the deadline instead of queueing it without bound.
+
+:class:`RequestLedger` remembers request ids for a window so a client's retry returns
 the first call's result (or joins it while it runs) and the worker runs once; it holds at
 most ``max_entries`` ids, so memory stays bounded under any load.
 """
@@ -15,12 +22,13 @@ import math
 import statistics
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from argus.quoting import quoted
+from argus.types import ReferenceRequest
 
 R = TypeVar("R")
 
@@ -108,6 +116,45 @@ def admit(
         return AdmissionDecision(True, predicted_s, budget_s, 0.0)
     excess = max(predicted_s - max(budget_s, 0.0), min_retry_after_s)
     return AdmissionDecision(False, predicted_s, budget_s, excess)
+
+
+def request_cost(
+    width: int | None, height: int | None, steps: int | None, reference: ReferenceRequest
+) -> float:
+    """What one request costs in units of the profile's reference request: its pixels × its
+    steps over the reference's. A field the request leaves to the worker's default is priced
+    at the reference's value (cost 1 in that dimension): the profile's latencies are what the
+    router knows of a default request."""
+    pixels = (width or reference.width) * (height or reference.height)
+    return (
+        pixels / (reference.width * reference.height) * (steps or reference.steps) / reference.steps
+    )
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """One live worker as the pre-classification check sees it (a snapshot, under the
+    router's lock)."""
+
+    queue_length: int  # the router's requests waiting or running there
+    t_proc_s: float  # this request's service time there: the cheapest level it can serve × cost
+    head_elapsed_s: float = 0.0  # how long the request in service has run
+
+
+def earliest_completion_s(
+    rule: AdmissionRule, workers: Sequence[WorkerLoad], ahead: int = 0
+) -> tuple[float, float]:
+    """``(loaded, idle)``: the earliest completion of a request over ``workers`` by ``rule``
+    with their queues, and with every queue empty (what no wait can beat). ``ahead`` requests
+    already passed this check and are being classified: they will take about
+    ``ahead / len(workers)`` services of the cheapest worker first. ``(inf, inf)`` without
+    workers."""
+    if not workers:
+        return math.inf, math.inf
+    idle = min(rule.completion_s(0, w.t_proc_s) for w in workers)
+    loaded = min(rule.completion_s(w.queue_length, w.t_proc_s, w.head_elapsed_s) for w in workers)
+    cheapest = min(w.t_proc_s for w in workers)
+    return loaded + ahead * cheapest / len(workers), idle
 
 
 class IdConflictError(ValueError):

@@ -178,6 +178,7 @@ class RouterSettings:
     default_deadline_ms: int = 30_000
     max_in_flight: int = 256
     threads: int = 64
+    max_cost: float | None = None  # largest request, in the profile's reference requests
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -216,6 +217,7 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
         router_id=settings.router_id,
         default_deadline_ms=settings.default_deadline_ms,
         max_in_flight=settings.max_in_flight,
+        max_cost=settings.max_cost,
     )
     security = settings.security()
     classifier = load_prompt_classifier(settings.classifier)

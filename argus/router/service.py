@@ -2,14 +2,25 @@
 
 :class:`RouterCore` serves one request, top to bottom:
 
-1. check the request (:func:`check_request`, INVALID_ARGUMENT naming the field);
+1. check the request (:func:`check_request`, INVALID_ARGUMENT naming the field) and price it
+   (:func:`~argus.router.admission.request_cost`: pixels × steps over the profile's reference
+   request); a cost above ``max_cost`` is INVALID_ARGUMENT naming width, height and steps;
 2. claim its request id (a retry joins or returns the first call);
 3. take an in-flight slot (RESOURCE_EXHAUSTED when the router holds its maximum);
-4. classify the prompt (AC and SM levels; both are reported to the allocator);
-5. route on the installed plan (PASM sample, Eq. 3 worker selection) and admit against the
-   deadline (RESOURCE_EXHAUSTED with ``retry-after-ms`` trailing metadata);
-6. forward to the worker; a worker that is UNAVAILABLE mid-request is marked down and the
-   request is routed again to another worker while the deadline allows.
+4. admit early, before the classifier: the earliest completion over the live workers, each at
+   the cheapest level it may serve the request at, with their queues, the requests being
+   classified ahead of it and the classifier's backlog. A request that cannot finish in time
+   even on an idle worker is DEADLINE_EXCEEDED naming its fields; one that cannot finish in
+   time now is RESOURCE_EXHAUSTED with ``retry-after-ms``. Either way the refusal takes no
+   classifier time, which under overload is what keeps refusals fast and served throughput up;
+5. classify the prompt (AC and SM levels; both are reported to the allocator);
+6. route on the installed plan (PASM sample, Eq. 3 worker selection) and admit against the
+   deadline with the chosen worker's queue and the request's cost (RESOURCE_EXHAUSTED with
+   ``retry-after-ms`` trailing metadata);
+7. forward to the worker with the remaining time as the call's gRPC deadline (the worker
+   drops the request if it expires in its queue and stops denoising when it passes); a worker
+   that is UNAVAILABLE mid-request is marked down and the request is routed again to another
+   worker while the deadline allows.
 
 Plans come from ``install`` (wired to ``PlanWatcher``'s ``on_plan``). The clock is passed in.
 """
@@ -17,6 +28,7 @@ Plans come from ``install`` (wired to ``PlanWatcher``'s ``on_plan``). The clock 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -29,7 +41,7 @@ import grpc
 from argus import rpc
 from argus.allocator.control import PublishedPlan
 from argus.classifier.prompts import InvalidPromptError
-from argus.classifier.serving import BatcherClosed
+from argus.classifier.serving import BatcherClosed, BatcherFull
 from argus.grpc_server import reconnect_options, set_serving
 from argus.request_limits import (
     ImageLimits,
@@ -43,7 +55,10 @@ from argus.router.admission import (
     IdConflictError,
     LedgerFullError,
     RequestLedger,
+    WorkerLoad,
     admit,
+    earliest_completion_s,
+    request_cost,
 )
 from argus.router.metrics import RouterMetrics
 from argus.router.routing import PlanRouter, RouterConfig
@@ -118,7 +133,13 @@ class RouterServiceConfig:
     admission: AdmissionRule = field(default_factory=AdmissionRule)
     """How sure the predicted completion must be to admit a request (the simulator's rule)."""
 
+    max_cost: float | None = None
+    """Largest request accepted, in reference requests of the profile (pixels × steps over the
+    reference's; 80 for 2048 × 2048 at 1000 steps against 1024 × 1024 at 50); None: no cap."""
+
     def __post_init__(self) -> None:
+        if self.max_cost is not None and not (math.isfinite(self.max_cost) and self.max_cost > 0):
+            raise ValueError(f"max_cost: must be a finite number > 0, got {self.max_cost}")
         for name in ("default_deadline_ms", "max_in_flight", "max_ids", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -265,6 +286,8 @@ class RouterCore:
         self._classified: list[Classified] = []
         self._serving = 0
         self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
+        self._worker_levels: dict[str, tuple[int, str]] = {}  # worker → (level index, class)
+        self._classifying = 0  # requests admitted early and not yet routed
         self._models = {level.name: level.model for level in profiles.levels}
         self.worker_calls = 0  # Generate calls sent to workers (tests, metrics)
         if metrics is not None:
@@ -301,6 +324,12 @@ class RouterCore:
                 log.error("plan %d refused: %s", published.version, err)
                 return False
             self._addresses = {w.worker_id: w.address for w in published.workers}
+            levels = published.plan.allocation.levels
+            classes = published.worker_classes()
+            self._worker_levels = {
+                w: (levels.index(level), classes[w])
+                for w, level in published.plan.allocation.assignment.items()
+            }
             self._queues = {w: self._queues.get(w, 0) for w in self._addresses}
             self._head_started = {
                 w: t for w, t in self._head_started.items() if w in self._addresses
@@ -343,12 +372,13 @@ class RouterCore:
 
     def _generate(self, request: Any, arrived: float, deadline_s: float | None) -> Any:
         check_request(request, self.config.limits)
+        cost = self._price(request)
         budget_ms = request.deadline_ms if request.HasField("deadline_ms") else None
         deadline = arrived + (budget_ms or self.config.default_deadline_ms) / 1e3
         if deadline_s is not None:
             deadline = min(deadline, deadline_s)
         if not request.request_id:
-            return self._serve(request, arrived, deadline)
+            return self._serve(request, arrived, deadline, cost)
         try:
             future, owner = self._ledger.claim(request.request_id, fingerprint(request))
         except IdConflictError as err:
@@ -359,7 +389,7 @@ class RouterCore:
         if not owner:
             return self._join(future, deadline)
         try:
-            response = self._serve(request, arrived, deadline)
+            response = self._serve(request, arrived, deadline, cost)
         except BaseException as err:
             self._ledger.fail(request.request_id, err)
             raise
@@ -374,7 +404,25 @@ class RouterCore:
                 grpc.StatusCode.DEADLINE_EXCEEDED, "the first call with this id is still running"
             ) from None
 
-    def _serve(self, request: Any, arrived: float, deadline: float) -> Any:
+    def _price(self, request: Any) -> float:
+        """The request's cost in reference requests; INVALID_ARGUMENT above ``max_cost``."""
+
+        def given(name: str) -> int | None:
+            return getattr(request, name) if request.HasField(name) else None
+
+        ref = self.profiles.reference
+        cost = request_cost(given("width"), given("height"), given("steps"), ref)
+        cap = self.config.max_cost
+        if cap is not None and cost > cap:
+            raise RouterError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"width, height, steps: {_size(request)} costs {cost:.3g} reference requests "
+                f"({ref.width}×{ref.height}, {ref.steps} steps); this deployment accepts at "
+                f"most {cap:.3g}",
+            )
+        return cost
+
+    def _serve(self, request: Any, arrived: float, deadline: float, cost: float) -> Any:
         if not self._in_flight.acquire(blocking=False):
             self._rejected("busy")
             raise RouterError(
@@ -385,7 +433,7 @@ class RouterCore:
         with self._lock:
             self._serving += 1
         try:
-            return self._classify_route_forward(request, arrived, deadline)
+            return self._classify_route_forward(request, arrived, deadline, cost)
         finally:
             with self._lock:
                 self._serving -= 1
@@ -401,27 +449,105 @@ class RouterCore:
             raise RouterError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while classifying"
             ) from None
+        except BatcherFull as err:
+            self._rejected("busy")
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), 0.1) from None
         except BatcherClosed:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "router shutting down", 1.0) from None
 
-    def _classify_route_forward(self, request: Any, arrived: float, deadline: float) -> Any:
-        levels = self._classify(request.prompt, deadline)
+    def _admit_early(self, request: Any, arrived: float, deadline: float, cost: float) -> None:
+        """Refuse, before the classifier sees the prompt, a request that cannot finish by
+        ``deadline`` on any live worker at the cheapest level it may be served at; otherwise
+        count it among the requests being classified (the caller uncounts it)."""
+        backlog = getattr(self.classifier, "backlog_s", None)
+        classifier_s = backlog() if backlog is not None else 0.0
+        with self._lock:
+            self._arrivals.append(arrived)  # refused or not, it is load the allocator plans for
+            plan = self._router.plan
+            if plan is None:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no plan yet", 1.0)
+            cap = self._level_cap(plan.strategy, request)
+            now = self._clock()
+            loads = self._loads(cap, cost, now)
+            if not loads:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no live worker left", 1.0)
+            loaded, idle = earliest_completion_s(self.config.admission, loads, self._classifying)
+            budget = deadline - now
+            if idle > budget:
+                self._rejected("deadline")
+                raise RouterError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"width, height, steps, deadline_ms: {_size(request)} ({cost:.3g} reference "
+                    f"requests) takes {idle * 1e3:.0f} ms on an idle worker, more than the "
+                    f"{budget * 1e3:.0f} ms left",
+                )
+            verdict = admit(loaded + classifier_s, budget)
+            if not verdict.admitted:
+                self._rejected("deadline")
+                raise RouterError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"deadline: the earliest completion is {verdict.predicted_s * 1e3:.0f} ms "
+                    f"away (classifier backlog {classifier_s * 1e3:.0f} ms), more than the "
+                    f"{verdict.budget_s * 1e3:.0f} ms left",
+                    verdict.retry_after_s,
+                )
+            self._classifying += 1
+
+    def _loads(self, cap: int | None, cost: float, now: float) -> list[WorkerLoad]:
+        """The live workers that may serve a request capped at level ``cap``, each with the
+        request's service time at the cheapest level it can serve it at. Under the lock."""
+        down = self._down(now)
+        loads = []
+        for worker, (index, worker_class) in self._worker_levels.items():
+            if worker in down:
+                continue
+            if cap is not None and index > cap:
+                if self._model_of(index) != self._model_of(cap):
+                    continue
+                index = cap  # it runs the capped level on the same model (see _route_capped)
+            latency = self.profiles.profile(worker_class, self._router.level_name(index)).latency_s
+            queue = self._queues.get(worker, 0)
+            elapsed = now - self._head_started.get(worker, now)
+            loads.append(WorkerLoad(queue, latency * cost, elapsed))
+        return loads
+
+    def _level_cap(self, strategy: Strategy, request: Any) -> int | None:
+        """The highest level index ``request`` may be served at: its ``max_level_index`` and
+        the levels that skip fewer steps than it runs; None when any level may serve it."""
+        max_level = request.max_level_index if request.HasField("max_level_index") else None
+        if not request.HasField("steps"):
+            return max_level
+        steps = request.steps
+        runnable = self._runnable[strategy](steps)
+        if runnable < 0:
+            raise RouterError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"steps: {steps} leaves no level of {strategy.value} runnable",
+            )
+        return runnable if max_level is None else min(max_level, runnable)
+
+    def _classify_route_forward(
+        self, request: Any, arrived: float, deadline: float, cost: float
+    ) -> Any:
+        self._admit_early(request, arrived, deadline, cost)
+        try:
+            levels = self._classify(request.prompt, deadline)
+        finally:
+            with self._lock:
+                self._classifying -= 1
         classified_at = self._clock()
         if self.metrics is not None:
             self.metrics.classify.observe(classified_at - arrived)
         with self._lock:
-            self._arrivals.append(arrived)
             self._classified.append(Classified(classified_at, dict(levels)))
             for strategy, level in levels.items():
                 if self._router.plan is not None:
                     self._router.observe(strategy, level)
-        max_level = request.max_level_index if request.HasField("max_level_index") else None
-        steps = request.steps if request.HasField("steps") else None
         tried: set[str] = set()
         admitted = False
         try:
             for attempt in range(1, self.config.max_attempts + 1):
-                decision, strategy, address = self._route(levels, deadline, tried, max_level, steps)
+                decision, strategy, address = self._route(levels, deadline, tried, request, cost)
                 admitted = True
                 routed_at = self._clock()
                 try:
@@ -451,24 +577,18 @@ class RouterCore:
         levels: Mapping[Strategy, int],
         deadline: float,
         tried: set[str],
-        max_level: int | None,
-        steps: int | None,
+        request: Any,
+        cost: float,
     ) -> tuple[RouteDecision, Strategy, str]:
         """Route and admit under the lock; the chosen worker's queue counts this request.
 
-        Levels that skip as many steps as the request runs (K ≥ N) are never chosen."""
+        Levels that skip as many steps as the request runs (K ≥ N) are never chosen; the
+        chosen level's latency is scaled by the request's ``cost``."""
         with self._lock:
             plan = self._router.plan
             if plan is None:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, "no plan yet", 1.0)
-            if steps is not None:
-                runnable = self._runnable[plan.strategy](steps)
-                if runnable < 0:
-                    raise RouterError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"steps: {steps} leaves no level of {plan.strategy.value} runnable",
-                    )
-                max_level = runnable if max_level is None else min(max_level, runnable)
+            max_level = self._level_cap(plan.strategy, request)
             now = self._clock()
             down = self._down(now) | tried
             decision = self._route_capped(levels.get(plan.strategy, 0), down, max_level)
@@ -476,7 +596,7 @@ class RouterCore:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, "no live worker left", 1.0)
             worker = decision.worker_id
             queue = self._queues.get(worker, 0)
-            t_proc = decision.score / (queue + 1)  # the score is (queue + 1) × t_proc
+            t_proc = cost * decision.score / (queue + 1)  # the score is (queue + 1) × t_proc
             elapsed = now - self._head_started.get(worker, now)
             predicted = self.config.admission.completion_s(queue, t_proc, elapsed)
             verdict = admit(predicted, deadline - now)
@@ -597,6 +717,16 @@ class RouterCore:
             ),
             worker_response=worker,
         )
+
+
+def _size(request: Any) -> str:
+    """The request's size for messages, "W×H, N steps" ("default" for a field it left to the
+    worker)."""
+
+    def given(name: str) -> str:
+        return str(getattr(request, name)) if request.HasField(name) else "default"
+
+    return f"{given('width')}×{given('height')}, {given('steps')} steps"
 
 
 def _runnable_levels(profiles: ProfileSet, strategy: Strategy) -> Callable[[int], int]:

@@ -19,6 +19,13 @@ A request names a *level* of the worker's profile (or gets the configured one):
 If the level's model is not loaded the active model serves the request at the same K (AC) or
 from noise (SM) and the response says ``substituted``; loads are the job of ``configure``.
 
+Deadlines and cancellation: the transport hands :meth:`Worker.generate` a
+:class:`~argus.worker.pipelines.CancelToken` (the call's deadline, and a flag its client's
+going away sets). A request whose token says stop while it waits for the GPU is dropped
+without running; one that is denoising stops at the next step boundary and frees the GPU at
+once. Both raise :class:`~argus.worker.pipelines.Cancelled` and are counted by reason
+("cancelled", "expired") and stage ("queued", "running") in :meth:`Worker.stats`.
+
 Adapters (LoRAs, ControlNets) are checked with the rest of the request and run through
 :class:`~argus.worker.adapters.WorkerAdapters` (see there for how they meet the cache: a
 request with ControlNets never resumes from a cached latent, and no adapter request feeds it).
@@ -50,7 +57,14 @@ from argus.request_limits import (
 )
 from argus.types import Level, ProfileSet, Strategy
 from argus.worker.adapters import NO_ADAPTERS, AdapterPlan, WorkerAdapters
-from argus.worker.pipelines import DenoiseResult, DiffusionModel, GenerationSpec
+from argus.worker.pipelines import (
+    NEVER_CANCELLED,
+    Cancelled,
+    CancelToken,
+    DenoiseResult,
+    DiffusionModel,
+    GenerationSpec,
+)
 from argus.worker.registry import ModelInfo, ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -65,6 +79,8 @@ class NoModelError(RuntimeError):
 
 
 WARM_UP_PROMPT = "a warm-up image, never served"
+# how often a request waiting for the GPU looks at its token (client gone, deadline passed)
+QUEUE_POLL_S = 0.05
 
 
 class CacheOutcome(Enum):
@@ -138,6 +154,19 @@ class WorkerStats:
     memory_budget_bytes: int
     memory_used_bytes: int
     dropped_inserts: int
+    # requests stopped by their token: reason ("cancelled", "expired") → stage → count, where
+    # "queued" ones never ran and "running" ones stopped at a step boundary
+    stopped: dict[str, dict[str, int]] = field(default_factory=dict)
+    denoise_runs: int = 0  # denoising loops started (warm-up included)
+    denoise_steps: int = 0  # denoising steps run (warm-up included)
+
+    @property
+    def cancelled(self) -> int:
+        return sum(self.stopped.get("cancelled", {}).values())
+
+    @property
+    def expired(self) -> int:
+        return sum(self.stopped.get("expired", {}).values())
 
 
 class Worker:
@@ -268,7 +297,9 @@ class Worker:
 
     # -- the request path ------------------------------------------------------------------
 
-    def generate(self, call: GenerateCall) -> GenerateResult:
+    def generate(self, call: GenerateCall, cancel: CancelToken = NEVER_CANCELLED) -> GenerateResult:
+        """Serve one request. Raises :class:`Cancelled` when ``cancel`` says stop before the
+        request got the GPU (it never runs) or between two of its steps."""
         spec, level, plan = self.validate(call)
         with self._lock:
             if self._queued >= self.config.max_queue:
@@ -278,16 +309,26 @@ class Worker:
                 )
             self._queued += 1
         arrived = time.perf_counter()
+        stage = "queued"
         try:
-            with self._slots:
+            self._wait_for_slot(cancel)
+            try:
+                stage = "running"
                 started = time.perf_counter()
-                result = self._run(spec, level, plan, call.request_id)
+                result = self._run(spec, level, plan, call.request_id, cancel=cancel)
+            finally:
+                self._slots.release()
             result.timing_ms["queue_ms"] = (started - arrived) * 1e3
             result.timing_ms["total_ms"] = (time.perf_counter() - arrived) * 1e3
             with self._lock:
                 self._counts["completed"] += 1
                 self._counts["substituted"] += result.substituted
             return result
+        except Cancelled as stop:
+            stop.stage = stage
+            with self._lock:
+                self._counts[f"stopped:{stop.reason}:{stage}"] += 1
+            raise
         except Exception:
             with self._lock:
                 self._counts["failed"] += 1
@@ -295,6 +336,25 @@ class Worker:
         finally:
             with self._lock:
                 self._queued -= 1
+
+    def _wait_for_slot(self, cancel: CancelToken) -> None:
+        """Take the GPU slot, or raise :class:`Cancelled` without it once ``cancel`` says stop
+        (a request whose deadline passed in the queue is never run)."""
+        while True:
+            cancel.check()
+            remaining = cancel.remaining_s()
+            wait = QUEUE_POLL_S if remaining is None else min(QUEUE_POLL_S, max(remaining, 0.0))
+            if self._slots.acquire(timeout=wait):
+                break
+        try:
+            cancel.check()  # it may have expired while the slot was being handed over
+        except Cancelled:
+            self._slots.release()
+            raise
+
+    def _count_step(self, step: int) -> None:
+        with self._lock:
+            self._counts["denoise_steps"] += 1
 
     def _run(
         self,
@@ -304,6 +364,7 @@ class Worker:
         request_id: str,
         *,
         feed_cache: bool = True,
+        cancel: CancelToken = NEVER_CANCELLED,
     ) -> GenerateResult:
         model = self.registry.get(level.model)
         substituted = model is None
@@ -350,9 +411,12 @@ class Worker:
             and not plan  # the cache holds the base model's latents alone
         )
         capture = self._cache_steps(spec.steps) if feeds_cache else ()
+        with self._lock:
+            self._counts["denoise_runs"] += 1
         result, adapter_path = self._denoise(
-            model, spec, plan, request_id, start_latents, start_step, capture, timing
+            model, spec, plan, request_id, start_latents, start_step, capture, timing, cancel
         )
+        cancel.check(result.steps_run)  # decoding a large image is worth skipping too
         timing["encode_ms"] = result.encode_s * 1e3
         timing["denoise_ms"] = result.denoise_s * 1e3
         began = time.perf_counter()
@@ -390,12 +454,19 @@ class Worker:
         start_step: int,
         capture: tuple[int, ...],
         timing: dict[str, float],
+        cancel: CancelToken,
     ) -> tuple[DenoiseResult, str]:
         """Denoise with the request's adapters; returns the result and the adapter path."""
 
         def run(**extra: Any) -> DenoiseResult:
             return model.denoise(
-                spec, start_latents=start_latents, start_step=start_step, capture=capture, **extra
+                spec,
+                start_latents=start_latents,
+                start_step=start_step,
+                capture=capture,
+                cancel=cancel,
+                on_step=self._count_step,
+                **extra,
             )
 
         if self.adapters is None or (not plan and self.adapters.peer is None):
@@ -496,6 +567,9 @@ class Worker:
             memory_budget_bytes=self.registry.budget,
             memory_used_bytes=self.registry.used_bytes(),
             dropped_inserts=counts.get("dropped_inserts", 0),
+            stopped=_stopped(counts),
+            denoise_runs=counts.get("denoise_runs", 0),
+            denoise_steps=counts.get("denoise_steps", 0),
         )
 
     def close(self) -> None:
@@ -505,3 +579,13 @@ class Worker:
         self.registry.close()
         if self.cache is not None:
             self.cache.close()
+
+
+def _stopped(counts: dict[str, int]) -> dict[str, dict[str, int]]:
+    """The "stopped:<reason>:<stage>" counters as reason → stage → count."""
+    stopped: dict[str, dict[str, int]] = {}
+    for key, count in counts.items():
+        if key.startswith("stopped:"):
+            _, reason, stage = key.split(":")
+            stopped.setdefault(reason, {})[stage] = count
+    return stopped

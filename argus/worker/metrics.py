@@ -60,6 +60,14 @@ class WorkerMetrics:
             "Requests served by the active model because their level's model was not loaded",
             registry=reg,
         )
+        self.stopped = Counter(
+            "argus_worker_stopped",
+            "Requests stopped before they finished, by reason (cancelled: the client went away; "
+            "expired: the deadline passed) and stage (queued: never ran; running: stopped at a "
+            "step boundary)",
+            ["reason", "stage"],
+            registry=reg,
+        )
         self.queue_length = Gauge(
             "argus_worker_queue_length",
             "Requests waiting or running",
@@ -93,6 +101,9 @@ class WorkerMetrics:
 
     def observe_error(self, code: str) -> None:
         self.errors.labels(code).inc()
+
+    def observe_stopped(self, reason: str, stage: str) -> None:
+        self.stopped.labels(reason, stage).inc()
 
     def observe_load(self, model: str, seconds: float) -> None:
         self.model_loads.labels(model).inc()

@@ -10,7 +10,10 @@ stock call does not give:
   given latents by ``init_noise_sigma`` and starts at step 0;
 * **capture** the latents after K steps, for every K the cache keeps, during a full run;
 * **step hooks**, the seam the adapter workflows (LoRA patching at step boundaries,
-  ControlNet residuals) attach to.
+  ControlNet residuals) attach to;
+* **cancellation** at step boundaries: a :class:`CancelToken` whose client went away or whose
+  deadline passed stops the loop before its next step with :class:`Cancelled`, so an expired
+  request frees the GPU after at most one more step instead of running to the end.
 
 Everything else is the pipeline's own: ``encode_prompt``, SDXL's time ids, the scheduler
 (a fresh instance per request, built from the pipeline's scheduler config, so requests never
@@ -36,6 +39,56 @@ import torch
 from PIL import Image
 
 from argus.worker.models import make_scheduler, scheduler_name
+
+
+class Cancelled(Exception):
+    """A request stopped before it finished: its client cancelled the call (``reason``
+    "cancelled") or its deadline passed (``reason`` "expired")."""
+
+    def __init__(self, reason: str, steps_done: int = 0) -> None:
+        super().__init__(
+            "deadline passed" if reason == "expired" else "the client cancelled the call"
+        )
+        self.reason = reason
+        self.steps_done = steps_done
+        self.stage = "running"  # or "queued": set by the worker when it never got the GPU
+
+
+class CancelToken:
+    """Whether one request should stop: set by the transport when its client goes away, or
+    by the clock when ``deadline`` (a ``time.monotonic()`` time; None: none) has passed.
+    Thread-safe: the gRPC callback thread cancels while the denoising thread checks."""
+
+    def __init__(
+        self, deadline: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.deadline = deadline
+        self._clock = clock
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def reason(self) -> str | None:
+        """ "cancelled", "expired" or None while the request should go on."""
+        if self._cancelled.is_set():
+            return "cancelled"
+        if self.deadline is not None and self._clock() >= self.deadline:
+            return "expired"
+        return None
+
+    def remaining_s(self) -> float | None:
+        """Seconds to the deadline (may be negative); None without a deadline."""
+        return None if self.deadline is None else self.deadline - self._clock()
+
+    def check(self, steps_done: int = 0) -> None:
+        """Raise :class:`Cancelled` if the request should stop."""
+        reason = self.reason()
+        if reason is not None:
+            raise Cancelled(reason, steps_done)
+
+
+NEVER_CANCELLED = CancelToken()
 
 # called after every step with (steps done, latents); may return replacement latents
 StepHook = Callable[[int, torch.Tensor], torch.Tensor | None]
@@ -207,6 +260,8 @@ class DiffusionModel:
         before_step: Iterable[StepStart] = (),
         predictor: NoisePredictor | None = None,
         on_exit: Iterable[Callable[[], None]] = (),
+        cancel: CancelToken = NEVER_CANCELLED,
+        on_step: Callable[[int], None] | None = None,
     ) -> DenoiseResult:
         """Run steps ``start_step`` … N−1; ``start_latents`` are the latents after ``start_step``.
 
@@ -217,6 +272,11 @@ class DiffusionModel:
         ends, normally or by an exception. All run under the model's lock, so a callback may
         patch the model's weights for this request alone and undo it before another request
         can see them.
+
+        ``cancel`` is checked before every step: once it says stop, the loop raises
+        :class:`Cancelled` without running another step (``on_exit`` still runs).
+        ``on_step`` is called with the index of each step after it ran (the worker counts
+        steps with it).
         """
         if not 0 <= start_step < spec.steps:
             raise ValueError(f"start_step {start_step} outside [0, {spec.steps})")
@@ -245,10 +305,13 @@ class DiffusionModel:
                 captured: dict[int, torch.Tensor] = {}
                 step = start_step
                 for t in timesteps:
+                    cancel.check(step - start_step)
                     for start in starts:
                         start(step)
                     noise = predict(latents, t, cond, scheduler, step)
                     latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+                    if on_step is not None:
+                        on_step(step)
                     step += 1
                     for hook in hooks:
                         replaced = hook(step, latents)

@@ -7,8 +7,14 @@ status codes; the work is the engine's:
 * :class:`~argus.worker.engine.QueueFullError` → ``RESOURCE_EXHAUSTED``;
 * an unknown variant → ``INVALID_ARGUMENT`` on ``variant``; a load that does not fit →
   ``RESOURCE_EXHAUSTED``;
-* no model loaded yet → ``UNAVAILABLE``; anything else → ``INTERNAL`` with the error's text,
-  and the worker keeps serving.
+* :class:`~argus.worker.pipelines.Cancelled` → ``DEADLINE_EXCEEDED`` when the call's deadline
+  passed (in the queue or between two steps), ``CANCELLED`` when its client went away;
+* no model loaded yet → ``UNAVAILABLE``; anything else → ``INTERNAL`` with the error's type
+  (its text, which may hold server paths, is logged, not sent), and the worker keeps serving.
+
+Each Generate call gets a :class:`~argus.worker.pipelines.CancelToken` with the call's gRPC
+deadline, and ``context.add_callback`` sets it when the call ends early (client cancelled,
+deadline), so the engine stops work nobody waits for.
 
 Health (``grpc.health.v1``) says ``NOT_SERVING`` until the worker is ready (``Worker.ready``:
 a model is loaded and its warm-up run is done); it is answered by the gRPC thread pool, never
@@ -17,6 +23,9 @@ behind the denoising semaphore.
 
 from __future__ import annotations
 
+import logging
+import re
+import time
 from typing import Any
 
 import grpc
@@ -37,11 +46,14 @@ from argus.worker.engine import (
     WorkerStats,
 )
 from argus.worker.metrics import WorkerMetrics
+from argus.worker.pipelines import Cancelled, CancelToken
 from argus.worker.registry import LoadState, MemoryGuardError, ModelInfo, UnknownModelError
 
 common_pb2: Any = rpc.load("common_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = "argus.v1.Worker"
 
@@ -124,6 +136,11 @@ def stats_to_pb(stats: WorkerStats) -> Any:
         models=[model_to_pb(m) for m in stats.models],
         memory_budget_bytes=stats.memory_budget_bytes,
         memory_used_bytes=stats.memory_used_bytes,
+        cancelled_queued=stats.stopped.get("cancelled", {}).get("queued", 0),
+        cancelled_running=stats.stopped.get("cancelled", {}).get("running", 0),
+        expired_queued=stats.stopped.get("expired", {}).get("queued", 0),
+        expired_running=stats.stopped.get("expired", {}).get("running", 0),
+        denoise_steps=stats.denoise_steps,
     )
     if cache is not None:
         message.search_p50_ms = cache.search_p50_s * 1e3
@@ -144,18 +161,51 @@ def strategy_from_pb(value: int) -> Strategy | None:
 # -- the servicer --------------------------------------------------------------------------
 
 
+# an absolute POSIX path: a '/' not preceded by a word character, ':' (URLs), '/' or '.'
+_SERVER_PATH = re.compile(r"(?<![\w:/.])/[\w.@+-]+(?:/[\w.@+-]*)*")
+
+
+def public_details(details: str) -> str:
+    """``details`` with every absolute filesystem path replaced by ``<server path>``: a
+    status's text goes to the client, which needs the field and the adapter's name, never
+    where the server keeps its files (errors name those for the log)."""
+    return _SERVER_PATH.sub("<server path>", details)
+
+
 def status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status code and details a Generate failure is reported with."""
+    """The status code and details a Generate failure is reported with (paths scrubbed)."""
+    code, details = _status_of(err)
+    return code, public_details(details)
+
+
+def _status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(err, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(err)
     if isinstance(err, QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+    if isinstance(err, Cancelled):
+        if err.reason == "expired":
+            return grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed: {err.steps_done} steps run"
+        return grpc.StatusCode.CANCELLED, str(err)
     if isinstance(err, NoModelError):
         return grpc.StatusCode.UNAVAILABLE, str(err)
     adapter = adapter_status(err)
     if adapter is not None:
         return getattr(grpc.StatusCode, adapter[0]), adapter[1]
-    return grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"
+    # an unexpected error's text can carry server paths (a file that failed to open): the
+    # log keeps it, the client gets its type
+    log.error("Generate failed", exc_info=err)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__}); see the worker's log"
+
+
+def cancel_token(context: grpc.ServicerContext) -> CancelToken:
+    """A token with the call's deadline, set when the call ends before the worker answered
+    (its client cancelled or went away, or the deadline passed)."""
+    remaining = context.time_remaining()
+    deadline = None if remaining is None else time.monotonic() + remaining
+    token = CancelToken(deadline)
+    context.add_callback(token.cancel)
+    return token
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
@@ -171,11 +221,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            result = self.worker.generate(call_from_pb(request))
+            result = self.worker.generate(call_from_pb(request), cancel_token(context))
         except Exception as err:  # every failure becomes a status; the worker keeps serving
             code, details = status_of(err)
             if self.metrics is not None:
                 self.metrics.observe_error(code.name)
+                if isinstance(err, Cancelled):
+                    self.metrics.observe_stopped(err.reason, err.stage)
             context.abort(code, details)
         if self.metrics is not None:
             self.metrics.observe(result)
@@ -196,7 +248,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         except MemoryGuardError as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         except Exception as err:  # a failed load reported through wait
-            context.abort(grpc.StatusCode.INTERNAL, f"variant: load failed: {err}")
+            log.error("variant %s: load failed", request.variant, exc_info=err)
+            details = public_details(f"variant: load failed: {err}")
+            context.abort(grpc.StatusCode.INTERNAL, details)
         future.add_done_callback(lambda _: self.update_health())
         self.update_health()
         stats = self.worker.stats()

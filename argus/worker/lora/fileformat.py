@@ -365,7 +365,8 @@ def read_file(path: str, *, share: bool) -> SharedRead | ReadFailure:
     except FormatProblem as problem:
         return ReadFailure("format", str(problem))
     except OSError as err:
-        return ReadFailure("io", f"cannot read {path}: {err.strerror or err}")
+        # the message reaches clients: the reason, not the server's path (the loader logs it)
+        return ReadFailure("io", f"cannot read its file: {err.strerror or type(err).__name__}")
     return SharedRead(layout, data, time.perf_counter() - began)
 
 

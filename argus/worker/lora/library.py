@@ -35,7 +35,8 @@ class LoraLibrary:
             )
         candidate = (self.root / f"{name}{SUFFIX}").resolve()
         if candidate.parent != self.root or not candidate.is_file():
-            raise LoraNotFoundError(name, f"no such LoRA in {self.root}", field=field)
+            # the directory is the server's business: the client gets the name alone
+            raise LoraNotFoundError(name, "no such LoRA in this worker's library", field=field)
         return candidate
 
     def names(self) -> list[str]:

@@ -30,6 +30,7 @@ future, as :class:`LoraFormatError` or :class:`LoraLoadError`.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -56,6 +57,8 @@ from argus.worker.lora.fileformat import ReadFailure, SharedRead, read_file
 from argus.worker.lora.library import LoraLibrary
 from argus.worker.lora.patch import LoadedLora, loaded_from
 from argus.worker.lora.session import LoraRequest, LoraSession, PendingLora
+
+log = logging.getLogger(__name__)
 
 START_METHODS = ("spawn", "forkserver")
 
@@ -319,7 +322,9 @@ class LoraLoader:
         try:
             info = path.stat()
         except OSError as err:
-            raise LoraLoadError(request.name, f"cannot stat {path}: {err}") from None
+            log.warning("LoRA %s: cannot stat %s: %s", request.name, path, err)
+            message = f"cannot stat its file: {err.strerror or type(err).__name__}"
+            raise LoraLoadError(request.name, message) from None
         return (str(path), info.st_mtime_ns, info.st_size), str(path)
 
     def _admit(self, requests: list[LoraRequest]) -> list[tuple[Future[LoadedLora], bool]]:
@@ -379,7 +384,9 @@ class LoraLoader:
         except Exception as err:  # no pool can take it: fail this load, not the loader
             self._in_flight.pop(key, None)
             self._counts["failures"] += 1
-            public.set_exception(LoraLoadError(request.name, f"cannot start the load: {err}"))
+            log.warning("LoRA %s: cannot start the load of %s", request.name, path, exc_info=err)
+            message = f"cannot start the load: {type(err).__name__}"
+            public.set_exception(LoraLoadError(request.name, message))
             return public, False
 
         def finish(done: Future[SharedRead | ReadFailure]) -> None:
@@ -423,10 +430,12 @@ class LoraLoader:
             broken = True
             error = LoraLoadError(name, "a LoRA loader process died; the pool restarts")
         except Exception as err:  # anything else the loader raised: the file is not to blame
-            error = LoraLoadError(name, f"loader failed: {type(err).__name__}: {err}")
+            log.warning("LoRA %s: the loader failed on %s", name, path, exc_info=err)
+            error = LoraLoadError(name, f"loader failed: {type(err).__name__}")
         else:
             if isinstance(outcome, ReadFailure):
                 kind = LoraFormatError if outcome.kind == "format" else LoraLoadError
+                log.warning("LoRA %s (%s): %s", name, path, outcome.message)
                 error = kind(name, outcome.message)
             else:
                 try:
