@@ -175,3 +175,44 @@ def test_slo_defaults_to_the_simulators_rule() -> None:
     assert RouterServiceConfig(slo_s=2.0).slo_for(PROFILES) == 2.0
     with pytest.raises(ValueError, match="slo_s"):
         RouterServiceConfig(slo_s=0.0)
+
+
+# -- worker channels ------------------------------------------------------------------------
+
+
+class FakeChannel:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def unary_unary(self, *args: object, **kwargs: object) -> object:
+        return lambda *a, **k: None
+
+    def unary_stream(self, *args: object, **kwargs: object) -> object:
+        return lambda *a, **k: None
+
+
+def test_a_channel_dropped_from_the_plan_closes_only_after_its_grace() -> None:
+    from argus.router.service import WorkerChannels
+
+    now = [0.0]
+    made: list[FakeChannel] = []
+
+    def factory(address: str) -> FakeChannel:
+        made.append(FakeChannel(address))
+        return made[-1]
+
+    channels = WorkerChannels(factory, grace_s=60.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    channels.stub("w1:1"), channels.stub("w2:1")
+    channels.keep_only({"w2:1"})  # w1 left the plan; a call on its channel may still run
+    assert not made[0].closed
+    channels.stub("w1:1")  # it rejoins at the same address: a new channel
+    assert len(made) == 3
+    now[0] = 61.0
+    channels.keep_only({"w1:1", "w2:1"})
+    assert made[0].closed and not made[1].closed and not made[2].closed
+    channels.close()
+    assert all(channel.closed for channel in made)

@@ -19,7 +19,7 @@ from argus.cli.up import GAVE_UP_EXIT
 from argus.client import Connection, RequestFailed, RouterClient
 
 BOUND_S = 240.0
-WHILE_REJOINING = ("UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED")
+WHILE_REJOINING = ("UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")
 
 
 class Up:

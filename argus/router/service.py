@@ -220,12 +220,27 @@ def _worker_channel(address: str) -> grpc.Channel:
 
 
 class WorkerChannels:
-    """One gRPC channel per worker address, reused across requests; closed when dropped."""
+    """One gRPC channel per worker address, reused across requests.
 
-    def __init__(self, factory: Callable[[str], grpc.Channel] | None = None) -> None:
+    A channel dropped from the plan is closed only ``grace_s`` later: closing a gRPC channel
+    cancels the calls on it, and a worker that left a plan (or was restarted at the same
+    address and rejoins) may still be serving requests the router sent it, which would
+    otherwise fail as CANCELLED although nobody cancelled them.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[str], grpc.Channel] | None = None,
+        *,
+        grace_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._factory = factory or _worker_channel
+        self._grace_s = grace_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._stubs: dict[str, tuple[grpc.Channel, Any]] = {}
+        self._retired: list[tuple[float, grpc.Channel]] = []  # (close at, channel)
 
     def stub(self, address: str) -> Any:
         with self._lock:
@@ -237,14 +252,26 @@ class WorkerChannels:
             return found[1]
 
     def keep_only(self, addresses: set[str]) -> None:
+        """Retire the channels of addresses not in ``addresses``; close retired channels
+        whose grace has passed."""
+        now = self._clock()
         with self._lock:
             gone = [a for a in self._stubs if a not in addresses]
-            channels = [self._stubs.pop(a)[0] for a in gone]
-        for channel in channels:
+            self._retired += [(now + self._grace_s, self._stubs.pop(a)[0]) for a in gone]
+            due = [channel for at, channel in self._retired if at <= now]
+            self._retired = [(at, channel) for at, channel in self._retired if at > now]
+        for channel in due:
             channel.close()
 
     def close(self) -> None:
-        self.keep_only(set())
+        """Close every channel now (the router is stopping)."""
+        with self._lock:
+            channels = [channel for channel, _ in self._stubs.values()]
+            channels += [channel for _, channel in self._retired]
+            self._stubs.clear()
+            self._retired.clear()
+        for channel in channels:
+            channel.close()
 
 
 # -- the core ------------------------------------------------------------------------------
