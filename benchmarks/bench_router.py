@@ -28,8 +28,9 @@ classifier's answer, so it includes the request checks, the id ledger and the in
 CPU % is each process's user + system time over the rate's wall time (from ``/proc``), 100% =
 one core. The router's garbage collections are counted with ``gc.callbacks``: a full (gen 2)
 collection stops the whole process for as long as it walks every tracked object, which the
-real classifier's torch and transformers make hundreds of thousands; ``--gc-freeze`` calls
-``gc.freeze()`` in the router after start-up to show what taking those out of its reach buys.
+real classifier's torch and transformers make hundreds of thousands; the router calls
+``gc.freeze()`` after start-up, as ``argus router`` does, and ``--no-gc-freeze`` shows what
+a router without it pays.
 
 The classifier is the router's own by default (``--classifier default``): the committed
 ``classifiers/minilm-logistic`` loaded by ``load_prompt_classifier`` with the serving defaults
@@ -51,7 +52,7 @@ wall time (first send to last answer).
 
     .venv/bin/python benchmarks/bench_router.py [--rates 10,100,500] [--seconds 10]
         [--workers 4] [--classifier default|stub] [--deadline-ms router|auto|MS]
-        [--request-ids unique|none] [--metrics] [--gc-freeze] [--json PATH]
+        [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--json PATH]
 
 These are figures for stub-fast workers on this machine: every process shares its CPUs.
 """
@@ -211,7 +212,7 @@ def start_router(
 ) -> tuple[dict[str, Any], Callable[[], None]]:
     """A router serving on a plan the allocator made for ``workers``; returns its port, the
     plan's summary and a closer. ``gc_freeze``: move every object made so far out of the
-    collector's reach (``gc.freeze``), as a router process could after loading its classifier."""
+    collector's reach (``gc.freeze``), as ``argus router`` does after loading its classifier."""
     from argus.allocator.client import AllocatorClient
     from argus.allocator.control import ControlConfig
     from argus.allocator.membership import WorkerReport
@@ -594,7 +595,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--metrics", action="store_true", help="count in RouterMetrics")
     parser.add_argument(
-        "--gc-freeze", action="store_true", help="gc.freeze() in the router after start-up"
+        "--gc-freeze",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="gc.freeze() in the router after start-up, as argus router does (default: yes)",
     )
     parser.add_argument("--seed", type=int, default=0, help="arrival times")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
