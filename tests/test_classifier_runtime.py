@@ -7,6 +7,7 @@ MiniLM artifacts. ONNX exports go to a temporary ``ARGUS_CACHE_DIR``.
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -183,11 +184,17 @@ def test_the_cache_is_bounded_and_forgets_the_least_recently_used() -> None:
 
 
 def test_a_swapped_encoder_never_reads_the_old_encoders_vectors() -> None:
-    old, new = FakeEncoder(), FakeEncoder()
     recent = RecentVectors()
-    recent.embed(constant_classifier(1, encoder=old), ["a cat"])
-    recent.embed(constant_classifier(1, encoder=new), ["a cat"])
-    assert new.texts == ["a cat"]
+    encoders = [FakeEncoder() for _ in range(50)]
+    for encoder in encoders:
+        recent.embed(constant_classifier(1, encoder=encoder), ["a cat"])
+        assert encoder.texts == ["a cat"]
+    del encoders
+    gc.collect()
+    for _ in range(50):  # new encoders, some perhaps where the freed ones were
+        encoder = FakeEncoder()
+        recent.embed(constant_classifier(1, encoder=encoder), ["a cat"])
+        assert encoder.texts == ["a cat"]
 
 
 def test_the_prompt_classifier_answers_the_same_from_its_cache() -> None:

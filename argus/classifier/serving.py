@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import queue
 import threading
 import time
@@ -159,9 +160,9 @@ class VectorCacheStats:
 class RecentVectors:
     """The encoder vectors of recently classified texts, by content: a bounded LRU.
 
-    Keyed by the encoder and the text as the encoder sees it (cleaned and cut), so a
-    hot-swapped head reuses the vectors of its unchanged encoder, and a swapped encoder never
-    reads another's (an entry remembers its encoder weakly; a hit needs the same object).
+    Keyed by the encoder (a serial number this cache gives each encoder object, never
+    reused) and the text as the encoder sees it (cleaned and cut), so a hot-swapped head
+    reuses the vectors of its unchanged encoder and a swapped encoder never reads another's.
     Thread-safe; the encoder runs outside the lock.
     """
 
@@ -169,10 +170,18 @@ class RecentVectors:
         if max_entries < 1:
             raise ValueError(f"max_entries: must be >= 1, got {max_entries}")
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[int, str], tuple[weakref.ref[Any], Float32Array]]
-        self._entries = OrderedDict()
+        self._entries: OrderedDict[tuple[int, str], Float32Array] = OrderedDict()
+        # each encoder's serial number, never reused (an id() is, once its object is gone)
+        self._serials: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._next_serial = itertools.count()
         self._lock = threading.Lock()
         self._hits = self._misses = 0
+
+    def _serial(self, encoder: Any) -> int:
+        serial = self._serials.get(encoder)
+        if serial is None:
+            serial = self._serials[encoder] = next(self._next_serial)
+        return serial
 
     def embed(
         self,
@@ -186,12 +195,12 @@ class RecentVectors:
         out = np.empty((len(texts), encoder.dim), dtype=np.float32)
         missing: dict[str, list[int]] = {}
         with self._lock:
+            serial = self._serial(encoder)
             for i, text in enumerate(texts):
-                key = (id(encoder), text)
-                entry = self._entries.get(key)
-                if entry is not None and entry[0]() is encoder:
-                    self._entries.move_to_end(key)
-                    out[i] = entry[1]
+                vector = self._entries.get((serial, text))
+                if vector is not None:
+                    self._entries.move_to_end((serial, text))
+                    out[i] = vector
                 else:
                     missing.setdefault(text, []).append(i)
             self._hits += len(texts) - sum(len(rows) for rows in missing.values())
@@ -199,14 +208,13 @@ class RecentVectors:
         if not missing:
             return out
         fresh = model.embed(list(missing), progress)
-        reference = weakref.ref(encoder)
         with self._lock:
             for (text, rows), vector in zip(missing.items(), fresh, strict=True):
                 out[rows] = vector
                 kept = vector.copy()
                 kept.setflags(write=False)
-                self._entries[(id(encoder), text)] = (reference, kept)
-                self._entries.move_to_end((id(encoder), text))
+                self._entries[(serial, text)] = kept
+                self._entries.move_to_end((serial, text))
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
         return out
