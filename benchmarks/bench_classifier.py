@@ -255,10 +255,10 @@ def bench_batcher(service: PromptClassifier, prompts: list[str], rng: np.random.
     per_thread = 20
     latencies: list[float] = []
     lock = threading.Lock()
-    chosen = [prompts[i] for i in rng.integers(0, len(prompts), size=32 * per_thread)]
+    chosen = [prompts[i] for i in rng.permutation(len(prompts))[: 32 * per_thread]]  # distinct
     assert service.recent is not None
     service.recent.clear()
-    before = service.stats()
+    before, cache_before = service.stats(), service.recent.stats()
 
     def caller(index: int) -> None:
         for j in range(per_thread):
@@ -276,12 +276,14 @@ def bench_batcher(service: PromptClassifier, prompts: list[str], rng: np.random.
     elapsed = time.perf_counter() - started
     stats = service.stats()
     items, batches = stats.items - before.items, stats.batches - before.batches
+    cache = service.recent.stats()
+    hits, misses = cache.hits - cache_before.hits, cache.misses - cache_before.misses
     ms = np.array(latencies) * 1e3
     print(
         f"\n3. micro-batcher, 32 threads x {per_thread} prompts (cache emptied first): per call "
         f"p50 {np.percentile(ms, 50):.1f} ms, p99 {np.percentile(ms, 99):.1f} ms; "
         f"{items / elapsed:.0f} prompts/s, mean batch {items / batches:.1f}, "
-        f"cache {service.cache_stats()}"
+        f"cache {hits} hits, {misses} misses (distinct prompts)"
     )
 
 
