@@ -52,7 +52,8 @@ wall time (first send to last answer).
 
     .venv/bin/python benchmarks/bench_router.py [--rates 10,100,500] [--seconds 10]
         [--workers 4] [--classifier default|stub] [--deadline-ms router|auto|MS]
-        [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--json PATH]
+        [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--router-threads 64]
+        [--json PATH]
 
 These are figures for stub-fast workers on this machine: every process shares its CPUs.
 """
@@ -208,7 +209,11 @@ def start_workers(count: int) -> tuple[list[tuple[str, str]], Callable[[], None]
 
 
 def start_router(
-    workers: list[tuple[str, str]], classifier_name: str, with_metrics: bool, gc_freeze: bool
+    workers: list[tuple[str, str]],
+    classifier_name: str,
+    with_metrics: bool,
+    gc_freeze: bool,
+    threads: int,
 ) -> tuple[dict[str, Any], Callable[[], None]]:
     """A router serving on a plan the allocator made for ``workers``; returns its port, the
     plan's summary and a closer. ``gc_freeze``: move every object made so far out of the
@@ -245,7 +250,7 @@ def start_router(
         extra["metrics"] = RouterMetrics(profiles)
     core = RouterCore(profiles, classifier, config, **extra)
     core.install(published)
-    router, router_port, _ = create_server(core)
+    router, router_port, _ = create_server(core, threads=threads)
     router.start()
     draining = threading.Event()
 
@@ -600,6 +605,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=True,
         help="gc.freeze() in the router after start-up, as argus router does (default: yes)",
     )
+    parser.add_argument(
+        "--router-threads",
+        type=int,
+        default=64,
+        help="the router's gRPC handler threads (argus router's default: 64)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="arrival times")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
@@ -634,7 +645,14 @@ def processes(args: argparse.Namespace) -> Iterator[tuple[Child, dict[str, int]]
         children.append(workers)
         addresses = workers.wait_ready(60.0)
         router = Child(
-            ctx, "router", start_router, addresses, args.classifier, args.metrics, args.gc_freeze
+            ctx,
+            "router",
+            start_router,
+            addresses,
+            args.classifier,
+            args.metrics,
+            args.gc_freeze,
+            args.router_threads,
         )
         children.append(router)
         router.wait_ready(READY_TIMEOUT_S)
@@ -700,7 +718,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(
             f"classifier: {info['classifier']}; request ids: {args.request_ids}; "
             f"RouterMetrics: {'on' if args.metrics else 'off'}; gc.freeze: "
-            f"{'yes' if args.gc_freeze else 'no'} ({info['gc_objects']:,} objects tracked)"
+            f"{'yes' if args.gc_freeze else 'no'} ({info['gc_objects']:,} objects tracked); "
+            f"router handler threads: {args.router_threads}"
         )
         print(
             f"plan: {info['strategy']}, {sorted(Counter(info['assignment'].values()).items())}; "
@@ -736,6 +755,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "request_ids": args.request_ids,
         "metrics": args.metrics,
         "gc_freeze": args.gc_freeze,
+        "router_threads": args.router_threads,
         "router_gc_objects": info["gc_objects"],
         "deadline_ms": deadline_ms,
         "plan": {"strategy": info["strategy"], "assignment": info["assignment"]},
