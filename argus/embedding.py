@@ -195,8 +195,11 @@ def export_onnx(model: torch.nn.Module, path: Path, *, int8: bool) -> None:
         fp32.unlink(missing_ok=True)
 
 
-def exported_model(model_dir: Path, model: torch.nn.Module, runtime: str, max_tokens: int) -> Path:
-    """The cached ONNX file of ``model`` for ``runtime``, exported first if missing."""
+def exported_model(
+    model_dir: Path, load: Callable[[], torch.nn.Module], runtime: str, max_tokens: int
+) -> Path:
+    """The cached ONNX file of the encoder in ``model_dir`` for ``runtime``; when missing,
+    ``load()`` gives the torch model to export (so a cached file needs no torch weights)."""
     cache = onnx_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"{runtime}-{_content_key(model_dir, runtime, max_tokens)[:32]}.onnx"
@@ -206,7 +209,7 @@ def exported_model(model_dir: Path, model: torch.nn.Module, runtime: str, max_to
         fcntl.flock(lock, fcntl.LOCK_EX)  # one export per file, whoever comes first
         if not path.is_file():
             log.info("exporting %s to %s", model_dir, path)
-            export_onnx(model, path, int8=runtime == "onnx-int8")
+            export_onnx(load(), path, int8=runtime == "onnx-int8")
     return path
 
 
@@ -263,7 +266,7 @@ class PromptEmbedder:
         if threads is not None and threads < 1:
             raise ValueError(f"threads: must be >= 1, got {threads}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -275,23 +278,31 @@ class PromptEmbedder:
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.model_dir, local_files_only=True, use_fast=True
         )
-        self.model = AutoModel.from_pretrained(
-            self.model_dir, local_files_only=True, use_safetensors=True
-        ).to(device)
-        self.model.eval()
+        config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
         self.device = device
-        self.max_tokens = min(max_tokens, int(self.model.config.max_position_embeddings))
-        self.dim = int(self.model.config.hidden_size)
+        self.max_tokens = min(max_tokens, int(config.max_position_embeddings))
+        self.dim = int(config.hidden_size)
         # what the vectors' numbers are: int8 runtimes differ from float32 in the second
         # decimal, and on-disk caches key vectors by it
         self.precision = "int8" if runtime.endswith("int8") else precision
         self.runtime = runtime
+
+        def load() -> Any:
+            model = AutoModel.from_pretrained(
+                self.model_dir, local_files_only=True, use_safetensors=True
+            ).to(device)
+            return model.eval()
+
+        # the torch model (what fine-tuning trains); None on ONNX runtimes, which load it
+        # only to export it, once
+        self.model: Any = None
         if runtime in ONNX_RUNTIMES:
-            path = exported_model(self.model_dir, self.model, runtime, self.max_tokens)
+            path = exported_model(self.model_dir, load, runtime, self.max_tokens)
             self._forward = _onnx_forward(path, threads or 1)
         else:
             if threads is not None:
                 use_torch_threads(threads)
+            self.model = load()
             model = self.model
             if runtime == "torch-int8":
                 model = torch.ao.quantization.quantize_dynamic(
