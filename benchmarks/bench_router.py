@@ -294,6 +294,7 @@ def load_classifier(name: str) -> tuple[Any, str]:
     from argus.classifier.serving import (
         SERVING_CACHE_ENTRIES,
         SERVING_MAX_WAIT_S,
+        SERVING_THREADS,
         default_classifier_dir,
         load_prompt_classifier,
     )
@@ -305,12 +306,16 @@ def load_classifier(name: str) -> tuple[Any, str]:
     _CLASSIFIER = classifier
     encoder = classifier.classifiers.current(Strategy.AC).encoder
     runtime = getattr(encoder, "runtime", "?")
-    import torch
+    if runtime.startswith("onnx"):
+        threads = f"{SERVING_THREADS} ONNX Runtime intra-op thread(s)"
+    else:
+        import torch
 
+        threads = f"{torch.get_num_threads()} torch intra-op thread(s)"
     return classifier, (
-        f"default ({default_classifier_dir().name}; encoder runtime {runtime}, torch "
-        f"{torch.get_num_threads()} intra-op thread(s); micro-batched, wait "
-        f"{SERVING_MAX_WAIT_S * 1e3:g} ms; prompt-vector cache of {SERVING_CACHE_ENTRIES})"
+        f"default ({default_classifier_dir().name}; encoder runtime {runtime}, {threads}; "
+        f"micro-batched, wait {SERVING_MAX_WAIT_S * 1e3:g} ms; prompt-vector cache of "
+        f"{SERVING_CACHE_ENTRIES})"
     )
 
 
