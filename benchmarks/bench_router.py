@@ -28,25 +28,32 @@ classifier's answer, so it includes the request checks, the id ledger and the in
 CPU % is each process's user + system time over the rate's wall time (from ``/proc``), 100% =
 one core. The router's garbage collections are counted with ``gc.callbacks``: a full (gen 2)
 collection stops the whole process for as long as it walks every tracked object, which the
-real classifier's torch and transformers make hundreds of thousands; ``--gc-freeze`` calls
-``gc.freeze()`` in the router after start-up to show what taking those out of its reach buys.
+real classifier's torch and transformers make hundreds of thousands; the router calls
+``gc.freeze()`` after start-up, as ``argus router`` does, and ``--no-gc-freeze`` shows what
+a router without it pays.
 
-The classifier is a stub that returns a fixed level unless ``--classifier default`` loads the
-committed ``classifiers/minilm-logistic`` behind the router's micro-batcher
-(``load_prompt_classifier``); torch then uses its default intra-op threads (one per core),
-and ``OMP_NUM_THREADS=1`` in the environment, which the children inherit, measures one.
+The classifier is the router's own by default (``--classifier default``): the committed
+``classifiers/minilm-logistic`` loaded by ``load_prompt_classifier`` with the serving defaults
+(encoder runtime, threads, micro-batcher, prompt-vector cache), as ``argus router`` runs it.
+Prompts are PartiPrompts made distinct across the whole run (after the first pass over the
+1,632 of them each gets ", variation N"), so the cache never answers: every request pays
+for a real classification; the router's cache counters are printed to show it.
+``--classifier stub`` returns a fixed level instead (the router's own overhead alone).
 ``--metrics`` also gives the core the ``RouterMetrics`` that ``argus router`` counts in
 (prometheus_client; nothing scrapes them here).
 
-Admission: the plan's profile says a request takes seconds (SDXL on an A100), so the router
-admits a request only while (queue + 1) × t_proc fits its deadline, and with stub workers the
-queue is simply the router's requests in flight to that worker. ``--deadline-ms auto`` (the
-default) picks (max_in_flight + 1) × the plan's slowest t_proc, a deadline that admission
-cannot refuse; rejections are reported whatever the deadline.
+Admission works as in production (``--deadline-ms router``, the default): requests carry no
+deadline, so the router gives them its default (30 s) and refuses with RESOURCE_EXHAUSTED
+what its admission rule or its in-flight bound refuses. ``--deadline-ms auto`` picks
+(max_in_flight + 1) × the plan's slowest t_proc, a deadline admission cannot refuse.
+Refused requests (RESOURCE_EXHAUSTED) and cancelled ones (CANCELLED, DEADLINE_EXCEEDED) are
+counted per rate; the sustained rate is the requests answered OK per second of the rate's
+wall time (first send to last answer).
 
     .venv/bin/python benchmarks/bench_router.py [--rates 10,100,500] [--seconds 10]
-        [--workers 4] [--classifier stub|default] [--deadline-ms auto|MS]
-        [--request-ids unique|none] [--metrics] [--gc-freeze] [--json PATH]
+        [--workers 4] [--classifier default|stub] [--deadline-ms router|auto|MS]
+        [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--router-threads 64]
+        [--json PATH]
 
 These are figures for stub-fast workers on this machine: every process shares its CPUs.
 """
@@ -84,6 +91,7 @@ worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(56)  # a small fixed answer (64 bytes)
 MAX_IN_FLIGHT = 256  # RouterServiceConfig's default, used here for the auto deadline
+ROUTER_DEADLINE_MS = 30_000  # RouterServiceConfig.default_deadline_ms: requests without one
 READY_TIMEOUT_S = 300.0  # loading the real classifier imports torch and MiniLM
 WARMUP_REQUESTS = 100
 
@@ -172,7 +180,7 @@ def _child(
     conn.send(("ready", info))
     try:
         while conn.recv() != "stop":
-            conn.send(watch.snapshot())
+            conn.send(watch.snapshot() | {"classifier": classifier_counters()})
     except (EOFError, OSError):
         pass  # the parent is gone
     finally:
@@ -201,11 +209,15 @@ def start_workers(count: int) -> tuple[list[tuple[str, str]], Callable[[], None]
 
 
 def start_router(
-    workers: list[tuple[str, str]], classifier_name: str, with_metrics: bool, gc_freeze: bool
+    workers: list[tuple[str, str]],
+    classifier_name: str,
+    with_metrics: bool,
+    gc_freeze: bool,
+    threads: int,
 ) -> tuple[dict[str, Any], Callable[[], None]]:
     """A router serving on a plan the allocator made for ``workers``; returns its port, the
     plan's summary and a closer. ``gc_freeze``: move every object made so far out of the
-    collector's reach (``gc.freeze``), as a router process could after loading its classifier."""
+    collector's reach (``gc.freeze``), as ``argus router`` does after loading its classifier."""
     from argus.allocator.client import AllocatorClient
     from argus.allocator.control import ControlConfig
     from argus.allocator.membership import WorkerReport
@@ -238,7 +250,7 @@ def start_router(
         extra["metrics"] = RouterMetrics(profiles)
     core = RouterCore(profiles, classifier, config, **extra)
     core.install(published)
-    router, router_port, _ = create_server(core)
+    router, router_port, _ = create_server(core, threads=threads)
     router.start()
     draining = threading.Event()
 
@@ -279,11 +291,46 @@ def load_classifier(name: str) -> tuple[Any, str]:
     """The router's classifier and how the printout names it."""
     if name == "stub":
         return StubClassifier(), StubClassifier.label
-    from argus.classifier.serving import default_classifier_dir, load_prompt_classifier
+    from argus.classifier.serving import (
+        SERVING_CACHE_ENTRIES,
+        SERVING_MAX_WAIT_S,
+        SERVING_THREADS,
+        default_classifier_dir,
+        load_prompt_classifier,
+    )
+    from argus.types import Strategy
 
     classifier = load_prompt_classifier()
     classifier.classify("warm-up: a red fox in the snow")
-    return classifier, f"default ({default_classifier_dir().name}, micro-batched)"
+    global _CLASSIFIER
+    _CLASSIFIER = classifier
+    encoder = classifier.classifiers.current(Strategy.AC).encoder
+    runtime = getattr(encoder, "runtime", "?")
+    if runtime.startswith("onnx"):
+        threads = f"{SERVING_THREADS} ONNX Runtime intra-op thread(s)"
+    else:
+        import torch
+
+        threads = f"{torch.get_num_threads()} torch intra-op thread(s)"
+    return classifier, (
+        f"default ({default_classifier_dir().name}; encoder runtime {runtime}, {threads}; "
+        f"micro-batched, wait {SERVING_MAX_WAIT_S * 1e3:g} ms; prompt-vector cache of "
+        f"{SERVING_CACHE_ENTRIES})"
+    )
+
+
+_CLASSIFIER: Any = None  # the router process's PromptClassifier, for its counters
+
+
+def classifier_counters() -> dict[str, float]:
+    """The router's classifier counters so far (empty for the stub)."""
+    if _CLASSIFIER is None:
+        return {}
+    batches, cache = _CLASSIFIER.stats(), _CLASSIFIER.cache_stats()
+    out = {"batches": float(batches.batches), "items": float(batches.items)}
+    if cache is not None:
+        out |= {"cache_hits": float(cache.hits), "cache_misses": float(cache.misses)}
+    return out
 
 
 class Child:
@@ -309,12 +356,12 @@ class Child:
             raise RuntimeError(f"{self.name} failed to start:\n{self.info}")
         return self.info
 
-    def gc(self) -> dict[str, list[float]]:
-        """The child's :meth:`GcWatch.snapshot`."""
+    def gc(self) -> dict[str, Any]:
+        """The child's :meth:`GcWatch.snapshot`, with its classifier's counters."""
         self._conn.send("gc")
         if not self._conn.poll(10.0):
             raise RuntimeError(f"{self.name}: no answer")
-        snapshot: dict[str, list[float]] = self._conn.recv()
+        snapshot: dict[str, Any] = self._conn.recv()
         return snapshot
 
     def close(self) -> None:
@@ -372,12 +419,25 @@ def arrivals(rate: float, seconds: float, rng: np.random.Generator) -> np.ndarra
     return times[times < seconds]
 
 
-def request(tag: str | None, i: int, prompt: str, deadline_ms: int) -> Any:
-    """Request ``i``; ``tag`` None leaves request_id empty (no idempotency ledger)."""
-    return router_pb2.RouterGenerateRequest(
-        request_id="" if tag is None else f"{tag}-{i}", prompt=prompt, seed=i,
-        deadline_ms=deadline_ms,
-    )  # fmt: skip
+def request(tag: str | None, i: int, prompt: str, deadline_ms: int | None) -> Any:
+    """Request ``i``; ``tag`` None leaves request_id empty (no idempotency ledger), and
+    ``deadline_ms`` None leaves the deadline to the router."""
+    call = router_pb2.RouterGenerateRequest(
+        request_id="" if tag is None else f"{tag}-{i}", prompt=prompt, seed=i
+    )
+    if deadline_ms is not None:
+        call.deadline_ms = deadline_ms
+    return call
+
+
+def distinct_prompts(prompts: Sequence[str], start: int, count: int) -> list[str]:
+    """``count`` prompts from position ``start`` of an endless stream over ``prompts`` that
+    never repeats a text: pass N >= 1 appends ", variation N"."""
+    out = []
+    for k in range(start, start + count):
+        cycle, index = divmod(k, len(prompts))
+        out.append(prompts[index] if cycle == 0 else f"{prompts[index]}, variation {cycle}")
+    return out
 
 
 def sample_of(future: Any, lag_s: float, sent: float, done: float) -> Sample:
@@ -398,13 +458,13 @@ def offer(
     tag: str | None,
     times: np.ndarray,
     prompts: Sequence[str],
-    deadline_ms: int,
+    deadline_ms: int | None,
 ) -> tuple[list[Sample], float]:
-    """Send one request at each of ``times`` (open loop); the samples and the wall time from
-    the first send to the last answer."""
+    """Send one request at each of ``times`` (open loop), request ``i`` with ``prompts[i]``;
+    the samples and the wall time from the first send to the last answer."""
     samples: list[Sample | None] = [None] * len(times)
     countdown = Countdown(len(times))
-    timeout_s = deadline_ms / 1e3 + 5.0
+    timeout_s = (deadline_ms or ROUTER_DEADLINE_MS) / 1e3 + 5.0
 
     def record(i: int, lag_s: float, sent: float, future: Any) -> None:
         samples[i] = sample_of(future, lag_s, sent, time.perf_counter())
@@ -416,7 +476,7 @@ def offer(
         if (delay := due - time.perf_counter()) > 0:
             time.sleep(delay)
         sent = time.perf_counter()
-        call = request(tag, i, prompts[i % len(prompts)], deadline_ms)
+        call = request(tag, i, prompts[i], deadline_ms)
         future = stub.Generate.future(call, timeout=timeout_s)
         future.add_done_callback(lambda f, i=i, lag=sent - due, sent=sent: record(i, lag, sent, f))
     if not countdown.wait(timeout_s + 10.0):
@@ -467,6 +527,8 @@ def summarize(rate: float, seconds: float, samples: list[Sample], wall_s: float)
         "ok": len(ok),
         "ok_per_s": len(ok) / wall_s if wall_s > 0 else math.nan,
         "errors": {code: n for code, n in sorted(codes.items()) if code != "OK"},
+        "refused": codes["RESOURCE_EXHAUSTED"],
+        "cancelled": codes["CANCELLED"] + codes["DEADLINE_EXCEEDED"],
         "overhead_ms": spread(latency - worker, "p50", "p99", "max"),
         "client_ms": spread(latency, "p50", "p99"),
         "router_internal_ms": spread(router - worker, "p50", "p99"),
@@ -481,18 +543,21 @@ def summarize(rate: float, seconds: float, samples: list[Sample], wall_s: float)
 def print_tables(rows: list[dict[str, Any]]) -> None:
     print()
     print(
-        f"{'offered/s':>9} {'sent/s':>7} {'ok/s':>7} {'count':>6} {'errors':>10} | "
-        f"{'overhead ms: p50':>16} {'p99':>6} {'max':>7} | {'client ms: p50':>14} {'p99':>6} | "
-        f"{'router-internal ms: p50':>23} {'p99':>6}"
+        f"{'offered/s':>9} {'sent/s':>7} {'ok/s':>7} {'count':>6} {'refused':>7} "
+        f"{'cancelled':>9} {'other':>5} | {'overhead ms: p50':>16} {'p99':>6} {'max':>7} | "
+        f"{'client ms: p50':>14} {'p99':>6} | {'router-internal ms: p50':>23} {'p99':>6}"
     )
     for r in rows:
-        errors = ",".join(f"{c}:{n}" for c, n in r["errors"].items()) or "0"
+        other = sum(r["errors"].values()) - r["refused"] - r["cancelled"]
         o, c, i = r["overhead_ms"], r["client_ms"], r["router_internal_ms"]
         print(
             f"{r['offered_per_s']:>9g} {r['sent_per_s']:>7.1f} {r['ok_per_s']:>7.1f} "
-            f"{r['sent']:>6} {errors:>10} | {o['p50']:>16.2f} {o['p99']:>6.2f} {o['max']:>7.1f} | "
+            f"{r['sent']:>6} {r['refused']:>7} {r['cancelled']:>9} {other:>5} | "
+            f"{o['p50']:>16.2f} {o['p99']:>6.2f} {o['max']:>7.1f} | "
             f"{c['p50']:>14.2f} {c['p99']:>6.2f} | {i['p50']:>23.2f} {i['p99']:>6.2f}"
         )
+        if r["errors"]:
+            print(f"{'':>9} status codes: {r['errors']}")
     print()
     print(
         "where the router's time goes (ms, p50/p99), CPU per process (100% = one core) and the "
@@ -525,11 +590,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rates", default="10,100,500", help="offered req/s, comma-separated")
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of each rate")
     parser.add_argument("--workers", type=int, default=4, help="stub workers")
-    parser.add_argument("--classifier", choices=["stub", "default"], default="stub")
+    parser.add_argument("--classifier", choices=["default", "stub"], default="default")
     parser.add_argument(
         "--deadline-ms",
-        default="auto",
-        help="request deadline_ms; auto: (max_in_flight + 1) × the plan's slowest t_proc",
+        default="router",
+        help="request deadline_ms; router: none (the router's default, admission as in "
+        "production); auto: (max_in_flight + 1) × the plan's slowest t_proc",
     )
     parser.add_argument(
         "--request-ids",
@@ -539,7 +605,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--metrics", action="store_true", help="count in RouterMetrics")
     parser.add_argument(
-        "--gc-freeze", action="store_true", help="gc.freeze() in the router after start-up"
+        "--gc-freeze",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="gc.freeze() in the router after start-up, as argus router does (default: yes)",
+    )
+    parser.add_argument(
+        "--router-threads",
+        type=int,
+        default=64,
+        help="the router's gRPC handler threads (argus router's default: 64)",
     )
     parser.add_argument("--seed", type=int, default=0, help="arrival times")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -550,13 +625,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def deadline_for(text: str, max_t_proc_s: float) -> int:
+def deadline_for(text: str, max_t_proc_s: float) -> int | None:
+    if text == "router":
+        return None
     if text == "auto":
         return math.ceil((MAX_IN_FLIGHT + 1) * max_t_proc_s * 1e3)
     return int(text)
 
 
-def warm_up(stub: Any, tag: str | None, prompts: Sequence[str], deadline_ms: int) -> None:
+def warm_up(stub: Any, tag: str | None, prompts: Sequence[str], deadline_ms: int | None) -> None:
     """Open the router's channels to every worker and the client's to the router."""
     for i in range(WARMUP_REQUESTS):
         stub.Generate(request(tag, i, prompts[i], deadline_ms), timeout=30.0)
@@ -573,7 +650,14 @@ def processes(args: argparse.Namespace) -> Iterator[tuple[Child, dict[str, int]]
         children.append(workers)
         addresses = workers.wait_ready(60.0)
         router = Child(
-            ctx, "router", start_router, addresses, args.classifier, args.metrics, args.gc_freeze
+            ctx,
+            "router",
+            start_router,
+            addresses,
+            args.classifier,
+            args.metrics,
+            args.gc_freeze,
+            args.router_threads,
         )
         children.append(router)
         router.wait_ready(READY_TIMEOUT_S)
@@ -593,18 +677,19 @@ def measure(
     rate: float,
     args: argparse.Namespace,
     prompts: Sequence[str],
-    deadline_ms: int,
+    deadline_ms: int | None,
     router: Child,
     pids: dict[str, int],
     rng: np.random.Generator,
 ) -> dict[str, Any]:
-    """Offer ``rate`` req/s for ``args.seconds``; the rate's figures with CPU % per process and
-    the router's garbage collections."""
+    """Offer ``rate`` req/s for ``args.seconds``, one prompt of ``prompts`` per request in
+    order; the rate's figures with CPU % per process, the router's garbage collections and
+    its classifier's counters."""
     times = arrivals(rate, args.seconds, rng)
     gc_before = router.gc()
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     tag = f"r{rate:g}" if args.request_ids == "unique" else None
-    samples, wall_s = offer(stub, tag, times, prompts, deadline_ms)
+    samples, wall_s = offer(stub, tag, times, prompts[: len(times)], deadline_ms)
     row = summarize(rate, args.seconds, samples, wall_s)
     row["cpu_percent"] = {
         name: (cpu_seconds(pid) - before[name]) / wall_s * 100 for name, pid in pids.items()
@@ -616,6 +701,8 @@ def measure(
         "pause_total_ms": (sum(gc_after["total_s"]) - sum(gc_before["total_s"])) * 1e3,
         "pause_max_ms": max(gc_after["max_s"]) * 1e3,
     }
+    counted = gc_after["classifier"]
+    row["classifier"] = {k: v - gc_before["classifier"].get(k, 0.0) for k, v in counted.items()}
     print(f"  {rate:g} req/s: {row['ok']}/{row['sent']} OK in {wall_s:.1f} s", flush=True)
     return row
 
@@ -636,7 +723,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(
             f"classifier: {info['classifier']}; request ids: {args.request_ids}; "
             f"RouterMetrics: {'on' if args.metrics else 'off'}; gc.freeze: "
-            f"{'yes' if args.gc_freeze else 'no'} ({info['gc_objects']:,} objects tracked)"
+            f"{'yes' if args.gc_freeze else 'no'} ({info['gc_objects']:,} objects tracked); "
+            f"router handler threads: {args.router_threads}"
         )
         print(
             f"plan: {info['strategy']}, {sorted(Counter(info['assignment'].values()).items())}; "
@@ -647,11 +735,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             stub = router_pb2_grpc.RouterStub(channel)
             warm_up(stub, "warm-up" if args.request_ids == "unique" else None, prompts, deadline_ms)
             rng = np.random.default_rng(args.seed)
-            rows = [
-                measure(stub, rate, args, prompts, deadline_ms, router, pids, rng)
-                for rate in args.rates
-            ]
+            rows, used = [], WARMUP_REQUESTS  # no rate reuses a prompt of the warm-up
+            for rate in args.rates:
+                fresh = distinct_prompts(prompts, used, int(rate * args.seconds * 1.5) + 100)
+                rows.append(measure(stub, rate, args, fresh, deadline_ms, router, pids, rng))
+                used += rows[-1]["sent"]
     print_tables(rows)
+    for r in rows:
+        counted = r["classifier"]
+        if counted:
+            print(
+                f"router classifier at {r['offered_per_s']:g}/s: {counted['items']:.0f} prompts "
+                f"in {counted['batches']:.0f} batches (mean "
+                f"{counted['items'] / max(1.0, counted['batches']):.1f}); prompt-vector cache "
+                f"{counted.get('cache_hits', 0):.0f} hits, {counted.get('cache_misses', 0):.0f} "
+                "misses"
+            )
     print(f"load average at end: {load_average()}")
     results = {
         "machine": machine_line(),
@@ -661,6 +760,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "request_ids": args.request_ids,
         "metrics": args.metrics,
         "gc_freeze": args.gc_freeze,
+        "router_threads": args.router_threads,
         "router_gc_objects": info["gc_objects"],
         "deadline_ms": deadline_ms,
         "plan": {"strategy": info["strategy"], "assignment": info["assignment"]},

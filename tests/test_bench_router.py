@@ -1,5 +1,6 @@
 """benchmarks/bench_router.py runs end to end at a tiny setting: its stub-worker and router
-processes start, every request is answered OK and every figure is there (no timing checks)."""
+processes start, the router classifies with the real default classifier, every request is
+answered OK, none from the classifier's cache, and every figure is there (no timing checks)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,23 @@ def test_every_request_is_answered_and_measured(
     assert row["offered_per_s"] == 20
     assert row["sent"] > 0
     assert row["ok"] == row["sent"]
-    assert row["errors"] == {}
+    assert row["errors"] == {} and row["refused"] == 0 and row["cancelled"] == 0
+    # every request was classified for real: distinct prompts, no cache hit
+    assert row["classifier"]["cache_hits"] == 0
+    assert row["classifier"]["cache_misses"] == row["classifier"]["items"] == row["sent"]
     for name in ("overhead_ms", "client_ms", "router_internal_ms", "route_ms", "worker_ms"):
         assert all(math.isfinite(v) for v in row[name].values()), name
     assert row["overhead_ms"]["p50"] <= row["overhead_ms"]["p99"] <= row["overhead_ms"]["max"]
     assert len(results["plan"]["assignment"]) == 2
     printed = capsys.readouterr().out
-    assert "classifier: stub (fixed level)" in printed
+    assert "classifier: default (minilm-logistic; encoder runtime onnx" in printed
     assert "stub-fast workers on this machine" in printed
     assert "overhead ms: p50" in printed
+
+
+def test_prompts_never_repeat_across_passes(bench_router: Any) -> None:
+    base = ["a cat", "a dog", "a bus"]
+    stream = bench_router.distinct_prompts(base, 0, 10)
+    assert stream[:3] == base and stream[3] == "a cat, variation 1"
+    assert len(set(stream)) == 10
+    assert bench_router.distinct_prompts(base, 4, 3) == stream[4:7]

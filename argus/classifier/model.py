@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -61,6 +62,8 @@ from argus.classifier.prompts import (
     prepare_prompt,
 )
 from argus.types import ClassQuality, Strategy
+
+log = logging.getLogger(__name__)
 
 Float32Array = npt.NDArray[np.float32]
 FloatArray = npt.NDArray[np.float64]
@@ -369,23 +372,54 @@ def encoder_sha256(directory: Path) -> str:
     return _FINGERPRINTS[key]
 
 
-_SHARED: dict[tuple[str, int, str], Encoder] = {}
+_SHARED: dict[tuple[str, int, str, str, int | None], Encoder] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_encoder(directory: Path, max_tokens: int, precision: str = "fp32") -> Encoder:
-    """One :class:`PromptEmbedder` per (directory, token limit, precision) in this process.
+def build_encoder(
+    directory: Path,
+    max_tokens: int,
+    precision: str = "fp32",
+    *,
+    runtime: str = "torch",
+    threads: int | None = None,
+) -> Encoder:
+    """A new :class:`~argus.embedding.PromptEmbedder` on ``runtime``; where an ONNX runtime
+    cannot start (onnxruntime missing, the export failing), a torch one, with a warning that
+    says why: the classifier then answers the same, only slower."""
+    from argus.embedding import ONNX_RUNTIMES, PromptEmbedder
+
+    options: dict[str, Any] = {"max_tokens": max_tokens, "threads": threads}
+    try:
+        return PromptEmbedder(directory, precision=precision, runtime=runtime, **options)
+    except Exception as exc:
+        if runtime not in ONNX_RUNTIMES:
+            raise
+        log.warning("encoder runtime %s unavailable (%s); falling back to torch", runtime, exc)
+        return PromptEmbedder(directory, precision=precision, runtime="torch", **options)
+
+
+def shared_encoder(
+    directory: Path,
+    max_tokens: int,
+    precision: str = "fp32",
+    *,
+    runtime: str = "torch",
+    threads: int | None = None,
+) -> Encoder:
+    """One encoder per (directory, token limit, precision, runtime, threads) in this process
+    (see :func:`build_encoder`).
 
     Frozen encoders are shared, so the AC and SM heads on MiniLM hold one copy of it and one
     forward pass serves both. Fine-tuned encoders are private to their classifier.
     """
-    key = (str(directory.resolve()), max_tokens, precision)
+    key = (str(directory.resolve()), max_tokens, precision, runtime, threads)
     with _SHARED_LOCK:
         encoder = _SHARED.get(key)
         if encoder is None:
-            from argus.embedding import PromptEmbedder
-
-            encoder = PromptEmbedder(directory, max_tokens=max_tokens, precision=precision)
+            encoder = build_encoder(
+                directory, max_tokens, precision, runtime=runtime, threads=threads
+            )
             _SHARED[key] = encoder
         return encoder
 
@@ -534,7 +568,12 @@ def read_head(directory: str | Path) -> LinearHead:
 
 
 def load_artifact(
-    directory: str | Path, *, check_encoder: bool = True, precision: str = "fp32"
+    directory: str | Path,
+    *,
+    check_encoder: bool = True,
+    precision: str = "fp32",
+    runtime: str = "torch",
+    threads: int | None = None,
 ) -> LevelClassifier:
     """Load a classifier directory; ``ArtifactError`` names the file at fault.
 
@@ -542,7 +581,9 @@ def load_artifact(
     classifier alone. ``check_encoder`` verifies the encoder weights' SHA-256. ``precision``
     ``"bf16"`` runs the encoder in bfloat16 (see :class:`argus.embedding.PromptEmbedder`):
     faster on CPUs with native bf16, and on PartiPrompts 99.9% of its predictions match the
-    float32 ones the metrics were measured with.
+    float32 ones the metrics were measured with. ``runtime`` and ``threads`` choose how the
+    encoder runs (see :mod:`argus.embedding`; an ONNX runtime that cannot start falls back
+    to torch).
     """
     directory = Path(directory)
     config = read_config(directory)
@@ -558,12 +599,8 @@ def load_artifact(
             f"{directory}: the encoder at {encoder_dir} is not the one this head was trained "
             "on (SHA-256 of its weights differs); retrain with argus train-classifier"
         )
-    if config.backbone is Backbone.LOGISTIC:
-        encoder = shared_encoder(encoder_dir, config.max_tokens, precision)
-    else:
-        from argus.embedding import PromptEmbedder
-
-        encoder = PromptEmbedder(encoder_dir, max_tokens=config.max_tokens, precision=precision)
+    make = shared_encoder if config.backbone is Backbone.LOGISTIC else build_encoder
+    encoder = make(encoder_dir, config.max_tokens, precision, runtime=runtime, threads=threads)
     if encoder.dim != config.hidden_size:
         raise ArtifactError(
             f"{directory}: encoder width {encoder.dim} differs from hidden_size "

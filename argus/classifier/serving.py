@@ -32,14 +32,17 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import queue
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +72,11 @@ from argus.types import ClassQuality, Strategy
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 Float32Array = npt.NDArray[np.float32]
+# The router's defaults, chosen by benchmarks/bench_classifier.py on a 2-core machine.
+SERVING_RUNTIME = "onnx"
+SERVING_THREADS = 1
+SERVING_MAX_WAIT_S = 0.0
+SERVING_CACHE_ENTRIES = 4096
 M = TypeVar("M")
 T = TypeVar("T")
 R = TypeVar("R")
@@ -143,6 +151,88 @@ class HotSwapModel(Generic[M]):
             return version
 
 
+@dataclass(frozen=True)
+class VectorCacheStats:
+    """Counters of a :class:`RecentVectors` since it started."""
+
+    hits: int  # texts asked for whose vector was in the cache
+    misses: int  # texts asked for whose vector was not (a text twice in a call counts twice)
+    entries: int  # vectors held now
+    max_entries: int  # the bound
+
+
+class RecentVectors:
+    """The encoder vectors of recently classified texts, by content: a bounded LRU.
+
+    Keyed by the encoder (a serial number this cache gives each encoder object, never
+    reused) and the text as the encoder sees it (cleaned and cut), so a hot-swapped head
+    reuses the vectors of its unchanged encoder and a swapped encoder never reads another's.
+    Thread-safe; the encoder runs outside the lock.
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries: must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[int, str], Float32Array] = OrderedDict()
+        # each encoder's serial number, never reused (an id() is, once its object is gone)
+        self._serials: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._next_serial = itertools.count()
+        self._lock = threading.Lock()
+        self._hits = self._misses = 0
+
+    def _serial(self, encoder: Any) -> int:
+        serial = self._serials.get(encoder)
+        if serial is None:
+            serial = self._serials[encoder] = next(self._next_serial)
+        return serial
+
+    def embed(
+        self,
+        model: LevelClassifier,
+        texts: Sequence[str],
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Float32Array:
+        """``model``'s vectors of ``texts``: cached rows as they are, the others embedded
+        (in one call) and kept, evicting the least recently used beyond the bound."""
+        encoder = model.encoder
+        out = np.empty((len(texts), encoder.dim), dtype=np.float32)
+        missing: dict[str, list[int]] = {}
+        with self._lock:
+            serial = self._serial(encoder)
+            for i, text in enumerate(texts):
+                vector = self._entries.get((serial, text))
+                if vector is not None:
+                    self._entries.move_to_end((serial, text))
+                    out[i] = vector
+                else:
+                    missing.setdefault(text, []).append(i)
+            self._hits += len(texts) - sum(len(rows) for rows in missing.values())
+            self._misses += sum(len(rows) for rows in missing.values())
+        if not missing:
+            return out
+        fresh = model.embed(list(missing), progress)
+        with self._lock:
+            for (text, rows), vector in zip(missing.items(), fresh, strict=True):
+                out[rows] = vector
+                kept = vector.copy()
+                kept.setflags(write=False)
+                self._entries[(serial, text)] = kept
+                self._entries.move_to_end((serial, text))
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return out
+
+    def stats(self) -> VectorCacheStats:
+        with self._lock:
+            return VectorCacheStats(self._hits, self._misses, len(self._entries), self.max_entries)
+
+    def clear(self) -> None:
+        """Forget every vector (the counters stay)."""
+        with self._lock:
+            self._entries.clear()
+
+
 @dataclass(frozen=True, eq=False)
 class Inference:
     """What one strategy's classifier says about a batch of prompts (one row per prompt)."""
@@ -185,14 +275,16 @@ class ClassifierSet:
         *,
         cache: EmbeddingCache | None = None,
         progress: Callable[[int, int], None] | None = None,
+        recent: RecentVectors | None = None,
     ) -> dict[Strategy, Inference]:
         """Levels, classes and calibrated probabilities per strategy for decoded, stripped
         texts (``None``: empty prompt).
 
         Takes each strategy's model once, embeds once per distinct (encoder, character cut)
         and applies every head. With ``cache``, vectors of encoders whose weights' hash is
-        known are read from and kept in it (:mod:`argus.classifier.embedding_cache`);
-        ``progress(done, total)`` reports the embedding.
+        known are read from and kept in it (:mod:`argus.classifier.embedding_cache`); with
+        ``recent`` (the serving path's in-memory LRU), vectors are read from and kept there
+        first. ``progress(done, total)`` reports the embedding.
         """
         models = {s: holder.current for s, holder in self.holders.items()}
         vectors: dict[tuple[int, int], Float32Array] = {}
@@ -208,7 +300,7 @@ class ClassifierSet:
                 key = (id(model.encoder), model.config.max_chars)
                 if key not in vectors:
                     cut = [clean_prompt(texts[i] or "", max_chars=key[1]) or "" for i in rows]
-                    vectors[key] = _embed(model, cut, cache, progress)
+                    vectors[key] = _embed(model, cut, cache, progress, recent)
                 logits = model.head.logits(vectors[key])
                 levels[rows] = np.argmax(logits, axis=1)
                 probabilities[rows] = softmax_t(logits, model.temperature)
@@ -264,8 +356,12 @@ def _embed(
     texts: list[str],
     cache: EmbeddingCache | None,
     progress: Callable[[int, int], None] | None,
+    recent: RecentVectors | None = None,
 ) -> Float32Array:
-    """The model's vectors of ``texts``, through ``cache`` when its encoder can be keyed."""
+    """The model's vectors of ``texts``: through ``recent`` when given, else through
+    ``cache`` when its encoder can be keyed."""
+    if recent is not None:
+        return recent.embed(model, texts, progress)
     if cache is not None:
         identity = EncoderIdentity.of(model)
         if identity is not None:
@@ -317,17 +413,22 @@ def read_planning_classes(directory: str | Path | None = None) -> PlanningClasse
 
 
 def load_classifier_set(
-    directory: str | Path | None = None, *, precision: str = "fp32"
+    directory: str | Path | None = None,
+    *,
+    precision: str = "fp32",
+    runtime: str = "torch",
+    threads: int | None = None,
 ) -> ClassifierSet:
     """Load every strategy's artifact under ``directory`` (default: the committed one).
 
     ``precision="bf16"`` trades exact agreement with the float32 evaluation (99.9% of
-    predictions match on PartiPrompts) for speed on CPUs with native bf16.
+    predictions match on PartiPrompts) for speed on CPUs with native bf16. ``runtime`` and
+    ``threads`` choose how the encoder runs (:class:`argus.embedding.PromptEmbedder`).
     """
     directory = Path(directory) if directory is not None else default_classifier_dir()
     return ClassifierSet(
         {
-            s: load_artifact(path, precision=precision)
+            s: load_artifact(path, precision=precision, runtime=runtime, threads=threads)
             for s, path in strategy_dirs(directory).items()
         }
     )
@@ -525,17 +626,20 @@ class PromptClassifier:
         classifiers: ClassifierSet,
         *,
         max_batch: int = 32,
-        max_wait_s: float = 0.002,
+        max_wait_s: float = SERVING_MAX_WAIT_S,
         max_pending: int = 1024,
+        cache_entries: int = SERVING_CACHE_ENTRIES,
     ) -> None:
         self.classifiers = classifiers
+        self.recent = RecentVectors(cache_entries) if cache_entries > 0 else None
         self._batcher: MicroBatcher[str, dict[Strategy, int]] = MicroBatcher(
             self._run_batch, max_batch=max_batch, max_wait_s=max_wait_s, max_pending=max_pending
         )
 
     def _run_batch(self, texts: list[str]) -> list[dict[Strategy, int]]:
-        classes = self.classifiers.classes_cleaned(list(texts))
-        return [{s: int(classes[s][i]) for s in classes} for i in range(len(texts))]
+        inferred = self.classifiers.infer_cleaned(list(texts), recent=self.recent)
+        classes = {s: result.classes.tolist() for s, result in inferred.items()}
+        return [{s: column[i] for s, column in classes.items()} for i in range(len(texts))]
 
     def has_classes(self, strategy: Strategy) -> bool:
         """True when :meth:`classify` answers ``strategy`` with a tolerance class, False when
@@ -562,6 +666,10 @@ class PromptClassifier:
         """Seconds a prompt classified now would wait (:meth:`MicroBatcher.backlog_s`)."""
         return self._batcher.backlog_s()
 
+    def cache_stats(self) -> VectorCacheStats | None:
+        """The prompt-vector cache's counters; ``None`` when built without one."""
+        return None if self.recent is None else self.recent.stats()
+
     def close(self) -> None:
         self._batcher.close()
 
@@ -570,12 +678,20 @@ def load_prompt_classifier(
     directory: str | Path | None = None,
     *,
     max_batch: int = 32,
-    max_wait_s: float = 0.002,
+    max_wait_s: float = SERVING_MAX_WAIT_S,
     precision: str = "fp32",
+    runtime: str = SERVING_RUNTIME,
+    threads: int = SERVING_THREADS,
+    cache_entries: int = SERVING_CACHE_ENTRIES,
 ) -> PromptClassifier:
-    """The router's loader: the artifacts under ``directory`` behind a micro-batcher."""
+    """The router's loader: the artifacts under ``directory`` behind a micro-batcher, the
+    encoder on ``runtime`` with ``threads`` intra-op threads (torch if it cannot start), and
+    an LRU of ``cache_entries`` prompt vectors (0: none)."""
+    if precision != "fp32":
+        runtime = "torch"  # bf16 autocast exists in torch only
     return PromptClassifier(
-        load_classifier_set(directory, precision=precision),
+        load_classifier_set(directory, precision=precision, runtime=runtime, threads=threads),
         max_batch=max_batch,
         max_wait_s=max_wait_s,
+        cache_entries=cache_entries,
     )

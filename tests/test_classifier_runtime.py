@@ -1,0 +1,221 @@
+"""The classifier's encoder runtimes, the serving path's prompt-vector cache and the torch
+thread setting.
+
+Runtimes run on a tiny random BERT (fast) and, for class equality, on the committed
+MiniLM artifacts. ONNX exports go to a temporary ``ARGUS_CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from argus import embedding
+from argus.classifier.model import build_encoder
+from argus.classifier.serving import (
+    SERVING_RUNTIME,
+    ClassifierSet,
+    PromptClassifier,
+    RecentVectors,
+    load_classifier_set,
+)
+from argus.embedding import PromptEmbedder, use_torch_threads
+from argus.types import Strategy
+from tests.classifier_factories import FakeEncoder, constant_classifier, make_tiny_bert
+
+PROMPTS = [
+    "a red bus",
+    "a cat and a calligraphy and a mosaic",
+    "x",
+    "A photograph of an astronaut riding a horse on the moon, highly detailed, 8k",
+    "the word 'ARGUS' written in gold leaf on a dark wooden sign",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("argus-cache")
+        patch.setenv(embedding.CACHE_ENV, str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    out: np.ndarray = np.sum(a * b, axis=1) / norms
+    return out
+
+
+# ------------------------------------------------------------------------------- runtimes
+
+
+@pytest.mark.parametrize("runtime", ["onnx", "onnx-int8", "torch-int8"])
+def test_runtimes_embed_like_torch_fp32(tiny_bert: Path, cache_dir: Path, runtime: str) -> None:
+    reference = PromptEmbedder(tiny_bert, max_tokens=32).embed(PROMPTS)
+    other = PromptEmbedder(tiny_bert, max_tokens=32, runtime=runtime)
+    assert other.runtime == runtime
+    vectors = other.embed(PROMPTS)
+    assert vectors.shape == reference.shape and vectors.dtype == np.float32
+    assert np.all(cosines(vectors, reference) >= 0.99)
+    # a batch pads to its longest prompt: each prompt alone must give its own row
+    alone = np.stack([other.embed_one(p) for p in PROMPTS])
+    assert np.all(cosines(alone, vectors) >= 0.999)
+
+
+def test_the_onnx_export_is_made_once_and_reused(
+    tiny_bert: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exports: list[Path] = []
+    real = embedding.export_onnx
+
+    def counting(model: Any, path: Path, *, int8: bool) -> None:
+        exports.append(path)
+        real(model, path, int8=int8)
+
+    monkeypatch.setattr(embedding, "export_onnx", counting)
+    monkeypatch.setenv(embedding.CACHE_ENV, str(cache_dir / "fresh"))
+    first = PromptEmbedder(tiny_bert, max_tokens=32, runtime="onnx").embed(PROMPTS)
+    second = PromptEmbedder(tiny_bert, max_tokens=32, runtime="onnx").embed(PROMPTS)
+    assert len(exports) == 1
+    assert exports[0].parent == cache_dir / "fresh" / "onnx" and exports[0].is_file()
+    np.testing.assert_array_equal(first, second)
+
+
+def test_an_onnx_runtime_that_cannot_start_falls_back_to_torch(
+    tiny_bert: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Path:
+        raise RuntimeError("no exporter here")
+
+    monkeypatch.setattr(embedding, "exported_model", broken)
+    with caplog.at_level(logging.WARNING):
+        encoder = build_encoder(tiny_bert, 32, runtime="onnx")
+    assert isinstance(encoder, PromptEmbedder) and encoder.runtime == "torch"
+    assert "no exporter here" in caplog.text
+    with pytest.raises(ValueError, match="runtime"):
+        PromptEmbedder(tiny_bert, runtime="tensorrt")
+    with pytest.raises(ValueError, match="precision 'bf16' needs runtime 'torch'"):
+        PromptEmbedder(tiny_bert, runtime="onnx", precision="bf16")
+
+
+def test_the_serving_runtime_classifies_the_committed_artifacts_like_torch(
+    cache_dir: Path,
+) -> None:
+    torch_set = load_classifier_set(runtime="torch")
+    served = load_classifier_set(runtime=SERVING_RUNTIME, threads=1)
+    encoder = served.current(Strategy.AC).encoder
+    assert getattr(encoder, "runtime", None) == SERVING_RUNTIME  # no silent fallback
+    texts = [p for p in PROMPTS if p]
+    expected, got = torch_set.infer_cleaned(texts), served.infer_cleaned(texts)
+    for strategy in torch_set.strategies:
+        np.testing.assert_array_equal(got[strategy].classes, expected[strategy].classes)
+        np.testing.assert_array_equal(got[strategy].levels, expected[strategy].levels)
+    reference = torch_set.current(Strategy.AC).encoder.embed(texts)
+    assert np.all(cosines(encoder.embed(texts), reference) >= 0.99)
+
+
+# ----------------------------------------------------------------------------------- threads
+
+
+def test_torch_threads_are_set_once_not_per_call(
+    tiny_bert: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(embedding, "_torch_threads", None)
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    first = PromptEmbedder(tiny_bert, max_tokens=32, threads=1)
+    second = PromptEmbedder(tiny_bert, max_tokens=32, threads=1)
+    for _ in range(3):
+        first.embed(PROMPTS)
+        second.embed(PROMPTS[:2])
+    assert calls == [1]
+    assert use_torch_threads(1) == 1 and calls == [1]
+    assert use_torch_threads(2) == 2 and calls == [1, 2]  # a deliberate change is applied
+    with pytest.raises(ValueError, match="threads"):
+        use_torch_threads(0)
+
+
+# -------------------------------------------------------------------------------- the cache
+
+
+def test_cached_vectors_equal_fresh_ones_and_the_encoder_sees_each_text_once() -> None:
+    encoder = FakeEncoder()
+    model = constant_classifier(1, encoder=encoder)
+    recent = RecentVectors(max_entries=16)
+    texts = ["a cat", "a dog", "a cat", "a bus"]
+    first = recent.embed(model, texts)
+    assert encoder.texts == ["a cat", "a dog", "a bus"]  # a text twice in a batch: once
+    np.testing.assert_array_equal(first, encoder.embed(texts))
+    encoder.texts.clear()
+    again = recent.embed(model, ["a bus", "a cat", "a fox"])
+    assert encoder.texts == ["a fox"]  # only the new text reached the encoder
+    np.testing.assert_array_equal(again, encoder.embed(["a bus", "a cat", "a fox"]))
+    stats = recent.stats()
+    assert (stats.hits, stats.misses, stats.entries) == (2, 5, 4)
+
+
+def test_the_cache_is_bounded_and_forgets_the_least_recently_used() -> None:
+    encoder = FakeEncoder()
+    model = constant_classifier(1, encoder=encoder)
+    recent = RecentVectors(max_entries=3)
+    recent.embed(model, ["a", "b", "c"])
+    recent.embed(model, ["a"])  # a is now the most recent; b the least
+    recent.embed(model, ["d"])
+    assert recent.stats().entries == 3
+    encoder.texts.clear()
+    recent.embed(model, ["a", "c", "d"])
+    assert encoder.texts == []
+    recent.embed(model, ["b"])
+    assert encoder.texts == ["b"]
+    with pytest.raises(ValueError, match="max_entries"):
+        RecentVectors(0)
+
+
+def test_a_swapped_encoder_never_reads_the_old_encoders_vectors() -> None:
+    recent = RecentVectors()
+    encoders = [FakeEncoder() for _ in range(50)]
+    for encoder in encoders:
+        recent.embed(constant_classifier(1, encoder=encoder), ["a cat"])
+        assert encoder.texts == ["a cat"]
+    del encoders
+    gc.collect()
+    for _ in range(50):  # new encoders, some perhaps where the freed ones were
+        encoder = FakeEncoder()
+        recent.embed(constant_classifier(1, encoder=encoder), ["a cat"])
+        assert encoder.texts == ["a cat"]
+
+
+def test_the_prompt_classifier_answers_the_same_from_its_cache() -> None:
+    encoder = FakeEncoder()
+    from tests.classifier_factories import tolerance_classifier
+
+    classifiers = ClassifierSet({Strategy.AC: tolerance_classifier(encoder=encoder)})
+    service = PromptClassifier(classifiers, cache_entries=8)
+    prompts = [f"prompt number {i}" for i in range(20)]
+    try:
+        uncached = {p: classifiers.classes_cleaned([p])[Strategy.AC][0] for p in prompts}
+        first = [service.classify(p)[Strategy.AC] for p in prompts]
+        encoder.texts.clear()
+        second = [service.classify(p)[Strategy.AC] for p in prompts[-8:]]
+        assert first == [uncached[p] for p in prompts]
+        assert second == first[-8:]
+        assert encoder.texts == []  # the last 8 were all in the cache
+        stats = service.cache_stats()
+        assert stats is not None and stats.entries == 8 and stats.hits == 8
+    finally:
+        service.close()
+    without = PromptClassifier(classifiers, cache_entries=0)
+    assert without.cache_stats() is None
+    without.close()
