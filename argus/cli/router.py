@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
 from argus.cli.main import CLIError
 
 
@@ -51,6 +52,7 @@ class RouterCommand:
         parser.add_argument(
             "--max-in-flight", type=int, default=256, help="requests served at once; more: busy"
         )
+        add_internal_tls_arguments(parser, "router")
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.grpc_server import check_address
@@ -68,6 +70,7 @@ class RouterCommand:
         ):
             if value < 1:
                 raise CLIError(f"{flag}: {value} must be positive")
+        tls_dir = internal_tls_dir(args, "router")
         try:
             check_address(args.allocator, "--allocator")
             settings = RouterSettings(
@@ -85,6 +88,7 @@ class RouterCommand:
                 report_period_s=args.report_period_s,
                 default_deadline_ms=args.default_deadline_ms,
                 max_in_flight=args.max_in_flight,
+                internal_tls_dir=tls_dir,
             )
             settings.security()  # a bad certificate or token file fails before any loading
             return serve(settings)
