@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ CA_CERT, CA_KEY = "ca.crt", "ca.key"
 VALID_DAYS = 365
 
 _ANY = frozenset(ROLES)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 POLICY: Mapping[str, frozenset[str]] = {
     "/argus.v1.Allocator/Heartbeat": frozenset({"worker"}),
     "/argus.v1.Allocator/ReportRouter": frozenset({"router"}),
@@ -70,9 +72,10 @@ class Identity:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role: expected one of {', '.join(ROLES)}, got {self.role!r}")
-        if not self.name or any(c in self.name for c in "/ \t\n"):
-            raise ValueError(f"name: expected a non-empty name without '/' or spaces, got "
-                             f"{self.name!r}")  # fmt: skip
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(
+                f"name: expected letters, digits, '.', '_' or '-' (a pod name), got {self.name!r}"
+            )
 
     @property
     def uri(self) -> str:

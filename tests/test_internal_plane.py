@@ -424,3 +424,32 @@ def test_a_router_refuses_an_image_of_another_size_than_asked(
         assert stub.Generate(asked, timeout=TIMEOUT).png == tiny_png(32, 48)
     finally:
         cluster.close()
+
+
+# -- certificates and the issue-cert command -----------------------------------------------
+
+
+def test_issue_cert_makes_a_ca_once_and_certificates_that_load_only_for_their_role(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ca = tmp_path / "ca"
+    assert main(["issue-cert", "--new-ca", "--ca-dir", str(ca)]) == 0
+    assert os.stat(ca / "ca.key").st_mode & 0o077 == 0
+    assert main(["issue-cert", "--new-ca", "--ca-dir", str(ca)]) == 2  # never replaced
+    assert "already holds a CA key" in capsys.readouterr().err
+    out = tmp_path / "w"
+    issue = ["issue-cert", "--ca-dir", str(ca), "--out", str(out), "--identity"]
+    assert main([*issue, "worker/w-1"]) == 0
+    assert InternalTLS.load(out, "worker").identity == Identity("worker", "w-1")
+    with pytest.raises(OSError, match=r"router\.crt: cannot read"):
+        InternalTLS.load(out, "router")
+    (out / "router.crt").write_bytes((out / "worker.crt").read_bytes())
+    with pytest.raises(OSError, match="identity worker/w-1, expected role router"):
+        InternalTLS.load(out, "router")
+    for bad, message in (
+        ("worker/../etc", "name: expected letters"),
+        ("wizard/w-1", "role: expected one of"),
+        ("worker", "identity: expected ROLE/NAME"),
+    ):
+        assert main([*issue, bad]) == 2
+        assert message in capsys.readouterr().err
