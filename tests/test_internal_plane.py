@@ -22,7 +22,7 @@ from PIL import Image
 from argus import rpc
 from argus.allocator.client import AllocatorClient
 from argus.allocator.control import ControlConfig
-from argus.allocator.membership import WorkerReport
+from argus.allocator.membership import Membership, NotOwnerError, WorkerReport
 from argus.allocator.service import AllocatorServicer
 from argus.allocator.service import create_server as create_allocator
 from argus.cli.main import main
@@ -453,3 +453,21 @@ def test_issue_cert_makes_a_ca_once_and_certificates_that_load_only_for_their_ro
     ):
         assert main([*issue, bad]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_dead_workers_id_stays_with_its_identity_within_a_bound() -> None:
+    members = Membership(timeout_s=3.0, max_workers=1)
+
+    def beat(worker_id: str, owner: str, now: float) -> None:
+        members.heartbeat(WorkerReport(worker_id, "127.0.0.1:7001", CLASS), now, owner)
+
+    beat("worker-1", "worker/worker-1", 0.0)
+    assert members.expire(10.0) == ("worker-1",)  # dead: planned around, id still bound
+    with pytest.raises(NotOwnerError, match="worker_id: 'worker-1'"):
+        beat("worker-1", "worker/rogue", 11.0)
+    # beyond 2 x max_workers bindings, those of the oldest ids no longer live are dropped
+    for i, now in ((2, 20.0), (3, 30.0)):
+        beat(f"worker-{i}", f"worker/worker-{i}", now)
+        members.expire(now + 5.0)
+    beat("worker-1", "worker/rogue", 40.0)  # worker-1's binding was the oldest: gone
+    assert members.get("worker-1") is not None
