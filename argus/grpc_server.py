@@ -1,7 +1,9 @@
 """What every Argus gRPC server has: a bounded thread pool, message size limits, standard health
-checking, server reflection, a bind that fails loudly, and a clean stop on SIGINT/SIGTERM; and
-what the public endpoint adds: TLS and bearer-token authentication. Clients take their
-reconnect options from here.
+checking, server reflection, requests parsed so that malformed bytes are the caller's error
+(INVALID_ARGUMENT), a bind that fails loudly (no port sharing), and a clean stop on
+SIGINT/SIGTERM; and what the public endpoint adds: TLS and bearer-token authentication. Clients
+take their reconnect options from here. (The internal plane's mutual TLS and per-method roles
+are :mod:`argus.internal_tls`.)
 
 The worker, ControlNet, allocator and router services build on these, so a probe, ``grpcurl``
 or a Kubernetes gRPC health check sees the same things on each.
@@ -18,6 +20,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -32,15 +35,104 @@ def new_server(
     max_send_bytes: int,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> grpc.Server:
-    """A server (not started) on a pool of ``threads`` threads with the given message limits."""
+    """A server (not started) on a pool of ``threads`` threads with the given message limits.
+
+    ``interceptors`` run in order, outermost first; :class:`ParseRequests` comes last, so
+    requests are parsed only once they passed authentication. Port reuse is off: gRPC sets
+    SO_REUSEPORT by default, which lets a second process bind a taken port and take a share
+    of its connections; without it that bind fails.
+    """
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=thread_prefix),
-        interceptors=list(interceptors),
+        interceptors=[*interceptors, ParseRequests()],
         options=[
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", max_send_bytes),
+            ("grpc.so_reuseport", 0),
         ],
     )
+
+
+class InvalidMessageError(ValueError):
+    """Bytes that are not the method's request message (a streaming servicer that maps its
+    own errors maps this one to INVALID_ARGUMENT)."""
+
+
+class ParseRequests(grpc.ServerInterceptor):
+    """Parses requests in the handler rather than in gRPC's deserializer, which answers
+    malformed bytes with INTERNAL (a server fault): here they get INVALID_ARGUMENT naming
+    the message type, and the server keeps serving. Handlers that take raw bytes already
+    (no deserializer) are left alone."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = _parser(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            def unary_unary(raw: bytes, context: grpc.ServicerContext) -> Any:
+                return inner_uu(_parsed(parse, raw, context), context)
+
+            return handler._replace(request_deserializer=None, unary_unary=unary_unary)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            def unary_stream(raw: bytes, context: grpc.ServicerContext) -> Any:
+                yield from inner_us(_parsed(parse, raw, context), context)
+
+            return handler._replace(request_deserializer=None, unary_stream=unary_stream)
+
+        def each(raws: Iterator[bytes]) -> Iterator[Any]:
+            for raw in raws:
+                yield parse(raw)
+
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+
+            def stream_stream(raws: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+                try:
+                    yield from inner_ss(each(raws), context)
+                except InvalidMessageError as err:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+            return handler._replace(request_deserializer=None, stream_stream=stream_stream)
+        inner = handler.stream_unary
+
+        def stream_unary(raws: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            try:
+                return inner(each(raws), context)
+            except InvalidMessageError as err:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+        return handler._replace(request_deserializer=None, stream_unary=stream_unary)
+
+
+def _parser(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``deserialize`` raising :class:`InvalidMessageError` (naming the message type) on bad
+    bytes. Generated code passes ``Message.FromString``, whose owner names the type."""
+    owner = getattr(deserialize, "__self__", None)
+    name = getattr(owner, "__name__", "request message")
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except DecodeError as err:
+            raise InvalidMessageError(f"request: not a valid {name} ({err})") from None
+
+    return parse
+
+
+def _parsed(parse: Callable[[bytes], Any], raw: bytes, context: grpc.ServicerContext) -> Any:
+    try:
+        return parse(raw)
+    except InvalidMessageError as err:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
 def add_health_and_reflection(
@@ -67,14 +159,28 @@ def bind(
     server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None = None
 ) -> int:
     """Bind ``address``, with TLS when ``credentials`` are given; returns the port (useful with
-    port 0), OSError if it fails."""
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, credentials)
+    port 0). OSError naming the address if it fails, e.g. because another process holds the
+    port (:func:`new_server` turns port sharing off)."""
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError:  # gRPC's "Failed to bind", which names no cause
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind {address}")
+        raise OSError(f"cannot bind {address}: the port is taken or the address is not local")
     return int(port)
+
+
+def start_metrics(host: str, port: int) -> None:
+    """Serve Prometheus ``/metrics`` on ``host:port``; OSError naming the port if it is taken."""
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port, addr=host)
+    except OSError as err:
+        raise OSError(f"metrics port {host}:{port}: cannot bind ({err.strerror or err})") from None
 
 
 def tls_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:
@@ -96,10 +202,12 @@ def read_token(path: str) -> str:
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Refuses calls without ``authorization: Bearer <token>`` with UNAUTHENTICATED.
+    """Refuses calls without exactly one ``authorization: Bearer <token>`` with
+    UNAUTHENTICATED.
 
     Health checks stay open (Kubernetes probes carry no credentials). Tokens are compared in
-    constant time.
+    constant time. A call with two ``authorization`` headers is refused even when one is
+    right: proxies and servers disagree on which of several counts.
     """
 
     def __init__(self, token: str, open_services: Sequence[str] = (HEALTH_SERVICE,)) -> None:
@@ -121,11 +229,11 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
     ) -> Any:
         if details.method.startswith(self._open):
             return continuation(details)
-        for key, value in details.invocation_metadata:
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._expected):
-                    return continuation(details)
+        given = [v for k, v in details.invocation_metadata if k == "authorization"]
+        if len(given) == 1:
+            value = given[0].encode() if isinstance(given[0], str) else given[0]
+            if hmac.compare_digest(value, self._expected):
+                return continuation(details)
         handler = continuation(details)
         if handler is not None and handler.request_streaming:
             return self._deny_stream

@@ -12,6 +12,12 @@ every worker; ``start`` reports each part as it gets there. ``stop`` goes the ot
 router stops taking requests first, the allocator goes last. Children run in their own
 sessions, so a Ctrl-C in the terminal reaches ``argus up`` alone, which then stops them in
 order.
+
+The internal plane is mutual TLS, as in a deployment: the cluster creates a CA in
+``WORKDIR/tls/ca`` and gives each part a directory ``WORKDIR/tls/NAME`` holding ``ca.crt`` and
+its own certificate (``argus://worker/worker-0``, ...), never the CA key. The cluster's own
+calls (the plan it waits on, :meth:`LocalCluster.internal_channel`) use an ``operator``
+certificate.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import grpc
+
+from argus.internal_tls import CA_KEY, Identity, InternalTLS, channel, generate_ca, issue
 
 LISTENING = re.compile(r"listening on (\S+)")
 WORKER_READY = re.compile(r"argus worker \S+ ready")  # printed after the worker's warm-up
@@ -129,6 +137,29 @@ class LocalCluster:
 
     def worker_names(self) -> list[str]:
         return [name for name in self.parts if name.startswith("worker-")]
+
+    # -- the internal plane's certificates -------------------------------------------------
+
+    def tls_dir(self, identity: Identity) -> Path:
+        """The certificate directory of ``identity``, issued on first use (the CA too)."""
+        root = self.spec.workdir / "tls"
+        ca = root / "ca"
+        if not (ca / CA_KEY).exists():
+            generate_ca(ca)
+        out = root / identity.name
+        if not (out / f"{identity.role}.crt").exists():
+            issue(ca, identity, out)
+        return out
+
+    def internal_tls(self, identity: Identity | None = None) -> InternalTLS:
+        """Credentials for calls into the cluster; by default its own operator certificate
+        (which may read plans and stats, nothing else)."""
+        who = identity or Identity("operator", "argus-up")
+        return InternalTLS.load(self.tls_dir(who), who.role)
+
+    def internal_channel(self, address: str, identity: Identity | None = None) -> grpc.Channel:
+        """A mutual-TLS channel to an internal part (the allocator, a worker, ControlNet)."""
+        return channel(address, self.internal_tls(identity))
 
     # -- start ---------------------------------------------------------------------------
 
@@ -255,9 +286,11 @@ class LocalCluster:
         return [] if self.spec.classifier is None else ["--classifier", self.spec.classifier]
 
     def _launch(self, name: str, command: str, *args: str) -> Part:
+        """Start ``argus COMMAND ARGS`` as part ``name``, with the certificate COMMAND/NAME."""
         spec = self.spec
         metrics_port = free_port(spec.host) if spec.metrics else None
-        full = [command, "--host", spec.host]
+        tls_dir = self.tls_dir(Identity(command, name))
+        full = [command, "--host", spec.host, "--internal-tls-dir", str(tls_dir)]
         if command != "router" or "--port" not in args:
             full += ["--port", "0"]
         full += list(args)
@@ -308,7 +341,7 @@ class LocalCluster:
         from argus.allocator.client import AllocatorClient
 
         deadline = time.monotonic() + (timeout_s or self.spec.start_timeout_s)
-        client = AllocatorClient(self.allocator, timeout_s=5.0)
+        client = AllocatorClient(self.allocator, timeout_s=5.0, tls=self.internal_tls())
         try:
             while time.monotonic() < deadline:
                 try:

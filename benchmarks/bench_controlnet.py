@@ -15,7 +15,8 @@ encoding included, VAE decoding not) and its per-step share, for:
   this process on a thread of their own, synchronous (each step waits for its residuals) and
   pipelined asynchronous (step t uses step t−1's);
 * ``service sync`` / ``service async``: the same against an ``argus controlnet`` process on
-  this machine, over gRPC on loopback (skipped with ``--no-service``).
+  this machine, over gRPC on loopback with the internal plane's mutual TLS, as deployed
+  (``--insecure-internal``: plaintext, to see what TLS costs; ``--no-service``: skipped).
 
 ``sequential`` is diffusers' schedule (ControlNets, then the UNet, one thread) run in
 Argus's own loop: the fair baseline for the parallel modes, since they share every other
@@ -46,8 +47,10 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -229,9 +232,15 @@ def argus_run(
     return go
 
 
-def start_service(family: str, threads: int | None) -> tuple[subprocess.Popen[str], str]:
+def start_service(
+    family: str, threads: int | None, tls_dir: str | None
+) -> tuple[subprocess.Popen[str], str]:
     command = [sys.executable, "-m", "argus", "controlnet", "--port", "0", "--device", "cpu"]
     command += ["--base-family", family, "--cache-size", "8"]
+    if tls_dir is None:
+        command += ["--insecure-internal"]
+    else:
+        command += ["--internal-tls-dir", tls_dir]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if threads is not None:  # torch reads it at start for its intra-op pool
         env["OMP_NUM_THREADS"] = str(threads)
@@ -259,6 +268,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--counts", default="0,1,2,3", help="numbers of ControlNets")
     parser.add_argument("--no-service", action="store_true", help="skip the gRPC service")
+    parser.add_argument(
+        "--insecure-internal", action="store_true", help="the service in plaintext, not mTLS"
+    )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
         "--service-threads", type=int, help="intra-op threads of the service (default: --threads)"
@@ -285,10 +297,18 @@ def main() -> None:
     executors: dict[str, ControlNetExecutor] = {"local": local}
     process = None
     if not args.no_service:
+        from argus.internal_tls import Identity, InternalTLS, generate_ca, issue
         from argus.worker.controlnet.client import RemoteControlNetExecutor
 
-        process, address = start_service(family, service_threads)
-        remote = RemoteControlNetExecutor(address, timeout_s=300)
+        tls, tls_dir = None, None
+        if not args.insecure_internal:  # a CA of the run's own, as argus up makes one
+            root = Path(tempfile.mkdtemp(prefix="bench-controlnet-tls-"))
+            generate_ca(root / "ca")
+            tls_dir = str(issue(root / "ca", Identity("controlnet", "bench"), root / "service"))
+            issue(root / "ca", Identity("worker", "bench"), root / "worker")
+            tls = InternalTLS.load(root / "worker", "worker")
+        process, address = start_service(family, service_threads, tls_dir)
+        remote = RemoteControlNetExecutor(address, timeout_s=300, tls=tls)
         remote.wait_ready(60)
         executors["service"] = remote
 

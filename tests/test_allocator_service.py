@@ -45,6 +45,7 @@ from argus.cli.main import main
 from argus.profiles import default_profiles
 from argus.types import Plan, Strategy
 from tests.service_process import read_address, start_argus
+from tests.tls_factories import TestCA
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
 allocator_pb2_grpc: Any = rpc.load("allocator_pb2_grpc")
@@ -646,20 +647,28 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_argus_allocator_process_plans_drops_a_dead_worker_and_stops_on_sigterm() -> None:
+def test_argus_allocator_process_plans_drops_a_dead_worker_and_stops_on_sigterm(
+    cluster_ca: TestCA,
+) -> None:
     metrics_port = free_port()
     process = start_argus(
         *("allocator", "--port", "0", "--heartbeat-s", "0.1", "--period-s", "60"),
         *("--metrics-port", str(metrics_port)),
+        *("--internal-tls-dir", str(cluster_ca.directory("allocator", "allocator"))),
     )
     try:
         address = read_address(process, "allocator")
         assert address.startswith("127.0.0.1:")  # internal endpoint: loopback by default
-        with grpc.insecure_channel(address) as channel:
+        with (
+            cluster_ca.channel(address, "router") as channel,
+            cluster_ca.channel(address, "worker", "w1") as worker,
+        ):
             stub = allocator_pb2_grpc.AllocatorStub(channel)
             stream = stub.WatchPlan(allocator_pb2.WatchPlanRequest(watcher_id="t"), timeout=60)
             assert next(stream).reason == allocator_pb2.PLAN_REASON_STARTUP
-            reply = stub.Heartbeat(heartbeat(worker_id="w1"), timeout=TIMEOUT)
+            reply = allocator_pb2_grpc.AllocatorStub(worker).Heartbeat(
+                heartbeat(worker_id="w1"), timeout=TIMEOUT
+            )
             assert reply.assigned_level in AC_LEVELS
             # it never beats again: the loop drops it after 3 intervals (0.3 s)
             reasons = []
@@ -713,7 +722,9 @@ def reference_plan(class_quality: Any) -> Plan:
 def start_allocator(*flags: str) -> tuple[subprocess.Popen[str], str | None, str]:
     """An ``argus allocator FLAGS`` process, the address it listens on (None: it exited
     first) and what it printed until then."""
-    process = start_argus("allocator", "--port", "0", "--heartbeat-s", "30", *flags)
+    process = start_argus(
+        "allocator", "--port", "0", "--heartbeat-s", "30", "--insecure-internal", *flags
+    )
     assert process.stdout is not None
     printed: list[str] = []
     for line in process.stdout:
@@ -792,5 +803,5 @@ def test_argus_allocator_refuses_a_calibration_it_cannot_price(
 def test_argus_allocator_rejects_bad_flags(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["allocator", *args]) == 2
+    assert main(["allocator", *args, "--insecure-internal"]) == 2
     assert message in capsys.readouterr().err

@@ -223,7 +223,7 @@ class Load:
 
 
 def wait_plan(cluster: LocalCluster, predicate: Any, timeout_s: float) -> Any:
-    client = AllocatorClient(cluster.allocator)
+    client = AllocatorClient(cluster.allocator, tls=cluster.internal_tls())
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:

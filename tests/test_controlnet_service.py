@@ -34,6 +34,7 @@ from argus.worker.controlnet.predictor import ControlNetPredictor
 from argus.worker.controlnet.service import create_server
 from argus.worker.controlnet.transport import step_to_pb, tensor_to_pb
 from tests.service_process import read_address, start_argus
+from tests.tls_factories import TestCA
 from tests.worker_factories import spec, tiny_model
 
 common_pb2: Any = rpc.load("common_pb2")
@@ -334,15 +335,16 @@ def test_health_reflection_stats_and_metrics(served: Any, channel: grpc.Channel)
 # -- the process ---------------------------------------------------------------------------
 
 
-def test_argus_controlnet_process_serves_and_stops_on_sigterm() -> None:
+def test_argus_controlnet_process_serves_and_stops_on_sigterm(cluster_ca: TestCA) -> None:
     process = start_argus(
         *("controlnet", "--port", "0", "--base-family", "sd15", "--policy", "lfu"),
         *("--cache-size", "2", "--preload", "canny", "--device", "cpu"),
+        *("--internal-tls-dir", str(cluster_ca.directory("controlnet", "controlnet"))),
     )
     try:
         deadline = time.monotonic() + 120
         address = read_address(process, "service")
-        with grpc.insecure_channel(address) as channel:
+        with cluster_ca.channel(address, "worker", "w-1") as channel:
             grpc.channel_ready_future(channel).result(timeout=30)
             health = health_pb2_grpc.HealthStub(channel)
             check = health_pb2.HealthCheckRequest(service="argus.v1.ControlNet")
@@ -353,7 +355,9 @@ def test_argus_controlnet_process_serves_and_stops_on_sigterm() -> None:
                 run(channel, sd15_open(base_family="sdxl"))
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details().startswith("base_family: ")
-        remote = RemoteControlNetExecutor(address, timeout_s=60)
+        remote = RemoteControlNetExecutor(
+            address, timeout_s=60, tls=cluster_ca.tls("worker", "w-1")
+        )
         try:
             model = tiny_model("sd-1.5")
             units = (ControlUnit("canny", 1.0, png(1)),)
@@ -386,5 +390,5 @@ def test_argus_controlnet_process_serves_and_stops_on_sigterm() -> None:
 def test_cli_usage_errors(args: list[str], message: str, capsys: Any) -> None:
     from argus.cli.main import main
 
-    assert main(["controlnet", *args]) == 2
+    assert main(["controlnet", *args, "--insecure-internal"]) == 2
     assert message in capsys.readouterr().err

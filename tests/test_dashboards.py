@@ -46,6 +46,7 @@ from PIL import Image
 
 from argus import rpc
 from argus.client import Connection, RequestFailed, RouterClient
+from argus.internal_tls import Identity
 from argus.local_cluster import ClusterSpec, LocalCluster, free_port
 
 common_pb2: Any = rpc.load("common_pb2")
@@ -337,7 +338,8 @@ class Load:
                 "deadline",
                 lambda: self.client.generate(PROMPTS[0], steps=STEPS, size=SIZE, deadline_ms=1000),
             )
-        with grpc.insecure_channel(self.cluster.allocator) as channel:
+        router = Identity("router", "dashboards")  # reports come from routers only
+        with self.cluster.internal_channel(self.cluster.allocator, router) as channel:
             stub = allocator_pb2_grpc.AllocatorStub(channel)
             try:  # router_id must not be empty
                 stub.ReportRouter(allocator_pb2.RouterReport(router_id=""), timeout=10)

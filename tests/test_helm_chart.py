@@ -444,19 +444,81 @@ def test_profile_configmap_is_shared() -> None:
 
 
 def test_every_argus_pod_has_grpc_health_probes(variant: str) -> None:
-    for name, workload in workloads(rendered(variant)).items():
-        if name in ("qdrant", "router"):
+    """Internal services take only certificates of the cluster CA: their probes run ``argus
+    health`` in the container with the pod's certificate (the real CLI parses it); with the
+    internal plane's TLS off they are kubelet gRPC probes."""
+    for values, mutual in (
+        (load_values(variant), True),
+        ({"internalTls": {"enabled": False}}, False),
+    ):
+        for name, workload in workloads(render(values)).items():
+            if name in ("qdrant", "router"):
+                continue
+            container = main_container(workload)
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if not mutual:
+                    assert container[probe]["grpc"] == {"port": ports["grpc"], "service": ""}
+                    continue
+                command = container[probe]["exec"]["command"]
+                assert command[:2] == ["argus", "health"], (name, probe)
+                parsed = cli_parser("health").parse_args(command[2:])
+                assert parsed.address == f"127.0.0.1:{ports['grpc']}", (name, probe)
+                assert (parsed.role, parsed.service) == (name, ""), (name, probe)
+                assert parsed.internal_tls_dir == INTERNAL_TLS_DIR, (name, probe)
+            # the startup probe covers model loading; liveness only starts after it
+            startup = container["startupProbe"]
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 120, name
+
+
+INTERNAL_TLS_DIR = "/etc/argus/internal-tls"
+
+
+def test_every_argus_pod_issues_its_own_certificate_and_never_sees_the_ca_key(
+    variant: str,
+) -> None:
+    values = merge(load_values(variant), {"internalTls": {"secretName": "cluster-ca"}})
+    for name, workload in workloads(render(values)).items():
+        if name == "qdrant":
             continue
+        spec = pod_spec(workload)
+        (init,) = spec["initContainers"]
+        args = expand_env(init["args"], f"demo-argus-{name}-0")
+        assert init["command"] == ["argus"] and args[0] == "issue-cert", name
+        parsed = cli_parser("issue-cert").parse_args(args[1:])
+        assert parsed.identity == f"{name}/demo-argus-{name}-0", name
+        assert str(parsed.out) == INTERNAL_TLS_DIR and not parsed.new_ca, name
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        ca = volumes["internal-ca"]["secret"]
+        assert ca["secretName"] == "cluster-ca", name
+        assert {i["key"] for i in ca["items"]} == {"ca.crt", "ca.key"}, name
+        assert volumes["internal-tls"]["emptyDir"]["medium"] == "Memory", name
+        init_mounts = {m["name"]: m for m in init["volumeMounts"]}
+        assert init_mounts["internal-ca"]["mountPath"] == parsed.ca_dir, name
+        assert init_mounts["internal-tls"]["mountPath"] == INTERNAL_TLS_DIR, name
+        # the serving container: its certificate, read-only; the CA key is nowhere in it
         container = main_container(workload)
-        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert container[probe]["grpc"] == {"port": ports["grpc"], "service": ""}, (
-                name,
-                probe,
-            )
-        # the startup probe covers model loading; liveness only starts after it
-        startup = container["startupProbe"]
-        assert startup["periodSeconds"] * startup["failureThreshold"] >= 120, name
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert "internal-ca" not in mounts, name
+        assert mounts["internal-tls"] == {
+            "name": "internal-tls",
+            "mountPath": INTERNAL_TLS_DIR,
+            "readOnly": True,
+        }, name
+        args = expand_env(container["args"], f"demo-argus-{name}-0")
+        served = cli_parser(name).parse_args(args[1:])
+        assert served.internal_tls_dir == INTERNAL_TLS_DIR and not served.insecure_internal
+
+
+def test_the_internal_plane_off_is_explicit_and_needs_no_ca() -> None:
+    w = workloads(render({"internalTls": {"enabled": False, "secretName": ""}}))
+    for name in ARGUS_COMPONENTS:
+        spec = pod_spec(w[name])
+        assert "initContainers" not in spec, name
+        assert "internal-ca" not in {v["name"] for v in spec["volumes"]}, name
+        args = expand_env(main_container(w[name])["args"], f"demo-argus-{name}-0")
+        parsed = cli_parser(name).parse_args(args[1:])
+        assert parsed.insecure_internal and parsed.internal_tls_dir is None, name
 
 
 def test_router_probes_never_restart_it_for_want_of_a_plan() -> None:
@@ -863,6 +925,7 @@ INVALID = [
     ({"allocator": {"periodSeconds": 0}}, "/allocator/periodSeconds"),
     ({"allocator": {"period": 60}}, "period"),
     ({"allocator": {"classQuality": "yes"}}, "/allocator/classQuality"),
+    ({"internalTls": {"enabled": True, "secretName": ""}}, "/internalTls/secretName"),
 ]
 
 

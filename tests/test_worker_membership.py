@@ -145,17 +145,14 @@ def wait_until(condition: Callable[[], bool]) -> None:
 
 
 @contextlib.contextmanager
-def reserved_port() -> Iterator[int]:
-    """A loopback port nothing listens on, held for the block so that no other process on a
-    busy machine can take it in between (a plain free port is free only until closed).
-
-    The holding socket is bound but never listens, so connecting to it is refused, and it sets
-    ``SO_REUSEPORT``, as gRPC servers do on Linux, so that an allocator can still bind it.
-    """
+def reserved_port() -> Iterator[socket.socket]:
+    """A socket bound to a loopback port nothing listens on, held for the block so that no
+    other process on a busy machine can take the port in between (a plain free port is free
+    only until closed). Connecting to it is refused; close it to let a server bind the port
+    (Argus servers do not share ports)."""
     with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(("127.0.0.1", 0))
-        yield int(sock.getsockname()[1])
+        yield sock
 
 
 # -- against the allocator service -----------------------------------------------------------
@@ -240,14 +237,15 @@ def test_an_unreachable_allocator_is_retried_while_the_worker_serves(
     worker: Worker,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with reserved_port() as port, caplog.at_level(logging.INFO, logger="argus.worker.membership"):
-        address = f"127.0.0.1:{port}"  # nothing listens here yet
+    with reserved_port() as held, caplog.at_level(logging.INFO, logger="argus.worker.membership"):
+        address = f"127.0.0.1:{held.getsockname()[1]}"  # nothing listens here yet
         membership = join(worker, address)
         membership.start()
         wait_until(lambda: membership.stats().failures >= 3)
         assert membership.stats().state is State.UNREACHABLE
         result = worker.generate(GenerateCall(prompt="a lighthouse", level=worker.level.name))
         assert result.png  # the worker keeps serving
+        held.close()
         alloc = allocator(address)  # the allocator comes up: the next retry joins
         wait_until(lambda: "w7" in alloc.members())
     messages = [r.getMessage() for r in caplog.records]
@@ -261,8 +259,9 @@ def test_an_unreachable_allocator_is_retried_while_the_worker_serves(
 def test_stop_is_prompt_and_quiet_when_the_allocator_is_gone(
     join: Callable[..., Membership], worker: Worker
 ) -> None:
-    with reserved_port() as port:
-        membership = join(worker, f"127.0.0.1:{port}", config=replace(FAST, rpc_timeout_s=0.5))
+    with reserved_port() as held:
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        membership = join(worker, address, config=replace(FAST, rpc_timeout_s=0.5))
         membership.start()
         wait_until(lambda: membership.stats().failures >= 1)
         membership.stop()  # the leaving heartbeat fails: logged, not raised
@@ -413,10 +412,10 @@ def test_retrieval_since_summarises_lookups_and_merges_probes() -> None:
 def test_argus_worker_rejects_bad_cluster_flags(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["worker", *args]) == 2
+    assert main(["worker", *args, "--insecure-internal"]) == 2
     err = capsys.readouterr().err
-    assert message in err
-    assert err.count("\n") == 1
+    lines = [line for line in err.splitlines() if not line.startswith("WARNING: ")]
+    assert len(lines) == 1 and message in lines[0]  # one line, beside the insecure warning
 
 
 def test_check_address_accepts_hosts_and_ipv6() -> None:

@@ -18,6 +18,7 @@ from PIL import Image
 from argus import rpc
 from argus.worker.service import create_server
 from tests.service_process import START_TIMEOUT_S, read_address, start_argus
+from tests.tls_factories import TestCA
 from tests.worker_factories import STEPS, make_worker
 
 worker_pb2: Any = rpc.load("worker_pb2")
@@ -164,10 +165,13 @@ def test_health_is_serving_only_after_the_model_loads_and_warms_up() -> None:
         worker.close()
 
 
-def test_argus_worker_process_serves_and_stops_on_sigterm(tmp_path: Any) -> None:
+def test_argus_worker_process_serves_and_stops_on_sigterm(
+    tmp_path: Any, cluster_ca: TestCA
+) -> None:
     process = start_argus(
         *("worker", "--model", "tiny", "--port", "0", "--worker-id", "w-proc"),
         *("--default-steps", "4", "--no-cache"),
+        *("--internal-tls-dir", str(cluster_ca.directory("worker", "w-proc"))),
     )
     try:
         address = read_address(process, "worker")
@@ -177,7 +181,7 @@ def test_argus_worker_process_serves_and_stops_on_sigterm(tmp_path: Any) -> None
         while True:
             # a new channel per attempt: a channel that failed to connect once can sit in
             # reconnect backoff (a fresh-clone run once hung in channel_ready_future here)
-            with grpc.insecure_channel(address) as probe:
+            with cluster_ca.channel(address, "operator") as probe:
                 try:
                     status = health_pb2_grpc.HealthStub(probe).Check(check, timeout=5).status
                 except grpc.RpcError:
@@ -188,7 +192,7 @@ def test_argus_worker_process_serves_and_stops_on_sigterm(tmp_path: Any) -> None
             assert time.monotonic() < deadline, f"never SERVING; saw {statuses[-5:]}"
             time.sleep(0.1)
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses  # loading, warming up
-        with grpc.insecure_channel(address) as channel:
+        with cluster_ca.channel(address, "router") as channel:
             stats = stub(channel).Stats(worker_pb2.StatsRequest(), timeout=30)
             assert stats.completed == 0  # the warm-up run is not counted as a request
             reply = stub(channel).Generate(worker_pb2.GenerateRequest(prompt="a tram"), timeout=60)

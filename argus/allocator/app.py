@@ -48,6 +48,7 @@ class AllocatorSettings:
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
     classifier: str | None = None  # the routers' classifier directory, whose Q(v | c) prices
     # their classes; None: the committed default (as the router's); "none": level averages
+    internal_tls_dir: str | None = None  # ca.crt, allocator.crt/.key; None: plaintext
 
     def control_config(self) -> ControlConfig:
         """The control's config; ValueError names a bad field."""
@@ -106,11 +107,16 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
     """Run the allocator until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
     from argus.allocator.metrics import AllocatorMetrics
     from argus.allocator.service import create_server
+    from argus.grpc_server import start_metrics
+    from argus.internal_tls import InternalTLS
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     profiles = load_profiles(settings.profile) if settings.profile else default_profiles()
     config = settings.control_config()
+    tls = None
+    if settings.internal_tls_dir is not None:
+        tls = InternalTLS.load(settings.internal_tls_dir, "allocator")
     classes = settings.planning_classes(profiles)
     log_classes(classes)
     metrics = AllocatorMetrics(profiles)
@@ -122,11 +128,10 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
         metrics=metrics,
         class_quality=None if classes is None else classes.class_quality,
         classifier_key="" if classes is None else classes.key,
+        tls=tls,
     )
     if settings.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(settings.metrics_port, addr=settings.host)
+        start_metrics(settings.host, settings.metrics_port)
     loop = ControlLoop(servicer.control, tick_interval_s(config.heartbeat_s))
     server.start()
     loop.start()

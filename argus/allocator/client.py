@@ -31,6 +31,7 @@ from argus.allocator.convert import (
 )
 from argus.allocator.membership import WorkerReport
 from argus.grpc_server import reconnect_options
+from argus.internal_tls import InternalTLS, channel
 from argus.types import Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
@@ -40,12 +41,15 @@ log = logging.getLogger(__name__)
 
 
 class AllocatorClient:
-    """Unary calls to one allocator; errors are ``grpc.RpcError`` with the service's codes."""
+    """Unary calls to one allocator (mutual TLS with ``tls``, plaintext with None); errors are
+    ``grpc.RpcError`` with the service's codes."""
 
-    def __init__(self, address: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float = 5.0, tls: InternalTLS | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=reconnect_options())
+        self._channel = channel(address, tls, reconnect_options())
         self._stub = allocator_pb2_grpc.AllocatorStub(self._channel)
 
     def heartbeat(self, report: WorkerReport) -> HeartbeatAnswer:
@@ -91,6 +95,7 @@ class PlanWatcher:
         on_plan: Callable[[PublishedPlan], None] | None = None,
         *,
         watcher_id: str = "",
+        tls: InternalTLS | None = None,
         min_backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
     ) -> None:
@@ -101,6 +106,7 @@ class PlanWatcher:
             )
         self.address = address
         self.watcher_id = watcher_id
+        self._tls = tls
         self._on_plan = on_plan
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
@@ -142,8 +148,8 @@ class PlanWatcher:
     def _run(self) -> None:
         delay = self._min_backoff_s
         request = allocator_pb2.WatchPlanRequest(watcher_id=self.watcher_id)
-        with grpc.insecure_channel(self.address, options=reconnect_options()) as channel:
-            stub = allocator_pb2_grpc.AllocatorStub(channel)
+        with channel(self.address, self._tls, reconnect_options()) as plan_channel:
+            stub = allocator_pb2_grpc.AllocatorStub(plan_channel)
             while not self._stopping.is_set():
                 call = stub.WatchPlan(request)
                 with self._cond:

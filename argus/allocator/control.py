@@ -365,13 +365,14 @@ class AllocatorControl:
 
     # -- events ----------------------------------------------------------------------------
 
-    def heartbeat(self, report: WorkerReport) -> HeartbeatAnswer:
-        """Record a worker's heartbeat; re-plan at once when it joined, moved or left, or when
-        its retrieval report forces AC → SM. Raises ``MembershipFullError`` on a join beyond
-        ``max_workers``."""
+    def heartbeat(self, report: WorkerReport, owner: str = "") -> HeartbeatAnswer:
+        """Record a worker's heartbeat sent by identity ``owner``; re-plan at once when it
+        joined, moved or left, or when its retrieval report forces AC → SM. Raises
+        ``MembershipFullError`` on a join beyond ``max_workers``, ``NotOwnerError`` when another
+        identity owns the worker id."""
         with self._lock:
             now = self._clock()
-            change = self._members.heartbeat(report, now)
+            change = self._members.heartbeat(report, now, owner)
             for observation in report.retrieval.observations():
                 self._monitor.observe(now, observation)
             who = f"worker {report.worker_id}"

@@ -6,6 +6,13 @@ removed and planned around; should it come back, its next heartbeat is a join li
 A worker that says it is leaving is removed at once. Only live workers are kept, so memory is
 bounded by ``max_workers``.
 
+A worker id is bound to the identity (its certificate's, see :mod:`argus.internal_tls`) whose
+heartbeat first registered it: another identity cannot heartbeat for it, leave for it or move
+it (:class:`NotOwnerError`). The binding outlives the member (a dead worker's id cannot be
+taken over by another identity while it restarts); the oldest bindings of ids no longer live
+are dropped beyond ``2 × max_workers``. On a plaintext plane every caller is ``""``, so the
+binding holds nothing back.
+
 Pure bookkeeping: times are the caller's clock, nothing here locks (the allocator's control
 holds one lock around every call) and nothing talks to a network.
 """
@@ -93,8 +100,12 @@ class MembershipFullError(RuntimeError):
     """A join beyond ``max_workers``."""
 
 
+class NotOwnerError(PermissionError):
+    """A heartbeat for a worker id that another identity registered."""
+
+
 class Membership:
-    """The live workers, by id."""
+    """The live workers, by id, and which identity owns each id."""
 
     def __init__(self, timeout_s: float, max_workers: int) -> None:
         if not timeout_s > 0.0:
@@ -104,6 +115,7 @@ class Membership:
         self.timeout_s = timeout_s
         self.max_workers = max_workers
         self._members: dict[str, Member] = {}
+        self._owners: dict[str, str] = {}  # worker id → identity, oldest binding first
 
     def __len__(self) -> int:
         return len(self._members)
@@ -119,8 +131,15 @@ class Membership:
         """The live workers as the solver takes them."""
         return ClusterView(tuple(m.state() for m in self.members()))
 
-    def heartbeat(self, report: WorkerReport, now_s: float) -> Change:
-        """Record ``report`` received at ``now_s``; says whether the plan must change."""
+    def heartbeat(self, report: WorkerReport, now_s: float, owner: str = "") -> Change:
+        """Record ``report`` received at ``now_s`` from identity ``owner``; says whether the
+        plan must change. :class:`NotOwnerError` when another identity owns the worker id."""
+        bound = self._owners.get(report.worker_id)
+        if bound is not None and bound != owner:
+            raise NotOwnerError(
+                f"worker_id: {report.worker_id!r} belongs to another identity; "
+                f"{owner or 'an anonymous caller'} may not heartbeat, leave or move it"
+            )
         known = self._members.get(report.worker_id)
         if report.leaving:
             if known is None:
@@ -134,12 +153,22 @@ class Membership:
                     f"tracks its maximum of {self.max_workers} workers"
                 )
             self._members[report.worker_id] = Member(report, now_s, now_s)
+            self._bind(report.worker_id, owner)
             return Change.JOINED
         self._members[report.worker_id] = Member(report, known.joined_at_s, now_s)
         old = known.report
         if (old.address, old.worker_class) != (report.address, report.worker_class):
             return Change.MOVED
         return Change.UPDATED
+
+    def _bind(self, worker_id: str, owner: str) -> None:
+        self._owners.pop(worker_id, None)
+        self._owners[worker_id] = owner
+        excess = len(self._owners) - 2 * self.max_workers
+        if excess > 0:
+            gone = [w for w in self._owners if w not in self._members][:excess]
+            for w in gone:
+                del self._owners[w]
 
     def expire(self, now_s: float) -> tuple[str, ...]:
         """Remove the workers silent for more than ``timeout_s``; returns their ids, sorted."""

@@ -4,7 +4,9 @@ The servicer only converts (:mod:`argus.allocator.convert`) and delegates to
 :class:`~argus.allocator.control.AllocatorControl`; errors become status codes and the
 service keeps serving:
 
-* a bad field → ``INVALID_ARGUMENT`` whose details start with the field's path;
+* a bad field, or bytes that are not the request message → ``INVALID_ARGUMENT`` whose
+  details start with the field's path;
+* a heartbeat for a worker id another identity registered → ``PERMISSION_DENIED`` naming it;
 * a join beyond ``max_workers``, a watch beyond ``max_watchers`` → ``RESOURCE_EXHAUSTED``;
 * a watch while shutting down → ``UNAVAILABLE``; anything else → ``INTERNAL`` with the text.
 
@@ -12,6 +14,10 @@ Plans reach watchers through a :class:`~argus.allocator.feed.LatestFeed` of read
 ``PlanUpdate`` messages (converted once per plan, not once per watcher). Each open watch
 stream holds one thread of the synchronous server, so the pool has ``max_watchers`` threads
 plus :data:`SPARE_THREADS` that heartbeats, reports and health checks always find free.
+
+With ``tls`` (:class:`~argus.internal_tls.InternalTLS`) the server takes only callers with a
+certificate of the cluster, and each method only the roles :data:`argus.internal_tls.POLICY`
+names: heartbeats from workers, reports from routers, plans to routers (and operators).
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ from argus.allocator.convert import (
     router_report_from_pb,
 )
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
-from argus.allocator.membership import MembershipFullError
+from argus.allocator.membership import MembershipFullError, NotOwnerError
 from argus.allocator.metrics import AllocatorMetrics
 from argus.allocator.solver import SolverFactory
 from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from argus.internal_tls import InternalTLS, caller, server_security
 from argus.types import ClassQuality, ProfileSet, Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
@@ -81,7 +88,8 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServicer):  # type: ignore[m
     def Heartbeat(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             report = heartbeat_from_pb(request, self.control.profiles)
-            answer = self.control.heartbeat(report)
+            who = caller(context)
+            answer = self.control.heartbeat(report, "" if who is None else str(who))
         except Exception as err:
             self._fail(context, "Heartbeat", err)
         return heartbeat_answer_to_pb(answer)
@@ -130,6 +138,8 @@ def status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
     """The status code and details a failed call is answered with."""
     if isinstance(err, FieldError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    if isinstance(err, NotOwnerError):
+        return grpc.StatusCode.PERMISSION_DENIED, str(err)
     if isinstance(err, (MembershipFullError, FeedFullError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
     if isinstance(err, FeedClosedError):
@@ -159,6 +169,7 @@ def create_server(
     backend: SolverFactory | None = None,
     class_quality: Mapping[Strategy, ClassQuality] | None = None,
     classifier_key: str = "",
+    tls: InternalTLS | None = None,
 ) -> tuple[grpc.Server, int, AllocatorServicer]:
     """A not-yet-started server bound to ``address``; returns it, the port and the servicer.
 
@@ -166,7 +177,8 @@ def create_server(
     ``classifier_key`` as :class:`~argus.allocator.control.AllocatorControl` takes them) and
     reachable as ``servicer.control``; nothing calls its ``tick`` until a
     :class:`~argus.allocator.control.ControlLoop` is started (``argus.allocator.app`` does;
-    tests with a fake ``clock`` call ``tick`` themselves).
+    tests with a fake ``clock`` call ``tick`` themselves). ``tls``: mutual TLS and the role
+    check; None serves plaintext to anyone (tests, ``--insecure-internal``).
     """
     feed: LatestFeed[Any] = LatestFeed(max_watchers)
     listeners: list[PlanListener] = [_Publisher(feed)]
@@ -184,16 +196,18 @@ def create_server(
     )
     if metrics is not None:
         metrics.watch(control, lambda: feed.readers)
+    credentials, interceptors = server_security(tls)
     server = new_server(
         threads=max_watchers + SPARE_THREADS,
         thread_prefix="allocator-grpc",
         max_receive_bytes=4 * 1024 * 1024,
         max_send_bytes=16 * 1024 * 1024,
+        interceptors=interceptors,
     )
     health_servicer = health.HealthServicer()
     servicer = AllocatorServicer(control, feed, health_servicer, metrics)
     allocator_pb2_grpc.add_AllocatorServicer_to_server(servicer, server)
     add_health_and_reflection(server, health_servicer, [SERVICE_NAME])
-    port = bind(server, address)
+    port = bind(server, address, credentials)
     set_serving(health_servicer, SERVICE_NAME, True)  # a plan exists from the start
     return server, port, servicer

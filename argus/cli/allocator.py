@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
 from argus.cli.main import CLIError
 
 
@@ -58,6 +59,7 @@ class AllocatorCommand:
             help="window of that p99, and of the healthy probes that switch back",
         )
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+        add_internal_tls_arguments(parser, "allocator")
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.allocator.app import AllocatorSettings, serve
@@ -71,6 +73,7 @@ class AllocatorCommand:
                 raise CLIError(f"{flag}: {value} must be a positive number of seconds")
         if args.max_watchers < 1:
             raise CLIError(f"--max-watchers: {args.max_watchers} must be positive")
+        tls_dir = internal_tls_dir(args, "allocator")
         settings = AllocatorSettings(
             host=args.host,
             port=args.port,
@@ -83,6 +86,7 @@ class AllocatorCommand:
             retrieval_window_s=args.retrieval_window_s,
             metrics_port=args.metrics_port,
             classifier=args.classifier,
+            internal_tls_dir=tls_dir,
         )
         try:
             settings.control_config()  # fail before binding, quoting the bad value

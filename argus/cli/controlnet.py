@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
 from argus.cli.main import CLIError
 
 
@@ -37,6 +38,7 @@ class ControlNetCommand:
         )
         parser.add_argument("--max-sessions", type=int, default=64, help="requests in flight")
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+        add_internal_tls_arguments(parser, "controlnet")
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.worker.controlnet.app import ControlNetSettings, serve
@@ -49,6 +51,7 @@ class ControlNetCommand:
                 raise CLIError(f"{flag}: {value} must be positive")
         if args.max_sessions < 1:
             raise CLIError(f"--max-sessions: {args.max_sessions} must be positive")
+        tls_dir = internal_tls_dir(args, "controlnet")
         settings = ControlNetSettings(
             catalog=args.catalog,
             base_family=args.base_family,
@@ -62,8 +65,9 @@ class ControlNetCommand:
             preload=tuple(args.preload),
             max_sessions=args.max_sessions,
             metrics_port=args.metrics_port,
+            internal_tls_dir=tls_dir,
         )
         try:
             return serve(settings)
-        except (ValueError, ControlNetError) as err:
+        except (ValueError, ControlNetError, OSError) as err:
             raise CLIError(str(err)) from None

@@ -53,6 +53,11 @@ class GenerateCommand:
         )
         parser.add_argument("--out", type=Path, default=Path("image.png"))
         parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
+        parser.add_argument(
+            "--internal-tls-dir",
+            help="a router's certificate directory (ca.crt, router.crt, router.key): a worker "
+            "of a cluster answers routers only (default: plaintext, a standalone worker)",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         import grpc
@@ -83,9 +88,19 @@ class GenerateCommand:
             request.adapters.add(kind=kind.CONTROLNET, name=name, scale=scale, control_image=png)
         for name, scale in map(parse_lora, args.lora):
             request.adapters.add(kind=kind.LORA, name=name, scale=scale)
-        with grpc.insecure_channel(args.address) as channel:
+        from argus.internal_tls import InternalTLS, channel
+
+        try:
+            tls = None
+            if args.internal_tls_dir is not None:  # workers of a cluster take routers only
+                tls = InternalTLS.load(args.internal_tls_dir, "router")
+        except OSError as err:
+            raise CLIError(str(err)) from None
+        with channel(args.address, tls) as worker_channel:
             try:
-                reply = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=args.timeout)
+                reply = worker_pb2_grpc.WorkerStub(worker_channel).Generate(
+                    request, timeout=args.timeout
+                )
             except grpc.RpcError as err:
                 raise CLIError(f"{err.code().name}: {err.details()}") from None
         args.out.write_bytes(reply.png)

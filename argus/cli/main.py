@@ -62,6 +62,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "ProfileLoraCommand",
         "find the LoRA bound K: the first step where the LoRA changes the latents",
     ),
+    "issue-cert": (
+        "argus.cli.issue_cert",
+        "IssueCertCommand",
+        "create the cluster CA, or issue a component's internal-plane certificate",
+    ),
+    "health": (
+        "argus.cli.health",
+        "HealthCommand",
+        "check an internal service's gRPC health with this pod's certificate",
+    ),
     "generate": (
         "argus.cli.generate",
         "GenerateCommand",

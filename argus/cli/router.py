@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
 from argus.cli.main import CLIError
 
 
@@ -59,6 +60,7 @@ class RouterCommand:
             help="largest request accepted: pixels × steps in reference requests of the profile "
             "(default: no cap)",
         )
+        add_internal_tls_arguments(parser, "router")
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.grpc_server import check_address
@@ -78,6 +80,7 @@ class RouterCommand:
                 raise CLIError(f"{flag}: {value} must be positive")
         if args.max_cost is not None and not (math.isfinite(args.max_cost) and args.max_cost > 0):
             raise CLIError(f"--max-cost: {args.max_cost} must be a positive number")
+        tls_dir = internal_tls_dir(args, "router")
         try:
             check_address(args.allocator, "--allocator")
             settings = RouterSettings(
@@ -96,6 +99,7 @@ class RouterCommand:
                 default_deadline_ms=args.default_deadline_ms,
                 max_in_flight=args.max_in_flight,
                 max_cost=args.max_cost,
+                internal_tls_dir=tls_dir,
             )
             settings.security()  # a bad certificate or token file fails before any loading
             return serve(settings)

@@ -7,12 +7,17 @@ once; the cluster once the router serves on a plan with every worker) and where 
 and with ``--demo N`` then sends N prompts from the bundled prompt set through the router and
 saves the images in ``--out``. Ctrl-C (or
 SIGTERM) stops the parts in order: router, workers, ControlNet, allocator.
+
+The parts talk mutual TLS with certificates of a CA made for the run (in ``WORKDIR/tls``; see
+:mod:`argus.local_cluster`). A router ``--port`` another process holds stops ``argus up``
+before anything starts, naming the port.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -98,6 +103,8 @@ class UpCommand:
             raise CLIError(f"--demo: {args.demo} must be >= 0")
         if args.max_restarts < 1:
             raise CLIError(f"--max-restarts: {args.max_restarts} must be >= 1")
+        if args.port != 0:
+            check_port_free("127.0.0.1", args.port)
         if args.workdir is not None:
             return self._serve(args, args.workdir)
         # caches and logs of one run, useless after it: a temp dir left behind per run adds
@@ -176,6 +183,21 @@ class UpCommand:
                 client, demo_prompts(args.demo), args.out, count=args.demo, concurrency=2
             )
         return failed
+
+
+def check_port_free(host: str, port: int) -> None:
+    """CLIError naming ``port`` when another process holds it (checked before any part starts;
+    the router's own bind, without port sharing, fails too should it be taken meanwhile)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # as gRPC binds: a port left in TIME_WAIT by a previous run is free, a listening one not
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise CLIError(
+                f"--port: {host}:{port} is taken ({err.strerror or err}); stop what holds it "
+                "or pass another --port (0: any free port)"
+            ) from None
 
 
 def _model_args(model: str, variants: list[str]) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
 from argus.cli.main import CLIError
 from argus.quoting import quoted
 
@@ -81,6 +82,7 @@ class WorkerCommand:
             metavar="DEVICE",
             help="run the CFG branches on two devices: the peer's device (cpu, cuda:1)",
         )
+        add_internal_tls_arguments(parser, "worker")
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.grpc_server import check_address
@@ -95,6 +97,7 @@ class WorkerCommand:
                     check_address(value, flag)
                 except ValueError as err:
                     raise CLIError(str(err)) from None
+        tls_dir = internal_tls_dir(args, "worker")
         try:
             adapter_settings = AdapterSettings(
                 lora_dir=args.lora_dir,
@@ -133,8 +136,9 @@ class WorkerCommand:
             allocator=args.allocator,
             advertise=args.advertise,
             worker_class=args.worker_class,
+            internal_tls_dir=tls_dir,
         )
         try:
             return serve(settings)
-        except ValueError as err:
+        except (ValueError, OSError) as err:
             raise CLIError(str(err)) from None

@@ -175,6 +175,7 @@ class RouterSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token_file: str | None = None
+    internal_tls_dir: str | None = None  # ca.crt, router.crt/.key for internal calls; None: plain
     report_period_s: float = 1.0
     default_deadline_ms: int = 30_000
     max_in_flight: int = 256
@@ -206,10 +207,11 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
         default_classifier_dir,
         load_prompt_classifier,
     )
-    from argus.grpc_server import wait_for_shutdown
+    from argus.grpc_server import reconnect_options, start_metrics, wait_for_shutdown
+    from argus.internal_tls import InternalTLS, channel
     from argus.profiles import default_profiles, load_profiles
     from argus.router.metrics import RouterMetrics
-    from argus.router.service import RouterServiceConfig
+    from argus.router.service import RouterServiceConfig, WorkerChannels
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -221,6 +223,9 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
         max_cost=settings.max_cost,
     )
     security = settings.security()
+    tls = None
+    if settings.internal_tls_dir is not None:
+        tls = InternalTLS.load(settings.internal_tls_dir, "router")
     classifier = load_prompt_classifier(settings.classifier)
     # torch, transformers and the encoder leave ~400k objects that never die; out of the
     # collector's reach, a full collection no longer stops the process for ~0.3 s
@@ -229,18 +234,20 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     key = classifier_key(settings.classifier)
     log.info("classifier %s (%s)", key, settings.classifier or default_classifier_dir())
     metrics = RouterMetrics(profiles)
-    core = RouterCore(profiles, classifier, config, metrics=metrics)
+    channels = WorkerChannels(lambda address: channel(address, tls, reconnect_options()))
+    core = RouterCore(profiles, classifier, config, channels=channels, metrics=metrics)
     server, port, servicer = create_server(
         core, f"{settings.host}:{settings.port}", threads=settings.threads, security=security
     )
     if settings.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(settings.metrics_port, addr=settings.metrics_host)
+        start_metrics(settings.metrics_host, settings.metrics_port)
     watcher = PlanWatcher(
-        settings.allocator, on_plan=servicer.plan_installed, watcher_id=settings.router_id
+        settings.allocator,
+        on_plan=servicer.plan_installed,
+        watcher_id=settings.router_id,
+        tls=tls,
     )
-    client = AllocatorClient(settings.allocator)
+    client = AllocatorClient(settings.allocator, tls=tls)
     reporter = StatsReporter(
         core, client, time.monotonic, period_s=settings.report_period_s, classifier_key=key
     )

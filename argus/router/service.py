@@ -653,7 +653,7 @@ class RouterCore:
             self.worker_calls += 1
         try:
             stub = self._channels.stub(address)
-            return stub.Generate(call, timeout=max(0.001, deadline - self._clock()))
+            reply = stub.Generate(call, timeout=max(0.001, deadline - self._clock()))
         except grpc.RpcError as err:
             code = err.code()
             if code is grpc.StatusCode.UNAVAILABLE:
@@ -666,6 +666,8 @@ class RouterCore:
                     self._queues[decision.worker_id] -= 1
                     # a worker serves in order: the next request started as this one ended
                     self._head_started[decision.worker_id] = self._clock()
+        check_reply_size(call, reply, decision.worker_id)
+        return reply
 
     def _route_capped(self, optimal: int, down: set[str], cap: int | None) -> RouteDecision:
         """Route with no level above ``cap``. When no live worker serves such a level, a worker
@@ -765,6 +767,27 @@ def _runnable_levels(profiles: ProfileSet, strategy: Strategy) -> Callable[[int]
         return max((i for i, k in enumerate(skips) if k < steps), default=-1)
 
     return highest
+
+
+def check_reply_size(call: Any, reply: Any, worker_id: str) -> None:
+    """RouterError (INTERNAL) when the worker's PNG is not the width × height the request
+    asked for: a faulty or rogue worker's bytes are not passed on. A size the request left to
+    the worker's default is not checked."""
+    asked = tuple(getattr(call, n) if call.HasField(n) else None for n in ("width", "height"))
+    if asked == (None, None):
+        return
+    png = bytes(reply.png)
+    got: tuple[int, int] | None = None  # PNG: signature, then IHDR's big-endian width, height
+    if png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and len(png) >= 24:
+        got = (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big"))
+    if got is None or any(a not in (None, g) for a, g in zip(asked, got, strict=True)):
+        shown = "x".join("*" if v is None else str(v) for v in asked)
+        found = "no PNG" if got is None else f"{got[0]}x{got[1]}"
+        log.warning("worker %s returned %s for a %s request", worker_id, found, shown)
+        raise RouterError(
+            grpc.StatusCode.INTERNAL,
+            f"worker {worker_id}: returned {found}, not the {shown} image asked for; refused",
+        )
 
 
 def worker_request(request: Any, level: str) -> Any:

@@ -140,8 +140,11 @@ class DenoiseExtras:
 class WorkerAdapters:
     """The adapter machinery of one worker: LoRA loader, ControlNet executor, latent peer."""
 
-    def __init__(self, settings: AdapterSettings, *, device: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, settings: AdapterSettings, *, device: str, dtype: torch.dtype, tls: Any = None
+    ) -> None:
         self.settings = settings
+        self.tls = tls  # argus.internal_tls.InternalTLS for the ControlNet service; None: plain
         self.device = device
         self.dtype = dtype
         self.loras: Any = None  # argus.worker.lora.LoraLoader
@@ -174,7 +177,9 @@ class WorkerAdapters:
             if s.controlnet:
                 from argus.worker.controlnet.client import executor_for
 
-                self.controlnets = executor_for(s.controlnet, device=self.device, dtype=self.dtype)
+                self.controlnets = executor_for(
+                    s.controlnet, device=self.device, dtype=self.dtype, tls=self.tls
+                )
             if s.latent_parallel:
                 from argus.worker.latent_parallel import (
                     CatalogControlNetLoader,

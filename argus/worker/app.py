@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from argus.grpc_server import check_address, wait_for_shutdown
+from argus.internal_tls import InternalTLS
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet, Strategy
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
@@ -68,6 +69,8 @@ class WorkerSettings:
     allocator: str | None = None  # the allocator's HOST:PORT; None: a standalone worker
     advertise: str | None = None  # HOST:PORT reported in heartbeats; None: the bound host:port
     worker_class: str | None = None  # GPU type, a worker class of the profile; None: the first
+    # internal plane: ca.crt, worker.crt/.key for the allocator, routers and ControlNet service
+    internal_tls_dir: str | None = None  # None: plaintext (--insecure-internal)
 
     def __post_init__(self) -> None:
         for name in ("allocator", "advertise"):
@@ -152,8 +155,19 @@ def worker_class_of(settings: WorkerSettings, profiles: ProfileSet) -> str:
     return settings.worker_class
 
 
+def load_internal_tls(settings: WorkerSettings) -> InternalTLS | None:
+    """The worker's certificate (None: plaintext); TLSSetupError names a missing file."""
+    if settings.internal_tls_dir is None:
+        return None
+    return InternalTLS.load(settings.internal_tls_dir, "worker")
+
+
 def start_membership(
-    settings: WorkerSettings, worker: Worker, port: int, profiles: ProfileSet
+    settings: WorkerSettings,
+    worker: Worker,
+    port: int,
+    profiles: ProfileSet,
+    tls: InternalTLS | None = None,
 ) -> Membership | None:
     """Join the allocator in the background (None without one); the worker serves either way."""
     if settings.allocator is None:
@@ -165,6 +179,7 @@ def start_membership(
             settings.allocator,
             timeout_s=config.rpc_timeout_s,
             max_reconnect_s=config.max_backoff_s,
+            tls=tls,
         ),
         advertise=settings.advertise or default_advertise(settings.host, port),
         worker_class=worker_class_of(settings, profiles),
@@ -179,6 +194,7 @@ def build_worker(
     *,
     wait_for_model: bool = True,
     metrics: WorkerMetrics | None = None,
+    tls: InternalTLS | None = None,
 ) -> Worker:
     profiles = load_settings_profiles(settings)
     sources = model_sources(settings, profiles)
@@ -208,7 +224,9 @@ def build_worker(
     )
     adapters = None
     if settings.adapters.enabled:
-        adapters = WorkerAdapters(settings.adapters, device=registry.device, dtype=registry.dtype)
+        adapters = WorkerAdapters(
+            settings.adapters, device=registry.device, dtype=registry.dtype, tls=tls
+        )
         adapters.start()
     worker = Worker(
         profiles,
@@ -263,19 +281,23 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     SERVING from then on. With ``settings.allocator`` the worker joins the cluster then, and
     follows the plan; on a signal it leaves the allocator first, then stops the server.
     """
+    from argus.grpc_server import start_metrics
     from argus.worker.service import create_server
 
     profiles = load_settings_profiles(settings)
     worker_class_of(settings, profiles)  # a bad class fails before any model loads
+    tls = load_internal_tls(settings)  # a missing certificate too
     metrics = WorkerMetrics()
-    worker = build_worker(settings, wait_for_model=False, metrics=metrics)
+    worker = build_worker(settings, wait_for_model=False, metrics=metrics, tls=tls)
     server, port, servicer = create_server(
-        worker, f"{settings.host}:{settings.port}", threads=settings.threads, metrics=metrics
+        worker,
+        f"{settings.host}:{settings.port}",
+        threads=settings.threads,
+        metrics=metrics,
+        tls=tls,
     )
     if settings.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(settings.metrics_port, addr=settings.host)
+        start_metrics(settings.host, settings.metrics_port)
     began = time.monotonic()
     # health turns SERVING and the worker joins once the first model is loaded (in the
     # background) and has run once
@@ -283,7 +305,7 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     server.start()
     print(f"argus worker {settings.worker_id} listening on {settings.host}:{port}", flush=True)
     start_warm_up(worker, loading, lambda: _on_ready(settings.worker_id, servicer, began))
-    membership = start_membership(settings, worker, port, profiles)
+    membership = start_membership(settings, worker, port, profiles, tls)
     try:
         wait_for_shutdown(ready)
     finally:

@@ -59,6 +59,7 @@ from argus.worker.engine import Worker
 from argus.worker.registry import LoadState
 
 if TYPE_CHECKING:
+    from argus.internal_tls import InternalTLS
     from argus.worker.cache import CacheStats
 
 log = logging.getLogger(__name__)
@@ -140,16 +141,22 @@ class HeartbeatChannel:
     ``max_reconnect_s`` rather than minutes later, long after it declared the worker dead.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 2.0, max_reconnect_s: float = 10.0):
-        import grpc
-
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 2.0,
+        max_reconnect_s: float = 10.0,
+        tls: InternalTLS | None = None,
+    ):
         from argus import rpc
         from argus.grpc_server import reconnect_options
+        from argus.internal_tls import channel
 
         options = reconnect_options(max_reconnect_s)
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = channel(address, tls, options)
         self._stub = rpc.load("allocator_pb2_grpc").AllocatorStub(self._channel)
 
     def heartbeat(self, report: WorkerReport) -> HeartbeatAnswer:

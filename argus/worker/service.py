@@ -33,6 +33,7 @@ from grpc_health.v1 import health
 
 from argus import rpc
 from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from argus.internal_tls import InternalTLS, server_security
 from argus.request_limits import InvalidRequestError
 from argus.types import Strategy
 from argus.worker.adapters import adapter_status
@@ -274,13 +275,18 @@ def create_server(
     *,
     threads: int = 16,
     metrics: WorkerMetrics | None = None,
+    tls: InternalTLS | None = None,
 ) -> tuple[grpc.Server, int, WorkerServicer]:
-    """A started-later gRPC server bound to ``address``; returns it with the bound port."""
+    """A started-later gRPC server bound to ``address``; returns it with the bound port.
+    ``tls``: mutual TLS, Generate from routers only, Configure from the allocator only (see
+    :data:`argus.internal_tls.POLICY`); None serves plaintext to anyone."""
+    credentials, interceptors = server_security(tls)
     server = new_server(
         threads=threads,
         thread_prefix="grpc",
         max_receive_bytes=8 * 1024 * 1024,
         max_send_bytes=64 * 1024 * 1024,
+        interceptors=interceptors,
     )
     health_servicer = health.HealthServicer()
     servicer = WorkerServicer(worker, health_servicer, metrics)
@@ -288,6 +294,6 @@ def create_server(
         metrics.watch_queue(lambda: worker.queue_length)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     add_health_and_reflection(server, health_servicer, [SERVICE_NAME])
-    port = bind(server, address)
+    port = bind(server, address, credentials)
     servicer.update_health()
     return server, port, servicer

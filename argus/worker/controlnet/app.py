@@ -32,6 +32,7 @@ class ControlNetSettings:
     preload: tuple[str, ...] = ()  # "family/name" or "name" (with base_family) to load at start
     max_sessions: int = 64  # requests in flight; more get RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
+    internal_tls_dir: str | None = None  # ca.crt, controlnet.crt/.key; None: plaintext
 
 
 def build_executor(settings: ControlNetSettings) -> LocalControlNetExecutor:
@@ -73,8 +74,13 @@ def preload_keys(settings: ControlNetSettings, catalog: ControlNetCatalog) -> li
 
 def serve(settings: ControlNetSettings, *, ready: threading.Event | None = None) -> int:
     """Run the service until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
+    from argus.grpc_server import start_metrics
+    from argus.internal_tls import InternalTLS
     from argus.worker.controlnet.service import create_server
 
+    tls = None
+    if settings.internal_tls_dir is not None:
+        tls = InternalTLS.load(settings.internal_tls_dir, "controlnet")
     executor = build_executor(settings)
     keys = preload_keys(settings, executor.catalog)
     metrics = ControlNetMetrics(executor.stats)
@@ -86,11 +92,10 @@ def serve(settings: ControlNetSettings, *, ready: threading.Event | None = None)
         threads=settings.max_sessions + SPARE_THREADS,
         metrics=metrics,
         serving=not keys,
+        tls=tls,
     )
     if settings.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(settings.metrics_port, addr=settings.host)
+        start_metrics(settings.host, settings.metrics_port)
     server.start()
     print(f"argus controlnet listening on {settings.host}:{port}", flush=True)
     try:

@@ -28,6 +28,7 @@ import grpc
 import torch
 
 from argus import rpc
+from argus.internal_tls import InternalTLS, channel
 from argus.worker.controlnet.errors import (
     ControlNetBusyError,
     ControlNetError,
@@ -164,12 +165,14 @@ class RemoteControlNetExecutor:
         *,
         timeout_s: float | None = 600.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls: InternalTLS | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s  # the deadline of one request's whole stream
-        self.channel = grpc.insecure_channel(
+        self.channel = channel(
             address,
-            options=[
+            tls,
+            [
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
             ],
@@ -200,14 +203,19 @@ class RemoteControlNetExecutor:
 
 
 def executor_for(
-    target: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, **local: Any
+    target: str,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tls: InternalTLS | None = None,
+    **local: Any,
 ) -> LocalControlNetExecutor | RemoteControlNetExecutor:
     """The executor a worker setting names, built once at worker start.
 
     ``host:port`` is a ControlNet service (:class:`RemoteControlNetExecutor`); ``local`` runs
     the tiny catalog in process and ``local:DIR`` a catalog directory, on ``device`` in
     ``dtype``, with ``local`` keyword arguments for :class:`LocalControlNetExecutor` (cache
-    policy and bounds).
+    policy and bounds). ``tls``: the worker's certificate for the service (None: plaintext).
     """
     if target == "local" or target.startswith("local:"):
         source = target.partition(":")[2] or "tiny"
@@ -216,4 +224,4 @@ def executor_for(
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"ControlNet target {target!r}: expected host:port, local or local:DIR")
-    return RemoteControlNetExecutor(target)
+    return RemoteControlNetExecutor(target, tls=tls)

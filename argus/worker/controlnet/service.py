@@ -13,11 +13,15 @@ Errors end the stream with a status and leave the service serving:
 
 * unknown ControlNet → ``NOT_FOUND`` naming it;
 * wrong base family, bad PNG, malformed or mis-shaped tensor, missing field, a message out of
-  order → ``INVALID_ARGUMENT``, the details starting with the field;
+  order, bytes that are not a message → ``INVALID_ARGUMENT``, the details starting with the
+  field;
 * too many sessions → ``RESOURCE_EXHAUSTED``; a ControlNet that fails to load → ``INTERNAL``.
 
 Health (``grpc.health.v1``) is answered by the thread pool, never behind a ControlNet; the
 process reports ``SERVING`` once its preloads (if any) are resident.
+
+With ``tls`` the service takes only workers of the cluster (mutual TLS, then the role check of
+:data:`argus.internal_tls.POLICY`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ import grpc
 from grpc_health.v1 import health
 
 from argus import rpc
-from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from argus.grpc_server import (
+    InvalidMessageError,
+    add_health_and_reflection,
+    bind,
+    new_server,
+    set_serving,
+)
+from argus.internal_tls import InternalTLS, server_security
 from argus.worker.controlnet.errors import (
     ControlNetBusyError,
     ControlNetError,
@@ -60,7 +71,7 @@ def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and details a failed stream ends with."""
     if isinstance(err, UnknownControlNetError):
         return grpc.StatusCode.NOT_FOUND, str(err)
-    if isinstance(err, InvalidControlNetRequest):
+    if isinstance(err, (InvalidControlNetRequest, InvalidMessageError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(err)
     if isinstance(err, ControlNetBusyError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
@@ -136,18 +147,22 @@ def create_server(
     metrics: ControlNetMetrics | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     serving: bool = True,
+    tls: InternalTLS | None = None,
 ) -> tuple[grpc.Server, int, ControlNetServicer]:
-    """A gRPC server (not started) bound to ``address``; returns it with the bound port."""
+    """A gRPC server (not started) bound to ``address``; returns it with the bound port.
+    ``tls``: mutual TLS and the role check; None serves plaintext to anyone."""
+    credentials, interceptors = server_security(tls)
     server = new_server(
         threads=threads,
         thread_prefix="grpc-controlnet",
         max_receive_bytes=max_message_bytes,
         max_send_bytes=max_message_bytes,
+        interceptors=interceptors,
     )
     health_servicer = health.HealthServicer()
     servicer = ControlNetServicer(executor, health_servicer, metrics)
     controlnet_pb2_grpc.add_ControlNetServicer_to_server(servicer, server)
     add_health_and_reflection(server, health_servicer, [SERVICE_NAME])
-    port = bind(server, address)
+    port = bind(server, address, credentials)
     servicer.set_serving(serving)
     return server, port, servicer

@@ -197,30 +197,50 @@ service, which has none). The allocator, workers and the ControlNet service serv
 {{- end }}
 {{- end }}
 
-{{/* gRPC health probes on the gRPC port. (dict "ctx" $ "port" N "startupSeconds" N) */}}
+{{/* gRPC health probes on the gRPC port of an internal service. Its port takes only clients
+with a certificate of the cluster CA, which a kubelet gRPC probe has not: the probe runs
+`argus health` in the container (an exec probe) with the pod's own certificate. With
+internalTls.enabled false the port is plaintext and the kubelet's gRPC probe asks directly.
+(dict "ctx" $ "port" N "startupSeconds" N "role" "worker") */}}
 {{- define "argus.grpcProbes" -}}
 {{- $p := .ctx.Values.probes }}
+{{- $check := include "argus.healthCheck" . }}
 startupProbe:
-  grpc:
-    port: {{ .port }}
-    service: {{ $p.service | quote }}
+  {{- $check | nindent 2 }}
   periodSeconds: {{ $p.periodSeconds }}
   timeoutSeconds: {{ $p.timeoutSeconds }}
   failureThreshold: {{ max 1 (div (int .startupSeconds) (int $p.periodSeconds)) }}
 livenessProbe:
-  grpc:
-    port: {{ .port }}
-    service: {{ $p.service | quote }}
+  {{- $check | nindent 2 }}
   periodSeconds: {{ $p.periodSeconds }}
   timeoutSeconds: {{ $p.timeoutSeconds }}
   failureThreshold: {{ $p.livenessFailureThreshold }}
 readinessProbe:
-  grpc:
-    port: {{ .port }}
-    service: {{ $p.service | quote }}
+  {{- $check | nindent 2 }}
   periodSeconds: {{ $p.periodSeconds }}
   timeoutSeconds: {{ $p.timeoutSeconds }}
   failureThreshold: {{ $p.readinessFailureThreshold }}
+{{- end }}
+
+{{- define "argus.healthCheck" -}}
+{{- if .ctx.Values.internalTls.enabled }}
+exec:
+  command:
+    - argus
+    - health
+    - --address
+    - 127.0.0.1:{{ .port }}
+    - --service
+    - {{ .ctx.Values.probes.service | quote }}
+    - --internal-tls-dir
+    - {{ include "argus.internalTlsDir" . }}
+    - --role
+    - {{ .role }}
+{{- else }}
+grpc:
+  port: {{ .port }}
+  service: {{ .ctx.Values.probes.service | quote }}
+{{- end }}
 {{- end }}
 
 {{/* The router's probes. A router reports NOT_SERVING (every health service name) until its
@@ -346,5 +366,90 @@ affinity:
 {{- with .c.topologySpreadConstraints }}
 topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The internal plane's mutual TLS (argus/internal_tls.py). An init container issues this pod's
+certificate (argus://ROLE/POD_NAME) from the cluster CA, which comes from the Secret
+internalTls.secretName (keys ca.crt, ca.key) and is mounted in the init container only, into an
+in-memory emptyDir; the serving container mounts that emptyDir read-only: ca.crt, ROLE.crt,
+ROLE.key, never the CA key. Off (internalTls.enabled false): --insecure-internal, loudly.
+(dict "ctx" $ "role" "worker") */}}
+{{- define "argus.internalTlsInit" -}}
+{{- if .ctx.Values.internalTls.enabled }}
+initContainers:
+  - name: issue-cert
+    image: {{ include "argus.image" .ctx }}
+    imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+    command: ["argus"]
+    args:
+      - issue-cert
+      - --ca-dir
+      - /etc/argus/internal-ca
+      - --identity
+      - {{ .role }}/$(POD_NAME)
+      - --out
+      - {{ include "argus.internalTlsDir" . }}
+    env:
+      - name: POD_NAME
+        valueFrom:
+          fieldRef:
+            fieldPath: metadata.name
+      - name: HOME
+        value: /tmp
+      - name: PYTHONDONTWRITEBYTECODE
+        value: "1"
+    resources:
+      {{- toYaml .ctx.Values.internalTls.initResources | nindent 6 }}
+    securityContext:
+      {{- toYaml .ctx.Values.containerSecurityContext | nindent 6 }}
+    volumeMounts:
+      - name: tmp
+        mountPath: /tmp
+      - name: internal-ca
+        mountPath: /etc/argus/internal-ca
+        readOnly: true
+      - name: internal-tls
+        mountPath: {{ include "argus.internalTlsDir" . }}
+{{- end }}
+{{- end }}
+
+{{- define "argus.internalTlsDir" -}}
+/etc/argus/internal-tls
+{{- end }}
+
+{{/* The serving container's flag for the internal plane. (dict "ctx" $) */}}
+{{- define "argus.internalTlsArgs" -}}
+{{- if .ctx.Values.internalTls.enabled }}
+- --internal-tls-dir
+- {{ include "argus.internalTlsDir" . }}
+{{- else }}
+- --insecure-internal
+{{- end }}
+{{- end }}
+
+{{- define "argus.internalTlsMounts" -}}
+{{- if .ctx.Values.internalTls.enabled }}
+- name: internal-tls
+  mountPath: {{ include "argus.internalTlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "argus.internalTlsVolumes" -}}
+{{- if .ctx.Values.internalTls.enabled }}
+- name: internal-ca
+  secret:
+    secretName: {{ required "internalTls.secretName: the Secret holding the cluster CA (ca.crt, ca.key); see helm/README.md" .ctx.Values.internalTls.secretName }}
+    defaultMode: 0440
+    items:
+      - key: ca.crt
+        path: ca.crt
+      - key: ca.key
+        path: ca.key
+- name: internal-tls
+  emptyDir:
+    medium: Memory
+    sizeLimit: 1Mi
 {{- end }}
 {{- end }}
