@@ -805,3 +805,14 @@ def test_argus_allocator_rejects_bad_flags(
 ) -> None:
     assert main(["allocator", *args, "--insecure-internal"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_replan_reason_reaches_the_wire_and_back() -> None:
+    """A reason without a wire value made the publisher fail on its plan (load surges did)."""
+    from argus.allocator.control import ReplanReason
+    from argus.allocator.convert import REASON_FROM_PB, REASON_TO_PB
+
+    for reason in ReplanReason:
+        value = REASON_TO_PB[reason]
+        assert allocator_pb2.PlanReason.Name(value) == f"PLAN_REASON_{reason.name}"
+        assert REASON_FROM_PB[value] is reason

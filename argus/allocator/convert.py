@@ -46,6 +46,7 @@ REASON_TO_PB = {
     ReplanReason.WORKER_DEAD: 5,
     ReplanReason.STRATEGY_SWITCH: 6,
     ReplanReason.BACKLOG: 7,
+    ReplanReason.LOAD_SURGE: 8,
 }
 REASON_FROM_PB = {v: k for k, v in REASON_TO_PB.items()}
 
