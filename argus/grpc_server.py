@@ -34,8 +34,14 @@ def new_server(
     max_receive_bytes: int,
     max_send_bytes: int,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    max_concurrent_rpcs: int | None = None,
 ) -> grpc.Server:
     """A server (not started) on a pool of ``threads`` threads with the given message limits.
+
+    ``max_concurrent_rpcs``: calls beyond this many at once are refused at once by gRPC with
+    RESOURCE_EXHAUSTED. Without it a server whose threads are all busy queues new calls
+    without bound in front of its pool, where no admission sees them (under overload the
+    router's clients waited 9-11 s there while each request spent 0.3 s inside it).
 
     ``interceptors`` run in order, outermost first; :class:`ParseRequests` comes last, so
     requests are parsed only once they passed authentication. Port reuse is off: gRPC sets
@@ -45,6 +51,7 @@ def new_server(
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=thread_prefix),
         interceptors=[*interceptors, ParseRequests()],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", max_send_bytes),

@@ -56,6 +56,9 @@ def create_server(
 ) -> tuple[grpc.Server, int, RouterServicer]:
     """A not-yet-started server bound to ``address``; returns it with the bound port.
 
+    It runs at most ``threads`` calls at once and refuses more with RESOURCE_EXHAUSTED
+    straight away (give it the core's ``max_in_flight`` and a few threads for health checks).
+
     Health reports NOT_SERVING until the core has a plan with at least one worker
     (``servicer.plan_installed`` follows plans); requests whose bytes are not a
     RouterGenerateRequest get INVALID_ARGUMENT instead of gRPC's INTERNAL.
@@ -67,6 +70,7 @@ def create_server(
         max_receive_bytes=MAX_REQUEST_BYTES,
         max_send_bytes=64 * 1024 * 1024,
         interceptors=interceptors,
+        max_concurrent_rpcs=threads,
     )
     health_servicer = health.HealthServicer()
     servicer = RouterServicer(core, health_servicer)
@@ -179,7 +183,7 @@ class RouterSettings:
     report_period_s: float = 1.0
     default_deadline_ms: int = 30_000
     max_in_flight: int = 256
-    threads: int = 64
+    threads: int | None = None  # calls at once, more are refused; None: max_in_flight + 16
     max_cost: float | None = None  # largest request, in the profile's reference requests
 
     def __post_init__(self) -> None:
@@ -237,7 +241,10 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     channels = WorkerChannels(lambda address: channel(address, tls, reconnect_options()))
     core = RouterCore(profiles, classifier, config, channels=channels, metrics=metrics)
     server, port, servicer = create_server(
-        core, f"{settings.host}:{settings.port}", threads=settings.threads, security=security
+        core,
+        f"{settings.host}:{settings.port}",
+        threads=settings.threads or settings.max_in_flight + 16,
+        security=security,
     )
     if settings.metrics_port is not None:
         start_metrics(settings.metrics_host, settings.metrics_port)
