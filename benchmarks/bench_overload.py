@@ -60,6 +60,7 @@ from typing import Any
 import grpc
 import numpy as np
 from _machine import machine_line
+from _plan import allocator_plan
 from bench_router import PNG, Child, StubClassifier, arrivals, load_average
 
 from argus import rpc
@@ -142,27 +143,11 @@ def start_router(
 ) -> tuple[dict[str, Any], Callable[[], None]]:
     """A router on the plan an allocator made for ``workers``; returns its port, the plan's
     service times per worker and a closer."""
-    from argus.allocator.client import AllocatorClient
-    from argus.allocator.control import ControlConfig
-    from argus.allocator.membership import WorkerReport
-    from argus.allocator.service import create_server as create_allocator
     from argus.router.app import create_server
     from argus.router.service import RouterCore, RouterServiceConfig
 
     profiles = scaled_profiles(time_scale)
-    server, port, allocator = create_allocator(
-        profiles, "127.0.0.1:0", config=ControlConfig(), clock=lambda: 0.0, epoch="overload"
-    )
-    server.start()
-    client = AllocatorClient(f"127.0.0.1:{port}")
-    try:
-        for worker_id, address in workers:
-            client.heartbeat(WorkerReport(worker_id, address, profiles.worker_classes[0]))
-        published = client.get_plan()
-    finally:
-        client.close()
-        allocator.close()
-        server.stop(grace=None)
+    published = allocator_plan(profiles, workers, "overload")
     classifier, label = load_classifier(classifier_name, threads)
     core = RouterCore(profiles, classifier, RouterServiceConfig(router_id="overload"))
     core.install(published)

@@ -80,6 +80,7 @@ from typing import Any
 import grpc
 import numpy as np
 from _machine import machine_line
+from _plan import allocator_plan
 
 from argus import rpc
 from argus.traces import default_prompt_trace, load_prompts
@@ -218,28 +219,12 @@ def start_router(
     """A router serving on a plan the allocator made for ``workers``; returns its port, the
     plan's summary and a closer. ``gc_freeze``: move every object made so far out of the
     collector's reach (``gc.freeze``), as ``argus router`` does after loading its classifier."""
-    from argus.allocator.client import AllocatorClient
-    from argus.allocator.control import ControlConfig
-    from argus.allocator.membership import WorkerReport
-    from argus.allocator.service import create_server as create_allocator
     from argus.profiles import default_profiles
     from argus.router.app import create_server
     from argus.router.service import RouterCore, RouterServiceConfig
 
     profiles = default_profiles()
-    server, port, allocator = create_allocator(
-        profiles, "127.0.0.1:0", config=ControlConfig(), clock=lambda: 0.0, epoch="bench"
-    )
-    server.start()
-    client = AllocatorClient(f"127.0.0.1:{port}")
-    try:
-        for worker_id, address in workers:
-            client.heartbeat(WorkerReport(worker_id, address, profiles.worker_classes[0]))
-        published = client.get_plan()
-    finally:
-        client.close()
-        allocator.close()
-        server.stop(grace=None)
+    published = allocator_plan(profiles, workers, "bench")
 
     classifier, label = load_classifier(classifier_name)
     config = RouterServiceConfig(router_id="bench-router", max_in_flight=MAX_IN_FLIGHT)

@@ -1,0 +1,29 @@
+"""A plan for a set of stub workers, made by a real allocator (what the router benchmarks
+install in a router they build in-process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def allocator_plan(profiles: Any, workers: list[tuple[str, str]], epoch: str) -> Any:
+    """The plan an allocator publishes once ``workers`` ((id, address) pairs, all of the
+    profile's first GPU class) have each sent a heartbeat."""
+    from argus.allocator.client import AllocatorClient
+    from argus.allocator.control import ControlConfig
+    from argus.allocator.membership import WorkerReport
+    from argus.allocator.service import create_server as create_allocator
+
+    server, port, allocator = create_allocator(
+        profiles, "127.0.0.1:0", config=ControlConfig(), clock=lambda: 0.0, epoch=epoch
+    )
+    server.start()
+    client = AllocatorClient(f"127.0.0.1:{port}")
+    try:
+        for worker_id, address in workers:
+            client.heartbeat(WorkerReport(worker_id, address, profiles.worker_classes[0]))
+        return client.get_plan()
+    finally:
+        client.close()
+        allocator.close()
+        server.stop(grace=None)
