@@ -52,8 +52,9 @@ import numpy.typing as npt
 
 from argus.allocator.solver import (
     InfeasiblePlanError,
-    _assign_workers,
+    _chosen_levels,
     _Counts,
+    _moved,
     _Problem,
     _rounded_switch_cost,
 )
@@ -130,6 +131,7 @@ class JointSolver:
         if not (math.isfinite(load_qpm) and load_qpm >= 0.0):
             raise ValueError(f"load_qpm: must be a finite number >= 0, got {load_qpm}")
         self._levels = levels
+        self._profiles = profiles
         self._class_quality = class_quality
         self._live_by_class = Counter(w.worker_class for w in live)
         self._worker_classes = sorted(self._live_by_class)
@@ -141,7 +143,7 @@ class JointSolver:
             profiles,
             live,
             load_qpm,
-            min(load_qpm, self._capacity(_effective_rates(profiles, levels, live, {}))),
+            min(load_qpm, self._capacity(self._rates({}))),
             switch_cost_weight,
             period_s,
         )
@@ -157,13 +159,16 @@ class JointSolver:
         events, a second time when the pools change."""
         started = time.perf_counter()
         problem = self._problem
-        rate = _effective_rates(problem.profiles, self._levels, problem.live, caps or {})
+        rate = self._rates(caps or {})
         served = min(problem.load_qpm, self._capacity(rate))
         counts, x = self._solve(rate, served)
-        assignment = _assign_workers(problem, counts)
-        shift = _shift_map(self._class_quality, self._levels, x, self._weights, served, counts)
-        per_level = Counter(assignment.values())
         names = tuple(level.name for level in self._levels)
+        chosen = _chosen_levels(problem, counts)
+        assignment = dict(
+            zip(problem.worker_table.ids, [names[v] for v in chosen.tolist()], strict=True)
+        )
+        shift = _shift_map(self._class_quality, self._levels, x, self._weights, served, counts)
+        per_level = np.bincount(chosen, minlength=len(names)).tolist()
         load = tuple(x.sum(axis=0).tolist())
         level_capacity = tuple(
             sum(rate[g][v] * counts.workers[g, v] for g in self._live_by_class)
@@ -174,22 +179,21 @@ class JointSolver:
         allocation = Allocation(
             strategy=problem.strategy,
             levels=names,
-            workers_per_level=tuple(per_level[name] for name in names),
+            workers_per_level=tuple(per_level),
             load_share_qpm=load,
             assignment=assignment,
             objective=value - counts.switch_cost,
             switch_cost=counts.switch_cost,
             served_qpm=served,
             shortfall_qpm=max(0.0, problem.load_qpm - served),
-            moved_workers=sum(
-                1
-                for w in problem.live
-                if w.level is not None and assignment[w.worker_id] != w.level
-            ),
+            moved_workers=_moved(problem, chosen),
             solve_ms=(time.perf_counter() - started + self._setup_s) * 1000.0,
         )
         self._setup_s = 0.0
         return JointPlan(allocation, shift, tuple(tuple(row) for row in x.tolist()), level_capacity)
+
+    def _rates(self, caps: Caps) -> dict[str, list[float]]:
+        return _effective_rates(self._profiles, self._levels, self._worker_classes, caps)
 
     def _capacity(self, rate: Mapping[str, Sequence[float]]) -> float:
         """What the live workers can serve at ``rate``: each at its fastest level."""
@@ -242,11 +246,11 @@ def _check_classes(profiles: ProfileSet, live: Sequence[object]) -> None:
 
 
 def _effective_rates(
-    profiles: ProfileSet, levels: Sequence[Level], live: Sequence[object], caps: Caps
+    profiles: ProfileSet, levels: Sequence[Level], worker_classes: Sequence[str], caps: Caps
 ) -> dict[str, list[float]]:
     """Per worker class, the QPM one worker may be planned for at each level: u · P_th."""
     rates: dict[str, list[float]] = {}
-    for g in sorted({getattr(w, "worker_class", "") for w in live}):
+    for g in worker_classes:
         rates[g] = [
             caps.get((g, level.name), 1.0) * profiles.profile(g, level.name).throughput_qpm
             for level in levels

@@ -114,6 +114,11 @@ class _Problem:
         return self._model_of_level.get(worker.level or "")
 
     @cached_property
+    def worker_table(self) -> _WorkerTable:
+        """The live workers as arrays, for naming them (built once per problem)."""
+        return _worker_table(self)
+
+    @cached_property
     def holding(self) -> Counter[tuple[str, str | None]]:
         """Live workers per (class, model held); the switching cost's starting point."""
         return Counter((w.worker_class, self.current_model(w)) for w in self.live)
@@ -436,7 +441,46 @@ def _run(prob: pulp.LpProblem, backend: SolverFactory) -> None:
 
 
 def _assign_workers(problem: _Problem, counts: _Counts) -> dict[str, str]:
-    """Name the workers: keep levels where possible, then models, then fill; spares last.
+    """Name the workers (see :func:`_chosen_levels`): worker id → level name."""
+    chosen = _chosen_levels(problem, counts)
+    names = [level.name for level in problem.levels]
+    table = problem.worker_table
+    return dict(zip(table.ids, [names[v] for v in chosen.tolist()], strict=True))
+
+
+@dataclass(frozen=True)
+class _WorkerTable:
+    """The live workers as arrays, in the order of their ids: what naming them reads."""
+
+    ids: tuple[str, ...]
+    classes: tuple[str, ...]  # the worker classes present, sorted
+    worker_class: npt.NDArray[np.int64]  # index into ``classes``
+    at_level: npt.NDArray[np.int64]  # index of its level among the strategy's, else -1
+    has_level: npt.NDArray[np.bool_]  # it reported a level (of any strategy)
+    holds: npt.NDArray[np.int64]  # index of its model among the strategy's models, else -1
+    level_model: npt.NDArray[np.int64]  # [v]: the model index of level v
+
+
+def _worker_table(problem: _Problem) -> _WorkerTable:
+    live = sorted(problem.live, key=lambda w: w.worker_id)
+    classes = tuple(sorted({w.worker_class for w in live}))
+    class_of = {name: i for i, name in enumerate(classes)}
+    level_of = {level.name: v for v, level in enumerate(problem.levels)}
+    model_of = {name: m for m, name in enumerate(sorted({lv.model for lv in problem.levels}))}
+    held = [problem.current_model(w) for w in live]
+    return _WorkerTable(
+        ids=tuple(w.worker_id for w in live),
+        classes=classes,
+        worker_class=np.array([class_of[w.worker_class] for w in live], dtype=np.int64),
+        at_level=np.array([level_of.get(w.level or "", -1) for w in live], dtype=np.int64),
+        has_level=np.array([w.level is not None for w in live], dtype=np.bool_),
+        holds=np.array([model_of.get(m, -1) if m else -1 for m in held], dtype=np.int64),
+        level_model=np.array([model_of[lv.model] for lv in problem.levels], dtype=np.int64),
+    )
+
+
+def _chosen_levels(problem: _Problem, counts: _Counts) -> npt.NDArray[np.int64]:
+    """The level index of each live worker, in the order of their ids.
 
     Workers take slots in the order of their ids, each pass as if one worker at a time took
     the first level it fits with a slot of its class left: 1. a worker already at a level
@@ -447,39 +491,37 @@ def _assign_workers(problem: _Problem, counts: _Counts) -> dict[str, str]:
     the same levels fill them in turn, so each pass is a ranking in numpy, without a Python
     step per worker (at 4,096 workers that step was most of a solve).
     """
-    live = sorted(problem.live, key=lambda w: w.worker_id)
-    levels = problem.levels
-    n_levels = len(levels)
-    classes = sorted({w.worker_class for w in live})
-    class_of = {name: i for i, name in enumerate(classes)}
-    level_of = {level.name: v for v, level in enumerate(levels)}
-    models = sorted({level.model for level in levels})
-    model_of = {name: m for m, name in enumerate(models)}
-    level_model = np.array([model_of[level.model] for level in levels], dtype=np.int64)
-    worker_class = np.array([class_of[w.worker_class] for w in live], dtype=np.int64)
-    at_level = np.array([level_of.get(w.level or "", -1) for w in live], dtype=np.int64)
-    held = [problem.current_model(w) for w in live]
-    holds = np.array([model_of.get(m, -1) if m else -1 for m in held], dtype=np.int64)
-    slots = np.zeros((len(classes), n_levels), dtype=np.int64)
+    table = problem.worker_table
+    n_levels = len(problem.levels)
+    size = len(table.ids)
+    class_of = {name: i for i, name in enumerate(table.classes)}
+    slots = np.zeros((len(table.classes), n_levels), dtype=np.int64)
     for (name, v), count in counts.workers.items():
         if name in class_of and count > 0:
             slots[class_of[name], v] = count
-    chosen = np.full(len(live), -1, dtype=np.int64)
+    chosen = np.full(size, -1, dtype=np.int64)
+    worker_class, at_level, holds = table.worker_class, table.at_level, table.holds
     # 1. keep the level: the group is (class, level), one level to fill
     _fill(chosen, slots, worker_class, at_level, at_level[:, None] == np.arange(n_levels))
     # 2. keep the model: the group is (class, model), its levels in order
-    _fill(chosen, slots, worker_class, holds, holds[:, None] == level_model[None, :])
+    _fill(chosen, slots, worker_class, holds, holds[:, None] == table.level_model[None, :])
     # 3. anywhere: the group is the class, every level in order
-    anywhere = np.zeros(len(live), dtype=np.int64)
-    _fill(chosen, slots, worker_class, anywhere, np.ones((len(live), n_levels), dtype=bool))
+    anywhere = np.zeros(size, dtype=np.int64)
+    _fill(chosen, slots, worker_class, anywhere, np.ones((size, n_levels), dtype=np.bool_))
     # 4. spares: the best level of the model held, else the best level
+    models = int(table.level_model.max()) + 1 if n_levels else 0
     first_on_model = np.array(
-        [int(np.flatnonzero(level_model == m)[0]) for m in range(len(models))], dtype=np.int64
+        [int(np.flatnonzero(table.level_model == m)[0]) for m in range(models)], dtype=np.int64
     )
     spare = np.where(holds >= 0, first_on_model[np.maximum(holds, 0)], 0)
-    chosen = np.where(chosen >= 0, chosen, spare)
-    names = [levels[v].name for v in range(n_levels)]
-    return {w.worker_id: names[v] for w, v in zip(live, chosen.tolist(), strict=True)}
+    result: npt.NDArray[np.int64] = np.where(chosen >= 0, chosen, spare)
+    return result
+
+
+def _moved(problem: _Problem, chosen: npt.NDArray[np.int64]) -> int:
+    """Workers that reported a level and are given another."""
+    table = problem.worker_table
+    return int((table.has_level & (table.at_level != chosen)).sum())
 
 
 def _fill(
