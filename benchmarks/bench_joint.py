@@ -65,8 +65,8 @@ class _Counter:
             self.branched += 1
             return branch(highs, *args)
 
-        joint._Highs.relaxation = counted_solve  # type: ignore[method-assign]
-        joint._Highs.branch_and_bound = counted_branch  # type: ignore[method-assign]
+        joint._Highs.relaxation = counted_solve  # type: ignore[method-assign,assignment]
+        joint._Highs.branch_and_bound = counted_branch  # type: ignore[method-assign,assignment]
 
     def reset(self) -> None:
         self.solves = self.branched = 0
