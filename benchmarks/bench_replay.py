@@ -19,7 +19,7 @@ the requests alone.
 
 ``--scale S`` instead replays the trace at S × its recorded rate over its own hour with no
 load mapping (``argus replay --trace azure --scale S``; S = 25 gives about 484,000 requests
-at 45 × capacity, nearly all refused: a stress test of the per-request path, not a load a
+at 53 × capacity, nearly all refused: a stress test of the per-request path, not a load a
 cluster runs at).
 
     PYTHONPATH=. python benchmarks/bench_replay.py [--requests 100000] [--load 0.65]
