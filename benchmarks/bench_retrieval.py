@@ -148,6 +148,7 @@ def build(path: Path, x: np.ndarray, config: EdgeIndexConfig, batch: int) -> dic
         rows = range(start, min(len(x), start + batch))
         index.upsert_many([(point_id(r), x[r], payload(r)) for r in rows])
     upsert_s = time.perf_counter() - began
+    print(f"  upserted {len(x):,} points in {upsert_s:.1f} s; building HNSW", flush=True)
     began = time.perf_counter()
     index.optimize()
     optimize_s = time.perf_counter() - began
