@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import machine_line
+from _machine import load_line, machine_line
 from bench_controlnet import control_png, diffusers_run
 
 from argus.worker.adapters import AdapterPlan, AdapterSettings, WorkerAdapters
@@ -176,3 +176,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    print(load_line("end"))

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _machine import machine_line
+from _machine import load_line, machine_line
 from PIL import Image
 
 from argus.worker.controlnet.executor import (
@@ -357,3 +357,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    print(load_line("end"))

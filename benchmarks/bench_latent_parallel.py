@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import machine_line
+from _machine import load_line, machine_line
 
 from argus.worker.latent_parallel import LatentParallelConfig, LatentParallelGroup
 from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, load_pipeline_dir
@@ -169,3 +169,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    print(load_line("end"))

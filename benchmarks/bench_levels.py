@@ -10,10 +10,17 @@ Run from the repository root::
 Two tables:
 
 * **denoise** (``DiffusionModel``): for every AC level the resumed run of N−K steps from a
-  latent captured at K, and for every SM level a full run on its model; p50 of the encode +
-  denoise + decode time, its ratio to K = 0, and the (N−K)/N the paper predicts (§2.1).
+  latent captured at K, and for every SM level a full run on its model; p50 and p90 of the
+  encode + denoise + decode time, the p50 ratio of the denoise time to K = 0, and the
+  (N−K)/N the paper predicts (§2.1).
 * **worker** (``--worker``): the same levels through ``Worker.generate`` with the approximate
   cache on Qdrant Edge, so a hit pays prompt embedding, search and latent fetch too.
+
+Levels are timed round robin: each repeat runs every level once, in turn, after one warm-up
+run of each, so a busy spell of the (shared) machine slows every level alike instead of the
+levels that happened to run then. Every model stays loaded for that (the worker holds one SM
+variant at a time). CPU time (the process's) is printed beside wall time; the load average
+at start and end says how busy the machine was.
 
 ``--arch sdxl|sd15`` builds full-size SDXL or SD-1.5 *architectures* with random weights (no
 weights to download; the latency of a UNet does not depend on its weight values), for the GPU
@@ -23,13 +30,14 @@ device.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
-from _machine import machine_line
+from _machine import load_line, machine_line
 
 from argus.profiles import default_profiles
 from argus.types import Strategy
@@ -115,16 +123,33 @@ def full_size_pipeline(arch: str, dtype: torch.dtype, device: str) -> Any:
     return pipe.to(device, dtype)
 
 
-def timed(fn: Any, repeats: int) -> tuple[float, float]:
-    """p50 of the wall time of ``fn()`` and of the number it returns (e.g. denoise seconds)."""
-    times, inner = [], []
+class Samples:
+    """Wall and CPU seconds of one level's runs, and what the run itself reported."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.inner: list[float] = []
+
+    def p(self, q: float, which: str = "wall") -> float:
+        return float(np.percentile(getattr(self, which), q))
+
+
+def round_robin(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Samples]:
+    """One warm-up run of each, then ``repeats`` rounds that run each once, in turn."""
+    for run in runs.values():
+        run()
+    samples = {name: Samples() for name in runs}
     for _ in range(repeats):
-        began = time.perf_counter()
-        inner.append(float(fn() or 0.0))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times), statistics.median(inner)
+        for name, run in runs.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            inner = run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            samples[name].wall.append(time.perf_counter() - wall)
+            samples[name].cpu.append(time.process_time() - cpu)
+            samples[name].inner.append(float(inner or 0.0))
+    return samples
 
 
 def denoise_table(args: argparse.Namespace) -> None:
@@ -146,33 +171,41 @@ def denoise_table(args: argparse.Namespace) -> None:
     base = model("sdxl")
     steps = sorted({lv.skip_steps for lv in profiles.levels_for(Strategy.AC)} - {0})
     captured = base.denoise(spec, capture=steps).captured
-    print(f"\ndenoise + decode, {args.arch} models, {args.size}px, N={args.steps}, "
-          f"{args.device}/{args.dtype}, p50 of {args.repeats}")  # fmt: skip
-    print(f"{'level':<12}{'model':<10}{'steps':>6}{'total ms':>10}{'denoise ms':>12}"
-          f"{'ratio':>8}{'(N-K)/N':>9}")  # fmt: skip
-    reference = None
-    for level in profiles.levels:
-        if args.arch != "tiny" and level.model not in ("sdxl", "sd-1.5"):
-            continue  # full-size architectures: the SDXL base and SD-1.5 only
-        k = level.skip_steps
-        if k >= args.steps:
-            continue
-        m = model(level.model)
 
-        def run(m: DiffusionModel = m, k: int = k) -> float:
+    def resumed_run(m: DiffusionModel, k: int) -> Callable[[], float]:
+        """Denoise from the latent captured at step K (all N steps at K = 0), then decode."""
+
+        def run() -> float:
             start = captured.get(k) if k else None
             result = m.denoise(spec, start_latents=start, start_step=k)
             m.decode(result.latents)
             return result.denoise_s
 
-        run()  # warm-up
-        total, denoise = timed(run, args.repeats)
+        return run
+
+    runs: dict[str, Callable[[], Any]] = {}
+    for level in profiles.levels:
+        if args.arch != "tiny" and level.model not in ("sdxl", "sd-1.5"):
+            continue  # full-size architectures: the SDXL base and SD-1.5 only
+        if level.skip_steps >= args.steps:
+            continue
+
+        runs[level.name] = resumed_run(model(level.model), level.skip_steps)
+    samples = round_robin(runs, args.repeats)
+    print(f"\ndenoise + decode, {args.arch} models, {args.size}px, N={args.steps}, "
+          f"{args.device}/{args.dtype}, {args.repeats} rounds over the levels")  # fmt: skip
+    print(f"{'level':<12}{'model':<10}{'steps':>6}{'p50 ms':>9}{'p90 ms':>9}{'CPU p50':>9}"
+          f"{'denoise p50':>12}{'ratio':>7}{'(N-K)/N':>9}")  # fmt: skip
+    reference = None
+    by_name = {level.name: level for level in profiles.levels}
+    for name, got in samples.items():
+        level = by_name[name]
+        denoise = got.p(50, "inner")
         reference = reference or denoise
-        expected = (args.steps - k) / args.steps
-        print(f"{level.name:<12}{level.model:<10}{args.steps - k:>6}{total * 1e3:>10.1f}"
-              f"{denoise * 1e3:>12.1f}{denoise / reference:>8.2f}{expected:>9.2f}")  # fmt: skip
-        if level.strategy is Strategy.SM and level.model != "sdxl":
-            models.pop(level.model, None)  # one variant resident at a time, as on a worker
+        k = level.skip_steps
+        print(f"{name:<12}{level.model:<10}{args.steps - k:>6}{got.p(50) * 1e3:>9.1f}"
+              f"{got.p(90) * 1e3:>9.1f}{got.p(50, 'cpu') * 1e3:>9.1f}{denoise * 1e3:>12.1f}"
+              f"{denoise / reference:>7.2f}{(args.steps - k) / args.steps:>9.2f}")  # fmt: skip
 
 
 def worker_table(args: argparse.Namespace) -> None:
@@ -193,19 +226,24 @@ def worker_table(args: argparse.Namespace) -> None:
         for i in range(20):  # fill the cache with other prompts
             worker.generate(GenerateCall(f"{PROMPT}, variation {i}", seed=i, level="ac-k0"))
         worker.flush()
+        results: dict[str, list[Any]] = {level.name: [] for level in levels}
+
+        def make_run(name: str) -> Callable[[], None]:
+            def run() -> None:
+                call = GenerateCall(PROMPT + "!", seed=99, level=name)
+                results[name].append(worker.generate(call))
+
+            return run
+
+        samples = round_robin({lv.name: make_run(lv.name) for lv in levels}, args.repeats)
         print(f"\nthrough Worker.generate (embed + Qdrant Edge search + fetch + denoise + PNG), "
-              f"tiny, {args.size}px, N={args.steps}, p50 of {args.repeats}")  # fmt: skip
-        print(f"{'level':<10}{'p50 ms':>10}{'search ms':>11}{'fetch ms':>10}{'hit':>6}")
-        for level in levels:
-            results: list[Any] = []
-
-            def run(name: str = level.name, out: list[Any] = results) -> None:
-                out.append(worker.generate(GenerateCall(PROMPT + "!", seed=99, level=name)))
-
-            run()
-            p50, _ = timed(run, args.repeats)
-            last = results[-1]
-            print(f"{level.name:<10}{p50 * 1e3:>10.1f}{last.timing_ms.get('search_ms', 0):>11.2f}"
+              f"tiny, {args.size}px, N={args.steps}, {args.repeats} rounds")  # fmt: skip
+        print(f"{'level':<10}{'p50 ms':>9}{'p90 ms':>9}{'CPU p50':>9}{'search ms':>11}"
+              f"{'fetch ms':>10}{'hit':>6}")  # fmt: skip
+        for name, got in samples.items():
+            last = results[name][-1]
+            print(f"{name:<10}{got.p(50) * 1e3:>9.1f}{got.p(90) * 1e3:>9.1f}"
+                  f"{got.p(50, 'cpu') * 1e3:>9.1f}{last.timing_ms.get('search_ms', 0):>11.2f}"
                   f"{last.timing_ms.get('fetch_ms', 0):>10.2f}{last.cache.value:>6}")  # fmt: skip
         worker.close()
 
@@ -215,7 +253,7 @@ def main() -> None:
     parser.add_argument("--arch", default="tiny", choices=("tiny", "sdxl", "sd15"))
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10, help="rounds over the levels")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"))
     parser.add_argument("--worker", action="store_true", help="also time the full worker path")
@@ -225,6 +263,7 @@ def main() -> None:
     denoise_table(args)
     if args.worker:
         worker_table(args)
+    print(load_line("end"))
 
 
 if __name__ == "__main__":

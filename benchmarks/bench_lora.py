@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import machine_line
+from _machine import load_line, machine_line
 
 from argus.worker.lora import (
     LoadedLora,
@@ -222,3 +222,4 @@ def report(
 
 if __name__ == "__main__":
     main()
+    print(load_line("end"))

@@ -12,6 +12,7 @@ import platform
 import time
 
 import numpy as np
+from _machine import load_line, machine_line
 
 from argus.allocator.oda import align
 
@@ -59,4 +60,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print(machine_line())
     main()
+    print(load_line("end"))

@@ -1,88 +1,149 @@
-"""Replay speed: the whole ``argus replay`` as a user runs it, and the simulator alone.
+"""Replay speed: the simulator as ``argus replay`` runs it, at a load a deployment would see.
 
-1. **The command.** ``argus replay --trace azure`` (the real Azure trace, 19,366 requests,
-   seven policies, the trained classifier, Katz adapters, reports written) run as a
-   subprocess, timed from start to exit: once with an empty embedding cache (MiniLM embeds
-   every unique prompt once) and once with the cache it left (what every later replay pays).
-   The issue's bar is the seven-policy Azure replay in under 60 s on 2 cores.
-2. **The simulator** (``--minutes``, ``--qpm``): requests per second through
-   :class:`argus.sim.cluster.Simulation` per policy, on SYNTHETIC Poisson arrivals with the
-   oracle classifier, admission on (``--no-admission`` queues every request).
+The workload is the real Azure trace's shape (``--trace azure``), stretched in time to
+``--requests`` arrivals and mapped minute by minute to ``--load`` × the cluster's capacity
+(as ``argus evaluate --target-load`` does: :func:`argus.sim.evaluate.rescale_to_load`; the
+capacity is every GPU at the fastest AC level, adapters' mean seconds included). Everything
+else is ``argus replay``'s defaults: 8 A100s, the trained classifier
+(``classifiers/minilm-logistic``), Katz's adapter mix served as Argus serves it, admission
+on, the seven default policies. The quality tables are SYNTHETIC (as in every replay).
 
-    PYTHONPATH=. python benchmarks/bench_replay.py [--trace azure] [--minutes 60] [--qpm 600]
+Printed: the setup (trace, quality tables, classifier loading and embedding, each apart),
+then wall and CPU seconds per policy and in total, requests per second, and the load
+average at start and end (the machine is shared: wall time above CPU time is time other
+processes had the CPUs).
+
+A planned policy (argus, pac, proteus) runs the allocator's control loop every simulated
+second: its cost grows with the simulated time (``--requests`` / rate), the baselines' with
+the requests alone.
+
+``--scale S`` instead replays the trace at S × its recorded rate over its own hour with no
+load mapping (``argus replay --trace azure --scale S``; S = 25 gives about 484,000 requests
+at 53 × capacity, nearly all refused: a stress test of the per-request path, not a load a
+cluster runs at).
+
+    PYTHONPATH=. python benchmarks/bench_replay.py [--requests 100000] [--load 0.65]
+    PYTHONPATH=. python benchmarks/bench_replay.py --scale 25
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from _machine import machine_line
+from _machine import load_line, machine_line
 
-from argus.classifier.embedding_cache import CACHE_ENV
+from argus.cli.replay import DEFAULT_POLICIES
 from argus.profiles import default_profiles
+from argus.sim.adapters import adapter_model_by_name
+from argus.sim.classifiers import make_classifier
 from argus.sim.cluster import SimConfig, Simulation
-from argus.sim.policies import POLICIES, make_policy
+from argus.sim.evaluate import cluster_capacity_qpm, planning_profiles, rescale_to_load
+from argus.sim.policies import make_policy
 from argus.sim.quality import synthetic_quality_table
-from argus.sim.workloads import poisson
+from argus.sim.workloads import Workload, workload_by_name
 from argus.types import Strategy
 
+T = TypeVar("T")
 
-def time_command(trace: str, cache: Path, out: Path) -> float:
-    """Seconds ``argus replay --trace TRACE`` takes, start to exit, with ``cache`` as the
-    embedding cache."""
-    env = {**os.environ, CACHE_ENV: str(cache)}
-    command = [sys.executable, "-m", "argus", "replay", "--trace", trace]
-    started = time.perf_counter()
-    subprocess.run(
-        [*command, "--quiet", "--out", str(out)], env=env, check=True, stdout=subprocess.DEVNULL
+
+def timed(label: str, fn: Callable[[], T]) -> T:
+    """Run ``fn``, print its wall and CPU seconds under ``label``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    print(
+        f"  {label:<44} {time.perf_counter() - wall:7.1f} s wall "
+        f"{time.process_time() - cpu:7.1f} s CPU",
+        flush=True,
     )
-    return time.perf_counter() - started
+    return result
+
+
+def workload_at_load(requests: int, load: float, capacity_qpm: float, seed: int) -> Workload:
+    """The Azure trace stretched to about ``requests`` arrivals at ``load`` × capacity."""
+    target = load * capacity_qpm
+    minutes = requests / target
+    stretched = workload_by_name("azure", duration_min=minutes, seed=seed)
+    return rescale_to_load(stretched, target, seed=seed)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", default="azure", help="trace of the timed argus replay")
-    parser.add_argument("--minutes", type=float, default=60.0)
-    parser.add_argument("--qpm", type=float, default=600.0)
-    parser.add_argument("--no-admission", action="store_true", help="queue every request")
+    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument("--load", type=float, default=0.65, help="mean load / capacity")
+    parser.add_argument("--scale", type=float, help="the recorded hour at this rate scale")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--policies", default=DEFAULT_POLICIES)
+    parser.add_argument("--classifier", default="default")
+    parser.add_argument("--adapters", default="katz")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(machine_line())
-    with tempfile.TemporaryDirectory() as scratch:
-        root = Path(scratch)
-        cold = time_command(args.trace, root / "cache", root / "cold")
-        warm = time_command(args.trace, root / "cache", root / "warm")
-    print(f"argus replay --trace {args.trace}, 7 policies: {cold:.1f} s with an empty embedding")
-    print(f"cache, {warm:.1f} s with the cache it left (wall clock, process start to exit)")
-
+    started_wall, started_cpu = time.perf_counter(), time.process_time()
     profiles = default_profiles()
-    workload = poisson(mean_qpm=args.qpm, duration_min=args.minutes, seed=0)
-    quality = {
-        s: synthetic_quality_table(workload.prompts, s, [lv.name for lv in profiles.levels_for(s)])
-        for s in Strategy
-    }
-    sim = Simulation(profiles, quality, workload, SimConfig(admission=not args.no_admission))
+    counts = {profiles.worker_classes[0]: args.gpus}
+    capacity = cluster_capacity_qpm(planning_profiles(profiles, args.adapters), counts.items())
+    print("setup:")
+    if args.scale is not None:
+        workload = timed(
+            f"azure trace x{args.scale:g}",
+            lambda: workload_by_name("azure", scale=args.scale, seed=args.seed),
+        )
+    else:
+        workload = timed(
+            f"azure trace at {args.load:g} x capacity",
+            lambda: workload_at_load(args.requests, args.load, capacity, args.seed),
+        )
+    minutes = workload.duration_s / 60.0
     print(
-        f"simulator: SYNTHETIC Poisson {args.qpm:g} QPM x {args.minutes:g} min = "
-        f"{len(workload):,} requests, oracle classifier"
+        f"workload: {len(workload):,} requests over {minutes:,.0f} simulated minutes, "
+        f"{workload.mean_qpm():.1f} QPM = {workload.mean_qpm() / capacity:.2f} x the capacity "
+        f"of {args.gpus} GPUs ({capacity:.1f} QPM at the fastest AC level, adapters: "
+        f"{args.adapters})"
     )
-    total = 0.0
-    for name in POLICIES:
-        started = time.perf_counter()
-        result = sim.run(make_policy(name))
-        elapsed = time.perf_counter() - started
-        total += elapsed
+    quality = timed(
+        "quality tables (SYNTHETIC)",
+        lambda: {
+            s: synthetic_quality_table(
+                workload.prompts, s, [lv.name for lv in profiles.levels_for(s)], seed=args.seed
+            )
+            for s in Strategy
+        },
+    )
+    classifier = make_classifier(args.classifier)
+    prepare = getattr(classifier, "prepare", None)
+    if prepare is not None:
+        timed(f"classifier {args.classifier}: load", lambda: prepare(quality))
+    config = SimConfig.with_classes(
+        counts, seed=args.seed, adapters=adapter_model_by_name(args.adapters)
+    )
+    sim = timed(
+        "simulation (adapters drawn)", lambda: Simulation(profiles, quality, workload, config)
+    )
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    policies = [make_policy(n, classifier=classifier, seed=args.seed) for n in names]
+    print(f"classifier (argus, nirvana): {classifier.label}")
+    print(f"{'policy':<11} {'wall s':>8} {'CPU s':>8} {'requests/s':>11} {'refused':>8}")
+    total_wall = total_cpu = 0.0
+    for policy in policies:
+        wall, cpu = time.perf_counter(), time.process_time()
+        result: Any = sim.run(policy)  # the first planned run also embeds the prompts
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        total_wall += wall
+        total_cpu += cpu
         print(
-            f"{name:<11} {elapsed:7.1f} s  {len(workload) / elapsed:>10,.0f} requests/s  "
-            f"{result.refused.mean():6.1%} refused",
+            f"{policy.name:<11} {wall:8.1f} {cpu:8.1f} {len(workload) / wall:>11,.0f} "
+            f"{result.refused.mean():8.1%}",
             flush=True,
         )
-    print(f"{'all':<11} {total:7.1f} s")
+    print(f"{'policies':<11} {total_wall:8.1f} {total_cpu:8.1f}")
+    print(
+        f"{'all':<11} {time.perf_counter() - started_wall:8.1f} "
+        f"{time.process_time() - started_cpu:8.1f}  (setup included)"
+    )
+    print(load_line("end"))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,16 @@ latent fetch from the LatentStore.
 Search: ``EdgeVectorIndex.search`` exactly as the cache calls it (top-1, cosine, the payload
 filter on the keyword ``key`` field, the payload returned), over N 384-d unit vectors (the
 MiniLM prompt-embedding size) with a realistic payload (prompt, key fields, five latent
-digests). Data is SYNTHETIC: ``clustered`` draws points around 1,000 random centres (cosine to
-the centre ≈ 0.86, like paraphrased prompts), ``random`` is uniform on the sphere (the hardest
-case for HNSW). Queries are fresh points from the same distribution. recall@1 compares the
+digests). ``--data real`` (the default): the real prompts at hand (the bundled PartiPrompts,
+1,632, and any other prompt TSV given with ``--prompts``) embedded with all-MiniLM-L6-v2
+(``argus.embedding.PromptEmbedder``, as the worker embeds); a fifth of them, held out, are
+the queries (cycled to ``--queries`` searches), the rest are cached, and the cache is filled
+up to N with SYNTHETIC neighbours of those real embeddings: each a real embedding plus
+Gaussian noise of norm ``--neighbour-noise`` (0.35: cosine ≈ 0.94 to it, a paraphrase),
+renormalised onto the unit sphere (embedding a million prompts on 2 CPUs would take hours).
+Other data is all SYNTHETIC: ``clustered`` draws points around 1,000 random centres (cosine
+to the centre ≈ 0.86), ``random`` is uniform on the sphere (the hardest case for HNSW), with
+fresh points from the same distribution as queries. recall@1 compares the
 returned point with exact search (numpy, all N) on the first ``--recall`` queries; a tie in
 score counts as found. Build: upserts in batches, then ``optimize()`` (HNSW) in process; the
 "load" column is reopening the built shard, which is what a serving worker pays (holding the
@@ -15,7 +22,7 @@ GIL) once per background rebuild. Search latencies are single-threaded, after a 
 Fetch: ``LatentStore.get`` (read, sha256 check, safetensors parse, fp16 → fp32) of an SDXL-sized
 latent (1×4×96×96 fp16, 768 px) and a tiny one (1×4×8×8), on local disk with a warm page cache.
 
-    python benchmarks/bench_retrieval.py --sizes 10k,100k [--data clustered] [--int8]
+    python benchmarks/bench_retrieval.py --size 20k [--data real|clustered|random] [--int8]
         [--hnsw-ef default,64] [--search-threads default,1] [--queries 2000] [--recall 200]
         [--workdir DIR] [--keep]
 
@@ -29,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -40,7 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _machine import machine_line
+from _machine import load_line, machine_line
 
 from argus.worker.cache import CacheKey
 from argus.worker.latent_store import LatentStore
@@ -48,6 +54,7 @@ from argus.worker.vector_index import EdgeIndexConfig, EdgeVectorIndex, IndexMat
 
 DIM = 384
 CENTRES = 1000
+HELD_OUT = 0.2  # share of the real prompts kept out of the cache, as queries
 SPREAD = 0.6  # noise norm relative to the centre: cosine to the centre ≈ 1/√(1+0.36) ≈ 0.86
 KEY = CacheKey("sd-xl", "euler", 768, 768, 50)
 
@@ -68,6 +75,45 @@ def sample(n: int, data: str, rng: np.random.Generator, centres: np.ndarray) -> 
         return unit(noise)
     picks = centres[rng.integers(0, len(centres), n)]
     return unit(picks + SPREAD * noise / np.sqrt(DIM))
+
+
+def real_embeddings(prompt_files: list[Path]) -> np.ndarray:
+    """The unique prompts of PartiPrompts and ``prompt_files``, embedded, in a fixed order."""
+    from argus.embedding import PromptEmbedder
+    from argus.sim.workloads import _default_prompts, load_prompt_file
+
+    texts = [r.prompt for r in _default_prompts()]
+    for path in prompt_files:
+        texts += [r.prompt for r in load_prompt_file(path)]
+    unique = sorted(set(texts))
+    began = time.perf_counter()
+    vectors = PromptEmbedder().embed(unique)
+    print(
+        f"  embedded {len(unique):,} unique real prompts with all-MiniLM-L6-v2 in "
+        f"{time.perf_counter() - began:.1f} s",
+        flush=True,
+    )
+    return unit(np.asarray(vectors, dtype=np.float32))
+
+
+def real_data(
+    real: np.ndarray, n: int, queries: int, noise: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """(cache of n vectors, queries): held-out real embeddings as queries; the real rest and
+    SYNTHETIC neighbours of it (noise of norm ``noise``, renormalised) as the cache."""
+    order = rng.permutation(len(real))
+    held = max(1, int(HELD_OUT * len(real)))
+    query_rows, cached_rows = order[:held], order[held:]
+    base = real[cached_rows][:n]
+    extra = n - len(base)
+    chunks = [base]
+    for start in range(0, extra, 100_000):
+        count = min(100_000, extra - start)
+        picks = real[cached_rows[rng.integers(0, len(cached_rows), count)]]
+        jitter = rng.standard_normal((count, DIM), dtype=np.float32) * (noise / np.sqrt(DIM))
+        chunks.append(unit(picks + jitter))
+    cache = np.concatenate(chunks)
+    return cache, real[query_rows][np.arange(queries) % held]
 
 
 def point_id(row: int) -> str:
@@ -102,6 +148,7 @@ def build(path: Path, x: np.ndarray, config: EdgeIndexConfig, batch: int) -> dic
         rows = range(start, min(len(x), start + batch))
         index.upsert_many([(point_id(r), x[r], payload(r)) for r in rows])
     upsert_s = time.perf_counter() - began
+    print(f"  upserted {len(x):,} points in {upsert_s:.1f} s; building HNSW", flush=True)
     began = time.perf_counter()
     index.optimize()
     optimize_s = time.perf_counter() - began
@@ -217,14 +264,25 @@ def measure_fetch(root: Path, shape: tuple[int, ...], files: int, reads: int) ->
     }
 
 
-def load_average() -> str:
-    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+def peak_rss_mib() -> float:
+    """The process's peak resident memory so far (ru_maxrss is KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10k,100k", help="comma-separated: 10k,100k,1M")
-    parser.add_argument("--data", choices=["clustered", "random"], default="clustered")
+    parser.add_argument(
+        "--size", "--sizes", dest="sizes", default="20k", help="comma-separated: 20k,100k,1M"
+    )
+    parser.add_argument("--data", choices=["real", "clustered", "random"], default="real")
+    parser.add_argument(
+        "--prompts", type=Path, action="append", default=[], help="more prompt TSVs (real)"
+    )
+    parser.add_argument(
+        "--neighbour-noise", type=float, default=0.35, help="real: noise norm of the neighbours"
+    )
     parser.add_argument("--queries", type=int, default=2000)
     parser.add_argument("--recall", type=int, default=200, help="queries checked exactly")
     parser.add_argument("--rounds", type=int, default=4, help="turns the search settings take")
@@ -242,7 +300,7 @@ def main() -> None:
         help="Edge search-pool sizes, comma-separated; 'default': one per CPU",
     )
     parser.add_argument("--int8", action="store_true", help="scalar int8 quantisation + rescore")
-    parser.add_argument("--batch", type=int, default=10_000, help="points per upsert")
+    parser.add_argument("--batch", type=int, default=50_000, help="points per upsert")
     parser.add_argument("--fetch-files", type=int, default=200)
     parser.add_argument("--fetch-reads", type=int, default=2000)
     parser.add_argument("--no-fetch", action="store_true")
@@ -256,14 +314,22 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="argus-bench-retrieval-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(machine_line())
-    print(f"load average at start: {load_average()} (other processes share these CPUs)")
+    what = {
+        "real": (
+            "real prompt embeddings (all-MiniLM-L6-v2) and SYNTHETIC neighbours of them; "
+            "queries: held-out real prompts"
+        ),
+        "clustered": "SYNTHETIC clustered unit vectors",
+        "random": "SYNTHETIC uniform unit vectors",
+    }[args.data]
     print(
-        f"Qdrant Edge top-1, {DIM}-d {args.data} unit vectors (synthetic), payload filter on "
-        f"`key`; m={config.m} ef_construct={config.ef_construct} "
-        f"vectors={'int8+rescore' if config.int8 else 'f32'}; "
+        f"Qdrant Edge top-1, {DIM}-d {what}, payload filter on `key`; HNSW m={config.m} "
+        f"ef_construct={config.ef_construct} full_scan_threshold=10000 (kB), vectors "
+        f"{'int8+rescore' if config.int8 else 'f32'}; upserts of {args.batch:,} points; "
         f"{args.queries} queries, recall@1 on {args.recall}",
         flush=True,
     )
+    real = real_embeddings(args.prompts) if args.data == "real" else None
     results: dict[str, Any] = {
         "machine": machine_line(),
         "config": {k: str(v) for k, v in vars(args).items()},
@@ -273,9 +339,19 @@ def main() -> None:
     for size_text in args.sizes.split(","):
         n = parse_size(size_text)
         rng = np.random.default_rng(n)
-        centres = unit(rng.standard_normal((CENTRES, DIM), dtype=np.float32))
-        x = sample(n, args.data, rng, centres)
-        queries = sample(args.queries, args.data, rng, centres)
+        if real is not None:
+            x, queries = real_data(real, n, args.queries, args.neighbour_noise, rng)
+            synthetic = max(0, n - int((1 - HELD_OUT) * len(real)))
+            print(
+                f"N={n:,}: {n - synthetic:,} real embeddings + {synthetic:,} SYNTHETIC "
+                f"neighbours of them; {len(np.unique(queries, axis=0)):,} held-out real "
+                "prompts as queries",
+                flush=True,
+            )
+        else:
+            centres = unit(rng.standard_normal((CENTRES, DIM), dtype=np.float32))
+            x = sample(n, args.data, rng, centres)
+            queries = sample(args.queries, args.data, rng, centres)
         path = workdir / f"edge-{args.data}-{n}{'-int8' if config.int8 else ''}"
         if args.reuse and (path / "CURRENT").exists():
             print(f"N={n:,}: reusing {path}", flush=True)
@@ -284,6 +360,16 @@ def main() -> None:
             shutil.rmtree(path, ignore_errors=True)
             print(f"N={n:,}: building in {path}", flush=True)
             built = build(path, x, config, args.batch)
+            built["disk_mib"] = (
+                sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+            )
+            built["peak_rss_mib"] = peak_rss_mib()
+            print(
+                f"  build: upsert {built['upsert_s']:.1f} s + HNSW {built['optimize_s']:.1f} s; "
+                f"shard {built['disk_mib']:,.0f} MiB on disk; process peak RSS "
+                f"{built['peak_rss_mib']:,.0f} MiB",
+                flush=True,
+            )
         variants = [replace(config, hnsw_ef=ef, search_threads=t) for ef, t in settings]
         measured = measure_search(
             path, x, queries, variants, args.rounds, min(args.recall, args.queries)
@@ -321,7 +407,7 @@ def main() -> None:
                 f"{f['mean_ms']:>8.3f}"
             )
         shutil.rmtree(workdir / "latents", ignore_errors=True)
-    print(f"load average at end: {load_average()}")
+    print(load_line("end"))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if not args.keep and args.workdir is None:

@@ -13,7 +13,7 @@ import argparse
 import random
 import time
 
-from _machine import machine_line
+from _machine import load_line, machine_line
 
 from argus.allocator.planner import make_plan
 from argus.profiles import default_profiles
@@ -57,3 +57,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    print(load_line("end"))

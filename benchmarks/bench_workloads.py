@@ -16,6 +16,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from _machine import load_line, machine_line
+
 from argus.sim.workloads import (
     Workload,
     azure_trace,
@@ -61,4 +63,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print(machine_line())
     main()
+    print(load_line("end"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from _machine import machine_line
+from _machine import load_line, machine_line
 
 from argus.classifier.evaluate import evaluate
 from argus.classifier.labels import labels_from_table
@@ -61,3 +61,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    print(load_line("end"))

@@ -39,7 +39,7 @@ from scipy.optimize import linprog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _machine import machine_line
+from _machine import load_line, machine_line
 
 from argus.allocator.control import DEFAULT_SLO_FACTOR
 from argus.allocator.queueing import QueueModel
@@ -176,3 +176,4 @@ def _gain(value: float, base: float) -> str:
 
 if __name__ == "__main__":
     main()
+    print(load_line("end"))

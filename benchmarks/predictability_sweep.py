@@ -62,7 +62,7 @@ from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]  # w
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _machine import machine_line
+from _machine import load_line, machine_line
 
 from argus.classifier.embedding_cache import EmbeddingCache
 from argus.classifier.labels import labels_from_table
@@ -356,3 +356,4 @@ def main(argv: Sequence[str] | None = None) -> list[Point]:
 
 if __name__ == "__main__":
     main()
+    print(load_line("end"))

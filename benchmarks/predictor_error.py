@@ -26,6 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _machine import load_line, machine_line
+
 from argus.allocator.predictor import (
     LoadPredictorConfig,
     forecast_errors,
@@ -167,4 +169,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print(machine_line())
     main()
+    print(load_line("end"))

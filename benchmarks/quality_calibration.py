@@ -52,6 +52,8 @@ from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]  # w
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _machine import load_line, machine_line
+
 from argus.classifier.model import (
     DEFAULT_ENCODER,
     LinearHead,
@@ -621,4 +623,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print(machine_line())
     main()
+    print(load_line("end"))

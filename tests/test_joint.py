@@ -13,7 +13,7 @@ from argus.allocator.joint import HighsOptions, JointPlan, JointSolver, _rounded
 from argus.types import ClassQuality, ClusterView, ProfileSet, Strategy, WorkerState
 from tests.factories import make_profiles
 
-EXACT = HighsOptions(rel_gap=1e-9, time_limit_s=30.0)
+EXACT = HighsOptions(rel_gap=1e-9, time_limit_s=30.0, shortcut_gap=0.0)
 NO_BRANCHING = HighsOptions(time_limit_s=0.0)  # the rounding and its local search alone
 
 
@@ -115,10 +115,29 @@ def test_default_gap_is_within_a_percent_of_exact_on_small_clusters(seed: int) -
     """Few workers: the rounding alone can be several percent off, so branch and bound runs
     from it."""
     instance = Instance(random.Random(40260 + seed), 1, 8)
-    plan = instance.solve(HighsOptions(time_limit_s=30.0))
+    plan = instance.solve(HighsOptions(time_limit_s=30.0, shortcut_gap=0.0))
     exact = instance.solve(EXACT)
     instance.check_feasible(plan)
     assert within_a_percent(plan, exact)
+
+
+def test_the_shortcut_on_small_clusters_is_feasible_and_within_two_percent_of_exact() -> None:
+    """The default: rounding, repair and local search (two-worker moves on few workers),
+    branch and bound only for plans more than 5% below the relaxation's bound. On 400
+    random clusters of 1 to 8 workers every plan is feasible, none is more than 2% below
+    the exact optimum (without branch and bound, seed 289 is 19% below), and most are the
+    optimum."""
+    gaps = []
+    for seed in range(400):
+        instance = Instance(random.Random(90000 + seed), 1, 8)
+        plan = instance.solve(HighsOptions())
+        exact = instance.solve(EXACT)
+        instance.check_feasible(plan)
+        best = exact.allocation.objective
+        assert plan.allocation.objective <= best + 1e-6
+        gaps.append((best - plan.allocation.objective) / max(1.0, abs(best)))
+    assert max(gaps) <= 0.02
+    assert np.mean(np.array(gaps) < 1e-6) >= 0.9
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -1,4 +1,5 @@
 import random
+from typing import Any
 
 import pulp
 import pytest
@@ -204,3 +205,56 @@ def test_default_gap_stays_within_tolerance_of_the_exact_optimum(switching):
         check_feasible(quick, profiles, workers)
         assert quick.objective <= best.objective + 1e-6
         assert quick.objective >= best.objective - 1e-3 * max(1.0, abs(best.objective)) - 1e-6
+
+
+def _named_one_at_a_time(problem: Any, counts: Any) -> dict[str, str]:
+    """The naming :func:`argus.allocator.solver._assign_workers` must match: each worker in
+    id order takes the first level it fits with a slot of its class left (its own level,
+    then its model's levels, then any level), spares the best level of the model they hold."""
+    slots = dict(counts.workers)
+    levels = problem.levels
+    assignment: dict[str, str] = {}
+    pending = sorted(problem.live, key=lambda w: w.worker_id)
+    passes = (
+        lambda w: [v for v, lv in enumerate(levels) if lv.name == w.level],
+        lambda w: [v for v, lv in enumerate(levels) if lv.model == problem.current_model(w)],
+        lambda w: list(range(len(levels))),
+    )
+    for fitting in passes:
+        left = []
+        for worker in pending:
+            free = [v for v in fitting(worker) if slots.get((worker.worker_class, v), 0) > 0]
+            if free:
+                slots[worker.worker_class, free[0]] -= 1
+                assignment[worker.worker_id] = levels[free[0]].name
+            else:
+                left.append(worker)
+        pending = left
+    for worker in pending:
+        held = [lv.name for lv in levels if lv.model == problem.current_model(worker)]
+        assignment[worker.worker_id] = held[0] if held else levels[0].name
+    return assignment
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_workers_are_named_as_one_at_a_time_would(seed: int) -> None:
+    """The vectorised naming gives every worker the level the sequential rule gives it, on
+    random clusters (several classes and models, workers at a level or at none, more or
+    fewer slots than workers)."""
+    from collections import Counter
+
+    from argus.allocator.solver import _assign_workers, _Counts, _Problem
+
+    rng = random.Random(seed)
+    profiles, view, _ = random_instance(rng, max_workers=40, switching=True)
+    live = view.alive()
+    if not live:
+        return
+    levels = profiles.levels_for(Strategy.SM)
+    problem = _Problem(Strategy.SM, levels, profiles, live, 0.0, 0.0, 1.0, 60.0)
+    classes = sorted({w.worker_class for w in live})
+    counts = _Counts.empty()
+    counts.workers = Counter(
+        {(c, v): rng.randint(0, 4) for c in classes for v in range(len(levels))}
+    )
+    assert _assign_workers(problem, counts) == _named_one_at_a_time(problem, counts)

@@ -36,6 +36,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+import numpy as np
+import numpy.typing as npt
 import pulp
 
 from argus.types import Allocation, ClusterView, Level, ProfileSet, Strategy, WorkerState
@@ -110,6 +112,11 @@ class _Problem:
     def current_model(self, worker: WorkerState) -> str | None:
         """The model ``worker`` holds now (None: nothing loaded, or a level unknown here)."""
         return self._model_of_level.get(worker.level or "")
+
+    @cached_property
+    def worker_table(self) -> _WorkerTable:
+        """The live workers as arrays, for naming them (built once per problem)."""
+        return _worker_table(self)
 
     @cached_property
     def holding(self) -> Counter[tuple[str, str | None]]:
@@ -434,63 +441,120 @@ def _run(prob: pulp.LpProblem, backend: SolverFactory) -> None:
 
 
 def _assign_workers(problem: _Problem, counts: _Counts) -> dict[str, str]:
-    """Name the workers: keep levels where possible, then models, then fill; spares last."""
-    assignment: dict[str, str] = {}
-    slots = Counter(counts.workers)
-    everywhere = tuple(range(len(problem.levels)))
-    at_level = {level.name: (v,) for v, level in enumerate(problem.levels)}
-    on_model: dict[str | None, tuple[int, ...]] = {}
-    for v, level in enumerate(problem.levels):
-        on_model[level.model] = (*on_model.get(level.model, ()), v)
-    pending = sorted(problem.live, key=lambda w: w.worker_id)
-    # 1. a worker already at a level that keeps slots stays (no change at all)
-    pending = _place(pending, slots, assignment, problem, lambda w: at_level.get(w.level or "", ()))
-    # 2. a worker holding the model of a level with slots changes only K (no reload)
-    pending = _place(
-        pending, slots, assignment, problem, lambda w: on_model.get(problem.current_model(w), ())
+    """Name the workers (see :func:`_chosen_levels`): worker id → level name."""
+    chosen = _chosen_levels(problem, counts)
+    names = [level.name for level in problem.levels]
+    table = problem.worker_table
+    return dict(zip(table.ids, [names[v] for v in chosen.tolist()], strict=True))
+
+
+@dataclass(frozen=True)
+class _WorkerTable:
+    """The live workers as arrays, in the order of their ids: what naming them reads."""
+
+    ids: tuple[str, ...]
+    classes: tuple[str, ...]  # the worker classes present, sorted
+    worker_class: npt.NDArray[np.int64]  # index into ``classes``
+    at_level: npt.NDArray[np.int64]  # index of its level among the strategy's, else -1
+    has_level: npt.NDArray[np.bool_]  # it reported a level (of any strategy)
+    holds: npt.NDArray[np.int64]  # index of its model among the strategy's models, else -1
+    level_model: npt.NDArray[np.int64]  # [v]: the model index of level v
+
+
+def _worker_table(problem: _Problem) -> _WorkerTable:
+    live = sorted(problem.live, key=lambda w: w.worker_id)
+    classes = tuple(sorted({w.worker_class for w in live}))
+    class_of = {name: i for i, name in enumerate(classes)}
+    level_of = {level.name: v for v, level in enumerate(problem.levels)}
+    model_of = {name: m for m, name in enumerate(sorted({lv.model for lv in problem.levels}))}
+    held = [problem.current_model(w) for w in live]
+    return _WorkerTable(
+        ids=tuple(w.worker_id for w in live),
+        classes=classes,
+        worker_class=np.array([class_of[w.worker_class] for w in live], dtype=np.int64),
+        at_level=np.array([level_of.get(w.level or "", -1) for w in live], dtype=np.int64),
+        has_level=np.array([w.level is not None for w in live], dtype=np.bool_),
+        holds=np.array([model_of.get(m, -1) if m else -1 for m in held], dtype=np.int64),
+        level_model=np.array([model_of[lv.model] for lv in problem.levels], dtype=np.int64),
     )
-    # 3. anyone left fills the remaining slots
-    pending = _place(pending, slots, assignment, problem, lambda w: everywhere)
-    # 4. spares carry no load: headroom at the best level their loaded model allows
-    for worker in pending:
-        assignment[worker.worker_id] = _spare_level(problem, worker)
-    return assignment
 
 
-def _spare_level(problem: _Problem, worker: WorkerState) -> str:
-    """A spare takes the best level of the model it holds (no reload), else the best level."""
-    model = problem.current_model(worker)
-    for level in problem.levels:
-        if level.model == model:
-            return level.name
-    return problem.levels[0].name
+def _chosen_levels(problem: _Problem, counts: _Counts) -> npt.NDArray[np.int64]:
+    """The level index of each live worker, in the order of their ids.
+
+    Workers take slots in the order of their ids, each pass as if one worker at a time took
+    the first level it fits with a slot of its class left: 1. a worker already at a level
+    with slots stays (no change at all); 2. one holding the model of a level with slots
+    changes only K (no reload); 3. anyone left fills the remaining slots, best level first;
+    4. spares carry no load and take the best level of the model they hold (headroom where
+    quality is highest, no reload), else the best level. Within a pass the workers that fit
+    the same levels fill them in turn, so each pass is a ranking in numpy, without a Python
+    step per worker (at 4,096 workers that step was most of a solve).
+    """
+    table = problem.worker_table
+    n_levels = len(problem.levels)
+    size = len(table.ids)
+    class_of = {name: i for i, name in enumerate(table.classes)}
+    slots = np.zeros((len(table.classes), n_levels), dtype=np.int64)
+    for (name, v), count in counts.workers.items():
+        if name in class_of and count > 0:
+            slots[class_of[name], v] = count
+    chosen = np.full(size, -1, dtype=np.int64)
+    worker_class, at_level, holds = table.worker_class, table.at_level, table.holds
+    # 1. keep the level: the group is (class, level), one level to fill
+    _fill(chosen, slots, worker_class, at_level, at_level[:, None] == np.arange(n_levels))
+    # 2. keep the model: the group is (class, model), its levels in order
+    _fill(chosen, slots, worker_class, holds, holds[:, None] == table.level_model[None, :])
+    # 3. anywhere: the group is the class, every level in order
+    anywhere = np.zeros(size, dtype=np.int64)
+    _fill(chosen, slots, worker_class, anywhere, np.ones((size, n_levels), dtype=np.bool_))
+    # 4. spares: the best level of the model held, else the best level
+    models = int(table.level_model.max()) + 1 if n_levels else 0
+    first_on_model = np.array(
+        [int(np.flatnonzero(table.level_model == m)[0]) for m in range(models)], dtype=np.int64
+    )
+    spare = np.where(holds >= 0, first_on_model[np.maximum(holds, 0)], 0)
+    result: npt.NDArray[np.int64] = np.where(chosen >= 0, chosen, spare)
+    return result
 
 
-def _place(
-    pending: list[WorkerState],
-    slots: Counter[tuple[str, int]],
-    assignment: dict[str, str],
-    problem: _Problem,
-    fitting: Callable[[WorkerState], tuple[int, ...]],
-) -> list[WorkerState]:
-    """Give each worker in turn the first level in ``fitting(worker)`` with a slot of its
-    class left; return those that got none. Slots only run out, so a level found full is
-    passed over for good (``full``), which keeps this linear in the workers."""
-    full: dict[tuple[str, tuple[int, ...]], int] = {}  # (class, fits) → its first i are full
-    left = []
-    for worker in pending:
-        fits = fitting(worker)
-        key = (worker.worker_class, fits)
-        i = full.get(key, 0)
-        while i < len(fits) and slots[worker.worker_class, fits[i]] <= 0:
-            i += 1
-        full[key] = i
-        if i == len(fits):
-            left.append(worker)
-            continue
-        slots[worker.worker_class, fits[i]] -= 1
-        assignment[worker.worker_id] = problem.levels[fits[i]].name
-    return left
+def _moved(problem: _Problem, chosen: npt.NDArray[np.int64]) -> int:
+    """Workers that reported a level and are given another."""
+    table = problem.worker_table
+    return int((table.has_level & (table.at_level != chosen)).sum())
+
+
+def _fill(
+    chosen: npt.NDArray[np.int64],
+    slots: npt.NDArray[np.int64],
+    worker_class: npt.NDArray[np.int64],
+    group: npt.NDArray[np.int64],
+    fits: npt.NDArray[np.bool_],
+) -> None:
+    """One pass of :func:`_assign_workers`: the workers without a level yet (``chosen`` -1)
+    whose ``group`` is not -1 take, in their order, the levels ``fits`` marks for them, each
+    level's slots of their class in level order, until the slots run out. Workers of one
+    (class, group) fit the same levels, so the r-th of them takes the level whose run of
+    slots covers r. Updates ``chosen`` and ``slots`` in place."""
+    waiting = np.flatnonzero((chosen < 0) & (group >= 0))
+    if waiting.size == 0:
+        return
+    key = worker_class[waiting] * (int(group.max()) + 1) + group[waiting]
+    order = np.argsort(key, kind="stable")  # by group, the workers' own order inside
+    waiting, key = waiting[order], key[order]
+    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    starts = np.repeat(first, np.diff(np.r_[first, key.size]))
+    rank = np.arange(key.size) - starts  # place in its group's queue
+    leaders = waiting[first]  # one worker per group: the group's class and levels
+    runs = np.where(fits[leaders], slots[worker_class[leaders]], 0)  # [group, level]
+    ends = np.cumsum(runs, axis=1)
+    group_of = np.repeat(np.arange(first.size), np.diff(np.r_[first, key.size]))
+    level = (ends[group_of] <= rank[:, None]).sum(axis=1)  # first level whose run covers r
+    placed = level < runs.shape[1]
+    chosen[waiting[placed]] = level[placed]
+    taken = np.zeros_like(slots)
+    np.add.at(taken, (worker_class[waiting[placed]], level[placed]), 1)
+    slots -= taken
 
 
 def _allocation(

@@ -67,12 +67,13 @@ class _TableClassifier:
             s: measured_class_quality(t, self._levels[s], f"{self.label}, measured on the replay")
             for s, t in ctx.quality.items()
         }
+        self._by_request = _per_request(ctx, self._levels)
 
     def _row_levels(self, ctx: SimContext, strategy: Strategy, table: QualityTable) -> IntArray:
         raise NotImplementedError
 
     def predict_level(self, strategy: Strategy, request: int) -> int:
-        return int(self._levels[strategy][self._ctx.prompt_rows[request]])
+        return self._by_request[strategy][request]
 
     predict_class = predict_level  # its classes are its levels
 
@@ -111,6 +112,11 @@ class NoisyOracleClassifier(_TableClassifier):
         other = np.where(other >= true, other + 1, other)
         result: IntArray = np.where(wrong, other, true).astype(np.int64)
         return result
+
+
+def _per_request(ctx: SimContext, by_row: Mapping[Strategy, IntArray]) -> dict[Strategy, list[int]]:
+    """Each request's answer, looked up once per run: per request it is a list index."""
+    return {s: values[ctx.prompt_rows].tolist() for s, values in by_row.items()}
 
 
 def measured_class_quality(table: QualityTable, classes: IntArray, source: str) -> ClassQuality:
@@ -247,6 +253,8 @@ class TrainedClassifier:
             classes[rows] = [klass for _, klass in predicted]
             self._levels[strategy] = levels
             self._classes[strategy] = classes
+        self._level_of_request = _per_request(ctx, self._levels)
+        self._class_of_request = _per_request(ctx, self._classes)
 
     def _load(self) -> ClassifierSet:
         if self._models is None:
@@ -254,10 +262,10 @@ class TrainedClassifier:
         return self._models
 
     def predict_level(self, strategy: Strategy, request: int) -> int:
-        return int(self._levels[strategy][self._ctx.prompt_rows[request]])
+        return self._level_of_request[strategy][request]
 
     def predict_class(self, strategy: Strategy, request: int) -> int:
-        return int(self._classes[strategy][self._ctx.prompt_rows[request]])
+        return self._class_of_request[strategy][request]
 
     def class_quality(self) -> Mapping[Strategy, ClassQuality]:
         """Q(v | c) from the artifact's calibration prompts; an artifact without a

@@ -35,9 +35,9 @@ Admission (``SimConfig.admission``, on by default) is the router's: once the pol
 a worker and a level for a request, the simulator predicts the request's completion as the
 router does, with the router's :class:`argus.router.admission.AdmissionRule` (a quantile of the
 completion time from the worker's queue and the level's latency on the worker's class in the
-profiles the policies plan with, adapter seconds included when adapters are on), and asks
-:func:`argus.router.admission.admit` whether it fits in the time left before the request's
-deadline (the SLO at arrival). A refused request
+profiles the policies plan with, adapter seconds included when adapters are on), and admits
+it when that fits in the time left before the request's deadline (the SLO at arrival), the
+test of :func:`argus.router.admission.admit` without the record it builds. A refused request
 is not served and uses no worker time; :class:`RunResult` marks it ``refused`` (finish time,
 score and relative quality NaN, level and worker -1). This is what the live router answers
 with RESOURCE_EXHAUSTED. The prediction counts a model load queued on the worker as one
@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import types
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -66,7 +67,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from argus.router.admission import AdmissionRule, admit
+from argus.router.admission import AdmissionRule
 from argus.sim.adapters import (
     AdapterCost,
     AdapterDraws,
@@ -445,13 +446,26 @@ class _Run:
         ]
         self.by_id = {w.worker_id: w for w in self.workers}
         self.arrivals = np.asarray(sim.workload.arrivals_s, dtype=np.float64)
-        self.finish = np.zeros(n)
-        self.level = np.full(n, -1, dtype=np.int64)
-        self.worker = np.full(n, -1, dtype=np.int64)
         self.worker_index = {w.worker_id: i for i, w in enumerate(self.workers)}
-        self.score = np.zeros(n)
-        self.relative = np.zeros(n)
-        self.refused = np.zeros(n, dtype=np.bool_)
+        # per-request outcomes as Python lists (item writes cost a fifth of numpy's), made
+        # arrays by _result
+        self.finish: list[float] = [0.0] * n
+        self.level: list[int] = [-1] * n
+        self.worker: list[int] = [-1] * n
+        self.score: list[float] = [0.0] * n
+        self.relative: list[float] = [0.0] * n
+        self.refused: list[bool] = [False] * n
+        self._arrival_list: list[float] = self.arrivals.tolist()
+        self._jitter_list: list[float] = self.jitter.tolist()
+        self._row_list: list[int] = self.prompt_rows.tolist()
+        # what _dispatch hands the policy, kept up to date instead of rebuilt per request:
+        # each worker's queue (len(finishes)), and the workers down
+        self._queues: dict[str, int] = {w.worker_id: 0 for w in self.workers}
+        self._queue_view = types.MappingProxyType(self._queues)
+        self._down: frozenset[str] = frozenset()
+        # (finish time, worker index) of every entry queued on a worker: _dispatch pops the
+        # due ones instead of looking at every worker (stale after a failure, and harmless)
+        self._due: list[tuple[float, int]] = []
         self._plan_latency_cache: dict[tuple[str, str], float] = {}
         self.model_switches = 0
         self.plan_changes = 0
@@ -475,8 +489,10 @@ class _Run:
         )
         self._latency_cache: dict[tuple[str, str], float] = {}
         self._adapter_costs: dict[tuple[str, str], AdapterCost] = {}
+        self._adapter_lists: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
         self.adapter_s = 0.0
-        self._best_scores = {s: t.scores.max(axis=1) for s, t in sim.quality.items()}
+        self._scores = {s: t.scores.tolist() for s, t in sim.quality.items()}
+        self._best_scores = {s: t.scores.max(axis=1).tolist() for s, t in sim.quality.items()}
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -494,6 +510,13 @@ class _Run:
 
     def _advance(self, now: float) -> None:
         """Handle every period tick, fault and policy timer due by ``now``, in time order."""
+        timer = self.policy.next_timer()
+        if (
+            now < self.next_tick
+            and (timer is None or now < timer)
+            and (not self.events or now < self.events[0][0])
+        ):
+            return  # nothing due: what most requests find
         while True:
             fault_at = self.events[0][0] if self.events else math.inf
             timer = self.policy.next_timer()
@@ -588,7 +611,7 @@ class _Run:
             return
         start = max(worker.free_at, now)
         worker.free_at = start + load
-        worker.finishes.append((worker.free_at, -1, start))
+        self._enqueue(worker, -1, start)
         worker.level, worker.model, worker.pending = level_name, level.model, None
         self.switch_times.append(start)
         self._add_busy(start, worker.free_at)
@@ -600,27 +623,38 @@ class _Run:
         worker.pending = None
 
     def _dispatch(self, i: int, now: float) -> None:
-        queues = {}
-        down = []
-        for worker in self.workers:
-            finishes = worker.finishes
-            while finishes and finishes[0][0] <= now:
-                finishes.popleft()
-            queues[worker.worker_id] = len(finishes)
-            if not worker.alive:
-                down.append(worker.worker_id)
-        worker_id, level_name = self.policy.route(i, now, queues, frozenset(down))
+        self._finish_due(now)
+        queues = self._queues
+        worker_id, level_name = self.policy.route(i, now, self._queue_view, self._down)
         worker = self.by_id[worker_id]
         if self.cfg.admission:
             t_proc = self._plan_latency(worker.worker_class, level_name)
             head = worker.finishes[0][2] if worker.finishes else now
             predicted = self.sim.admission_rule.completion_s(queues[worker_id], t_proc, now - head)
-            budget = self.sim.slo_s - (now - float(self.arrivals[i]))
-            if not admit(predicted, budget).admitted:
+            budget = self.sim.slo_s - (now - self._arrival_list[i])
+            if not predicted <= budget:  # admit(predicted, budget).admitted, minus its record
                 self._refuse(i)
                 return
         self.refused[i] = False  # a request routed again after a failure may be admitted now
         self._serve(i, now, worker, level_name)
+
+    def _finish_due(self, now: float) -> None:
+        """Take off the workers' queues what has finished by ``now``: only the workers with an
+        entry due, found on the ``_due`` heap."""
+        due = self._due
+        while due and due[0][0] <= now:
+            worker = self.workers[heapq.heappop(due)[1]]
+            finishes = worker.finishes
+            while finishes and finishes[0][0] <= now:
+                finishes.popleft()
+            self._queues[worker.worker_id] = len(finishes)
+
+    def _enqueue(self, worker: _Worker, request: int, start: float) -> None:
+        """Queue ``request`` (-1: a model load) on ``worker``, from ``start`` to its
+        ``free_at``."""
+        worker.finishes.append((worker.free_at, request, start))
+        self._queues[worker.worker_id] = len(worker.finishes)
+        heapq.heappush(self._due, (worker.free_at, self.worker_index[worker.worker_id]))
 
     def _refuse(self, i: int) -> None:
         """Request ``i`` is refused: it gets no worker, no image and no score."""
@@ -651,18 +685,17 @@ class _Run:
         service, served = self._service_time(worker.worker_class, level, now)
         start = max(worker.free_at, now)
         service += self._adapter_time(worker.worker_class, served, i, start - now)
-        service *= self.jitter[i]
+        service *= self._jitter_list[i]
         worker.free_at = start + service
-        worker.finishes.append((worker.free_at, i, start))
+        self._enqueue(worker, i, start)
         self._add_busy(start, worker.free_at)
         self.finish[i] = worker.free_at
         self.level[i] = self.sim._level_index[served.name]
         self.worker[i] = self.worker_index[worker.worker_id]
-        table = self.sim.quality[served.strategy]
-        row = self.prompt_rows[i]
-        score = float(table.scores[row, self.sim._strategy_index[served.name]])
+        row = self._row_list[i]
+        score = self._scores[served.strategy][row][self.sim._strategy_index[served.name]]
         self.score[i] = score
-        self.relative[i] = score / float(self._best_scores[served.strategy][row])
+        self.relative[i] = score / self._best_scores[served.strategy][row]
 
     def _add_busy(self, start: float, end: float) -> None:
         """Count [start, end) as busy GPU time, split over the minutes it spans."""
@@ -702,7 +735,9 @@ class _Run:
             latency = self._latency(worker_class, level.name)
             cost = adapter_cost(model, draws, latency, level.skip_steps)
             self._adapter_costs[key] = cost
-        added = float(cost.fixed_s[i]) + max(float(cost.hideable_s[i]) - wait_s, 0.0)
+            self._adapter_lists[key] = (cost.fixed_s.tolist(), cost.hideable_s.tolist())
+        fixed, hideable = self._adapter_lists[key]
+        added = fixed[i] + max(hideable[i] - wait_s, 0.0)
         self.adapter_s += added
         return added
 
@@ -725,32 +760,37 @@ class _Run:
                 if finish > now and request >= 0:
                     orphans.append(request)
             worker.finishes.clear()
+            self._queues[worker.worker_id] = 0
             worker.free_at = now
             worker.level = None
             worker.model = None
             worker.pending = None
+        self._down = frozenset(w.worker_id for w in self.workers if not w.alive)
         for request in sorted(orphans):  # the router retries them elsewhere at once
             self._dispatch(request, now)
 
     def _recover_workers(self, count: int) -> None:
         for worker in [w for w in self.workers if not w.alive][:count]:
             worker.alive = True
+        self._down = frozenset(w.worker_id for w in self.workers if not w.alive)
 
     # -- result ------------------------------------------------------------------------------
 
     def _result(self) -> RunResult:
         duration = self.sim.workload.duration_s  # the horizon when known, else the last arrival
-        served = self.finish[~self.refused]
+        finish = np.array(self.finish, dtype=np.float64)
+        refused = np.array(self.refused, dtype=np.bool_)
+        served = finish[~refused]
         end = max(duration, float(served.max()) if len(served) else 0.0)
         strategy_switches = int(getattr(self.policy, "strategy_switches", 0))
         return RunResult(
             policy=self.policy.name,
             arrivals_s=self.arrivals,
-            finish_s=self.finish,
-            level=self.level,
-            worker=self.worker,
-            score=self.score,
-            relative=self.relative,
+            finish_s=finish,
+            level=np.array(self.level, dtype=np.int64),
+            worker=np.array(self.worker, dtype=np.int64),
+            score=np.array(self.score, dtype=np.float64),
+            relative=np.array(self.relative, dtype=np.float64),
             slo_s=self.sim.slo_s,
             model_switches=self.model_switches,
             plan_changes=self.plan_changes,
@@ -763,7 +803,7 @@ class _Run:
             busy_by_minute_s=self.busy_by_minute,
             gpus=self.cfg.gpus,
             adapter_s=self.adapter_s,
-            refused=self.refused,
+            refused=refused,
             worker_classes=tuple(w.worker_class for w in self.workers),
         )
 

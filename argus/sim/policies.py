@@ -18,11 +18,11 @@ chosen by :func:`make_classifier`).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 
 from argus.allocator.predictor import LoadPredictor
-from argus.router.admission import predicted_completion_s
 from argus.sim.classifiers import (  # noqa: F401  (re-exported)
     Classifier,
     NoisyOracleClassifier,
@@ -56,9 +56,17 @@ class _Static(Policy):
     def route(
         self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
     ) -> tuple[str, str]:
-        live = [w for w in self.ctx.worker_ids if w not in down]
-        latency = self.latency
-        best = min(live, key=lambda w: predicted_completion_s(queues.get(w, 0), latency[w]))
+        # the first live worker with the least predicted_completion_s, as min() would pick
+        # it, written out: this runs for every request on every worker
+        best, best_s = "", math.inf
+        for worker_id, latency in self.latency.items():
+            if worker_id in down:
+                continue
+            finish_s = (queues.get(worker_id, 0) + 1) * latency  # predicted_completion_s
+            if finish_s < best_s:
+                best, best_s = worker_id, finish_s
+        if not best:
+            raise RuntimeError(f"{self.name}: no live worker to route to")
         return best, self.level
 
 
@@ -83,7 +91,7 @@ class _Uniform(Policy):
         self.rng = random.Random(self._seed)
 
     def _pick(self, down: frozenset[str]) -> str:
-        live = [w for w in self.ctx.worker_ids if w not in down]
+        live = [w for w in self.ctx.worker_ids if w not in down] if down else self.ctx.worker_ids
         return live[self.rng.randrange(len(live))]
 
 
