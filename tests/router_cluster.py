@@ -83,6 +83,8 @@ class StubWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
 class Cluster:
     """An allocator, stub workers and a router, all in process; ``close`` stops them."""
 
+    worker_type: type[StubWorker] = StubWorker  # what add_worker serves
+
     def __init__(self) -> None:
         self.clock = FakeClock()
         self.servers: list[grpc.Server] = []
@@ -100,7 +102,7 @@ class Cluster:
         self.workers: dict[str, StubWorker] = {}
 
     def add_worker(self, worker_id: str, fail: grpc.StatusCode | None = None) -> StubWorker:
-        stub = StubWorker(worker_id, fail)
+        stub = self.worker_type(worker_id, fail)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         worker_pb2_grpc.add_WorkerServicer_to_server(stub, server)
         port = server.add_insecure_port("127.0.0.1:0")

@@ -123,6 +123,12 @@ class RouterMetrics:
             "Classifier models swapped in by drift retraining",
             registry=reg,
         )
+        self.http_requests = Counter(
+            "argus_router_http_requests",
+            "HTTP (OpenAI images API) answers, by route and HTTP status",
+            ["route", "status"],
+            registry=reg,
+        )
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         self.requests.labels("OK")
@@ -145,6 +151,10 @@ class RouterMetrics:
             self.quality.observe(self._quality[level])
         if late:
             self.slo_violations.inc()
+
+    def observe_http(self, route: str, status: int) -> None:
+        """One HTTP answer; ``route`` is one of the app's paths or "other"."""
+        self.http_requests.labels(route, str(status)).inc()
 
     def observe_plan(self, version: int, strategy: Strategy, workers: Mapping[str, int]) -> None:
         self.plan_version.set(version)

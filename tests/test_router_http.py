@@ -1,0 +1,237 @@
+"""The router's OpenAI-compatible HTTP endpoint, driven by the official ``openai`` client and
+httpx against a real RouterCore (stub workers, in-process allocator) behind uvicorn on
+loopback."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+from PIL import Image
+from prometheus_client import CollectorRegistry
+
+from argus.router.http import HttpServer, create_app
+from argus.router.metrics import RouterMetrics
+from argus.router.service import RouterCore, RouterServiceConfig
+from tests.router_cluster import PROFILES, TIMEOUT, Cluster, FakeClock, StubClassifier, StubWorker
+
+TOKEN = "s3cret-token"
+
+
+class PngWorker(StubWorker):
+    """A stub worker answering a real PNG of the size asked for; seeds in ``fail_seeds``
+    fail with INTERNAL (which does not mark the worker down)."""
+
+    fail_seeds: frozenset[int] = frozenset()
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if request.seed in self.fail_seeds:
+            context.abort(grpc.StatusCode.INTERNAL, "stub failure for this seed")
+        reply = super().Generate(request, context)
+        size = (request.width or 64, request.height or 64)
+        out = io.BytesIO()
+        Image.new("RGB", size, (request.seed % 256, 0, 0)).save(out, format="PNG")
+        reply.png = out.getvalue()
+        return reply
+
+
+class HttpCluster(Cluster):
+    worker_type = PngWorker
+
+
+def serve_http(core: RouterCore, token: str | None = TOKEN) -> HttpServer:
+    server = HttpServer(create_app(core, token=token), "127.0.0.1", 0)
+    server.start()
+    return server
+
+
+def client(server: HttpServer, token: str = TOKEN) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=token, max_retries=0, timeout=TIMEOUT)
+
+
+@pytest.fixture
+def cluster() -> Iterator[HttpCluster]:
+    made = HttpCluster()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture
+def served(cluster: HttpCluster) -> Iterator[tuple[HttpCluster, HttpServer, CollectorRegistry]]:
+    cluster.add_worker("w0")
+    cluster.add_worker("w1")
+    registry = CollectorRegistry()
+    cluster.start_router(metrics=RouterMetrics(PROFILES, registry))
+    server = serve_http(cluster.core)
+    try:
+        yield cluster, server, registry
+    finally:
+        server.stop()
+
+
+def test_generates_n_images_with_levels_and_distinct_seeds(served: Any) -> None:
+    cluster, server, registry = served
+    answer = client(server).images.generate(
+        prompt="a red fox", n=2, size="64x64", response_format="b64_json", extra_body={"seed": 7}
+    )
+    assert answer.data is not None and len(answer.data) == 2
+    for item in answer.data:
+        assert item.b64_json is not None
+        image = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
+        assert image.format == "PNG" and image.size == (64, 64)
+        extra: Any = item.model_extra
+        assert extra["level"] in {level.name for level in PROFILES.levels}
+        assert extra["timing"]["total_ms"] >= 0.0
+    calls = [c for w in cluster.workers.values() for c in w.calls]
+    assert sorted(c.seed for c in calls) == [7, 8]
+    assert all((c.width, c.height) == (64, 64) for c in calls)
+    counted = registry.get_sample_value(
+        "argus_router_http_requests_total", {"route": "/v1/images/generations", "status": "200"}
+    )
+    assert counted == 1.0
+
+
+def test_bad_size_is_400_naming_size(served: Any) -> None:
+    _, server, _ = served
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(server).images.generate(prompt="x", size="63x64")
+    assert caught.value.status_code == 400
+    body: Any = caught.value.body
+    assert body["param"] == "size" and "multiple of 8" in body["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "response_format": "url"}, "response_format"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "model": "dall-e-3"}, "model"),
+        ({"n": 1}, "prompt"),
+        ({"prompt": "x", "stream": True}, "stream"),
+        ({"prompt": "x", "steps": 0}, "steps"),
+    ],
+)
+def test_bad_fields_are_400_naming_them(served: Any, body: dict[str, Any], param: str) -> None:
+    _, server, _ = served
+    answer = httpx.post(
+        f"{server.base_url}/images/generations",
+        json=body,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=TIMEOUT,
+    )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == param
+
+
+def test_malformed_json_400_and_large_body_413(served: Any) -> None:
+    _, server, _ = served
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    url = f"{server.base_url}/images/generations"
+    bad = httpx.post(url, content=b"{not json", headers=auth, timeout=TIMEOUT)
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("body:")
+    huge = httpx.post(url, content=b" " * (9 * 1024 * 1024), headers=auth, timeout=TIMEOUT)
+    assert huge.status_code == 413
+    assert "error" in huge.json()
+
+
+def test_wrong_missing_or_doubled_token_is_401(served: Any) -> None:
+    _, server, _ = served
+    with pytest.raises(openai.AuthenticationError):
+        client(server, token="wrong").images.generate(prompt="x")
+    url = f"{server.base_url}/models"
+    assert httpx.get(url, timeout=TIMEOUT).status_code == 401
+    doubled = httpx.Headers([("authorization", f"Bearer {TOKEN}")] * 2)
+    assert httpx.get(url, headers=doubled, timeout=TIMEOUT).status_code == 401
+    assert httpx.get(url, headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200
+
+
+def test_overload_is_429_with_retry_after(cluster: HttpCluster) -> None:
+    stub = cluster.add_worker("w0")
+    stub.hold = threading.Event()
+    cluster.start_router(RouterServiceConfig(max_in_flight=1))
+    server = serve_http(cluster.core)
+    api = client(server)
+    first = threading.Thread(target=lambda: api.images.generate(prompt="a", size="64x64"))
+    try:
+        first.start()
+        for _ in range(1000):  # until the first request holds the router's only slot
+            if stub.calls:
+                break
+            threading.Event().wait(0.01)
+        assert stub.calls
+        with pytest.raises(openai.RateLimitError) as caught:
+            api.images.generate(prompt="b", size="64x64")
+        assert caught.value.status_code == 429
+        assert caught.value.response.headers["retry-after"] == "1"
+    finally:
+        stub.hold.set()
+        first.join(TIMEOUT)
+        server.stop()
+
+
+def test_no_worker_is_503_and_readyz_follows_the_plan(cluster: HttpCluster) -> None:
+    core = RouterCore(PROFILES, StubClassifier(), RouterServiceConfig(), clock=FakeClock())
+    server = serve_http(core, token=None)
+    try:
+        assert httpx.get(f"http://127.0.0.1:{server.port}/healthz").status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{server.port}/readyz").status_code == 503
+        with pytest.raises(openai.InternalServerError) as caught:
+            client(server, token="any").images.generate(prompt="x")
+        assert caught.value.status_code == 503
+        assert caught.value.response.headers["retry-after"] == "1"
+        cluster.add_worker("w0")
+        core.install(cluster.client.get_plan())
+        assert httpx.get(f"http://127.0.0.1:{server.port}/readyz").status_code == 200
+        served = client(server, token="any").images.generate(prompt="x").data
+        assert served is not None and len(served) == 1
+    finally:
+        server.stop()
+        core.close()
+
+
+def test_models_lists_the_served_model_and_its_levels(served: Any) -> None:
+    _, server, _ = served
+    models = list(client(server).models.list())
+    assert [m.id for m in models] == ["argus"]
+    extra: Any = models[0].model_extra
+    assert [level["name"] for level in extra["levels"]] == [lv.name for lv in PROFILES.levels]
+
+
+def test_partial_failure_is_200_with_errors_all_failed_is_the_first_status(
+    served: Any,
+) -> None:
+    cluster, server, _ = served
+    for worker in cluster.workers.values():
+        assert isinstance(worker, PngWorker)
+        worker.fail_seeds = frozenset({11, 20, 21})
+    url = f"{server.base_url}/images/generations"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    some = httpx.post(url, json={"prompt": "x", "n": 2, "seed": 10}, headers=auth)
+    assert some.status_code == 200
+    body = some.json()
+    assert len(body["data"]) == 1
+    assert [(e["index"], e["status"]) for e in body["errors"]] == [(1, 502)]
+    assert "stub failure" in body["errors"][0]["error"]["message"]
+    none = httpx.post(url, json={"prompt": "x", "n": 2, "seed": 20}, headers=auth)
+    assert none.status_code == 502
+    assert "stub failure" in none.json()["error"]["message"]
+    assert "data" not in none.json()
+
+
+def test_taken_port_names_it() -> None:
+    core = RouterCore(PROFILES, StubClassifier(), RouterServiceConfig(), clock=FakeClock())
+    first = serve_http(core)
+    try:
+        with pytest.raises(OSError, match=rf"127\.0\.0\.1:{first.port}"):
+            HttpServer(create_app(core), "127.0.0.1", first.port)
+    finally:
+        first.stop()
