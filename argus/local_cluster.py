@@ -40,6 +40,7 @@ import grpc
 from argus.internal_tls import CA_KEY, Identity, InternalTLS, channel, generate_ca, issue
 
 LISTENING = re.compile(r"listening on (\S+)")
+HTTP_ON = re.compile(r"argus router http on (\S+)")  # the router's OpenAI-compatible API
 WORKER_READY = re.compile(r"argus worker \S+ ready")  # printed after the worker's warm-up
 
 
@@ -56,6 +57,7 @@ class ClusterSpec:
     controlnet: bool = True
     host: str = "127.0.0.1"
     router_port: int = 0
+    router_http_port: int | None = 0  # the router's HTTP API; 0: any free port; None: off
     metrics: bool = True  # each part serves /metrics on a free port
     default_steps: int = 30  # more than the largest skip (K = 25) so every AC level can run
     default_size: int = 64
@@ -78,6 +80,8 @@ class ClusterSpec:
             raise ValueError(f"workers: need at least 1, got {self.workers}")
         if not 0 <= self.router_port < 65536:
             raise ValueError(f"router_port: {self.router_port} outside 0..65535")
+        if self.router_http_port is not None and not 0 <= self.router_http_port < 65536:
+            raise ValueError(f"router_http_port: {self.router_http_port} outside 0..65535")
 
 
 @dataclass
@@ -88,6 +92,7 @@ class Part:
     process: subprocess.Popen[bytes]
     log_path: Path
     address: str = ""
+    http_url: str = ""  # the router's HTTP API base URL (http://HOST:PORT/v1), when it has one
     metrics_port: int | None = None
     args: tuple[str, ...] = field(default_factory=tuple)
     log_offset: int = 0  # where this process's output starts in the log (restarts append)
@@ -130,6 +135,11 @@ class LocalCluster:
     @property
     def router(self) -> str:
         return self.parts["router"].address
+
+    @property
+    def router_http(self) -> str:
+        """The router's HTTP API base URL ``http://HOST:PORT/v1``; "" when it serves none."""
+        return self.parts["router"].http_url
 
     @property
     def allocator(self) -> str:
@@ -205,6 +215,8 @@ class LocalCluster:
         self._launch_router()  # it needs only the allocator: it starts while workers warm up
         self._wait_workers_ready(ready)
         self._wait_address("router")
+        if spec.router_http_port is not None:
+            self._wait_http_url()
         self.wait_for_workers(spec.workers)
         ready("router")
         self._write_targets()
@@ -213,6 +225,8 @@ class LocalCluster:
     def _launch_router(self) -> None:
         spec = self.spec
         router_args: list[str] = ["--allocator", self.allocator, "--port", str(spec.router_port)]
+        if spec.router_http_port is not None:
+            router_args += ["--http-port", str(spec.router_http_port)]
         for flag, value in (
             ("--auth-token-file", spec.auth_token_file),
             ("--tls-cert", spec.tls_cert),
@@ -335,6 +349,23 @@ class LocalCluster:
             time.sleep(0.1)
         raise ClusterError(f"{name} did not start in {self.spec.start_timeout_s:.0f} s")
 
+    def _wait_http_url(self) -> str:
+        """The router's HTTP base URL from its log (printed right after its gRPC address)."""
+        part = self.parts["router"]
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        while time.monotonic() < deadline:
+            found = HTTP_ON.findall(part.log_text())
+            if found:
+                part.http_url = found[-1]
+                return part.http_url
+            if not part.alive():
+                raise ClusterError(
+                    f"router exited with code {part.process.returncode} before serving HTTP:\n"
+                    f"{part.log_tail()}"
+                )
+            time.sleep(0.1)
+        raise ClusterError(f"router HTTP did not start in {self.spec.start_timeout_s:.0f} s")
+
     def wait_for_workers(self, count: int, timeout_s: float | None = None) -> Any:
         """Wait until the allocator's plan holds ``count`` workers and the router is SERVING;
         returns the plan."""
@@ -421,8 +452,12 @@ class LocalCluster:
         args = list(old.args)
         if old.address and "--port" in args:
             args[args.index("--port") + 1] = old.address.rpartition(":")[2]
+        if old.http_url and "--http-port" in args:
+            port = old.http_url.removesuffix("/v1").rpartition(":")[2]
+            args[args.index("--http-port") + 1] = port
         part = self._spawn(name, args, old.metrics_port)
         part.address = old.address
+        part.http_url = old.http_url
         return part
 
     def stop(self, timeout_s: float = 30.0) -> dict[str, int | None]:
@@ -457,12 +492,14 @@ class LocalCluster:
 
 
 def describe(cluster: LocalCluster) -> Sequence[str]:
-    """One line per part: name, pid, gRPC address, metrics endpoint."""
+    """One line per part: name, pid, gRPC address, the router's HTTP API, metrics endpoint."""
     lines = []
     for part in cluster.parts.values():
         metrics = f"  metrics http://{cluster.spec.host}:{part.metrics_port}/metrics"
+        http = f"  http {part.http_url}" if part.http_url else ""
         lines.append(
             f"{part.name:<11} pid {part.process.pid:<7} {part.address:<21}"
+            + http
             + (metrics if part.metrics_port is not None else "")
         )
     return lines

@@ -196,6 +196,7 @@ class FakeCluster:
         self.spec = spec
         FakeCluster.specs.append(spec)
         self.router = "127.0.0.1:1"
+        self.router_http = "" if spec.router_http_port is None else "http://127.0.0.1:2/v1"
         (spec.workdir / "logs").mkdir(parents=True, exist_ok=True)
         (spec.workdir / "logs" / "router.log").write_text("listening on 127.0.0.1:1\n")
         FakeCluster.workdirs.append(spec.workdir)
@@ -231,6 +232,15 @@ def test_up_removes_its_temporary_workdir(fake_cluster, tmp_path, capsys):
     assert workdir.name.startswith("argus-up-") and workdir.parent == tmp_path / "tmp"
     assert not workdir.exists()
     assert "removed on exit" in capsys.readouterr().out
+
+
+def test_up_prints_the_http_url_unless_turned_off(fake_cluster, capsys):
+    assert main(["up", "--port", "0", "--exit-after-demo"]) == 0
+    assert fake_cluster.specs[-1].router_http_port == 0
+    assert "router http on http://127.0.0.1:2/v1" in capsys.readouterr().out
+    assert main(["up", "--port", "0", "--exit-after-demo", "--http-port", "-1"]) == 0
+    assert fake_cluster.specs[-1].router_http_port is None
+    assert "router http on" not in capsys.readouterr().out
 
 
 def test_up_gives_the_workers_real_model_directories(fake_cluster, tmp_path):

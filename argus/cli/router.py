@@ -9,6 +9,9 @@ Binds loopback unless ``--host`` says otherwise. Prints ``argus router listening
 HOST:PORT`` once bound; Ctrl-C or SIGTERM stops it. ``--max-cost`` caps a request's size:
 pixels × steps in units of the profile's reference request (1024 × 1024 at 50 steps for the
 default profile); a larger request is INVALID_ARGUMENT naming width, height and steps.
+``--http-port`` (0: any free port) also serves the OpenAI-compatible images API over HTTP
+(``POST /v1/images/generations``, ``GET /v1/models``, ``/healthz``, ``/readyz``; same bearer
+token) and prints ``argus router http on http://HOST:PORT/v1`` once bound.
 """
 
 from __future__ import annotations
@@ -60,6 +63,15 @@ class RouterCommand:
             help="largest request accepted: pixels × steps in reference requests of the profile "
             "(default: no cap)",
         )
+        parser.add_argument(
+            "--http-port",
+            type=int,
+            help="serve the OpenAI-compatible images API over HTTP here (0: any free port; "
+            "default: off)",
+        )
+        parser.add_argument(
+            "--http-host", default="127.0.0.1", help="address of the HTTP API (public)"
+        )
         add_internal_tls_arguments(parser, "router")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -67,7 +79,12 @@ class RouterCommand:
         from argus.profiles import ProfileError
         from argus.router.app import RouterSettings, serve
 
-        for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        ports = (
+            ("--port", args.port),
+            ("--metrics-port", args.metrics_port),
+            ("--http-port", args.http_port),
+        )
+        for flag, port in ports:
             if port is not None and not 0 <= port < 65536:
                 raise CLIError(f"{flag}: {port} outside 0..65535")
         if not (math.isfinite(args.report_period_s) and args.report_period_s > 0):
@@ -99,6 +116,8 @@ class RouterCommand:
                 default_deadline_ms=args.default_deadline_ms,
                 max_in_flight=args.max_in_flight,
                 max_cost=args.max_cost,
+                http_port=args.http_port,
+                http_host=args.http_host,
                 internal_tls_dir=tls_dir,
             )
             settings.security()  # a bad certificate or token file fails before any loading

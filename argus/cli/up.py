@@ -10,7 +10,9 @@ SIGTERM) stops the parts in order: router, workers, ControlNet, allocator.
 
 The parts talk mutual TLS with certificates of a CA made for the run (in ``WORKDIR/tls``; see
 :mod:`argus.local_cluster`). A router ``--port`` another process holds stops ``argus up``
-before anything starts, naming the port.
+before anything starts, naming the port. The router also serves the OpenAI-compatible images
+API over HTTP on ``--http-port`` (default 0: any free port; -1: off) and ``argus up`` prints
+its base URL ``http://HOST:PORT/v1``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ class UpCommand:
         parser.add_argument("--workers", type=int, default=2)
         parser.add_argument("--port", type=int, default=50051, help="router port (0: any)")
         parser.add_argument(
+            "--http-port",
+            type=int,
+            default=0,
+            help="router's OpenAI-compatible HTTP API port (0: any free port; -1: off)",
+        )
+        parser.add_argument(
             "--workdir", type=Path, help="caches and logs, kept (default: a temp dir, removed)"
         )
         parser.add_argument("--steps", type=int, default=30, help="default denoising steps")
@@ -103,8 +111,12 @@ class UpCommand:
             raise CLIError(f"--demo: {args.demo} must be >= 0")
         if args.max_restarts < 1:
             raise CLIError(f"--max-restarts: {args.max_restarts} must be >= 1")
+        if not -1 <= args.http_port < 65536:
+            raise CLIError(f"--http-port: {args.http_port} outside -1..65535 (-1: off)")
         if args.port != 0:
             check_port_free("127.0.0.1", args.port)
+        if args.http_port > 0:
+            check_port_free("127.0.0.1", args.http_port, "--http-port")
         if args.workdir is not None:
             return self._serve(args, args.workdir)
         # caches and logs of one run, useless after it: a temp dir left behind per run adds
@@ -127,6 +139,7 @@ class UpCommand:
                 workers=args.workers,
                 controlnet=not args.no_controlnet,
                 router_port=args.port,
+                router_http_port=None if args.http_port == -1 else args.http_port,
                 metrics=not args.no_metrics,
                 default_steps=args.steps,
                 period_s=args.period_s,
@@ -155,6 +168,8 @@ class UpCommand:
                 for line in describe(cluster):
                     print(f"  {line}", flush=True)
                 print(f"argus up: router listening on {cluster.router}", flush=True)
+                if cluster.router_http:
+                    print(f"argus up: router http on {cluster.router_http}", flush=True)
                 if args.demo:
                     failed = self._demo(cluster, args)
                 if not args.exit_after_demo:
@@ -185,7 +200,7 @@ class UpCommand:
         return failed
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """CLIError naming ``port`` when another process holds it (checked before any part starts;
     the router's own bind, without port sharing, fails too should it be taken meanwhile)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -195,8 +210,8 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as err:
             raise CLIError(
-                f"--port: {host}:{port} is taken ({err.strerror or err}); stop what holds it "
-                "or pass another --port (0: any free port)"
+                f"{flag}: {host}:{port} is taken ({err.strerror or err}); stop what holds it "
+                f"or pass another {flag} (0: any free port)"
             ) from None
 
 

@@ -185,6 +185,8 @@ class RouterSettings:
     max_in_flight: int = 256
     threads: int | None = None  # calls at once, more are refused; None: max_in_flight + 16
     max_cost: float | None = None  # largest request, in the profile's reference requests
+    http_port: int | None = None  # OpenAI-compatible HTTP API; 0: any free port; None: off
+    http_host: str = "127.0.0.1"  # public like ``host``
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -204,7 +206,9 @@ class RouterSettings:
 
 
 def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> int:
-    """Run the router until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
+    """Run the router until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound,
+    and ``http on http(s)://HOST:PORT/v1`` when the HTTP API is on. A taken HTTP port raises
+    OSError naming it before anything starts serving."""
     from argus.allocator.client import PlanWatcher
     from argus.classifier.serving import (
         classifier_key,
@@ -246,6 +250,15 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
         threads=settings.threads or settings.max_in_flight + 16,
         security=security,
     )
+    http = None
+    if settings.http_port is not None:
+        from argus.router.http import HttpServer, create_app
+
+        app = create_app(core, token=security.token)
+        public_tls = None
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            public_tls = (settings.tls_cert, settings.tls_key)  # HTTPS: the gRPC endpoint's pair
+        http = HttpServer(app, settings.http_host, settings.http_port, tls=public_tls)
     if settings.metrics_port is not None:
         start_metrics(settings.metrics_host, settings.metrics_port)
     watcher = PlanWatcher(
@@ -262,9 +275,14 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     watcher.start()
     reporter.start()
     print(f"argus router listening on {settings.host}:{port}", flush=True)
+    if http is not None:
+        http.start()
+        print(f"argus router http on {http.base_url}", flush=True)
     try:
         wait_for_shutdown(ready)
     finally:
+        if http is not None:
+            http.stop()
         reporter.stop()
         watcher.stop()
         server.stop(grace=2).wait()

@@ -462,15 +462,30 @@ class _CountMiddleware:
 
 
 class HttpServer:
-    """uvicorn on a socket bound by ``bind`` (so a taken port fails at once, naming it),
-    serving in its own thread until ``stop``."""
+    """uvicorn on a socket bound by ``bind_socket`` (so a taken port fails at once, naming it),
+    serving in its own thread until ``stop``; HTTPS when given ``tls`` (certificate and key PEM
+    files: the gRPC endpoint's)."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]] | Starlette, host: str, port: int):
+    def __init__(
+        self,
+        app: Callable[..., Awaitable[None]] | Starlette,
+        host: str,
+        port: int,
+        *,
+        tls: tuple[str, str] | None = None,
+    ) -> None:
         self.host = host
         self._socket = bind_socket(host, port)
         self.port: int = self._socket.getsockname()[1]
+        self.scheme = "http" if tls is None else "https"
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+            ssl_certfile=None if tls is None else tls[0],
+            ssl_keyfile=None if tls is None else tls[1],
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="router-http", daemon=True)
@@ -478,7 +493,7 @@ class HttpServer:
     @property
     def base_url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/v1"
+        return f"{self.scheme}://{host}:{self.port}/v1"
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Serve in the background; returns once uvicorn accepts connections."""
