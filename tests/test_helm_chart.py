@@ -522,23 +522,56 @@ def test_the_internal_plane_off_is_explicit_and_needs_no_ca() -> None:
 
 
 def test_router_probes_never_restart_it_for_want_of_a_plan() -> None:
-    """A router is NOT_SERVING until the allocator's first plan: readiness asks gRPC health,
-    startup and liveness only that the port is open (a restart brings no plan sooner). With TLS
-    the kubelet's plaintext gRPC probe cannot talk to it: readiness is TCP too."""
-    for values, tls in (({}, False), ({"tls": {"enabled": True, "cert": "C", "key": "K"}}, True)):
+    """A router is NOT_SERVING until the allocator's first plan: readiness asks whether it can
+    serve, startup and liveness only whether it is alive (a restart brings no plan sooner).
+    With the HTTP API (the default) those are GET /readyz and /healthz, over HTTPS with TLS.
+    Without it, readiness is gRPC health, or TCP with TLS (the kubelet's gRPC probe speaks
+    plaintext only), and liveness is TCP."""
+    off: dict[str, Any] = {"router": {"http": {"enabled": False}}}
+    tls: dict[str, Any] = {"tls": {"enabled": True, "cert": "C", "key": "K"}}
+    for values, http, secure in (
+        ({}, True, False),
+        (tls, True, True),
+        (off, False, False),
+        ({**off, **tls}, False, True),
+    ):
         router = main_container(workloads(render(values))["router"])
-        port = {p["name"]: p["containerPort"] for p in router["ports"]}["grpc"]
+        ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+        port = ports["grpc"]
         startup = router["startupProbe"]
         assert startup["tcpSocket"] == {"port": port}
         assert startup["periodSeconds"] * startup["failureThreshold"] == 300
-        assert router["livenessProbe"]["tcpSocket"] == {"port": port}
         readiness = router["readinessProbe"]
-        if tls:
+        if http:
+            scheme = "HTTPS" if secure else "HTTP"
+            assert router["livenessProbe"]["httpGet"] == {
+                "path": "/healthz",
+                "port": "http",
+                "scheme": scheme,
+            }
+            assert readiness["httpGet"] == {"path": "/readyz", "port": "http", "scheme": scheme}
+            args = router["args"]
+            assert args[args.index("--http-port") + 1] == str(ports["http"])
+            assert args[args.index("--http-host") + 1] == "0.0.0.0"
+            continue
+        assert "http" not in ports and "--http-port" not in router["args"]
+        assert router["livenessProbe"]["tcpSocket"] == {"port": port}
+        if secure:
             assert readiness["tcpSocket"] == {"port": port} and "grpc" not in readiness
         else:
             assert readiness["grpc"] == {"port": port, "service": ""}
     prod = main_container(workloads(rendered("production"))["router"])
-    assert "tcpSocket" in prod["readinessProbe"]  # production serves TLS
+    assert prod["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"  # production serves TLS
+
+
+def test_router_service_carries_the_http_api_unless_off() -> None:
+    router = public_router_service(render({}))
+    http = {p["name"]: p for p in router["spec"]["ports"]}["http"]
+    assert http["port"] == 8000 and http["targetPort"] == "http"
+    assert http["appProtocol"] == "http"
+    assert ports_of(public_router_service(render({"router": {"http": {"enabled": False}}}))) == {
+        "grpc"
+    }
 
 
 def test_qdrant_has_http_probes(variant: str) -> None:
@@ -592,8 +625,8 @@ def test_only_the_router_service_can_be_exposed(variant: str) -> None:
     router = public_router_service(docs)
     expected = "LoadBalancer" if variant == "production" else "ClusterIP"
     assert router["spec"]["type"] == expected
-    # the public Service carries the public port only; /metrics has a ClusterIP Service
-    assert ports_of(router) == {"grpc"}
+    # the public Service carries the public ports only; /metrics has a ClusterIP Service
+    assert ports_of(router) == {"grpc", "http"}
 
 
 def test_network_policies_let_only_the_router_in(variant: str) -> None:
@@ -626,7 +659,8 @@ def test_network_policies_let_only_the_router_in(variant: str) -> None:
         (grpc_rule,) = grpc_rules
         if name == "router":
             public = [{"ipBlock": {"cidr": "10.20.0.0/16"}}] if variant == "production" else None
-            assert grpc_rule == ({ports["grpc"]}, public)  # None: from anywhere
+            # None: from anywhere
+            assert grpc_rule == ({ports["grpc"], ports["http"]}, public)
         elif name == "qdrant":
             assert grpc_rule == ({6333, 6334}, [{"podSelector": {"matchLabels": release}}])
         else:
@@ -671,7 +705,8 @@ def test_metrics_ports_and_scrape_annotations(variant: str) -> None:
         args = main_container(workload)["args"]
         assert arg_value(args, "--metrics-port") == annotations["prometheus.io/port"] == "9090"
         svcs = services(docs, name)
-        assert set().union(*map(ports_of, svcs.values())) == {"grpc", "metrics"}, name
+        public = {"grpc", "http"} if name == "router" else {"grpc"}
+        assert set().union(*map(ports_of, svcs.values())) == {*public, "metrics"}, name
         (metrics_svc,) = [s for s in svcs.values() if "metrics" in ports_of(s)]
         assert metrics_svc["spec"]["type"] == "ClusterIP", name
 
@@ -684,7 +719,8 @@ def test_metrics_off_removes_ports_flags_and_annotations() -> None:
         annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
         assert "prometheus.io/scrape" not in annotations
         assert "--metrics-host" not in main_container(workload)["args"]
-        assert set().union(*map(ports_of, services(docs, name).values())) == {"grpc"}, name
+        public = {"grpc", "http"} if name == "router" else {"grpc"}
+        assert set().union(*map(ports_of, services(docs, name).values())) == public, name
 
 
 def test_service_monitor_only_when_enabled() -> None:

@@ -251,6 +251,8 @@ before a plan. Kubelet gRPC probes speak plaintext only (the API's grpc.mode: TL
 1.36), so with TLS on the public port readiness falls back to TCP as well. (dict "ctx" $ "port" N "startupSeconds" N) */}}
 {{- define "argus.routerProbes" -}}
 {{- $p := .ctx.Values.probes }}
+{{- $http := .ctx.Values.router.http }}
+{{- $scheme := ternary "HTTPS" "HTTP" .ctx.Values.tls.enabled }}
 startupProbe:
   tcpSocket:
     port: {{ .port }}
@@ -258,13 +260,25 @@ startupProbe:
   timeoutSeconds: {{ $p.timeoutSeconds }}
   failureThreshold: {{ max 1 (div (int .startupSeconds) (int $p.periodSeconds)) }}
 livenessProbe:
+  {{- if $http.enabled }}
+  httpGet:
+    path: /healthz
+    port: http
+    scheme: {{ $scheme }}
+  {{- else }}
   tcpSocket:
     port: {{ .port }}
+  {{- end }}
   periodSeconds: {{ $p.periodSeconds }}
   timeoutSeconds: {{ $p.timeoutSeconds }}
   failureThreshold: {{ $p.livenessFailureThreshold }}
 readinessProbe:
-  {{- if .ctx.Values.tls.enabled }}
+  {{- if $http.enabled }}
+  httpGet:
+    path: /readyz
+    port: http
+    scheme: {{ $scheme }}
+  {{- else if .ctx.Values.tls.enabled }}
   tcpSocket:
     port: {{ .port }}
   {{- else }}
