@@ -141,6 +141,9 @@ def test_malformed_json_400_and_large_body_413(served: Any) -> None:
     huge = httpx.post(url, content=b" " * (9 * 1024 * 1024), headers=auth, timeout=TIMEOUT)
     assert huge.status_code == 413
     assert "error" in huge.json()
+    chunked = iter([b" " * (1 << 20)] * 9)  # no Content-Length: counted as it arrives
+    streamed = httpx.post(url, content=chunked, headers=auth, timeout=TIMEOUT)
+    assert streamed.status_code == 413
 
 
 def test_wrong_missing_or_doubled_token_is_401(served: Any) -> None:

@@ -39,6 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         auth_token_file=str(token_file),
         tls_cert=cert,
         tls_key=key,
+        start_timeout_s=120,  # a router that never prints its HTTP address fails in bounded time
     )
     with LocalCluster(spec) as started:
         yield started
