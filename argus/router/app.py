@@ -275,10 +275,10 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     watcher.start()
     reporter.start()
     print(f"argus router listening on {settings.host}:{port}", flush=True)
-    if http is not None:
-        http.start()
-        print(f"argus router http on {http.base_url}", flush=True)
     try:
+        if http is not None:
+            http.start()
+            print(f"argus router http on {http.base_url}", flush=True)
         wait_for_shutdown(ready)
     finally:
         if http is not None:
