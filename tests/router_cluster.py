@@ -8,11 +8,13 @@ status. The router is the real ``RouterCore`` with a stub classifier behind the 
 
 from __future__ import annotations
 
+import io
 import threading
 from concurrent import futures
 from typing import Any
 
 import grpc
+from PIL import Image
 
 from argus import rpc
 from argus.allocator.client import AllocatorClient
@@ -78,6 +80,23 @@ class StubWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             worker_id=self.worker_id,
             timing=worker_pb2.Timing(total_ms=1.0),
         )
+
+
+class PngWorker(StubWorker):
+    """A stub worker answering a real PNG of the size asked for; seeds in ``fail_seeds``
+    fail with INTERNAL (which does not mark the worker down)."""
+
+    fail_seeds: frozenset[int] = frozenset()
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if request.seed in self.fail_seeds:
+            context.abort(grpc.StatusCode.INTERNAL, "stub failure for this seed")
+        reply = super().Generate(request, context)
+        size = (request.width or 64, request.height or 64)
+        out = io.BytesIO()
+        Image.new("RGB", size, (request.seed % 256, 0, 0)).save(out, format="PNG")
+        reply.png = out.getvalue()
+        return reply
 
 
 class Cluster:

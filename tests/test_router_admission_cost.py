@@ -20,7 +20,7 @@ from argus import rpc
 from argus.router.admission import AdmissionRule, WorkerLoad, earliest_completion_s, request_cost
 from argus.router.service import RETRY_AFTER_KEY, RouterServiceConfig
 from argus.types import ReferenceRequest, Strategy
-from tests.router_cluster import PROFILES, TIMEOUT, Cluster, StubClassifier
+from tests.router_cluster import PROFILES, TIMEOUT, Cluster, PngWorker, StubClassifier
 
 router_pb2: Any = rpc.load("router_pb2")
 
@@ -44,6 +44,7 @@ class CountingClassifier(StubClassifier):
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
     made = Cluster()
+    made.worker_type = PngWorker  # the router checks an image is the size it asked for
     yield made
     made.close()
 

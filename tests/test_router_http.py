@@ -10,7 +10,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import httpx
 import openai
 import pytest
@@ -20,26 +19,9 @@ from prometheus_client import CollectorRegistry
 from argus.router.http import HttpServer, create_app
 from argus.router.metrics import RouterMetrics
 from argus.router.service import RouterCore, RouterServiceConfig
-from tests.router_cluster import PROFILES, TIMEOUT, Cluster, FakeClock, StubClassifier, StubWorker
+from tests.router_cluster import PROFILES, TIMEOUT, Cluster, FakeClock, PngWorker, StubClassifier
 
 TOKEN = "s3cret-token"
-
-
-class PngWorker(StubWorker):
-    """A stub worker answering a real PNG of the size asked for; seeds in ``fail_seeds``
-    fail with INTERNAL (which does not mark the worker down)."""
-
-    fail_seeds: frozenset[int] = frozenset()
-
-    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
-        if request.seed in self.fail_seeds:
-            context.abort(grpc.StatusCode.INTERNAL, "stub failure for this seed")
-        reply = super().Generate(request, context)
-        size = (request.width or 64, request.height or 64)
-        out = io.BytesIO()
-        Image.new("RGB", size, (request.seed % 256, 0, 0)).save(out, format="PNG")
-        reply.png = out.getvalue()
-        return reply
 
 
 class HttpCluster(Cluster):
