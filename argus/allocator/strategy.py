@@ -60,6 +60,9 @@ class StrategyMonitor:
         # decision on every heartbeat, and sorting the whole window each time cost more
         # than all the rest of the heartbeat
         self._sorted: list[float] = []
+        # the time of the last decision while nothing was observed since: asked again at that
+        # time (every worker's heartbeat of one instant asks), the answer cannot differ
+        self._decided_at: float | None = None
         self.switches = 0
 
     @property
@@ -73,9 +76,13 @@ class StrategyMonitor:
             raise ValueError(f"latency_s: must be a number or None, got {latency_s}")
         self._samples.append((now_s, latency))
         insort(self._sorted, latency)
+        self._decided_at = None
 
     def decide(self, now_s: float) -> Strategy:
         """The strategy to run from ``now_s`` on; counts a switch when it changes."""
+        if now_s == self._decided_at:
+            return self._strategy
+        self._decided_at = now_s
         self._forget(now_s)
         wanted = self._wanted(now_s)
         if wanted is not self._strategy:
