@@ -338,6 +338,9 @@ class AllocatorControl:
         self._margin_until = -math.inf  # plans before this time use switch_margin
         self._last: PublishedPlan | None = None
         self._pending: tuple[ReplanReason, str, int] | None = None  # a re-plan that failed
+        self._answers: dict[str, HeartbeatAnswer] = {}  # replies for the state below
+        self._answered_plan: PublishedPlan | None = None
+        self._answered_strategy: Strategy | None = None
         with self._lock:
             self._current = self._replan(start, ReplanReason.STARTUP, "allocator started")
 
@@ -375,13 +378,15 @@ class AllocatorControl:
             change = self._members.heartbeat(report, now, owner)
             for observation in report.retrieval.observations():
                 self._monitor.observe(now, observation)
-            who = f"worker {report.worker_id}"
+            who = report.worker_id
             if change is Change.JOINED:
-                self._attempt(now, ReplanReason.WORKER_JOINED, f"{who} joined at {report.address}")
+                detail = f"worker {who} joined at {report.address}"
+                self._attempt(now, ReplanReason.WORKER_JOINED, detail)
             elif change is Change.MOVED:
-                self._attempt(now, ReplanReason.WORKER_JOINED, f"{who} moved to {report.address}")
+                detail = f"worker {who} moved to {report.address}"
+                self._attempt(now, ReplanReason.WORKER_JOINED, detail)
             elif change is Change.LEFT:
-                self._attempt(now, ReplanReason.WORKER_LEFT, f"{who} left")
+                self._attempt(now, ReplanReason.WORKER_LEFT, f"worker {who} left")
             elif self._switch_due(now):
                 self._attempt(now, ReplanReason.STRATEGY_SWITCH, self._switch_detail())
             return self._answer(report.worker_id)
@@ -589,6 +594,19 @@ class AllocatorControl:
             )
 
     def _answer(self, worker_id: str) -> HeartbeatAnswer:
+        """The reply to ``worker_id``'s heartbeat. Replies change only with the plan or the
+        strategy the monitor wants, so they are kept per worker until either changes (a
+        heartbeat per worker per second built the same frozen value again and again)."""
+        plan, strategy = self._current, self._monitor.strategy
+        if plan is not self._answered_plan or strategy is not self._answered_strategy:
+            self._answered_plan, self._answered_strategy = plan, strategy
+            self._answers.clear()
+        answer = self._answers.get(worker_id)
+        if answer is None:
+            answer = self._answers[worker_id] = self._new_answer(worker_id)
+        return answer
+
+    def _new_answer(self, worker_id: str) -> HeartbeatAnswer:
         plan = self._current.plan
         return HeartbeatAnswer(
             plan_version=plan.version,

@@ -14,6 +14,7 @@ loaded SDXL, load small variants, re-plan with a 1.5× margin) is up to the allo
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
 
@@ -55,6 +56,13 @@ class StrategyMonitor:
         self._strategy = start
         self._since_s = -math.inf  # when the current strategy was chosen
         self._samples: deque[tuple[float, float]] = deque()  # (time, latency; inf = failure)
+        # the same latencies kept sorted as they arrive and expire: the allocator asks for a
+        # decision on every heartbeat, and sorting the whole window each time cost more
+        # than all the rest of the heartbeat
+        self._sorted: list[float] = []
+        # the time of the last decision while nothing was observed since: asked again at that
+        # time (every worker's heartbeat of one instant asks), the answer cannot differ
+        self._decided_at: float | None = None
         self.switches = 0
 
     @property
@@ -63,21 +71,30 @@ class StrategyMonitor:
 
     def observe(self, now_s: float, latency_s: float | None) -> None:
         """A retrieval (request or probe) took ``latency_s``; ``None`` means it failed."""
-        self._samples.append((now_s, math.inf if latency_s is None else latency_s))
+        latency = math.inf if latency_s is None else latency_s
+        if latency != latency:
+            raise ValueError(f"latency_s: must be a number or None, got {latency_s}")
+        self._samples.append((now_s, latency))
+        insort(self._sorted, latency)
+        self._decided_at = None
 
     def decide(self, now_s: float) -> Strategy:
         """The strategy to run from ``now_s`` on; counts a switch when it changes."""
+        if now_s == self._decided_at:
+            return self._strategy
+        self._decided_at = now_s
         self._forget(now_s)
         wanted = self._wanted(now_s)
         if wanted is not self._strategy:
             self._strategy = wanted
             self._since_s = now_s
             self._samples.clear()
+            self._sorted.clear()
             self.switches += 1
         return self._strategy
 
     def _wanted(self, now_s: float) -> Strategy:
-        latencies = sorted(latency for _, latency in self._samples)
+        latencies = self._sorted
         if self._strategy is Strategy.AC:
             failed = bool(latencies) and math.isinf(latencies[-1])
             slow = len(latencies) >= self.config.min_samples and (
@@ -93,7 +110,9 @@ class StrategyMonitor:
     def _forget(self, now_s: float) -> None:
         horizon = now_s - self.config.window_s
         while self._samples and self._samples[0][0] < horizon:
-            self._samples.popleft()
+            _, latency = self._samples.popleft()
+            # equal latencies are interchangeable: drop the first of them
+            del self._sorted[bisect_left(self._sorted, latency)]
 
 
 def _p99(sorted_values: list[float]) -> float:

@@ -41,6 +41,7 @@ from argus.sim.cluster import Policy, SimContext
 from argus.types import ClusterView, Strategy
 
 SIM_ADDRESS = "sim"  # simulated workers have no address; the membership only stores it
+NO_RETRIEVALS = RetrievalReport()  # what every heartbeat but an interval's first carries
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ class PlannedPolicy(Policy):
                     retrieval=retrieval,
                 )
             )
-            retrieval = RetrievalReport()
+            retrieval = NO_RETRIEVALS
             self._probe_if_asked(answer.probe_retrieval, answer.probe_interval_s)
 
     def _retrieval_report(self) -> RetrievalReport:
