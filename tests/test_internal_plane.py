@@ -376,11 +376,11 @@ SIZE = (32, 48)
 
 
 class SizedWorker(StubWorker):
-    """Answers a real PNG of ``size`` whatever the request asked for."""
+    """Answers a real PNG of ``SIZE`` whatever the request asked for."""
 
-    def __init__(self, worker_id: str, size: tuple[int, int]) -> None:
-        super().__init__(worker_id)
-        self.png = tiny_png(*size)
+    def __init__(self, worker_id: str, fail: grpc.StatusCode | None = None) -> None:
+        super().__init__(worker_id, fail)
+        self.png = tiny_png(*SIZE)
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
         reply = super().Generate(request, context)
@@ -405,13 +405,9 @@ def test_two_authorization_headers_are_refused_even_with_one_right() -> None:
         cluster.close()
 
 
-def test_a_router_refuses_an_image_of_another_size_than_asked(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_router_refuses_an_image_of_another_size_than_asked() -> None:
     cluster = Cluster()
-    monkeypatch.setattr(  # add_worker starts this stub worker instead
-        "tests.router_cluster.StubWorker", lambda worker_id, fail=None: SizedWorker(worker_id, SIZE)
-    )
+    cluster.worker_type = SizedWorker
     try:
         cluster.add_worker("w0")
         stub = cluster.router()
