@@ -277,6 +277,9 @@ def controlnet_request(name: str) -> Any:
         steps=STEPS,
         width=SIZE,
         height=SIZE,
+        # the ControlNet panels need this one served: on a loaded machine it outlived the
+        # router's default 30 s deadline, and the worker now stops work past its deadline
+        deadline_ms=110_000,
     )
     request.adapters.add(
         kind=common_pb2.Adapter.Kind.CONTROLNET, name=name, scale=1.0, control_image=control_png()
