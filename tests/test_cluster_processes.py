@@ -9,10 +9,7 @@ models on the CPU; they take tens of seconds, not minutes.
 
 from __future__ import annotations
 
-import base64
-import io
 import shutil
-import ssl
 import threading
 import time
 from collections import Counter
@@ -22,17 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import httpx
-import openai
 import pytest
-from PIL import Image
 
 from argus import rpc
 from argus.allocator.client import AllocatorClient
 from argus.classifier.serving import classifier_key, default_classifier_dir
 from argus.cli.main import main as argus_main
 from argus.client import Connection, RequestFailed, RouterClient
-from argus.local_cluster import ClusterSpec, LocalCluster, describe
+from argus.local_cluster import ClusterSpec, LocalCluster
 from argus.profiles import default_profiles
 from argus.types import Strategy
 from tests.service_process import self_signed_certificate
@@ -116,33 +110,6 @@ def test_garbage_and_wrong_credentials_get_the_right_status(secure: LocalCluster
     assert call(secure, router_pb2.RouterGenerateRequest(prompt="")).png.startswith(PNG_MAGIC)
     assert call(secure, plain).png.startswith(PNG_MAGIC)
     assert all(part.alive() for part in secure.parts.values())
-
-
-def test_openai_client_generates_over_the_routers_http_api(secure: LocalCluster) -> None:
-    cluster = secure
-    url = cluster.router_http
-    assert url.startswith("https://127.0.0.1:") and url.endswith("/v1")
-    assert any(f"http {url}" in line for line in describe(cluster))
-    assert cluster.spec.tls_cert is not None
-    trust = ssl.create_default_context(cafile=cluster.spec.tls_cert)
-    api = openai.OpenAI(
-        base_url=url,
-        api_key=TOKEN,
-        max_retries=0,
-        timeout=120,
-        http_client=openai.DefaultHttpxClient(verify=trust),
-    )
-    answer = api.images.generate(prompt="a lighthouse at dusk", n=2, size="64x64")
-    assert answer.data is not None and len(answer.data) == 2
-    for item in answer.data:
-        assert item.b64_json is not None
-        image = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
-        assert image.format == "PNG" and image.size == (64, 64)
-        extra: Any = item.model_extra
-        assert extra["level"] and extra["timing"]["total_ms"] > 0.0
-    with httpx.Client(verify=trust, timeout=30) as plain:
-        assert plain.get(url.removesuffix("/v1") + "/readyz").status_code == 200
-        assert plain.get(f"{url}/models").status_code == 401  # no token
 
 
 def test_client_command_saves_images(secure: LocalCluster, tmp_path: Path) -> None:

@@ -1,11 +1,74 @@
-"""A taken HTTP port stops ``argus router``, naming it (the HTTP API end to end on a local
-cluster is in ``test_cluster_processes.py``, on its secured cluster)."""
+"""The router's HTTP API end to end: ``argus router --http-port`` as started by LocalCluster
+(real workers with tiny models, TLS and a token on the public endpoints), spoken to with the
+official ``openai`` client; and a taken HTTP port stopping the router, naming it."""
 
 from __future__ import annotations
 
+import base64
+import io
 import socket
+import ssl
 import subprocess
 import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from argus.local_cluster import ClusterSpec, LocalCluster, describe
+from tests.service_process import self_signed_certificate
+
+TOKEN = "http-token"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    workdir = tmp_path_factory.mktemp("http")
+    cert, key = self_signed_certificate(workdir)
+    token_file = workdir / "token"
+    token_file.write_text(TOKEN + "\n")
+    spec = ClusterSpec(
+        workdir=workdir,
+        workers=1,
+        controlnet=False,
+        metrics=False,
+        default_steps=4,
+        auth_token_file=str(token_file),
+        tls_cert=cert,
+        tls_key=key,
+        start_timeout_s=120,  # a router that never prints its HTTP address fails in bounded time
+    )
+    with LocalCluster(spec) as started:
+        yield started
+
+
+def test_openai_client_generates_through_argus_up_style_cluster(cluster: LocalCluster) -> None:
+    url = cluster.router_http
+    assert url.startswith("https://127.0.0.1:") and url.endswith("/v1")
+    assert any(f"http {url}" in line for line in describe(cluster))
+    assert cluster.spec.tls_cert is not None
+    trust = ssl.create_default_context(cafile=cluster.spec.tls_cert)
+    api = openai.OpenAI(
+        base_url=url,
+        api_key=TOKEN,
+        max_retries=0,
+        timeout=120,
+        http_client=openai.DefaultHttpxClient(verify=trust),
+    )
+    answer = api.images.generate(prompt="a lighthouse at dusk", n=2, size="64x64")
+    assert answer.data is not None and len(answer.data) == 2
+    for item in answer.data:
+        assert item.b64_json is not None
+        image = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
+        assert image.format == "PNG" and image.size == (64, 64)
+        extra: Any = item.model_extra
+        assert extra["level"] and extra["timing"]["total_ms"] > 0.0
+    with httpx.Client(verify=trust, timeout=30) as plain:
+        assert plain.get(url.removesuffix("/v1") + "/readyz").status_code == 200
+        assert plain.get(f"{url}/models").status_code == 401  # no token
 
 
 def test_taken_http_port_stops_the_router_naming_it() -> None:
