@@ -505,17 +505,30 @@ class LatentParallelGroup:
         return self._pg.send([wire], 1, _TAG)
 
     def _recv_tensor(
-        self, shape: Sequence[int], dtype: torch.dtype, device: str, timeout_s: float
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device: str,
+        timeout_s: float,
+        what: str = "receiving the peer's tensor",
     ) -> torch.Tensor:
         where = "cpu" if self.backend == "gloo" else device
         buffer = torch.empty(tuple(shape), dtype=dtype, device=where)
-        self._wait(self._pg.recv([buffer], 1, _TAG), timeout_s, "receiving the peer's tensor")
+        self._wait(self._pg.recv([buffer], 1, _TAG), timeout_s, what)
         return buffer.to(device)
 
     def _wait(self, work: Any, timeout_s: float, what: str) -> None:
         try:
             work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as err:
+            # a peer killed between its reply and its tensor shows first as a reset socket:
+            # name the death, as the control pipe's EOF would
+            self._process.join(1.0)
+            if not self._process.is_alive():
+                self._fail(
+                    f"peer process {self._process.pid} died during {what} "
+                    f"(exit code {self._process.exitcode})"
+                )
             self._fail(f"{what}: {str(err).splitlines()[0]}")
 
     def _load(self, model: DiffusionModel) -> None:
@@ -582,7 +595,13 @@ class LatentParallelGroup:
             except PeerRequestError:
                 self._wait(sent, timeout, "sending the latents")  # the peer took them
                 raise
-            theirs = self._recv_tensor(sample.shape, sample.dtype, str(sample.device), timeout)
+            theirs = self._recv_tensor(
+                sample.shape,
+                sample.dtype,
+                str(sample.device),
+                timeout,
+                f"step {step}, receiving the peer's tensor",
+            )
             self._wait(sent, timeout, "sending the latents")
             self._peer_wait_s += time.perf_counter() - waited
             self._steps += 1
