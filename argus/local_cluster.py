@@ -335,36 +335,30 @@ class LocalCluster:
 
     def _wait_address(self, name: str) -> str:
         part = self.parts[name]
-        deadline = time.monotonic() + self.spec.start_timeout_s
-        while time.monotonic() < deadline:
-            found = LISTENING.findall(part.log_text())
-            if found:
-                part.address = found[-1]
-                return part.address
-            if not part.alive():
-                raise ClusterError(
-                    f"{name} exited with code {part.process.returncode} before serving:\n"
-                    f"{part.log_tail()}"
-                )
-            time.sleep(0.1)
-        raise ClusterError(f"{name} did not start in {self.spec.start_timeout_s:.0f} s")
+        part.address = self._wait_log(part, LISTENING, "serving")
+        return part.address
 
     def _wait_http_url(self) -> str:
         """The router's HTTP base URL from its log (printed right after its gRPC address)."""
         part = self.parts["router"]
+        part.http_url = self._wait_log(part, HTTP_ON, "serving HTTP")
+        return part.http_url
+
+    def _wait_log(self, part: Part, pattern: re.Pattern[str], what: str) -> str:
+        """The last match of ``pattern`` in ``part``'s log, once there is one; ClusterError if
+        the process exits first or nothing matches within the start timeout."""
         deadline = time.monotonic() + self.spec.start_timeout_s
         while time.monotonic() < deadline:
-            found = HTTP_ON.findall(part.log_text())
+            found = pattern.findall(part.log_text())
             if found:
-                part.http_url = found[-1]
-                return part.http_url
+                return str(found[-1])
             if not part.alive():
                 raise ClusterError(
-                    f"router exited with code {part.process.returncode} before serving HTTP:\n"
+                    f"{part.name} exited with code {part.process.returncode} before {what}:\n"
                     f"{part.log_tail()}"
                 )
             time.sleep(0.1)
-        raise ClusterError(f"router HTTP did not start in {self.spec.start_timeout_s:.0f} s")
+        raise ClusterError(f"{part.name} did not start {what} in {self.spec.start_timeout_s:.0f} s")
 
     def wait_for_workers(self, count: int, timeout_s: float | None = None) -> Any:
         """Wait until the allocator's plan holds ``count`` workers and the router is SERVING;
