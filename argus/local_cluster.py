@@ -225,6 +225,7 @@ class LocalCluster:
     def _launch_router(self) -> None:
         spec = self.spec
         router_args: list[str] = ["--allocator", self.allocator, "--port", str(spec.router_port)]
+        router_args += ["--default-steps", str(spec.default_steps)]  # as the workers run
         if spec.router_http_port is not None:
             router_args += ["--http-port", str(spec.router_http_port)]
         for flag, value in (

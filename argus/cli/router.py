@@ -72,6 +72,12 @@ class RouterCommand:
         parser.add_argument(
             "--http-host", default="127.0.0.1", help="address of the HTTP API (public)"
         )
+        parser.add_argument(
+            "--default-steps",
+            type=int,
+            help="the workers' --default-steps: requests without steps are not routed to "
+            "levels that skip as many (default: not capped)",
+        )
         add_internal_tls_arguments(parser, "router")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -97,6 +103,8 @@ class RouterCommand:
                 raise CLIError(f"{flag}: {value} must be positive")
         if args.max_cost is not None and not (math.isfinite(args.max_cost) and args.max_cost > 0):
             raise CLIError(f"--max-cost: {args.max_cost} must be a positive number")
+        if args.default_steps is not None and args.default_steps < 1:
+            raise CLIError(f"--default-steps: {args.default_steps} must be positive")
         tls_dir = internal_tls_dir(args, "router")
         try:
             check_address(args.allocator, "--allocator")
@@ -116,6 +124,7 @@ class RouterCommand:
                 default_deadline_ms=args.default_deadline_ms,
                 max_in_flight=args.max_in_flight,
                 max_cost=args.max_cost,
+                default_steps=args.default_steps,
                 http_port=args.http_port,
                 http_host=args.http_host,
                 internal_tls_dir=tls_dir,

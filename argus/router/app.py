@@ -185,6 +185,7 @@ class RouterSettings:
     max_in_flight: int = 256
     threads: int | None = None  # calls at once, more are refused; None: max_in_flight + 16
     max_cost: float | None = None  # largest request, in the profile's reference requests
+    default_steps: int | None = None  # the workers' default steps; None: levels not capped
     http_port: int | None = None  # OpenAI-compatible HTTP API; 0: any free port; None: off
     http_host: str = "127.0.0.1"  # public like ``host``
 
@@ -229,6 +230,7 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
         default_deadline_ms=settings.default_deadline_ms,
         max_in_flight=settings.max_in_flight,
         max_cost=settings.max_cost,
+        default_steps=settings.default_steps,
     )
     security = settings.security()
     tls = None

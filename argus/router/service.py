@@ -134,6 +134,9 @@ class RouterServiceConfig:
     """How sure the predicted completion must be to admit a request (the simulator's rule)."""
 
     max_cost: float | None = None
+    default_steps: int | None = None
+    """The workers' default steps (``argus worker --default-steps``): a request without
+    ``steps`` runs that many, so no level may skip as many. None: not known, not capped."""
     """Largest request accepted, in reference requests of the profile (pixels × steps over the
     reference's; 80 for 2048 × 2048 at 1000 steps against 1024 × 1024 at 50); None: no cap."""
 
@@ -542,9 +545,12 @@ class RouterCore:
         """The highest level index ``request`` may be served at: its ``max_level_index`` and
         the levels that skip fewer steps than it runs; None when any level may serve it."""
         max_level = request.max_level_index if request.HasField("max_level_index") else None
-        if not request.HasField("steps"):
+        if request.HasField("steps"):
+            steps = request.steps
+        elif self.config.default_steps is not None:  # what the workers will run
+            steps = self.config.default_steps
+        else:
             return max_level
-        steps = request.steps
         runnable = self._runnable[strategy](steps)
         if runnable < 0:
             raise RouterError(
