@@ -3,6 +3,8 @@ install in a router they build in-process)."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 
@@ -27,3 +29,25 @@ def allocator_plan(profiles: Any, workers: list[tuple[str, str]], epoch: str) ->
         client.close()
         allocator.close()
         server.stop(grace=None)
+
+
+def serve_router(core: Any, threads: int) -> tuple[int, Callable[[], None]]:
+    """Start a router server on ``core`` with the report drain ``StatsReporter`` would do
+    each second (without the RPC); returns its port and a function that stops both."""
+    from argus.router.app import create_server
+
+    router, port, _ = create_server(core, threads=threads)
+    router.start()
+    draining = threading.Event()
+
+    def drain() -> None:
+        while not draining.wait(1.0):
+            core.take_statistics()
+
+    threading.Thread(target=drain, name="bench-drain", daemon=True).start()
+
+    def stop() -> None:
+        draining.set()
+        router.stop(grace=None)
+
+    return port, stop

@@ -60,7 +60,7 @@ from typing import Any
 import grpc
 import numpy as np
 from _machine import machine_line
-from _plan import allocator_plan
+from _plan import allocator_plan, serve_router
 from bench_router import PNG, Child, StubClassifier, arrivals, load_average
 
 from argus import rpc
@@ -143,7 +143,6 @@ def start_router(
 ) -> tuple[dict[str, Any], Callable[[], None]]:
     """A router on the plan an allocator made for ``workers``; returns its port, the plan's
     service times per worker and a closer."""
-    from argus.router.app import create_server
     from argus.router.service import RouterCore, RouterServiceConfig
 
     profiles = scaled_profiles(time_scale)
@@ -151,15 +150,7 @@ def start_router(
     classifier, label = load_classifier(classifier_name, threads)
     core = RouterCore(profiles, classifier, RouterServiceConfig(router_id="overload"))
     core.install(published)
-    router, router_port, _ = create_server(core, threads=ROUTER_THREADS)
-    router.start()
-    draining = threading.Event()
-
-    def drain() -> None:  # what StatsReporter does each period, without the RPC
-        while not draining.wait(1.0):
-            core.take_statistics()
-
-    threading.Thread(target=drain, name="overload-drain", daemon=True).start()
+    router_port, stop_router = serve_router(core, ROUTER_THREADS)
     classes = published.worker_classes()
     info = {
         "port": router_port,
@@ -172,8 +163,7 @@ def start_router(
     }
 
     def close() -> None:
-        draining.set()
-        router.stop(grace=None)
+        stop_router()
         closer = getattr(classifier, "close", None)
         if closer is not None:
             closer()

@@ -80,7 +80,7 @@ from typing import Any
 import grpc
 import numpy as np
 from _machine import machine_line
-from _plan import allocator_plan
+from _plan import allocator_plan, serve_router
 
 from argus import rpc
 from argus.traces import default_prompt_trace, load_prompts
@@ -220,7 +220,6 @@ def start_router(
     plan's summary and a closer. ``gc_freeze``: move every object made so far out of the
     collector's reach (``gc.freeze``), as ``argus router`` does after loading its classifier."""
     from argus.profiles import default_profiles
-    from argus.router.app import create_server
     from argus.router.service import RouterCore, RouterServiceConfig
 
     profiles = default_profiles()
@@ -235,15 +234,7 @@ def start_router(
         extra["metrics"] = RouterMetrics(profiles)
     core = RouterCore(profiles, classifier, config, **extra)
     core.install(published)
-    router, router_port, _ = create_server(core, threads=threads)
-    router.start()
-    draining = threading.Event()
-
-    def drain() -> None:  # what StatsReporter does each period, without the RPC
-        while not draining.wait(1.0):
-            core.take_statistics()
-
-    threading.Thread(target=drain, name="bench-drain", daemon=True).start()
+    router_port, stop_router = serve_router(core, threads)
     tracked = len(gc.get_objects())
     if gc_freeze:
         gc.collect()
@@ -263,8 +254,7 @@ def start_router(
     }
 
     def close() -> None:
-        draining.set()
-        router.stop(grace=None)
+        stop_router()
         closer = getattr(classifier, "close", None)
         if closer is not None:
             closer()
