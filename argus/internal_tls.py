@@ -47,6 +47,7 @@ POLICY: Mapping[str, frozenset[str]] = {
     "/argus.v1.Allocator/WatchPlan": frozenset({"router", "operator"}),
     "/argus.v1.Allocator/GetPlan": frozenset({"router", "operator"}),
     "/argus.v1.Worker/Generate": frozenset({"router"}),
+    "/argus.v1.Worker/GenerateStream": frozenset({"router"}),
     "/argus.v1.Worker/Configure": frozenset({"allocator"}),
     "/argus.v1.Worker/Stats": frozenset({"allocator", "router", "operator"}),
     "/argus.v1.ControlNet/Run": frozenset({"worker"}),

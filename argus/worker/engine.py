@@ -26,6 +26,12 @@ without running; one that is denoising stops at the next step boundary and frees
 once. Both raise :class:`~argus.worker.pipelines.Cancelled` and are counted by reason
 ("cancelled", "expired") and stage ("queued", "running") in :meth:`Worker.stats`.
 
+Progress: a caller that passes ``progress`` to :meth:`Worker.generate` hears where the request
+stands (:class:`Progress`): queued with the requests ahead of it, running from its start step,
+each step done (with a low-resolution preview of the latent when the call asked for some),
+decoding. The sink runs on the denoising thread, so it must only hand the event over (the
+servicer puts it on a queue); the GPU slot is held while it runs.
+
 Adapters (LoRAs, ControlNets) are checked with the rest of the request and run through
 :class:`~argus.worker.adapters.WorkerAdapters` (see there for how they meet the cache: a
 request with ControlNets never resumes from a cached latent, and no adapter request feeds it).
@@ -38,6 +44,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -64,6 +71,7 @@ from argus.worker.pipelines import (
     DenoiseResult,
     DiffusionModel,
     GenerationSpec,
+    StepHook,
 )
 from argus.worker.registry import ModelInfo, ModelRegistry
 
@@ -119,6 +127,33 @@ class GenerateCall:
     guidance_scale: float | None = None
     request_id: str = ""
     adapters: tuple[Any, ...] = ()
+    previews: int = 0
+    """Low-resolution previews of the latent to report through ``progress`` (0: none)."""
+
+
+class Stage(Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    STEP = "step"
+    DECODING = "decoding"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where one request stands. ``queue_position``: requests ahead of it (QUEUED); ``step`` of
+    ``total_steps``: the step it starts at (RUNNING, K on a cache hit) or the steps done (STEP);
+    ``preview_png``: on the STEP events the call asked previews for; ``elapsed_s``: since the
+    request arrived at the worker."""
+
+    stage: Stage
+    elapsed_s: float
+    queue_position: int = 0
+    step: int = 0
+    total_steps: int = 0
+    preview_png: bytes = b""
+
+
+ProgressSink = Callable[[Progress], None]
 
 
 @dataclass
@@ -199,6 +234,7 @@ class Worker:
         self._slots = threading.Semaphore(1)
         self._lock = threading.Lock()
         self._queued = 0
+        self._finished = 0  # requests that left the queue (served, failed or stopped)
         self._counts: Counter[str] = Counter()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-insert")
         self._pending: set[Future[Any]] = set()
@@ -297,9 +333,15 @@ class Worker:
 
     # -- the request path ------------------------------------------------------------------
 
-    def generate(self, call: GenerateCall, cancel: CancelToken = NEVER_CANCELLED) -> GenerateResult:
+    def generate(
+        self,
+        call: GenerateCall,
+        cancel: CancelToken = NEVER_CANCELLED,
+        progress: ProgressSink | None = None,
+    ) -> GenerateResult:
         """Serve one request. Raises :class:`Cancelled` when ``cancel`` says stop before the
-        request got the GPU (it never runs) or between two of its steps."""
+        request got the GPU (it never runs) or between two of its steps. ``progress`` hears
+        each :class:`Progress` event (see the module's docstring)."""
         spec, level, plan = self.validate(call)
         with self._lock:
             if self._queued >= self.config.max_queue:
@@ -307,15 +349,21 @@ class Worker:
                 raise QueueFullError(
                     f"queue full ({self._queued} requests waiting or running); retry later"
                 )
+            ahead, finished = self._queued, self._finished
             self._queued += 1
         arrived = time.perf_counter()
+        report = None if progress is None else _Reporter(progress, arrived, call.previews)
         stage = "queued"
         try:
-            self._wait_for_slot(cancel)
+            if report is not None:
+                report.queued(ahead)
+                self._wait_for_slot(cancel, lambda: report.queued(self._ahead(ahead, finished)))
+            else:
+                self._wait_for_slot(cancel)
             try:
                 stage = "running"
                 started = time.perf_counter()
-                result = self._run(spec, level, plan, call.request_id, cancel=cancel)
+                result = self._run(spec, level, plan, call.request_id, cancel=cancel, report=report)
             finally:
                 self._slots.release()
             result.timing_ms["queue_ms"] = (started - arrived) * 1e3
@@ -336,16 +384,29 @@ class Worker:
         finally:
             with self._lock:
                 self._queued -= 1
+                self._finished += 1
 
-    def _wait_for_slot(self, cancel: CancelToken) -> None:
+    def _ahead(self, ahead: int, finished: int) -> int:
+        """Requests still ahead of one that found ``ahead`` in the queue when ``finished``
+        requests had left it: those that left since count as ahead of it (the GPU slot is a
+        semaphore, not a FIFO, so this is the expected position, not a promise)."""
+        with self._lock:
+            return max(0, ahead - (self._finished - finished))
+
+    def _wait_for_slot(
+        self, cancel: CancelToken, waiting: Callable[[], None] | None = None
+    ) -> None:
         """Take the GPU slot, or raise :class:`Cancelled` without it once ``cancel`` says stop
-        (a request whose deadline passed in the queue is never run)."""
+        (a request whose deadline passed in the queue is never run). ``waiting`` is called
+        each time the wait polls without the slot."""
         while True:
             cancel.check()
             remaining = cancel.remaining_s()
             wait = QUEUE_POLL_S if remaining is None else min(QUEUE_POLL_S, max(remaining, 0.0))
             if self._slots.acquire(timeout=wait):
                 break
+            if waiting is not None:
+                waiting()
         try:
             cancel.check()  # it may have expired while the slot was being handed over
         except Cancelled:
@@ -365,6 +426,7 @@ class Worker:
         *,
         feed_cache: bool = True,
         cancel: CancelToken = NEVER_CANCELLED,
+        report: _Reporter | None = None,
     ) -> GenerateResult:
         model = self.registry.get(level.model)
         substituted = model is None
@@ -413,10 +475,16 @@ class Worker:
         capture = self._cache_steps(spec.steps) if feeds_cache else ()
         with self._lock:
             self._counts["denoise_runs"] += 1
+        hooks: tuple[StepHook, ...] = ()
+        if report is not None:
+            hooks = (report.running(start_step, spec.steps),)
         result, adapter_path = self._denoise(
-            model, spec, plan, request_id, start_latents, start_step, capture, timing, cancel
-        )
+            model, spec, plan, request_id, start_latents, start_step, capture, timing, cancel,
+            hooks,
+        )  # fmt: skip
         cancel.check(result.steps_run)  # decoding a large image is worth skipping too
+        if report is not None:
+            report.decoding(spec.steps)
         timing["encode_ms"] = result.encode_s * 1e3
         timing["denoise_ms"] = result.denoise_s * 1e3
         began = time.perf_counter()
@@ -455,10 +523,13 @@ class Worker:
         capture: tuple[int, ...],
         timing: dict[str, float],
         cancel: CancelToken,
+        hooks: tuple[StepHook, ...] = (),
     ) -> tuple[DenoiseResult, str]:
-        """Denoise with the request's adapters; returns the result and the adapter path."""
+        """Denoise with the request's adapters; returns the result and the adapter path.
+        ``hooks`` run after each step, after the adapters' own."""
 
         def run(**extra: Any) -> DenoiseResult:
+            step_hooks = (*extra.pop("hooks", ()), *hooks)
             return model.denoise(
                 spec,
                 start_latents=start_latents,
@@ -466,6 +537,7 @@ class Worker:
                 capture=capture,
                 cancel=cancel,
                 on_step=self._count_step,
+                hooks=step_hooks,
                 **extra,
             )
 
@@ -579,6 +651,60 @@ class Worker:
         self.registry.close()
         if self.cache is not None:
             self.cache.close()
+
+
+class _Reporter:
+    """Turns one request's path through the worker into :class:`Progress` events."""
+
+    def __init__(self, sink: ProgressSink, arrived: float, previews: int) -> None:
+        self._sink = sink
+        self._arrived = arrived
+        self._previews = previews
+        self._position: int | None = None
+
+    def _send(self, stage: Stage, **fields: Any) -> None:
+        self._sink(Progress(stage, time.perf_counter() - self._arrived, **fields))
+
+    def queued(self, position: int) -> None:
+        if position != self._position:  # the wait polls; say only what changed
+            self._position = position
+            self._send(Stage.QUEUED, queue_position=position)
+
+    def running(self, start_step: int, total_steps: int) -> StepHook:
+        """Send RUNNING; returns the hook that sends each STEP (a step hook of the model)."""
+        self._send(Stage.RUNNING, step=start_step, total_steps=total_steps)
+        run = total_steps - start_step
+        wanted = min(self._previews, run)
+
+        def stepped(done: int, latents: torch.Tensor) -> None:
+            preview = b""
+            i = done - start_step  # steps of this run done, 1..run
+            if wanted and (i * wanted) // run > ((i - 1) * wanted) // run:
+                preview = latent_preview(latents)
+            self._send(Stage.STEP, step=done, total_steps=total_steps, preview_png=preview)
+
+        return stepped
+
+    def decoding(self, total_steps: int) -> None:
+        self._send(Stage.DECODING, step=total_steps, total_steps=total_steps)
+
+
+def latent_preview(latents: torch.Tensor) -> bytes:
+    """A PNG of the latent at its own resolution: its first three channels (the first one
+    repeated when it has fewer) min-max scaled to 0..255 as RGB. A glimpse of the layout, not a
+    decoded image: no VAE runs."""
+    from PIL import Image
+
+    x = latents[0].detach().to("cpu", torch.float32)
+    if x.shape[0] < 3:
+        x = torch.cat([x, x[:1].expand(3 - x.shape[0], *x.shape[1:])])
+    x = x[:3]
+    low, high = float(x.min()), float(x.max())
+    scaled = (x - low) / (high - low) if high > low else torch.zeros_like(x)
+    pixels = (scaled * 255.0).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    out = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(pixels), mode="RGB").save(out, format="PNG")
+    return out.getvalue()
 
 
 def _stopped(counts: dict[str, int]) -> dict[str, dict[str, int]]:

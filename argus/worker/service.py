@@ -24,9 +24,12 @@ behind the denoising semaphore.
 from __future__ import annotations
 
 import logging
+import queue
 import re
+import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health
@@ -42,7 +45,9 @@ from argus.worker.engine import (
     GenerateCall,
     GenerateResult,
     NoModelError,
+    Progress,
     QueueFullError,
+    Stage,
     Worker,
     WorkerStats,
 )
@@ -78,6 +83,22 @@ def call_from_pb(request: Any) -> GenerateCall:
         guidance_scale=request.guidance_scale if request.HasField("guidance_scale") else None,
         request_id=request.request_id,
         adapters=tuple(request.adapters),
+        previews=request.previews,
+    )
+
+
+_STAGE_TO_PB = {Stage.QUEUED: 2, Stage.RUNNING: 3, Stage.STEP: 4, Stage.DECODING: 5}
+
+
+def progress_to_pb(progress: Progress, worker_id: str) -> Any:
+    return worker_pb2.Progress(
+        stage=_STAGE_TO_PB[progress.stage],
+        queue_position=progress.queue_position,
+        step=progress.step,
+        total_steps=progress.total_steps,
+        worker_id=worker_id,
+        preview_png=progress.preview_png,
+        elapsed_ms=progress.elapsed_s * 1e3,
     )
 
 
@@ -224,15 +245,49 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         try:
             result = self.worker.generate(call_from_pb(request), cancel_token(context))
         except Exception as err:  # every failure becomes a status; the worker keeps serving
-            code, details = status_of(err)
-            if self.metrics is not None:
-                self.metrics.observe_error(code.name)
-                if isinstance(err, Cancelled):
-                    self.metrics.observe_stopped(err.reason, err.stage)
-            context.abort(code, details)
+            self._abort(err, context)
+        return self._answer(result)
+
+    def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        """Generate on a thread of its own, whose progress this call's thread streams out
+        (a streaming handler can only yield from the thread gRPC gave it). Each stream is
+        one request the worker's bounded queue admitted, so the threads are bounded too."""
+        call = call_from_pb(request)
+        token = cancel_token(context)
+        events: queue.SimpleQueue[Progress | GenerateResult | BaseException] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                events.put(self.worker.generate(call, token, events.put))
+            except BaseException as err:  # handed to the call's thread, which answers it
+                events.put(err)
+
+        threading.Thread(target=run, name="grpc-stream", daemon=True).start()
+        worker_id = self.worker.config.worker_id
+        while True:
+            event = events.get()
+            if isinstance(event, Progress):
+                yield worker_pb2.GenerateEvent(progress=progress_to_pb(event, worker_id))
+            elif isinstance(event, GenerateResult):
+                yield worker_pb2.GenerateEvent(response=self._answer(event))
+                return
+            else:
+                self._abort(event, context)
+
+    def _answer(self, result: GenerateResult) -> Any:
         if self.metrics is not None:
             self.metrics.observe(result)
         return result_to_pb(result, self.worker.config.worker_id)
+
+    def _abort(self, err: BaseException, context: grpc.ServicerContext) -> NoReturn:
+        if not isinstance(err, Exception):
+            raise err  # KeyboardInterrupt and the like are not the request's failure
+        code, details = status_of(err)
+        if self.metrics is not None:
+            self.metrics.observe_error(code.name)
+            if isinstance(err, Cancelled):
+                self.metrics.observe_stopped(err.reason, err.stage)
+        context.abort(code, details)
 
     def Configure(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
