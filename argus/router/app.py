@@ -12,10 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health
 
 from argus.allocator.client import AllocatorClient
@@ -30,7 +28,7 @@ from argus.router.service import (
     SERVICE_NAME,
     RouterCore,
     RouterServicer,
-    router_pb2,
+    router_pb2_grpc,
 )
 from argus.types import Strategy
 
@@ -74,34 +72,11 @@ def create_server(
     )
     health_servicer = health.HealthServicer()
     servicer = RouterServicer(core, health_servicer)
-    server.add_generic_rpc_handlers((_raw_router_handler(servicer),))
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     add_health_and_reflection(server, health_servicer, [SERVICE_NAME])
     port = bind(server, address, security.credentials)
     set_serving(health_servicer, SERVICE_NAME, core.can_serve())
     return server, port, servicer
-
-
-def _raw_router_handler(servicer: RouterServicer) -> grpc.GenericRpcHandler:
-    """``argus.v1.Router`` with requests parsed here, so malformed bytes are the client's
-    error (INVALID_ARGUMENT), not a server fault."""
-
-    def generate(raw: bytes, context: grpc.ServicerContext) -> Any:
-        request = router_pb2.RouterGenerateRequest()
-        try:
-            request.ParseFromString(raw)
-        except DecodeError as err:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request: not a valid RouterGenerateRequest ({err})",
-            )
-        return servicer.Generate(request, context)
-
-    handler: Any = grpc.unary_unary_rpc_method_handler(
-        generate,
-        request_deserializer=None,
-        response_serializer=router_pb2.RouterGenerateResponse.SerializeToString,
-    )
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler})
 
 
 class StatsReporter:

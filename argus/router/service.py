@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
@@ -83,10 +84,47 @@ CALLER_ERRORS = frozenset(
         grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.CANCELLED,  # the client went away
     }
 )
+ProgressSink = Callable[[Any], None]  # takes argus.v1.Progress messages
 DEFAULT_LIMITS = ImageLimits()
 SLO_FACTOR = 3.0  # SLO = 3 × the best level's latency (Argus §5; the simulator's default)
+
+
+class CallCancel:
+    """Set when one call's client goes away (a gRPC cancel, an HTTP disconnect); cancels the
+    worker call in flight then, or at once when it starts later. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._target: Callable[[], Any] | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            target, self._target = self._target, None
+        if target is not None:
+            target()
+
+    def attach(self, target: Callable[[], Any] | None) -> None:
+        """Cancel ``target`` (a gRPC call's ``cancel``) when this call is cancelled; None
+        detaches. A call already cancelled cancels the target at once."""
+        with self._lock:
+            if not self._cancelled:
+                self._target = target
+                return
+        if target is not None:
+            target()
+
+    def check(self) -> None:
+        if self._cancelled:
+            raise RouterError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
 
 
 class PromptLevels(Protocol):
@@ -387,20 +425,29 @@ class RouterCore:
 
     # requests ----------------------------------------------------------------------------
 
-    def generate(self, request: Any, deadline_s: float | None = None) -> Any:
+    def generate(
+        self,
+        request: Any,
+        deadline_s: float | None = None,
+        *,
+        progress: ProgressSink | None = None,
+        cancel: CallCancel | None = None,
+    ) -> Any:
         """Serve one RouterGenerateRequest; RouterError carries the status to answer with.
 
-        ``deadline_s`` is the gRPC deadline as a clock time, when the client set one.
+        ``deadline_s`` is the gRPC deadline as a clock time, when the client set one;
+        ``progress`` and ``cancel``: see the module's docstring.
         """
         arrived = self._clock()
+        call = _Call(progress, cancel or CallCancel())
         try:
-            return self._generate(request, arrived, deadline_s)
+            return self._generate(request, arrived, deadline_s, call)
         except RouterError as err:
             if self.metrics is not None:
                 self.metrics.requests.labels(err.code.name).inc()
             raise
 
-    def _generate(self, request: Any, arrived: float, deadline_s: float | None) -> Any:
+    def _generate(self, request: Any, arrived: float, deadline_s: float | None, call: _Call) -> Any:
         check_request(request, self.config.limits)
         cost = self._price(request)
         budget_ms = request.deadline_ms if request.HasField("deadline_ms") else None
@@ -408,7 +455,7 @@ class RouterCore:
         if deadline_s is not None:
             deadline = min(deadline, deadline_s)
         if not request.request_id:
-            return self._serve(request, arrived, deadline, cost)
+            return self._serve(request, arrived, deadline, cost, call)
         try:
             future, owner = self._ledger.claim(request.request_id, fingerprint(request))
         except IdConflictError as err:
@@ -419,7 +466,7 @@ class RouterCore:
         if not owner:
             return self._join(future, deadline)
         try:
-            response = self._serve(request, arrived, deadline, cost)
+            response = self._serve(request, arrived, deadline, cost, call)
         except BaseException as err:
             self._ledger.fail(request.request_id, err)
             raise
@@ -452,7 +499,9 @@ class RouterCore:
             )
         return cost
 
-    def _serve(self, request: Any, arrived: float, deadline: float, cost: float) -> Any:
+    def _serve(
+        self, request: Any, arrived: float, deadline: float, cost: float, call: _Call
+    ) -> Any:
         if not self._in_flight.acquire(blocking=False):
             self._rejected("busy")
             raise RouterError(
@@ -463,7 +512,7 @@ class RouterCore:
         with self._lock:
             self._serving += 1
         try:
-            return self._classify_route_forward(request, arrived, deadline, cost)
+            return self._classify_route_forward(request, arrived, deadline, cost, call)
         finally:
             with self._lock:
                 self._serving -= 1
@@ -560,7 +609,7 @@ class RouterCore:
         return runnable if max_level is None else min(max_level, runnable)
 
     def _classify_route_forward(
-        self, request: Any, arrived: float, deadline: float, cost: float
+        self, request: Any, arrived: float, deadline: float, cost: float, call: _Call
     ) -> Any:
         self._admit_early(request, arrived, deadline, cost)
         try:
@@ -583,8 +632,9 @@ class RouterCore:
                 decision, strategy, address = self._route(levels, deadline, tried, request, cost)
                 admitted = True
                 routed_at = self._clock()
+                call.routed(decision, self._router.level_name, routed_at - arrived)
                 try:
-                    reply = self._forward(request, decision, address, deadline)
+                    reply = self._forward(request, decision, address, deadline, call)
                 except RouterError as err:
                     if err.code is not grpc.StatusCode.UNAVAILABLE:
                         raise
@@ -653,26 +703,43 @@ class RouterCore:
         decision: RouteDecision,
         address: str,
         deadline: float,
+        call: _Call,
     ) -> Any:
-        call = worker_request(request, self._router.level_name(decision.served_level))
+        message = worker_request(request, self._router.level_name(decision.served_level))
+        if call.progress is not None:
+            message.previews = request.previews
         with self._lock:
             self.worker_calls += 1
         try:
+            call.cancel.check()  # the client left while the request was classified or routed
             stub = self._channels.stub(address)
-            reply = stub.Generate(call, timeout=max(0.001, deadline - self._clock()))
+            timeout = max(0.001, deadline - self._clock())
+            if call.progress is None:
+                future = stub.Generate.future(message, timeout=timeout)
+                call.cancel.attach(future.cancel)
+                reply = future.result()
+            else:
+                reply = _stream_reply(stub.GenerateStream(message, timeout=timeout), call)
         except grpc.RpcError as err:
             code = err.code()
             if code is grpc.StatusCode.UNAVAILABLE:
                 with self._lock:
                     self._down_until[decision.worker_id] = self._clock() + self.config.down_for_s
+            if code is grpc.StatusCode.CANCELLED and call.cancel.cancelled:
+                raise RouterError(code, "the client cancelled the request") from None
             raise RouterError(code, f"worker {decision.worker_id}: {err.details()}") from None
+        except grpc.FutureCancelledError:
+            raise RouterError(
+                grpc.StatusCode.CANCELLED, "the client cancelled the request"
+            ) from None
         finally:
+            call.cancel.attach(None)
             with self._lock:
                 if self._queues.get(decision.worker_id, 0) > 0:
                     self._queues[decision.worker_id] -= 1
                     # a worker serves in order: the next request started as this one ended
                     self._head_started[decision.worker_id] = self._clock()
-        check_reply_size(call, reply, decision.worker_id)
+        check_reply_size(message, reply, decision.worker_id)
         return reply
 
     def _route_capped(self, optimal: int, down: set[str], cap: int | None) -> RouteDecision:
@@ -754,6 +821,38 @@ class RouterCore:
         )
 
 
+@dataclass
+class _Call:
+    """What one caller of :meth:`RouterCore.generate` listens with."""
+
+    progress: ProgressSink | None
+    cancel: CallCancel
+
+    def routed(
+        self, decision: RouteDecision, names: Callable[[int], str], elapsed_s: float
+    ) -> None:
+        if self.progress is not None:
+            self.progress(
+                worker_pb2.Progress(
+                    stage=worker_pb2.Progress.ROUTED,
+                    level=names(decision.served_level),
+                    worker_id=decision.worker_id,
+                    elapsed_ms=elapsed_s * 1e3,
+                )
+            )
+
+
+def _stream_reply(events: Any, call: _Call) -> Any:
+    """The worker's response at the end of its GenerateStream, its progress passed on."""
+    call.cancel.attach(events.cancel)
+    assert call.progress is not None
+    for event in events:
+        if event.WhichOneof("event") == "response":
+            return event.response
+        call.progress(event.progress)
+    raise RouterError(grpc.StatusCode.INTERNAL, "the worker's stream ended without an image")
+
+
 def _size(request: Any) -> str:
     """The request's size for messages, "W×H, N steps" ("default" for a field it left to the
     worker)."""
@@ -828,12 +927,51 @@ class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
             set_serving(self._health, SERVICE_NAME, self.core.can_serve())
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        deadline, cancel = self._call(context)
+        try:
+            return self.core.generate(request, deadline, cancel=cancel)
+        except RouterError as err:
+            _abort(err, context)
+
+    def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        """The core runs on a thread of its own and this call's thread streams its progress
+        out (a streaming handler yields from the thread gRPC gave it); the server's bound on
+        concurrent calls bounds those threads too."""
+        deadline, cancel = self._call(context)
+        events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                events.put(
+                    self.core.generate(request, deadline, progress=events.put, cancel=cancel)
+                )
+            except BaseException as err:  # handed to the call's thread, which answers it
+                events.put(err)
+
+        threading.Thread(target=run, name="grpc-stream", daemon=True).start()
+        while True:
+            event = events.get()
+            if isinstance(event, RouterError):
+                _abort(event, context)
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, worker_pb2.Progress):
+                yield router_pb2.RouterGenerateEvent(progress=event)
+            else:
+                yield router_pb2.RouterGenerateEvent(response=event)
+                return
+
+    def _call(self, context: grpc.ServicerContext) -> tuple[float | None, CallCancel]:
+        """The call's deadline on the core's clock, and a cancel its ending early sets."""
         remaining = context.time_remaining()
         deadline = None if remaining is None else self.core.now() + remaining
-        try:
-            return self.core.generate(request, deadline)
-        except RouterError as err:
-            if err.retry_after_s is not None:
-                hint = str(max(1, round(err.retry_after_s * 1e3)))
-                context.set_trailing_metadata(((RETRY_AFTER_KEY, hint),))
-            context.abort(err.code, err.details)
+        cancel = CallCancel()
+        context.add_callback(cancel.cancel)  # also runs after a normal end: nothing to cancel
+        return deadline, cancel
+
+
+def _abort(err: RouterError, context: grpc.ServicerContext) -> NoReturn:
+    if err.retry_after_s is not None:
+        hint = str(max(1, round(err.retry_after_s * 1e3)))
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, hint),))
+    context.abort(err.code, err.details)
