@@ -9,6 +9,7 @@ twice; RESOURCE_EXHAUSTED comes back with the router's ``retry-after-ms`` hint.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,31 +71,45 @@ class RouterClient:
         self,
         prompt: str,
         *,
-        seed: int = 0,
-        negative_prompt: str = "",
-        size: int | None = None,
-        steps: int | None = None,
-        deadline_ms: int | None = None,
-        max_level_index: int | None = None,
-        request_id: str | None = None,
         timeout_s: float = 300.0,
+        **fields: Any,
     ) -> Any:
-        """One image; returns the RouterGenerateResponse, raises :class:`RequestFailed`."""
-        request = router_pb2.RouterGenerateRequest(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            seed=seed,
-        )
-        if size is not None:
-            request.width = request.height = size
-        if steps is not None:
-            request.steps = steps
-        if deadline_ms is not None:
-            request.deadline_ms = deadline_ms
-        if max_level_index is not None:
-            request.max_level_index = max_level_index
-        return self.call(request, timeout_s)
+        """One image; returns the RouterGenerateResponse, raises :class:`RequestFailed`.
+        ``fields``: those of :func:`generate_request`."""
+        return self.call(generate_request(prompt, **fields), timeout_s)
+
+    def generate_stream(
+        self,
+        prompt: str,
+        on_progress: Callable[[Any], None],
+        *,
+        previews: int = 0,
+        timeout_s: float = 300.0,
+        **fields: Any,
+    ) -> Any:
+        """One image through GenerateStream: ``on_progress`` hears each argus.v1.Progress
+        (routed, queued, running, every step, decoding); returns the RouterGenerateResponse,
+        raises :class:`RequestFailed`. One retry on UNAVAILABLE before any event came."""
+        request = generate_request(prompt, **fields)
+        request.previews = previews
+        for attempt in (1, 2):
+            heard = False
+            try:
+                events = self._stub.GenerateStream(
+                    request, timeout=timeout_s, metadata=self.connection.metadata()
+                )
+                for event in events:
+                    heard = True
+                    if event.WhichOneof("event") == "response":
+                        return event.response
+                    on_progress(event.progress)
+            except grpc.RpcError as err:
+                code = err.code()
+                if code is grpc.StatusCode.UNAVAILABLE and attempt == 1 and not heard:
+                    continue
+                raise RequestFailed(code, err.details() or "", retry_after(err)) from None
+            raise RequestFailed(grpc.StatusCode.INTERNAL, "the stream ended without an image", None)
+        raise AssertionError("unreachable")
 
     def call(self, request: Any, timeout_s: float) -> Any:
         """Send a RouterGenerateRequest; one retry on UNAVAILABLE (same request id)."""
@@ -117,6 +132,36 @@ class RouterClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def generate_request(
+    prompt: str,
+    *,
+    seed: int = 0,
+    negative_prompt: str = "",
+    size: int | None = None,
+    steps: int | None = None,
+    deadline_ms: int | None = None,
+    max_level_index: int | None = None,
+    request_id: str | None = None,
+) -> Any:
+    """A RouterGenerateRequest; a fresh request id unless one is given (a retry with the
+    same id joins the first call instead of running again)."""
+    request = router_pb2.RouterGenerateRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        prompt=prompt,
+        negative_prompt=negative_prompt,
+        seed=seed,
+    )
+    if size is not None:
+        request.width = request.height = size
+    if steps is not None:
+        request.steps = steps
+    if deadline_ms is not None:
+        request.deadline_ms = deadline_ms
+    if max_level_index is not None:
+        request.max_level_index = max_level_index
+    return request
 
 
 def retry_after(err: grpc.RpcError) -> int | None:

@@ -98,7 +98,10 @@ def test_bad_size_is_400_naming_size(served: Any) -> None:
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "model": "dall-e-3"}, "model"),
         ({"n": 1}, "prompt"),
-        ({"prompt": "x", "stream": True}, "stream"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "partial_images": 2}, "partial_images"),
+        ({"prompt": "x", "stream": True, "n": 2}, "n"),
+        ({"prompt": "x", "stream": True, "partial_images": -1}, "partial_images"),
         ({"prompt": "x", "steps": 0}, "steps"),
     ],
 )
@@ -161,6 +164,17 @@ def test_overload_is_429_with_retry_after(cluster: HttpCluster) -> None:
         stub.hold.set()
         first.join(TIMEOUT)
         server.stop()
+
+
+def test_a_request_that_cannot_make_its_deadline_is_504(served: Any) -> None:
+    _, server, _ = served
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(server).images.generate(
+            prompt="x", size="1024x1024", extra_body={"steps": 1000, "deadline_ms": 100}
+        )
+    assert caught.value.status_code == 504
+    body: Any = caught.value.body
+    assert body["type"] == "timeout_error" and "deadline_ms" in body["message"]
 
 
 def test_no_worker_is_503_and_readyz_follows_the_plan(cluster: HttpCluster) -> None:

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from argus import rpc
 from argus.allocator.membership import WorkerReport
 from argus.router.metrics import RouterMetrics
+from argus.router.service import RouterServiceConfig
 from argus.worker.engine import Worker
 from argus.worker.service import create_server as create_worker
 from tests.router_cluster import PROFILES, Cluster
@@ -29,6 +30,10 @@ from tests.worker_factories import make_worker
 router_pb2: Any = rpc.load("router_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")
 Stage = worker_pb2.Progress.Stage
+
+
+# the default 30 s deadline is short for a CPU shared with other work
+PATIENT = RouterServiceConfig(default_deadline_ms=int(BOUND_S * 1000))
 
 
 class RealWorkerCluster(Cluster):
@@ -58,7 +63,7 @@ def registry() -> CollectorRegistry:
 def router(worker: Worker, registry: CollectorRegistry) -> Iterator[Any]:
     cluster = RealWorkerCluster()
     cluster.add_real_worker(worker)
-    stub = cluster.router(metrics=RouterMetrics(PROFILES, registry))
+    stub = cluster.router(PATIENT, metrics=RouterMetrics(PROFILES, registry))
     yield stub
     cluster.close()
 
@@ -138,3 +143,39 @@ def test_a_refused_stream_ends_with_the_status_and_no_event(router: Any) -> None
         next(stream)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("width")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_client_command_draws_a_progress_bar(worker: Worker, tmp_path: Any) -> None:
+    from argus.cli.client import send_prompts
+    from argus.client import Connection, RouterClient
+
+    cluster = RealWorkerCluster()
+    try:
+        cluster.add_real_worker(worker)
+        address = cluster.start_router(PATIENT)
+        logged, terminal = io.StringIO(), Terminal()
+        with RouterClient(Connection(address)) as client:
+            for out in (logged, terminal):
+                failed = send_prompts(
+                    client, ["a red fox"], tmp_path, count=1, concurrency=4, stream=out,
+                    steps=3, size=64,
+                )  # fmt: skip
+                assert failed == 0
+    finally:
+        cluster.close()
+    lines = logged.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == [
+        "routed",
+        "queued,",
+        "running",
+        "step",
+        "decoding",
+    ]
+    assert "3/3 |" + "#" * 30 + "|" in terminal.getvalue()
+    assert terminal.getvalue().count("\r") == 7  # routed, queued, running, 3 steps, decoding
+    assert Image.open(tmp_path / "0000.png").size == (64, 64)

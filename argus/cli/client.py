@@ -5,15 +5,21 @@ sends the list round-robin up to that many requests, ``--concurrency`` at a time
 is saved as ``OUT/NNNN.png`` and described by one JSON line (level served, worker, strategy,
 timing). A failed request prints a JSON line with its status and retry hint; the exit code is
 1 if any failed.
+
+``--stream`` sends the requests one at a time through GenerateStream and draws each one's
+progress on stderr: the level and worker chosen, its place in the worker's queue, then a bar
+of the denoising steps (redrawn in place on a terminal, one line per stage otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from argus.cli.main import CLIError
 from argus.quoting import shorten
@@ -58,18 +64,29 @@ def send_prompts(
     *,
     count: int,
     concurrency: int,
+    stream: TextIO | None = None,
     **options: Any,
 ) -> int:
     """Send ``count`` requests, save images under ``out``, print a JSON line each; returns the
-    number that failed."""
+    number that failed. ``stream``: send them one at a time through GenerateStream and draw
+    their progress there."""
     from argus.client import RequestFailed, summary
 
     out.mkdir(parents=True, exist_ok=True)
+    if stream is not None:
+        concurrency = 1  # one progress bar
 
     def one(i: int) -> dict[str, Any]:
         prompt = prompts[i % len(prompts)]
         try:
-            response = client.generate(prompt, seed=i, **options)
+            if stream is None:
+                response = client.generate(prompt, seed=i, **options)
+            else:
+                bar = ProgressBar(stream, f"[{i:04d}]")
+                try:
+                    response = client.generate_stream(prompt, bar.update, seed=i, **options)
+                finally:
+                    bar.close()
         except RequestFailed as err:
             return {
                 "index": i,
@@ -90,6 +107,49 @@ def send_prompts(
     return failed
 
 
+class ProgressBar:
+    """One request's progress, drawn on ``out``: redrawn in place on a terminal; elsewhere
+    (a log, a pipe) one line per stage and none per step, so logs stay short."""
+
+    def __init__(self, out: TextIO, label: str, width: int = 30) -> None:
+        self.out = out
+        self.label = label
+        self.width = width
+        self.live = out.isatty()
+        self.where = ""
+        self.started = time.monotonic()
+        self.drawn = False
+        self._stage = ""
+
+    def update(self, progress: Any) -> None:
+        from argus.client import worker_pb2
+
+        stage = worker_pb2.Progress.Stage.Name(progress.stage).lower()
+        if stage == "routed":
+            self.where = f"{progress.level} on {progress.worker_id}"
+        if stage == "queued":
+            text = f"queued, {progress.queue_position} ahead"
+        elif stage in ("running", "step", "decoding") and progress.total_steps:
+            done = round(self.width * progress.step / progress.total_steps)
+            bar = "#" * done + "-" * (self.width - done)
+            text = f"{stage:8} {progress.step:4}/{progress.total_steps} |{bar}|"
+        else:
+            text = stage
+        line = f"{self.label} {text} {self.where} {time.monotonic() - self.started:.1f} s"
+        if self.live:
+            self.out.write(f"\r{line}\x1b[K")
+            self.drawn = True
+        elif stage != self._stage:
+            self.out.write(line + "\n")
+        self._stage = stage
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            self.out.write("\n")
+            self.out.flush()
+
+
 class ClientCommand:
     name = "client"
     help = "Send prompts to a cluster's router (gRPC) and save the images."
@@ -107,6 +167,11 @@ class ClientCommand:
             "--max-level-index",
             type=int,
             help="minimum quality: never serve a level faster than this index (0 = best)",
+        )
+        parser.add_argument(
+            "--stream",
+            action="store_true",
+            help="one request at a time through GenerateStream, with a progress bar on stderr",
         )
         parser.add_argument("--out", type=Path, default=Path("images"), help="directory")
         add_connection_arguments(parser)
@@ -129,6 +194,7 @@ class ClientCommand:
                 args.out,
                 count=count,
                 concurrency=args.concurrency,
+                stream=sys.stderr if args.stream else None,
                 size=args.size,
                 steps=args.steps,
                 deadline_ms=args.deadline_ms,

@@ -12,13 +12,25 @@ served, the answer is 200 with the served images in ``data`` and an ``errors`` l
 the failed image's ``index`` and its error); when all fail, the answer is the first image's
 error and status.
 
-Not in this slice: streaming (``stream``, ``partial_images``) and cancelling a request when the
-client disconnects (the routed requests run to their end).
+``"stream": true`` (one image) answers with server-sent events once the request is routed:
+``argus.progress`` events (routed, queued with its position, running, each step of N,
+decoding), an ``image_generation.partial_image`` event for each of the ``partial_images``
+latent previews asked for, and last ``image_generation.completed`` with the image, in the
+shapes of OpenAI's image stream events (Argus's fields added). A request refused before it
+is routed gets the same status and error JSON as without ``stream``; a failure after that
+ends the stream with an ``error`` event holding the error JSON.
+
+A client that disconnects cancels its requests: the worker stops denoising at its next
+step, and the router counts a CANCELLED request. An answer not yet begun (never sent) is
+counted with HTTP status 499, as nginx counts a client that closed the connection; a stream
+had begun with 200.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -32,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 import grpc
 import uvicorn
@@ -43,7 +56,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from argus.request_limits import InvalidRequestError, check_image
-from argus.router.service import RouterCore, RouterError, router_pb2
+from argus.router.service import (
+    CallCancel,
+    ProgressSink,
+    RouterCore,
+    RouterError,
+    router_pb2,
+    worker_pb2,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +81,7 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INTERNAL: (502, "server_error"),  # a worker's answer was refused
     grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),  # the client went away; never sent
 }
 _ADAPTER_KINDS = {"lora": 1, "controlnet": 2}
 _FIELDS = frozenset(
@@ -78,9 +99,11 @@ _FIELDS = frozenset(
         "deadline_ms",
         "max_level_index",
         "adapters",
+        "stream",
+        "partial_images",
     }
 )
-_LATER = frozenset({"stream", "partial_images"})  # OpenAI fields this slice does not serve
+MAX_PREVIEWS = 1000  # one per step at most (steps are at most 1000)
 _ROUTES = ("/v1/images/generations", "/v1/models", "/healthz", "/readyz")
 
 
@@ -156,6 +179,7 @@ class ImagesRequest:
     template: Any  # RouterGenerateRequest with seed = the first image's
     n: int
     user: str | None
+    stream: bool = False
 
     def requests(self) -> list[Any]:
         """One router request per image, seeds ``seed``, ``seed + 1``, ... (mod 2**64)."""
@@ -173,8 +197,6 @@ def parse_images_request(body: Any, model_id: str, core: RouterCore) -> ImagesRe
     if not isinstance(body, dict):
         raise ApiError(400, "body: must be a JSON object")
     for name in body:
-        if name in _LATER:
-            raise invalid(name, "not supported yet (no streaming in this version)")
         if name not in _FIELDS:
             raise invalid(name, f"unknown field; supported: {', '.join(sorted(_FIELDS))}")
     prompt = body.get("prompt")
@@ -209,14 +231,21 @@ def parse_images_request(body: Any, model_id: str, core: RouterCore) -> ImagesRe
         template.guidance_scale = float(guidance)
     for adapter in _adapters(body.get("adapters")):
         template.adapters.append(adapter)
-    return ImagesRequest(template, n or 1, user)
+    stream = bool(_optional(body, "stream", bool))
+    previews = _int(body, "partial_images", 0, MAX_PREVIEWS)
+    if previews and not stream:
+        raise invalid("partial_images", 'previews are streamed: needs "stream": true')
+    if stream and (n or 1) > 1:
+        raise invalid("n", 'a stream carries one image: n must be 1 with "stream": true')
+    template.previews = previews or 0
+    return ImagesRequest(template, n or 1, user, stream)
 
 
 def _optional(body: dict[str, Any], name: str, kind: Any) -> Any:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, kind):
+    if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kind):
         expected = kind.__name__ if isinstance(kind, type) else "a number"
         raise invalid(name, f"must be {expected}, got {type(value).__name__}")
     return value
@@ -356,27 +385,38 @@ def create_app(
         except (ValueError, UnicodeDecodeError) as err:
             raise ApiError(400, f"body: not valid JSON ({err})") from None
 
-    async def generate_one(request: Any) -> Any:
+    async def generate_one(
+        request: Any, cancel: CallCancel, progress: ProgressSink | None = None
+    ) -> Any:
         if limiter.available_tokens < 1:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "router busy", 1.0)
-        return await anyio.to_thread.run_sync(core.generate, request, limiter=limiter)
+        run = functools.partial(core.generate, request, progress=progress, cancel=cancel)
+        return await anyio.to_thread.run_sync(run, limiter=limiter)
 
     async def generations(request: Request) -> Response:
         authorize(request)
         parsed = parse_images_request(await read_json(request), model_id, core)
-        log.info("http images: n=%d user=%r", parsed.n, parsed.user)
+        log.info("http images: n=%d user=%r stream=%s", parsed.n, parsed.user, parsed.stream)
         requests = parsed.requests()
+        cancels = [CallCancel() for _ in requests]
+        if parsed.stream:
+            return _ImageStream(
+                functools.partial(generate_one, requests[0], cancels[0]), cancels[0], requests[0]
+            )
         results: list[Any] = [None] * len(requests)
 
         async def run(i: int) -> None:
             try:
-                results[i] = await generate_one(requests[i])
+                results[i] = await generate_one(requests[i], cancels[i])
             except RouterError as err:
                 results[i] = from_router_error(err)
 
-        async with anyio.create_task_group() as group:
-            for i in range(len(requests)):
-                group.start_soon(run, i)
+        async with anyio.create_task_group() as watching:
+            watching.start_soon(_cancel_on_disconnect, request.receive, cancels)
+            async with anyio.create_task_group() as group:
+                for i in range(len(requests)):
+                    group.start_soon(run, i)
+            watching.cancel_scope.cancel()
         failed = [(i, r) for i, r in enumerate(results) if isinstance(r, ApiError)]
         if len(failed) == len(results):
             raise failed[0][1]
@@ -428,6 +468,134 @@ def create_app(
     if core.metrics is not None:
         app.add_middleware(_CountMiddleware, observe=core.metrics.observe_http)
     return app
+
+
+async def _cancel_on_disconnect(receive: Any, cancels: list[CallCancel]) -> None:
+    """Cancel the requests of an answer whose client disconnected (the body was read, so the
+    next ASGI message is the disconnect, if any comes before the answer)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    for cancel in cancels:
+        cancel.cancel()
+
+
+class _ImageStream(Response):
+    """The answer to ``"stream": true``: the router request's progress as server-sent events.
+
+    The status waits for the first event: a request refused before it was routed is answered
+    as without a stream (its status and error JSON, ``Retry-After`` on 429); once routed the
+    answer is 200 and events follow until ``image_generation.completed`` or an ``error``
+    event. A disconnect cancels the request (see the module's docstring)."""
+
+    def __init__(
+        self,
+        start: Callable[[ProgressSink], Awaitable[Any]],
+        cancel: CallCancel,
+        request: Any,
+    ) -> None:
+        super().__init__(media_type="text/event-stream")
+        self._start = start
+        self._cancel = cancel
+        size = f"{request.width}x{request.height}" if request.HasField("width") else "auto"
+        self._shape = {"size": size, "output_format": "png", "background": "auto"}
+        self._shape["quality"] = "auto"
+        self._previews = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        events_in, events = anyio.create_memory_object_stream[Any](math.inf)
+
+        def sink(event: Any) -> None:  # on the core's thread
+            # once the answer is over the stream is closed; the cancel stops the request
+            with contextlib.suppress(
+                anyio.ClosedResourceError, anyio.BrokenResourceError, RuntimeError
+            ):
+                anyio.from_thread.run_sync(events_in.send_nowait, event)
+
+        async def produce() -> None:
+            async with events_in:
+                try:
+                    reply = await self._start(sink)
+                except RouterError as err:
+                    reply = from_router_error(err)
+                await events_in.send(reply)
+
+        async def watch() -> None:
+            await _cancel_on_disconnect(receive, [self._cancel])
+            group.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(produce)
+            group.start_soon(watch)
+            started = False
+            async with events:
+                async for event in events:
+                    if isinstance(event, ApiError) and not started:
+                        await event.response()(scope, receive, send)
+                        break
+                    if not started:
+                        started = True
+                        await send(
+                            {
+                                "type": "http.response.start",
+                                "status": 200,
+                                "headers": [
+                                    (b"content-type", b"text/event-stream"),
+                                    (b"cache-control", b"no-store"),
+                                ],
+                            }
+                        )
+                    await send(
+                        {"type": "http.response.body", "body": self._sse(event), "more_body": True}
+                    )
+                    if not isinstance(event, worker_pb2.Progress):
+                        break
+            if started:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            group.cancel_scope.cancel()  # the watcher; produce has finished
+
+    def _sse(self, event: Any) -> bytes:
+        """One event (or two: a step with a preview adds its partial image)."""
+        created = int(time.time())
+        if isinstance(event, ApiError):
+            return _sse_event("error", event.body())
+        if not isinstance(event, worker_pb2.Progress):
+            entry = image_entry(event)
+            entry.pop("revised_prompt")
+            usage: dict[str, Any] = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+            usage["input_tokens_details"] = {"image_tokens": 0, "text_tokens": 0}
+            completed = {"type": "image_generation.completed", "created_at": created}
+            return _sse_event(
+                "image_generation.completed", {**completed, **self._shape, **entry, "usage": usage}
+            )
+        stage = worker_pb2.Progress.Stage.Name(event.stage).lower()
+        progress = {
+            "type": "argus.progress",
+            "stage": stage,
+            "step": event.step,
+            "total_steps": event.total_steps,
+            "queue_position": event.queue_position,
+            "level": event.level,
+            "worker_id": event.worker_id,
+            "elapsed_ms": event.elapsed_ms,
+        }
+        out = _sse_event("argus.progress", progress)
+        if event.preview_png:
+            partial = {
+                "type": "image_generation.partial_image",
+                "created_at": created,
+                "b64_json": base64.b64encode(event.preview_png).decode("ascii"),
+                "partial_image_index": self._previews,
+                **self._shape,
+                "step": event.step,
+                "total_steps": event.total_steps,
+            }
+            self._previews += 1
+            out += _sse_event("image_generation.partial_image", partial)
+        return out
+
+
+def _sse_event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
 class _CountMiddleware:
