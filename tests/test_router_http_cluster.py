@@ -66,6 +66,11 @@ def test_openai_client_generates_through_argus_up_style_cluster(cluster: LocalCl
         assert image.format == "PNG" and image.size == (64, 64)
         extra: Any = item.model_extra
         assert extra["level"] and extra["timing"]["total_ms"] > 0.0
+    # streamed: the router's call to the worker's GenerateStream passes the internal plane
+    events = list(api.images.generate(prompt="a red fox", size="64x64", stream=True))
+    steps = [e.model_extra or {} for e in events if e.type == "argus.progress"]
+    assert [p["step"] for p in steps if p["stage"] == "step"] == [1, 2, 3, 4]
+    assert events[-1].type == "image_generation.completed"
     with httpx.Client(verify=trust, timeout=30) as plain:
         assert plain.get(url.removesuffix("/v1") + "/readyz").status_code == 200
         assert plain.get(f"{url}/models").status_code == 401  # no token
