@@ -1,6 +1,8 @@
 """Test-session settings that must be in place before any test module imports grpc."""
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 # Tests start real worker processes (subprocess, fork + exec) while the test process holds
 # live gRPC channels; grpc's fork handlers can then stall the parent's new connections.
@@ -15,3 +17,29 @@ from tests.tls_factories import TestCA
 def cluster_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
     """One cluster CA for the session; tests issue the certificates they need from it."""
     return TestCA(tmp_path_factory.mktemp("cluster-ca"))
+
+
+@pytest.fixture(scope="module")
+def tiny_worker() -> Iterator[Any]:
+    """A worker with the tiny random pipeline on the CPU, one per test module."""
+    from tests.worker_factories import make_worker
+
+    made = make_worker()
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_worker_stub(tiny_worker: Any) -> Iterator[Any]:
+    """A WorkerStub on ``tiny_worker`` behind its real gRPC server on loopback."""
+    import grpc
+
+    from argus import rpc
+    from argus.worker.service import create_server
+
+    server, port, _ = create_server(tiny_worker)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield rpc.load("worker_pb2_grpc").WorkerStub(channel)
+    channel.close()
+    server.stop(grace=None)

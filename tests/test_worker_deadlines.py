@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -18,8 +18,7 @@ import pytest
 from argus import rpc
 from argus.worker.engine import GenerateCall, Worker
 from argus.worker.pipelines import Cancelled, CancelToken
-from argus.worker.service import create_server
-from tests.worker_factories import make_worker, spec, tiny_model
+from tests.worker_factories import spec, tiny_model
 
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
@@ -34,23 +33,6 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting until {what}")
         time.sleep(0.01)
-
-
-@pytest.fixture(scope="module")
-def worker() -> Iterator[Worker]:
-    made = make_worker()
-    yield made
-    made.close()
-
-
-@pytest.fixture(scope="module")
-def stub(worker: Worker) -> Iterator[Any]:
-    server, port, _ = create_server(worker)
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield worker_pb2_grpc.WorkerStub(channel)
-    channel.close()
-    server.stop(grace=None)
 
 
 def test_denoise_stops_before_the_next_step_once_cancelled() -> None:
@@ -78,65 +60,73 @@ def test_denoise_past_its_deadline_runs_no_step() -> None:
     assert steps == []
 
 
-def test_engine_stops_within_one_step_of_a_cancel_and_counts_it(worker: Worker) -> None:
-    before = worker.stats()
+def test_engine_stops_within_one_step_of_a_cancel_and_counts_it(tiny_worker: Worker) -> None:
+    before = tiny_worker.stats()
     token = CancelToken()
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            worker.generate(GenerateCall("a slow fox", steps=LONG_STEPS), token)
+            tiny_worker.generate(GenerateCall("a slow fox", steps=LONG_STEPS), token)
         except BaseException as err:
             errors.append(err)
 
     thread = threading.Thread(target=run)
     thread.start()
-    wait_until(lambda: worker.stats().denoise_steps > before.denoise_steps, "a step ran")
+    wait_until(lambda: tiny_worker.stats().denoise_steps > before.denoise_steps, "a step ran")
     token.cancel()
-    at_cancel = worker.stats().denoise_steps
+    at_cancel = tiny_worker.stats().denoise_steps
     thread.join(BOUND_S)
-    after = worker.stats()
+    after = tiny_worker.stats()
     assert [type(e) for e in errors] == [Cancelled]
     assert after.denoise_steps - at_cancel <= 1  # the step in progress, no more
     assert after.stopped["cancelled"]["running"] == before.cancelled + 1
     assert after.failed == before.failed  # a cancellation is not a failure
-    assert worker.queue_length == 0
+    assert tiny_worker.queue_length == 0
 
 
-def test_a_call_whose_deadline_passes_in_the_queue_never_runs(worker: Worker, stub: Any) -> None:
-    before = worker.stats()
-    long_call = stub.Generate.future(
+def test_a_call_whose_deadline_passes_in_the_queue_never_runs(
+    tiny_worker: Worker, tiny_worker_stub: Any
+) -> None:
+    before = tiny_worker.stats()
+    long_call = tiny_worker_stub.Generate.future(
         worker_pb2.GenerateRequest(prompt="a slow fox", steps=LONG_STEPS), timeout=BOUND_S
     )
     try:
-        wait_until(lambda: worker.stats().denoise_steps > before.denoise_steps, "it runs")
+        wait_until(lambda: tiny_worker.stats().denoise_steps > before.denoise_steps, "it runs")
         with pytest.raises(grpc.RpcError) as info:
-            stub.Generate(worker_pb2.GenerateRequest(prompt="queued", steps=2), timeout=0.5)
+            tiny_worker_stub.Generate(
+                worker_pb2.GenerateRequest(prompt="queued", steps=2), timeout=0.5
+            )
         assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_until(lambda: worker.stats().expired > before.expired, "the worker dropped it")
-        stats = worker.stats()
+        wait_until(lambda: tiny_worker.stats().expired > before.expired, "the worker dropped it")
+        stats = tiny_worker.stats()
         assert stats.stopped["expired"] == {"queued": before.expired + 1}
         assert stats.denoise_runs == before.denoise_runs + 1  # the long call's alone
-        reply = stub.Stats(worker_pb2.StatsRequest(), timeout=BOUND_S)
+        reply = tiny_worker_stub.Stats(worker_pb2.StatsRequest(), timeout=BOUND_S)
         assert reply.expired_queued == stats.stopped["expired"]["queued"]
     finally:
         long_call.cancel()
-    wait_until(lambda: worker.queue_length == 0, "the long call stopped")
+    wait_until(lambda: tiny_worker.queue_length == 0, "the long call stopped")
 
 
-def test_a_cancelled_call_frees_the_worker_for_the_next(worker: Worker, stub: Any) -> None:
-    before = worker.stats()
-    long_call = stub.Generate.future(
+def test_a_cancelled_call_frees_the_worker_for_the_next(
+    tiny_worker: Worker, tiny_worker_stub: Any
+) -> None:
+    before = tiny_worker.stats()
+    long_call = tiny_worker_stub.Generate.future(
         worker_pb2.GenerateRequest(prompt="a slow fox", steps=LONG_STEPS), timeout=BOUND_S
     )
-    wait_until(lambda: worker.stats().denoise_steps > before.denoise_steps, "it runs")
+    wait_until(lambda: tiny_worker.stats().denoise_steps > before.denoise_steps, "it runs")
     long_call.cancel()
-    wait_until(lambda: worker.stats().cancelled > before.cancelled, "the worker stopped it")
-    stopped = worker.stats()
+    wait_until(lambda: tiny_worker.stats().cancelled > before.cancelled, "the worker stopped it")
+    stopped = tiny_worker.stats()
     assert stopped.stopped["cancelled"]["running"] == before.cancelled + 1
     long_steps = stopped.denoise_steps - before.denoise_steps
     assert long_steps < LONG_STEPS
-    reply = stub.Generate(worker_pb2.GenerateRequest(prompt="next", steps=2), timeout=BOUND_S)
+    reply = tiny_worker_stub.Generate(
+        worker_pb2.GenerateRequest(prompt="next", steps=2), timeout=BOUND_S
+    )
     assert reply.steps_run == 2
-    assert worker.stats().denoise_steps == stopped.denoise_steps + 2
-    assert stub.Stats(worker_pb2.StatsRequest(), timeout=BOUND_S).cancelled_running >= 1
+    assert tiny_worker.stats().denoise_steps == stopped.denoise_steps + 2
+    assert tiny_worker_stub.Stats(worker_pb2.StatsRequest(), timeout=BOUND_S).cancelled_running >= 1

@@ -7,7 +7,6 @@ A real worker (tiny random pipeline on the CPU) behind its real gRPC server on l
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -16,39 +15,37 @@ from PIL import Image
 
 from argus import rpc
 from argus.worker.engine import Worker
-from argus.worker.service import create_server
 from tests.test_worker_deadlines import BOUND_S, LONG_STEPS, wait_until
-from tests.worker_factories import make_worker
 
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 Stage = worker_pb2.Progress.Stage
 
 
-@pytest.fixture(scope="module")
-def worker() -> Iterator[Worker]:
-    made = make_worker()
-    yield made
-    made.close()
-
-
-@pytest.fixture(scope="module")
-def stub(worker: Worker) -> Iterator[Any]:
-    server, port, _ = create_server(worker)
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield worker_pb2_grpc.WorkerStub(channel)
-    channel.close()
-    server.stop(grace=None)
+def cancel_within_one_step(stream: Any, worker: Worker) -> tuple[Any, Any]:
+    """Read ``stream`` until its second step is done, cancel it, wait until ``worker``
+    stopped the request and check it ran at most the step in progress after the cancel;
+    returns the worker's stats before and after."""
+    before = worker.stats()
+    for event in stream:
+        if event.progress.stage == Stage.STEP and event.progress.step >= 2:
+            break
+    stream.cancel()
+    at_cancel = worker.stats().denoise_steps
+    wait_until(lambda: worker.stats().cancelled > before.cancelled, "the worker stopped it")
+    after = worker.stats()
+    assert after.stopped["cancelled"]["running"] == before.cancelled + 1
+    assert after.denoise_steps - at_cancel <= 1  # the step in progress, no more
+    return before, after
 
 
 def stages(events: list[Any]) -> list[tuple[str, int]]:
     return [(Stage.Name(e.progress.stage), e.progress.step) for e in events[:-1]]
 
 
-def test_every_step_is_streamed_in_order_then_the_image(stub: Any) -> None:
+def test_every_step_is_streamed_in_order_then_the_image(tiny_worker_stub: Any) -> None:
     request = worker_pb2.GenerateRequest(prompt="a red fox", steps=5, width=64, height=64)
-    events = list(stub.GenerateStream(request, timeout=BOUND_S))
+    events = list(tiny_worker_stub.GenerateStream(request, timeout=BOUND_S))
     assert stages(events) == [
         ("QUEUED", 0),
         ("RUNNING", 0),
@@ -66,9 +63,9 @@ def test_every_step_is_streamed_in_order_then_the_image(stub: Any) -> None:
     assert not any(e.progress.preview_png for e in events[:-1])  # none asked for
 
 
-def test_previews_are_spread_over_the_steps_at_latent_resolution(stub: Any) -> None:
+def test_previews_are_spread_over_the_steps_at_latent_resolution(tiny_worker_stub: Any) -> None:
     request = worker_pb2.GenerateRequest(prompt="a blue heron", steps=6, previews=2)
-    events = list(stub.GenerateStream(request, timeout=BOUND_S))
+    events = list(tiny_worker_stub.GenerateStream(request, timeout=BOUND_S))
     with_preview = [e.progress.step for e in events[:-1] if e.progress.preview_png]
     assert with_preview == [3, 6]
     preview = next(e.progress.preview_png for e in events[:-1] if e.progress.preview_png)
@@ -76,18 +73,20 @@ def test_previews_are_spread_over_the_steps_at_latent_resolution(stub: Any) -> N
     assert (image.size, image.mode) == ((8, 8), "RGB")  # 64 px / the VAE's factor of 8
 
     many = worker_pb2.GenerateRequest(prompt="a blue heron", steps=3, previews=50)
-    events = list(stub.GenerateStream(many, timeout=BOUND_S))
+    events = list(tiny_worker_stub.GenerateStream(many, timeout=BOUND_S))
     assert [e.progress.step for e in events[:-1] if e.progress.preview_png] == [1, 2, 3]
 
 
-def test_a_queued_stream_hears_its_position_until_it_runs(worker: Worker, stub: Any) -> None:
-    before = worker.stats()
-    long_call = stub.Generate.future(
+def test_a_queued_stream_hears_its_position_until_it_runs(
+    tiny_worker: Worker, tiny_worker_stub: Any
+) -> None:
+    before = tiny_worker.stats()
+    long_call = tiny_worker_stub.Generate.future(
         worker_pb2.GenerateRequest(prompt="a slow fox", steps=LONG_STEPS), timeout=BOUND_S
     )
     try:
-        wait_until(lambda: worker.stats().denoise_steps > before.denoise_steps, "it runs")
-        stream = stub.GenerateStream(
+        wait_until(lambda: tiny_worker.stats().denoise_steps > before.denoise_steps, "it runs")
+        stream = tiny_worker_stub.GenerateStream(
             worker_pb2.GenerateRequest(prompt="next", steps=2), timeout=BOUND_S
         )
         first = next(stream)
@@ -101,28 +100,25 @@ def test_a_queued_stream_hears_its_position_until_it_runs(worker: Worker, stub: 
     assert rest[-1].response.steps_run == 2
 
 
-def test_cancelling_a_stream_stops_the_worker_within_one_step(worker: Worker, stub: Any) -> None:
-    before = worker.stats()
-    stream = stub.GenerateStream(
+def test_cancelling_a_stream_stops_the_worker_within_one_step(
+    tiny_worker: Worker, tiny_worker_stub: Any
+) -> None:
+    stream = tiny_worker_stub.GenerateStream(
         worker_pb2.GenerateRequest(prompt="a slow fox", steps=LONG_STEPS), timeout=BOUND_S
     )
-    for event in stream:
-        if event.progress.stage == Stage.STEP and event.progress.step >= 2:
-            break
-    stream.cancel()
-    at_cancel = worker.stats().denoise_steps
-    wait_until(lambda: worker.stats().cancelled > before.cancelled, "the worker stopped it")
-    after = worker.stats()
-    assert after.stopped["cancelled"]["running"] == before.cancelled + 1
-    assert after.denoise_steps - at_cancel <= 1  # the step in progress, no more
+    before, after = cancel_within_one_step(stream, tiny_worker)
     assert after.failed == before.failed
     with pytest.raises(grpc.RpcError) as info:
         next(stream)
     assert info.value.code() is grpc.StatusCode.CANCELLED
 
 
-def test_a_bad_request_ends_the_stream_with_invalid_argument(stub: Any) -> None:
+def test_a_bad_request_ends_the_stream_with_invalid_argument(tiny_worker_stub: Any) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.GenerateStream(worker_pb2.GenerateRequest(prompt="x", width=65), timeout=30))
+        list(
+            tiny_worker_stub.GenerateStream(
+                worker_pb2.GenerateRequest(prompt="x", width=65), timeout=30
+            )
+        )
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("width")

@@ -65,16 +65,21 @@ class CancelToken:
         self.deadline = deadline
         self._clock = clock
         self._cancelled = threading.Event()
+        self._reason = "cancelled"
 
-    def cancel(self) -> None:
-        self._cancelled.set()
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop the request: "cancelled" (its client went away) or "expired" (the transport
+        saw its deadline pass first; the first reason given stays)."""
+        if not self._cancelled.is_set():
+            self._reason = reason
+            self._cancelled.set()
 
     def reason(self) -> str | None:
         """ "cancelled", "expired" or None while the request should go on."""
-        if self._cancelled.is_set():
-            return "cancelled"
         if self.deadline is not None and self._clock() >= self.deadline:
             return "expired"
+        if self._cancelled.is_set():
+            return self._reason
         return None
 
     def remaining_s(self) -> float | None:

@@ -226,7 +226,12 @@ def cancel_token(context: grpc.ServicerContext) -> CancelToken:
     remaining = context.time_remaining()
     deadline = None if remaining is None else time.monotonic() + remaining
     token = CancelToken(deadline)
-    context.add_callback(token.cancel)
+
+    def ended() -> None:  # gRPC ends a call at its deadline too, maybe before our clock says so
+        left = context.time_remaining()
+        token.cancel("expired" if left is not None and left <= 0.0 else "cancelled")
+
+    context.add_callback(ended)
     return token
 
 
