@@ -63,6 +63,9 @@ class WorkerSettings:
     max_queue: int = 64
     threads: int = 16
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
+    # drift monitoring (argus.worker.scoring): share of images scored for the router, 0: off
+    score_sample: float = 0.0
+    scorer_dir: str | None = None  # PickScore (any CLIP) directory; None: a tiny random CLIP
     # Katz adapters: LoRA library, ControlNet service, latent parallelism (all off by default)
     adapters: AdapterSettings = field(default_factory=AdapterSettings)
     # cluster membership (argus.worker.membership): off without an allocator
@@ -77,6 +80,8 @@ class WorkerSettings:
             value = getattr(self, name)
             if value is not None:
                 check_address(value, name)
+        if not 0.0 <= self.score_sample <= 1.0:
+            raise ValueError(f"score_sample: must be in [0, 1], got {self.score_sample}")
 
 
 def model_sources(settings: WorkerSettings, profiles: ProfileSet) -> dict[str, str]:
@@ -289,12 +294,19 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     tls = load_internal_tls(settings)  # a missing certificate too
     metrics = WorkerMetrics()
     worker = build_worker(settings, wait_for_model=False, metrics=metrics, tls=tls)
+    scores = None
+    if settings.score_sample > 0.0:
+        from argus.worker.scoring import ScoreSampler, load_scorer
+
+        scorer = load_scorer(settings.scorer_dir, str(worker.registry.device))
+        scores = ScoreSampler(scorer, settings.score_sample)
     server, port, servicer = create_server(
         worker,
         f"{settings.host}:{settings.port}",
         threads=settings.threads,
         metrics=metrics,
         tls=tls,
+        scores=scores,
     )
     if settings.metrics_port is not None:
         start_metrics(settings.host, settings.metrics_port)
@@ -313,5 +325,7 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
             membership.stop()
         server.stop(grace=5).wait()
         worker.close()
+        if scores is not None:
+            scores.close()
         servicer.update_health()
     return 0
