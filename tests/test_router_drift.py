@@ -198,3 +198,61 @@ def test_reported_quality_is_checked_against_the_profile() -> None:
             router_report_from_pb(
                 allocator_pb2.RouterReport(router_id="r", class_quality=[bad]), PROFILES
             )
+
+
+def test_drift_flags_map_to_the_router_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argus.router.app as router_app
+    from argus.cli.main import main
+
+    seen: list[Any] = []
+    monkeypatch.setattr(router_app, "serve", lambda settings: seen.append(settings) or 0)
+    base = ["router", "--allocator", "127.0.0.1:1", "--insecure-internal"]
+    assert main(base) == 0
+    assert seen[-1].drift == DriftSettings()  # on by default, retraining
+    argv = [*base, "--drift-window", "50", "--no-drift-retrain", "--drift-min-labels", "7"]
+    assert main([*argv, "--drift-tolerance", "0.1"]) == 0
+    drift = seen[-1].drift
+    assert (drift.monitor.window, drift.monitor.tolerance) == (50, 0.1)
+    assert (drift.retrain, drift.min_examples) == (False, 7)
+    assert main([*base, "--drift-window", "0"]) == 0 and seen[-1].drift is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (
+            ["router", "--insecure-internal", "--allocator", "127.0.0.1:1", "--drift-window", "-1"],
+            "--drift-window",
+        ),
+        (
+            [
+                "router",
+                "--insecure-internal",
+                "--allocator",
+                "127.0.0.1:1",
+                "--drift-tolerance",
+                "1.5",
+            ],
+            "tolerance",
+        ),
+        (
+            [
+                "router",
+                "--insecure-internal",
+                "--allocator",
+                "127.0.0.1:1",
+                "--drift-min-labels",
+                "0",
+            ],
+            "min_examples",
+        ),
+        (["worker", "--insecure-internal", "--score-sample", "2"], "--score-sample"),
+    ],
+)
+def test_bad_drift_flags_are_refused(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from argus.cli.main import main
+
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
