@@ -205,7 +205,12 @@ def test_drift_flags_map_to_the_router_settings(monkeypatch: pytest.MonkeyPatch)
     from argus.cli.main import main
 
     seen: list[Any] = []
-    monkeypatch.setattr(router_app, "serve", lambda settings: seen.append(settings) or 0)
+
+    def serve(settings: Any) -> int:
+        seen.append(settings)
+        return 0
+
+    monkeypatch.setattr(router_app, "serve", serve)
     base = ["router", "--allocator", "127.0.0.1:1", "--insecure-internal"]
     assert main(base) == 0
     assert seen[-1].drift == DriftSettings()  # on by default, retraining
