@@ -162,3 +162,30 @@ def test_the_tiny_scorer_scores_images() -> None:
     assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
     assert scores[0] != scores[1]
     assert tiny_scorer().score("a red square", [red]) == pytest.approx(scores[:1])  # seeded
+
+
+def test_the_scorer_loads_on_the_scoring_thread_and_a_failed_load_only_counts() -> None:
+    loaded_on: list[str] = []
+
+    def load() -> FakeScorer:
+        loaded_on.append(threading.current_thread().name)
+        return FakeScorer()
+
+    sampler = ScoreSampler(load, 1.0)
+    try:
+        sampler.offer("p", "ac-k0", png((9, 0, 0)))
+        assert sampler.wait_idle(TIMEOUT)
+        assert loaded_on == ["argus-scoring"] and [s.score for s in sampler.take()] == [9.0]
+    finally:
+        sampler.close()
+
+    def broken() -> FakeScorer:
+        raise OSError("no such directory")
+
+    sampler = ScoreSampler(broken, 1.0)
+    try:
+        assert sampler.offer("p", "ac-k0", png())  # the request path never sees the failure
+        assert sampler.wait_idle(TIMEOUT)
+        assert sampler.stats().failed == 1 and sampler.take() == []
+    finally:
+        sampler.close()

@@ -298,8 +298,10 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     if settings.score_sample > 0.0:
         from argus.worker.scoring import ScoreSampler, load_scorer
 
-        scorer = load_scorer(settings.scorer_dir, str(worker.registry.device))
-        scores = ScoreSampler(scorer, settings.score_sample)
+        device = str(worker.registry.device)
+        scores = ScoreSampler(
+            lambda: load_scorer(settings.scorer_dir, device), settings.score_sample
+        )
     server, port, servicer = create_server(
         worker,
         f"{settings.host}:{settings.port}",

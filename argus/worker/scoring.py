@@ -33,7 +33,7 @@ import random
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,12 +77,15 @@ class _Stop:
 class ScoreSampler:
     """Scores ``rate`` of the offered images in a background thread; thread-safe.
 
-    ``rng`` draws the sample (seed it in tests). Call :meth:`close` to stop the thread.
+    ``scorer`` is a :class:`Scorer`, or a function that loads one: it is then called on the
+    scoring thread, so loading CLIP does not delay the worker's start (a load that fails is
+    logged, and every sampled image counts as failed). ``rng`` draws the sample (seed it in
+    tests). Call :meth:`close` to stop the thread.
     """
 
     def __init__(
         self,
-        scorer: Scorer,
+        scorer: Scorer | Callable[[], Scorer],
         rate: float,
         *,
         rng: random.Random | None = None,
@@ -93,7 +96,7 @@ class ScoreSampler:
             raise ValueError(f"rate: must be in [0, 1], got {rate}")
         if max_queue < 1 or max_done < 1:
             raise ValueError(f"max_queue, max_done: must be >= 1, got {max_queue}, {max_done}")
-        self.scorer = scorer
+        self._scorer = scorer
         self.rate = rate
         self._rng = rng or random.Random()
         self._queue: queue.Queue[tuple[str, str, str, bytes] | _Stop] = queue.Queue(max_queue)
@@ -155,9 +158,19 @@ class ScoreSampler:
         self._queue.put(_Stop())
         self._thread.join(timeout)
 
+    def _load(self) -> Scorer | None:
+        if not callable(self._scorer):
+            return self._scorer
+        try:
+            return self._scorer()
+        except Exception:  # the worker serves on; its replies carry no scores
+            log.exception("the quality scorer did not load; sampled images are not scored")
+            return None
+
     def _loop(self) -> None:
         from PIL import Image
 
+        scorer = self._load()
         while True:
             item = self._queue.get()
             try:
@@ -165,8 +178,10 @@ class ScoreSampler:
                     return
                 prompt, level, request_id, png = item
                 try:
+                    if scorer is None:
+                        raise RuntimeError("no scorer")
                     image = Image.open(io.BytesIO(png)).convert("RGB")
-                    value = float(self.scorer.score(prompt, [image])[0])
+                    value = float(scorer.score(prompt, [image])[0])
                 except Exception as exc:  # a bad image or a scorer fault: count, keep serving
                     log.warning("scoring request %s failed: %s", request_id, exc)
                     with self._lock:
