@@ -261,3 +261,34 @@ def test_bad_drift_flags_are_refused(
 
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+class Score:
+    def __init__(self, prompt: str, level: str, score: float) -> None:
+        self.prompt, self.level, self.score = prompt, level, score
+
+
+def retrain_directly(serving_sha: str, trained_sha: str) -> tuple[LevelClassifier, Any]:
+    """Feed a drifting stream straight to a RouterDrift; returns the serving model before the
+    swap and the holder."""
+    serving = tolerance_classifier(encoder=FakeEncoder(), encoder_sha256=serving_sha)
+    classifiers = ClassifierSet({Strategy.AC: serving})
+
+    def train(data: LabelledPrompts) -> LevelClassifier:
+        return tolerance_classifier(encoder=FakeEncoder(), encoder_sha256=trained_sha)
+
+    settings = DriftSettings(DriftConfig(window=4, history=2, min_history=2), min_examples=4)
+    drift = RouterDrift(classifiers, PROFILES, train, settings)
+    for i in range(12):
+        value = HIGH if i < 8 else LOW
+        drift.observe([Score(f"p{i}", "ac-k0", value), Score(f"p{i}", "ac-k10", value - 1)])
+    assert drift.wait(TIMEOUT) and drift.stats().retrains == 1, drift.stats()
+    return serving, classifiers.holders[Strategy.AC]
+
+
+def test_a_retrained_head_on_the_same_encoder_weights_serves_on_the_serving_encoder() -> None:
+    serving, holder = retrain_directly("same-weights", "same-weights")
+    assert holder.version == 1 and holder.current is not serving
+    assert holder.current.encoder is serving.encoder  # ONNX in the router, cache still valid
+    serving, holder = retrain_directly("serving-weights", "other-weights")
+    assert holder.current.encoder is not serving.encoder

@@ -337,8 +337,10 @@ class Retrainer:
     ``train(data)`` returns a complete :class:`LevelClassifier`; it runs on a worker thread,
     never on the caller's. ``measure(model)``, when given, returns the new model's
     Q(v | c) on the same thread, before the swap (a failure keeps the old model);
-    :attr:`published` then holds it with the model's version. ``on_swap(version)`` is called
-    after each swap. Only one retrain runs at a time.
+    :attr:`published` then holds it with the model's version. ``prepare(model)``, when
+    given, returns the model to serve in its place (the same head on the serving encoder,
+    say), after ``measure``. ``on_swap(version)`` is called after each swap. Only one retrain
+    runs at a time.
     """
 
     def __init__(
@@ -349,12 +351,14 @@ class Retrainer:
         *,
         min_examples: int = 100,
         measure: Callable[[LevelClassifier], ClassQuality] | None = None,
+        prepare: Callable[[LevelClassifier], LevelClassifier] | None = None,
         on_swap: Callable[[int], None] | None = None,
     ) -> None:
         self.holder = holder
         self.recent = recent
         self._train = train
         self._measure = measure
+        self._prepare = prepare
         self._on_swap = on_swap
         self.min_examples = min_examples
         self._lock = threading.Lock()
@@ -394,6 +398,8 @@ class Retrainer:
             if model.levels != self.holder.current.levels:
                 raise ValueError(f"retrained model has levels {model.levels}")
             quality = None if self._measure is None else self._measure(model)
+            if self._prepare is not None:
+                model = self._prepare(model)
         except Exception as exc:  # the old model keeps serving; the error is kept for stats
             with self._lock:
                 self._failures += 1

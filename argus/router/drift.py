@@ -141,6 +141,7 @@ class RouterDrift:
                 scored,
                 min_examples=self.settings.min_examples,
                 measure=self._measurer(strategy, scored),
+                prepare=self._on_serving_encoder(strategy),
                 on_swap=self._swapped(strategy),
             )
             self._scored[strategy] = scored
@@ -259,6 +260,28 @@ class RouterDrift:
             return self.classifiers.class_quality(strategy)
         except ValueError:
             return None
+
+    def _on_serving_encoder(
+        self, strategy: Strategy
+    ) -> Callable[[LevelClassifier], LevelClassifier]:
+        """The retrained head on the encoder the router serves with, when both are the same
+        weights (same ``encoder_sha256`` and token limit): training embeds with torch, serving
+        with ONNX Runtime, and the prompt-vector cache stays valid for an unchanged encoder.
+        A retrained model on other weights is served as it is."""
+
+        def prepare(model: LevelClassifier) -> LevelClassifier:
+            serving = self.classifiers.current(strategy)
+            same = (
+                bool(model.config.encoder_sha256)
+                and model.config.encoder_sha256 == serving.config.encoder_sha256
+                and model.config.max_tokens == serving.config.max_tokens
+                and model.encoder.dim == serving.encoder.dim
+            )
+            if not same:
+                return model
+            return LevelClassifier(model.config, serving.encoder, model.head, model.calibration)
+
+        return prepare
 
     def _swapped(self, strategy: Strategy) -> Callable[[int], None]:
         def swapped(version: int) -> None:
