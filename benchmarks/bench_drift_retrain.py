@@ -7,7 +7,9 @@ all-MiniLM-L6-v2, ``argus.router.app.build_drift``), then feeds it a made-up dri
 prompt is labelled), scores about 20 for the first half and about 15 after. Windows of 50
 scores, 2 earlier windows needed. Prints the drift counters, the wall time from the first
 drifting window to the last swap (both strategies retrain in turn, one thread each), and the
-reported Q(v | c) of class 0. The scores are SYNTHETIC; only the timing and the path are real.
+reported Q(v | c) of class 0, and whether each retrained head serves on the router's serving
+encoder (ONNX Runtime) rather than the torch encoder it was trained with. The scores are
+SYNTHETIC; only the timing and the path are real.
 The machine is shared: the load average is printed at the start and the end.
 
     python benchmarks/bench_drift_retrain.py [--prompts 400]
@@ -70,6 +72,7 @@ def main() -> None:
     settings = DriftSettings(DriftConfig(window=50, history=2, min_history=2), min_examples=100)
     drift = build_drift(settings, classifiers, profiles, metrics)
     assert drift is not None
+    before = {s: classifiers.current(s).encoder for s in classifiers.strategies}
     rng = random.Random(0)
     began: float | None = None
     for i in range(args.prompts):
@@ -91,6 +94,9 @@ def main() -> None:
     took = time.perf_counter() - began if began is not None else float("nan")
     print(drift.stats())
     print(f"first drift to last swap: {took:.1f} s; errors: {dict(drift.last_errors())}")
+    for strategy, encoder in before.items():
+        same = classifiers.current(strategy).encoder is encoder
+        print(f"{strategy.value}: the retrained head serves on the serving encoder: {same}")
     key, qualities = drift.report("committed")
     print(f"reported key: {key}")
     for quality in qualities:
