@@ -189,3 +189,21 @@ def test_the_scorer_loads_on_the_scoring_thread_and_a_failed_load_only_counts() 
         assert sampler.stats().failed == 1 and sampler.take() == []
     finally:
         sampler.close()
+
+
+def test_real_models_are_scored_only_with_a_real_scorer(caplog: pytest.LogCaptureFixture) -> None:
+    from argus.worker.app import WorkerSettings, build_score_sampler
+
+    assert build_score_sampler(WorkerSettings(score_sample=0.0), "cpu") is None
+    real = WorkerSettings(model="/models/sdxl", score_sample=0.05)
+    assert build_score_sampler(real, "cpu") is None
+    assert "--score-sample needs --scorer" in caplog.text
+    for settings in (
+        WorkerSettings(score_sample=0.05),  # tiny models: the tiny random CLIP
+        WorkerSettings(model="/models/sdxl", score_sample=0.05, scorer_dir="/models/pickscore"),
+    ):
+        sampler = build_score_sampler(settings, "cpu")
+        assert sampler is not None and sampler.rate == 0.05
+        sampler.close()
+    with pytest.raises(ValueError, match="score_sample"):
+        WorkerSettings(score_sample=-0.1)

@@ -30,6 +30,7 @@ from argus.worker.membership import (
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.models import TINY_PREFIX, TINY_VARIANTS
 from argus.worker.registry import ModelRegistry
+from argus.worker.scoring import ScoreSampler, load_scorer
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +250,21 @@ def build_worker(
     return worker
 
 
+def build_score_sampler(settings: WorkerSettings, device: str) -> ScoreSampler | None:
+    """The sampler of ``--score-sample`` (its scorer loads on its own thread), or None: off, or
+    real models without ``--scorer`` (a random CLIP's scores of real images would make the
+    router retrain its classifier on noise; logged)."""
+    if settings.score_sample <= 0.0:
+        return None
+    if settings.scorer_dir is None and settings.model != "tiny":
+        log.warning(
+            "worker %s: --score-sample needs --scorer with real models; not scoring",
+            settings.worker_id,
+        )
+        return None
+    return ScoreSampler(lambda: load_scorer(settings.scorer_dir, device), settings.score_sample)
+
+
 def start_warm_up(
     worker: Worker, loading: Future[Any], on_ready: Callable[[], None]
 ) -> threading.Thread:
@@ -294,14 +310,7 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     tls = load_internal_tls(settings)  # a missing certificate too
     metrics = WorkerMetrics()
     worker = build_worker(settings, wait_for_model=False, metrics=metrics, tls=tls)
-    scores = None
-    if settings.score_sample > 0.0:
-        from argus.worker.scoring import ScoreSampler, load_scorer
-
-        device = str(worker.registry.device)
-        scores = ScoreSampler(
-            lambda: load_scorer(settings.scorer_dir, device), settings.score_sample
-        )
+    scores = build_score_sampler(settings, str(worker.registry.device))
     server, port, servicer = create_server(
         worker,
         f"{settings.host}:{settings.port}",

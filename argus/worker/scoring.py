@@ -19,9 +19,11 @@ CPU beside the classifier (the request path) and leave the worker's accelerator 
 At most ``max_done`` finished scores wait for a reply (older ones are dropped and counted),
 so a worker that gets no more requests holds a bounded backlog.
 
-Without ``--scorer`` a worker scores with a tiny random CLIP built from a config with seeded
-weights (:func:`tiny_scorer`), as the tiny pipelines are built: the path runs end to end on a
-CPU, but its scores measure nothing. Give a PickScore directory for real scores.
+Without ``--scorer`` a worker on the tiny models scores with a tiny random CLIP built from a
+config with seeded weights (:func:`tiny_scorer`), as the tiny pipelines are built: the path
+runs end to end on a CPU, but its scores measure nothing. A worker on real models scores only
+with a PickScore directory (``--scorer``): a random CLIP's scores of real images would make the
+router retrain its classifier on noise.
 """
 
 from __future__ import annotations
