@@ -140,6 +140,7 @@ class Cluster:
         classifier: Any = None,
         metrics: Any = None,
         security: ServerSecurity | None = None,
+        drift: Any = None,
     ) -> str:
         """Start the router on the allocator's current plan; returns its address."""
         self.core = RouterCore(
@@ -148,6 +149,7 @@ class Cluster:
             config or RouterServiceConfig(),
             clock=self.clock,
             metrics=metrics,
+            drift=drift,
         )
         self.core.install(self.client.get_plan())
         server, port, _ = create_server(self.core, security=security or ServerSecurity())

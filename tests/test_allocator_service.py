@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 from argus import rpc
 from argus.allocator.client import AllocatorClient, PlanWatcher
 from argus.allocator.control import AllocatorControl, ControlConfig, ReplanReason
-from argus.allocator.convert import plan_from_pb, plan_to_pb
+from argus.allocator.convert import class_quality_to_pb, plan_from_pb, plan_to_pb
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
 from argus.allocator.membership import RetrievalReport, WorkerReport
 from argus.allocator.metrics import AllocatorMetrics
@@ -43,7 +43,7 @@ from argus.classifier.serving import (
 )
 from argus.cli.main import main
 from argus.profiles import default_profiles
-from argus.types import Plan, Strategy
+from argus.types import ClassQuality, Plan, Strategy
 from tests.service_process import read_address, start_argus
 from tests.tls_factories import TestCA
 
@@ -816,3 +816,37 @@ def test_every_replan_reason_reaches_the_wire_and_back() -> None:
         value = REASON_TO_PB[reason]
         assert allocator_pb2.PlanReason.Name(value) == f"PLAN_REASON_{reason.name}"
         assert REASON_FROM_PB[value] is reason
+
+
+def test_a_router_reporting_a_retrained_q_is_planned_with_it(
+    serve: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    classes = read_planning_classes()
+    alloc = serve(class_quality=classes.class_quality, classifier_key="allocator-key")
+    control = alloc.servicer.control
+    levels = tuple(lv.name for lv in PROFILES.levels_for(Strategy.AC))
+    n = len(levels)
+    retrained = ClassQuality(
+        Strategy.AC, levels, tuple((1.0 - 0.01 * c,) * n for c in range(n)), (1 / n,) * n, "t"
+    )
+    request = report("r0", 1, 1.0, ["ac-k0"], seq=1)
+    request.classifier = "allocator-key+retrained:ac1"
+    request.class_quality.append(class_quality_to_pb(retrained))
+    alloc.stub.ReportRouter(request, timeout=TIMEOUT)
+    assert control.class_quality(Strategy.AC) == retrained
+    assert control.class_quality(Strategy.SM) == classes.class_quality[Strategy.SM]
+    assert control.classifier_key == "allocator-key+retrained:ac1"
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    alloc.clock.advance(60.0)
+    alloc.tick()
+    assert alloc.metric("argus_allocator_classifier", key="allocator-key+retrained:ac1") == 1.0
+    assert alloc.metric("argus_allocator_classifier", key="allocator-key") == 0.0
+
+    bad = report("r0", 1, 1.0, ["ac-k0"], seq=2)
+    bad.class_quality.append(class_quality_to_pb(retrained))
+    bad.class_quality[0].levels[1] = "sm-sd-xl"
+    with pytest.raises(grpc.RpcError) as caught:
+        alloc.stub.ReportRouter(bad, timeout=TIMEOUT)
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith("class_quality[0].levels")
+    assert control.class_quality(Strategy.AC) == retrained  # the bad report changed nothing

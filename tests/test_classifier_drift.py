@@ -14,15 +14,18 @@ from argus.classifier.drift import (
     DriftConfig,
     DriftMonitor,
     DriftRetraining,
+    Observation,
     RecentLabels,
     Retrainer,
+    ScoredPrompts,
     logistic_retrain,
+    observed_class_quality,
 )
 from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import LevelClassifier
 from argus.classifier.serving import ClassifierSet, HotSwapModel
 from argus.classifier.train import TrainConfig
-from argus.types import Strategy
+from argus.types import ClassQuality, Strategy
 from tests.classifier_factories import (
     AC_LEVELS,
     EASY,
@@ -213,3 +216,73 @@ def test_logistic_retrain_learns_from_recent_labels(tmp_path: Path) -> None:
     assert retrainer.stats().retrains == 1, retrainer.stats().last_error
     predicted = holder.current.predict(["cat and dog and sun", "mosaic and origami and crowd"])
     assert predicted.tolist() == [5, 0]
+
+
+# ------------------------------------------------------------------- labels and Q from scores
+
+
+def test_scored_prompts_label_by_the_delta_rule_on_observed_levels() -> None:
+    scored = ScoredPrompts(Strategy.AC, AC_LEVELS, capacity=3, delta=0.9)
+    scored.observe("a", 0, 20.0)
+    assert len(scored) == 0  # one level says nothing about the others
+    scored.observe("a", 4, 18.5)  # within 0.9 × 20: tolerates level 4
+    scored.observe("b", 0, 20.0)
+    scored.observe("b", 2, 17.0)  # below 18: level 0 stays its label
+    scored.observe("c", 3, 10.0)
+    scored.observe(" ", 1, 5.0)  # empty prompts are answered without the model: ignored
+    scored.observe("c", 5, float("nan"))  # ignored
+    assert len(scored) == 2
+    data = scored.snapshot()
+    assert data.prompts == ("a", "b") and data.labels.tolist() == [4, 0]
+    scored.observe("d", 1, 12.0)  # capacity 3: "a" leaves, and its label with it
+    assert len(scored) == 1 and scored.snapshot().prompts == ("b",)
+    assert [o.prompt for o in scored.observations()] == ["b", "c", "d"]
+    with pytest.raises(ValueError, match="level"):
+        scored.observe("e", 6, 1.0)
+
+
+def test_observed_class_quality_measures_what_was_seen_and_keeps_the_rest() -> None:
+    levels = ("l0", "l1", "l2")
+    previous = ClassQuality(Strategy.AC, levels, ((0.5, 0.5, 0.5),) * 3, (1 / 3,) * 3, "old")
+    observations = [
+        Observation("p", {0: 20.0, 1: 18.0}),  # class 0
+        Observation("q", {0: 10.0}),  # class 0
+        Observation("r", {2: 15.0}),  # class 2
+    ]
+    quality = observed_class_quality([0, 0, 2], observations, levels, Strategy.AC, previous, "t")
+    best = 15.0  # the mean level-0 score over every class
+    assert quality.quality[0] == pytest.approx((1.0, 18.0 / best, 0.5))
+    assert quality.quality[1] == (0.5, 0.5, 0.5)  # never observed: the previous model's Q
+    assert quality.quality[2] == pytest.approx((0.5, 0.5, 1.0))
+    assert quality.prior == pytest.approx((2 / 3, 0.0, 1 / 3)) and quality.source == "t"
+    alone = observed_class_quality([0, 0, 2], observations, levels, Strategy.AC, None, "t")
+    assert alone.quality[1] == pytest.approx((1.0, 18.0 / best, 1.0))  # the level means
+    with pytest.raises(ValueError, match="no AC scores"):
+        observed_class_quality([], [], levels, Strategy.AC, None, "t")
+
+
+def test_a_retrain_publishes_the_measured_quality_with_its_version() -> None:
+    holder: HotSwapModel[LevelClassifier] = HotSwapModel(constant_classifier(2))
+    table = ClassQuality(Strategy.AC, AC_LEVELS, ((1.0,) * 6,) * 6, (1 / 6,) * 6, "measured")
+    swaps: list[int] = []
+    retrainer = Retrainer(
+        holder,
+        lambda data: constant_classifier(3),
+        recent(20),
+        min_examples=10,
+        measure=lambda model: table,
+        on_swap=swaps.append,
+    )
+    assert retrainer.published is None
+    assert retrainer.trigger() and retrainer.wait(30)
+    assert retrainer.published == (1, table) and swaps == [1] and holder.version == 1
+
+    def unmeasurable(model: LevelClassifier) -> ClassQuality:
+        raise ValueError("no scores")
+
+    failing = Retrainer(
+        holder, lambda data: constant_classifier(4), recent(20), min_examples=10,
+        measure=unmeasurable,
+    )  # fmt: skip
+    assert failing.trigger() and failing.wait(30)
+    assert failing.stats().failures == 1 and failing.published is None and holder.version == 1

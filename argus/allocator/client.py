@@ -23,6 +23,7 @@ from argus import rpc
 from argus.allocator.control import HeartbeatAnswer, PublishedPlan, RouterAnswer
 from argus.allocator.convert import (
     FieldError,
+    class_quality_to_pb,
     heartbeat_answer_from_pb,
     heartbeat_to_pb,
     plan_from_pb,
@@ -32,7 +33,7 @@ from argus.allocator.convert import (
 from argus.allocator.membership import WorkerReport
 from argus.grpc_server import reconnect_options
 from argus.internal_tls import InternalTLS, channel
-from argus.types import Strategy
+from argus.types import ClassQuality, Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
 allocator_pb2_grpc: Any = rpc.load("allocator_pb2_grpc")
@@ -66,6 +67,7 @@ class AllocatorClient:
         classified: Mapping[Strategy, Sequence[str]] | None = None,
         replan_wanted: bool = False,
         classifier: str = "",
+        class_quality: Sequence[ClassQuality] = (),
     ) -> RouterAnswer:
         """Send a router's statistics since its last report (see ``RouterReport``)."""
         request = router_report_to_pb(
@@ -76,6 +78,7 @@ class AllocatorClient:
             replan_wanted=replan_wanted,
             classifier=classifier,
         )
+        request.class_quality.extend(class_quality_to_pb(q) for q in class_quality)
         return router_answer_from_pb(self._stub.ReportRouter(request, timeout=self.timeout_s))
 
     def get_plan(self) -> PublishedPlan:

@@ -266,6 +266,8 @@ class RouterReport:
     classified: tuple[tuple[Strategy, tuple[int, ...]], ...] = ()  # class indices, oldest first
     replan_wanted: bool = False
     classifier: str = ""  # classifier_key of the router's classifier; "": not said
+    # Q(v | c) of strategies the router retrained since it started (drift retraining)
+    class_quality: tuple[ClassQuality, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -361,6 +363,11 @@ class AllocatorControl:
         with self._lock:
             return self._monitor.strategy is Strategy.AC
 
+    def class_quality(self, strategy: Strategy) -> ClassQuality | None:
+        """The Q(v | c) ``strategy`` is planned with now (None: level averages)."""
+        with self._lock:
+            return self._allocator.class_quality.get(strategy)
+
     def routers_on_other_classifier(self) -> int:
         """Routers whose latest report named a classifier other than ``classifier_key``."""
         with self._lock:
@@ -398,6 +405,7 @@ class AllocatorControl:
             now = self._clock()
             if self._duplicate(report):
                 return RouterAnswer(self._current.version, duplicate=True)
+            self._adopt_class_quality(report)
             self._check_classifier(report)
             if report.arrival_ages_s:  # oldest first, so no arrival reads as late
                 for age in sorted(report.arrival_ages_s, reverse=True):
@@ -571,6 +579,25 @@ class AllocatorControl:
         while len(self._router_seq) > self.config.max_routers:
             self._router_seq.popitem(last=False)
         return False
+
+    def _adopt_class_quality(self, report: RouterReport) -> None:
+        """Plan with the Q(v | c) a router reports for a retrained strategy, and expect its
+        classifier identity from now on (a router that retrains classifies into new classes;
+        pricing them with the artifact's Q would be wrong). With several routers the latest
+        report wins, and the others are then logged as classifying with another classifier."""
+        for quality in report.class_quality:
+            if self._allocator.class_quality.get(quality.strategy) == quality:
+                continue
+            self._allocator.class_quality[quality.strategy] = quality
+            log.info(
+                "router %s retrained its %s classifier (%s): planning with its Q(v | c) (%s)",
+                report.router_id,
+                quality.strategy.value,
+                report.classifier or "no identity",
+                quality.source,
+            )
+        if report.class_quality and report.classifier:
+            self.classifier_key = report.classifier
 
     def _check_classifier(self, report: RouterReport) -> None:
         """Remember the classifier ``report`` names; warn when it changes to one that is not

@@ -26,7 +26,15 @@ from argus.allocator.control import (
     RouterReport,
 )
 from argus.allocator.membership import RetrievalReport, WorkerReport
-from argus.types import Allocation, LoadForecast, Plan, ProfileSet, ShiftMap, Strategy
+from argus.types import (
+    Allocation,
+    ClassQuality,
+    LoadForecast,
+    Plan,
+    ProfileSet,
+    ShiftMap,
+    Strategy,
+)
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
 
@@ -222,6 +230,50 @@ def router_report_from_pb(message: Any, profiles: ProfileSet) -> RouterReport:
         classified=tuple(classified),
         replan_wanted=message.replan_wanted,
         classifier=_at_most_chars(message.classifier, "classifier"),
+        class_quality=tuple(
+            class_quality_from_pb(entry, profiles, f"class_quality[{i}]")
+            for i, entry in enumerate(message.class_quality)
+        ),
+    )
+
+
+def class_quality_from_pb(message: Any, profiles: ProfileSet, where: str) -> ClassQuality:
+    """A reported Q(v | c), checked against the profile: its levels must be the strategy's
+    levels in order (the planner indexes classes by them), its table n × n and its values
+    finite and >= 0. FieldError names the field."""
+    strategy = _strategy(message.strategy, f"{where}.strategy")
+    assert strategy is not None
+    expected = tuple(level.name for level in profiles.levels_for(strategy))
+    levels = tuple(message.levels)
+    if levels != expected:
+        raise FieldError(
+            f"{where}.levels: expected the profile's {strategy} levels {', '.join(expected)}, "
+            f"got {', '.join(levels) or 'none'}"
+        )
+    n = len(levels)
+    if len(message.quality) != n * n:
+        raise FieldError(
+            f"{where}.quality: expected {n} × {n} = {n * n} values, got {len(message.quality)}"
+        )
+    for name, values in (("quality", message.quality), ("prior", message.prior)):
+        for j, value in enumerate(values):
+            if not (math.isfinite(value) and value >= 0.0):
+                raise FieldError(f"{where}.{name}[{j}]: must be finite and >= 0, got {value}")
+    if len(message.prior) != n:
+        raise FieldError(f"{where}.prior: expected {n} values, got {len(message.prior)}")
+    rows = tuple(tuple(float(x) for x in message.quality[c * n : (c + 1) * n]) for c in range(n))
+    source = _at_most_chars(message.source, f"{where}.source")
+    return ClassQuality(strategy, levels, rows, tuple(float(p) for p in message.prior), source)
+
+
+def class_quality_to_pb(quality: ClassQuality) -> Any:
+    """The router's side of :func:`class_quality_from_pb`."""
+    return allocator_pb2.ReportedClassQuality(
+        strategy=STRATEGY_TO_PB[quality.strategy],
+        levels=list(quality.levels),
+        quality=[value for row in quality.quality for value in row],
+        prior=list(quality.prior),
+        source=quality.source[:MAX_ID_CHARS],
     )
 
 

@@ -24,6 +24,8 @@ class AllocatorMetrics:
     def __init__(self, profiles: ProfileSet, registry: CollectorRegistry | None = None) -> None:
         reg = registry if registry is not None else REGISTRY
         self._levels = {s: [lv.name for lv in profiles.levels_for(s)] for s in Strategy}
+        self._control: AllocatorControl | None = None  # set by watch
+        self._shown_key: str | None = None  # the classifier key the gauge shows
         self.plans = Counter(
             "argus_allocator_plans",
             "Plans made, by the reason they were made for",
@@ -120,7 +122,8 @@ class AllocatorMetrics:
 
     def watch(self, control: AllocatorControl, watchers: Callable[[], int]) -> None:
         """Read live values from ``control`` and the watcher count at scrape time."""
-        self.classifier.labels(control.classifier_key or "none").set(1.0)
+        self._control = control
+        self._show_classifier()
         self.routers_other_classifier.set_function(
             lambda: float(control.routers_on_other_classifier())
         )
@@ -146,6 +149,18 @@ class AllocatorMetrics:
             self.affinity.labels(name).set(share)
         self.forecast.set(plan.forecast.qpm)
         self.shortfall.set(plan.allocation.shortfall_qpm)
+        self._show_classifier()
+
+    def _show_classifier(self) -> None:
+        """The classifier key the plans price with; it changes when a router reports a
+        drift-retrained classifier's Q(v | c)."""
+        if self._control is None:
+            return
+        key = self._control.classifier_key or "none"
+        if key != self._shown_key:
+            self.classifier.clear()
+            self.classifier.labels(key).set(1.0)
+            self._shown_key = key
 
     def _per_level(
         self, strategy: Strategy, workers: tuple[PlannedWorker, ...], shares: tuple[float, ...]

@@ -13,34 +13,45 @@ with none, a stationary stream would fall below its own average every other wind
 PickScores around 20). Windows count scores, not seconds, so no clock is involved.
 
 On drift, :class:`Retrainer` trains a new model in a background thread from the recent
-labelled prompts (:class:`RecentLabels`), then swaps it in through the strategy's
-:class:`~argus.classifier.serving.HotSwapModel`: the new model is complete before the swap, and
-the swap is one reference assignment, so requests keep using the old model until then and
-never see a half-built one. A trigger while a retrain runs, or with too few labels, is
-counted and dropped. What feeds the monitor is the caller's choice; note that a plan which
-moves prompts to faster levels under load lowers quality too, without any drift in prompts.
+labelled prompts, measures the new model's Q(v | c) (``measure``), then swaps it in through the
+strategy's :class:`~argus.classifier.serving.HotSwapModel`: the new model is complete before
+the swap, and the swap is one reference assignment, so requests keep using the old model until
+then and never see a half-built one. A trigger while a retrain runs, or with too few labels,
+is counted and dropped.
 
-**Not wired into the live router, and not safe to wire as it is.** ``argus router`` builds
-no :class:`Retrainer` (its ``argus_router_classifier_retrains`` counter stays at 0). The
-allocator prices the router's classes with the Q(v | c) it read at start-up from the
-artifact's ``calibration.json`` (:func:`~argus.classifier.serving.read_planning_classes`),
-and the router reports the :func:`~argus.classifier.serving.classifier_key` of the artifact
-it loaded. A swapped-in model would break both: :class:`RecentLabels` carry no scores, so
-the retrained model's calibration has new edges and temperature but no Q (or no calibration
-at all when none of the recent prompts falls in the CALIBRATION split, and the router would
-send arg-max levels where the allocator expects classes); the allocator would keep pricing
-the new classes with the old head's Q, and the router would go on reporting the old key.
-Wiring it needs scores for the recent prompts (so the retrain measures Q) and a way to give
-the new Q to the allocator: a new artifact both processes reload, or Q in the router's report.
+**Where the labels and Q come from** (the live router: :mod:`argus.router.drift`). Workers
+score a sample of their images (:mod:`argus.worker.scoring`) and the router learns each
+sampled image's (prompt, level, score). :class:`ScoredPrompts` keeps the latest score of each
+recent prompt at each level it was served at. A prompt scored at two levels or more is
+*labelled* by the δ rule on what was observed (the fastest observed level within δ of the best
+observed score); a prompt seen at one level gives no label, since one score says nothing about
+the other levels. Labels therefore come from prompts that recur across levels (a popular
+prompt routed to different levels as plans change); shadow runs at a second level, which would
+label every sampled prompt, are not built. :func:`observed_class_quality` measures the new
+model's Q(v | c) from every observation, single-level ones included: the mean observed score
+of class ``c`` at level ``v`` over the mean observed score at the best level. A cell no
+observation reaches keeps the previous model's value (it cannot be measured, and the planner
+needs a number); the docs say so.
+
+**Keeping the allocator consistent.** The allocator prices a router's classes with Q(v | c),
+read at start-up from the artifact's ``calibration.json``; a swapped head has other classes.
+So the router sends the swapped strategies' new Q, with a classifier identity that names the
+retrain, in its report (``RouterReport.class_quality``), and the allocator plans those
+strategies with it from then on. Until the next report (about a second) the allocator still
+prices the new classes with the old Q. What feeds the monitor is the caller's choice; note
+that a plan which moves prompts to faster levels under load lowers quality too, without any
+drift in prompts, and that retrain would then be wasted but harmless.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 
@@ -49,7 +60,7 @@ from argus.classifier.model import Backbone, LevelClassifier
 from argus.classifier.prompts import clean_prompt
 from argus.classifier.serving import HotSwapModel
 from argus.classifier.train import TrainConfig
-from argus.types import Strategy
+from argus.types import ClassQuality, Strategy
 
 
 @dataclass(frozen=True)
@@ -166,6 +177,148 @@ class RecentLabels:
         )
 
 
+class LabelSource(Protocol):
+    """Where a :class:`Retrainer` takes its training data from."""
+
+    strategy: Strategy
+
+    def __len__(self) -> int: ...  # labelled prompts available now
+
+    def snapshot(self) -> LabelledPrompts: ...
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Scores of one prompt at the levels it was served at."""
+
+    prompt: str  # cleaned text
+    scores: dict[int, float]  # level index → latest score
+
+
+class ScoredPrompts:
+    """The latest score of each of the last ``capacity`` prompts of one strategy at each level
+    it was served at (a prompt seen again moves up); thread-safe.
+
+    Labels follow the δ rule on the observed levels (module docstring): a prompt scored at two
+    levels or more is labelled with the fastest of them whose score is ``>= δ ×`` its best
+    observed score. ``len()`` counts labelled prompts, what a retrain can use.
+    """
+
+    def __init__(
+        self, strategy: Strategy, levels: tuple[str, ...], capacity: int = 5000, delta: float = 0.9
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity: must be >= 1, got {capacity}")
+        if not 0.0 < delta <= 1.0:
+            raise ValueError(f"delta: must be in (0, 1], got {delta}")
+        self.strategy = strategy
+        self.levels = levels
+        self.capacity = capacity
+        self.delta = delta
+        self._items: OrderedDict[str, dict[int, float]] = OrderedDict()
+        self._labelled = 0  # prompts with two scored levels or more
+        self._lock = threading.Lock()
+
+    def observe(self, prompt: str, level: int, score: float) -> None:
+        """One served image's score; empty prompts and non-finite scores are ignored."""
+        if not 0 <= level < len(self.levels):
+            raise ValueError(f"level must be in [0, {len(self.levels)}), got {level}")
+        text = clean_prompt(prompt)
+        if text is None or not math.isfinite(score):
+            return
+        with self._lock:
+            scores = self._items.pop(text, {})
+            before = len(scores) >= 2
+            scores[level] = float(score)
+            self._items[text] = scores
+            self._labelled += int(len(scores) >= 2) - int(before)
+            while len(self._items) > self.capacity:
+                _, gone = self._items.popitem(last=False)
+                self._labelled -= int(len(gone) >= 2)
+
+    def __len__(self) -> int:
+        return self._labelled
+
+    def observations(self) -> list[Observation]:
+        """Every prompt held, oldest first, with its scores."""
+        with self._lock:
+            return [Observation(p, dict(s)) for p, s in self._items.items()]
+
+    def label(self, scores: dict[int, float]) -> int:
+        """The δ rule on observed scores: the fastest level within δ of the best score."""
+        best = max(scores.values())
+        return max(v for v, score in scores.items() if score >= self.delta * best)
+
+    def snapshot(self) -> LabelledPrompts:
+        """The labelled prompts, oldest first, as training data (no score table: it has
+        holes)."""
+        held = [o for o in self.observations() if len(o.scores) >= 2]
+        return LabelledPrompts(
+            strategy=self.strategy,
+            levels=self.levels,
+            prompts=tuple(o.prompt for o in held),
+            labels=np.array([self.label(o.scores) for o in held], dtype=np.int64),
+            scores=None,
+            source="scored prompts served at several levels (drift retraining)",
+            delta=self.delta,
+        )
+
+
+def observed_class_quality(
+    classes: Sequence[int],
+    observations: Sequence[Observation],
+    levels: tuple[str, ...],
+    strategy: Strategy,
+    previous: ClassQuality | None,
+    source: str,
+) -> ClassQuality:
+    """Q(v | c) of a model that puts ``observations[i]``'s prompt in class ``classes[i]``.
+
+    ``Q[c][v]`` is the mean observed score of class ``c`` at level ``v`` over the mean
+    observed score at level 0 (the best level) of every class; without any level-0 score, over
+    the highest level mean. A cell with no score keeps ``previous``'s value, or without one
+    the level's mean over all classes (its nearest level's when the level has no score at
+    all). The prior is the share of the observed prompts in each class. ``ValueError`` when
+    nothing was observed."""
+    n = len(levels)
+    if len(classes) != len(observations):
+        raise ValueError(f"{len(classes)} classes for {len(observations)} observations")
+    total = np.zeros((n, n))
+    count = np.zeros((n, n))
+    for c, observation in zip(classes, observations, strict=True):
+        if not 0 <= c < n:
+            raise ValueError(f"class {c} outside [0, {n})")
+        for v, score in observation.scores.items():
+            total[c, v] += score
+            count[c, v] += 1
+    if not count.any():
+        raise ValueError(f"no {strategy} scores to measure Q(v | c) with")
+    column = total.sum(axis=0) / np.maximum(count.sum(axis=0), 1)
+    seen = np.flatnonzero(count.sum(axis=0) > 0)
+    best = column[0] if count[:, 0].any() else float(column[seen].max())
+    if not best > 0.0:
+        raise ValueError(f"the {strategy} best-level mean score is {best}, not > 0")
+    quality = np.zeros((n, n))
+    for c in range(n):
+        for v in range(n):
+            if count[c, v]:
+                quality[c, v] = total[c, v] / count[c, v] / best
+            elif previous is not None:
+                quality[c, v] = previous.quality[c][v]
+            else:
+                nearest = seen[int(np.argmin(np.abs(seen - v)))]
+                quality[c, v] = column[nearest] / best
+    members = np.bincount(np.asarray(classes, dtype=np.int64), minlength=n)[:n]
+    prior = members / members.sum() if members.sum() else np.full(n, 1.0 / n)
+    return ClassQuality(
+        strategy=strategy,
+        levels=levels,
+        quality=tuple(tuple(max(0.0, float(x)) for x in row) for row in quality),
+        prior=tuple(float(x) for x in prior),
+        source=source,
+    )
+
+
 @dataclass(frozen=True)
 class RetrainStats:
     """Counters of a :class:`Retrainer`."""
@@ -182,25 +335,44 @@ class Retrainer:
     """Retrains one strategy's model in the background and hot-swaps the result.
 
     ``train(data)`` returns a complete :class:`LevelClassifier`; it runs on a worker thread,
-    never on the caller's. Only one retrain runs at a time.
+    never on the caller's. ``measure(model)``, when given, returns the new model's
+    Q(v | c) on the same thread, before the swap (a failure keeps the old model);
+    :attr:`published` then holds it with the model's version. ``prepare(model)``, when
+    given, returns the model to serve in its place (the same head on the serving encoder,
+    say), after ``measure``. ``on_swap(version)`` is called after each swap. Only one retrain
+    runs at a time.
     """
 
     def __init__(
         self,
         holder: HotSwapModel[LevelClassifier],
         train: Callable[[LabelledPrompts], LevelClassifier],
-        recent: RecentLabels,
+        recent: LabelSource,
         *,
         min_examples: int = 100,
+        measure: Callable[[LevelClassifier], ClassQuality] | None = None,
+        prepare: Callable[[LevelClassifier], LevelClassifier] | None = None,
+        on_swap: Callable[[int], None] | None = None,
     ) -> None:
         self.holder = holder
         self.recent = recent
         self._train = train
+        self._measure = measure
+        self._prepare = prepare
+        self._on_swap = on_swap
         self.min_examples = min_examples
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._retrains = self._failures = self._skipped = 0
         self._last_error: str | None = None
+        self._published: tuple[int, ClassQuality | None] | None = None
+
+    @property
+    def published(self) -> tuple[int, ClassQuality | None] | None:
+        """(version, Q(v | c)) of the last model swapped in, read together; None before the
+        first swap. Q is None without ``measure``."""
+        with self._lock:
+            return self._published
 
     def trigger(self) -> bool:
         """Start a retrain unless one runs or labels are too few; True when started."""
@@ -225,14 +397,20 @@ class Retrainer:
                 )
             if model.levels != self.holder.current.levels:
                 raise ValueError(f"retrained model has levels {model.levels}")
+            quality = None if self._measure is None else self._measure(model)
+            if self._prepare is not None:
+                model = self._prepare(model)
         except Exception as exc:  # the old model keeps serving; the error is kept for stats
             with self._lock:
                 self._failures += 1
                 self._last_error = f"{type(exc).__name__}: {exc}"
             return
-        self.holder.swap(model)
+        version = self.holder.swap(model)
         with self._lock:
             self._retrains += 1
+            self._published = (version, quality)
+        if self._on_swap is not None:
+            self._on_swap(version)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a running retrain; True when none is running afterwards."""
@@ -256,7 +434,8 @@ class Retrainer:
 
 
 class DriftRetraining:
-    """A monitor wired to a retrainer: a drifting window starts a background retrain."""
+    """A monitor wired to a retrainer: a drifting window starts a background retrain. Not
+    thread-safe (the monitor is not): one feeder, or the caller's lock."""
 
     def __init__(self, monitor: DriftMonitor, retrainer: Retrainer) -> None:
         self.monitor = monitor
@@ -269,10 +448,6 @@ class DriftRetraining:
         if verdict is not None and verdict.drift and self.retrainer.trigger():
             self.triggered += 1
         return verdict
-
-    def observe_label(self, prompt: str, level: int) -> None:
-        """A prompt whose optimal level became known (images scored at several levels)."""
-        self.retrainer.recent.add(prompt, level)
 
 
 def logistic_retrain(

@@ -11,7 +11,10 @@ pixels × steps in units of the profile's reference request (1024 × 1024 at 50 
 default profile); a larger request is INVALID_ARGUMENT naming width, height and steps.
 ``--http-port`` (0: any free port) also serves the OpenAI-compatible images API over HTTP
 (``POST /v1/images/generations``, ``GET /v1/models``, ``/healthz``, ``/readyz``; same bearer
-token) and prints ``argus router http on http://HOST:PORT/v1`` once bound.
+token) and prints ``argus router http on http://HOST:PORT/v1`` once bound. The router watches
+the quality scores workers send (``argus worker --score-sample``) for drift, in windows of
+``--drift-window`` scores (0: off), and on drift retrains the classifier in the background and
+swaps it in (``--no-drift-retrain``: watch only); see :mod:`argus.router.drift`.
 """
 
 from __future__ import annotations
@@ -78,12 +81,39 @@ class RouterCommand:
             help="the workers' --default-steps: requests without steps are not routed to "
             "levels that skip as many (default: not capped)",
         )
+        drift = parser.add_argument_group("drift retraining (workers' quality scores)")
+        drift.add_argument(
+            "--drift-window",
+            type=int,
+            default=200,
+            help="scores per drift window (0: no drift monitoring; default 200)",
+        )
+        drift.add_argument(
+            "--drift-tolerance",
+            type=float,
+            default=0.02,
+            help="a window drifts when its median is this far below the moving average",
+        )
+        drift.add_argument(
+            "--drift-retrain",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="retrain and swap the classifier on drift (default: on)",
+        )
+        drift.add_argument(
+            "--drift-min-labels",
+            type=int,
+            default=100,
+            help="prompts scored at two levels or more a retrain needs (default 100)",
+        )
         add_internal_tls_arguments(parser, "router")
 
     def run(self, args: argparse.Namespace) -> int:
+        from argus.classifier.drift import DriftConfig
         from argus.grpc_server import check_address
         from argus.profiles import ProfileError
         from argus.router.app import RouterSettings, serve
+        from argus.router.drift import DriftSettings
 
         ports = (
             ("--port", args.port),
@@ -105,9 +135,18 @@ class RouterCommand:
             raise CLIError(f"--max-cost: {args.max_cost} must be a positive number")
         if args.default_steps is not None and args.default_steps < 1:
             raise CLIError(f"--default-steps: {args.default_steps} must be positive")
+        if args.drift_window < 0:
+            raise CLIError(f"--drift-window: {args.drift_window} must be >= 0")
         tls_dir = internal_tls_dir(args, "router")
         try:
             check_address(args.allocator, "--allocator")
+            drift = None
+            if args.drift_window > 0:
+                drift = DriftSettings(
+                    monitor=DriftConfig(window=args.drift_window, tolerance=args.drift_tolerance),
+                    retrain=args.drift_retrain,
+                    min_examples=args.drift_min_labels,
+                )
             settings = RouterSettings(
                 allocator=args.allocator,
                 host=args.host,
@@ -128,6 +167,7 @@ class RouterCommand:
                 http_port=args.http_port,
                 http_host=args.http_host,
                 internal_tls_dir=tls_dir,
+                drift=drift,
             )
             settings.security()  # a bad certificate or token file fails before any loading
             return serve(settings)

@@ -59,6 +59,16 @@ class WorkerCommand:
         parser.add_argument("--default-steps", type=int, default=50)
         parser.add_argument("--max-queue", type=int, default=64)
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+        parser.add_argument(
+            "--score-sample",
+            type=float,
+            default=0.05,
+            help="share of images scored with PickScore for the router's drift monitor, off "
+            "the request path (0: off; default 0.05)",
+        )
+        parser.add_argument(
+            "--scorer", help="PickScore (CLIP) directory (default: a tiny random CLIP)"
+        )
         cluster = parser.add_argument_group("cluster (the allocator's plan)")
         cluster.add_argument("--allocator", help="allocator HOST:PORT (default: standalone)")
         cluster.add_argument(
@@ -98,6 +108,8 @@ class WorkerCommand:
                 except ValueError as err:
                     raise CLIError(str(err)) from None
         tls_dir = internal_tls_dir(args, "worker")
+        if not 0.0 <= args.score_sample <= 1.0:
+            raise CLIError(f"--score-sample: {args.score_sample} outside [0, 1]")
         try:
             adapter_settings = AdapterSettings(
                 lora_dir=args.lora_dir,
@@ -132,6 +144,8 @@ class WorkerCommand:
             default_steps=args.default_steps,
             max_queue=args.max_queue,
             metrics_port=args.metrics_port,
+            score_sample=args.score_sample,
+            scorer_dir=args.scorer,
             adapters=adapter_settings,
             allocator=args.allocator,
             advertise=args.advertise,

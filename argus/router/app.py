@@ -17,6 +17,9 @@ import grpc
 from grpc_health.v1 import health
 
 from argus.allocator.client import AllocatorClient
+from argus.classifier.labels import LabelledPrompts
+from argus.classifier.model import LevelClassifier
+from argus.classifier.serving import ClassifierSet
 from argus.grpc_server import (
     BearerTokenInterceptor,
     add_health_and_reflection,
@@ -24,13 +27,15 @@ from argus.grpc_server import (
     new_server,
     set_serving,
 )
+from argus.router.drift import DriftSettings, RouterDrift
+from argus.router.metrics import RouterMetrics
 from argus.router.service import (
     SERVICE_NAME,
     RouterCore,
     RouterServicer,
     router_pb2_grpc,
 )
-from argus.types import Strategy
+from argus.types import ClassQuality, ProfileSet, Strategy
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +97,10 @@ class StatsReporter:
         *,
         period_s: float = 1.0,
         classifier_key: str = "",
+        drift: RouterDrift | None = None,
     ) -> None:
         self.core = core
+        self.drift = drift  # after a retrain, its identity and Q(v | c) go in the report
         self.client = client
         self._clock = clock
         self.period_s = period_s
@@ -113,6 +120,9 @@ class StatsReporter:
             for strategy, index in item.levels.items():
                 names = self.core.profiles.levels_for(strategy)
                 by_strategy.setdefault(strategy, []).append(names[index].name)
+        key, quality = self.classifier_key, list[ClassQuality]()
+        if self.drift is not None:
+            key, quality = self.drift.report(self.classifier_key)
         self._sequence += 1
         self.client.report(
             self.core.config.router_id,
@@ -120,7 +130,8 @@ class StatsReporter:
             arrival_ages_s=[max(0.0, now - t) for t in arrivals],
             classified=by_strategy,
             replan_wanted=wants,
-            classifier=self.classifier_key,
+            classifier=key,
+            class_quality=quality,
         )
 
     def start(self) -> None:
@@ -163,6 +174,8 @@ class RouterSettings:
     default_steps: int | None = None  # the workers' default steps; None: levels not capped
     http_port: int | None = None  # OpenAI-compatible HTTP API; 0: any free port; None: off
     http_host: str = "127.0.0.1"  # public like ``host``
+    # drift retraining on the workers' quality scores (argus.router.drift); None: off
+    drift: DriftSettings | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -181,6 +194,31 @@ class RouterSettings:
         return ServerSecurity(credentials, token)
 
 
+def build_drift(
+    settings: DriftSettings | None,
+    classifiers: ClassifierSet,
+    profiles: ProfileSet,
+    metrics: RouterMetrics,
+    train: Callable[[LabelledPrompts], LevelClassifier] | None = None,
+) -> RouterDrift | None:
+    """The router's drift monitor on ``classifiers``, retraining with ``train`` (default: the
+    logistic backbone on MiniLM); each swap counts in ``argus_router_classifier_retrains``.
+    None when ``settings`` is None."""
+    if settings is None:
+        return None
+    if train is None:
+        from argus.classifier.drift import logistic_retrain
+
+        train = logistic_retrain()
+    return RouterDrift(
+        classifiers,
+        profiles,
+        train,
+        settings,
+        on_retrain=lambda _strategy, _version: metrics.classifier_retrains.inc(),
+    )
+
+
 def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> int:
     """Run the router until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound,
     and ``http on http(s)://HOST:PORT/v1`` when the HTTP API is on. A taken HTTP port raises
@@ -194,7 +232,6 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     from argus.grpc_server import reconnect_options, start_metrics, wait_for_shutdown
     from argus.internal_tls import InternalTLS, channel
     from argus.profiles import default_profiles, load_profiles
-    from argus.router.metrics import RouterMetrics
     from argus.router.service import RouterServiceConfig, WorkerChannels
 
     if not logging.getLogger().handlers:
@@ -220,7 +257,8 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     log.info("classifier %s (%s)", key, settings.classifier or default_classifier_dir())
     metrics = RouterMetrics(profiles)
     channels = WorkerChannels(lambda address: channel(address, tls, reconnect_options()))
-    core = RouterCore(profiles, classifier, config, channels=channels, metrics=metrics)
+    drift = build_drift(settings.drift, classifier.classifiers, profiles, metrics)
+    core = RouterCore(profiles, classifier, config, channels=channels, metrics=metrics, drift=drift)
     server, port, servicer = create_server(
         core,
         f"{settings.host}:{settings.port}",
@@ -246,7 +284,12 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     )
     client = AllocatorClient(settings.allocator, tls=tls)
     reporter = StatsReporter(
-        core, client, time.monotonic, period_s=settings.report_period_s, classifier_key=key
+        core,
+        client,
+        time.monotonic,
+        period_s=settings.report_period_s,
+        classifier_key=key,
+        drift=drift,
     )
     server.start()
     watcher.start()

@@ -61,6 +61,7 @@ from argus.router.admission import (
     earliest_completion_s,
     request_cost,
 )
+from argus.router.drift import RouterDrift
 from argus.router.metrics import RouterMetrics
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.router.scheduler import NoLiveWorkerError
@@ -331,9 +332,11 @@ class RouterCore:
         rng: random.Random | None = None,
         channels: WorkerChannels | None = None,
         metrics: RouterMetrics | None = None,
+        drift: RouterDrift | None = None,
     ) -> None:
         self.profiles = profiles
         self.classifier = classifier
+        self.drift = drift  # takes the quality scores workers send on their replies
         self.config = config
         self.slo_s = config.slo_for(profiles)
         self.metrics = metrics
@@ -790,6 +793,9 @@ class RouterCore:
         worker = worker_pb2.GenerateResponse()
         worker.CopyFrom(reply)
         worker.ClearField("png")
+        worker.ClearField("scores")  # other requests' prompts: for the drift monitor only
+        if self.drift is not None and reply.scores:
+            self.drift.observe(reply.scores)
         if self.metrics is not None:
             self.metrics.observe_served(
                 reply.level or names(decision.served_level),

@@ -30,6 +30,7 @@ from argus.worker.membership import (
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.models import TINY_PREFIX, TINY_VARIANTS
 from argus.worker.registry import ModelRegistry
+from argus.worker.scoring import ScoreSampler, load_scorer
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class WorkerSettings:
     max_queue: int = 64
     threads: int = 16
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
+    # drift monitoring (argus.worker.scoring): share of images scored for the router, 0: off
+    score_sample: float = 0.0
+    scorer_dir: str | None = None  # PickScore (any CLIP) directory; None: a tiny random CLIP
     # Katz adapters: LoRA library, ControlNet service, latent parallelism (all off by default)
     adapters: AdapterSettings = field(default_factory=AdapterSettings)
     # cluster membership (argus.worker.membership): off without an allocator
@@ -77,6 +81,8 @@ class WorkerSettings:
             value = getattr(self, name)
             if value is not None:
                 check_address(value, name)
+        if not 0.0 <= self.score_sample <= 1.0:
+            raise ValueError(f"score_sample: must be in [0, 1], got {self.score_sample}")
 
 
 def model_sources(settings: WorkerSettings, profiles: ProfileSet) -> dict[str, str]:
@@ -244,6 +250,21 @@ def build_worker(
     return worker
 
 
+def build_score_sampler(settings: WorkerSettings, device: str) -> ScoreSampler | None:
+    """The sampler of ``--score-sample`` (its scorer loads on its own thread), or None: off, or
+    real models without ``--scorer`` (a random CLIP's scores of real images would make the
+    router retrain its classifier on noise; logged)."""
+    if settings.score_sample <= 0.0:
+        return None
+    if settings.scorer_dir is None and settings.model != "tiny":
+        log.warning(
+            "worker %s: --score-sample needs --scorer with real models; not scoring",
+            settings.worker_id,
+        )
+        return None
+    return ScoreSampler(lambda: load_scorer(settings.scorer_dir, device), settings.score_sample)
+
+
 def start_warm_up(
     worker: Worker, loading: Future[Any], on_ready: Callable[[], None]
 ) -> threading.Thread:
@@ -289,12 +310,14 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     tls = load_internal_tls(settings)  # a missing certificate too
     metrics = WorkerMetrics()
     worker = build_worker(settings, wait_for_model=False, metrics=metrics, tls=tls)
+    scores = build_score_sampler(settings, str(worker.registry.device))
     server, port, servicer = create_server(
         worker,
         f"{settings.host}:{settings.port}",
         threads=settings.threads,
         metrics=metrics,
         tls=tls,
+        scores=scores,
     )
     if settings.metrics_port is not None:
         start_metrics(settings.host, settings.metrics_port)
@@ -313,5 +336,7 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
             membership.stop()
         server.stop(grace=5).wait()
         worker.close()
+        if scores is not None:
+            scores.close()
         servicer.update_health()
     return 0

@@ -54,6 +54,7 @@ from argus.worker.engine import (
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.pipelines import Cancelled, CancelToken
 from argus.worker.registry import LoadState, MemoryGuardError, ModelInfo, UnknownModelError
+from argus.worker.scoring import ScoreSampler
 
 common_pb2: Any = rpc.load("common_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")
@@ -241,10 +242,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         worker: Worker,
         health_servicer: health.HealthServicer,
         metrics: WorkerMetrics | None = None,
+        scores: ScoreSampler | None = None,
     ) -> None:
         self.worker = worker
         self.health = health_servicer
         self.metrics = metrics
+        self.scores = scores  # samples images for the router's drift monitor; None: off
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
@@ -282,7 +285,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
     def _answer(self, result: GenerateResult) -> Any:
         if self.metrics is not None:
             self.metrics.observe(result)
-        return result_to_pb(result, self.worker.config.worker_id)
+        reply = result_to_pb(result, self.worker.config.worker_id)
+        if self.scores is not None:  # earlier images' scores ride on this reply
+            self.scores.offer(request.prompt, result.level, result.png, result.request_id)
+            reply.scores.extend(
+                worker_pb2.QualityScore(
+                    prompt=s.prompt, level=s.level, score=s.score, request_id=s.request_id
+                )
+                for s in self.scores.take()
+            )
+        return reply
 
     def _abort(self, err: BaseException, context: grpc.ServicerContext) -> NoReturn:
         if not isinstance(err, Exception):
@@ -336,6 +348,7 @@ def create_server(
     threads: int = 16,
     metrics: WorkerMetrics | None = None,
     tls: InternalTLS | None = None,
+    scores: ScoreSampler | None = None,
 ) -> tuple[grpc.Server, int, WorkerServicer]:
     """A started-later gRPC server bound to ``address``; returns it with the bound port.
     ``tls``: mutual TLS, Generate from routers only, Configure from the allocator only (see
@@ -349,7 +362,7 @@ def create_server(
         interceptors=interceptors,
     )
     health_servicer = health.HealthServicer()
-    servicer = WorkerServicer(worker, health_servicer, metrics)
+    servicer = WorkerServicer(worker, health_servicer, metrics, scores)
     if metrics is not None:
         metrics.watch_queue(lambda: worker.queue_length)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
