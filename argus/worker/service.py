@@ -254,7 +254,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             result = self.worker.generate(call_from_pb(request), cancel_token(context))
         except Exception as err:  # every failure becomes a status; the worker keeps serving
             self._abort(err, context)
-        return self._answer(result)
+        return self._answer(request.prompt, result)
 
     def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         """Generate on a thread of its own, whose progress this call's thread streams out
@@ -277,17 +277,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             if isinstance(event, Progress):
                 yield worker_pb2.GenerateEvent(progress=progress_to_pb(event, worker_id))
             elif isinstance(event, GenerateResult):
-                yield worker_pb2.GenerateEvent(response=self._answer(event))
+                yield worker_pb2.GenerateEvent(response=self._answer(call.prompt, event))
                 return
             else:
                 self._abort(event, context)
 
-    def _answer(self, result: GenerateResult) -> Any:
+    def _answer(self, prompt: str, result: GenerateResult) -> Any:
         if self.metrics is not None:
             self.metrics.observe(result)
         reply = result_to_pb(result, self.worker.config.worker_id)
         if self.scores is not None:  # earlier images' scores ride on this reply
-            self.scores.offer(request.prompt, result.level, result.png, result.request_id)
+            self.scores.offer(prompt, result.level, result.png, result.request_id)
             reply.scores.extend(
                 worker_pb2.QualityScore(
                     prompt=s.prompt, level=s.level, score=s.score, request_id=s.request_id
