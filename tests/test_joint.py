@@ -165,6 +165,33 @@ def test_a_second_solve_under_other_caps_matches_a_fresh_one(seed: int) -> None:
     assert second.allocation.served_qpm == pytest.approx(fresh.allocation.served_qpm)
 
 
+def test_each_solve_gets_the_reused_highs_as_good_as_new() -> None:
+    """Solves reuse their thread's HiGHS instance: whatever a solve left on it (options set
+    for branch and bound, a model, a solution) is gone when the next one gets it, and the same
+    program then gets the same plan, bit for bit."""
+    import highspy
+
+    from argus.allocator.joint import _cleared_highs
+
+    instance = Instance(random.Random(60310), 3, 6)
+    first = instance.solve(EXACT)
+    highs = _cleared_highs()
+    highs.setOptionValue("presolve", "on")
+    highs.setOptionValue("mip_rel_gap", 0.5)
+    highs.setOptionValue("simplex_strategy", 1)
+    for other in range(5):  # other programs, branch and bound included
+        Instance(random.Random(60320 + other), 1, 8).solve(EXACT)
+    highs = _cleared_highs()
+    new = highspy.Highs()  # type: ignore[no-untyped-call]
+    assert highs.getNumCol() == 0
+    for option in ("presolve", "mip_rel_gap", "simplex_strategy", "time_limit", "output_flag"):
+        assert highs.getOptionValue(option) == new.getOptionValue(option), option
+    again = instance.solve(EXACT)
+    assert again.allocation.assignment == first.allocation.assignment
+    assert again.class_load_qpm == first.class_load_qpm
+    assert again.allocation.objective == first.allocation.objective
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(1, 4).flatmap(

@@ -17,7 +17,7 @@ from argus.sim.policies import POLICIES, NoisyOracleClassifier, make_policy
 from argus.sim.quality import synthetic_quality_table
 from argus.sim.report import format_table, per_minute, summarise, write_reports
 from argus.sim.workloads import Workload, bursty, poisson
-from argus.types import Strategy
+from argus.types import ClusterView, Strategy, WorkerState
 
 PROFILES = default_profiles()
 LEVEL_NAMES = [level.name for level in PROFILES.levels]
@@ -556,3 +556,51 @@ def test_the_simulation_runs_the_allocators_and_the_routers_own_code(monkeypatch
 
     monkeypatch.setattr(AdmissionRule, "completion_s", lambda self, *args: math.inf)
     assert summarise(simulate(light, "argus")).admitted == 0
+
+
+# -- views and heartbeats built once per change -----------------------------------------------
+
+
+def test_a_workers_view_follows_its_queue_level_and_liveness() -> None:
+    """The simulator keeps each worker's WorkerState between views; every change shows."""
+    from argus.sim.cluster import _Worker
+
+    worker = _Worker("w0", "a100")
+    first = worker.current_state()
+    assert worker.current_state() is first  # nothing changed: the same value again
+    worker.finishes.append((1.0, 0, 0.0))
+    assert worker.current_state().queue_length == 1
+    worker.level = "sm-sd-xl"
+    assert worker.current_state().level == "sm-sd-xl"
+    worker.alive = False
+    assert worker.current_state() == WorkerState("w0", "a100", False, "sm-sd-xl", 1)
+
+
+def test_planned_heartbeats_carry_each_workers_latest_state() -> None:
+    """A heartbeat is sent again as it was only while the worker's state is unchanged."""
+    from argus.sim.cluster import SimContext
+
+    workload = poisson(mean_qpm=40.0, duration_min=1, seed=1)
+    policy = make_policy("pac")
+    policy.reset(
+        SimContext(
+            PROFILES,
+            ("w0", "w1"),
+            "a100",
+            quality_for(workload),  # type: ignore[no-untyped-call]
+            np.zeros(len(workload), dtype=np.int64),
+            np.random.default_rng(0),
+            lambda now: 0.05,
+            30.0,
+        )
+    )
+    assert isinstance(policy, PlannedPolicy)
+    for now, queue, level in [(0, 0, None), (1, 4, None), (2, 4, None), (3, 0, "sm-sd-xl")]:
+        view = ClusterView(
+            (WorkerState("w0", "a100", True, level, queue), WorkerState("w1", "a100"))
+        )
+        policy.replan(float(now), view)
+        member = policy.control._members.get("w0")
+        assert member is not None
+        assert (member.report.queue_length, member.report.level) == (queue, level)
+        assert member.last_seen_s == now

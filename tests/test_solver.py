@@ -236,15 +236,20 @@ def _named_one_at_a_time(problem: Any, counts: Any) -> dict[str, str]:
     return assignment
 
 
+@pytest.mark.parametrize("in_turn_up_to", [0, 64], ids=["ranked", "in-turn"])
 @pytest.mark.parametrize("seed", range(40))
-def test_workers_are_named_as_one_at_a_time_would(seed: int) -> None:
-    """The vectorised naming gives every worker the level the sequential rule gives it, on
-    random clusters (several classes and models, workers at a level or at none, more or
-    fewer slots than workers)."""
+def test_workers_are_named_as_one_at_a_time_would(
+    seed: int, in_turn_up_to: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both namings (numpy's rankings, and one worker at a time below ``IN_TURN_UP_TO``)
+    give every worker the level the sequential rule gives it, on random clusters (several
+    classes and models, workers at a level or at none, more or fewer slots than workers)."""
     from collections import Counter
 
+    from argus.allocator import solver
     from argus.allocator.solver import _assign_workers, _Counts, _Problem
 
+    monkeypatch.setattr(solver, "IN_TURN_UP_TO", in_turn_up_to)
     rng = random.Random(seed)
     profiles, view, _ = random_instance(rng, max_workers=40, switching=True)
     live = view.alive()

@@ -479,6 +479,9 @@ def _worker_table(problem: _Problem) -> _WorkerTable:
     )
 
 
+IN_TURN_UP_TO = 64  # workers up to which _chosen_levels names them one at a time
+
+
 def _chosen_levels(problem: _Problem, counts: _Counts) -> npt.NDArray[np.int64]:
     """The level index of each live worker, in the order of their ids.
 
@@ -489,7 +492,9 @@ def _chosen_levels(problem: _Problem, counts: _Counts) -> npt.NDArray[np.int64]:
     4. spares carry no load and take the best level of the model they hold (headroom where
     quality is highest, no reload), else the best level. Within a pass the workers that fit
     the same levels fill them in turn, so each pass is a ranking in numpy, without a Python
-    step per worker (at 4,096 workers that step was most of a solve).
+    step per worker (at 4,096 workers that step was most of a solve). Up to
+    ``IN_TURN_UP_TO`` workers the passes run one worker at a time instead
+    (:func:`_chosen_in_turn`, the same levels): there numpy's calls cost more than the steps.
     """
     table = problem.worker_table
     n_levels = len(problem.levels)
@@ -499,6 +504,15 @@ def _chosen_levels(problem: _Problem, counts: _Counts) -> npt.NDArray[np.int64]:
     for (name, v), count in counts.workers.items():
         if name in class_of and count > 0:
             slots[class_of[name], v] = count
+    if size <= IN_TURN_UP_TO:
+        return np.array(_chosen_in_turn(table, slots.tolist()), dtype=np.int64)
+    return _chosen_ranked(table, slots)
+
+
+def _chosen_ranked(table: _WorkerTable, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """:func:`_chosen_levels`'s passes as rankings in numpy; ``slots[class, level]`` are the
+    workers each takes (used up)."""
+    size, n_levels = len(table.ids), slots.shape[1]
     chosen = np.full(size, -1, dtype=np.int64)
     worker_class, at_level, holds = table.worker_class, table.at_level, table.holds
     # 1. keep the level: the group is (class, level), one level to fill
@@ -516,6 +530,42 @@ def _chosen_levels(problem: _Problem, counts: _Counts) -> npt.NDArray[np.int64]:
     spare = np.where(holds >= 0, first_on_model[np.maximum(holds, 0)], 0)
     result: npt.NDArray[np.int64] = np.where(chosen >= 0, chosen, spare)
     return result
+
+
+def _chosen_in_turn(table: _WorkerTable, slots: list[list[int]]) -> list[int]:
+    """:func:`_chosen_levels`'s passes as the docstring tells them, one worker at a time in
+    the order of their ids; ``slots[class][level]`` are the workers each takes (used up)."""
+    size = len(table.ids)
+    worker_class = table.worker_class.tolist()
+    at_level = table.at_level.tolist()
+    holds = table.holds.tolist()
+    level_model = table.level_model.tolist()
+    levels = range(len(level_model))
+    chosen = [-1] * size
+
+    def take(i: int, fits: Sequence[int]) -> None:
+        left = slots[worker_class[i]]
+        for v in fits:
+            if left[v] > 0:
+                left[v] -= 1
+                chosen[i] = v
+                return
+
+    models = range(max(level_model, default=-1) + 1)
+    on_model = [[v for v in levels if level_model[v] == m] for m in models]
+    for i in range(size):  # 1. keep the level
+        if at_level[i] >= 0:
+            take(i, (at_level[i],))
+    for i in range(size):  # 2. keep the model
+        if chosen[i] < 0 and holds[i] >= 0:
+            take(i, on_model[holds[i]])
+    for i in range(size):  # 3. anywhere
+        if chosen[i] < 0:
+            take(i, levels)
+    for i in range(size):  # 4. spares
+        if chosen[i] < 0:
+            chosen[i] = on_model[holds[i]][0] if holds[i] >= 0 else 0
+    return chosen
 
 
 def _moved(problem: _Problem, chosen: npt.NDArray[np.int64]) -> int:

@@ -335,6 +335,7 @@ class _Worker:
         "level",
         "model",
         "pending",
+        "state",
         "worker_class",
         "worker_id",
     )
@@ -349,6 +350,22 @@ class _Worker:
         # (finish time, request or -1 for a model load, start time), in the order served
         self.finishes: deque[tuple[float, int, float]] = deque()
         self.pending: tuple[str, str, float] | None = None  # (level, model, ready) loading now
+        self.state: WorkerState | None = None  # as the last view showed it
+
+    def current_state(self) -> WorkerState:
+        """The worker as a policy's view shows it: the last view's value while it holds, so a
+        view every simulated second builds only what changed."""
+        state, queue = self.state, len(self.finishes)
+        if (
+            state is None
+            or state.queue_length != queue
+            or state.level != self.level
+            or state.alive != self.alive
+        ):
+            state = self.state = WorkerState(
+                self.worker_id, self.worker_class, self.alive, self.level, queue
+            )
+        return state
 
 
 class Simulation:
@@ -572,12 +589,7 @@ class _Run:
     # -- decisions ---------------------------------------------------------------------------
 
     def _view(self) -> ClusterView:
-        return ClusterView(
-            tuple(
-                WorkerState(w.worker_id, w.worker_class, w.alive, w.level, len(w.finishes))
-                for w in self.workers
-            )
-        )
+        return ClusterView(tuple(w.current_state() for w in self.workers))
 
     def _replan(self, now: float) -> None:
         wanted = self.policy.replan(now, self._view())

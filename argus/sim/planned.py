@@ -38,7 +38,7 @@ from argus.allocator.planner import PlannerMode
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.sim.classifiers import Classifier, OracleClassifier
 from argus.sim.cluster import Policy, SimContext
-from argus.types import ClusterView, Strategy
+from argus.types import ClusterView, Strategy, WorkerState
 
 SIM_ADDRESS = "sim"  # simulated workers have no address; the membership only stores it
 NO_RETRIEVALS = RetrievalReport()  # what every heartbeat but an interval's first carries
@@ -118,6 +118,8 @@ class PlannedPolicy(Policy):
         self._failures = 0
         self._report_seq = 0
         self._switches = 0
+        # worker id -> (its state, the heartbeat sent for it) when that carried no retrievals
+        self._reports: dict[str, tuple[WorkerState, WorkerReport] | None] = {}
 
     @property
     def strategy_switches(self) -> int:
@@ -179,20 +181,30 @@ class PlannedPolicy(Policy):
         (the allocator pools them), probes run while the allocator asks for them."""
         retrieval = self._retrieval_report()
         for worker in view.alive():
-            answer = self.control.heartbeat(
-                WorkerReport(
-                    worker_id=worker.worker_id,
-                    address=SIM_ADDRESS,
-                    worker_class=worker.worker_class,
-                    queue_length=worker.queue_length,
-                    level=worker.level,
-                    retrieval=retrieval,
-                )
-            )
+            answer = self.control.heartbeat(self._report(worker, retrieval))
             retrieval = NO_RETRIEVALS
             self._probe_if_asked(answer.probe_retrieval, answer.probe_interval_s)
 
+    def _report(self, worker: WorkerState, retrieval: RetrievalReport) -> WorkerReport:
+        """``worker``'s heartbeat: its last one again when nothing in it changed (most
+        seconds, for most workers), else a new one."""
+        last = self._reports.get(worker.worker_id)
+        if retrieval is NO_RETRIEVALS and last is not None and last[0] == worker:
+            return last[1]
+        report = WorkerReport(
+            worker_id=worker.worker_id,
+            address=SIM_ADDRESS,
+            worker_class=worker.worker_class,
+            queue_length=worker.queue_length,
+            level=worker.level,
+            retrieval=retrieval,
+        )
+        self._reports[worker.worker_id] = (worker, report) if retrieval is NO_RETRIEVALS else None
+        return report
+
     def _retrieval_report(self) -> RetrievalReport:
+        if not self._retrievals and not self._failures:
+            return NO_RETRIEVALS  # the same value, and the heartbeats it rides on repeat
         report = RetrievalReport(samples_s=tuple(self._retrievals), failures=self._failures)
         self._retrievals, self._failures = [], 0
         return report
