@@ -18,7 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health
 
-from argus.allocator.client import AllocatorClient
+from argus.contracts.allocator_client import AllocatorClient
 from argus.grpc_server import (
     BearerTokenInterceptor,
     add_health_and_reflection,
@@ -210,12 +210,12 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     """Run the router until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound,
     and ``http on http(s)://HOST:PORT/v1`` when the HTTP API is on. A taken HTTP port raises
     OSError naming it before anything starts serving."""
-    from argus.allocator.client import PlanWatcher
     from argus.classifier.serving import (
         classifier_key,
         default_classifier_dir,
         load_prompt_classifier,
     )
+    from argus.contracts.allocator_client import PlanWatcher
     from argus.grpc_server import reconnect_options, start_metrics, wait_for_shutdown
     from argus.internal_tls import InternalTLS, channel
     from argus.profiles import default_profiles, load_profiles

@@ -39,9 +39,10 @@ from typing import Any, Protocol
 import grpc
 
 from argus import rpc
-from argus.allocator.control import PublishedPlan
 from argus.classifier.prompts import InvalidPromptError
 from argus.classifier.serving import BatcherClosed, BatcherFull
+from argus.contracts.plans import PublishedPlan
+from argus.contracts.wire import STRATEGY_TO_PB as _STRATEGY_TO_PB
 from argus.grpc_server import reconnect_options, set_serving
 from argus.request_limits import (
     ImageLimits,
@@ -74,7 +75,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "argus.v1.Router"
 RETRY_AFTER_KEY = "retry-after-ms"
-_STRATEGY_TO_PB = {Strategy.AC: 1, Strategy.SM: 2}
 MAX_ID_CHARS = 128
 # a worker's answer that blames the request, not the cluster: no SLO violation
 CALLER_ERRORS = frozenset(

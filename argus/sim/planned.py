@@ -27,14 +27,10 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from argus.allocator.control import (
-    AllocatorControl,
-    ControlConfig,
-    RouterReport,
-    StrategyChoice,
-)
-from argus.allocator.membership import RetrievalReport, WorkerReport
+from argus.allocator.control import AllocatorControl, ControlConfig, StrategyChoice
 from argus.allocator.planner import PlannerMode
+from argus.contracts.routers import RouterReport
+from argus.contracts.workers import RetrievalReport, WorkerReport
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.sim.classifiers import Classifier, OracleClassifier
 from argus.sim.cluster import Policy, SimContext
