@@ -2,7 +2,7 @@
 
 :class:`AllocatorControl` is what the allocator service runs, with no gRPC in it (the
 servicer converts and delegates). It owns the product's own control plane, wired the way the
-simulator wires it (``argus.sim.policies._Planned``):
+simulator wires it (``argus.sim.planned.PlannedPolicy``):
 
 * :class:`~argus.allocator.allocator.Allocator`: load forecast W_t, class histogram H and
   the plan (the joint program over class × level, or the paper's Eq. 1 + ODA), with
@@ -14,6 +14,11 @@ simulator wires it (``argus.sim.policies._Planned``):
   made with a 1.5× load margin (``switch_margin``; the Allocator's ``load_margin``) to cover
   the models still loading. When the probes of a whole window are healthy AC comes back;
 * :class:`~argus.allocator.membership.Membership`: who is alive.
+
+The allocator is the PASM's one owner: the shift map is part of every plan it publishes, made
+from the histogram H of every router's reported classes, and routers sample it as published
+until the next plan (they run no ODA of their own, see :mod:`argus.router.routing`). A router
+that needs a new one sooner says so in its report (``replan_wanted``, a backlog re-plan).
 
 When plans are made, and why (:class:`~argus.contracts.plans.ReplanReason`):
 

@@ -573,9 +573,6 @@ class RouterCore:
             self.metrics.classify.observe(classified_at - arrived)
         with self._lock:
             self._classified.append(Classified(classified_at, dict(levels)))
-            for strategy, level in levels.items():
-                if self._router.plan is not None:
-                    self._router.observe(strategy, level)
         tried: set[str] = set()
         admitted = False
         try:

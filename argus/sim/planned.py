@@ -99,7 +99,6 @@ class PlannedPolicy(Policy):
             random.Random(self._seed),
             RouterConfig(
                 prompt_aware=self.config.prompt_aware,
-                realign_every=0,  # the allocator owns the PASM
                 spill_after_s=spill * ctx.slo_s if spill else None,
                 backlog_replan_per_worker=control.backlog_replan_per_worker,
                 min_replan_interval_s=control.min_replan_interval_s,
@@ -157,7 +156,6 @@ class PlannedPolicy(Policy):
             for s in self.ctx.quality:
                 c = self._classify(s, request)
                 self._classified[s].append(c)
-                self.router.observe(s, c)
                 if s is strategy:
                     optimal = c
         decision = self.router.route(optimal, queues, down)
