@@ -71,8 +71,9 @@ import grpc
 import numpy as np
 
 from argus import rpc
+from argus.contracts.quality import QualityTable
+from argus.contracts.wire import STRATEGY_FROM_PB as _STRATEGY_FROM_PB
 from argus.sim.cluster import RunResult, SimConfig, Simulation
-from argus.sim.quality import QualityTable
 from argus.sim.workloads import Workload
 from argus.types import ProfileSet, Strategy
 
@@ -82,7 +83,6 @@ router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
 NOT_SENT = "NOT_SENT"
 """Status of a request that was dropped before it was sent."""
 
-_STRATEGY_FROM_PB = {1: Strategy.AC, 2: Strategy.SM}
 _UINT64 = (1 << 64) - 1
 
 

@@ -364,7 +364,7 @@ class LocalCluster:
     def wait_for_workers(self, count: int, timeout_s: float | None = None) -> Any:
         """Wait until the allocator's plan holds ``count`` workers and the router is SERVING;
         returns the plan."""
-        from argus.allocator.client import AllocatorClient
+        from argus.contracts.allocator_client import AllocatorClient
 
         deadline = time.monotonic() + (timeout_s or self.spec.start_timeout_s)
         client = AllocatorClient(self.allocator, timeout_s=5.0, tls=self.internal_tls())

@@ -17,7 +17,8 @@ scores measure exactly what serving produces:
 * **SM**: each model variant is loaded once (a switch in the worker's registry) and generates
   every prompt from noise.
 
-The output is the quality-table format of :mod:`argus.sim.quality` (``source: pickscore: DIR``).
+The output is the quality-table format of :mod:`argus.contracts.quality` (``source: pickscore:
+DIR``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from argus.sim.quality import QualityTable
+from argus.contracts.quality import QualityTable
 from argus.types import Level, Strategy
 from argus.worker.engine import CacheOutcome, GenerateCall, Worker
 

@@ -11,10 +11,10 @@ from typing import Any
 def allocator_plan(profiles: Any, workers: list[tuple[str, str]], epoch: str) -> Any:
     """The plan an allocator publishes once ``workers`` ((id, address) pairs, all of the
     profile's first GPU class) have each sent a heartbeat."""
-    from argus.allocator.client import AllocatorClient
     from argus.allocator.control import ControlConfig
-    from argus.allocator.membership import WorkerReport
     from argus.allocator.service import create_server as create_allocator
+    from argus.contracts.allocator_client import AllocatorClient
+    from argus.contracts.workers import WorkerReport
 
     server, port, allocator = create_allocator(
         profiles, "127.0.0.1:0", config=ControlConfig(), clock=lambda: 0.0, epoch=epoch

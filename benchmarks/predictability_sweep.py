@@ -71,6 +71,7 @@ from argus.classifier.serving import ClassifierSet
 from argus.classifier.train import TrainConfig, TrainResult, train_classifier
 from argus.cli.evaluate import parse_loads
 from argus.cli.main import CLIError
+from argus.contracts.quality import DEFAULT_DELTA
 from argus.profiles import load_profiles
 from argus.prompt_split import PromptSet, prompt_set
 from argus.sim.classifiers import TrainedClassifier
@@ -88,12 +89,7 @@ from argus.sim.evaluate import (
     planning_profiles,
     run_point,
 )
-from argus.sim.quality import (
-    DEFAULT_DELTA,
-    SYNTHETIC_MODELS,
-    SyntheticModel,
-    synthetic_quality_table,
-)
+from argus.sim.quality import SYNTHETIC_MODELS, SyntheticModel, synthetic_quality_table
 from argus.sim.workloads import load_prompt_file
 from argus.traces import PromptRecord, default_prompt_trace
 from argus.types import Strategy

@@ -63,17 +63,16 @@ from argus.classifier.model import (
     softmax,
 )
 from argus.classifier.train import TrainConfig, fit_logistic_head, log_loss
+from argus.contracts.quality import DEFAULT_DELTA, QualityTable
 from argus.profiles import default_profiles
 from argus.prompt_split import PromptSet, indices
 from argus.sim.quality import (
     CLASSIFIER_TARGETS,
-    DEFAULT_DELTA,
     GRADUAL_MAX_STEP_SHARE,
     PAPER_TARGETS,
     PARETO_EXEMPT,
     SYNTHETIC_MODELS,
     PromptDraws,
-    QualityTable,
     SyntheticModel,
     calibration_report,
     draw_prompts,

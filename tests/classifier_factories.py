@@ -16,7 +16,7 @@ from argus.classifier.model import (
     LevelClassifier,
     LinearHead,
 )
-from argus.sim.quality import QualityTable
+from argus.contracts.quality import QualityTable
 from argus.types import Strategy
 
 AC_LEVELS = ("ac-k0", "ac-k5", "ac-k10", "ac-k15", "ac-k20", "ac-k25")

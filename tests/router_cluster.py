@@ -17,10 +17,10 @@ import grpc
 from PIL import Image
 
 from argus import rpc
-from argus.allocator.client import AllocatorClient
 from argus.allocator.control import ControlConfig
-from argus.allocator.membership import WorkerReport
 from argus.allocator.service import create_server as create_allocator
+from argus.contracts.allocator_client import AllocatorClient
+from argus.contracts.workers import WorkerReport
 from argus.profiles import default_profiles
 from argus.router.app import ServerSecurity, create_server
 from argus.router.service import RouterCore, RouterServiceConfig

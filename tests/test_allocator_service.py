@@ -28,11 +28,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from argus import rpc
-from argus.allocator.client import AllocatorClient, PlanWatcher
-from argus.allocator.control import AllocatorControl, ControlConfig, ReplanReason
-from argus.allocator.convert import class_quality_to_pb, plan_from_pb, plan_to_pb
+from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
-from argus.allocator.membership import RetrievalReport, WorkerReport
 from argus.allocator.metrics import AllocatorMetrics
 from argus.allocator.planner import PlannerMode
 from argus.allocator.service import AllocatorServicer, create_server
@@ -42,6 +39,10 @@ from argus.classifier.serving import (
     read_planning_classes,
 )
 from argus.cli.main import main
+from argus.contracts.allocator_client import AllocatorClient, PlanWatcher
+from argus.contracts.plans import ReplanReason, plan_from_pb, plan_to_pb
+from argus.contracts.routers import class_quality_to_pb
+from argus.contracts.workers import RetrievalReport, WorkerReport
 from argus.profiles import default_profiles
 from argus.types import ClassQuality, Plan, Strategy
 from tests.service_process import read_address, start_argus
@@ -809,8 +810,7 @@ def test_argus_allocator_rejects_bad_flags(
 
 def test_every_replan_reason_reaches_the_wire_and_back() -> None:
     """A reason without a wire value made the publisher fail on its plan (load surges did)."""
-    from argus.allocator.control import ReplanReason
-    from argus.allocator.convert import REASON_FROM_PB, REASON_TO_PB
+    from argus.contracts.plans import REASON_FROM_PB, REASON_TO_PB, ReplanReason
 
     for reason in ReplanReason:
         value = REASON_TO_PB[reason]

@@ -40,7 +40,8 @@ from argus.classifier.train import (
     stratified_holdout,
     train_classifier,
 )
-from argus.sim.quality import QualityTable, synthetic_quality_table
+from argus.contracts.quality import QualityTable
+from argus.sim.quality import synthetic_quality_table
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
 from tests.classifier_factories import AC_LEVELS, lexical_table, make_tiny_bert

@@ -49,8 +49,9 @@ from argus.classifier.serving import (
     read_planning_classes,
 )
 from argus.classifier.train import TrainConfig, save_trained, train_classifier
+from argus.contracts.quality import QualityTable
 from argus.prompt_split import PromptSet, prompt_set
-from argus.sim.quality import QualityTable, synthetic_quality_table
+from argus.sim.quality import synthetic_quality_table
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import ClassQuality, Strategy
 from tests.classifier_factories import (

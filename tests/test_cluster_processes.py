@@ -22,10 +22,10 @@ import grpc
 import pytest
 
 from argus import rpc
-from argus.allocator.client import AllocatorClient
 from argus.classifier.serving import classifier_key, default_classifier_dir
 from argus.cli.main import main as argus_main
 from argus.client import Connection, RequestFailed, RouterClient
+from argus.contracts.allocator_client import AllocatorClient
 from argus.local_cluster import ClusterSpec, LocalCluster
 from argus.profiles import default_profiles
 from argus.types import Strategy

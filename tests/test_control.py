@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from argus.allocator.control import AllocatorControl, ControlConfig, HeartbeatAnswer
-from argus.allocator.membership import RetrievalReport, WorkerReport
+from argus.allocator.control import AllocatorControl, ControlConfig
+from argus.contracts.workers import HeartbeatAnswer, RetrievalReport, WorkerReport
 from argus.profiles import default_profiles
 from argus.types import Strategy
 

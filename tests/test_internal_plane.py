@@ -20,12 +20,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from argus import rpc
-from argus.allocator.client import AllocatorClient
 from argus.allocator.control import ControlConfig
-from argus.allocator.membership import Membership, NotOwnerError, WorkerReport
+from argus.allocator.membership import Membership, NotOwnerError
 from argus.allocator.service import AllocatorServicer
 from argus.allocator.service import create_server as create_allocator
 from argus.cli.main import main
+from argus.contracts.allocator_client import AllocatorClient
+from argus.contracts.workers import WorkerReport
 from argus.grpc_server import bind, new_server
 from argus.internal_tls import Identity, InternalTLS, channel
 from argus.local_cluster import ClusterSpec, LocalCluster

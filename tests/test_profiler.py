@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from argus.cli.main import main
+from argus.contracts.quality import load_quality_table
 from argus.profiler import PickScorer
-from argus.sim.quality import load_quality_table
 from argus.types import Strategy
 from tests.worker_factories import make_tiny_clip
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from argus.contracts.quality import QualityTable, load_quality_table, save_quality_table
 from argus.profiles import default_profiles
 from argus.sim.quality import (
     GRADUAL_MAX_STEP_SHARE,
@@ -16,14 +17,11 @@ from argus.sim.quality import (
     PAPER_TARGETS,
     PARETO_EXEMPT,
     SYNTHETIC_MODELS,
-    QualityTable,
     calibration_report,
     ladder_step_shares,
     level_positions,
-    load_quality_table,
     nearest_latency_pairs,
     prompt_difficulty,
-    save_quality_table,
     synthetic_quality_table,
 )
 from argus.traces import PromptRecord, default_prompt_trace, load_prompts

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from argus.allocator.control import ReplanReason
+from argus.contracts.plans import ReplanReason
 from argus.profiles import default_profiles
 from argus.router.admission import AdmissionRule, admit, predicted_completion_s
 from argus.sim.adapters import AdapterModel

@@ -21,10 +21,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from argus import rpc
-from argus.allocator.control import ControlConfig, HeartbeatAnswer
-from argus.allocator.membership import WorkerReport
+from argus.allocator.control import ControlConfig
 from argus.allocator.service import AllocatorServicer, create_server
 from argus.cli.main import main
+from argus.contracts.workers import HeartbeatAnswer, WorkerReport
 from argus.grpc_server import check_address
 from argus.profiles import default_profiles
 from argus.types import Strategy

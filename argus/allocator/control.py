@@ -2,7 +2,7 @@
 
 :class:`AllocatorControl` is what the allocator service runs, with no gRPC in it (the
 servicer converts and delegates). It owns the product's own control plane, wired the way the
-simulator wires it (``argus.sim.policies._Planned``):
+simulator wires it (``argus.sim.planned.PlannedPolicy``):
 
 * :class:`~argus.allocator.allocator.Allocator`: load forecast W_t, class histogram H and
   the plan (the joint program over class × level, or the paper's Eq. 1 + ODA), with
@@ -15,7 +15,12 @@ simulator wires it (``argus.sim.policies._Planned``):
   the models still loading. When the probes of a whole window are healthy AC comes back;
 * :class:`~argus.allocator.membership.Membership`: who is alive.
 
-When plans are made, and why (:class:`ReplanReason`):
+The allocator is the PASM's one owner: the shift map is part of every plan it publishes, made
+from the histogram H of every router's reported classes, and routers sample it as published
+until the next plan (they run no ODA of their own, see :mod:`argus.router.routing`). A router
+that needs a new one sooner says so in its report (``replan_wanted``, a backlog re-plan).
+
+When plans are made, and why (:class:`~argus.contracts.plans.ReplanReason`):
 
 * at once, inside the call that caused it: a worker joins (its heartbeat's answer already
   carries its level), leaves, or reports retrieval that forces AC → SM; a router asks because
@@ -47,13 +52,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from argus.allocator.allocator import Allocator, AllocatorConfig
-from argus.allocator.membership import Change, Membership, WorkerReport
+from argus.allocator.membership import Change, Membership
 from argus.allocator.planner import PlannerConfig, PlannerMode
 from argus.allocator.predictor import LoadPredictorConfig
 from argus.allocator.queueing import QueueModel
 from argus.allocator.solver import SolverFactory
 from argus.allocator.strategy import StrategyConfig, StrategyMonitor
-from argus.types import ClassQuality, Plan, ProfileSet, Strategy
+from argus.contracts.plans import PlannedWorker, PublishedPlan, ReplanReason
+from argus.contracts.routers import RouterAnswer, RouterReport
+from argus.contracts.workers import HeartbeatAnswer, WorkerReport
+from argus.types import ClassQuality, ProfileSet, Strategy
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +75,6 @@ class StrategyChoice(enum.StrEnum):
 
     AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper, §4.6)
     BEST = "best"  # plan every allowed strategy and keep the better objective
-
-
-class ReplanReason(enum.StrEnum):
-    """Why a plan was made (a bounded label for metrics)."""
-
-    STARTUP = "startup"
-    PERIODIC = "periodic"
-    WORKER_JOINED = "worker_joined"
-    WORKER_LEFT = "worker_left"
-    WORKER_DEAD = "worker_dead"
-    STRATEGY_SWITCH = "strategy_switch"
-    BACKLOG = "backlog"
-    LOAD_SURGE = "load_surge"
 
 
 @dataclass(frozen=True)
@@ -213,39 +208,6 @@ class ControlConfig:
 
 
 @dataclass(frozen=True)
-class PlannedWorker:
-    """A live worker in a published plan: where routers reach it and what it serves."""
-
-    worker_id: str
-    address: str  # HOST:PORT of its argus.v1.Worker service
-    worker_class: str
-    level: str  # the level the plan gives it
-    queue_length: int  # as last reported
-
-
-@dataclass(frozen=True)
-class PublishedPlan:
-    """A plan as routers receive it: the allocator's :class:`~argus.types.Plan` plus where
-    its workers are and why it was made. Round-trips through ``PlanUpdate`` exactly."""
-
-    epoch: str  # the allocator process's incarnation; versions restart with a new one
-    plan: Plan
-    reason: ReplanReason
-    detail: str  # human-readable cause, e.g. "worker w3 joined"
-    workers: tuple[PlannedWorker, ...]  # every live worker, sorted by id
-    load_margin: float  # factor on the forecast beyond the allocator's headroom
-    retrieval_healthy: bool  # False: AC is not allowed (SM by force)
-
-    @property
-    def version(self) -> int:
-        return self.plan.version
-
-    def worker_classes(self) -> dict[str, str]:
-        """worker id → worker class, what ``PlanRouter.install`` takes with the plan."""
-        return {w.worker_id: w.worker_class for w in self.workers}
-
-
-@dataclass(frozen=True)
 class PlanStats:
     """What making one plan cost and changed (for metrics; not sent to routers)."""
 
@@ -253,40 +215,6 @@ class PlanStats:
     strategy_switched: bool  # strategy differs from the previous plan's
     planning_s: float  # wall time of planning every allowed strategy
     dead_workers: int  # workers found dead and dropped for this plan
-
-
-@dataclass(frozen=True)
-class RouterReport:
-    """A router's statistics, validated (level names already turned into indices)."""
-
-    router_id: str
-    sequence: int = 0  # 0: no de-duplication
-    arrivals: int = 0
-    arrival_ages_s: tuple[float, ...] = ()  # empty, or one age per arrival
-    classified: tuple[tuple[Strategy, tuple[int, ...]], ...] = ()  # class indices, oldest first
-    replan_wanted: bool = False
-    classifier: str = ""  # classifier_key of the router's classifier; "": not said
-    # Q(v | c) of strategies the router retrained since it started (drift retraining)
-    class_quality: tuple[ClassQuality, ...] = ()
-
-
-@dataclass(frozen=True)
-class RouterAnswer:
-    plan_version: int
-    duplicate: bool
-
-
-@dataclass(frozen=True)
-class HeartbeatAnswer:
-    """What a worker is told in reply to its heartbeat."""
-
-    plan_version: int
-    strategy: Strategy
-    assigned_level: str  # "" when the worker is not in the plan
-    probe_retrieval: bool  # retrieval was slow or down: send probes
-    probe_interval_s: float
-    heartbeat_interval_s: float
-    epoch: str
 
 
 PlanListener = Callable[[PublishedPlan, PlanStats], None]

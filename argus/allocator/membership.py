@@ -20,52 +20,10 @@ holds one lock around every call) and nothing talks to a network.
 from __future__ import annotations
 
 import enum
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from argus.types import ClusterView, Strategy, WorkerState
-
-
-@dataclass(frozen=True)
-class RetrievalReport:
-    """Cache retrievals a worker saw since its previous heartbeat (input of the AC↔SM switch)."""
-
-    samples_s: tuple[float, ...] = ()  # latencies of successful retrievals, seconds
-    count: int = 0  # successful retrievals when only a summary is sent (samples_s empty)
-    p50_s: float = 0.0  # their median, seconds
-    p99_s: float = 0.0  # their 99th percentile, seconds
-    failures: int = 0  # retrievals that failed outright
-
-    def observations(self) -> list[float | None]:
-        """What :class:`~argus.allocator.strategy.StrategyMonitor` observes, failures as None.
-
-        Samples are used as they are. A summary becomes ``count`` observations: ``ceil(1%)``
-        of them at p99 and the rest at p50, so a window of summaries has about the p99 of the
-        retrievals behind it.
-        """
-        values: list[float | None] = list(self.samples_s)
-        if not values and self.count > 0:
-            slow = max(1, math.ceil(0.01 * self.count))
-            values = [self.p99_s] * slow
-            values += [self.p50_s] * (self.count - slow)
-        values.extend([None] * self.failures)
-        return values
-
-
-@dataclass(frozen=True)
-class WorkerReport:
-    """One heartbeat, already validated (``argus.allocator.convert`` checks the fields)."""
-
-    worker_id: str
-    address: str  # HOST:PORT of the worker's gRPC service
-    worker_class: str  # a worker class of the profile
-    queue_length: int = 0  # requests waiting or running
-    strategy: Strategy | None = None  # strategy served now; None: nothing loaded yet
-    level: str | None = None  # level served now; None: nothing loaded yet
-    model: str = ""  # active model, informational
-    loaded_models: tuple[str, ...] = ()  # informational
-    retrieval: RetrievalReport = field(default_factory=RetrievalReport)
-    leaving: bool = False  # shutting down: remove now
+from argus.contracts.workers import WorkerReport
+from argus.types import ClusterView, WorkerState
 
 
 @dataclass(frozen=True)

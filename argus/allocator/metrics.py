@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from argus.allocator.control import AllocatorControl, PlannedWorker, PlanStats, PublishedPlan
+from argus.allocator.control import AllocatorControl, PlanStats
+from argus.contracts.plans import PlannedWorker, PublishedPlan
 from argus.types import ProfileSet, Strategy
 
 # a solve of a few workers takes milliseconds, a large multi-class one up to seconds

@@ -1,6 +1,6 @@
 """The allocator's gRPC service (``argus.v1.Allocator``), standard health checking and reflection.
 
-The servicer only converts (:mod:`argus.allocator.convert`) and delegates to
+The servicer only converts (:mod:`argus.contracts`) and delegates to
 :class:`~argus.allocator.control.AllocatorControl`; errors become status codes and the
 service keeps serving:
 
@@ -30,26 +30,15 @@ import grpc
 from grpc_health.v1 import health
 
 from argus import rpc
-from argus.allocator.control import (
-    AllocatorControl,
-    Clock,
-    ControlConfig,
-    PlanListener,
-    PlanStats,
-    PublishedPlan,
-)
-from argus.allocator.convert import (
-    FieldError,
-    heartbeat_answer_to_pb,
-    heartbeat_from_pb,
-    plan_to_pb,
-    router_answer_to_pb,
-    router_report_from_pb,
-)
+from argus.allocator.control import AllocatorControl, Clock, ControlConfig, PlanListener, PlanStats
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
 from argus.allocator.membership import MembershipFullError, NotOwnerError
 from argus.allocator.metrics import AllocatorMetrics
 from argus.allocator.solver import SolverFactory
+from argus.contracts.plans import PublishedPlan, plan_to_pb
+from argus.contracts.routers import router_answer_to_pb, router_report_from_pb
+from argus.contracts.wire import FieldError
+from argus.contracts.workers import heartbeat_answer_to_pb, heartbeat_from_pb
 from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from argus.internal_tls import InternalTLS, caller, server_security
 from argus.types import ClassQuality, ProfileSet, Strategy

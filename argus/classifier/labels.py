@@ -23,8 +23,8 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.classifier.prompts import clean_prompt
+from argus.contracts.quality import DEFAULT_DELTA, QualityTable
 from argus.prompt_split import PromptSet, prompt_set
-from argus.sim.quality import DEFAULT_DELTA, QualityTable
 from argus.types import Strategy
 
 IntArray = npt.NDArray[np.int64]

@@ -45,6 +45,7 @@ class ProfileCommand:
         warmup, prompts = prompts[: args.warmup], prompts[args.warmup :]
         if not prompts:
             raise CLIError("--prompts: no prompts to profile")
+        from argus.contracts.quality import save_quality_table
         from argus.profiler import (
             PickScorer,
             ProfileReport,
@@ -52,7 +53,6 @@ class ProfileCommand:
             profile_ac,
             profile_sm,
         )
-        from argus.sim.quality import save_quality_table
         from argus.types import Strategy
         from argus.worker.app import WorkerSettings, build_worker
 

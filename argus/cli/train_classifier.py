@@ -104,8 +104,9 @@ class TrainClassifierCommand:
 
 def _tables(args: argparse.Namespace, strategies: list[Any]) -> dict[Any, Any]:
     """The quality table of each strategy: the files given, else synthetic ones."""
+    from argus.contracts.quality import load_quality_table
     from argus.profiles import ProfileError, load_profiles
-    from argus.sim.quality import load_quality_table, synthetic_quality_table
+    from argus.sim.quality import synthetic_quality_table
     from argus.sim.workloads import WorkloadError, load_prompt_file
     from argus.traces import default_prompt_trace
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
-from argus.allocator.client import AllocatorClient
 from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import LevelClassifier
 from argus.classifier.serving import ClassifierSet
+from argus.contracts.allocator_client import AllocatorClient
 from argus.grpc_server import (
     BearerTokenInterceptor,
     add_health_and_reflection,
@@ -223,12 +223,12 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     """Run the router until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound,
     and ``http on http(s)://HOST:PORT/v1`` when the HTTP API is on. A taken HTTP port raises
     OSError naming it before anything starts serving."""
-    from argus.allocator.client import PlanWatcher
     from argus.classifier.serving import (
         classifier_key,
         default_classifier_dir,
         load_prompt_classifier,
     )
+    from argus.contracts.allocator_client import PlanWatcher
     from argus.grpc_server import reconnect_options, start_metrics, wait_for_shutdown
     from argus.internal_tls import InternalTLS, channel
     from argus.profiles import default_profiles, load_profiles

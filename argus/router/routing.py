@@ -3,16 +3,22 @@
 Between two plans the router keeps:
 
 * the installed plan's scheduler (PASM sampling and Eq. 3 worker selection, with spill);
-* a short histogram of recent classifications, from which it re-runs ODA every
-  ``realign_every`` prompts against the plan's load shares F. The allocator's histogram spans
-  the last 1000 prompts; when the prompt mix drifts faster than that, a stale PASM misses F and
-  overloads some levels. ODA takes tens of microseconds, so re-aligning costs nothing a solve
-  would;
 * the backlog signal: when queues exceed ``backlog_replan_per_worker`` per live worker, the
   allocator should re-plan now rather than at the next period (at most every
   ``min_replan_interval_s``).
 
-A prompt-agnostic router (PAC, Proteus) uses F itself as every PASM row and never re-aligns.
+The PASM has one owner, the allocator. The router samples the rows of the plan it installed
+as they were published and never changes them: it runs no ODA and holds no histogram of its
+own. Its classifications reach the allocator in every report (about once a second), where the
+histogram H of all routers' prompts feeds the next plan; when the mix it sees overloads
+levels, the router's queues grow and it asks the allocator for a plan through the backlog
+signal rather than re-aligning locally. Why: with several routers, local re-alignment gave
+each its own PASM built from its own 200 prompts, so no single component decided where load
+went, and under the joint planner it replaced the program's per-class rows with ODA's answer
+to a different question. The simulator, which every evaluation figure comes from, never
+re-aligned either; the live router now routes the way it was evaluated.
+
+A prompt-agnostic router (PAC, Proteus) uses F itself as every PASM row.
 """
 
 from __future__ import annotations
@@ -23,10 +29,8 @@ from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
-from argus.allocator.oda import align
-from argus.allocator.predictor import AffinityHistogram
 from argus.router.scheduler import PromptScheduler
-from argus.types import Plan, ProfileSet, RouteDecision, ShiftMap, Strategy
+from argus.types import Plan, ProfileSet, RouteDecision, ShiftMap
 
 
 @dataclass(frozen=True)
@@ -35,12 +39,6 @@ class RouterConfig:
 
     prompt_aware: bool = True
     """Route by the classifier's level through the PASM; False: by the load shares F alone."""
-
-    realign_every: int = 50
-    """Classified prompts between PASM re-alignments (0: only when a plan is installed)."""
-
-    realign_window: int = 200
-    """Recent classified prompts a re-alignment looks at."""
 
     spill_after_s: float | None = None
     """Spill budget of the scheduler (see ``PromptScheduler``); None turns spilling off."""
@@ -52,10 +50,6 @@ class RouterConfig:
     """Early re-plans are wanted at most this often, seconds."""
 
     def __post_init__(self) -> None:
-        if self.realign_every < 0:
-            raise ValueError(f"realign_every: must be >= 0, got {self.realign_every}")
-        if self.realign_window < 1:
-            raise ValueError(f"realign_window: must be >= 1, got {self.realign_window}")
         if not self.backlog_replan_per_worker > 0.0:
             raise ValueError(
                 f"backlog_replan_per_worker: must be > 0, got {self.backlog_replan_per_worker}"
@@ -73,14 +67,9 @@ class PlanRouter:
         self.profiles = profiles
         self.config = config
         self._rng = rng
-        self._recent = AffinityHistogram(
-            {s: len(profiles.levels_for(s)) for s in Strategy if profiles.levels_for(s)},
-            config.realign_window,
-        )
         self._plan: Plan | None = None
         self._classes: Mapping[str, str] = {}
         self._scheduler: PromptScheduler | None = None
-        self._since_align = 0
         self._installed_at = -math.inf
 
     @property
@@ -96,10 +85,6 @@ class PlanRouter:
         self._installed_at = now_s
         self._scheduler = self._build(plan)
 
-    def observe(self, strategy: Strategy, level_index: int) -> None:
-        """The classifier of ``strategy`` said ``level_index`` for the prompt being routed."""
-        self._recent.observe(strategy, level_index)
-
     def route(
         self,
         optimal_level: int,
@@ -111,11 +96,6 @@ class PlanRouter:
         above ``max_level`` (the request's minimum quality) is served."""
         if self._scheduler is None:
             raise RuntimeError("no plan installed: install() comes before route()")
-        if self.config.prompt_aware and self.config.realign_every:
-            self._since_align += 1
-            if self._since_align >= self.config.realign_every:
-                self._since_align = 0
-                self._realign()
         return self._scheduler.route(optimal_level, queues, down, max_level)
 
     def level_name(self, index: int) -> str:
@@ -128,14 +108,6 @@ class PlanRouter:
             return False
         live = max(1, len(queues) - len(down))
         return sum(queues.values()) > self.config.backlog_replan_per_worker * live
-
-    def _realign(self) -> None:
-        plan = self._plan
-        if plan is None or plan.allocation.served_qpm <= 0.0:
-            return
-        histogram = self._recent.histogram(plan.strategy)
-        shift = align(histogram, plan.allocation.load_share_qpm, plan.allocation.levels)
-        self._scheduler = self._build(replace(plan, shift_map=shift))
 
     def _build(self, plan: Plan) -> PromptScheduler:
         return PromptScheduler.from_plan(

@@ -40,9 +40,10 @@ from typing import Any, NoReturn, Protocol
 import grpc
 
 from argus import rpc
-from argus.allocator.control import PublishedPlan
 from argus.classifier.prompts import InvalidPromptError
 from argus.classifier.serving import BatcherClosed, BatcherFull
+from argus.contracts.plans import PublishedPlan
+from argus.contracts.wire import STRATEGY_TO_PB as _STRATEGY_TO_PB
 from argus.grpc_server import reconnect_options, set_serving
 from argus.request_limits import (
     ImageLimits,
@@ -76,7 +77,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "argus.v1.Router"
 RETRY_AFTER_KEY = "retry-after-ms"
-_STRATEGY_TO_PB = {Strategy.AC: 1, Strategy.SM: 2}
 MAX_ID_CHARS = 128
 # a worker's answer that blames the request, not the cluster: no SLO violation
 CALLER_ERRORS = frozenset(
@@ -625,9 +625,6 @@ class RouterCore:
             self.metrics.classify.observe(classified_at - arrived)
         with self._lock:
             self._classified.append(Classified(classified_at, dict(levels)))
-            for strategy, level in levels.items():
-                if self._router.plan is not None:
-                    self._router.observe(strategy, level)
         tried: set[str] = set()
         admitted = False
         try:

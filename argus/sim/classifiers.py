@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from argus.contracts.quality import QualityTable
 from argus.sim.cluster import SimContext
-from argus.sim.quality import QualityTable
 from argus.types import ClassQuality, Strategy
 
 if TYPE_CHECKING:

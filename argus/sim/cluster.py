@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from argus.contracts.quality import QualityTable
 from argus.router.admission import AdmissionRule
 from argus.sim.adapters import (
     AdapterCost,
@@ -76,7 +77,6 @@ from argus.sim.adapters import (
     draw_adapters,
     with_adapter_costs,
 )
-from argus.sim.quality import QualityTable
 from argus.sim.workloads import Workload
 from argus.types import ClusterView, Level, ProfileSet, Strategy, WorkerState
 

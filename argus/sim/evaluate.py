@@ -73,8 +73,9 @@ from argus.traces import PromptRecord
 from argus.types import ProfileSet, Strategy
 
 if TYPE_CHECKING:
+    from argus.contracts.quality import QualityTable
     from argus.sim.classifiers import Classifier
-    from argus.sim.quality import QualityTable, SyntheticModel
+    from argus.sim.quality import SyntheticModel
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]

@@ -27,14 +27,10 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from argus.allocator.control import (
-    AllocatorControl,
-    ControlConfig,
-    RouterReport,
-    StrategyChoice,
-)
-from argus.allocator.membership import RetrievalReport, WorkerReport
+from argus.allocator.control import AllocatorControl, ControlConfig, StrategyChoice
 from argus.allocator.planner import PlannerMode
+from argus.contracts.routers import RouterReport
+from argus.contracts.workers import RetrievalReport, WorkerReport
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.sim.classifiers import Classifier, OracleClassifier
 from argus.sim.cluster import Policy, SimContext
@@ -103,7 +99,6 @@ class PlannedPolicy(Policy):
             random.Random(self._seed),
             RouterConfig(
                 prompt_aware=self.config.prompt_aware,
-                realign_every=0,  # the allocator owns the PASM
                 spill_after_s=spill * ctx.slo_s if spill else None,
                 backlog_replan_per_worker=control.backlog_replan_per_worker,
                 min_replan_interval_s=control.min_replan_interval_s,
@@ -163,7 +158,6 @@ class PlannedPolicy(Policy):
             for s in self.ctx.quality:
                 c = self._classify(s, request)
                 self._classified[s].append(c)
-                self.router.observe(s, c)
                 if s is strategy:
                     optimal = c
         decision = self.router.route(optimal, queues, down)

@@ -50,9 +50,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from argus.allocator.control import HeartbeatAnswer
-from argus.allocator.convert import heartbeat_answer_from_pb, heartbeat_to_pb
-from argus.allocator.membership import RetrievalReport, WorkerReport
+from argus.contracts.wire import MAX_SAMPLES  # retrieval samples per heartbeat, at most
+from argus.contracts.workers import (
+    HeartbeatAnswer,
+    RetrievalReport,
+    WorkerReport,
+    heartbeat_answer_from_pb,
+    heartbeat_to_pb,
+)
 from argus.grpc_server import check_address
 from argus.types import Strategy
 from argus.worker.engine import Worker
@@ -64,14 +69,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_SAMPLES = 4096  # retrieval samples per heartbeat (the allocator's limit)
 MIN_PROBE_INTERVAL_S = 0.01  # a zero interval from the allocator must not spin
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
 class HeartbeatClient(Protocol):
     """What membership needs of its allocator connection (:class:`HeartbeatChannel`, or
-    :class:`~argus.allocator.client.AllocatorClient`, or a scripted fake in tests)."""
+    :class:`~argus.contracts.allocator_client.AllocatorClient`, or a scripted fake in tests)."""
 
     timeout_s: float
 
@@ -135,9 +139,9 @@ class MembershipStats:
 class HeartbeatChannel:
     """Heartbeats to one allocator over a channel that reconnects within ``max_reconnect_s``.
 
-    Like :meth:`AllocatorClient.heartbeat <argus.allocator.client.AllocatorClient.heartbeat>`
-    (same conversions), but gRPC's own reconnect backoff (by default growing to 120 s, during
-    which calls fail at once) is capped: an allocator that restarts is rejoined within
+    Like :meth:`~argus.contracts.allocator_client.AllocatorClient.heartbeat` (same
+    conversions), but gRPC's own reconnect backoff (by default growing to 120 s, during which
+    calls fail at once) is capped: an allocator that restarts is rejoined within
     ``max_reconnect_s`` rather than minutes later, long after it declared the worker dead.
     """
 

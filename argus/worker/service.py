@@ -35,6 +35,7 @@ import grpc
 from grpc_health.v1 import health
 
 from argus import rpc
+from argus.contracts.wire import STRATEGY_TO_PB as _STRATEGY_TO_PB
 from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from argus.internal_tls import InternalTLS, server_security
 from argus.request_limits import InvalidRequestError
@@ -64,7 +65,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "argus.v1.Worker"
 
-_STRATEGY_TO_PB = {Strategy.AC: 1, Strategy.SM: 2}
 _CACHE_TO_PB = {CacheOutcome.NOT_USED: 1, CacheOutcome.HIT: 2, CacheOutcome.MISS: 3}
 _STATE_TO_PB = {LoadState.LOADING: 1, LoadState.READY: 2, LoadState.FAILED: 3}
 

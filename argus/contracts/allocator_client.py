@@ -1,10 +1,13 @@
 """Clients of the allocator service, for the processes that talk to it: routers and workers.
 
+They live with the contracts, not in ``argus.allocator``: a router or a worker reaches the
+allocator through these and the contract values alone, never through the allocator's package.
+
 * :class:`AllocatorClient`: the unary calls with typed values in and out: a worker's
   ``heartbeat``, a router's ``report``, ``get_plan``.
 * :class:`PlanWatcher`: a router's view of the plan. A daemon thread keeps a ``WatchPlan``
   stream open, hands every newer plan to ``on_plan`` (a
-  :class:`~argus.allocator.control.PublishedPlan`, whose ``plan`` and ``worker_classes()``
+  :class:`~argus.contracts.plans.PublishedPlan`, whose ``plan`` and ``worker_classes()``
   go straight into ``PlanRouter.install``) and reconnects with exponential backoff whenever
   the stream ends: the allocator restarted, moved or is not up yet. Plans are ordered by
   (epoch, version): any plan of a new epoch (a restarted allocator) replaces the old one.
@@ -20,17 +23,20 @@ from typing import Any
 import grpc
 
 from argus import rpc
-from argus.allocator.control import HeartbeatAnswer, PublishedPlan, RouterAnswer
-from argus.allocator.convert import (
-    FieldError,
+from argus.contracts.plans import PublishedPlan, plan_from_pb
+from argus.contracts.routers import (
+    RouterAnswer,
     class_quality_to_pb,
-    heartbeat_answer_from_pb,
-    heartbeat_to_pb,
-    plan_from_pb,
     router_answer_from_pb,
     router_report_to_pb,
 )
-from argus.allocator.membership import WorkerReport
+from argus.contracts.wire import FieldError
+from argus.contracts.workers import (
+    HeartbeatAnswer,
+    WorkerReport,
+    heartbeat_answer_from_pb,
+    heartbeat_to_pb,
+)
 from argus.grpc_server import reconnect_options
 from argus.internal_tls import InternalTLS, channel
 from argus.types import ClassQuality, Strategy

@@ -1,0 +1,26 @@
+"""What crosses a process boundary, in one place, with its protobuf conversion.
+
+The allocator, the routers and the workers are separate processes; each imports the values it
+exchanges with the others from here and never another service's internals, so a worker reads
+its heartbeat answer and a router reads a plan without loading the allocator's solver.
+
+* :mod:`argus.contracts.wire`: the checks every reader of a message applies
+  (:class:`~argus.contracts.wire.FieldError`, size limits) and the enums both sides map;
+* :mod:`argus.contracts.workers`: a worker's heartbeat (:class:`WorkerReport`,
+  :class:`RetrievalReport`) and the allocator's answer (:class:`HeartbeatAnswer`);
+* :mod:`argus.contracts.routers`: a router's statistics (:class:`RouterReport`) and their
+  acknowledgement (:class:`RouterAnswer`);
+* :mod:`argus.contracts.plans`: the plan as routers receive it (:class:`PublishedPlan`);
+* :mod:`argus.contracts.allocator_client`: the allocator's API as its callers use it
+  (:class:`AllocatorClient`, :class:`PlanWatcher`), typed values in and out;
+* :mod:`argus.contracts.quality`: per-prompt quality tables and the δ rule that defines a
+  prompt's optimal level, shared by the profiler, the classifier, live replay and the
+  simulator.
+
+Each module holds a value type and both halves of its conversion (``*_to_pb``,
+``*_from_pb``); the readers only raise :class:`~argus.contracts.wire.FieldError`, which the
+allocator's servicer maps to INVALID_ARGUMENT. The basic values these are made of (levels,
+profiles, :class:`~argus.types.Plan`, the PASM) live in :mod:`argus.types`, which imports
+nothing of Argus. Nothing here imports a service package (``argus.allocator``,
+``argus.router``, ``argus.worker``, ``argus.sim``).
+"""

@@ -1,0 +1,177 @@
+"""A router's statistics for the allocator and their acknowledgement (``Allocator/ReportRouter``).
+
+Every report period a router sends the arrivals since its last report (each by its age), the
+classes its classifiers chose, whether its queues call for an early re-plan and which
+classifier it runs (:func:`router_report_to_pb`). The allocator reads the report with
+:func:`router_report_from_pb`, which resolves level names to indices of the profile, and
+answers :class:`RouterAnswer`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from argus.contracts.wire import (
+    MAX_ARRIVALS,
+    MAX_CLASSIFIED,
+    MAX_ID_CHARS,
+    STRATEGY_TO_PB,
+    FieldError,
+    allocator_pb2,
+    at_most,
+    at_most_chars,
+    identifier,
+    seconds,
+    strategy_from_pb,
+)
+from argus.types import ClassQuality, ProfileSet, Strategy
+
+
+@dataclass(frozen=True)
+class RouterReport:
+    """A router's statistics, validated (level names already turned into indices)."""
+
+    router_id: str
+    sequence: int = 0  # 0: no de-duplication
+    arrivals: int = 0
+    arrival_ages_s: tuple[float, ...] = ()  # empty, or one age per arrival
+    classified: tuple[tuple[Strategy, tuple[int, ...]], ...] = ()  # class indices, oldest first
+    replan_wanted: bool = False
+    classifier: str = ""  # classifier_key of the router's classifier; "": not said
+    # Q(v | c) of strategies the router retrained since it started (drift retraining)
+    class_quality: tuple[ClassQuality, ...] = ()
+
+
+@dataclass(frozen=True)
+class RouterAnswer:
+    plan_version: int  # the plan in force when the report was counted
+    duplicate: bool  # a retried report, counted before
+
+
+# -- the allocator's side ------------------------------------------------------------------
+
+
+def router_report_from_pb(message: Any, profiles: ProfileSet) -> RouterReport:
+    """A validated router report with level names resolved to indices (slowest first)."""
+    arrivals = at_most(message.arrivals, MAX_ARRIVALS, "arrivals")
+    ages = message.arrival_ages_s
+    if ages and len(ages) != arrivals:
+        raise FieldError(
+            f"arrival_ages_s: expected one age per arrival ({arrivals}), got {len(ages)}"
+        )
+    classified = []
+    for i, entry in enumerate(message.classified):
+        where = f"classified[{i}]"
+        strategy = strategy_from_pb(entry.strategy, f"{where}.strategy")
+        classified.append((strategy, _level_indices(entry.levels, strategy, profiles, where)))
+    return RouterReport(
+        router_id=identifier(message.router_id, "router_id"),
+        sequence=message.sequence,
+        arrivals=arrivals,
+        arrival_ages_s=tuple(seconds(a, f"arrival_ages_s[{i}]") for i, a in enumerate(ages)),
+        classified=tuple(classified),
+        replan_wanted=message.replan_wanted,
+        classifier=at_most_chars(message.classifier, "classifier"),
+        class_quality=tuple(
+            class_quality_from_pb(entry, profiles, f"class_quality[{i}]")
+            for i, entry in enumerate(message.class_quality)
+        ),
+    )
+
+
+def class_quality_from_pb(message: Any, profiles: ProfileSet, where: str) -> ClassQuality:
+    """A reported Q(v | c), checked against the profile: its levels must be the strategy's
+    levels in order (the planner indexes classes by them), its table n × n and its values
+    finite and >= 0. FieldError names the field."""
+    strategy = strategy_from_pb(message.strategy, f"{where}.strategy")
+    expected = tuple(level.name for level in profiles.levels_for(strategy))
+    levels = tuple(message.levels)
+    if levels != expected:
+        raise FieldError(
+            f"{where}.levels: expected the profile's {strategy} levels {', '.join(expected)}, "
+            f"got {', '.join(levels) or 'none'}"
+        )
+    n = len(levels)
+    if len(message.quality) != n * n:
+        raise FieldError(
+            f"{where}.quality: expected {n} × {n} = {n * n} values, got {len(message.quality)}"
+        )
+    for name, values in (("quality", message.quality), ("prior", message.prior)):
+        for j, value in enumerate(values):
+            if not (math.isfinite(value) and value >= 0.0):
+                raise FieldError(f"{where}.{name}[{j}]: must be finite and >= 0, got {value}")
+    if len(message.prior) != n:
+        raise FieldError(f"{where}.prior: expected {n} values, got {len(message.prior)}")
+    rows = tuple(tuple(float(x) for x in message.quality[c * n : (c + 1) * n]) for c in range(n))
+    source = at_most_chars(message.source, f"{where}.source")
+    return ClassQuality(strategy, levels, rows, tuple(float(p) for p in message.prior), source)
+
+
+def class_quality_to_pb(quality: ClassQuality) -> Any:
+    """The router's side of :func:`class_quality_from_pb`."""
+    return allocator_pb2.ReportedClassQuality(
+        strategy=STRATEGY_TO_PB[quality.strategy],
+        levels=list(quality.levels),
+        quality=[value for row in quality.quality for value in row],
+        prior=list(quality.prior),
+        source=quality.source[:MAX_ID_CHARS],
+    )
+
+
+def _level_indices(
+    names: Sequence[str], strategy: Strategy, profiles: ProfileSet, where: str
+) -> tuple[int, ...]:
+    at_most(len(names), MAX_CLASSIFIED, f"{where}.levels")
+    index = {level.name: i for i, level in enumerate(profiles.levels_for(strategy))}
+    result = []
+    for j, name in enumerate(names):
+        found = index.get(name)
+        if found is None:
+            known = ", ".join(index) or "none"
+            raise FieldError(
+                f"{where}.levels[{j}]: {name!r} is not a {strategy} level of the profile ({known})"
+            )
+        result.append(found)
+    return tuple(result)
+
+
+def router_answer_to_pb(answer: RouterAnswer) -> Any:
+    return allocator_pb2.RouterReportReply(
+        plan_version=answer.plan_version, duplicate=answer.duplicate
+    )
+
+
+# -- the router's side ---------------------------------------------------------------------
+
+
+def router_report_to_pb(
+    router_id: str,
+    *,
+    sequence: int = 0,
+    arrival_ages_s: Sequence[float] = (),
+    classified: Mapping[Strategy, Sequence[str]] | None = None,
+    replan_wanted: bool = False,
+    classifier: str = "",
+) -> Any:
+    """A ``RouterReport`` of the arrivals since the router's last one (each given by its age,
+    seconds before sending), the level names its classifiers chose and the identity of those
+    classifiers."""
+    return allocator_pb2.RouterReport(
+        router_id=router_id,
+        sequence=sequence,
+        arrivals=len(arrival_ages_s),
+        arrival_ages_s=list(arrival_ages_s),
+        classified=[
+            allocator_pb2.ClassifiedLevels(strategy=STRATEGY_TO_PB[s], levels=list(levels))
+            for s, levels in (classified or {}).items()
+        ],
+        replan_wanted=replan_wanted,
+        classifier=classifier,
+    )
+
+
+def router_answer_from_pb(message: Any) -> RouterAnswer:
+    return RouterAnswer(plan_version=message.plan_version, duplicate=message.duplicate)
