@@ -1,23 +1,24 @@
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
 from argus.allocator.planner import make_plan
 from argus.profiles import default_profiles
 from argus.router.routing import PlanRouter, RouterConfig
-from argus.types import ClusterView, LoadForecast, Strategy
+from argus.types import ClusterView, LoadForecast, Plan, Strategy
 
 PROFILES = default_profiles()
 VIEW = ClusterView.uniform(8)
 CLASSES = {w.worker_id: w.worker_class for w in VIEW.workers}
 
 
-def plan(histogram, qpm=150.0):
+def plan(histogram: tuple[float, ...], qpm: float = 150.0) -> Plan:
     return make_plan(PROFILES, Strategy.AC, VIEW, LoadForecast(qpm, qpm, qpm, 0.0), histogram)
 
 
-def router(**config):
+def router(**config: Any) -> PlanRouter:
     return PlanRouter(PROFILES, random.Random(3), RouterConfig(**config))
 
 
@@ -45,12 +46,24 @@ def test_realignment_follows_the_recent_mix():
     assert error(stale) > 0.3
 
 
-def test_prompt_agnostic_routing_uses_load_shares():
+def test_prompt_agnostic_routing_uses_load_shares() -> None:
+    """Without the prompt, every class is routed by the plan's load shares F; with it, by the
+    PASM, whose rows differ from F (the best level's class goes where it is best served)."""
     installed = plan((10, 0, 0, 0, 0, 0))
-    r = router(prompt_aware=False)
-    r.install(installed, CLASSES, now_s=0.0)
-    rows = r.plan.shift_map.matrix
-    assert all(row == rows[0] for row in rows)
+    shares = installed.allocation.load_share_qpm
+    f = [s / sum(shares) for s in shares]
+    assert max(f) < 1.0  # F spreads the load: a row equal to F is not a one-level row
+    agnostic = router(prompt_aware=False)
+    agnostic.install(installed, CLASSES, now_s=0.0)
+    assert agnostic.plan is not None
+    for row in agnostic.plan.shift_map.matrix:
+        assert row == pytest.approx(f)
+    aware = router()
+    aware.install(installed, CLASSES, now_s=0.0)
+    assert aware.plan is not None
+    rows = aware.plan.shift_map.matrix
+    assert rows == installed.shift_map.matrix
+    assert any(row != pytest.approx(f) for row in rows)
 
 
 def test_wants_replan_on_backlog_but_not_too_often():
