@@ -285,6 +285,13 @@ def wait_for_shutdown(ready: threading.Event | None = None) -> None:
         stop.wait()
 
 
+def check_port(value: int | None, name: str) -> None:
+    """ValueError naming ``name`` unless ``value`` is None (off) or a port in 0..65535 (0: any
+    free port)."""
+    if value is not None and not 0 <= value < 65536:
+        raise ValueError(f"{name}: {value} outside 0..65535")
+
+
 def check_address(value: str, name: str) -> str:
     """``value`` if it is HOST:PORT with a port in 1..65535; else ValueError naming ``name``."""
     host, sep, port = value.rpartition(":")

@@ -37,6 +37,7 @@ from typing import IO, Any
 
 import grpc
 
+from argus import defaults
 from argus.internal_tls import CA_KEY, Identity, InternalTLS, channel, generate_ca, issue
 
 LISTENING = re.compile(r"listening on (\S+)")
@@ -55,16 +56,16 @@ class ClusterSpec:
     workdir: Path
     workers: int = 2
     controlnet: bool = True
-    host: str = "127.0.0.1"
+    host: str = defaults.LOOPBACK
     router_port: int = 0
     router_http_port: int | None = 0  # the router's HTTP API; 0: any free port; None: off
     metrics: bool = True  # each part serves /metrics on a free port
     default_steps: int = 30  # more than the largest skip (K = 25) so every AC level can run
-    default_size: int = 64
-    heartbeat_s: float = 1.0
-    period_s: float = 60.0
-    retrieval_threshold_s: float = 0.5
-    retrieval_window_s: float = 30.0
+    default_size: int = defaults.DEFAULT_SIZE
+    heartbeat_s: float = defaults.HEARTBEAT_S
+    period_s: float = defaults.PLANNING_PERIOD_S
+    retrieval_threshold_s: float = defaults.RETRIEVAL_THRESHOLD_S
+    retrieval_window_s: float = defaults.RETRIEVAL_WINDOW_S
     auth_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None

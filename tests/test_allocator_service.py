@@ -795,9 +795,11 @@ def test_argus_allocator_refuses_a_calibration_it_cannot_price(
     ("args", "message"),
     [
         (["--port", "70000"], "--port: 70000 outside 0..65535"),
-        (["--heartbeat-s", "0"], "--heartbeat-s: 0.0 must be a positive number"),
-        (["--period-s", "nan"], "--period-s: nan must be a positive number"),
-        (["--retrieval-threshold-s", "-1"], "threshold_s: must be > 0, got -1.0"),
+        (["--heartbeat-s", "0"], "--heartbeat-s: must be a finite number > 0, got 0.0"),
+        (["--period-s", "nan"], "--period-s: must be a finite number > 0, got nan"),
+        (["--retrieval-threshold-s", "-1"], "--retrieval-threshold-s: must be > 0, got -1.0"),
+        (["--max-watchers", "0"], "--max-watchers: must be >= 1, got 0"),
+        (["--metrics-port", "-1"], "--metrics-port: -1 outside 0..65535"),
         (["--profile", "/nonexistent.toml"], "/nonexistent.toml: cannot read profile file"),
     ],
 )

@@ -382,8 +382,9 @@ def test_argus_controlnet_process_serves_and_stops_on_sigterm(cluster_ca: TestCA
     ("args", "message"),
     [
         (["--port", "70000"], "--port: 70000"),
-        (["--cache-size", "0"], "--cache-size: 0"),
-        (["--max-sessions", "0"], "--max-sessions: 0"),
+        (["--cache-size", "0"], "--cache-size: must be >= 1, got 0"),
+        (["--cache-bytes", "0"], "--cache-bytes: must be >= 1, got 0"),
+        (["--max-sessions", "0"], "--max-sessions: must be >= 1, got 0"),
         (["--catalog", "/nonexistent/catalog"], "not a directory"),
     ],
 )

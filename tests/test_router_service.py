@@ -20,6 +20,7 @@ from argus.router.app import StatsReporter
 from argus.router.service import RETRY_AFTER_KEY, RouterServiceConfig
 from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster, FakeClock
 
+common_pb2: Any = rpc.load("common_pb2")
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
 
@@ -47,13 +48,23 @@ def code_of(stub: Any, **fields: Any) -> tuple[grpc.StatusCode, str, dict[str, s
 def test_routing_follows_the_plan(cluster: Cluster) -> None:
     cluster.add_worker("w1")
     cluster.add_worker("w2")
-    stub = cluster.router()
-    assignment = {w.worker_id: w.level for w in cluster.client.get_plan().workers}
+    stub = cluster.router()  # its classifier says level 0 for every prompt
+    published = cluster.client.get_plan()
+    assignment = {w.worker_id: w.level for w in published.workers}
+    levels = published.plan.allocation.levels
+    row = published.plan.shift_map.row(0)
+    dictated = [levels[j] for j, p in enumerate(row) if p > 0.0]
+    assert len(dictated) == 1  # the plan leaves the router no choice of level
+    strategy = common_pb2.Strategy.Value(published.plan.strategy.value)
     for i in range(8):
         reply = ask(stub, seed=i)
         assert reply.png == PNG
-        assert reply.level == assignment[reply.worker_id]
-        assert reply.strategy in (1, 2)
+        assert reply.plan_version == published.version
+        assert reply.strategy == strategy
+        assert reply.classified_level == levels[0]
+        assert reply.target_level == dictated[0]
+        assert reply.level == dictated[0] == assignment[reply.worker_id]
+        assert reply.level_index == levels.index(dictated[0])
         assert reply.timing.attempts == 1
         assert reply.worker_response.png == b""
     sent = [c for w in cluster.workers.values() for c in w.calls]
@@ -184,13 +195,21 @@ def test_no_worker_is_unavailable(cluster: Cluster) -> None:
 
 def test_reports_reach_the_allocator(cluster: Cluster) -> None:
     cluster.add_worker("w1")
-    stub = cluster.router()
-    ask(stub)
-    ask(stub)
-    reporter = StatsReporter(cluster.core, cluster.client, cluster.clock)
-    reporter.report_once()
+    stub = cluster.router(level=2)  # every prompt's class is level index 2
+    before = cluster.client.get_plan().plan
+    assert before.forecast.ewma_qpm == 0.0
+    assert before.histogram == pytest.approx([1 / 6] * 6)  # no class seen: uniform
+    for i in range(3):
+        ask(stub, seed=i)
+    StatsReporter(cluster.core, cluster.client, cluster.clock).report_once()
     arrivals, classified, _ = cluster.core.take_statistics()
-    assert arrivals == [] and classified == []
+    assert arrivals == [] and classified == []  # handed over, not kept
+    cluster.clock.now += 60.0  # the planning period ends: the allocator plans what it was told
+    assert cluster.allocator.control.tick() is not None
+    after = cluster.client.get_plan().plan
+    assert after.version > before.version
+    assert after.histogram == pytest.approx([0, 0, 1, 0, 0, 0])  # H holds the reported classes
+    assert after.forecast.ewma_qpm == pytest.approx(3.0)  # 3 arrivals in the closed minute
 
 
 def test_reports_name_the_classifier_and_the_allocator_checks_it(cluster: Cluster) -> None:

@@ -49,12 +49,23 @@ def test_routing_follows_the_published_pasm_whatever_the_mix() -> None:
 
 
 def test_prompt_agnostic_routing_uses_load_shares() -> None:
+    """Without the prompt, every class is routed by the plan's load shares F; with it, by the
+    PASM, whose rows differ from F (the best level's class goes where it is best served)."""
     installed = plan((10, 0, 0, 0, 0, 0))
-    r = router(prompt_aware=False)
-    r.install(installed, CLASSES, now_s=0.0)
-    assert r.plan is not None
-    rows = r.plan.shift_map.matrix
-    assert all(row == rows[0] for row in rows)
+    shares = installed.allocation.load_share_qpm
+    f = [s / sum(shares) for s in shares]
+    assert max(f) < 1.0  # F spreads the load: a row equal to F is not a one-level row
+    agnostic = router(prompt_aware=False)
+    agnostic.install(installed, CLASSES, now_s=0.0)
+    assert agnostic.plan is not None
+    for row in agnostic.plan.shift_map.matrix:
+        assert row == pytest.approx(f)
+    aware = router()
+    aware.install(installed, CLASSES, now_s=0.0)
+    assert aware.plan is not None
+    rows = aware.plan.shift_map.matrix
+    assert rows == installed.shift_map.matrix
+    assert any(row != pytest.approx(f) for row in rows)
 
 
 def test_wants_replan_on_backlog_but_not_too_often() -> None:

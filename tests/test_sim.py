@@ -2,6 +2,7 @@
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -13,7 +14,7 @@ from argus.router.admission import AdmissionRule, admit, predicted_completion_s
 from argus.sim.adapters import AdapterModel
 from argus.sim.cluster import GpuFailure, Policy, RetrievalFault, SimConfig, Simulation
 from argus.sim.planned import PlannedPolicy
-from argus.sim.policies import POLICIES, NoisyOracleClassifier, make_policy
+from argus.sim.policies import PLANNED, POLICIES, NoisyOracleClassifier, make_policy
 from argus.sim.quality import synthetic_quality_table
 from argus.sim.report import format_table, per_minute, summarise, write_reports
 from argus.sim.workloads import Workload, bursty, poisson
@@ -90,9 +91,39 @@ def test_switching_cost_keeps_argus_from_reloading_models_like_proteus(heavy):
     assert argus.model_switches < proteus.model_switches
 
 
+class RecordingPolicy(PlannedPolicy):
+    """The argus policy, recording every routing: (request, time, worker id, workers down)."""
+
+    def __init__(self) -> None:
+        super().__init__("argus", PLANNED["argus"])
+        self.routes: list[tuple[int, float, str, frozenset[str]]] = []
+
+    def route(
+        self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
+    ) -> tuple[str, str]:
+        worker_id, level = super().route(request, now_s, queues, down)
+        self.routes.append((request, now_s, worker_id, down))
+        return worker_id, level
+
+
 def test_failed_gpus_serve_nothing_while_down_and_requests_are_retried(heavy):
     failure = GpuFailure(start_s=120.0, end_s=300.0, count=4)
-    result = simulate(heavy, "argus", faults=(failure,))
+    policy = RecordingPolicy()
+    result = simulate(heavy, policy, faults=(failure,))
+    # the requests queued on the failed GPUs are routed a second time, at the failure, to a
+    # GPU still up; there they are served (or refused, when their SLO no longer fits)
+    routes: dict[int, list[tuple[float, str, frozenset[str]]]] = {}
+    for request, now_s, worker_id, down in policy.routes:
+        routes.setdefault(request, []).append((now_s, worker_id, down))
+    retried = {i: r for i, r in routes.items() if len(r) > 1}
+    assert retried, "no request was routed again after the GPUs failed"
+    failed = {"w4", "w5", "w6", "w7"}
+    for i, ((_, first, _), (again_s, second, down), *more) in retried.items():
+        assert not more, f"request {i} routed {len(more) + 2} times"
+        assert again_s == 120.0
+        assert down == failed and first in failed and second not in failed
+        assert result.refused[i] or result.worker[i] == int(second.removeprefix("w"))
+    assert (~result.refused[list(retried)]).any()
     finished_while_down = (
         (result.finish_s > 121.0) & (result.arrivals_s >= 120.0) & (result.arrivals_s < 300.0)
     )
@@ -263,7 +294,9 @@ class _MoveOneWorker(Policy):
             for w in view.alive()
         }
 
-    def route(self, request, now_s, queues, down):
+    def route(
+        self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
+    ) -> tuple[str, str]:
         return "w0", ("sm-tiny-sd" if now_s >= 60.0 else "sm-sd-xl")
 
 
@@ -297,7 +330,9 @@ class _AllTo(Policy):
     def replan(self, now_s, view):
         return {w.worker_id: self.level for w in view.alive()}
 
-    def route(self, request, now_s, queues, down):
+    def route(
+        self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
+    ) -> tuple[str, str]:
         return self.worker, self.level
 
 

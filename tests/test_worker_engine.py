@@ -20,6 +20,7 @@ from argus.worker.engine import (
     QueueFullError,
 )
 from argus.worker.models import estimate_bytes
+from argus.worker.pipelines import CancelToken
 from argus.worker.registry import LoadState, MemoryGuardError, UnknownModelError
 from tests.worker_factories import STEPS, make_registry, make_worker
 
@@ -96,20 +97,30 @@ def test_empty_and_whitespace_prompts_generate(worker: Any) -> None:
 
 def test_full_queue_is_refused_not_grown() -> None:
     worker = make_worker(max_queue=1)
+    worker._slots.acquire()  # the "GPU" is busy
+    busy = True
+    done: list[Any] = []
+    waiting = threading.Thread(
+        target=lambda: done.append(worker.generate(GenerateCall("a"))), daemon=True
+    )
     try:
-        worker._slots.acquire()  # the "GPU" is busy
-        done: list[Any] = []
-        waiting = threading.Thread(target=lambda: done.append(worker.generate(GenerateCall("a"))))
         waiting.start()
-        while worker.stats().queue_length < 1:
+        deadline = time.monotonic() + 120.0  # the first request loads the model
+        while worker.stats().queue_length < 1:  # until the first request waits for the GPU
+            assert time.monotonic() < deadline, "the first request never queued"
             time.sleep(0.005)
+        # refused at once; were it queued instead, its deadline ends the wait with Cancelled
         with pytest.raises(QueueFullError, match="queue full"):
-            worker.generate(GenerateCall("b"))
+            worker.generate(GenerateCall("b"), CancelToken(deadline=time.monotonic() + 30.0))
         worker._slots.release()
+        busy = False
         waiting.join(timeout=60)
+        assert not waiting.is_alive(), "the queued request was not served once the GPU was free"
         assert len(done) == 1
         assert worker.stats().queue_length == 0
     finally:
+        if busy:  # let the waiting request finish (or fail) rather than hang the run
+            worker._slots.release()
         worker.close()
 
 

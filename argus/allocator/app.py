@@ -20,9 +20,10 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from argus import defaults
 from argus.allocator.control import ControlConfig, ControlLoop
 from argus.allocator.strategy import StrategyConfig
-from argus.grpc_server import wait_for_shutdown
+from argus.grpc_server import check_port, wait_for_shutdown
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet
 
@@ -36,29 +37,40 @@ NO_CLASSIFIER = "none"  # --classifier none: plan every strategy with the level 
 
 @dataclass(frozen=True)
 class AllocatorSettings:
-    host: str = "127.0.0.1"  # internal endpoint: loopback unless told otherwise
+    host: str = defaults.LOOPBACK  # internal endpoint: loopback unless told otherwise
     port: int = 0  # 0: any free port, printed at start
     profile: str | None = None  # a profile file; None: the embedded default
-    period_s: float = 60.0  # re-plan at least this often (the paper: every minute)
-    heartbeat_s: float = 1.0  # workers' heartbeat interval; 3 missed ones mean dead
-    max_workers: int = 1024
-    max_watchers: int = 64  # open WatchPlan streams (each holds a server thread)
-    retrieval_threshold_s: float = 0.5  # retrieval p99 above this forces SM
-    retrieval_window_s: float = 30.0  # ... over this window; healthy probes this long: AC
+    period_s: float = defaults.PLANNING_PERIOD_S  # re-plan at least this often
+    heartbeat_s: float = defaults.HEARTBEAT_S  # workers' heartbeat interval
+    max_workers: int = defaults.MAX_WORKERS
+    max_watchers: int = defaults.MAX_WATCHERS  # open WatchPlan streams
+    retrieval_threshold_s: float = defaults.RETRIEVAL_THRESHOLD_S  # p99 above this forces SM
+    retrieval_window_s: float = defaults.RETRIEVAL_WINDOW_S  # ... over this window
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
     classifier: str | None = None  # the routers' classifier directory, whose Q(v | c) prices
     # their classes; None: the committed default (as the router's); "none": level averages
     internal_tls_dir: str | None = None  # ca.crt, allocator.crt/.key; None: plaintext
 
+    def __post_init__(self) -> None:
+        check_port(self.port, "port")
+        check_port(self.metrics_port, "metrics_port")
+        if self.max_watchers < 1:
+            raise ValueError(f"max_watchers: must be >= 1, got {self.max_watchers}")
+        self.control_config()  # the control checks its own fields
+
     def control_config(self) -> ControlConfig:
-        """The control's config; ValueError names a bad field."""
+        """The control's config; ValueError names a bad field (as this class names it)."""
+        try:
+            retrieval = StrategyConfig(
+                threshold_s=self.retrieval_threshold_s, window_s=self.retrieval_window_s
+            )
+        except ValueError as err:  # "threshold_s: ..." is retrieval_threshold_s here
+            raise ValueError(f"retrieval_{err}") from None
         return ControlConfig(
             period_s=self.period_s,
             heartbeat_s=self.heartbeat_s,
             max_workers=self.max_workers,
-            retrieval=StrategyConfig(
-                threshold_s=self.retrieval_threshold_s, window_s=self.retrieval_window_s
-            ),
+            retrieval=retrieval,
         )
 
     def planning_classes(self, profiles: ProfileSet) -> PlanningClasses | None:

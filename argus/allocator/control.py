@@ -51,6 +51,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from argus import defaults
 from argus.allocator.allocator import Allocator, AllocatorConfig
 from argus.allocator.membership import Change, Membership
 from argus.allocator.planner import PlannerConfig, PlannerMode
@@ -81,11 +82,11 @@ class StrategyChoice(enum.StrEnum):
 class ControlConfig:
     """How the allocator service plans; each ``argus allocator`` flag maps to one field."""
 
-    period_s: float = 60.0
+    period_s: float = defaults.PLANNING_PERIOD_S
     """Re-plan at least this often, seconds (the paper: every minute). Also the load
     forecast's counting period."""
 
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = defaults.HEARTBEAT_S
     """Interval workers are told to send heartbeats at, seconds."""
 
     missed_heartbeats: int = 3
@@ -110,7 +111,7 @@ class ControlConfig:
     """Re-plan before the period ends when the forecast, the open period's rate included,
     exceeds the load the plan was made for by this factor."""
 
-    max_workers: int = 1024
+    max_workers: int = defaults.MAX_WORKERS
     """Workers tracked at most; further joins get RESOURCE_EXHAUSTED."""
 
     max_routers: int = 1024

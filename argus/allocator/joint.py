@@ -55,6 +55,7 @@ import highspy
 import numpy as np
 import numpy.typing as npt
 
+from argus import defaults
 from argus.allocator.solver import (
     InfeasiblePlanError,
     _chosen_levels,
@@ -132,7 +133,7 @@ class JointSolver:
         histogram: Sequence[float],
         *,
         switch_cost_weight: float = 0.0,
-        period_s: float = 60.0,
+        period_s: float = defaults.PLANNING_PERIOD_S,
         options: HighsOptions | None = None,
     ) -> None:
         started = time.perf_counter()

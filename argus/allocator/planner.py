@@ -28,6 +28,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from argus import defaults
 from argus.allocator.joint import HighsOptions, JointSolver
 from argus.allocator.oda import align
 from argus.allocator.queueing import QueueModel
@@ -63,7 +64,7 @@ class PlannerMode(enum.StrEnum):
 class PlannerConfig:
     """How a plan is made from a forecast."""
 
-    period_s: float = 60.0
+    period_s: float = defaults.PLANNING_PERIOD_S
     """Planning period in seconds (the paper re-plans every minute); amortises switching cost."""
 
     switch_cost_weight: float = 1.0

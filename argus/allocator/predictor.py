@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from argus import defaults
 from argus.types import LoadForecast, Strategy
 
 __all__ = [
@@ -81,7 +82,7 @@ class LoadPredictorConfig:
     """Parameters of :class:`LoadPredictor`; see the module docstring for how the defaults were
     chosen."""
 
-    period_s: float = 60.0  # length of one counting/planning period, seconds (> 0)
+    period_s: float = defaults.PLANNING_PERIOD_S  # one counting/planning period, seconds (> 0)
     alpha: float = 0.3  # EWMA weight of the newest completed period, in (0, 1]; 1 = last period
     peak_window: int = 2  # completed periods the peak term looks back over (>= 1)
     peak_fraction: float = 1.0  # share of that peak the forecast never drops below, in [0, 1]

@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import pulp
 
+from argus import defaults
 from argus.types import Allocation, ClusterView, Level, ProfileSet, Strategy, WorkerState
 
 SolverFactory = Callable[[], pulp.LpSolver]
@@ -131,7 +132,7 @@ def solve(
     load_qpm: float,
     *,
     switch_cost_weight: float = 0.0,
-    period_s: float = 60.0,
+    period_s: float = defaults.PLANNING_PERIOD_S,
     backend: SolverFactory | None = None,
     caps: Mapping[tuple[str, str], float] | None = None,
 ) -> Allocation:
@@ -154,7 +155,7 @@ def solve_per_worker(
     load_qpm: float,
     *,
     switch_cost_weight: float = 0.0,
-    period_s: float = 60.0,
+    period_s: float = defaults.PLANNING_PERIOD_S,
     backend: SolverFactory | None = None,
 ) -> Allocation:
     """The paper's per-worker binary formulation of Eq. 1; the reference for :func:`solve`."""

@@ -18,6 +18,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
 
+from argus import defaults
 from argus.types import Strategy
 
 
@@ -25,10 +26,10 @@ from argus.types import Strategy
 class StrategyConfig:
     """When to leave AC and when to come back."""
 
-    threshold_s: float = 0.5
+    threshold_s: float = defaults.RETRIEVAL_THRESHOLD_S
     """Retrieval p99 above this (seconds) makes AC not worth it: switch to SM."""
 
-    window_s: float = 30.0
+    window_s: float = defaults.RETRIEVAL_WINDOW_S
     """How far back observations count, seconds."""
 
     min_samples: int = 20

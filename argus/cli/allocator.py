@@ -14,10 +14,10 @@ stops it.
 from __future__ import annotations
 
 import argparse
-import math
 
+from argus import defaults
 from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
-from argus.cli.main import CLIError
+from argus.cli.main import CLIError, config_error
 
 
 class AllocatorCommand:
@@ -25,7 +25,7 @@ class AllocatorCommand:
     help = "Run the allocator service (gRPC): plans for the cluster's workers and routers."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+        parser.add_argument("--host", default=defaults.LOOPBACK, help="address to bind")
         parser.add_argument("--port", type=int, default=0, help="port (0: any free port)")
         parser.add_argument("--profile", help="profile file (default: the embedded one)")
         parser.add_argument(
@@ -34,29 +34,39 @@ class AllocatorCommand:
             "(default: classifiers/minilm-logistic); none: plan with level averages",
         )
         parser.add_argument(
-            "--period-s", type=float, default=60.0, help="re-plan at least this often"
+            "--period-s",
+            type=float,
+            default=defaults.PLANNING_PERIOD_S,
+            help="re-plan at least this often (default: %(default)s)",
         )
         parser.add_argument(
             "--heartbeat-s",
             type=float,
-            default=1.0,
-            help="workers' heartbeat interval; 3 missed heartbeats mean dead",
+            default=defaults.HEARTBEAT_S,
+            help="workers' heartbeat interval; 3 missed heartbeats mean dead "
+            "(default: %(default)s)",
         )
-        parser.add_argument("--max-workers", type=int, default=1024, help="workers tracked")
         parser.add_argument(
-            "--max-watchers", type=int, default=64, help="open WatchPlan streams at most"
+            "--max-workers", type=int, default=defaults.MAX_WORKERS, help="workers tracked"
+        )
+        parser.add_argument(
+            "--max-watchers",
+            type=int,
+            default=defaults.MAX_WATCHERS,
+            help="open WatchPlan streams at most",
         )
         parser.add_argument(
             "--retrieval-threshold-s",
             type=float,
-            default=0.5,
-            help="cache retrieval p99 above this switches AC → SM",
+            default=defaults.RETRIEVAL_THRESHOLD_S,
+            help="cache retrieval p99 above this switches AC → SM (default: %(default)s)",
         )
         parser.add_argument(
             "--retrieval-window-s",
             type=float,
-            default=30.0,
-            help="window of that p99, and of the healthy probes that switch back",
+            default=defaults.RETRIEVAL_WINDOW_S,
+            help="window of that p99, and of the healthy probes that switch back "
+            "(default: %(default)s)",
         )
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
         add_internal_tls_arguments(parser, "allocator")
@@ -65,31 +75,25 @@ class AllocatorCommand:
         from argus.allocator.app import AllocatorSettings, serve
         from argus.profiles import ProfileError
 
-        for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
-            if port is not None and not 0 <= port < 65536:
-                raise CLIError(f"{flag}: {port} outside 0..65535")
-        for flag, value in (("--period-s", args.period_s), ("--heartbeat-s", args.heartbeat_s)):
-            if not (math.isfinite(value) and value > 0):
-                raise CLIError(f"{flag}: {value} must be a positive number of seconds")
-        if args.max_watchers < 1:
-            raise CLIError(f"--max-watchers: {args.max_watchers} must be positive")
         tls_dir = internal_tls_dir(args, "allocator")
-        settings = AllocatorSettings(
-            host=args.host,
-            port=args.port,
-            profile=args.profile,
-            period_s=args.period_s,
-            heartbeat_s=args.heartbeat_s,
-            max_workers=args.max_workers,
-            max_watchers=args.max_watchers,
-            retrieval_threshold_s=args.retrieval_threshold_s,
-            retrieval_window_s=args.retrieval_window_s,
-            metrics_port=args.metrics_port,
-            classifier=args.classifier,
-            internal_tls_dir=tls_dir,
-        )
+        try:  # the settings check every value, before anything binds
+            settings = AllocatorSettings(
+                host=args.host,
+                port=args.port,
+                profile=args.profile,
+                period_s=args.period_s,
+                heartbeat_s=args.heartbeat_s,
+                max_workers=args.max_workers,
+                max_watchers=args.max_watchers,
+                retrieval_threshold_s=args.retrieval_threshold_s,
+                retrieval_window_s=args.retrieval_window_s,
+                metrics_port=args.metrics_port,
+                classifier=args.classifier,
+                internal_tls_dir=tls_dir,
+            )
+        except ValueError as err:
+            raise config_error(err, args) from None
         try:
-            settings.control_config()  # fail before binding, quoting the bad value
             return serve(settings)  # a bad classifier fails before binding too
         except (ValueError, ProfileError, OSError) as err:
             raise CLIError(str(err)) from None

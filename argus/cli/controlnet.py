@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
-from argus.cli.main import CLIError
+from argus.cli.main import CLIError, config_error
 
 
 class ControlNetCommand:
@@ -44,29 +44,26 @@ class ControlNetCommand:
         from argus.worker.controlnet.app import ControlNetSettings, serve
         from argus.worker.controlnet.errors import ControlNetError
 
-        if not 0 <= args.port < 65536:
-            raise CLIError(f"--port: {args.port} outside 0..65535")
-        for flag, value in (("--cache-size", args.cache_size), ("--cache-bytes", args.cache_bytes)):
-            if value is not None and value < 1:
-                raise CLIError(f"{flag}: {value} must be positive")
-        if args.max_sessions < 1:
-            raise CLIError(f"--max-sessions: {args.max_sessions} must be positive")
         tls_dir = internal_tls_dir(args, "controlnet")
-        settings = ControlNetSettings(
-            catalog=args.catalog,
-            base_family=args.base_family,
-            host=args.host,
-            port=args.port,
-            device=args.device,
-            dtype=args.dtype,
-            policy=args.policy,
-            cache_size=None if args.cache_bytes is not None else (args.cache_size or 8),
-            cache_bytes=args.cache_bytes,
-            preload=tuple(args.preload),
-            max_sessions=args.max_sessions,
-            metrics_port=args.metrics_port,
-            internal_tls_dir=tls_dir,
-        )
+        unsized = args.cache_size is None and args.cache_bytes is None  # the service's default
+        try:  # the settings check every value
+            settings = ControlNetSettings(
+                catalog=args.catalog,
+                base_family=args.base_family,
+                host=args.host,
+                port=args.port,
+                device=args.device,
+                dtype=args.dtype,
+                policy=args.policy,
+                cache_size=ControlNetSettings.cache_size if unsized else args.cache_size,
+                cache_bytes=args.cache_bytes,
+                preload=tuple(args.preload),
+                max_sessions=args.max_sessions,
+                metrics_port=args.metrics_port,
+                internal_tls_dir=tls_dir,
+            )
+        except ValueError as err:
+            raise config_error(err, args) from None
         try:
             return serve(settings)
         except (ValueError, ControlNetError, OSError) as err:

@@ -19,6 +19,17 @@ class CLIError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+def config_error(err: ValueError, args: argparse.Namespace) -> CLIError:
+    """A config's ValueError as the user's error: a message that starts with a field the
+    command has a flag for (``period_s: ...``) names the flag instead (``--period-s: ...``).
+    The configs validate their values; the commands only translate."""
+    message = str(err)
+    field, sep, rest = message.partition(":")
+    if sep and field in vars(args):
+        return CLIError(f"--{field.replace('_', '-')}:{rest}")
+    return CLIError(message)
+
+
 class CLISubcommand(Protocol):
     name: str
     help: str

@@ -26,6 +26,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from argus import defaults
 from argus.cli.main import CLIError
 from argus.quoting import quoted
 
@@ -60,7 +61,12 @@ class PlanCommand:
             default=1.0,
             help="weight of the model-load switching cost (0 turns it off; default 1)",
         )
-        parser.add_argument("--period", type=float, default=60.0, help="planning period, s")
+        parser.add_argument(
+            "--period",
+            type=float,
+            default=defaults.PLANNING_PERIOD_S,
+            help="planning period, s (default: %(default)s)",
+        )
         parser.add_argument(
             "--planner",
             default="joint",

@@ -20,10 +20,11 @@ swaps it in (``--no-drift-retrain``: watch only); see :mod:`argus.router.drift`.
 from __future__ import annotations
 
 import argparse
-import math
+from typing import Any
 
+from argus import defaults
 from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
-from argus.cli.main import CLIError
+from argus.cli.main import CLIError, config_error
 
 
 class RouterCommand:
@@ -32,16 +33,18 @@ class RouterCommand:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--allocator", required=True, help="allocator HOST:PORT")
-        parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+        parser.add_argument("--host", default=defaults.LOOPBACK, help="address to bind")
         parser.add_argument("--port", type=int, default=0, help="port (0: any free port)")
-        parser.add_argument("--router-id", default="router-0", help="id in allocator reports")
+        parser.add_argument(
+            "--router-id", default=defaults.ROUTER_ID, help="id in allocator reports"
+        )
         parser.add_argument("--profile", help="profile file (default: the embedded one)")
         parser.add_argument(
             "--classifier", help="classifier directory (default: classifiers/minilm-logistic)"
         )
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
         parser.add_argument(
-            "--metrics-host", default="127.0.0.1", help="address of /metrics (internal)"
+            "--metrics-host", default=defaults.LOOPBACK, help="address of /metrics (internal)"
         )
         parser.add_argument("--tls-cert", help="PEM certificate chain of the public endpoint")
         parser.add_argument("--tls-key", help="PEM private key of the public endpoint")
@@ -49,16 +52,22 @@ class RouterCommand:
             "--auth-token-file", help="file holding the bearer token callers must send"
         )
         parser.add_argument(
-            "--report-period-s", type=float, default=1.0, help="statistics to the allocator"
+            "--report-period-s",
+            type=float,
+            default=defaults.REPORT_PERIOD_S,
+            help="statistics to the allocator (default: %(default)s)",
         )
         parser.add_argument(
             "--default-deadline-ms",
             type=int,
-            default=30_000,
-            help="deadline of requests that set none",
+            default=defaults.DEFAULT_DEADLINE_MS,
+            help="deadline of requests that set none (default: %(default)s)",
         )
         parser.add_argument(
-            "--max-in-flight", type=int, default=256, help="requests served at once; more: busy"
+            "--max-in-flight",
+            type=int,
+            default=defaults.MAX_IN_FLIGHT,
+            help="requests served at once; more: busy (default: %(default)s)",
         )
         parser.add_argument(
             "--max-cost",
@@ -73,7 +82,7 @@ class RouterCommand:
             "default: off)",
         )
         parser.add_argument(
-            "--http-host", default="127.0.0.1", help="address of the HTTP API (public)"
+            "--http-host", default=defaults.LOOPBACK, help="address of the HTTP API (public)"
         )
         parser.add_argument(
             "--default-steps",
@@ -109,44 +118,11 @@ class RouterCommand:
         add_internal_tls_arguments(parser, "router")
 
     def run(self, args: argparse.Namespace) -> int:
-        from argus.classifier.drift import DriftConfig
-        from argus.grpc_server import check_address
         from argus.profiles import ProfileError
         from argus.router.app import RouterSettings, serve
-        from argus.router.drift import DriftSettings
 
-        ports = (
-            ("--port", args.port),
-            ("--metrics-port", args.metrics_port),
-            ("--http-port", args.http_port),
-        )
-        for flag, port in ports:
-            if port is not None and not 0 <= port < 65536:
-                raise CLIError(f"{flag}: {port} outside 0..65535")
-        if not (math.isfinite(args.report_period_s) and args.report_period_s > 0):
-            raise CLIError(f"--report-period-s: {args.report_period_s} must be positive")
-        for flag, value in (
-            ("--default-deadline-ms", args.default_deadline_ms),
-            ("--max-in-flight", args.max_in_flight),
-        ):
-            if value < 1:
-                raise CLIError(f"{flag}: {value} must be positive")
-        if args.max_cost is not None and not (math.isfinite(args.max_cost) and args.max_cost > 0):
-            raise CLIError(f"--max-cost: {args.max_cost} must be a positive number")
-        if args.default_steps is not None and args.default_steps < 1:
-            raise CLIError(f"--default-steps: {args.default_steps} must be positive")
-        if args.drift_window < 0:
-            raise CLIError(f"--drift-window: {args.drift_window} must be >= 0")
         tls_dir = internal_tls_dir(args, "router")
-        try:
-            check_address(args.allocator, "--allocator")
-            drift = None
-            if args.drift_window > 0:
-                drift = DriftSettings(
-                    monitor=DriftConfig(window=args.drift_window, tolerance=args.drift_tolerance),
-                    retrain=args.drift_retrain,
-                    min_examples=args.drift_min_labels,
-                )
+        try:  # the settings check every value, before anything loads
             settings = RouterSettings(
                 allocator=args.allocator,
                 host=args.host,
@@ -167,9 +143,29 @@ class RouterCommand:
                 http_port=args.http_port,
                 http_host=args.http_host,
                 internal_tls_dir=tls_dir,
-                drift=drift,
+                drift=drift_settings(args),
             )
+        except ValueError as err:
+            raise config_error(err, args) from None
+        try:
             settings.security()  # a bad certificate or token file fails before any loading
             return serve(settings)
         except (ValueError, ProfileError, OSError) as err:
             raise CLIError(str(err)) from None
+
+
+def drift_settings(args: argparse.Namespace) -> Any:
+    """The router's drift retraining from its flags (None when ``--drift-window`` is 0);
+    ValueError names the bad field (the configs check their own values)."""
+    from argus.classifier.drift import DriftConfig
+    from argus.router.drift import DriftSettings
+
+    if args.drift_window < 0:
+        raise ValueError(f"drift_window: must be >= 0 (0: off), got {args.drift_window}")
+    if args.drift_window == 0:
+        return None
+    return DriftSettings(
+        monitor=DriftConfig(window=args.drift_window, tolerance=args.drift_tolerance),
+        retrain=args.drift_retrain,
+        min_examples=args.drift_min_labels,
+    )

@@ -58,7 +58,9 @@ class UpCommand:
     help = "Run a whole cluster (allocator, ControlNet, workers, router) as local processes."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--workers", type=int, default=2)
+        from argus.local_cluster import ClusterSpec  # what --help's defaults come from
+
+        parser.add_argument("--workers", type=int, default=ClusterSpec.workers)
         parser.add_argument("--port", type=int, default=50051, help="router port (0: any)")
         parser.add_argument(
             "--http-port",
@@ -69,7 +71,12 @@ class UpCommand:
         parser.add_argument(
             "--workdir", type=Path, help="caches and logs, kept (default: a temp dir, removed)"
         )
-        parser.add_argument("--steps", type=int, default=30, help="default denoising steps")
+        parser.add_argument(
+            "--steps",
+            type=int,
+            default=ClusterSpec.default_steps,
+            help="default denoising steps (default: %(default)s)",
+        )
         parser.add_argument(
             "--model",
             default="tiny",
@@ -84,7 +91,12 @@ class UpCommand:
         )
         parser.add_argument("--no-controlnet", action="store_true", help="no ControlNet service")
         parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoints")
-        parser.add_argument("--period-s", type=float, default=60.0, help="allocator re-plans")
+        parser.add_argument(
+            "--period-s",
+            type=float,
+            default=ClusterSpec.period_s,
+            help="allocator re-plans (default: %(default)s)",
+        )
         parser.add_argument(
             "--classifier",
             help="classifier directory of the router and the allocator "

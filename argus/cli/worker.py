@@ -14,10 +14,15 @@ advertising ``--advertise HOST:PORT`` (default: the bound address) and ``--worke
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
+from argus import defaults
 from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
-from argus.cli.main import CLIError
+from argus.cli.main import CLIError, config_error
 from argus.quoting import quoted
+
+if TYPE_CHECKING:
+    from argus.worker.app import WorkerSettings
 
 
 def parse_variant(text: str) -> tuple[str, str]:
@@ -36,9 +41,9 @@ class WorkerCommand:
         parser.add_argument(
             "--variant", action="append", default=[], help="NAME=DIR of a smaller model"
         )
-        parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+        parser.add_argument("--host", default=defaults.LOOPBACK, help="address to bind")
         parser.add_argument("--port", type=int, default=0, help="port (0: any free port)")
-        parser.add_argument("--worker-id", default="worker-0")
+        parser.add_argument("--worker-id", default=defaults.WORKER_ID)
         parser.add_argument("--profile", help="profile file (default: the embedded one)")
         parser.add_argument("--level", help="level served at start (default: the first AC level)")
         parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
@@ -52,12 +57,14 @@ class WorkerCommand:
             "--index-outage-file",
             help="fault injection: the vector index fails as unreachable while this file exists",
         )
-        parser.add_argument("--cache-max-entries", type=int, default=100_000)
+        parser.add_argument("--cache-max-entries", type=int, default=defaults.CACHE_MAX_ENTRIES)
         parser.add_argument("--cache-max-bytes", type=int)
         parser.add_argument("--min-similarity", type=float, default=0.0)
-        parser.add_argument("--default-size", type=int, default=64, help="pixels (tiny: 64)")
-        parser.add_argument("--default-steps", type=int, default=50)
-        parser.add_argument("--max-queue", type=int, default=64)
+        parser.add_argument(
+            "--default-size", type=int, default=defaults.DEFAULT_SIZE, help="pixels (tiny: 64)"
+        )
+        parser.add_argument("--default-steps", type=int, default=defaults.DEFAULT_STEPS)
+        parser.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE)
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
         parser.add_argument(
             "--score-sample",
@@ -95,33 +102,32 @@ class WorkerCommand:
         add_internal_tls_arguments(parser, "worker")
 
     def run(self, args: argparse.Namespace) -> int:
-        from argus.grpc_server import check_address
-        from argus.worker.adapters import AdapterSettings
-        from argus.worker.app import WorkerSettings, serve
+        from argus.worker.app import serve
 
-        if not 0 <= args.port < 65536:
-            raise CLIError(f"--port: {args.port} outside 0..65535")
-        for flag, value in (("--allocator", args.allocator), ("--advertise", args.advertise)):
-            if value is not None:
-                try:
-                    check_address(value, flag)
-                except ValueError as err:
-                    raise CLIError(str(err)) from None
         tls_dir = internal_tls_dir(args, "worker")
-        if not 0.0 <= args.score_sample <= 1.0:
-            raise CLIError(f"--score-sample: {args.score_sample} outside [0, 1]")
-        try:
-            adapter_settings = AdapterSettings(
-                lora_dir=args.lora_dir,
-                lora_processes=args.lora_processes,
-                lora_bound=args.lora_bound,
-                controlnet=args.controlnet,
-                controlnet_mode=args.controlnet_mode,
-                latent_parallel=args.latent_parallel,
-            )
+        try:  # the settings check every value, before anything loads
+            settings = self._settings(args, tls_dir)
         except ValueError as err:
+            raise config_error(err, args) from None
+        try:
+            return serve(settings)
+        except (ValueError, OSError) as err:
             raise CLIError(str(err)) from None
-        settings = WorkerSettings(
+
+    def _settings(self, args: argparse.Namespace, tls_dir: str | None) -> WorkerSettings:
+        """The worker's settings from its flags; ValueError names a bad field."""
+        from argus.worker.adapters import AdapterSettings
+        from argus.worker.app import WorkerSettings
+
+        adapter_settings = AdapterSettings(
+            lora_dir=args.lora_dir,
+            lora_processes=args.lora_processes,
+            lora_bound=args.lora_bound,
+            controlnet=args.controlnet,
+            controlnet_mode=args.controlnet_mode,
+            latent_parallel=args.latent_parallel,
+        )
+        return WorkerSettings(
             model=args.model,
             variants=tuple(parse_variant(v) for v in args.variant),
             host=args.host,
@@ -144,15 +150,11 @@ class WorkerCommand:
             default_steps=args.default_steps,
             max_queue=args.max_queue,
             metrics_port=args.metrics_port,
-            score_sample=args.score_sample,
-            scorer_dir=args.scorer,
             adapters=adapter_settings,
             allocator=args.allocator,
             advertise=args.advertise,
             worker_class=args.worker_class,
             internal_tls_dir=tls_dir,
+            score_sample=args.score_sample,
+            scorer_dir=args.scorer,
         )
-        try:
-            return serve(settings)
-        except (ValueError, OSError) as err:
-            raise CLIError(str(err)) from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
+from argus import defaults
 from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import LevelClassifier
 from argus.classifier.serving import ClassifierSet
@@ -24,6 +26,8 @@ from argus.grpc_server import (
     BearerTokenInterceptor,
     add_health_and_reflection,
     bind,
+    check_address,
+    check_port,
     new_server,
     set_serving,
 )
@@ -32,6 +36,7 @@ from argus.router.metrics import RouterMetrics
 from argus.router.service import (
     SERVICE_NAME,
     RouterCore,
+    RouterServiceConfig,
     RouterServicer,
     router_pb2_grpc,
 )
@@ -155,33 +160,49 @@ class RouterSettings:
     """The router process's one config type; every ``argus router`` flag maps to a field."""
 
     allocator: str  # HOST:PORT of the allocator whose plans the router follows
-    host: str = "127.0.0.1"  # public endpoint; a deployment binds 0.0.0.0 behind TLS and auth
+    host: str = defaults.LOOPBACK  # public endpoint; a deployment binds 0.0.0.0 behind TLS and auth
     port: int = 0  # 0: any free port, printed at start
-    router_id: str = "router-0"
+    router_id: str = defaults.ROUTER_ID
     profile: str | None = None  # a profile file; None: the embedded default
     classifier: str | None = None  # classifier directory; None: the committed default
     metrics_port: int | None = None  # Prometheus /metrics; None: off
-    metrics_host: str = "127.0.0.1"  # internal: loopback unless told otherwise
+    metrics_host: str = defaults.LOOPBACK  # internal: loopback unless told otherwise
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token_file: str | None = None
     internal_tls_dir: str | None = None  # ca.crt, router.crt/.key for internal calls; None: plain
-    report_period_s: float = 1.0
-    default_deadline_ms: int = 30_000
-    max_in_flight: int = 256
+    report_period_s: float = defaults.REPORT_PERIOD_S
+    default_deadline_ms: int = defaults.DEFAULT_DEADLINE_MS
+    max_in_flight: int = defaults.MAX_IN_FLIGHT
     threads: int | None = None  # calls at once, more are refused; None: max_in_flight + 16
     max_cost: float | None = None  # largest request, in the profile's reference requests
     default_steps: int | None = None  # the workers' default steps; None: levels not capped
     http_port: int | None = None  # OpenAI-compatible HTTP API; 0: any free port; None: off
-    http_host: str = "127.0.0.1"  # public like ``host``
+    http_host: str = defaults.LOOPBACK  # public like ``host``
     # drift retraining on the workers' quality scores (argus.router.drift); None: off
     drift: DriftSettings | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert, tls_key: give both or neither")
-        if not self.report_period_s > 0.0:
+        if not (math.isfinite(self.report_period_s) and self.report_period_s > 0.0):
             raise ValueError(f"report_period_s: must be > 0, got {self.report_period_s}")
+        for name in ("port", "metrics_port", "http_port"):
+            check_port(getattr(self, name), name)
+        check_address(self.allocator, "allocator")
+        self.service_config()  # the service's config checks its own fields
+
+    def service_config(self) -> RouterServiceConfig:
+        """How the router serves, from these settings; ValueError names a bad field."""
+        if self.default_steps is not None and self.default_steps < 1:
+            raise ValueError(f"default_steps: must be >= 1, got {self.default_steps}")
+        return RouterServiceConfig(
+            router_id=self.router_id,
+            default_deadline_ms=self.default_deadline_ms,
+            max_in_flight=self.max_in_flight,
+            max_cost=self.max_cost,
+            default_steps=self.default_steps,
+        )
 
     def security(self) -> ServerSecurity:
         """TLS and token read from their files; OSError names a missing or bad file."""
@@ -232,18 +253,12 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     from argus.grpc_server import reconnect_options, start_metrics, wait_for_shutdown
     from argus.internal_tls import InternalTLS, channel
     from argus.profiles import default_profiles, load_profiles
-    from argus.router.service import RouterServiceConfig, WorkerChannels
+    from argus.router.service import WorkerChannels
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     profiles = load_profiles(settings.profile) if settings.profile else default_profiles()
-    config = RouterServiceConfig(
-        router_id=settings.router_id,
-        default_deadline_ms=settings.default_deadline_ms,
-        max_in_flight=settings.max_in_flight,
-        max_cost=settings.max_cost,
-        default_steps=settings.default_steps,
-    )
+    config = settings.service_config()
     security = settings.security()
     tls = None
     if settings.internal_tls_dir is not None:

@@ -39,7 +39,7 @@ from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from argus import rpc
+from argus import defaults, rpc
 from argus.classifier.prompts import InvalidPromptError
 from argus.classifier.serving import BatcherClosed, BatcherFull
 from argus.contracts.plans import PublishedPlan
@@ -140,13 +140,13 @@ class PromptLevels(Protocol):
 class RouterServiceConfig:
     """How one router process serves requests."""
 
-    router_id: str = "router-0"
+    router_id: str = defaults.ROUTER_ID
     """Stable id in the allocator's reports."""
 
-    default_deadline_ms: int = 30_000
+    default_deadline_ms: int = defaults.DEFAULT_DEADLINE_MS
     """Deadline of requests that set none, milliseconds."""
 
-    max_in_flight: int = 256
+    max_in_flight: int = defaults.MAX_IN_FLIGHT
     """Requests served at once; more are refused with RESOURCE_EXHAUSTED (bounded memory)."""
 
     id_window_s: float = 300.0

@@ -83,10 +83,10 @@ class AdapterSettings:
 
     def __post_init__(self) -> None:
         if self.lora_processes < 1:
-            raise ValueError(f"lora_processes must be >= 1, got {self.lora_processes}")
+            raise ValueError(f"lora_processes: must be >= 1, got {self.lora_processes}")
         if not 0 <= self.lora_bound <= self.bound_reference_steps:
             raise ValueError(
-                f"lora_bound must be in 0..{self.bound_reference_steps}, got {self.lora_bound}"
+                f"lora_bound: must be in 0..{self.bound_reference_steps}, got {self.lora_bound}"
             )
         if self.controlnet_mode not in ("sync", "async"):
             raise ValueError(

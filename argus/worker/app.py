@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from argus.grpc_server import check_address, wait_for_shutdown
+from argus import defaults
+from argus.grpc_server import check_address, check_port, wait_for_shutdown
 from argus.internal_tls import InternalTLS
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet, Strategy
@@ -39,9 +40,9 @@ log = logging.getLogger(__name__)
 class WorkerSettings:
     model: str = "tiny"  # "tiny", or a diffusers directory for the AC base model
     variants: tuple[tuple[str, str], ...] = ()  # extra (model name, directory) pairs for SM
-    host: str = "127.0.0.1"
+    host: str = defaults.LOOPBACK
     port: int = 0  # 0: any free port, printed at start
-    worker_id: str = "worker-0"
+    worker_id: str = defaults.WORKER_ID
     profile: str | None = None  # a profile file; None: the embedded default
     level: str | None = None  # the level served at start; None: the first AC level
     device: str = "auto"
@@ -54,14 +55,14 @@ class WorkerSettings:
     qdrant_url: str | None = None  # a Qdrant server; None: Qdrant Edge in process
     qdrant_collection: str = "argus-prompts"
     index_outage_file: str | None = None  # fault injection: index unreachable while it exists
-    cache_max_entries: int | None = 100_000
+    cache_max_entries: int | None = defaults.CACHE_MAX_ENTRIES
     cache_max_bytes: int | None = None
     min_similarity: float = 0.0
     encoder_dir: str | None = None  # BERT directory for prompt embeddings; None: MiniLM
     # request path
-    default_size: int = 64
-    default_steps: int = 50
-    max_queue: int = 64
+    default_size: int = defaults.DEFAULT_SIZE
+    default_steps: int = defaults.DEFAULT_STEPS
+    max_queue: int = defaults.MAX_QUEUE
     threads: int = 16
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
     # drift monitoring (argus.worker.scoring): share of images scored for the router, 0: off
@@ -77,6 +78,8 @@ class WorkerSettings:
     internal_tls_dir: str | None = None  # None: plaintext (--insecure-internal)
 
     def __post_init__(self) -> None:
+        check_port(self.port, "port")
+        check_port(self.metrics_port, "metrics_port")
         for name in ("allocator", "advertise"):
             value = getattr(self, name)
             if value is not None:

@@ -54,6 +54,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from argus import defaults
 from argus.quoting import quoted
 from argus.request_limits import (
     ImageLimits,
@@ -103,13 +104,13 @@ class PromptEncoder(Protocol):
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    worker_id: str = "worker-0"
-    default_width: int = 64
-    default_height: int = 64
-    default_steps: int = 50
+    worker_id: str = defaults.WORKER_ID
+    default_width: int = defaults.DEFAULT_SIZE
+    default_height: int = defaults.DEFAULT_SIZE
+    default_steps: int = defaults.DEFAULT_STEPS
     max_pixels: int = 2048 * 2048
     max_side: int = 2048
-    max_queue: int = 64
+    max_queue: int = defaults.MAX_QUEUE
     pending_inserts: int = 32
 
 

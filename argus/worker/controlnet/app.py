@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from argus.grpc_server import shutdown_signals
+from argus.grpc_server import check_port, shutdown_signals
 from argus.worker.controlnet.cache import Policy
 from argus.worker.controlnet.executor import LocalControlNetExecutor
 from argus.worker.controlnet.metrics import ControlNetMetrics
@@ -34,6 +34,14 @@ class ControlNetSettings:
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
     internal_tls_dir: str | None = None  # ca.crt, controlnet.crt/.key; None: plaintext
 
+    def __post_init__(self) -> None:
+        check_port(self.port, "port")
+        check_port(self.metrics_port, "metrics_port")
+        for name in ("cache_size", "cache_bytes", "max_sessions"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+
 
 def build_executor(settings: ControlNetSettings) -> LocalControlNetExecutor:
     """The executor the service runs: the catalog (restricted to one family if asked), cache."""
@@ -42,10 +50,6 @@ def build_executor(settings: ControlNetSettings) -> LocalControlNetExecutor:
     catalog = ControlNetCatalog.from_source(settings.catalog)
     if settings.base_family is not None:
         catalog = catalog.restrict(settings.base_family)
-    if settings.cache_size is not None and settings.cache_size < 1:
-        raise ValueError(f"cache size {settings.cache_size}: must be at least 1")
-    if settings.max_sessions < 1:
-        raise ValueError(f"max sessions {settings.max_sessions}: must be at least 1")
     device = resolve_device(settings.device)
     return LocalControlNetExecutor(
         catalog,

@@ -1,0 +1,65 @@
+"""Defaults that several parts of Argus read, each written once.
+
+A config dataclass takes its field default from here, and so does the ``argus`` flag that maps
+to the field, the process settings that copy it into the config, and ``argus up``'s cluster
+spec; ``tests/test_defaults.py`` checks that the flags, the settings, the configs and the Helm
+chart's values agree. This module imports nothing, so a command's argument parser reads it
+without loading the code behind the command (torch, the solver).
+
+Validation is not here: each value is checked once, in its config's ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+LOOPBACK = "127.0.0.1"
+"""Where services bind unless told otherwise: internal endpoints stay off the network."""
+
+# -- allocator -----------------------------------------------------------------------------
+
+PLANNING_PERIOD_S = 60.0
+"""The allocator re-plans at least this often, seconds (the paper: every minute); also the
+load forecast's counting period."""
+
+HEARTBEAT_S = 1.0
+"""Interval of the workers' heartbeats, seconds; a worker that misses 3 is dead."""
+
+RETRIEVAL_THRESHOLD_S = 0.5
+"""Cache retrieval p99 above this, seconds, switches the cluster from AC to SM."""
+
+RETRIEVAL_WINDOW_S = 30.0
+"""Window of that p99, and how long probes must stay healthy to switch back, seconds."""
+
+MAX_WORKERS = 1024
+"""Workers the allocator tracks at most; further joins are refused."""
+
+MAX_WATCHERS = 64
+"""Open WatchPlan streams at most (each holds one of the allocator's server threads)."""
+
+# -- router --------------------------------------------------------------------------------
+
+ROUTER_ID = "router-0"
+"""A router's id in its reports to the allocator."""
+
+DEFAULT_DEADLINE_MS = 30_000
+"""Deadline of a request that sets none, milliseconds."""
+
+MAX_IN_FLIGHT = 256
+"""Requests a router serves at once; more are refused as busy."""
+
+REPORT_PERIOD_S = 1.0
+"""How often a router sends its arrivals and classifications to the allocator, seconds."""
+
+# -- worker --------------------------------------------------------------------------------
+
+WORKER_ID = "worker-0"
+DEFAULT_SIZE = 64
+"""Image side of a request that sets none, pixels (the tiny models' size)."""
+
+DEFAULT_STEPS = 50
+"""Denoising steps of a request that sets none."""
+
+MAX_QUEUE = 64
+"""Requests waiting or running on a worker at most; more are refused."""
+
+CACHE_MAX_ENTRIES = 100_000
+"""Prompts the approximate cache keeps at most."""
