@@ -63,3 +63,6 @@ MAX_QUEUE = 64
 
 CACHE_MAX_ENTRIES = 100_000
 """Prompts the approximate cache keeps at most."""
+
+SCORE_SAMPLE = 0.05
+"""Share of a worker's images it scores for the router's drift monitor (0: none)."""

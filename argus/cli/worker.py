@@ -69,7 +69,7 @@ class WorkerCommand:
         parser.add_argument(
             "--score-sample",
             type=float,
-            default=0.05,
+            default=defaults.SCORE_SAMPLE,
             help="share of images scored with PickScore for the router's drift monitor, off "
             "the request path (0: off; default 0.05)",
         )

@@ -66,7 +66,7 @@ class WorkerSettings:
     threads: int = 16
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
     # drift monitoring (argus.worker.scoring): share of images scored for the router, 0: off
-    score_sample: float = 0.0
+    score_sample: float = defaults.SCORE_SAMPLE
     scorer_dir: str | None = None  # PickScore (any CLIP) directory; None: a tiny random CLIP
     # Katz adapters: LoRA library, ControlNet service, latent parallelism (all off by default)
     adapters: AdapterSettings = field(default_factory=AdapterSettings)
