@@ -349,6 +349,10 @@ class PromptEmbedder:
         # rounds its own way, differing from float32 in the second decimal
         self.precision = precision if vectors_of(runtime) == "fp32" else runtime
         self.runtime = runtime
+        # Dynamic int8 quantises each matrix product's input with one scale over the whole
+        # batch, so a prompt's vector (and class) would depend on the prompts batched with it
+        # and on their padding: int8 runtimes run each prompt alone.
+        self.rows_alone = vectors_of(runtime) != "fp32"
 
         def load() -> Any:
             # eager attention for an export, whose graph the BERT optimizer can fuse
@@ -400,6 +404,9 @@ class PromptEmbedder:
                 raise TypeError(f"prompts[{i}]: expected str, got {type(prompt).__name__}")
         if not prompts:
             return np.zeros((0, self.dim), dtype=np.float32)
+        if self.rows_alone:
+            with self._lock:
+                return np.concatenate([self._forward(self.tokenize([p])) for p in prompts])
         batch = self.tokenize(prompts)
         with self._lock:  # one forward pass at a time: concurrent ones share the same cores
             return self._forward(batch)

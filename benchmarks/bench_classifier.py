@@ -1,17 +1,22 @@
-"""Classifier speed and the choice of its runtime: 1 and 32 prompts, every runtime side by side.
+"""Classifier speed and the choice of its runtime: 1 and 32 prompts, every variant side by side.
 
-Runs the committed default artifacts (``classifiers/minilm-logistic``: logistic heads on
-frozen all-MiniLM-L6-v2; one encoder pass serves both the AC and the SM head) on PartiPrompts.
+Runs the committed artifacts on PartiPrompts: ``classifiers/minilm-logistic`` (the default:
+logistic heads fitted on float32 all-MiniLM-L6-v2 vectors) and ``classifiers/minilm-logistic-int8``
+(the same heads fitted on vectors from ONNX Runtime with int8 linear layers); one encoder pass
+serves both the AC and the SM head.
 
-1. **Runtimes, side by side** (``--compare``, on by default): torch float32 with 1 and 2
-   intra-op threads, torch with dynamic int8 ``Linear`` layers, ONNX Runtime float32 and
-   ONNX Runtime with dynamic int8 quantisation, each at 1 and 2 threads. Per runtime: wall
-   and CPU time of one prompt and of 32 (``ClassifierSet.classes_cleaned``, what the router's
-   batcher thread runs; no vector cache), and on the EVAL prompts of the fixed split (the ones
-   ``argus train-classifier`` reports accuracy on, labels rebuilt the same way: synthetic
-   quality table, seed 0, δ 0.9) the share of classes and arg-max levels equal to torch
-   float32's and the accuracy of the levels. Fewer samples than section 2: ratios, not targets.
-2. **The serving default** (``argus.classifier.serving.SERVING_RUNTIME``, ``_THREADS``)
+1. **Variants, side by side** (``--compare``, on by default), each a head (fp32 or int8) on an
+   encoder runtime (torch, ONNX Runtime float32 with its fused graph, ONNX Runtime int8) with
+   1 or 2 intra-op threads and a token limit (256, or cut to 48/32/24/16 tokens). Every
+   variant's samples are interleaved (sample i of each row, then i + 1), so a change in the
+   machine's load reaches every row alike. Per row: wall time of one prompt and of 32
+   (``ClassifierSet.classes_cleaned``, what the router's batcher thread runs; no vector
+   cache), CPU per prompt within the 32, and on the EVAL prompts of the fixed split (labels
+   rebuilt as ``argus train-classifier`` builds them: synthetic quality table, seed 0, δ 0.9)
+   accuracy and macro-F1 in points against the first row, and the share of classes equal to
+   the first row's. An fp32 head on an int8 runtime is a row the loader refuses; it is here
+   to show why. Fewer samples than section 2: ratios, not targets.
+2. **The serving default** (``argus.classifier.serving.serving_runtime``, ``SERVING_THREADS``)
    through ``PromptClassifier``, the router's path: ``classify(prompt)`` from one caller and
    a batch of 32 through the serving ``ClassifierSet`` call, each over ``--repeats`` samples
    after a warm-up that is not counted, the prompt-vector cache emptied before every sample
@@ -28,7 +33,8 @@ sample (all threads), so CPU > wall means several cores worked. Tokenisation is 
 The machine is shared: the load average is printed at the start and the end.
 
     python benchmarks/bench_classifier.py [--repeats 300] [--compare-repeats 60]
-                                          [--no-compare] [--runtimes torch:1,onnx:1,...]
+                                          [--no-compare]
+                                          [--runtimes torch:1:256:fp32,onnx-int8:1:256:int8,...]
                                           [--train-prompts 2000] [--finetune-epochs 1]
 """
 
@@ -76,7 +82,7 @@ from argus.traces import PromptRecord, default_prompt_trace, load_prompts
 from argus.types import Strategy
 
 # (runtime, intra-op threads, token limit, head): the first row is the reference. "fp32" heads
-# are FP32_HEADS (fitted on float32 vectors), "int8" heads the default artifact (fitted on
+# are the default artifact (fitted on float32 vectors), "int8" heads INT8_HEADS (fitted on
 # onnx-int8 vectors); an fp32 head on an int8 runtime is what load_artifact refuses, measured
 VARIANTS = (
     ("torch", 1, 256, "fp32"),
@@ -91,7 +97,7 @@ VARIANTS = (
     ("onnx-int8", 2, 256, "int8"),
     ("onnx-int8", 1, 32, "int8"),
 )
-FP32_HEADS = CLASSIFIERS_DIR / "minilm-logistic-fp32"
+INT8_HEADS = CLASSIFIERS_DIR / "minilm-logistic-int8"
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,7 @@ class Variant:
     def load(self) -> ClassifierSet:
         """The variant's heads on a private encoder (no check of the runtime: rows with an
         fp32 head on an int8 runtime measure what :func:`load_artifact` refuses)."""
-        root = FP32_HEADS if self.head == "fp32" else default_classifier_dir()
+        root = default_classifier_dir() if self.head == "fp32" else INT8_HEADS
         models = {}
         for strategy, path in strategy_dirs(root).items():
             config = replace(read_config(path), max_tokens=self.max_tokens)
@@ -284,8 +290,8 @@ def tokenizer_cost(classifiers: ClassifierSet, prompts: list[str], repeats: int)
 
 def bench_serving(prompts: list[str], repeats: int) -> PromptClassifier:
     print(
-        f"\n2. serving default: runtime {SERVING_RUNTIME}, {SERVING_THREADS} thread(s), through "
-        f"PromptClassifier (load average {load_average()})"
+        f"\n2. serving default: the artifact's runtime ({SERVING_RUNTIME} for float32 heads), "
+        f"{SERVING_THREADS} thread(s), through PromptClassifier (load average {load_average()})"
     )
     service = load_prompt_classifier(cache_entries=40 * repeats)
     encoder = service.classifiers.current(Strategy.AC).encoder

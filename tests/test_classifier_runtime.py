@@ -18,6 +18,7 @@ import torch
 
 from argus import embedding
 from argus.classifier.model import (
+    CLASSIFIERS_DIR,
     ArtifactError,
     Backbone,
     build_encoder,
@@ -31,6 +32,7 @@ from argus.classifier.serving import (
     PromptClassifier,
     RecentVectors,
     load_classifier_set,
+    load_prompt_classifier,
     serving_runtime,
 )
 from argus.classifier.train import TrainConfig
@@ -119,10 +121,8 @@ def test_an_onnx_runtime_that_cannot_start_falls_back_to_torch(
         PromptEmbedder(tiny_bert, runtime="onnx", precision="bf16")
 
 
-def test_the_serving_runtime_classifies_the_committed_artifacts_like_torch(
-    cache_dir: Path,
-) -> None:
-    torch_set = load_classifier_set(runtime="torch")
+def test_the_serving_runtime_classifies_float32_heads_like_torch(cache_dir: Path) -> None:
+    torch_set = load_classifier_set(runtime="torch")  # the committed default: float32 heads
     served = load_classifier_set(runtime=SERVING_RUNTIME, threads=1)
     encoder = served.current(Strategy.AC).encoder
     assert getattr(encoder, "runtime", None) == SERVING_RUNTIME  # no silent fallback
@@ -133,6 +133,25 @@ def test_the_serving_runtime_classifies_the_committed_artifacts_like_torch(
         np.testing.assert_array_equal(got[strategy].levels, expected[strategy].levels)
     reference = torch_set.current(Strategy.AC).encoder.embed(texts)
     assert np.all(cosines(encoder.embed(texts), reference) >= 0.99)
+
+
+def test_the_router_serves_the_committed_int8_heads_on_their_own_runtime(
+    cache_dir: Path,
+) -> None:
+    int8_heads = CLASSIFIERS_DIR / "minilm-logistic-int8"
+    service = load_prompt_classifier(int8_heads)
+    try:
+        for strategy in service.classifiers.strategies:
+            encoder = service.classifiers.current(strategy).encoder
+            assert getattr(encoder, "runtime", None) == "onnx-int8"
+        texts = [p for p in PROMPTS if p]
+        expected = load_classifier_set(int8_heads).classes_cleaned(texts)  # its runtime
+        for i, text in enumerate(texts):
+            assert service.classify(text) == {s: int(c[i]) for s, c in expected.items()}
+    finally:
+        service.close()
+    with pytest.raises(ArtifactError, match="field 'runtime'"):
+        load_classifier_set(int8_heads, runtime="torch")
 
 
 # ----------------------------------------------------------------------------------- threads
@@ -328,3 +347,17 @@ def test_training_on_an_int8_runtime_records_it_and_serves_on_it(
     assert getattr(loaded.encoder, "runtime", None) == "onnx-int8"
     texts = [p for p in PROMPTS if p]
     np.testing.assert_array_equal(loaded.predict(texts), result.classifier.predict(texts))
+
+
+@pytest.mark.parametrize("runtime", ["onnx-int8", "torch-int8"])
+def test_an_int8_vector_does_not_depend_on_the_prompts_batched_with_it(
+    tiny_bert: Path, cache_dir: Path, runtime: str
+) -> None:
+    encoder = PromptEmbedder(tiny_bert, max_tokens=32, runtime=runtime)
+    alone = np.stack([encoder.embed_one(p) for p in PROMPTS])
+    for batch in (PROMPTS, PROMPTS[::-1], [*PROMPTS[2:], "a much longer prompt " * 4]):
+        rows = {p: i for i, p in enumerate(PROMPTS)}
+        vectors = encoder.embed(batch)
+        for prompt, vector in zip(batch, vectors, strict=True):
+            if prompt in rows:
+                np.testing.assert_array_equal(vector, alone[rows[prompt]])
