@@ -54,6 +54,18 @@ ONNX_RUNTIMES = ("onnx", "onnx-int8")
 ONNX_OPSET = 17
 ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 CACHE_ENV = "ARGUS_CACHE_DIR"
+# what export_onnx does beyond tracing; part of a cached file's name, so a change re-exports
+EXPORT_RECIPE = "eager-attention;bert-fusion;int8=per-channel-layer-matmuls"
+
+
+def vectors_of(runtime: str) -> str:
+    """What numbers ``runtime`` computes: ``"fp32"`` for ``torch`` and ``onnx`` (the same
+    vectors to float32 rounding, so a head trained on one serves on the other), else the
+    runtime itself (each int8 runtime rounds its own way). ``ValueError`` for an unknown one.
+    """
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    return "fp32" if runtime in ("torch", "onnx") else runtime
 
 
 def default_encoder_dir() -> Path:
@@ -150,7 +162,10 @@ def _content_key(model_dir: Path, runtime: str, max_tokens: int) -> str:
     import onnxruntime
 
     digest = hashlib.sha256()
-    settings = f"{runtime};opset={ONNX_OPSET};max_tokens={max_tokens};torch={torch.__version__}"
+    settings = (
+        f"{runtime};{EXPORT_RECIPE};opset={ONNX_OPSET};max_tokens={max_tokens};"
+        f"torch={torch.__version__}"
+    )
     digest.update(f"{settings};onnxruntime={onnxruntime.__version__};".encode())
     for file in sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"]):
         digest.update(file.name.encode() + b"\0")
@@ -161,38 +176,86 @@ def _content_key(model_dir: Path, runtime: str, max_tokens: int) -> str:
 
 
 def export_onnx(model: torch.nn.Module, path: Path, *, int8: bool) -> None:
-    """Write ``model`` with its pooling as ONNX to ``path`` (dynamic batch and length), with
-    ONNX Runtime's dynamic int8 quantisation of its weights when ``int8``."""
+    """Write ``model`` with its pooling as ONNX to ``path`` (dynamic batch and length), its
+    attention, LayerNorm and GELU fused by ONNX Runtime's BERT optimizer (:func:`fuse_bert`),
+    with its linear layers quantised to int8 when ``int8`` (:func:`quantize_linear_layers`).
+
+    ``model`` should run eager attention: the optimizer recognises that graph, not the one
+    traced from PyTorch's scaled-dot-product kernel (left unfused, it still runs, slower).
+    """
     import warnings
 
     path.parent.mkdir(parents=True, exist_ok=True)
     example = {k: torch.ones((2, 8), dtype=torch.int64) for k in ONNX_INPUTS}
     example["token_type_ids"] = torch.zeros((2, 8), dtype=torch.int64)
     axes = {k: {0: "batch", 1: "tokens"} for k in ONNX_INPUTS} | {"embedding": {0: "batch"}}
-    fp32 = path.with_name(path.name + f".{os.getpid()}.fp32.tmp")
+    traced = path.with_name(path.name + f".{os.getpid()}.traced.tmp")
+    fused = path.with_name(path.name + f".{os.getpid()}.fused.tmp")
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # the tracer's notes on constant Python branches
             torch.onnx.export(
                 _Pooled(model).eval(),
                 tuple(example[k] for k in ONNX_INPUTS),
-                str(fp32),
+                str(traced),
                 input_names=list(ONNX_INPUTS),
                 output_names=["embedding"],
                 dynamic_axes=axes,
                 opset_version=ONNX_OPSET,
                 dynamo=False,
             )
+        config: Any = model.config
+        fuse_bert(traced, fused, int(config.num_attention_heads), int(config.hidden_size))
         if int8:
-            from onnxruntime.quantization import QuantType, quantize_dynamic
-
             done = path.with_name(path.name + f".{os.getpid()}.int8.tmp")
-            quantize_dynamic(str(fp32), str(done), weight_type=QuantType.QInt8)
+            quantize_linear_layers(fused, done)
             os.replace(done, path)
         else:
-            os.replace(fp32, path)
+            os.replace(fused, path)
     finally:
-        fp32.unlink(missing_ok=True)
+        traced.unlink(missing_ok=True)
+        fused.unlink(missing_ok=True)
+
+
+def fuse_bert(source: Path, target: Path, heads: int, width: int) -> None:
+    """ONNX Runtime's transformer optimizer on a BERT export: one ``Attention`` node per layer
+    (Q, K and V in one matrix product), ``SkipLayerNormalization``, ``BiasGelu`` and the
+    embedding's LayerNorm fused. Same numbers as the traced graph to float32 rounding, fewer
+    nodes to run per layer (benchmarks/bench_classifier.py measures both)."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    # opt_level 0: the fusions only; the session applies its own graph optimisations when
+    # it loads the file
+    optimized = optimize_model(
+        str(source), model_type="bert", num_heads=heads, hidden_size=width, opt_level=0
+    )
+    fusions = optimized.get_fused_operator_statistics()
+    if not fusions.get("Attention"):
+        log.warning("%s: the BERT optimizer fused no attention (%s)", source, fusions)
+    optimized.save_model_to_file(str(target))
+
+
+def quantize_linear_layers(source: Path, target: Path) -> None:
+    """Dynamic int8 quantisation (ONNX Runtime) of the ``MatMul`` nodes of ``source``'s
+    encoder layers, weights per output channel: the attention output and the feed-forward
+    layers, three quarters of a layer's weight multiply-adds. The fused ``Attention`` nodes (Q, K,
+    V, scores) stay float32: quantising them too, or quantising per tensor, changed several
+    times as many classes of the committed heads (benchmarks/bench_classifier.py)."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    graph = onnx.load(str(source), load_external_data=False).graph
+    layers = [n.name for n in graph.node if n.op_type == "MatMul" and "/layer." in n.name]
+    quantize_dynamic(
+        str(source),
+        str(target),
+        weight_type=QuantType.QInt8,
+        per_channel=True,
+        nodes_to_quantize=layers,
+        op_types_to_quantize=["MatMul"],
+        # the fused contrib ops have no shape inference: their outputs are float32
+        extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+    )
 
 
 def exported_model(
@@ -282,14 +345,20 @@ class PromptEmbedder:
         self.device = device
         self.max_tokens = min(max_tokens, int(config.max_position_embeddings))
         self.dim = int(config.hidden_size)
-        # what the vectors' numbers are: int8 runtimes differ from float32 in the second
-        # decimal, and on-disk caches key vectors by it
-        self.precision = "int8" if runtime.endswith("int8") else precision
+        # what the vectors' numbers are (on-disk caches key vectors by it): each int8 runtime
+        # rounds its own way, differing from float32 in the second decimal
+        self.precision = precision if vectors_of(runtime) == "fp32" else runtime
         self.runtime = runtime
+        # Dynamic int8 quantises each matrix product's input with one scale over the whole
+        # batch, so a prompt's vector (and class) would depend on the prompts batched with it
+        # and on their padding: int8 runtimes run each prompt alone.
+        self.rows_alone = vectors_of(runtime) != "fp32"
 
         def load() -> Any:
+            # eager attention for an export, whose graph the BERT optimizer can fuse
+            attention = {"attn_implementation": "eager"} if runtime in ONNX_RUNTIMES else {}
             model = AutoModel.from_pretrained(
-                self.model_dir, local_files_only=True, use_safetensors=True
+                self.model_dir, local_files_only=True, use_safetensors=True, **attention
             ).to(device)
             return model.eval()
 
@@ -335,6 +404,9 @@ class PromptEmbedder:
                 raise TypeError(f"prompts[{i}]: expected str, got {type(prompt).__name__}")
         if not prompts:
             return np.zeros((0, self.dim), dtype=np.float32)
+        if self.rows_alone:
+            with self._lock:
+                return np.concatenate([self._forward(self.tokenize([p])) for p in prompts])
         batch = self.tokenize(prompts)
         with self._lock:  # one forward pass at a time: concurrent ones share the same cores
             return self._forward(batch)

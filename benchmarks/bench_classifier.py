@@ -1,17 +1,22 @@
-"""Classifier speed and the choice of its runtime: 1 and 32 prompts, every runtime side by side.
+"""Classifier speed and the choice of its runtime: 1 and 32 prompts, every variant side by side.
 
-Runs the committed default artifacts (``classifiers/minilm-logistic``: logistic heads on
-frozen all-MiniLM-L6-v2; one encoder pass serves both the AC and the SM head) on PartiPrompts.
+Runs the committed artifacts on PartiPrompts: ``classifiers/minilm-logistic`` (the default:
+logistic heads fitted on float32 all-MiniLM-L6-v2 vectors) and ``classifiers/minilm-logistic-int8``
+(the same heads fitted on vectors from ONNX Runtime with int8 linear layers); one encoder pass
+serves both the AC and the SM head.
 
-1. **Runtimes, side by side** (``--compare``, on by default): torch float32 with 1 and 2
-   intra-op threads, torch with dynamic int8 ``Linear`` layers, ONNX Runtime float32 and
-   ONNX Runtime with dynamic int8 quantisation, each at 1 and 2 threads. Per runtime: wall
-   and CPU time of one prompt and of 32 (``ClassifierSet.classes_cleaned``, what the router's
-   batcher thread runs; no vector cache), and on the EVAL prompts of the fixed split (the ones
-   ``argus train-classifier`` reports accuracy on, labels rebuilt the same way: synthetic
-   quality table, seed 0, δ 0.9) the share of classes and arg-max levels equal to torch
-   float32's and the accuracy of the levels. Fewer samples than section 2: ratios, not targets.
-2. **The serving default** (``argus.classifier.serving.SERVING_RUNTIME``, ``_THREADS``)
+1. **Variants, side by side** (``--compare``, on by default), each a head (fp32 or int8) on an
+   encoder runtime (torch, ONNX Runtime float32 with its fused graph, ONNX Runtime int8) with
+   1 or 2 intra-op threads and a token limit (256, or cut to 48/32/24/16 tokens). Every
+   variant's samples are interleaved (sample i of each row, then i + 1), so a change in the
+   machine's load reaches every row alike. Per row: wall time of one prompt and of 32
+   (``ClassifierSet.classes_cleaned``, what the router's batcher thread runs; no vector
+   cache), CPU per prompt within the 32, and on the EVAL prompts of the fixed split (labels
+   rebuilt as ``argus train-classifier`` builds them: synthetic quality table, seed 0, δ 0.9)
+   accuracy and macro-F1 in points against the first row, and the share of classes equal to
+   the first row's. An fp32 head on an int8 runtime is a row the loader refuses; it is here
+   to show why. Fewer samples than section 2: ratios, not targets.
+2. **The serving default** (``argus.classifier.serving.serving_runtime``, ``SERVING_THREADS``)
    through ``PromptClassifier``, the router's path: ``classify(prompt)`` from one caller and
    a batch of 32 through the serving ``ClassifierSet`` call, each over ``--repeats`` samples
    after a warm-up that is not counted, the prompt-vector cache emptied before every sample
@@ -28,7 +33,8 @@ sample (all threads), so CPU > wall means several cores worked. Tokenisation is 
 The machine is shared: the load average is printed at the start and the end.
 
     python benchmarks/bench_classifier.py [--repeats 300] [--compare-repeats 60]
-                                          [--no-compare] [--runtimes torch:1,onnx:1,...]
+                                          [--no-compare]
+                                          [--runtimes torch:1:256:fp32,onnx-int8:1:256:int8,...]
                                           [--train-prompts 2000] [--finetune-epochs 1]
 """
 
@@ -40,22 +46,33 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from _machine import machine_line
+from _machine import load_line, machine_line
 
+from argus.classifier.evaluate import confusion_matrix, macro_f1
 from argus.classifier.labels import LabelledPrompts, labels_from_table
-from argus.classifier.model import Backbone
+from argus.classifier.model import (
+    CLASSIFIERS_DIR,
+    Backbone,
+    LevelClassifier,
+    build_encoder,
+    read_artifact_calibration,
+    read_config,
+    read_head,
+    resolve_encoder_dir,
+)
 from argus.classifier.prompts import clean_prompt, max_chars_for
 from argus.classifier.serving import (
     SERVING_RUNTIME,
     SERVING_THREADS,
     ClassifierSet,
     PromptClassifier,
-    load_classifier_set,
+    default_classifier_dir,
     load_prompt_classifier,
+    strategy_dirs,
 )
 from argus.classifier.train import TrainConfig, split_prompts, train_classifier
 from argus.embedding import use_torch_threads
@@ -64,16 +81,23 @@ from argus.sim.quality import synthetic_quality_table
 from argus.traces import PromptRecord, default_prompt_trace, load_prompts
 from argus.types import Strategy
 
+# (runtime, intra-op threads, token limit, head): the first row is the reference. "fp32" heads
+# are the default artifact (fitted on float32 vectors), "int8" heads INT8_HEADS (fitted on
+# onnx-int8 vectors); an fp32 head on an int8 runtime is what load_artifact refuses, measured
 VARIANTS = (
-    ("torch", 1),
-    ("torch", 2),
-    ("torch-int8", 1),
-    ("torch-int8", 2),
-    ("onnx", 1),
-    ("onnx", 2),
-    ("onnx-int8", 1),
-    ("onnx-int8", 2),
+    ("torch", 1, 256, "fp32"),
+    ("onnx", 1, 256, "fp32"),
+    ("onnx", 2, 256, "fp32"),
+    ("onnx", 1, 48, "fp32"),
+    ("onnx", 1, 32, "fp32"),
+    ("onnx", 1, 24, "fp32"),
+    ("onnx", 1, 16, "fp32"),
+    ("onnx-int8", 1, 256, "fp32"),
+    ("onnx-int8", 1, 256, "int8"),
+    ("onnx-int8", 2, 256, "int8"),
+    ("onnx-int8", 1, 32, "int8"),
 )
+INT8_HEADS = CLASSIFIERS_DIR / "minilm-logistic-int8"
 
 
 @dataclass(frozen=True)
@@ -149,51 +173,103 @@ def predictions(classifiers: ClassifierSet, evals: EvalSet) -> dict[Strategy, tu
     return out
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One row of section 1: a head on an encoder runtime, cut at ``max_tokens``."""
+
+    runtime: str
+    threads: int
+    max_tokens: int
+    head: str  # "fp32" or "int8"
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """``RUNTIME:THREADS[:TOKENS[:HEAD]]``, e.g. ``onnx-int8:1:256:int8``."""
+        parts = text.split(":")
+        if not 2 <= len(parts) <= 4 or (len(parts) == 4 and parts[3] not in ("fp32", "int8")):
+            raise ValueError(f"--runtimes: {text!r} is not RUNTIME:THREADS[:TOKENS[:fp32|int8]]")
+        tokens = int(parts[2]) if len(parts) > 2 else 256
+        return cls(parts[0], int(parts[1]), tokens, parts[3] if len(parts) > 3 else "fp32")
+
+    def name(self) -> str:
+        return f"{self.runtime}:{self.threads}t:{self.max_tokens}tok:{self.head} head"
+
+    def load(self) -> ClassifierSet:
+        """The variant's heads on a private encoder (no check of the runtime: rows with an
+        fp32 head on an int8 runtime measure what :func:`load_artifact` refuses)."""
+        root = default_classifier_dir() if self.head == "fp32" else INT8_HEADS
+        models = {}
+        for strategy, path in strategy_dirs(root).items():
+            config = replace(read_config(path), max_tokens=self.max_tokens)
+            directory = resolve_encoder_dir(config.encoder, path)
+            encoder = build_encoder(
+                directory, self.max_tokens, runtime=self.runtime, threads=self.threads
+            )
+            calibration = read_artifact_calibration(path)
+            models[strategy] = LevelClassifier(config, encoder, read_head(path), calibration)
+        if self.runtime.startswith("torch"):
+            use_torch_threads(self.threads)  # process-global: the last torch row's count wins
+        return ClassifierSet(models)
+
+
 def compare_runtimes(
-    prompts: list[str], evals: EvalSet, repeats: int, variants: Sequence[tuple[str, int]]
+    prompts: list[str], evals: EvalSet, repeats: int, variants: Sequence[Variant]
 ) -> None:
-    print(f"\n1. runtimes side by side (load average {load_average()})")
+    """Section 1: every variant's samples interleaved (sample i of every row, then i + 1),
+    so that a change in the machine's load reaches every row alike."""
+    print(f"\n1. runtimes side by side, interleaved ({load_line('section 1')})")
     rng = np.random.default_rng(1)
-    singles = [[prompts[i]] for i in rng.integers(0, len(prompts), size=repeats + 10)]
+    singles = [[prompts[i]] for i in rng.integers(0, len(prompts), size=repeats + 5)]
     batches = [
-        [prompts[i] for i in rng.integers(0, len(prompts), size=32)] for _ in range(repeats + 10)
+        [prompts[i] for i in rng.integers(0, len(prompts), size=32)] for _ in range(repeats + 5)
     ]
+    loaded = [(variant, variant.load()) for variant in variants]
+    for _, classifiers in loaded:  # warm-up, not counted
+        for i in range(-5, 0):
+            classifiers.classes_cleaned(singles[i])
+            classifiers.classes_cleaned(batches[i])
+    # per variant: 1 prompt wall, 1 prompt CPU, 32 prompts wall, 32 prompts CPU (seconds)
+    samples: dict[Variant, tuple[list[float], ...]] = {v: ([], [], [], []) for v, _ in loaded}
+    for i in range(repeats):
+        for variant, classifiers in loaded:
+            for inputs, (wall, cpu) in ((singles, (0, 1)), (batches, (2, 3))):
+                w0, c0 = time.perf_counter(), time.process_time()
+                classifiers.classes_cleaned(inputs[i])
+                samples[variant][wall].append(time.perf_counter() - w0)
+                samples[variant][cpu].append(time.process_time() - c0)
     reference: dict[Strategy, tuple[Any, Any]] | None = None
-    rows = []
-    for runtime, threads in variants:
-        classifiers = load_classifier_set(runtime=runtime, threads=threads)
-        if runtime.startswith("torch"):
-            use_torch_threads(threads)  # process-global: the count this variant runs with
-        encoder = classifiers.current(Strategy.AC).encoder
-        actual = getattr(encoder, "runtime", runtime)
-        one = timed(each(classifiers.classes_cleaned, singles), repeats)
-        many = timed(each(classifiers.classes_cleaned, batches), max(20, repeats // 3))
+    print(
+        "  ms: 1 prompt wall p50/p99, 32 prompts wall p50/p99, CPU per prompt (in 32) p50; "
+        "EVAL per strategy: accuracy, macro-F1 (points vs the first row), classes equal"
+    )
+    for variant, classifiers in loaded:
+        one_wall, _, many_wall, many_cpu = (np.array(x) * 1e3 for x in samples[variant])
         predicted = predictions(classifiers, evals)
-        if reference is None:
-            reference = predicted  # the first variant is torch float32
+        reference = reference or predicted
         cells = []
         for strategy, (levels, classes) in predicted.items():
             ref_levels, ref_classes = reference[strategy]
-            accuracy = float(np.mean(levels == evals.labels[strategy]))
-            ref_accuracy = float(np.mean(ref_levels == evals.labels[strategy]))
+            truth, n = evals.labels[strategy], len(classifiers.current(strategy).levels)
+            accuracy, f1 = _scores(truth, levels, n)
+            ref_accuracy, ref_f1 = _scores(truth, ref_levels, n)
             cells.append(
-                f"{strategy}: classes equal {np.mean(classes == ref_classes):.3f}, levels equal "
-                f"{np.mean(levels == ref_levels):.3f}, accuracy {accuracy:.4f} "
-                f"({(accuracy - ref_accuracy) * 100:+.2f} points)"
+                f"{strategy} {accuracy:.2f} ({accuracy - ref_accuracy:+.2f}), "
+                f"F1 {f1:.2f} ({f1 - ref_f1:+.2f}), = {np.mean(classes == ref_classes):.3f}"
             )
-        rows.append((f"{actual}, {threads} thread(s)", one, many))
-        print(f"  {actual:>10}, {threads} thread(s):")
-        print(f"     1 prompt : {one.line()}")
-        print(f"    32 prompts: {many.line()}")
-        print("    EVAL vs torch fp32: " + "; ".join(cells), flush=True)
-    base_one = float(np.median(rows[0][1].wall))
-    base_many = float(np.median(rows[0][2].wall))
-    print("  p50 speed-up over the first row (1 prompt / 32 prompts):")
-    for name, one, many in rows:
         print(
-            f"    {name:<28} {base_one / np.median(one.wall):5.1f}x / "
-            f"{base_many / np.median(many.wall):5.1f}x"
+            f"  {variant.name():<36} {np.percentile(one_wall, 50):5.1f}/"
+            f"{np.percentile(one_wall, 99):6.1f}  {np.percentile(many_wall, 50):6.1f}/"
+            f"{np.percentile(many_wall, 99):6.1f}  cpu {np.median(many_cpu) / 32:5.2f}  "
+            + "; ".join(cells),
+            flush=True,
         )
+    print(f"  ({repeats} interleaved samples per row; {load_line('end of section 1')})")
+
+
+def _scores(truth: np.ndarray, predicted: np.ndarray, levels: int) -> tuple[float, float]:
+    """Accuracy and macro-F1, in points, as ``argus train-classifier`` reports them."""
+    matrix = confusion_matrix(truth, predicted, levels)
+    return float(np.mean(truth == predicted)) * 100, macro_f1(matrix) * 100
 
 
 def tokenizer_cost(classifiers: ClassifierSet, prompts: list[str], repeats: int) -> None:
@@ -214,8 +290,8 @@ def tokenizer_cost(classifiers: ClassifierSet, prompts: list[str], repeats: int)
 
 def bench_serving(prompts: list[str], repeats: int) -> PromptClassifier:
     print(
-        f"\n2. serving default: runtime {SERVING_RUNTIME}, {SERVING_THREADS} thread(s), through "
-        f"PromptClassifier (load average {load_average()})"
+        f"\n2. serving default: the artifact's runtime ({SERVING_RUNTIME} for float32 heads), "
+        f"{SERVING_THREADS} thread(s), through PromptClassifier (load average {load_average()})"
     )
     service = load_prompt_classifier(cache_entries=40 * repeats)
     encoder = service.classifiers.current(Strategy.AC).encoder
@@ -327,14 +403,15 @@ def bench_training(records: list[PromptRecord], count: int, epochs: int) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=300, help="samples per serving figure")
-    parser.add_argument("--compare-repeats", type=int, default=60, help="samples per runtime")
+    parser.add_argument("--compare-repeats", type=int, default=60, help="samples per variant")
     parser.add_argument("--no-compare", action="store_true", help="skip section 1")
     parser.add_argument("--train-prompts", type=int, default=2000, help="0: skip training")
     parser.add_argument("--finetune-epochs", type=int, default=1, help="0: skip fine-tuning")
     parser.add_argument(
         "--runtimes",
-        default=",".join(f"{r}:{t}" for r, t in VARIANTS),
-        help="section 1's RUNTIME:THREADS list; the first is the reference (torch:1)",
+        default=",".join(":".join(map(str, v)) for v in VARIANTS),
+        help="section 1's RUNTIME:THREADS[:TOKENS[:fp32|int8]] list (head fp32 by default); "
+        "the first is the reference",
     )
     args = parser.parse_args()
     if args.repeats < 200:
@@ -350,7 +427,10 @@ def main() -> None:
     records = load_prompts(default_prompt_trace())
     prompts = [r.prompt for r in records]
     if not args.no_compare:
-        variants = [(v.split(":")[0], int(v.split(":")[1])) for v in args.runtimes.split(",")]
+        try:
+            variants = [Variant.parse(v) for v in args.runtimes.split(",")]
+        except ValueError as exc:
+            parser.error(str(exc))
         compare_runtimes(prompts, eval_set(256), args.compare_repeats, variants)
     service = bench_serving(prompts, args.repeats)
     bench_batcher(service, prompts, np.random.default_rng(3))

