@@ -169,11 +169,14 @@ class AnswerDroppedError(LookupError):
     the ledger within its byte budget: the request is not run twice."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry(Generic[R]):
     fingerprint: Hashable
-    future: Future[R] | None  # None once the answer was dropped for the byte budget
+    future: Future[R] | None  # while the first call runs: what retries join
     done_at: float | None = None  # clock time the call finished; None while it runs
+    # once finished: (result,) while kept, None once dropped for the byte budget (kept bare,
+    # not in its Future: a Future with its Condition costs about 1 KB per id held)
+    answer: tuple[R] | None = None
     nbytes: int = 0  # the kept answer's size, by the ledger's ``size_of``
 
 
@@ -192,8 +195,9 @@ class RequestLedger(Generic[R]):
     """Request id → the call's future, for ``window_s`` after it finished.
 
     ``claim(id, fingerprint)`` returns ``(future, owner)``: ``owner`` is True for the first
-    call, which must run the request and ``finish`` it; a retry gets the same future. Failed
-    calls are forgotten at once, so a retry after an error runs again.
+    call, which must run the request and ``finish`` it; a retry while it runs gets the same
+    future, and one after it finished a done future with its answer. Failed calls are
+    forgotten at once, so a retry after an error runs again.
 
     Two bounds keep the memory flat under any load. ``max_bytes`` (by ``size_of`` of each
     answer; None: no byte bound): when the kept answers exceed it, the oldest are dropped
@@ -263,13 +267,17 @@ class RequestLedger(Generic[R]):
                     raise IdConflictError(
                         f"request_id: {quoted(request_id)} was used for a different request"
                     )
-                if entry.future is None:
+                if entry.future is not None:
+                    return entry.future, False
+                if entry.answer is None:
                     raise AnswerDroppedError(
                         f"request_id: {quoted(request_id)} was served, but its answer is no "
                         f"longer kept (the router keeps {self.max_bytes} bytes of answers); "
                         "send the request again with a new request_id to run it again"
                     )
-                return entry.future, False
+                done: Future[R] = Future()
+                done.set_result(entry.answer[0])
+                return done, False
             if len(self._running) >= self.max_entries:
                 raise LedgerFullError(f"{len(self._running)} request ids in flight")
             future: Future[R] = Future()
@@ -284,11 +292,11 @@ class RequestLedger(Generic[R]):
             entry = self._running.pop(request_id, None)
             future = entry.future if entry is not None else None
             if entry is not None:
-                entry.done_at = self._clock()
+                entry.done_at, entry.future = self._clock(), None
                 if self.max_bytes is not None and nbytes > self.max_bytes:
                     self._drop_answer(request_id, entry)
                 else:
-                    entry.nbytes = nbytes
+                    entry.answer, entry.nbytes = (result,), nbytes
                     self._finished[request_id] = entry
                     self._bytes += nbytes
                     while self.max_bytes is not None and self._bytes > self.max_bytes:
@@ -306,7 +314,7 @@ class RequestLedger(Generic[R]):
     def _drop_answer(self, request_id: str, entry: _Entry[R]) -> None:
         """Keep the finished id without its answer (under the lock)."""
         self._bytes -= entry.nbytes
-        entry.future, entry.nbytes = None, 0
+        entry.answer, entry.nbytes = None, 0
         self._dropped[request_id] = entry
         self._evicted += 1
         if self._on_evict is not None:
