@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from argus import rpc
+from argus.cli.main import main
 from argus.router.admission import (
     AnswerDroppedError,
     IdConflictError,
@@ -163,3 +164,8 @@ def test_concurrent_claims_and_finishes_keep_the_byte_count() -> None:
     assert stats.bytes <= 1000
     assert stats.answers + stats.dropped == 800
     assert stats.evicted == stats.dropped == len(evictions)
+
+
+def test_router_command_refuses_a_negative_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["router", "--allocator", "127.0.0.1:1", "--max-id-bytes", "-1"]) == 2
+    assert "--max-id-bytes: -1 must be >= 0" in capsys.readouterr().err

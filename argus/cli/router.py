@@ -58,6 +58,13 @@ class RouterCommand:
             "--max-in-flight", type=int, default=256, help="requests served at once; more: busy"
         )
         parser.add_argument(
+            "--max-id-bytes",
+            type=int,
+            default=64 * 2**20,
+            help="bytes of answers kept for retries of a request id, oldest dropped first "
+            "(default: 64 MiB)",
+        )
+        parser.add_argument(
             "--max-cost",
             type=float,
             help="largest request accepted: pixels × steps in reference requests of the profile "
@@ -101,6 +108,8 @@ class RouterCommand:
         ):
             if value < 1:
                 raise CLIError(f"{flag}: {value} must be positive")
+        if args.max_id_bytes < 0:
+            raise CLIError(f"--max-id-bytes: {args.max_id_bytes} must be >= 0")
         if args.max_cost is not None and not (math.isfinite(args.max_cost) and args.max_cost > 0):
             raise CLIError(f"--max-cost: {args.max_cost} must be a positive number")
         if args.default_steps is not None and args.default_steps < 1:
@@ -123,6 +132,7 @@ class RouterCommand:
                 report_period_s=args.report_period_s,
                 default_deadline_ms=args.default_deadline_ms,
                 max_in_flight=args.max_in_flight,
+                max_id_bytes=args.max_id_bytes,
                 max_cost=args.max_cost,
                 default_steps=args.default_steps,
                 http_port=args.http_port,

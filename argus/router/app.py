@@ -183,6 +183,7 @@ class RouterSettings:
     report_period_s: float = 1.0
     default_deadline_ms: int = 30_000
     max_in_flight: int = 256
+    max_id_bytes: int = 64 * 2**20  # answers kept for request-id retries, bytes
     threads: int | None = None  # calls at once, more are refused; None: max_in_flight + 16
     max_cost: float | None = None  # largest request, in the profile's reference requests
     default_steps: int | None = None  # the workers' default steps; None: levels not capped
@@ -229,6 +230,7 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
         router_id=settings.router_id,
         default_deadline_ms=settings.default_deadline_ms,
         max_in_flight=settings.max_in_flight,
+        max_id_bytes=settings.max_id_bytes,
         max_cost=settings.max_cost,
         default_steps=settings.default_steps,
     )
