@@ -175,7 +175,7 @@ class _Entry(Generic[R]):
     future: Future[R] | None  # while the first call runs: what retries join
     done_at: float | None = None  # clock time the call finished; None while it runs
     # once finished: (result,) while kept, None once dropped for the byte budget (kept bare,
-    # not in its Future: a Future with its Condition costs about 1 KB per id held)
+    # not in its Future: a Future brings a Condition, a lock and a deque, ten objects per id)
     answer: tuple[R] | None = None
     nbytes: int = 0  # the kept answer's size, by the ledger's ``size_of``
 
@@ -199,7 +199,7 @@ class RequestLedger(Generic[R]):
     future, and one after it finished a done future with its answer. Failed calls are
     forgotten at once, so a retry after an error runs again.
 
-    Two bounds keep the memory flat under any load. ``max_bytes`` (by ``size_of`` of each
+    Two bounds keep the memory bounded under any load. ``max_bytes`` (by ``size_of`` of each
     answer; None: no byte bound): when the kept answers exceed it, the oldest are dropped
     first (``on_evict`` is called for each, a metric's ``inc``); the id stays, and its retry
     raises :class:`AnswerDroppedError` until the window ends, since running it again would
