@@ -46,6 +46,9 @@ DEFAULT_DEADLINE_MS = 30_000
 MAX_IN_FLIGHT = 256
 """Requests a router serves at once; more are refused as busy."""
 
+MAX_ID_BYTES = 64 * 2**20
+"""Bytes of answers a router keeps for retries by request id (oldest dropped first)."""
+
 REPORT_PERIOD_S = 1.0
 """How often a router sends its arrivals and classifications to the allocator, seconds."""
 

@@ -70,6 +70,13 @@ class RouterCommand:
             help="requests served at once; more: busy (default: %(default)s)",
         )
         parser.add_argument(
+            "--max-id-bytes",
+            type=int,
+            default=defaults.MAX_ID_BYTES,
+            help="bytes of answers kept for retries of a request id, oldest dropped first "
+            "(default: 64 MiB)",
+        )
+        parser.add_argument(
             "--max-cost",
             type=float,
             help="largest request accepted: pixels × steps in reference requests of the profile "
@@ -138,6 +145,7 @@ class RouterCommand:
                 report_period_s=args.report_period_s,
                 default_deadline_ms=args.default_deadline_ms,
                 max_in_flight=args.max_in_flight,
+                max_id_bytes=args.max_id_bytes,
                 max_cost=args.max_cost,
                 default_steps=args.default_steps,
                 http_port=args.http_port,

@@ -174,6 +174,7 @@ class RouterSettings:
     report_period_s: float = defaults.REPORT_PERIOD_S
     default_deadline_ms: int = defaults.DEFAULT_DEADLINE_MS
     max_in_flight: int = defaults.MAX_IN_FLIGHT
+    max_id_bytes: int = defaults.MAX_ID_BYTES  # answers kept for request-id retries, bytes
     threads: int | None = None  # calls at once, more are refused; None: max_in_flight + 16
     max_cost: float | None = None  # largest request, in the profile's reference requests
     default_steps: int | None = None  # the workers' default steps; None: levels not capped
@@ -200,6 +201,7 @@ class RouterSettings:
             router_id=self.router_id,
             default_deadline_ms=self.default_deadline_ms,
             max_in_flight=self.max_in_flight,
+            max_id_bytes=self.max_id_bytes,
             max_cost=self.max_cost,
             default_steps=self.default_steps,
         )

@@ -123,6 +123,12 @@ class RouterMetrics:
             "Classifier models swapped in by drift retraining",
             registry=reg,
         )
+        self.ids_evicted = Counter(
+            "argus_router_id_answers_evicted",
+            "Answers the request-id ledger dropped to stay within its byte budget "
+            "(a retry of such an id is FAILED_PRECONDITION)",
+            registry=reg,
+        )
         self.http_requests = Counter(
             "argus_router_http_requests",
             "HTTP (OpenAI images API) answers, by route and HTTP status",

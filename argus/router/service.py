@@ -27,6 +27,7 @@ Plans come from ``install`` (wired to ``PlanWatcher``'s ``on_plan``). The clock 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import queue
@@ -54,6 +55,7 @@ from argus.request_limits import (
 )
 from argus.router.admission import (
     AdmissionRule,
+    AnswerDroppedError,
     IdConflictError,
     LedgerFullError,
     RequestLedger,
@@ -155,6 +157,10 @@ class RouterServiceConfig:
     max_ids: int = 4096
     """Request ids remembered at most (finished ones are dropped oldest first)."""
 
+    max_id_bytes: int = defaults.MAX_ID_BYTES
+    """Bytes of finished answers kept for retries (serialized size), oldest dropped first; a
+    retry whose answer was dropped is FAILED_PRECONDITION naming its id, never run twice."""
+
     down_for_s: float = 5.0
     """Seconds a worker that failed with UNAVAILABLE is routed around."""
 
@@ -187,6 +193,8 @@ class RouterServiceConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.id_window_s < 0.0 or self.down_for_s < 0.0:
             raise ValueError("id_window_s, down_for_s: must be >= 0")
+        if self.max_id_bytes < 0:
+            raise ValueError(f"max_id_bytes: must be >= 0, got {self.max_id_bytes}")
         if self.slo_s is not None and not self.slo_s > 0.0:
             raise ValueError(f"slo_s: must be > 0, got {self.slo_s}")
 
@@ -251,7 +259,8 @@ def fingerprint(request: Any) -> bytes:
     copy = router_pb2.RouterGenerateRequest()
     copy.CopyFrom(request)
     copy.ClearField("deadline_ms")  # a retry may carry a shorter deadline
-    return bytes(copy.SerializeToString(deterministic=True))
+    # a digest: the ledger keeps one per id for minutes, and a request may carry an image
+    return hashlib.blake2b(copy.SerializeToString(deterministic=True), digest_size=16).digest()
 
 
 # -- workers -------------------------------------------------------------------------------
@@ -351,7 +360,12 @@ class RouterCore:
         self._plan_version = 0
         self._in_flight = threading.BoundedSemaphore(config.max_in_flight)
         self._ledger: RequestLedger[Any] = RequestLedger(
-            clock, window_s=config.id_window_s, max_entries=config.max_ids
+            clock,
+            window_s=config.id_window_s,
+            max_entries=config.max_ids,
+            max_bytes=config.max_id_bytes,
+            size_of=lambda response: int(response.ByteSize()),
+            on_evict=metrics.ids_evicted.inc if metrics is not None else None,
         )
         self._arrivals: list[float] = []
         self._classified: list[Classified] = []
@@ -463,6 +477,8 @@ class RouterCore:
             future, owner = self._ledger.claim(request.request_id, fingerprint(request))
         except IdConflictError as err:
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, str(err)) from None
+        except AnswerDroppedError as err:
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
         except LedgerFullError as err:
             self._rejected("ids")
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), 1.0) from None
