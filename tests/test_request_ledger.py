@@ -167,5 +167,6 @@ def test_concurrent_claims_and_finishes_keep_the_byte_count() -> None:
 
 
 def test_router_command_refuses_a_negative_budget(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["router", "--allocator", "127.0.0.1:1", "--max-id-bytes", "-1"]) == 2
-    assert "--max-id-bytes: -1 must be >= 0" in capsys.readouterr().err
+    argv = ["router", "--insecure-internal", "--allocator", "127.0.0.1:1"]
+    assert main([*argv, "--max-id-bytes", "-1"]) == 2
+    assert "--max-id-bytes: must be >= 0, got -1" in capsys.readouterr().err
