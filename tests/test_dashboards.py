@@ -441,6 +441,26 @@ class Load:
                 "deadline",
                 lambda: self.client.generate(PROMPTS[0], steps=STEPS, size=SIZE, deadline_ms=1),
             )
+        # a lookup that misses: the repeated prompts all hit once cached, so once the plan
+        # serves K > 0 (hits seen), a request of other steps finds no entry of its key
+        deadline = time.monotonic() + LOAD_MAX_S
+        while self.cache_hits() < 1 and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.2)
+        for seed in range(2):
+            self.send(
+                "other-steps",
+                lambda s=seed: self.client.generate(PROMPTS[0], seed=s, steps=STEPS - 2, size=SIZE),
+            )
+        # SLO violations: admitted (the profile prices this request at tens of milliseconds)
+        # but not served in time (the tiny model on a CPU takes longer), so the worker's
+        # deadline stops it after admission; on a loaded machine late answers count too
+        for seed in range(3):
+            self.send(
+                "late",
+                lambda s=seed: self.client.generate(
+                    PROMPTS[1], seed=s, steps=STEPS, size=SIZE, deadline_ms=150
+                ),
+            )
         router = Identity("router", "dashboards")  # reports come from routers only
         with self.cluster.internal_channel(self.cluster.allocator, router) as channel:
             stub = allocator_pb2_grpc.AllocatorStub(channel)
