@@ -160,6 +160,7 @@ def test_the_tiny_scorer_scores_images() -> None:
     )
     scores = scorer.score("a red square", [red, blue])
     assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
+    assert all(s > 0 for s in scores)  # as PickScore's: the drift rule assumes positive scores
     assert scores[0] != scores[1]
     assert tiny_scorer().score("a red square", [red]) == pytest.approx(scores[:1])  # seeded
 

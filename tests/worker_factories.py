@@ -65,41 +65,7 @@ def make_worker(
 
 
 def make_tiny_clip(directory: Any) -> Any:
-    """A tiny random CLIP saved as a scorer directory (model, BERT tokenizer, image processor).
+    """A tiny random CLIP saved as a scorer directory (see ``write_tiny_clip``)."""
+    from argus.worker.scoring import write_tiny_clip
 
-    Its final norms are biased towards one shared direction so that every image-text cosine,
-    and so every score, is positive, as PickScore's are; the scores still depend on the image.
-    """
-    import torch
-    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
-
-    from argus.embedding import default_encoder_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(default_encoder_dir(), model_max_length=77)
-    common = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
-    config = CLIPConfig(
-        text_config={
-            **common,
-            "vocab_size": tokenizer.vocab_size,
-            "num_hidden_layers": 2,
-            "max_position_embeddings": 77,
-            "bos_token_id": tokenizer.cls_token_id,
-            "eos_token_id": tokenizer.sep_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        vision_config={**common, "num_hidden_layers": 2, "image_size": 32, "patch_size": 8},
-        projection_dim=16,
-    )
-    torch.manual_seed(0)
-    model = CLIPModel(config).eval()
-    with torch.no_grad():
-        for norm in (model.text_model.final_layer_norm, model.vision_model.post_layernorm):
-            norm.weight.mul_(0.1)
-            norm.bias.fill_(1.0)
-        model.visual_projection.weight.copy_(model.text_projection.weight)
-    model.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
-    CLIPImageProcessor(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    ).save_pretrained(directory)
-    return directory
+    return write_tiny_clip(directory)

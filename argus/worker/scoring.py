@@ -37,6 +37,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -199,15 +200,18 @@ class ScoreSampler:
                 self._queue.task_done()
 
 
-def tiny_scorer(seed: int = 0) -> Any:
-    """A :class:`~argus.profiler.PickScorer` on a tiny random CLIP (32-wide, 2 layers, 32 px
-    images) with weights seeded by ``seed`` and the repository's BERT tokenizer: the default
-    when no PickScore directory is given. Its scores depend on the image but mean nothing."""
+def write_tiny_clip(directory: str | Path, seed: int = 0) -> str | Path:
+    """Write a tiny random CLIP scorer directory (32-wide, 2 layers, 32 px images; model, the
+    repository's BERT tokenizer, image processor) with weights seeded by ``seed``.
+
+    Its final norms are biased towards one shared direction so that every image-text cosine,
+    and so every score, is positive, as PickScore's are (the drift rule compares a median with
+    a fraction of an average, which assumes positive scores); the scores still depend on the
+    image, and mean nothing."""
     import torch
     from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
 
     from argus.embedding import default_encoder_dir
-    from argus.profiler import PickScorer
 
     tokenizer = AutoTokenizer.from_pretrained(default_encoder_dir(), model_max_length=77)
     common = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
@@ -224,18 +228,30 @@ def tiny_scorer(seed: int = 0) -> Any:
         vision_config={**common, "num_hidden_layers": 2, "image_size": 32, "patch_size": 8},
         projection_dim=16,
     )
-    generator = torch.random.fork_rng()  # seed the weights without moving the caller's RNG
-    with generator:
+    with torch.random.fork_rng():  # seed the weights without moving the caller's RNG
         torch.manual_seed(seed)
         model = CLIPModel(config).eval()
+    with torch.no_grad():
+        for norm in (model.text_model.final_layer_norm, model.vision_model.post_layernorm):
+            norm.weight.mul_(0.1)
+            norm.bias.fill_(1.0)
+        model.visual_projection.weight.copy_(model.text_projection.weight)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    ).save_pretrained(directory)
+    return directory
+
+
+def tiny_scorer(seed: int = 0) -> Any:
+    """A :class:`~argus.profiler.PickScorer` on :func:`write_tiny_clip`'s model: the default
+    when no PickScore directory is given."""
+    from argus.profiler import PickScorer
+
     # PickScorer loads from a directory (as it loads real PickScore); write one and read it back
     with tempfile.TemporaryDirectory(prefix="argus-tiny-clip-") as directory:
-        model.save_pretrained(directory, safe_serialization=True)
-        tokenizer.save_pretrained(directory)
-        CLIPImageProcessor(
-            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-        ).save_pretrained(directory)
-        return PickScorer(directory)
+        return PickScorer(write_tiny_clip(directory, seed))
 
 
 def load_scorer(directory: str | None, device: str = "cpu") -> Any:
