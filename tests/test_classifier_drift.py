@@ -15,7 +15,6 @@ from argus.classifier.drift import (
     DriftMonitor,
     DriftRetraining,
     Observation,
-    RecentLabels,
     Retrainer,
     ScoredPrompts,
     logistic_retrain,
@@ -99,11 +98,31 @@ def test_config_is_validated() -> None:
 # ---------------------------------------------------------------------------------- retraining
 
 
-def recent(n: int) -> RecentLabels:
-    labels = RecentLabels(Strategy.AC, AC_LEVELS, capacity=1000)
-    for i in range(n):
-        labels.add(f"prompt {i}", i % 3)
-    return labels
+class FixedLabels:
+    """Labelled prompts the test gives, as a Retrainer's label source."""
+
+    strategy = Strategy.AC
+
+    def __init__(self, pairs: list[tuple[str, int]]) -> None:
+        self.pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def snapshot(self) -> LabelledPrompts:
+        return LabelledPrompts(
+            strategy=self.strategy,
+            levels=AC_LEVELS,
+            prompts=tuple(p for p, _ in self.pairs),
+            labels=np.array([label for _, label in self.pairs], dtype=np.int64),
+            scores=None,
+            source="the test's labels",
+            delta=0.9,
+        )
+
+
+def recent(n: int) -> FixedLabels:
+    return FixedLabels([(f"prompt {i}", i % 3) for i in range(n)])
 
 
 def test_drift_starts_exactly_one_retrain_and_swaps_a_complete_model() -> None:
@@ -188,23 +207,14 @@ def test_too_few_labels_or_a_failing_retrain_keep_the_old_model() -> None:
     assert wrong.stats().failures == 1 and holder.current.head.bias.argmax() == 2
 
 
-def test_recent_labels_keep_the_latest_and_skip_empty_prompts() -> None:
-    labels = RecentLabels(Strategy.AC, AC_LEVELS, capacity=3)
-    for prompt, level in (("a", 0), ("b", 1), (" ", 2), ("c", 2), ("a", 5), ("d", 3)):
-        labels.add(prompt, level)
-    data = labels.snapshot()
-    assert data.prompts == ("c", "a", "d") and data.labels.tolist() == [2, 5, 3]
-    with pytest.raises(ValueError, match="level"):
-        labels.add("e", 6)
-
-
 def test_logistic_retrain_learns_from_recent_labels(tmp_path: Path) -> None:
     encoder = make_tiny_bert(tmp_path / "bert")
-    labels = RecentLabels(Strategy.AC, AC_LEVELS)
     rng = np.random.default_rng(0)
+    pairs = []
     for i in range(160):
         words = rng.choice(HARD if i % 2 else EASY, size=3, replace=False)
-        labels.add(" and ".join(words), 0 if i % 2 else 5)
+        pairs.append((" and ".join(words), 0 if i % 2 else 5))
+    labels = FixedLabels(pairs)
     holder: HotSwapModel[LevelClassifier] = HotSwapModel(constant_classifier(2))
     retrainer = Retrainer(
         holder,

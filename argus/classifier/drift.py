@@ -128,55 +128,6 @@ class DriftMonitor:
         return verdict
 
 
-class RecentLabels:
-    """The last ``capacity`` labelled prompts of one strategy (a prompt seen again moves up).
-
-    Labels come from operation: a prompt whose images were scored at several levels gets its
-    optimal level under the δ rule. Thread-safe.
-    """
-
-    def __init__(
-        self, strategy: Strategy, levels: tuple[str, ...], capacity: int = 5000, delta: float = 0.9
-    ) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity: must be >= 1, got {capacity}")
-        self.strategy = strategy
-        self.levels = levels
-        self.capacity = capacity
-        self.delta = delta
-        self._items: OrderedDict[str, int] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, prompt: str, level: int) -> None:
-        if not 0 <= level < len(self.levels):
-            raise ValueError(f"level must be in [0, {len(self.levels)}), got {level}")
-        text = clean_prompt(prompt)
-        if text is None:
-            return  # empty prompts are answered without the model
-        with self._lock:
-            self._items.pop(text, None)
-            self._items[text] = level
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def snapshot(self) -> LabelledPrompts:
-        """The current labels, oldest first, as training data."""
-        with self._lock:
-            items = list(self._items.items())
-        return LabelledPrompts(
-            strategy=self.strategy,
-            levels=self.levels,
-            prompts=tuple(p for p, _ in items),
-            labels=np.array([label for _, label in items], dtype=np.int64),
-            scores=None,
-            source="recent labelled prompts",
-            delta=self.delta,
-        )
-
-
 class LabelSource(Protocol):
     """Where a :class:`Retrainer` takes its training data from."""
 

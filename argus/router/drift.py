@@ -31,7 +31,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from argus.classifier.drift import (
     DriftConfig,
@@ -290,9 +290,3 @@ class RouterDrift:
                 self._on_retrain(strategy, version)
 
         return swapped
-
-
-def scores_of(reply: Any) -> list[Any]:
-    """The scores a worker's ``GenerateResponse`` carries (none from workers that predate
-    them)."""
-    return list(getattr(reply, "scores", ()))
