@@ -401,6 +401,10 @@ class Load:
         with self._lock:
             return self.outcomes["cache hits"]
 
+    def lookup_misses(self) -> int:
+        with self._lock:
+            return self.outcomes["other-steps misses"]
+
     def summary(self) -> str:
         with self._lock:
             return ", ".join(f"{name} {n}" for name, n in sorted(self.outcomes.items()))
@@ -415,6 +419,8 @@ class Load:
         self.count(f"{label} OK {reply.level} {cache}")
         if cache == "CACHE_HIT":
             self.count("cache hits")
+        elif cache == "CACHE_MISS" and label == "other-steps":
+            self.count("other-steps misses")
 
     def steady(self, client: int) -> None:
         """Back-to-back requests over a few prompts: repeats find each other in the cache."""
@@ -442,15 +448,18 @@ class Load:
                 lambda: self.client.generate(PROMPTS[0], steps=STEPS, size=SIZE, deadline_ms=1),
             )
         # a lookup that misses: the repeated prompts all hit once cached, so once the plan
-        # serves K > 0 (hits seen), a request of other steps finds no entry of its key
+        # serves K > 0 (hits seen), requests of steps no earlier request used find no entry
+        # of their key, whenever the PASM sends one to a K > 0 level
         deadline = time.monotonic() + LOAD_MAX_S
         while self.cache_hits() < 1 and time.monotonic() < deadline and not self._stop.is_set():
             time.sleep(0.2)
-        for seed in range(2):
+        for steps in (STEPS - 2, *range(STEPS + 1, STEPS + 10)):
             self.send(
                 "other-steps",
-                lambda s=seed: self.client.generate(PROMPTS[0], seed=s, steps=STEPS - 2, size=SIZE),
+                lambda n=steps: self.client.generate(PROMPTS[0], steps=n, size=SIZE),
             )
+            if self.lookup_misses():
+                break
         # SLO violations: admitted (the profile prices this request at tens of milliseconds)
         # but not served in time (the tiny model on a CPU takes longer), so the worker's
         # deadline stops it after admission; on a loaded machine late answers count too
