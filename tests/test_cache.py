@@ -657,3 +657,28 @@ def test_edge_close_during_a_rebuild_keeps_the_live_shard(
     assert reopened.count() == 10
     assert [p.name for p in (tmp_path / "edge").glob("gen-*")] == ["gen-000000"]
     reopened.close()
+
+
+def test_edge_rebuilds_when_dead_points_outnumber_the_live_ones(tmp_path: Path) -> None:
+    """A full cache evicts one entry per insert: the dead points must be dropped by a rebuild
+    long before ``optimize_after`` updates (the soak's workers grew until the first one)."""
+    index = EdgeVectorIndex(
+        tmp_path / "edge", DIM, optimize_after=10_000, vacuum_ratio=2.0, vacuum_min=20
+    )
+    edge_points(index, range(10))  # 10 live points: 10 changes, no rebuild
+    assert index.rebuilds == 0 and index.wait_for_rebuild(0)
+    for s in range(10, 16):  # churn: each insert evicts the oldest point (2 changes)
+        edge_points(index, range(s, s + 1))
+        index.delete([f"00000000-0000-0000-0000-{s - 10:012d}"])
+    assert index.wait_for_rebuild(60)  # the 20th change (2 x 10 live) started one
+    assert index.rebuilds == 1
+    assert index.count() == 10
+    assert index.info().points_count == 10  # recounted from the rebuilt shard
+    index.close()
+
+
+def test_edge_vacuum_needs_a_positive_ratio_and_floor(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="vacuum_ratio"):
+        EdgeVectorIndex(tmp_path / "a", DIM, vacuum_ratio=0.0)
+    with pytest.raises(ValueError, match="vacuum_min"):
+        EdgeVectorIndex(tmp_path / "b", DIM, vacuum_min=0)
