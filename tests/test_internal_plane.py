@@ -161,6 +161,24 @@ def test_a_worker_id_belongs_to_the_identity_that_registered_it(
     rogue.close()
 
 
+def test_a_router_id_belongs_to_the_identity_that_first_reported_it(
+    allocator: Allocator, cluster_ca: TestCA
+) -> None:
+    owner = client(allocator.address, cluster_ca.tls("router", "router-a"))
+    owner.report("router-a", sequence=1, arrival_ages_s=[0.0] * 10)
+    forecast = allocator.forecast_qpm()
+    rogue = client(allocator.address, cluster_ca.tls("router", "router-b"))
+    with pytest.raises(grpc.RpcError) as err:  # a router of the cluster, speaking for another
+        rogue.report("router-a", sequence=2, arrival_ages_s=[0.0] * 5000)
+    assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert "router_id: 'router-a'" in (err.value.details() or "")
+    assert allocator.forecast_qpm() == forecast  # nothing of the forged report counted
+    rogue.report("router-b", sequence=1, arrival_ages_s=[0.0] * 10)  # its own id: fine
+    owner.report("router-a", sequence=2, arrival_ages_s=[0.0] * 10)  # the owner goes on
+    owner.close()
+    rogue.close()
+
+
 def test_only_routers_report_and_only_workers_heartbeat(
     allocator: Allocator, cluster_ca: TestCA
 ) -> None:

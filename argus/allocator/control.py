@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 from argus import defaults
 from argus.allocator.allocator import Allocator, AllocatorConfig
-from argus.allocator.membership import Change, Membership
+from argus.allocator.membership import Change, Membership, NotOwnerError
 from argus.allocator.planner import PlannerConfig, PlannerMode
 from argus.allocator.predictor import LoadPredictorConfig
 from argus.allocator.queueing import QueueModel
@@ -264,6 +264,7 @@ class AllocatorControl:
         self._monitor = StrategyMonitor(self.config.retrieval, start=Strategy.AC)
         self._members = Membership(self.config.dead_after_s, self.config.max_workers)
         self._router_seq: OrderedDict[str, int] = OrderedDict()
+        self._router_owners: OrderedDict[str, str] = OrderedDict()  # router id → identity
         self._router_classifier: OrderedDict[str, str] = OrderedDict()  # keys routers reported
         self._forced_sm = False  # the current plan excludes AC because retrieval is unhealthy
         self._margin_until = -math.inf  # plans before this time use switch_margin
@@ -327,11 +328,13 @@ class AllocatorControl:
                 self._attempt(now, ReplanReason.STRATEGY_SWITCH, self._switch_detail())
             return self._answer(report.worker_id)
 
-    def report_router(self, report: RouterReport) -> RouterAnswer:
+    def report_router(self, report: RouterReport, owner: str = "") -> RouterAnswer:
         """Feed a router's arrivals and classifications to the forecast and H; a retried
-        report (sequence not above the last one seen) counts nothing."""
+        report (sequence not above the last one seen) counts nothing. A router id belongs to
+        the identity ``owner`` whose report first used it: ``NotOwnerError`` for another."""
         with self._lock:
             now = self._clock()
+            self._bind_router(report.router_id, owner)
             if self._duplicate(report):
                 return RouterAnswer(self._current.version, duplicate=True)
             self._adopt_class_quality(report)
@@ -495,6 +498,22 @@ class AllocatorControl:
 
     def _since_plan(self, now: float) -> float:
         return now - self._current.plan.created_at_s
+
+    def _bind_router(self, router_id: str, owner: str) -> None:
+        """Bind ``router_id`` to ``owner`` on its first report, refuse it to anyone else. The
+        bindings of the routers that reported least recently go first, beyond twice
+        ``max_routers`` (a router that was silent that long may come back under any
+        identity)."""
+        bound = self._router_owners.get(router_id)
+        if bound is not None and bound != owner:
+            raise NotOwnerError(
+                f"router_id: {router_id!r} belongs to another identity; "
+                f"{owner or 'an anonymous caller'} may not report for it"
+            )
+        self._router_owners[router_id] = owner
+        self._router_owners.move_to_end(router_id)
+        while len(self._router_owners) > 2 * self.config.max_routers:
+            self._router_owners.popitem(last=False)
 
     def _duplicate(self, report: RouterReport) -> bool:
         """True for a retried report; remembers the sequence of a new one."""

@@ -59,7 +59,8 @@ class MembershipFullError(RuntimeError):
 
 
 class NotOwnerError(PermissionError):
-    """A heartbeat for a worker id that another identity registered."""
+    """A heartbeat for a worker id (or a report for a router id) that another identity
+    registered."""
 
 
 class Membership:

@@ -6,7 +6,8 @@ service keeps serving:
 
 * a bad field, or bytes that are not the request message → ``INVALID_ARGUMENT`` whose
   details start with the field's path;
-* a heartbeat for a worker id another identity registered → ``PERMISSION_DENIED`` naming it;
+* a heartbeat for a worker id, or a report for a router id, that another identity first used
+  → ``PERMISSION_DENIED`` naming it;
 * a join beyond ``max_workers``, a watch beyond ``max_watchers`` → ``RESOURCE_EXHAUSTED``;
 * a watch while shutting down → ``UNAVAILABLE``; anything else → ``INTERNAL`` with the text.
 
@@ -69,7 +70,8 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServicer):  # type: ignore[m
     def ReportRouter(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             report = router_report_from_pb(request, self.control.profiles)
-            answer = self.control.report_router(report)
+            who = caller(context)
+            answer = self.control.report_router(report, "" if who is None else str(who))
         except Exception as err:
             self._fail(context, "ReportRouter", err)
         return router_answer_to_pb(answer)
