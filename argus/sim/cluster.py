@@ -60,7 +60,7 @@ import math
 import types
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -837,14 +837,3 @@ def with_table_quality(
         levels.append(replace(level, quality=float(min(1.0, means[index] / means.max()))))
     return replace(profiles, levels=tuple(levels))
 
-
-def run_policies(
-    profiles: ProfileSet,
-    quality: Mapping[Strategy, QualityTable],
-    workload: Workload,
-    policies: Sequence[Policy],
-    config: SimConfig | None = None,
-) -> list[RunResult]:
-    """Replay one workload through several policies on identical clusters."""
-    sim = Simulation(profiles, quality, workload, config)
-    return [sim.run(policy) for policy in policies]
