@@ -19,7 +19,6 @@ from argus.worker.controlnet.executor import (
     ControlNetExecutor,
     ControlUnit,
     LocalControlNetExecutor,
-    units_from_adapters,
 )
 from argus.worker.controlnet.models import ControlNetCatalog, build_controlnet
 from argus.worker.controlnet.predictor import ControlNetMode, ControlNetPredictor
@@ -262,27 +261,6 @@ def test_executor_for_a_worker_setting(tmp_path: Any) -> None:
     remote.close()
     with pytest.raises(ValueError, match="'nowhere'"):
         executor_for("nowhere")
-
-
-def test_units_from_worker_adapters(local: LocalControlNetExecutor) -> None:
-    from argus import rpc
-
-    common_pb2: Any = rpc.load("common_pb2")
-    kind = common_pb2.Adapter.Kind
-    adapters = [
-        common_pb2.Adapter(kind=kind.LORA, name="papercut", scale=0.8),
-        common_pb2.Adapter(kind=kind.CONTROLNET, name="canny", control_image=png(1)),
-        common_pb2.Adapter(kind=kind.CONTROLNET, name="depth", scale=0.5, control_image=png(2)),
-    ]
-    units = units_from_adapters(adapters)
-    assert [(u.name, u.scale) for u in units] == [("canny", 1.0), ("depth", 0.5)]
-    model = tiny_model("sd-1.5")
-    torch.testing.assert_close(
-        run(model, local, units).latents,
-        run(model, local, (UNITS[0], ControlUnit("depth", 0.5, png(2)))).latents,
-        rtol=0,
-        atol=0,
-    )
 
 
 # -- asynchronous ---------------------------------------------------------------------------

@@ -836,4 +836,3 @@ def with_table_quality(
         index = list(table.levels).index(level.name)
         levels.append(replace(level, quality=float(min(1.0, means[index] / means.max()))))
     return replace(profiles, levels=tuple(levels))
-

@@ -121,21 +121,6 @@ class ControlNetExecutor(Protocol):
     def close(self) -> None: ...
 
 
-def units_from_adapters(adapters: Sequence[Any]) -> tuple[ControlUnit, ...]:
-    """The ControlNet units of a request's adapters (``argus.v1.Adapter`` or alike).
-
-    LoRA adapters are skipped (they are the LoRA loader's). An unset scale (proto3's 0) means
-    1.0, diffusers' default; an explicit "no effect" is expressed by leaving the adapter out.
-    """
-    units = []
-    for adapter in adapters:
-        if int(adapter.kind) != ADAPTER_KIND_CONTROLNET:
-            continue
-        scale = float(adapter.scale) or 1.0
-        units.append(ControlUnit(str(adapter.name), scale, bytes(adapter.control_image)))
-    return tuple(units)
-
-
 # -- validation shared by the local executor and the service --------------------------------
 
 
