@@ -659,7 +659,7 @@ def test_edge_close_during_a_rebuild_keeps_the_live_shard(
     reopened.close()
 
 
-def test_edge_rebuilds_when_dead_points_outnumber_the_live_ones(tmp_path: Path) -> None:
+def test_edge_rebuilds_when_dead_points_reach_a_share_of_the_live_ones(tmp_path: Path) -> None:
     """A full cache evicts one entry per insert: the dead points must be dropped by a rebuild
     long before ``optimize_after`` updates (the soak's workers grew until the first one)."""
     index = EdgeVectorIndex(

@@ -238,8 +238,13 @@ class EdgeVectorIndex:
     entry per insert, so a worker whose cache bound is small next to ``optimize_after``
     (1,000 entries under the soak) carried up to 10,000 dead points: measured, its memory
     grew by about 4 MB per 1,000 inserts until the first rebuild. Tying rebuilds to the live
-    size, as Qdrant's vacuum optimiser does with the share of deleted points, keeps the dead
-    points a bounded multiple of the live ones at any cache size."""
+    size, as Qdrant's vacuum optimiser does with the share of deleted points (there 20%; here
+    half the live count in updates, about a quarter in dead points under eviction), keeps the
+    dead points a bounded share of the live ones at any cache size. A rebuild of a
+    1,000-point shard costs about 0.2 s to copy, 0.2 s of CPU in the child and 0.07 s to load
+    (measured on the 2-core CPU machine at load 9), so rebuilding every few hundred updates
+    is cheap; the write-ahead log, which grows by about 2 KB per update until a rebuild
+    starts a fresh one, shrinks with it."""
 
     def __init__(
         self,
@@ -248,8 +253,8 @@ class EdgeVectorIndex:
         *,
         config: EdgeIndexConfig | None = None,
         optimize_after: int | None = 10_000,
-        vacuum_ratio: float | None = 2.0,
-        vacuum_min: int = 1_000,
+        vacuum_ratio: float | None = 0.5,
+        vacuum_min: int = 500,
         optimize_timeout_s: float = 6 * 3600,
     ) -> None:
         if dim <= 0:
