@@ -20,7 +20,7 @@ from argus.allocator.control import ControlConfig
 from argus.cli.main import COMMANDS, OneLineParser, config_error, load_command
 from argus.local_cluster import ClusterSpec
 from argus.router.app import RouterSettings
-from argus.router.service import RouterServiceConfig
+from argus.router.core import RouterServiceConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOCATOR = "127.0.0.1:50052"  # a required flag's value: not a default
