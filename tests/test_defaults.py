@@ -75,6 +75,16 @@ def test_router_flags_default_to_the_settings_and_the_settings_to_the_service() 
     assert settings.service_config() == RouterServiceConfig()
 
 
+def test_router_drift_flags_default_to_the_drift_configs() -> None:
+    from argus.cli.router import drift_settings
+    from argus.router.drift import DriftSettings
+
+    parser = OneLineParser(prog="argus router")
+    load_command("router").add_arguments(parser)
+    args = parser.parse_args(["--allocator", ALLOCATOR])
+    assert drift_settings(args) == DriftSettings()  # window, tolerance, retrain, min labels
+
+
 def test_worker_flags_default_to_the_settings_and_the_settings_to_the_engine() -> None:
     from argus.worker.adapters import AdapterSettings
     from argus.worker.app import WorkerSettings
@@ -117,6 +127,9 @@ def test_argus_up_defaults_to_the_cluster_spec_and_the_spec_to_the_services() ->
     from argus.worker.app import WorkerSettings
 
     assert spec.default_size == WorkerSettings().default_size
+    from argus.supervision import RestartPolicy
+
+    assert flags["max_restarts"] == RestartPolicy().max_deaths
 
 
 def test_argus_plan_plans_for_the_allocators_period() -> None:
