@@ -143,12 +143,15 @@ def start_router(
 ) -> tuple[dict[str, Any], Callable[[], None]]:
     """A router on the plan an allocator made for ``workers``; returns its port, the plan's
     service times per worker and a closer."""
-    from argus.router.service import RouterCore, RouterServiceConfig
+    from argus.router.core import RouterCore, RouterServiceConfig
+    from argus.router.worker_calls import GrpcWorkers
 
     profiles = scaled_profiles(time_scale)
     published = allocator_plan(profiles, workers, "overload")
     classifier, label = load_classifier(classifier_name, threads)
-    core = RouterCore(profiles, classifier, RouterServiceConfig(router_id="overload"))
+    core = RouterCore(
+        profiles, classifier, RouterServiceConfig(router_id="overload"), workers=GrpcWorkers()
+    )
     core.install(published)
     router_port, stop_router = serve_router(core, ROUTER_THREADS)
     classes = published.worker_classes()

@@ -220,7 +220,8 @@ def start_router(
     plan's summary and a closer. ``gc_freeze``: move every object made so far out of the
     collector's reach (``gc.freeze``), as ``argus router`` does after loading its classifier."""
     from argus.profiles import default_profiles
-    from argus.router.service import RouterCore, RouterServiceConfig
+    from argus.router.core import RouterCore, RouterServiceConfig
+    from argus.router.worker_calls import GrpcWorkers
 
     profiles = default_profiles()
     published = allocator_plan(profiles, workers, "bench")
@@ -232,7 +233,7 @@ def start_router(
         from argus.router.metrics import RouterMetrics
 
         extra["metrics"] = RouterMetrics(profiles)
-    core = RouterCore(profiles, classifier, config, **extra)
+    core = RouterCore(profiles, classifier, config, workers=GrpcWorkers(), **extra)
     core.install(published)
     router_port, stop_router = serve_router(core, threads)
     tracked = len(gc.get_objects())

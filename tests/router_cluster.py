@@ -23,7 +23,8 @@ from argus.contracts.allocator_client import AllocatorClient
 from argus.contracts.workers import WorkerReport
 from argus.profiles import default_profiles
 from argus.router.app import ServerSecurity, create_server
-from argus.router.service import RouterCore, RouterServiceConfig
+from argus.router.core import RouterCore, RouterServiceConfig
+from argus.router.worker_calls import GrpcWorkers
 from argus.types import Strategy
 
 router_pb2: Any = rpc.load("router_pb2")
@@ -147,6 +148,7 @@ class Cluster:
             PROFILES,
             classifier or StubClassifier(level),
             config or RouterServiceConfig(),
+            workers=GrpcWorkers(),
             clock=self.clock,
             metrics=metrics,
             drift=drift,

@@ -20,7 +20,7 @@ from argus.allocator.control import ControlConfig
 from argus.cli.main import COMMANDS, OneLineParser, config_error, load_command
 from argus.local_cluster import ClusterSpec
 from argus.router.app import RouterSettings
-from argus.router.service import RouterServiceConfig
+from argus.router.core import RouterServiceConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOCATOR = "127.0.0.1:50052"  # a required flag's value: not a default
@@ -75,6 +75,16 @@ def test_router_flags_default_to_the_settings_and_the_settings_to_the_service() 
     assert settings.service_config() == RouterServiceConfig()
 
 
+def test_router_drift_flags_default_to_the_drift_configs() -> None:
+    from argus.cli.router import drift_settings
+    from argus.router.drift import DriftSettings
+
+    parser = OneLineParser(prog="argus router")
+    load_command("router").add_arguments(parser)
+    args = parser.parse_args(["--allocator", ALLOCATOR])
+    assert drift_settings(args) == DriftSettings()  # window, tolerance, retrain, min labels
+
+
 def test_worker_flags_default_to_the_settings_and_the_settings_to_the_engine() -> None:
     from argus.worker.adapters import AdapterSettings
     from argus.worker.app import WorkerSettings
@@ -117,6 +127,9 @@ def test_argus_up_defaults_to_the_cluster_spec_and_the_spec_to_the_services() ->
     from argus.worker.app import WorkerSettings
 
     assert spec.default_size == WorkerSettings().default_size
+    from argus.supervision import RestartPolicy
+
+    assert flags["max_restarts"] == RestartPolicy().max_deaths
 
 
 def test_argus_plan_plans_for_the_allocators_period() -> None:

@@ -20,8 +20,8 @@ from argus.router.admission import (
     LedgerStats,
     RequestLedger,
 )
+from argus.router.core import RouterServiceConfig
 from argus.router.metrics import RouterMetrics
-from argus.router.service import RouterServiceConfig
 from tests.router_cluster import PROFILES, TIMEOUT, Cluster, FakeClock
 
 router_pb2: Any = rpc.load("router_pb2")

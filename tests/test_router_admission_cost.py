@@ -18,7 +18,8 @@ import pytest
 
 from argus import rpc
 from argus.router.admission import AdmissionRule, WorkerLoad, earliest_completion_s, request_cost
-from argus.router.service import RETRY_AFTER_KEY, RouterServiceConfig
+from argus.router.convert import RETRY_AFTER_KEY
+from argus.router.core import RouterServiceConfig
 from argus.types import ReferenceRequest, Strategy
 from tests.router_cluster import PROFILES, TIMEOUT, Cluster, PngWorker, StubClassifier
 

@@ -21,8 +21,8 @@ from argus.classifier.prompts import InvalidPromptError
 from argus.classifier.serving import BatcherClosed
 from argus.grpc_server import tls_credentials
 from argus.router.app import ServerSecurity
+from argus.router.core import RouterServiceConfig
 from argus.router.metrics import RouterMetrics
-from argus.router.service import RouterServiceConfig
 from argus.types import Strategy
 from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster
 from tests.service_process import self_signed_certificate
@@ -196,7 +196,7 @@ class FakeChannel:
 
 
 def test_a_channel_dropped_from_the_plan_closes_only_after_its_grace() -> None:
-    from argus.router.service import WorkerChannels
+    from argus.router.worker_calls import WorkerChannels
 
     now = [0.0]
     made: list[FakeChannel] = []

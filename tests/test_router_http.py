@@ -16,9 +16,10 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
+from argus.router.core import RouterCore, RouterServiceConfig
 from argus.router.http import HttpServer, create_app
 from argus.router.metrics import RouterMetrics
-from argus.router.service import RouterCore, RouterServiceConfig
+from argus.router.worker_calls import GrpcWorkers
 from tests.router_cluster import PROFILES, TIMEOUT, Cluster, FakeClock, PngWorker, StubClassifier
 
 TOKEN = "s3cret-token"
@@ -178,7 +179,9 @@ def test_a_request_that_cannot_make_its_deadline_is_504(served: Any) -> None:
 
 
 def test_no_worker_is_503_and_readyz_follows_the_plan(cluster: HttpCluster) -> None:
-    core = RouterCore(PROFILES, StubClassifier(), RouterServiceConfig(), clock=FakeClock())
+    core = RouterCore(
+        PROFILES, StubClassifier(), RouterServiceConfig(), workers=GrpcWorkers(), clock=FakeClock()
+    )
     server = serve_http(core, token=None)
     try:
         assert httpx.get(f"http://127.0.0.1:{server.port}/healthz").status_code == 200
@@ -227,7 +230,9 @@ def test_partial_failure_is_200_with_errors_all_failed_is_the_first_status(
 
 
 def test_taken_port_names_it() -> None:
-    core = RouterCore(PROFILES, StubClassifier(), RouterServiceConfig(), clock=FakeClock())
+    core = RouterCore(
+        PROFILES, StubClassifier(), RouterServiceConfig(), workers=GrpcWorkers(), clock=FakeClock()
+    )
     first = serve_http(core)
     try:
         with pytest.raises(OSError, match=rf"127\.0\.0\.1:{first.port}"):

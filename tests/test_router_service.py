@@ -17,7 +17,8 @@ import pytest
 from argus import rpc
 from argus.router.admission import AdmissionRule, RequestLedger, admit
 from argus.router.app import StatsReporter
-from argus.router.service import RETRY_AFTER_KEY, RouterServiceConfig
+from argus.router.convert import RETRY_AFTER_KEY
+from argus.router.core import RouterServiceConfig
 from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster, FakeClock
 
 common_pb2: Any = rpc.load("common_pb2")

@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from argus import rpc
 from argus.allocator.membership import WorkerReport
+from argus.router.core import RouterServiceConfig
 from argus.router.metrics import RouterMetrics
-from argus.router.service import RouterServiceConfig
 from argus.worker.engine import Worker
 from argus.worker.service import create_server as create_worker
 from tests.router_cluster import PROFILES, Cluster

@@ -32,6 +32,10 @@ class RouterCommand:
     help = "Run a router (gRPC): the public Generate endpoint in front of the workers."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        # the drift flags' defaults are the configs' own (light modules: no torch, no grpc)
+        from argus.classifier.drift import DriftConfig
+        from argus.router.drift import DriftSettings
+
         parser.add_argument("--allocator", required=True, help="allocator HOST:PORT")
         parser.add_argument("--host", default=defaults.LOOPBACK, help="address to bind")
         parser.add_argument("--port", type=int, default=0, help="port (0: any free port)")
@@ -101,26 +105,27 @@ class RouterCommand:
         drift.add_argument(
             "--drift-window",
             type=int,
-            default=200,
-            help="scores per drift window (0: no drift monitoring; default 200)",
+            default=DriftConfig.window,
+            help="scores per drift window (0: no drift monitoring; default %(default)s)",
         )
         drift.add_argument(
             "--drift-tolerance",
             type=float,
-            default=0.02,
-            help="a window drifts when its median is this far below the moving average",
+            default=DriftConfig.tolerance,
+            help="a window drifts when its median is this far below the moving average "
+            "(default %(default)s)",
         )
         drift.add_argument(
             "--drift-retrain",
             action=argparse.BooleanOptionalAction,
-            default=True,
-            help="retrain and swap the classifier on drift (default: on)",
+            default=DriftSettings.retrain,
+            help="retrain and swap the classifier on drift (default: %(default)s)",
         )
         drift.add_argument(
             "--drift-min-labels",
             type=int,
-            default=100,
-            help="prompts scored at two levels or more a retrain needs (default 100)",
+            default=DriftSettings.min_examples,
+            help="prompts scored at two levels or more a retrain needs (default %(default)s)",
         )
         add_internal_tls_arguments(parser, "router")
 

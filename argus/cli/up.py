@@ -59,13 +59,14 @@ class UpCommand:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         from argus.local_cluster import ClusterSpec  # what --help's defaults come from
+        from argus.supervision import RestartPolicy
 
         parser.add_argument("--workers", type=int, default=ClusterSpec.workers)
         parser.add_argument("--port", type=int, default=50051, help="router port (0: any)")
         parser.add_argument(
             "--http-port",
             type=int,
-            default=0,
+            default=ClusterSpec.router_http_port,
             help="router's OpenAI-compatible HTTP API port (0: any free port; -1: off)",
         )
         parser.add_argument(
@@ -108,9 +109,10 @@ class UpCommand:
         parser.add_argument(
             "--max-restarts",
             type=int,
-            default=5,
+            default=RestartPolicy.max_deaths,
             help="a part that dies is restarted with backoff; dying this many times within "
-            "5 minutes stops the cluster with exit code 3",
+            f"{RestartPolicy.window_s:g} s stops the cluster with exit code 3 "
+            "(default: %(default)s)",
         )
         parser.add_argument("--demo", type=int, default=0, help="send N prompts once up")
         parser.add_argument("--out", type=Path, default=Path("demo-out"), help="demo images")

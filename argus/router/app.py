@@ -1,4 +1,4 @@
-"""The router process around :class:`~argus.router.service.RouterCore`: the gRPC server
+"""The router process around :class:`~argus.router.core.RouterCore`: the gRPC server
 (``create_server``: the public endpoint with optional TLS and bearer-token auth), the periodic
 statistics report to the allocator (:class:`StatsReporter`, whose ``report_once`` tests call
 directly with a fake clock) and the process itself (:class:`RouterSettings`, ``serve``).
@@ -31,15 +31,10 @@ from argus.grpc_server import (
     new_server,
     set_serving,
 )
+from argus.router.core import RouterCore, RouterServiceConfig
 from argus.router.drift import DriftSettings, RouterDrift
 from argus.router.metrics import RouterMetrics
-from argus.router.service import (
-    SERVICE_NAME,
-    RouterCore,
-    RouterServiceConfig,
-    RouterServicer,
-    router_pb2_grpc,
-)
+from argus.router.service import SERVICE_NAME, RouterServicer, router_pb2_grpc
 from argus.types import ClassQuality, ProfileSet, Strategy
 
 log = logging.getLogger(__name__)
@@ -255,7 +250,7 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     from argus.grpc_server import reconnect_options, start_metrics, wait_for_shutdown
     from argus.internal_tls import InternalTLS, channel
     from argus.profiles import default_profiles, load_profiles
-    from argus.router.service import WorkerChannels
+    from argus.router.worker_calls import GrpcWorkers, WorkerChannels
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -275,7 +270,8 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     metrics = RouterMetrics(profiles)
     channels = WorkerChannels(lambda address: channel(address, tls, reconnect_options()))
     drift = build_drift(settings.drift, classifier.classifiers, profiles, metrics)
-    core = RouterCore(profiles, classifier, config, channels=channels, metrics=metrics, drift=drift)
+    workers = GrpcWorkers(channels)
+    core = RouterCore(profiles, classifier, config, workers=workers, metrics=metrics, drift=drift)
     server, port, servicer = create_server(
         core,
         f"{settings.host}:{settings.port}",

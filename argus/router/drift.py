@@ -2,7 +2,7 @@
 
 Workers score a sample of their images (:mod:`argus.worker.scoring`) and send each score on a
 later ``GenerateResponse``; :class:`RouterDrift` takes them from the replies
-(:meth:`RouterDrift.observe`, called by :class:`~argus.router.service.RouterCore` on the
+(:meth:`RouterDrift.observe`, called by :class:`~argus.router.core.RouterCore` on the
 request thread: a few dictionary updates, no model). Per strategy it keeps
 
 * a :class:`~argus.classifier.drift.DriftMonitor` over the scores of images served at that

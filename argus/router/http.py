@@ -1,13 +1,14 @@
 """The router's OpenAI-compatible HTTP endpoint (``/v1/images/generations``, ``/v1/models``,
 ``/healthz``, ``/readyz``), served by uvicorn beside the gRPC port of the same process.
 
-Requests go to the same :class:`~argus.router.service.RouterCore` as gRPC calls, from a thread
+Requests go to the same :class:`~argus.router.core.RouterCore` as gRPC calls, from a thread
 pool bounded by the core's ``max_in_flight``, so both share admission, the classifier and
-the metrics. Each of ``n`` images is its own routed request (seeds ``seed``, ``seed + 1``, ...)
-and they run concurrently.
+the metrics. The body becomes the core's typed request directly (no protobuf on this path).
+Each of ``n`` images is its own routed request (seeds ``seed``, ``seed + 1``, ...) and they
+run concurrently.
 
-Errors are OpenAI's error JSON ``{"error": {"message", "type", "param", "code"}}``; router
-statuses map to HTTP as in :data:`HTTP_STATUS`. When some of ``n`` images fail and some are
+Errors are OpenAI's error JSON ``{"error": {"message", "type", "param", "code"}}``; the core's
+refusals map to HTTP as in :data:`HTTP_STATUS`. When some of ``n`` images fail and some are
 served, the answer is 200 with the served images in ``data`` and an ``errors`` list (each with
 the failed image's ``index`` and its error); when all fail, the answer is the first image's
 error and status.
@@ -40,15 +41,13 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
-import grpc
 import uvicorn
-from google.protobuf.json_format import MessageToDict
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -56,13 +55,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from argus.request_limits import InvalidRequestError, check_image
-from argus.router.service import (
-    CallCancel,
-    ProgressSink,
-    RouterCore,
+from argus.router.core import CallCancel, ProgressSink, RouterCore
+from argus.router.values import (
+    Adapter,
+    AdapterKind,
+    Progress,
+    Refusal,
     RouterError,
-    router_pb2,
-    worker_pb2,
+    RouterReply,
+    RouterRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -72,18 +73,18 @@ MAX_IMAGES = 10  # OpenAI's bound on n
 MAX_USER_CHARS = 256
 SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 
-# router status → (HTTP status, OpenAI error type)
-HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.INTERNAL: (502, "server_error"),  # a worker's answer was refused
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),  # the client went away; never sent
+# the core's refusal → (HTTP status, OpenAI error type); the others are 500
+HTTP_STATUS: dict[Refusal, tuple[int, str]] = {
+    Refusal.INVALID: (400, "invalid_request_error"),
+    Refusal.UNAUTHENTICATED: (401, "authentication_error"),
+    Refusal.ID_CONFLICT: (409, "invalid_request_error"),
+    Refusal.OVERLOADED: (429, "rate_limit_error"),
+    Refusal.FAILED: (502, "server_error"),  # a worker failed, or its answer was refused
+    Refusal.UNAVAILABLE: (503, "server_error"),
+    Refusal.DEADLINE: (504, "timeout_error"),
+    Refusal.CANCELLED: (499, "cancelled"),  # the client went away; never sent
 }
-_ADAPTER_KINDS = {"lora": 1, "controlnet": 2}
+_ADAPTER_KINDS = {kind.value: kind for kind in AdapterKind}  # "lora", "controlnet"
 _FIELDS = frozenset(
     {
         "prompt",
@@ -151,16 +152,16 @@ def invalid(param: str, message: str) -> ApiError:
 
 def from_router_error(err: RouterError) -> ApiError:
     """The HTTP answer for a request the core refused or failed."""
-    status, kind = HTTP_STATUS.get(err.code, (500, "server_error"))
+    status, kind = HTTP_STATUS.get(err.kind, (500, "server_error"))
     param = None
-    if err.code is grpc.StatusCode.INVALID_ARGUMENT:
+    if err.kind is Refusal.INVALID:
         param = _param_of(err.details)
     retry = err.retry_after_s if status in (429, 503) else None
-    return ApiError(status, err.details, kind, param, err.code.name.lower(), retry)
+    return ApiError(status, err.details, kind, param, err.kind.status_name.lower(), retry)
 
 
 def _param_of(details: str) -> str | None:
-    """The body field a router INVALID_ARGUMENT names ("width: ..." → "size")."""
+    """The body field an INVALID refusal names ("width: ..." → "size")."""
     head = details.split(":", 1)[0]
     if head.startswith(("width", "height")):
         return "size"
@@ -176,20 +177,15 @@ def _param_of(details: str) -> str | None:
 class ImagesRequest:
     """A checked ``/v1/images/generations`` body: ``n`` router requests differing in seed."""
 
-    template: Any  # RouterGenerateRequest with seed = the first image's
+    template: RouterRequest  # with seed = the first image's
     n: int
     user: str | None
     stream: bool = False
 
-    def requests(self) -> list[Any]:
+    def requests(self) -> list[RouterRequest]:
         """One router request per image, seeds ``seed``, ``seed + 1``, ... (mod 2**64)."""
-        out = []
-        for i in range(self.n):
-            request = router_pb2.RouterGenerateRequest()
-            request.CopyFrom(self.template)
-            request.seed = (self.template.seed + i) % 2**64
-            out.append(request)
-        return out
+        seed = self.template.seed
+        return [replace(self.template, seed=(seed + i) % 2**64) for i in range(self.n)]
 
 
 def parse_images_request(body: Any, model_id: str, core: RouterCore) -> ImagesRequest:
@@ -214,30 +210,34 @@ def parse_images_request(body: Any, model_id: str, core: RouterCore) -> ImagesRe
     if user is not None and len(user) > MAX_USER_CHARS:
         raise invalid("user", f"at most {MAX_USER_CHARS} characters")
     n = _int(body, "n", 1, MAX_IMAGES)
-    template = router_pb2.RouterGenerateRequest(
-        prompt=prompt, negative_prompt=_optional(body, "negative_prompt", str) or ""
-    )
+    negative_prompt = _optional(body, "negative_prompt", str) or ""
     size = _optional(body, "size", str)
-    if size is not None and size != "auto":
-        template.width, template.height = _size(size, core)
-    if (seed := _int(body, "seed", 0, 2**64 - 1)) is not None:
-        template.seed = seed
-    for name, high in (("steps", 1000), ("deadline_ms", 2**32 - 1), ("max_level_index", 2**31)):
-        value = _int(body, name, 1 if name != "max_level_index" else 0, high)
-        if value is not None:
-            setattr(template, name, value)
+    width, height = _size(size, core) if size is not None and size != "auto" else (None, None)
+    seed = _int(body, "seed", 0, 2**64 - 1) or 0
+    steps = _int(body, "steps", 1, 1000)
+    deadline_ms = _int(body, "deadline_ms", 1, 2**32 - 1)
+    max_level_index = _int(body, "max_level_index", 0, 2**31)
     guidance = _optional(body, "guidance_scale", (int, float))
-    if guidance is not None:
-        template.guidance_scale = float(guidance)
-    for adapter in _adapters(body.get("adapters")):
-        template.adapters.append(adapter)
+    adapters = _adapters(body.get("adapters"))
     stream = bool(_optional(body, "stream", bool))
     previews = _int(body, "partial_images", 0, MAX_PREVIEWS)
     if previews and not stream:
         raise invalid("partial_images", 'previews are streamed: needs "stream": true')
     if stream and (n or 1) > 1:
         raise invalid("n", 'a stream carries one image: n must be 1 with "stream": true')
-    template.previews = previews or 0
+    template = RouterRequest(
+        prompt=prompt,
+        negative_prompt=negative_prompt,
+        seed=seed,
+        width=width,
+        height=height,
+        steps=steps,
+        guidance_scale=None if guidance is None else float(guidance),
+        adapters=adapters,
+        deadline_ms=deadline_ms,
+        max_level_index=max_level_index,
+        previews=previews or 0,
+    )
     return ImagesRequest(template, n or 1, user, stream)
 
 
@@ -274,10 +274,10 @@ def _size(size: str, core: RouterCore) -> tuple[int, int]:
     return width, height
 
 
-def _adapters(given: Any) -> list[Any]:
+def _adapters(given: Any) -> tuple[Adapter, ...]:
     """``[{"kind": "lora"|"controlnet", "name", "scale", "control_image": base64 PNG}]``."""
     if given is None:
-        return []
+        return ()
     if not isinstance(given, list):
         raise invalid("adapters", "must be a list")
     out = []
@@ -290,21 +290,23 @@ def _adapters(given: Any) -> list[Any]:
             raise invalid(where, "name: a non-empty string")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise invalid(where, "scale: a number")
-        adapter = router_pb2.Adapter(kind=_ADAPTER_KINDS[item["kind"]], name=name, scale=scale)
+        control = b""
         if image is not None:
             try:
-                adapter.control_image = base64.b64decode(image, validate=True)
+                control = base64.b64decode(image, validate=True)
             except (TypeError, ValueError):
                 raise invalid(where, "control_image: base64 PNG") from None
-        out.append(adapter)
-    return out
+        out.append(Adapter(_ADAPTER_KINDS[item["kind"]], name, float(scale), control))
+    return tuple(out)
 
 
 # -- responses ------------------------------------------------------------------------------
 
 
-def image_entry(reply: Any) -> dict[str, Any]:
-    """One ``data`` item: the PNG and where and how fast it was made."""
+def image_entry(reply: RouterReply) -> dict[str, Any]:
+    """One ``data`` item: the PNG and where and how fast it was made (the worker's timing
+    without its zero entries, as protobuf's JSON mapping wrote it before the reply was
+    typed)."""
     timing = reply.timing
     return {
         "b64_json": base64.b64encode(reply.png).decode("ascii"),
@@ -320,7 +322,7 @@ def image_entry(reply: Any) -> dict[str, Any]:
             "forward_ms": timing.forward_ms,
             "total_ms": timing.total_ms,
             "attempts": timing.attempts,
-            "worker": MessageToDict(timing.worker, preserving_proto_field_name=True),
+            "worker": {name: ms for name, ms in asdict(timing.worker).items() if ms},
         },
     }
 
@@ -386,10 +388,10 @@ def create_app(
             raise ApiError(400, f"body: not valid JSON ({err})") from None
 
     async def generate_one(
-        request: Any, cancel: CallCancel, progress: ProgressSink | None = None
-    ) -> Any:
+        request: RouterRequest, cancel: CallCancel, progress: ProgressSink | None = None
+    ) -> RouterReply:
         if limiter.available_tokens < 1:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "router busy", 1.0)
+            raise RouterError(Refusal.OVERLOADED, "router busy", 1.0)
         run = functools.partial(core.generate, request, progress=progress, cancel=cancel)
         return await anyio.to_thread.run_sync(run, limiter=limiter)
 
@@ -489,14 +491,14 @@ class _ImageStream(Response):
 
     def __init__(
         self,
-        start: Callable[[ProgressSink], Awaitable[Any]],
+        start: Callable[[ProgressSink], Awaitable[RouterReply]],
         cancel: CallCancel,
-        request: Any,
+        request: RouterRequest,
     ) -> None:
         super().__init__(media_type="text/event-stream")
         self._start = start
         self._cancel = cancel
-        size = f"{request.width}x{request.height}" if request.HasField("width") else "auto"
+        size = "auto" if request.width is None else f"{request.width}x{request.height}"
         self._shape = {"size": size, "output_format": "png", "background": "auto"}
         self._shape["quality"] = "auto"
         self._previews = 0
@@ -504,7 +506,7 @@ class _ImageStream(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         events_in, events = anyio.create_memory_object_stream[Any](math.inf)
 
-        def sink(event: Any) -> None:  # on the core's thread
+        def sink(event: Progress) -> None:  # on the core's thread
             # once the answer is over the stream is closed; the cancel stops the request
             with contextlib.suppress(
                 anyio.ClosedResourceError, anyio.BrokenResourceError, RuntimeError
@@ -513,6 +515,7 @@ class _ImageStream(Response):
 
         async def produce() -> None:
             async with events_in:
+                reply: RouterReply | ApiError
                 try:
                     reply = await self._start(sink)
                 except RouterError as err:
@@ -547,7 +550,7 @@ class _ImageStream(Response):
                     await send(
                         {"type": "http.response.body", "body": self._sse(event), "more_body": True}
                     )
-                    if not isinstance(event, worker_pb2.Progress):
+                    if not isinstance(event, Progress):
                         break
             if started:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -558,7 +561,7 @@ class _ImageStream(Response):
         created = int(time.time())
         if isinstance(event, ApiError):
             return _sse_event("error", event.body())
-        if not isinstance(event, worker_pb2.Progress):
+        if not isinstance(event, Progress):
             entry = image_entry(event)
             entry.pop("revised_prompt")
             usage: dict[str, Any] = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
@@ -567,10 +570,9 @@ class _ImageStream(Response):
             return _sse_event(
                 "image_generation.completed", {**completed, **self._shape, **entry, "usage": usage}
             )
-        stage = worker_pb2.Progress.Stage.Name(event.stage).lower()
         progress = {
             "type": "argus.progress",
-            "stage": stage,
+            "stage": event.stage.value,
             "step": event.step,
             "total_steps": event.total_steps,
             "queue_position": event.queue_position,

@@ -1,0 +1,862 @@
+"""The router's request path on typed values: :class:`RouterCore`.
+
+:class:`RouterCore` serves one :class:`~argus.router.values.RouterRequest`, top to bottom:
+
+1. check the request (:func:`check_request`, INVALID naming the field) and price it
+   (:func:`~argus.router.admission.request_cost`: pixels × steps over the profile's reference
+   request); a cost above ``max_cost`` is INVALID naming width, height and steps;
+2. claim its request id (a retry joins or returns the first call);
+3. take an in-flight slot (OVERLOADED when the router holds its maximum);
+4. admit early, before the classifier: the earliest completion over the live workers, each at
+   the cheapest level it may serve the request at, with their queues, the requests being
+   classified ahead of it and the classifier's backlog. A request that cannot finish in time
+   even on an idle worker is DEADLINE naming its fields; one that cannot finish in time now is
+   OVERLOADED with a retry-after hint. Either way the refusal takes no classifier time, which
+   under overload is what keeps refusals fast and served throughput up;
+5. classify the prompt (AC and SM levels; both are reported to the allocator);
+6. route on the installed plan (PASM sample, Eq. 3 worker selection) and admit against the
+   deadline with the chosen worker's queue and the request's cost (OVERLOADED with a hint);
+7. forward to the worker through the :class:`WorkerTransport` with the remaining time as the
+   call's timeout (the worker drops the request if it expires in its queue and stops denoising
+   when it passes); a worker that is UNAVAILABLE mid-request is marked down and the request is
+   routed again to another worker while the deadline allows.
+
+Refusals are :class:`~argus.router.values.RouterError` with a
+:class:`~argus.router.values.Refusal`; the gRPC servicer (:mod:`argus.router.service`) and
+the HTTP API (:mod:`argus.router.http`) each answer them in their protocol's words. The core
+imports neither grpc nor protobuf: the gRPC worker calls are :mod:`argus.router.worker_calls`'s,
+the message conversions :mod:`argus.router.convert`'s. Plans come from ``install`` (wired to
+``PlanWatcher``'s ``on_plan``). The clock is passed in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
+
+from argus import defaults
+from argus.classifier.prompts import InvalidPromptError
+from argus.classifier.serving import BatcherClosed, BatcherFull
+from argus.request_limits import (
+    ImageLimits,
+    InvalidRequestError,
+    check_image,
+    check_prompts,
+    check_sampling,
+)
+from argus.router.admission import (
+    AdmissionRule,
+    AnswerDroppedError,
+    IdConflictError,
+    LedgerFullError,
+    RequestLedger,
+    WorkerLoad,
+    admit,
+    earliest_completion_s,
+    request_cost,
+)
+from argus.router.drift import RouterDrift
+from argus.router.metrics import RouterMetrics
+from argus.router.routing import PlanRouter, RouterConfig
+from argus.router.scheduler import NoLiveWorkerError
+from argus.router.values import (
+    Progress,
+    Refusal,
+    RouterError,
+    RouterReply,
+    RouterRequest,
+    RouterTiming,
+    Stage,
+    WorkerCall,
+    WorkerReply,
+)
+from argus.types import ProfileSet, RouteDecision, Strategy
+
+if TYPE_CHECKING:  # its module reads plans from protobuf; the core only follows them
+    from argus.contracts.plans import PublishedPlan
+
+log = logging.getLogger(__name__)
+
+MAX_ID_CHARS = 128
+# a refusal that blames the request, not the cluster: no SLO violation
+CALLER_ERRORS = frozenset(
+    {Refusal.INVALID, Refusal.NOT_FOUND, Refusal.ANSWER_DROPPED, Refusal.CANCELLED}
+)
+ProgressSink = Callable[[Progress], None]
+DEFAULT_LIMITS = ImageLimits()
+SLO_FACTOR = 3.0  # SLO = 3 × the best level's latency (Argus §5; the simulator's default)
+
+
+class CallCancel:
+    """Set when one call's client goes away (a gRPC cancel, an HTTP disconnect); cancels the
+    worker call in flight then, or at once when it starts later. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._target: Callable[[], object] | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            target, self._target = self._target, None
+        if target is not None:
+            target()
+
+    def attach(self, target: Callable[[], object] | None) -> None:
+        """Cancel ``target`` (a worker call's ``cancel``) when this call is cancelled; None
+        detaches. A call already cancelled cancels the target at once."""
+        with self._lock:
+            if not self._cancelled:
+                self._target = target
+                return
+        if target is not None:
+            target()
+
+    def check(self) -> None:
+        if self._cancelled:
+            raise RouterError(Refusal.CANCELLED, "the client cancelled the request")
+
+
+class WorkerError(Exception):
+    """A worker call that failed: ``kind`` as the worker's status says, ``details`` its text
+    (the core names the worker in front of it)."""
+
+    def __init__(self, kind: Refusal, details: str) -> None:
+        super().__init__(details)
+        self.kind = kind
+        self.details = details
+
+
+class WorkerTransport(Protocol):
+    """How the core calls workers (:class:`~argus.router.worker_calls.GrpcWorkers` over gRPC;
+    tests may pass fakes)."""
+
+    def generate(
+        self,
+        address: str,
+        call: WorkerCall,
+        *,
+        timeout_s: float,
+        cancel: CallCancel,
+        progress: ProgressSink | None,
+    ) -> WorkerReply:
+        """The worker's reply, within ``timeout_s``; raises :class:`WorkerError`. With
+        ``progress``, the worker's events are passed to it as they come. The call is attached
+        to ``cancel`` while it runs (and detached before returning)."""
+        ...
+
+    def keep_only(self, addresses: set[str]) -> None:
+        """The plan now names only these workers (connections to others may be released)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class PromptLevels(Protocol):
+    """The classifier as the router uses it (``PromptClassifier`` implements it)."""
+
+    def classify(
+        self, prompt: str | bytes, timeout: float | None = None
+    ) -> dict[Strategy, int]: ...
+
+
+@dataclass(frozen=True)
+class RouterServiceConfig:
+    """How one router process serves requests."""
+
+    router_id: str = defaults.ROUTER_ID
+    """Stable id in the allocator's reports."""
+
+    default_deadline_ms: int = defaults.DEFAULT_DEADLINE_MS
+    """Deadline of requests that set none, milliseconds."""
+
+    max_in_flight: int = defaults.MAX_IN_FLIGHT
+    """Requests served at once; more are refused as OVERLOADED (bounded memory)."""
+
+    id_window_s: float = 300.0
+    """Seconds a finished request id is remembered for retries."""
+
+    max_ids: int = 4096
+    """Request ids remembered at most (finished ones are dropped oldest first)."""
+
+    max_id_bytes: int = defaults.MAX_ID_BYTES
+    """Bytes of finished answers kept for retries (about their serialized size), oldest
+    dropped first; a retry whose answer was dropped is ANSWER_DROPPED naming its id, never run
+    twice."""
+
+    down_for_s: float = 5.0
+    """Seconds a worker that failed with UNAVAILABLE is routed around."""
+
+    max_attempts: int = 3
+    """Workers tried per request."""
+
+    slo_s: float | None = None
+    """Latency objective of the SLO-violation count; None: 3 × the best level's latency."""
+
+    limits: ImageLimits = field(default_factory=ImageLimits)
+    """Largest image accepted (the workers' limits)."""
+
+    routing: RouterConfig = field(default_factory=RouterConfig)
+
+    admission: AdmissionRule = field(default_factory=AdmissionRule)
+    """How sure the predicted completion must be to admit a request (the simulator's rule)."""
+
+    max_cost: float | None = None
+    """Largest request accepted, in reference requests of the profile (pixels × steps over the
+    reference's; 80 for 2048 × 2048 at 1000 steps against 1024 × 1024 at 50); None: no cap."""
+
+    default_steps: int | None = None
+    """The workers' default steps (``argus worker --default-steps``): a request without
+    ``steps`` runs that many, so no level may skip as many. None: not known, not capped."""
+
+    def __post_init__(self) -> None:
+        if self.max_cost is not None and not (math.isfinite(self.max_cost) and self.max_cost > 0):
+            raise ValueError(f"max_cost: must be a finite number > 0, got {self.max_cost}")
+        for name in ("default_deadline_ms", "max_in_flight", "max_ids", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.id_window_s < 0.0 or self.down_for_s < 0.0:
+            raise ValueError("id_window_s, down_for_s: must be >= 0")
+        if self.max_id_bytes < 0:
+            raise ValueError(f"max_id_bytes: must be >= 0, got {self.max_id_bytes}")
+        if self.slo_s is not None and not self.slo_s > 0.0:
+            raise ValueError(f"slo_s: must be > 0, got {self.slo_s}")
+
+    def slo_for(self, profiles: ProfileSet) -> float:
+        """The SLO in seconds: ``slo_s``, or 3 × the best level's latency on the profile's
+        first worker class (the simulator's rule, so live and simulated reports agree)."""
+        if self.slo_s is not None:
+            return self.slo_s
+        return SLO_FACTOR * profiles.best_latency_s(profiles.worker_classes[0])
+
+
+@dataclass(frozen=True)
+class Classified:
+    """A prompt's levels per strategy, for the allocator's affinity histogram H."""
+
+    at_s: float
+    levels: Mapping[Strategy, int]
+
+
+# -- checks --------------------------------------------------------------------------------
+
+
+def check_request(request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS) -> None:
+    """Raise RouterError(INVALID) naming the first bad field; return otherwise.
+
+    Prompts, image size and sampling are checked by the rules the workers apply
+    (:mod:`argus.request_limits`); a worker's defaults fill absent (None) fields.
+    """
+    try:
+        if len(request.request_id) > MAX_ID_CHARS:
+            raise InvalidRequestError(
+                "request_id", f"at most {MAX_ID_CHARS} characters, got {len(request.request_id)}"
+            )
+        check_prompts(request.prompt, request.negative_prompt)
+        check_image(request.width, request.height, limits)
+        check_sampling(request.steps, request.guidance_scale, request.seed)
+        if request.deadline_ms is not None and request.deadline_ms <= 0:
+            raise InvalidRequestError("deadline_ms", "must be > 0")
+        for name in ("max_level_index", "previews"):  # unsigned on the wire
+            value = getattr(request, name)
+            if value is not None and value < 0:
+                raise InvalidRequestError(name, f"must be >= 0, got {value}")
+        for i, adapter in enumerate(request.adapters):
+            if adapter.kind is None or not adapter.name:
+                raise InvalidRequestError(f"adapters[{i}]", "needs a kind and a name")
+    except InvalidRequestError as err:
+        raise RouterError(Refusal.INVALID, str(err)) from None
+
+
+def fingerprint(request: RouterRequest) -> bytes:
+    """What must match for a retried request id to be the same request: a digest of every
+    field but ``deadline_ms`` (a retry may carry a shorter deadline). A digest, because the
+    ledger keeps one per id for minutes and a request may carry an image."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in _identity(request):
+        data = part if isinstance(part, bytes) else repr(part).encode()
+        digest.update(len(data).to_bytes(8, "big"))  # lengths keep the parts apart
+        digest.update(data)
+    return digest.digest()
+
+
+def _identity(request: RouterRequest) -> Iterator[object]:
+    r = request
+    yield from (r.request_id, r.prompt, r.negative_prompt, r.seed, r.width, r.height, r.steps)
+    yield from (r.guidance_scale, r.max_level_index, r.previews, len(r.adapters))
+    for adapter in r.adapters:
+        kind = None if adapter.kind is None else adapter.kind.value
+        yield from (kind, adapter.name, adapter.scale, adapter.control_image)
+
+
+def worker_call(request: RouterRequest, level: str, *, previews: bool) -> WorkerCall:
+    """The worker's call for ``request`` served at ``level``; ``previews``: the call streams
+    (previews are only sent on a stream)."""
+    return WorkerCall(
+        prompt=request.prompt,
+        level=level,
+        negative_prompt=request.negative_prompt,
+        seed=request.seed,
+        width=request.width,
+        height=request.height,
+        steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        adapters=request.adapters,
+        request_id=request.request_id,
+        previews=request.previews if previews else 0,
+    )
+
+
+# -- the core ------------------------------------------------------------------------------
+
+
+class RouterCore:
+    """Serves requests on the latest installed plan, calling workers through ``workers``;
+    thread-safe."""
+
+    def __init__(
+        self,
+        profiles: ProfileSet,
+        classifier: PromptLevels,
+        config: RouterServiceConfig,
+        *,
+        workers: WorkerTransport,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        metrics: RouterMetrics | None = None,
+        drift: RouterDrift | None = None,
+    ) -> None:
+        self.profiles = profiles
+        self.classifier = classifier
+        self.drift = drift  # takes the quality scores workers send on their replies
+        self.config = config
+        self.slo_s = config.slo_for(profiles)
+        self.metrics = metrics
+        self._clock = clock
+        self._router = PlanRouter(profiles, rng or random.Random(0), config.routing)
+        self._workers = workers
+        self._lock = threading.Lock()  # router, queues, down, addresses, observations
+        self._addresses: dict[str, str] = {}
+        self._queues: dict[str, int] = {}
+        self._head_started: dict[str, float] = {}  # when each worker began its current request
+        self._down_until: dict[str, float] = {}
+        self._plan_version = 0
+        self._in_flight = threading.BoundedSemaphore(config.max_in_flight)
+        self._ledger: RequestLedger[RouterReply] = RequestLedger(
+            clock,
+            window_s=config.id_window_s,
+            max_entries=config.max_ids,
+            max_bytes=config.max_id_bytes,
+            size_of=RouterReply.size_bytes,
+            on_evict=metrics.ids_evicted.inc if metrics is not None else None,
+        )
+        self._arrivals: list[float] = []
+        self._classified: list[Classified] = []
+        self._serving = 0
+        self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
+        self._worker_levels: dict[str, tuple[int, str]] = {}  # worker → (level index, class)
+        self._classifying = 0  # requests admitted early and not yet routed
+        self._models = {level.name: level.model for level in profiles.levels}
+        self.worker_calls = 0  # Generate calls sent to workers (tests, metrics)
+        if metrics is not None:
+            metrics.in_flight.set_function(lambda: self._serving)
+
+    def close(self) -> None:
+        """Release the worker connections (after the server stopped)."""
+        self._workers.close()
+
+    def has_plan(self) -> bool:
+        with self._lock:
+            return self._router.plan is not None
+
+    def can_serve(self) -> bool:
+        """A plan is installed and names at least one worker (workers join the allocator only
+        once ready, so this is "some worker can take a request"); health reports this."""
+        with self._lock:
+            return self._router.plan is not None and bool(self._addresses)
+
+    def now(self) -> float:
+        """The core's clock (the servicer turns gRPC deadlines into clock times with it)."""
+        return self._clock()
+
+    # plans -------------------------------------------------------------------------------
+
+    def install(self, published: PublishedPlan) -> bool:
+        """Follow ``published`` from now on (``PlanWatcher``'s ``on_plan``). A plan this router
+        cannot route on (a worker class missing from its profile) is refused and logged: the
+        previous plan stays; returns whether it was installed."""
+        with self._lock:
+            try:
+                self._router.install(published.plan, published.worker_classes(), self._clock())
+            except KeyError as err:
+                log.error("plan %d refused: %s", published.version, err)
+                return False
+            self._addresses = {w.worker_id: w.address for w in published.workers}
+            levels = published.plan.allocation.levels
+            classes = published.worker_classes()
+            self._worker_levels = {
+                w: (levels.index(level), classes[w])
+                for w, level in published.plan.allocation.assignment.items()
+            }
+            self._queues = {w: self._queues.get(w, 0) for w in self._addresses}
+            self._head_started = {
+                w: t for w, t in self._head_started.items() if w in self._addresses
+            }
+            self._down_until = {w: t for w, t in self._down_until.items() if w in self._addresses}
+            self._plan_version = published.version
+            queues = dict(self._queues)
+        self._workers.keep_only(set(self._addresses.values()))
+        if self.metrics is not None:
+            self.metrics.observe_plan(published.version, published.plan.strategy, queues)
+        return True
+
+    # statistics for the allocator ---------------------------------------------------------
+
+    def take_statistics(self) -> tuple[list[float], list[Classified], bool]:
+        """Arrivals and classifications since the last call, and whether to re-plan early."""
+        with self._lock:
+            arrivals, self._arrivals = self._arrivals, []
+            classified, self._classified = self._classified, []
+            now = self._clock()
+            wants = self._router.plan is not None and self._router.wants_replan(
+                now, self._queues, self._down(now)
+            )
+        return arrivals, classified, wants
+
+    # requests ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        request: RouterRequest,
+        deadline_s: float | None = None,
+        *,
+        progress: ProgressSink | None = None,
+        cancel: CallCancel | None = None,
+    ) -> RouterReply:
+        """Serve one request; RouterError says why it was not served.
+
+        ``deadline_s`` is the caller's own deadline as a clock time, when it has one (a gRPC
+        deadline); ``progress`` receives the ROUTED event and then the worker's events;
+        ``cancel`` is set when the caller goes away.
+        """
+        arrived = self._clock()
+        call = _Call(progress, cancel or CallCancel())
+        try:
+            return self._generate(request, arrived, deadline_s, call)
+        except RouterError as err:
+            if self.metrics is not None:
+                self.metrics.requests.labels(err.kind.status_name).inc()
+            raise
+
+    def _generate(
+        self, request: RouterRequest, arrived: float, deadline_s: float | None, call: _Call
+    ) -> RouterReply:
+        check_request(request, self.config.limits)
+        cost = self._price(request)
+        deadline = arrived + (request.deadline_ms or self.config.default_deadline_ms) / 1e3
+        if deadline_s is not None:
+            deadline = min(deadline, deadline_s)
+        if not request.request_id:
+            return self._serve(request, arrived, deadline, cost, call)
+        try:
+            future, owner = self._ledger.claim(request.request_id, fingerprint(request))
+        except IdConflictError as err:
+            raise RouterError(Refusal.ID_CONFLICT, str(err)) from None
+        except AnswerDroppedError as err:
+            raise RouterError(Refusal.ANSWER_DROPPED, str(err)) from None
+        except LedgerFullError as err:
+            self._rejected("ids")
+            raise RouterError(Refusal.OVERLOADED, str(err), 1.0) from None
+        if not owner:
+            return self._join(future, deadline)
+        try:
+            response = self._serve(request, arrived, deadline, cost, call)
+        except BaseException as err:
+            self._ledger.fail(request.request_id, err)
+            raise
+        self._ledger.finish(request.request_id, response)
+        return response
+
+    def _join(self, future: Future[RouterReply], deadline: float) -> RouterReply:
+        try:
+            return future.result(timeout=max(0.0, deadline - self._clock()))
+        except TimeoutError:
+            raise RouterError(
+                Refusal.DEADLINE, "the first call with this id is still running"
+            ) from None
+
+    def _price(self, request: RouterRequest) -> float:
+        """The request's cost in reference requests; INVALID above ``max_cost``."""
+        ref = self.profiles.reference
+        cost = request_cost(request.width, request.height, request.steps, ref)
+        cap = self.config.max_cost
+        if cap is not None and cost > cap:
+            raise RouterError(
+                Refusal.INVALID,
+                f"width, height, steps: {_size(request)} costs {cost:.3g} reference requests "
+                f"({ref.width}×{ref.height}, {ref.steps} steps); this deployment accepts at "
+                f"most {cap:.3g}",
+            )
+        return cost
+
+    def _serve(
+        self, request: RouterRequest, arrived: float, deadline: float, cost: float, call: _Call
+    ) -> RouterReply:
+        if not self._in_flight.acquire(blocking=False):
+            self._rejected("busy")
+            raise RouterError(
+                Refusal.OVERLOADED,
+                f"router busy: {self.config.max_in_flight} requests in flight",
+                0.1,
+            )
+        with self._lock:
+            self._serving += 1
+        try:
+            return self._classify_route_forward(request, arrived, deadline, cost, call)
+        finally:
+            with self._lock:
+                self._serving -= 1
+            self._in_flight.release()
+
+    def _classify(self, prompt: str, deadline: float) -> Mapping[Strategy, int]:
+        """The prompt's levels; classifier failures become refusals."""
+        try:
+            return self.classifier.classify(prompt, timeout=max(0.001, deadline - self._clock()))
+        except InvalidPromptError as err:
+            raise RouterError(Refusal.INVALID, f"prompt: {err}") from None
+        except TimeoutError:
+            raise RouterError(Refusal.DEADLINE, "deadline passed while classifying") from None
+        except BatcherFull as err:
+            self._rejected("busy")
+            raise RouterError(Refusal.OVERLOADED, str(err), 0.1) from None
+        except BatcherClosed:
+            raise RouterError(Refusal.UNAVAILABLE, "router shutting down", 1.0) from None
+
+    def _admit_early(
+        self, request: RouterRequest, arrived: float, deadline: float, cost: float
+    ) -> None:
+        """Refuse, before the classifier sees the prompt, a request that cannot finish by
+        ``deadline`` on any live worker at the cheapest level it may be served at; otherwise
+        count it among the requests being classified (the caller uncounts it)."""
+        backlog = getattr(self.classifier, "backlog_s", None)
+        classifier_s = backlog() if backlog is not None else 0.0
+        with self._lock:
+            self._arrivals.append(arrived)  # refused or not, it is load the allocator plans for
+            plan = self._router.plan
+            if plan is None:
+                raise RouterError(Refusal.UNAVAILABLE, "no plan yet", 1.0)
+            cap = self._level_cap(plan.strategy, request)
+            now = self._clock()
+            loads = self._loads(cap, cost, now)
+            if not loads:
+                raise RouterError(Refusal.UNAVAILABLE, "no live worker left", 1.0)
+            loaded, idle = earliest_completion_s(self.config.admission, loads, self._classifying)
+            budget = deadline - now
+            if idle > budget:
+                self._rejected("deadline")
+                raise RouterError(
+                    Refusal.DEADLINE,
+                    f"width, height, steps, deadline_ms: {_size(request)} ({cost:.3g} reference "
+                    f"requests) takes {idle * 1e3:.0f} ms on an idle worker, more than the "
+                    f"{budget * 1e3:.0f} ms left",
+                )
+            verdict = admit(loaded + classifier_s, budget)
+            if not verdict.admitted:
+                self._rejected("deadline")
+                raise RouterError(
+                    Refusal.OVERLOADED,
+                    f"deadline: the earliest completion is {verdict.predicted_s * 1e3:.0f} ms "
+                    f"away (classifier backlog {classifier_s * 1e3:.0f} ms), more than the "
+                    f"{verdict.budget_s * 1e3:.0f} ms left",
+                    verdict.retry_after_s,
+                )
+            self._classifying += 1
+
+    def _loads(self, cap: int | None, cost: float, now: float) -> list[WorkerLoad]:
+        """The live workers that may serve a request capped at level ``cap``, each with the
+        request's service time at the cheapest level it can serve it at. Under the lock."""
+        down = self._down(now)
+        loads = []
+        for worker, (index, worker_class) in self._worker_levels.items():
+            if worker in down:
+                continue
+            if cap is not None and index > cap:
+                if self._model_of(index) != self._model_of(cap):
+                    continue
+                index = cap  # it runs the capped level on the same model (see _route_capped)
+            latency = self.profiles.profile(worker_class, self._router.level_name(index)).latency_s
+            queue = self._queues.get(worker, 0)
+            elapsed = now - self._head_started.get(worker, now)
+            loads.append(WorkerLoad(queue, latency * cost, elapsed))
+        return loads
+
+    def _level_cap(self, strategy: Strategy, request: RouterRequest) -> int | None:
+        """The highest level index ``request`` may be served at: its ``max_level_index`` and
+        the levels that skip fewer steps than it runs; None when any level may serve it."""
+        max_level = request.max_level_index
+        steps = request.steps if request.steps is not None else self.config.default_steps
+        if steps is None:  # neither the request nor the workers' default is known
+            return max_level
+        runnable = self._runnable[strategy](steps)
+        if runnable < 0:
+            raise RouterError(
+                Refusal.INVALID,
+                f"steps: {steps} leaves no level of {strategy.value} runnable",
+            )
+        return runnable if max_level is None else min(max_level, runnable)
+
+    def _classify_route_forward(
+        self, request: RouterRequest, arrived: float, deadline: float, cost: float, call: _Call
+    ) -> RouterReply:
+        self._admit_early(request, arrived, deadline, cost)
+        try:
+            levels = self._classify(request.prompt, deadline)
+        finally:
+            with self._lock:
+                self._classifying -= 1
+        classified_at = self._clock()
+        if self.metrics is not None:
+            self.metrics.classify.observe(classified_at - arrived)
+        with self._lock:
+            self._classified.append(Classified(classified_at, dict(levels)))
+        tried: set[str] = set()
+        admitted = False
+        try:
+            for attempt in range(1, self.config.max_attempts + 1):
+                decision, strategy, address = self._route(levels, deadline, tried, request, cost)
+                admitted = True
+                routed_at = self._clock()
+                call.routed(decision, self._router.level_name, routed_at - arrived)
+                try:
+                    reply = self._forward(request, decision, address, deadline, call)
+                except RouterError as err:
+                    if err.kind is not Refusal.UNAVAILABLE:
+                        raise
+                    if attempt == self.config.max_attempts:
+                        raise
+                    tried.add(decision.worker_id)
+                    if self.metrics is not None:
+                        self.metrics.retries.inc()
+                    continue
+                done = self._clock()
+                return self._response(
+                    request, reply, decision, strategy, attempt,
+                    (arrived, classified_at, routed_at, done),
+                )  # fmt: skip
+        except RouterError as err:
+            if admitted and err.kind not in CALLER_ERRORS and self.metrics is not None:
+                self.metrics.slo_violations.inc()  # admitted, then not served
+            raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _route(
+        self,
+        levels: Mapping[Strategy, int],
+        deadline: float,
+        tried: set[str],
+        request: RouterRequest,
+        cost: float,
+    ) -> tuple[RouteDecision, Strategy, str]:
+        """Route and admit under the lock; the chosen worker's queue counts this request.
+
+        Levels that skip as many steps as the request runs (K ≥ N) are never chosen; the
+        chosen level's latency is scaled by the request's ``cost``."""
+        with self._lock:
+            plan = self._router.plan
+            if plan is None:
+                raise RouterError(Refusal.UNAVAILABLE, "no plan yet", 1.0)
+            max_level = self._level_cap(plan.strategy, request)
+            now = self._clock()
+            down = self._down(now) | tried
+            decision = self._route_capped(levels.get(plan.strategy, 0), down, max_level)
+            if decision.worker_id in down:
+                raise RouterError(Refusal.UNAVAILABLE, "no live worker left", 1.0)
+            worker = decision.worker_id
+            queue = self._queues.get(worker, 0)
+            t_proc = cost * decision.score / (queue + 1)  # the score is (queue + 1) × t_proc
+            elapsed = now - self._head_started.get(worker, now)
+            predicted = self.config.admission.completion_s(queue, t_proc, elapsed)
+            verdict = admit(predicted, deadline - now)
+            if not verdict.admitted:
+                if not tried:
+                    self._rejected("deadline")
+                raise RouterError(
+                    Refusal.OVERLOADED,
+                    f"deadline: predicted {verdict.predicted_s * 1e3:.0f} ms exceeds the "
+                    f"{verdict.budget_s * 1e3:.0f} ms left",
+                    verdict.retry_after_s,
+                )
+            if queue == 0:
+                self._head_started[worker] = now
+            self._queues[worker] = queue + 1
+            return decision, plan.strategy, self._addresses[worker]
+
+    def _forward(
+        self,
+        request: RouterRequest,
+        decision: RouteDecision,
+        address: str,
+        deadline: float,
+        call: _Call,
+    ) -> WorkerReply:
+        level = self._router.level_name(decision.served_level)
+        work = worker_call(request, level, previews=call.progress is not None)
+        with self._lock:
+            self.worker_calls += 1
+        try:
+            call.cancel.check()  # the client left while the request was classified or routed
+            return self._workers.generate(
+                address,
+                work,
+                timeout_s=max(0.001, deadline - self._clock()),
+                cancel=call.cancel,
+                progress=call.progress,
+            )
+        except WorkerError as err:
+            if err.kind is Refusal.UNAVAILABLE:
+                with self._lock:
+                    self._down_until[decision.worker_id] = self._clock() + self.config.down_for_s
+            if err.kind is Refusal.CANCELLED and call.cancel.cancelled:
+                raise RouterError(err.kind, "the client cancelled the request") from None
+            raise RouterError(err.kind, f"worker {decision.worker_id}: {err.details}") from None
+        finally:
+            call.cancel.attach(None)
+            with self._lock:
+                if self._queues.get(decision.worker_id, 0) > 0:
+                    self._queues[decision.worker_id] -= 1
+                    # a worker serves in order: the next request started as this one ended
+                    self._head_started[decision.worker_id] = self._clock()
+
+    def _route_capped(self, optimal: int, down: set[str], cap: int | None) -> RouteDecision:
+        """Route with no level above ``cap``. When no live worker serves such a level, a worker
+        whose model also runs the capped level serves it there (AC levels share one model:
+        an ac-k25 worker runs ac-k0 for a request of 4 steps); otherwise UNAVAILABLE."""
+        try:
+            return self._router.route(optimal, self._queues, down, cap)
+        except NoLiveWorkerError as err:
+            if cap is None:
+                raise RouterError(Refusal.UNAVAILABLE, str(err), 1.0) from None
+            try:
+                decision = self._router.route(optimal, self._queues, down)
+            except NoLiveWorkerError:
+                raise RouterError(Refusal.UNAVAILABLE, str(err), 1.0) from None
+        if decision.served_level <= cap:
+            return decision
+        model = self._model_of
+        if model(decision.served_level) == model(cap):
+            return replace(decision, served_level=cap, fallback=True)
+        raise RouterError(
+            Refusal.UNAVAILABLE,
+            f"no live worker can serve level index {cap} or slower now",
+            1.0,
+        )
+
+    def _model_of(self, index: int) -> str:
+        return self._models[self._router.level_name(index)]
+
+    def _down(self, now: float) -> set[str]:
+        return {w for w, until in self._down_until.items() if until > now}
+
+    def _rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(reason).inc()
+
+    def _response(
+        self,
+        request: RouterRequest,
+        reply: WorkerReply,
+        decision: RouteDecision,
+        strategy: Strategy,
+        attempts: int,
+        marks: tuple[float, float, float, float],
+    ) -> RouterReply:
+        arrived, classified_at, routed_at, done = marks
+        names = self._router.level_name
+        if self.drift is not None and reply.scores:
+            self.drift.observe(reply.scores)
+        level = reply.level or names(decision.served_level)
+        if self.metrics is not None:
+            self.metrics.observe_served(
+                level,
+                strategy,
+                names(decision.optimal_level),
+                done - arrived,
+                reply.timing.total_ms / 1e3,
+                late=done - arrived > self.slo_s,
+            )
+        return RouterReply(
+            request_id=request.request_id,
+            png=reply.png,
+            level=level,
+            level_index=decision.served_level,
+            strategy=strategy,
+            worker_id=reply.worker_id or decision.worker_id,
+            classified_level=names(decision.optimal_level),
+            target_level=names(decision.target_level),
+            plan_version=self._plan_version,
+            timing=RouterTiming(
+                classify_ms=(classified_at - arrived) * 1e3,
+                route_ms=(routed_at - classified_at) * 1e3,
+                forward_ms=(done - routed_at) * 1e3,
+                total_ms=(done - arrived) * 1e3,
+                worker=reply.timing,
+                attempts=attempts,
+            ),
+            # other requests' prompts in the scores: for the drift monitor only
+            worker_response=replace(reply, png=b"", scores=()),
+        )
+
+
+@dataclass
+class _Call:
+    """What one caller of :meth:`RouterCore.generate` listens with."""
+
+    progress: ProgressSink | None
+    cancel: CallCancel
+
+    def routed(
+        self, decision: RouteDecision, names: Callable[[int], str], elapsed_s: float
+    ) -> None:
+        if self.progress is not None:
+            self.progress(
+                Progress(
+                    stage=Stage.ROUTED,
+                    level=names(decision.served_level),
+                    worker_id=decision.worker_id,
+                    elapsed_ms=elapsed_s * 1e3,
+                )
+            )
+
+
+def _size(request: RouterRequest) -> str:
+    """The request's size for messages, "W×H, N steps" ("default" for a field it left to the
+    worker)."""
+
+    def shown(value: int | None) -> str:
+        return "default" if value is None else str(value)
+
+    return f"{shown(request.width)}×{shown(request.height)}, {shown(request.steps)} steps"
+
+
+def _runnable_levels(profiles: ProfileSet, strategy: Strategy) -> Callable[[int], int]:
+    """For N steps, the highest index of ``strategy``'s levels that skips fewer than N (K < N);
+    -1 when none does. Levels are slowest first, so K grows with the index."""
+    skips = [level.skip_steps for level in profiles.levels_for(strategy)]
+
+    def highest(steps: int) -> int:
+        return max((i for i, k in enumerate(skips) if k < steps), default=-1)
+
+    return highest

@@ -1,0 +1,161 @@
+"""The router's calls to workers over gRPC: :class:`GrpcWorkers`, the core's
+:class:`~argus.router.core.WorkerTransport`.
+
+It keeps one channel per worker address (:class:`WorkerChannels`), converts the core's
+:class:`~argus.router.values.WorkerCall` to a ``GenerateRequest`` and the worker's answer and
+progress back (:mod:`argus.router.convert`), passes the call's cancel on to the gRPC call,
+turns a failed call's status into a :class:`~argus.router.core.WorkerError`, and refuses an
+image of another size than the call asked for (:func:`check_reply_size`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from argus import rpc
+from argus.grpc_server import reconnect_options
+from argus.router import convert
+from argus.router.core import CallCancel, ProgressSink, WorkerError
+from argus.router.values import Refusal, WorkerCall, WorkerReply
+
+worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
+
+log = logging.getLogger(__name__)
+
+
+def _worker_channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=reconnect_options())
+
+
+class WorkerChannels:
+    """One gRPC channel per worker address, reused across requests.
+
+    A channel dropped from the plan is closed only ``grace_s`` later: closing a gRPC channel
+    cancels the calls on it, and a worker that left a plan (or was restarted at the same
+    address and rejoins) may still be serving requests the router sent it, which would
+    otherwise fail as CANCELLED although nobody cancelled them.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[str], grpc.Channel] | None = None,
+        *,
+        grace_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._factory = factory or _worker_channel
+        self._grace_s = grace_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stubs: dict[str, tuple[grpc.Channel, Any]] = {}
+        self._retired: list[tuple[float, grpc.Channel]] = []  # (close at, channel)
+
+    def stub(self, address: str) -> Any:
+        with self._lock:
+            found = self._stubs.get(address)
+            if found is None:
+                channel = self._factory(address)
+                found = (channel, worker_pb2_grpc.WorkerStub(channel))
+                self._stubs[address] = found
+            return found[1]
+
+    def keep_only(self, addresses: set[str]) -> None:
+        """Retire the channels of addresses not in ``addresses``; close retired channels
+        whose grace has passed."""
+        now = self._clock()
+        with self._lock:
+            gone = [a for a in self._stubs if a not in addresses]
+            self._retired += [(now + self._grace_s, self._stubs.pop(a)[0]) for a in gone]
+            due = [channel for at, channel in self._retired if at <= now]
+            self._retired = [(at, channel) for at, channel in self._retired if at > now]
+        for channel in due:
+            channel.close()
+
+    def close(self) -> None:
+        """Close every channel now (the router is stopping)."""
+        with self._lock:
+            channels = [channel for channel, _ in self._stubs.values()]
+            channels += [channel for _, channel in self._retired]
+            self._stubs.clear()
+            self._retired.clear()
+        for channel in channels:
+            channel.close()
+
+
+class GrpcWorkers:
+    """Calls workers' ``Generate`` (``GenerateStream`` when progress is wanted) on
+    ``channels`` (default: plaintext channels)."""
+
+    def __init__(self, channels: WorkerChannels | None = None) -> None:
+        self.channels = channels or WorkerChannels()
+
+    def generate(
+        self,
+        address: str,
+        call: WorkerCall,
+        *,
+        timeout_s: float,
+        cancel: CallCancel,
+        progress: ProgressSink | None,
+    ) -> WorkerReply:
+        message = convert.worker_call_to_pb(call)
+        stub = self.channels.stub(address)
+        try:
+            if progress is None:
+                future = stub.Generate.future(message, timeout=timeout_s)
+                cancel.attach(future.cancel)
+                reply = future.result()
+            else:
+                events = stub.GenerateStream(message, timeout=timeout_s)
+                cancel.attach(events.cancel)
+                reply = _stream_reply(events, progress)
+        except grpc.RpcError as err:
+            raise WorkerError(convert.refusal_of(err.code()), err.details() or "") from None
+        except grpc.FutureCancelledError:
+            raise WorkerError(Refusal.CANCELLED, "the client cancelled the request") from None
+        finally:
+            cancel.attach(None)
+        answer = convert.worker_reply_from_pb(reply)
+        check_reply_size(call, answer, address)
+        return answer
+
+    def keep_only(self, addresses: set[str]) -> None:
+        self.channels.keep_only(addresses)
+
+    def close(self) -> None:
+        self.channels.close()
+
+
+def _stream_reply(events: Any, progress: ProgressSink) -> Any:
+    """The worker's response at the end of its GenerateStream, its progress passed on."""
+    for event in events:
+        if event.WhichOneof("event") == "response":
+            return event.response
+        progress(convert.progress_from_pb(event.progress))
+    raise WorkerError(Refusal.FAILED, "its stream ended without an image")
+
+
+def check_reply_size(call: WorkerCall, reply: WorkerReply, address: str) -> None:
+    """WorkerError (FAILED) when the worker's PNG is not the width × height the call asked
+    for: a faulty or rogue worker's bytes are not passed on. A size the call left to the
+    worker's default is not checked."""
+    asked = (call.width, call.height)
+    if asked == (None, None):
+        return
+    png = reply.png
+    got: tuple[int, int] | None = None  # PNG: signature, then IHDR's big-endian width, height
+    if png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and len(png) >= 24:
+        got = (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big"))
+    if got is None or any(a not in (None, g) for a, g in zip(asked, got, strict=True)):
+        shown = "x".join("*" if v is None else str(v) for v in asked)
+        found = "no PNG" if got is None else f"{got[0]}x{got[1]}"
+        log.warning("worker at %s returned %s for a %s request", address, found, shown)
+        raise WorkerError(
+            Refusal.FAILED, f"returned {found}, not the {shown} image asked for; refused"
+        )

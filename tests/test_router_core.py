@@ -1,0 +1,194 @@
+"""The router's core on typed values (argus.router.core), driven without gRPC: it loads
+neither grpc nor a protobuf module, and it serves through any WorkerTransport (here a fake
+that answers from a script), with its refusals typed and counted under gRPC's status names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from argus.allocator.control import AllocatorControl, ControlConfig
+from argus.contracts.workers import WorkerReport
+from argus.router.core import (
+    CallCancel,
+    ProgressSink,
+    RouterCore,
+    RouterServiceConfig,
+    WorkerError,
+)
+from argus.router.metrics import RouterMetrics
+from argus.router.values import (
+    Progress,
+    Refusal,
+    RouterError,
+    RouterRequest,
+    Stage,
+    WorkerCall,
+    WorkerReply,
+)
+from tests.router_cluster import PROFILES, FakeClock, StubClassifier
+
+PNG = b"\x89PNG\r\n\x1a\nfake"
+
+Answer = Callable[[WorkerCall, ProgressSink | None], WorkerReply]
+
+
+def test_the_core_imports_neither_grpc_nor_protobuf_messages() -> None:
+    code = (
+        "import sys, argus.router.core\n"
+        "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.')"
+        " or m.endswith('_pb2') or m.endswith('_pb2_grpc'))\n"
+        "print(','.join(bad))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "", f"argus.router.core loaded {done.stdout.strip()}"
+
+
+def served(call: WorkerCall, progress: ProgressSink | None) -> WorkerReply:
+    if progress is not None:
+        progress(Progress(Stage.QUEUED, queue_position=0))
+        progress(Progress(Stage.STEP, step=1, total_steps=2, preview_png=b"p"))
+    return WorkerReply(request_id=call.request_id, png=PNG, level=call.level, worker_id="")
+
+
+class FakeWorkers:
+    """A WorkerTransport whose workers answer by ``answers[address]``; calls are recorded."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, Answer] = {}
+        self.calls: list[tuple[str, WorkerCall]] = []
+
+    def generate(
+        self,
+        address: str,
+        call: WorkerCall,
+        *,
+        timeout_s: float,
+        cancel: CallCancel,
+        progress: ProgressSink | None,
+    ) -> WorkerReply:
+        assert timeout_s > 0.0
+        self.calls.append((address, call))
+        return self.answers.get(address, served)(call, progress)
+
+    def keep_only(self, addresses: set[str]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def fails(kind: Refusal, details: str) -> Answer:
+    def answer(call: WorkerCall, progress: ProgressSink | None) -> WorkerReply:
+        raise WorkerError(kind, details)
+
+    return answer
+
+
+def make_core(
+    workers: FakeWorkers, ids: tuple[str, ...], metrics: RouterMetrics | None = None
+) -> RouterCore:
+    """A core on the plan an allocator control makes for workers ``ids`` at ``ID:1``."""
+    clock = FakeClock()
+    control = AllocatorControl(
+        PROFILES, ControlConfig(period_s=60.0, heartbeat_s=1.0), clock=clock, epoch="test"
+    )
+    for worker_id in ids:
+        control.heartbeat(WorkerReport(worker_id, f"{worker_id}:1", PROFILES.worker_classes[0]))
+    core = RouterCore(
+        PROFILES,
+        StubClassifier(),
+        RouterServiceConfig(),
+        workers=workers,
+        clock=clock,
+        metrics=metrics,
+    )
+    assert core.install(control.current)
+    return core
+
+
+def test_a_request_is_served_with_the_workers_answer_typed() -> None:
+    workers = FakeWorkers()
+    core = make_core(workers, ("w1",))
+    reply = core.generate(RouterRequest(prompt="a fox", request_id="r1", width=64, height=64))
+    assert reply.png == PNG and reply.request_id == "r1"
+    assert reply.worker_id == "w1" and reply.timing.attempts == 1
+    assert reply.worker_response.png == b""  # the image travels once
+    address, call = workers.calls[0]
+    assert address == "w1:1" and (call.width, call.height, call.level) == (64, 64, reply.level)
+    assert call.previews == 0
+
+
+def test_a_stream_hears_routed_then_the_workers_events_and_asks_for_previews() -> None:
+    workers = FakeWorkers()
+    core = make_core(workers, ("w1",))
+    events: list[Progress] = []
+    reply = core.generate(RouterRequest(prompt="a fox", previews=2), progress=events.append)
+    assert [e.stage for e in events] == [Stage.ROUTED, Stage.QUEUED, Stage.STEP]
+    assert events[0].worker_id == "w1" and events[0].level == reply.level
+    assert workers.calls[0][1].previews == 2
+
+
+def test_an_unavailable_worker_is_routed_around_and_a_failure_names_the_worker() -> None:
+    workers = FakeWorkers()
+    workers.answers["w0:1"] = fails(Refusal.UNAVAILABLE, "down")
+    core = make_core(workers, ("w0", "w1"))
+    reply = core.generate(RouterRequest(prompt="a fox"))
+    assert reply.worker_id == "w1" and reply.timing.attempts == 2
+    workers.answers["w1:1"] = fails(Refusal.NOT_FOUND, "adapters[0]: no LoRA 'ink'")
+    with pytest.raises(RouterError) as caught:
+        core.generate(RouterRequest(prompt="a fox"))  # w0 is down for a while: w1 only
+    assert caught.value.kind is Refusal.NOT_FOUND
+    assert caught.value.details == "worker w1: adapters[0]: no LoRA 'ink'"
+
+
+def test_refusals_are_counted_under_the_grpc_status_names() -> None:
+    registry = CollectorRegistry()
+    workers = FakeWorkers()
+    core = make_core(workers, ("w1",), RouterMetrics(PROFILES, registry))
+    with pytest.raises(RouterError) as caught:
+        core.generate(RouterRequest(prompt="a fox", width=63))
+    assert caught.value.kind is Refusal.INVALID and caught.value.details.startswith("width:")
+    core.generate(RouterRequest(prompt="a fox", request_id="r1", seed=1))
+    with pytest.raises(RouterError) as caught:
+        core.generate(RouterRequest(prompt="a fox", request_id="r1", seed=2))
+    assert caught.value.kind is Refusal.ID_CONFLICT
+    count = registry.get_sample_value
+    assert count("argus_router_requests_total", {"code": "INVALID_ARGUMENT"}) == 1
+    assert count("argus_router_requests_total", {"code": "ALREADY_EXISTS"}) == 1
+    assert len(workers.calls) == 1
+
+
+def test_a_retry_with_a_shorter_deadline_is_the_same_request() -> None:
+    workers = FakeWorkers()
+    core = make_core(workers, ("w1",))
+    first = core.generate(RouterRequest(prompt="a fox", request_id="r1", deadline_ms=60_000))
+    again = core.generate(RouterRequest(prompt="a fox", request_id="r1", deadline_ms=30_000))
+    assert again is first and len(workers.calls) == 1
+    with pytest.raises(RouterError) as caught:
+        core.generate(RouterRequest(prompt="a fox", request_id="r1", previews=1))
+    assert caught.value.kind is Refusal.ID_CONFLICT
+
+
+def test_a_cancelled_client_is_told_so_not_blamed_on_the_worker() -> None:
+    workers = FakeWorkers()
+    cancel = CallCancel()
+
+    def cancelled(call: WorkerCall, progress: ProgressSink | None) -> WorkerReply:
+        cancel.cancel()  # the client goes away while the worker runs
+        raise WorkerError(Refusal.CANCELLED, "call ended")
+
+    workers.answers["w1:1"] = cancelled
+    core = make_core(workers, ("w1",))
+    with pytest.raises(RouterError) as caught:
+        core.generate(RouterRequest(prompt="a fox"), cancel=cancel)
+    assert (caught.value.kind, caught.value.details) == (
+        Refusal.CANCELLED,
+        "the client cancelled the request",
+    )
