@@ -96,7 +96,9 @@ EMBED_CHAR_BUDGET = 1024  # most (prompts × longest prompt's characters) per fo
 
 # The package lives at <repo>/argus, so the committed artifacts are at <repo>/classifiers.
 CLASSIFIERS_DIR = Path(__file__).resolve().parent.parent.parent / "classifiers"
-DEFAULT_CLASSIFIER = "minilm-logistic"  # committed: logistic heads on frozen all-MiniLM-L6-v2
+# committed: logistic heads on the first 2 layers of frozen all-MiniLM-L6-v2 (a student: a
+# third of the encoder's compute; classifiers/README.md); minilm-logistic has them on all 6
+DEFAULT_CLASSIFIER = "minilm-l2-logistic"
 
 
 class Backbone(enum.StrEnum):
