@@ -23,6 +23,7 @@ from argus.classifier.distill import (
     distill_student,
     save_student,
 )
+from argus.classifier.embedding_cache import EncoderIdentity
 from argus.classifier.labels import labels_from_table
 from argus.classifier.model import ArtifactError, load_artifact, read_config
 from argus.classifier.serving import default_classifier_dir, load_classifier_set
@@ -123,6 +124,9 @@ def test_student_artifact_round_trips_and_refuses_a_wrong_layer_count_or_digest(
     loaded = load_artifact(directory)
     assert loaded.config == read_config(directory)
     assert np.array_equal(loaded.predict(PROMPTS), result.classifier.predict(PROMPTS))
+    # on-disk vector caches key a student's vectors apart from the full encoder's
+    identity = EncoderIdentity.of(loaded)
+    assert identity is not None and identity.sha256 != loaded.config.encoder_sha256
 
     def edited(**fields: object) -> Path:
         copy = tmp_path / f"edit-{len(list(tmp_path.iterdir()))}" / "ac"
