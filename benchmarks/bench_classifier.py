@@ -118,7 +118,8 @@ class Timing:
         w, c = self.wall * 1e3, self.cpu * 1e3
         return (
             f"wall p50 {np.percentile(w, 50):6.1f} p99 {np.percentile(w, 99):6.1f} ms, "
-            f"cpu p50 {np.percentile(c, 50):6.1f} ms ({len(w)} samples)"
+            f"cpu p50 {np.percentile(c, 50):6.1f} p99 {np.percentile(c, 99):6.1f} ms "
+            f"({len(w)} samples)"
         )
 
     def p99_ms(self) -> float:
