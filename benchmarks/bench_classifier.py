@@ -1,10 +1,11 @@
 """Classifier speed and the choice of its encoder: 1 and 32 prompts, every variant side by side.
 
 Runs committed artifacts on PartiPrompts, each a pair of heads (AC, SM) that share one encoder
-pass: ``classifiers/minilm-l2-logistic`` (the router's default: heads fitted on the vectors of
-all-MiniLM-L6-v2's first 2 layers, a *student*), ``classifiers/minilm-logistic`` (heads on the
-whole float32 MiniLM, the default before it) and ``classifiers/minilm-logistic-int8`` (heads
-on the vectors of ONNX Runtime with int8 linear layers).
+pass: ``classifiers/minilm-l2-logistic-int8`` (the router's default: heads fitted on the
+vectors of all-MiniLM-L6-v2's first 2 layers, a *student*, run by ONNX Runtime with int8
+linear layers), ``classifiers/minilm-l2-logistic`` (the same student in float32),
+``classifiers/minilm-logistic`` (heads on the whole float32 MiniLM, the default before them)
+and ``classifiers/minilm-logistic-int8`` (the whole MiniLM in int8).
 
 1. **Variants, side by side** (``--compare``, on by default), each a pair of heads on an
    encoder runtime (torch, ONNX Runtime float32 with its fused graph, ONNX Runtime int8) with
@@ -94,6 +95,7 @@ from argus.types import Strategy
 FULL_HEADS = "minilm-logistic"
 INT8_HEADS = "minilm-logistic-int8"
 STUDENT_HEADS = "minilm-l2-logistic"
+INT8_STUDENT_HEADS = "minilm-l2-logistic-int8"
 VARIANTS = (
     ("torch", 1, 256, FULL_HEADS),
     ("onnx", 1, 256, FULL_HEADS),
@@ -103,7 +105,8 @@ VARIANTS = (
     ("onnx-int8", 1, 256, INT8_HEADS),
     ("torch", 1, 256, STUDENT_HEADS),
     ("onnx", 1, 256, STUDENT_HEADS),
-    ("onnx", 2, 256, STUDENT_HEADS),
+    ("onnx-int8", 1, 256, INT8_STUDENT_HEADS),
+    ("onnx-int8", 2, 256, INT8_STUDENT_HEADS),
 )
 
 

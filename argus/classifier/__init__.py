@@ -6,9 +6,9 @@ share one inference path, *encoder → mean-pooled unit vector → linear head �
 
 * ``logistic``: the encoder is frozen (all-MiniLM-L6-v2 by default) and the head is a
   multinomial logistic regression (scikit-learn at training time, numpy at inference). Small
-  enough to commit. The default everywhere, ``classifiers/minilm-l2-logistic``, reads the
-  encoder's first 2 layers only (a *student*, :mod:`~argus.classifier.distill`);
-  ``classifiers/minilm-logistic`` reads all 6.
+  enough to commit. The default everywhere, ``classifiers/minilm-l2-logistic-int8``, reads
+  the encoder's first 2 layers only (a *student*, :mod:`~argus.classifier.distill`), in int8;
+  ``classifiers/minilm-logistic`` reads all 6, in float32.
 * ``finetune``: the encoder is fine-tuned with the head (LP-FT: the logistic head first, then
   everything), as in the paper. Its encoder weights (~90 MB for MiniLM) are written beside the
   head and kept out of git.

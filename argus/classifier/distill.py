@@ -283,6 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=DistillConfig.lr)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--runtime",
+        default="torch",
+        choices=["torch", "onnx", "onnx-int8"],
+        help="encoder runtime the heads are fitted on and served with (as argus "
+        "train-classifier --runtime)",
+    )
     args = parser.parse_args(argv)
     from argus.classifier.train import TrainConfig, save_trained, split_prompts, train_classifier
     from argus.embedding import use_torch_threads
@@ -305,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{result.best_epoch}, held-out cosine {result.held_out_cosine[0]:.4f} -> "
             f"{max(result.held_out_cosine):.4f}, {result.seconds:.0f} s; {weights}"
         )
-    train_config = TrainConfig(layers=config.layers, student_weights=weights)
+    train_config = TrainConfig(layers=config.layers, student_weights=weights, runtime=args.runtime)
     pinned: dict[str, Any] = {"layers": config.layers, "prompts": list(PINNED_PROMPTS)}
     for strategy, labelled in data.items():
         trained = train_classifier(labelled, train_config)

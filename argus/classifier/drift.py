@@ -432,12 +432,17 @@ class LogisticRetrain:
         self.config = replace(config or TrainConfig(), backbone=Backbone.LOGISTIC)
 
     def following(self, model: LevelClassifier) -> LogisticRetrain:
-        """The same training on the encoder layers ``model`` reads: its layer count and, for
-        a distilled student, the weights file its encoder loaded."""
+        """The same training on the encoder layers ``model`` reads: its layer count, its
+        runtime and, for a distilled student, the weights file its encoder loaded."""
         weights = getattr(model.encoder, "layer_weights", None)
         if model.config.student_weights and weights is None:
             raise ValueError(f"the {model.strategy} student's encoder has no layer weights file")
-        config = replace(self.config, layers=model.config.layers, student_weights=weights)
+        config = replace(
+            self.config,
+            layers=model.config.layers,
+            student_weights=weights,
+            runtime=model.config.runtime,  # an int8 head's vectors are the int8 runtime's
+        )
         return LogisticRetrain(self.encoder_dir, config)
 
     def __call__(self, data: LabelledPrompts) -> LevelClassifier:

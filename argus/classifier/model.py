@@ -96,9 +96,10 @@ EMBED_CHAR_BUDGET = 1024  # most (prompts × longest prompt's characters) per fo
 
 # The package lives at <repo>/argus, so the committed artifacts are at <repo>/classifiers.
 CLASSIFIERS_DIR = Path(__file__).resolve().parent.parent.parent / "classifiers"
-# committed: logistic heads on the first 2 layers of frozen all-MiniLM-L6-v2 (a student: a
-# third of the encoder's compute; classifiers/README.md); minilm-logistic has them on all 6
-DEFAULT_CLASSIFIER = "minilm-l2-logistic"
+# committed: logistic heads on the first 2 layers of frozen all-MiniLM-L6-v2 run by ONNX
+# Runtime with int8 linear layers (a student: a fifth of the float32 encoder's CPU;
+# classifiers/README.md); minilm-logistic has them on all 6 layers, in float32
+DEFAULT_CLASSIFIER = "minilm-l2-logistic-int8"
 
 
 class Backbone(enum.StrEnum):
@@ -462,7 +463,8 @@ def shared_encoder(
     Frozen encoders are shared, so the AC and SM heads on MiniLM hold one copy of it and one
     forward pass serves both. Fine-tuned encoders are private to their classifier.
     """
-    weights = "" if layer_weights is None else str(layer_weights.resolve())
+    # by content: a file rewritten in place (a new distillation) is another encoder
+    weights = "" if layer_weights is None else file_sha256(layer_weights)
     key = (str(directory.resolve()), max_tokens, precision, runtime, threads, layers, weights)
     with _SHARED_LOCK:
         encoder = _SHARED.get(key)

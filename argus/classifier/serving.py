@@ -83,7 +83,7 @@ R = TypeVar("R")
 
 
 def default_classifier_dir() -> Path:
-    """``classifiers/minilm-l2-logistic`` of the repository (the committed default)."""
+    """``classifiers/minilm-l2-logistic-int8`` of the repository (the committed default)."""
     return CLASSIFIERS_DIR / DEFAULT_CLASSIFIER
 
 
