@@ -14,6 +14,12 @@ tokenizer:
 * ``onnx``: the encoder and its pooling exported to ONNX and run by ONNX Runtime (CPU);
 * ``onnx-int8``: that export with ONNX Runtime's dynamic int8 quantisation.
 
+A *student* encoder (``PromptEmbedder(layers=k)``) keeps the embeddings and the first ``k``
+transformer layers of the checkpoint and drops the rest, so it costs about ``k / L`` of the
+full encoder's compute. ``layer_weights`` (a safetensors file of ``encoder.layer.*`` tensors,
+from :mod:`argus.classifier.distill`) replaces those layers' weights with distilled ones; the
+embedding table always stays the checkpoint's.
+
 The ONNX files are made here, from the local weights, the first time a runtime needs them
 and kept under ``$ARGUS_CACHE_DIR/onnx`` (else ``~/.cache/argus/onnx``) in a file named by
 the SHA-256 of what decides its content (the weights, the exporter's settings, the torch and
@@ -156,9 +162,16 @@ def _torch_forward(model: torch.nn.Module, device: str, precision: str) -> Forwa
     return forward
 
 
-def _content_key(model_dir: Path, runtime: str, max_tokens: int) -> str:
-    """SHA-256 of what an exported file depends on: the weights and config, the runtime and
-    the versions of the exporter and of ONNX Runtime."""
+def _content_key(
+    model_dir: Path,
+    runtime: str,
+    max_tokens: int,
+    layers: int | None = None,
+    layer_weights: Path | None = None,
+) -> str:
+    """SHA-256 of what an exported file depends on: the weights and config (with a student's
+    layer count and distilled layers), the runtime and the versions of the exporter and of
+    ONNX Runtime."""
     import onnxruntime
 
     digest = hashlib.sha256()
@@ -166,8 +179,13 @@ def _content_key(model_dir: Path, runtime: str, max_tokens: int) -> str:
         f"{runtime};{EXPORT_RECIPE};opset={ONNX_OPSET};max_tokens={max_tokens};"
         f"torch={torch.__version__}"
     )
+    if layers is not None:  # absent for the full encoder, so its cached files keep their names
+        settings += f";layers={layers}"
     digest.update(f"{settings};onnxruntime={onnxruntime.__version__};".encode())
-    for file in sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"]):
+    files = sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"])
+    if layer_weights is not None:
+        files.append(layer_weights)
+    for file in files:
         digest.update(file.name.encode() + b"\0")
         with file.open("rb") as handle:
             while chunk := handle.read(1 << 20):
@@ -259,13 +277,21 @@ def quantize_linear_layers(source: Path, target: Path) -> None:
 
 
 def exported_model(
-    model_dir: Path, load: Callable[[], torch.nn.Module], runtime: str, max_tokens: int
+    model_dir: Path,
+    load: Callable[[], torch.nn.Module],
+    runtime: str,
+    max_tokens: int,
+    *,
+    layers: int | None = None,
+    layer_weights: Path | None = None,
 ) -> Path:
-    """The cached ONNX file of the encoder in ``model_dir`` for ``runtime``; when missing,
-    ``load()`` gives the torch model to export (so a cached file needs no torch weights)."""
+    """The cached ONNX file of the encoder in ``model_dir`` (cut to ``layers``, with
+    ``layer_weights``) for ``runtime``; when missing, ``load()`` gives the torch model to
+    export (so a cached file needs no torch weights)."""
     cache = onnx_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"{runtime}-{_content_key(model_dir, runtime, max_tokens)[:32]}.onnx"
+    key = _content_key(model_dir, runtime, max_tokens, layers, layer_weights)
+    path = cache / f"{runtime}-{key[:32]}.onnx"
     if path.is_file():
         return path
     with (cache / (path.name + ".lock")).open("w") as lock:
@@ -274,6 +300,40 @@ def exported_model(
             log.info("exporting %s to %s", model_dir, path)
             export_onnx(load(), path, int8=runtime == "onnx-int8")
     return path
+
+
+def truncate_layers(model: Any, layers: int) -> None:
+    """Keep the first ``layers`` transformer layers of a BERT ``model``, in place."""
+    stack = model.encoder.layer
+    if not 1 <= layers <= len(stack):
+        raise ValueError(f"layers: must be in 1..{len(stack)} for this encoder, got {layers}")
+    model.encoder.layer = stack[:layers]
+    model.config.num_hidden_layers = layers
+
+
+def load_layer_weights(model: torch.nn.Module, path: Path) -> None:
+    """Replace the tensors of ``model`` named in the safetensors file ``path`` (a student's
+    distilled ``encoder.layer.*``), cast to the model's dtype. ``ValueError`` when the file
+    names a tensor the model lacks, has another shape, or holds no layer tensor."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    own = model.state_dict()
+    for name, tensor in tensors.items():
+        if not name.startswith("encoder.layer."):
+            raise ValueError(f"{path}: tensor {name!r} is not a transformer layer's")
+        if name not in own:
+            raise ValueError(f"{path}: tensor {name!r} is not in the encoder (fewer layers?)")
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(
+                f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the encoder's "
+                f"{tuple(own[name].shape)}"
+            )
+    if not tensors:
+        raise ValueError(f"{path}: no tensors")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            own[name].copy_(tensor.to(own[name].dtype))
 
 
 def _onnx_forward(path: Path, threads: int) -> Forward:
@@ -306,6 +366,10 @@ class PromptEmbedder:
     ``threads``: for ``torch`` runtimes, torch's process-wide intra-op threads, set once
     here (:func:`use_torch_threads`; ``None`` leaves them as they are); for ONNX runtimes,
     the session's own threads (``None``: 1).
+
+    ``layers``: keep only the first ``layers`` transformer layers (a student; ``None``: all);
+    ``layer_weights``: a safetensors file whose layer tensors replace the checkpoint's
+    (a distilled student; needs ``layers``).
     """
 
     def __init__(
@@ -317,7 +381,13 @@ class PromptEmbedder:
         threads: int | None = None,
         precision: str = "fp32",
         runtime: str = "torch",
+        layers: int | None = None,
+        layer_weights: str | Path | None = None,
     ) -> None:
+        if layers is not None and layers < 1:
+            raise ValueError(f"layers: must be >= 1, got {layers}")
+        if layer_weights is not None and layers is None:
+            raise ValueError("layer_weights: a distilled student needs its layer count (layers)")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if runtime not in RUNTIMES:
@@ -345,6 +415,16 @@ class PromptEmbedder:
         self.device = device
         self.max_tokens = min(max_tokens, int(config.max_position_embeddings))
         self.dim = int(config.hidden_size)
+        if layers is not None and layers > int(config.num_hidden_layers):
+            raise ValueError(
+                f"layers: the encoder at {self.model_dir} has {config.num_hidden_layers} "
+                f"layers, got {layers}"
+            )
+        self.layers = layers
+        self.layer_weights = Path(layer_weights) if layer_weights is not None else None
+        student_weights = self.layer_weights
+        if student_weights is not None and not student_weights.is_file():
+            raise FileNotFoundError(f"layer_weights: {student_weights} is not a file")
         # what the vectors' numbers are (on-disk caches key vectors by it): each int8 runtime
         # rounds its own way, differing from float32 in the second decimal
         self.precision = precision if vectors_of(runtime) == "fp32" else runtime
@@ -359,14 +439,25 @@ class PromptEmbedder:
             attention = {"attn_implementation": "eager"} if runtime in ONNX_RUNTIMES else {}
             model = AutoModel.from_pretrained(
                 self.model_dir, local_files_only=True, use_safetensors=True, **attention
-            ).to(device)
-            return model.eval()
+            )
+            if layers is not None:
+                truncate_layers(model, layers)
+            if student_weights is not None:
+                load_layer_weights(model, student_weights)
+            return model.to(device).eval()
 
         # the torch model (what fine-tuning trains); None on ONNX runtimes, which load it
         # only to export it, once
         self.model: Any = None
         if runtime in ONNX_RUNTIMES:
-            path = exported_model(self.model_dir, load, runtime, self.max_tokens)
+            path = exported_model(
+                self.model_dir,
+                load,
+                runtime,
+                self.max_tokens,
+                layers=layers,
+                layer_weights=student_weights,
+            )
             self._forward = _onnx_forward(path, threads or 1)
         else:
             if threads is not None:

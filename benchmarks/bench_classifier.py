@@ -1,21 +1,25 @@
-"""Classifier speed and the choice of its runtime: 1 and 32 prompts, every variant side by side.
+"""Classifier speed and the choice of its encoder: 1 and 32 prompts, every variant side by side.
 
-Runs the committed artifacts on PartiPrompts: ``classifiers/minilm-logistic`` (the default:
-logistic heads fitted on float32 all-MiniLM-L6-v2 vectors) and ``classifiers/minilm-logistic-int8``
-(the same heads fitted on vectors from ONNX Runtime with int8 linear layers); one encoder pass
-serves both the AC and the SM head.
+Runs committed artifacts on PartiPrompts, each a pair of heads (AC, SM) that share one encoder
+pass: ``classifiers/minilm-l2-logistic-int8`` (the router's default: heads fitted on the
+vectors of all-MiniLM-L6-v2's first 2 layers, a *student*, run by ONNX Runtime with int8
+linear layers), ``classifiers/minilm-l2-logistic`` (the same student in float32),
+``classifiers/minilm-logistic`` (heads on the whole float32 MiniLM, the default before them)
+and ``classifiers/minilm-logistic-int8`` (the whole MiniLM in int8).
 
-1. **Variants, side by side** (``--compare``, on by default), each a head (fp32 or int8) on an
+1. **Variants, side by side** (``--compare``, on by default), each a pair of heads on an
    encoder runtime (torch, ONNX Runtime float32 with its fused graph, ONNX Runtime int8) with
-   1 or 2 intra-op threads and a token limit (256, or cut to 48/32/24/16 tokens). Every
-   variant's samples are interleaved (sample i of each row, then i + 1), so a change in the
-   machine's load reaches every row alike. Per row: wall time of one prompt and of 32
+   1 or 2 intra-op threads and a token limit (256, or cut shorter); the heads' artifact says
+   how many layers the encoder runs (a student runs its first ones). Every variant's samples
+   are interleaved (sample i of each row, then i + 1), so a change in the machine's load
+   reaches every row alike. Per row: wall time and CPU of one prompt and of 32
    (``ClassifierSet.classes_cleaned``, what the router's batcher thread runs; no vector
    cache), CPU per prompt within the 32, and on the EVAL prompts of the fixed split (labels
-   rebuilt as ``argus train-classifier`` builds them: synthetic quality table, seed 0, δ 0.9)
+   rebuilt as ``argus train-classifier`` builds them: SYNTHETIC quality table, seed 0, δ 0.9)
    accuracy and macro-F1 in points against the first row, and the share of classes equal to
-   the first row's. An fp32 head on an int8 runtime is a row the loader refuses; it is here
-   to show why. Fewer samples than section 2: ratios, not targets.
+   the first row's. The full heads on an int8 runtime are a row the loader refuses; it is here
+   to show why. A row's heads may be any artifact directory (``--runtimes
+   onnx:1:256:/path/to/heads``), e.g. a candidate student not in git.
 2. **The serving default** (``argus.classifier.serving.serving_runtime``, ``SERVING_THREADS``)
    through ``PromptClassifier``, the router's path: ``classify(prompt)`` from one caller and
    a batch of 32 through the serving ``ClassifierSet`` call, each over ``--repeats`` samples
@@ -28,13 +32,14 @@ serves both the AC and the SM head.
    logistic backbone end to end, then one fine-tuning epoch of MiniLM (``--finetune-epochs 0``
    skips it). The paper reports 3.35 s for 2,000 prompts on an A100 80GB.
 
-Percentiles are numpy's over every sample; CPU is this process's user + system time per
-sample (all threads), so CPU > wall means several cores worked. Tokenisation is timed alone.
-The machine is shared: the load average is printed at the start and the end.
+Percentiles are numpy's over every sample (at least 200 per figure; warm-up calls are not
+counted); CPU is this process's user + system time per sample (all threads), so CPU > wall
+means several cores worked. Tokenisation is timed alone. The machine is shared: the load
+average is printed at the start and the end of each section; compare rows of one run.
 
-    python benchmarks/bench_classifier.py [--repeats 300] [--compare-repeats 60]
+    python benchmarks/bench_classifier.py [--repeats 300] [--compare-repeats 200]
                                           [--no-compare]
-                                          [--runtimes torch:1:256:fp32,onnx-int8:1:256:int8,...]
+                                          [--runtimes onnx:1:256:minilm-logistic,...]
                                           [--train-prompts 2000] [--finetune-epochs 1]
 """
 
@@ -47,6 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,6 +65,7 @@ from argus.classifier.model import (
     Backbone,
     LevelClassifier,
     build_encoder,
+    check_student,
     read_artifact_calibration,
     read_config,
     read_head,
@@ -70,7 +77,6 @@ from argus.classifier.serving import (
     SERVING_THREADS,
     ClassifierSet,
     PromptClassifier,
-    default_classifier_dir,
     load_prompt_classifier,
     strategy_dirs,
 )
@@ -81,23 +87,27 @@ from argus.sim.quality import synthetic_quality_table
 from argus.traces import PromptRecord, default_prompt_trace, load_prompts
 from argus.types import Strategy
 
-# (runtime, intra-op threads, token limit, head): the first row is the reference. "fp32" heads
-# are the default artifact (fitted on float32 vectors), "int8" heads INT8_HEADS (fitted on
-# onnx-int8 vectors); an fp32 head on an int8 runtime is what load_artifact refuses, measured
+# (runtime, intra-op threads, token limit, heads): the first row is the reference. The heads
+# are a directory of classifiers/ (or any path): FULL_HEADS (fitted on float32 vectors of the
+# whole MiniLM), INT8_HEADS (on onnx-int8 vectors) or a student's (on the vectors of its first
+# layers, the router's default); the full heads on an int8 runtime are what load_artifact
+# refuses, measured
+FULL_HEADS = "minilm-logistic"
+INT8_HEADS = "minilm-logistic-int8"
+STUDENT_HEADS = "minilm-l2-logistic"
+INT8_STUDENT_HEADS = "minilm-l2-logistic-int8"
 VARIANTS = (
-    ("torch", 1, 256, "fp32"),
-    ("onnx", 1, 256, "fp32"),
-    ("onnx", 2, 256, "fp32"),
-    ("onnx", 1, 48, "fp32"),
-    ("onnx", 1, 32, "fp32"),
-    ("onnx", 1, 24, "fp32"),
-    ("onnx", 1, 16, "fp32"),
-    ("onnx-int8", 1, 256, "fp32"),
-    ("onnx-int8", 1, 256, "int8"),
-    ("onnx-int8", 2, 256, "int8"),
-    ("onnx-int8", 1, 32, "int8"),
+    ("torch", 1, 256, FULL_HEADS),
+    ("onnx", 1, 256, FULL_HEADS),
+    ("onnx", 2, 256, FULL_HEADS),
+    ("onnx", 1, 32, FULL_HEADS),
+    ("onnx-int8", 1, 256, FULL_HEADS),
+    ("onnx-int8", 1, 256, INT8_HEADS),
+    ("torch", 1, 256, STUDENT_HEADS),
+    ("onnx", 1, 256, STUDENT_HEADS),
+    ("onnx-int8", 1, 256, INT8_STUDENT_HEADS),
+    ("onnx-int8", 2, 256, INT8_STUDENT_HEADS),
 )
-INT8_HEADS = CLASSIFIERS_DIR / "minilm-logistic-int8"
 
 
 @dataclass(frozen=True)
@@ -111,7 +121,8 @@ class Timing:
         w, c = self.wall * 1e3, self.cpu * 1e3
         return (
             f"wall p50 {np.percentile(w, 50):6.1f} p99 {np.percentile(w, 99):6.1f} ms, "
-            f"cpu p50 {np.percentile(c, 50):6.1f} ms ({len(w)} samples)"
+            f"cpu p50 {np.percentile(c, 50):6.1f} p99 {np.percentile(c, 99):6.1f} ms "
+            f"({len(w)} samples)"
         )
 
     def p99_ms(self) -> float:
@@ -175,36 +186,45 @@ def predictions(classifiers: ClassifierSet, evals: EvalSet) -> dict[Strategy, tu
 
 @dataclass(frozen=True)
 class Variant:
-    """One row of section 1: a head on an encoder runtime, cut at ``max_tokens``."""
+    """One row of section 1: heads on an encoder runtime, cut at ``max_tokens``."""
 
     runtime: str
     threads: int
     max_tokens: int
-    head: str  # "fp32" or "int8"
+    heads: str  # a directory of classifiers/, or a path
 
     @classmethod
     def parse(cls, text: str) -> Variant:
-        """``RUNTIME:THREADS[:TOKENS[:HEAD]]``, e.g. ``onnx-int8:1:256:int8``."""
+        """``RUNTIME:THREADS[:TOKENS[:HEADS]]``, e.g. ``onnx:1:256:minilm-l2-logistic``."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 4 or (len(parts) == 4 and parts[3] not in ("fp32", "int8")):
-            raise ValueError(f"--runtimes: {text!r} is not RUNTIME:THREADS[:TOKENS[:fp32|int8]]")
+        if not 2 <= len(parts) <= 4:
+            raise ValueError(f"--runtimes: {text!r} is not RUNTIME:THREADS[:TOKENS[:HEADS]]")
         tokens = int(parts[2]) if len(parts) > 2 else 256
-        return cls(parts[0], int(parts[1]), tokens, parts[3] if len(parts) > 3 else "fp32")
+        return cls(parts[0], int(parts[1]), tokens, parts[3] if len(parts) > 3 else FULL_HEADS)
 
     def name(self) -> str:
-        return f"{self.runtime}:{self.threads}t:{self.max_tokens}tok:{self.head} head"
+        return f"{self.runtime}:{self.threads}t:{self.max_tokens}tok:{Path(self.heads).name}"
 
     def load(self) -> ClassifierSet:
-        """The variant's heads on a private encoder (no check of the runtime: rows with an
-        fp32 head on an int8 runtime measure what :func:`load_artifact` refuses)."""
-        root = default_classifier_dir() if self.head == "fp32" else INT8_HEADS
+        """The variant's heads on one private encoder that every strategy shares, as the
+        router's does (no check of the runtime: the full heads on an int8 runtime measure
+        what :func:`load_artifact` refuses)."""
+        root = Path(self.heads) if "/" in self.heads else CLASSIFIERS_DIR / self.heads
         models = {}
+        encoder = None
         for strategy, path in strategy_dirs(root).items():
             config = replace(read_config(path), max_tokens=self.max_tokens)
             directory = resolve_encoder_dir(config.encoder, path)
-            encoder = build_encoder(
-                directory, self.max_tokens, runtime=self.runtime, threads=self.threads
-            )
+            weights = check_student(path, config, directory) if config.layers else None
+            if encoder is None:  # the strategies of one directory share their encoder
+                encoder = build_encoder(
+                    directory,
+                    self.max_tokens,
+                    runtime=self.runtime,
+                    threads=self.threads,
+                    layers=config.layers,
+                    layer_weights=weights,
+                )
             calibration = read_artifact_calibration(path)
             models[strategy] = LevelClassifier(config, encoder, read_head(path), calibration)
         if self.runtime.startswith("torch"):
@@ -239,11 +259,12 @@ def compare_runtimes(
                 samples[variant][cpu].append(time.process_time() - c0)
     reference: dict[Strategy, tuple[Any, Any]] | None = None
     print(
-        "  ms: 1 prompt wall p50/p99, 32 prompts wall p50/p99, CPU per prompt (in 32) p50; "
-        "EVAL per strategy: accuracy, macro-F1 (points vs the first row), classes equal"
+        "  ms: 1 prompt wall p50/p99 (CPU p50), 32 prompts wall p50/p99 (CPU p50), CPU per "
+        "prompt in 32; EVAL per strategy (SYNTHETIC labels): accuracy, macro-F1 (points vs "
+        "the first row), share of classes equal to the first row's"
     )
     for variant, classifiers in loaded:
-        one_wall, _, many_wall, many_cpu = (np.array(x) * 1e3 for x in samples[variant])
+        one_wall, one_cpu, many_wall, many_cpu = (np.array(x) * 1e3 for x in samples[variant])
         predicted = predictions(classifiers, evals)
         reference = reference or predicted
         cells = []
@@ -258,8 +279,9 @@ def compare_runtimes(
             )
         print(
             f"  {variant.name():<36} {np.percentile(one_wall, 50):5.1f}/"
-            f"{np.percentile(one_wall, 99):6.1f}  {np.percentile(many_wall, 50):6.1f}/"
-            f"{np.percentile(many_wall, 99):6.1f}  cpu {np.median(many_cpu) / 32:5.2f}  "
+            f"{np.percentile(one_wall, 99):6.1f} ({np.median(one_cpu):5.1f})  "
+            f"{np.percentile(many_wall, 50):6.1f}/{np.percentile(many_wall, 99):6.1f} "
+            f"({np.median(many_cpu):6.1f})  cpu/prompt {np.median(many_cpu) / 32:5.2f}  "
             + "; ".join(cells),
             flush=True,
         )
@@ -403,19 +425,22 @@ def bench_training(records: list[PromptRecord], count: int, epochs: int) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=300, help="samples per serving figure")
-    parser.add_argument("--compare-repeats", type=int, default=60, help="samples per variant")
+    parser.add_argument("--compare-repeats", type=int, default=200, help="samples per variant")
     parser.add_argument("--no-compare", action="store_true", help="skip section 1")
     parser.add_argument("--train-prompts", type=int, default=2000, help="0: skip training")
     parser.add_argument("--finetune-epochs", type=int, default=1, help="0: skip fine-tuning")
     parser.add_argument(
         "--runtimes",
         default=",".join(":".join(map(str, v)) for v in VARIANTS),
-        help="section 1's RUNTIME:THREADS[:TOKENS[:fp32|int8]] list (head fp32 by default); "
+        help="section 1's RUNTIME:THREADS[:TOKENS[:HEADS]] list (HEADS: a directory of "
+        f"classifiers/ or a path; {FULL_HEADS} by default); "
         "the first is the reference",
     )
     args = parser.parse_args()
-    if args.repeats < 200:
-        parser.error("--repeats: at least 200, for a p99 over enough samples")
+    for name in ("repeats", "compare_repeats"):
+        if getattr(args, name) < 200:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag}: at least 200, for a p99 over enough samples")
     import onnxruntime
     import torch
 

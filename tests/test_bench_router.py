@@ -49,7 +49,7 @@ def test_every_request_is_answered_and_measured(
     assert row["overhead_ms"]["p50"] <= row["overhead_ms"]["p99"] <= row["overhead_ms"]["max"]
     assert len(results["plan"]["assignment"]) == 2
     printed = capsys.readouterr().out
-    assert "classifier: default (minilm-logistic; encoder runtime onnx" in printed
+    assert "classifier: default (minilm-l2-logistic-int8; encoder runtime onnx" in printed
     assert "stub-fast workers on this machine" in printed
     assert "overhead ms: p50" in printed
 

@@ -296,3 +296,41 @@ def test_a_retrain_publishes_the_measured_quality_with_its_version() -> None:
     )  # fmt: skip
     assert failing.trigger() and failing.wait(30)
     assert failing.stats().failures == 1 and failing.published is None and holder.version == 1
+
+
+def test_a_retrain_reads_the_student_layers_of_the_model_it_replaces(tmp_path: Path) -> None:
+    """A student's head retrains on the student's layers; a head put on other layers (a full
+    encoder: the same weights' SHA-256) is refused and the old model keeps serving."""
+    from argus.classifier.train import train_classifier
+    from argus.embedding import PromptEmbedder
+
+    encoder = make_tiny_bert(tmp_path / "bert")
+    rng = np.random.default_rng(0)
+    pairs = []
+    for i in range(160):
+        words = rng.choice(HARD if i % 2 else EASY, size=3, replace=False)
+        pairs.append((" and ".join(words), 0 if i % 2 else 5))
+    labels = FixedLabels(pairs)
+    fast = TrainConfig(max_tokens=32, c_grid=(3.0,))
+    student = train_classifier(
+        labels.snapshot(), TrainConfig(max_tokens=32, c_grid=(3.0,), layers=1), encoder_dir=encoder
+    ).classifier
+    holder: HotSwapModel[LevelClassifier] = HotSwapModel(student)
+    retrainer = Retrainer(holder, logistic_retrain(str(encoder), fast), labels, min_examples=100)
+    assert retrainer.trigger() and retrainer.wait(120)
+    assert retrainer.stats().retrains == 1, retrainer.stats().last_error
+    assert holder.current is not student and holder.current.config.layers == 1
+    assert getattr(holder.current.encoder, "layers", None) == 1
+
+    full = PromptEmbedder(encoder, max_tokens=32)
+    on_full = Retrainer(
+        holder,
+        logistic_retrain(str(encoder), fast),
+        labels,
+        min_examples=100,
+        prepare=lambda m: LevelClassifier(m.config, full, m.head, m.calibration),
+    )
+    served = holder.current
+    assert on_full.trigger() and on_full.wait(120)
+    assert on_full.stats().failures == 1 and holder.current is served
+    assert "fitted on encoder layers 1" in (on_full.stats().last_error or "")

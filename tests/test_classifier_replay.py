@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from argus.classifier.labels import labels_from_table
-from argus.classifier.serving import load_classifier_set
+from argus.classifier.serving import default_classifier_dir, load_classifier_set
 from argus.classifier.train import TrainConfig, save_trained, train_classifier
 from argus.cli.main import main
 from argus.profiles import default_profiles
@@ -57,7 +57,7 @@ def test_make_classifier_specs() -> None:
     assert isinstance(make_classifier("0.7"), NoisyOracleClassifier)
     default = make_classifier("default")
     assert isinstance(default, TrainedClassifier)
-    assert "minilm-logistic" in default.label and "SYNTHETIC" in default.label
+    assert default_classifier_dir().name in default.label and "SYNTHETIC" in default.label
     with pytest.raises(ValueError, match="'noisy-oracle@high'"):
         make_classifier("noisy-oracle@high")
     with pytest.raises(ValueError, match=r"'/no/such/classifier'.*does not exist"):

@@ -122,8 +122,9 @@ def test_an_onnx_runtime_that_cannot_start_falls_back_to_torch(
 
 
 def test_the_serving_runtime_classifies_float32_heads_like_torch(cache_dir: Path) -> None:
-    torch_set = load_classifier_set(runtime="torch")  # the committed default: float32 heads
-    served = load_classifier_set(runtime=SERVING_RUNTIME, threads=1)
+    fp32_heads = CLASSIFIERS_DIR / "minilm-l2-logistic"  # the default student, float32
+    torch_set = load_classifier_set(fp32_heads, runtime="torch")
+    served = load_classifier_set(fp32_heads, runtime=SERVING_RUNTIME, threads=1)
     encoder = served.current(Strategy.AC).encoder
     assert getattr(encoder, "runtime", None) == SERVING_RUNTIME  # no silent fallback
     texts = [p for p in PROMPTS if p]

@@ -6,7 +6,9 @@ share one inference path, *encoder → mean-pooled unit vector → linear head �
 
 * ``logistic``: the encoder is frozen (all-MiniLM-L6-v2 by default) and the head is a
   multinomial logistic regression (scikit-learn at training time, numpy at inference). Small
-  enough to commit (``classifiers/minilm-logistic``); the default everywhere.
+  enough to commit. The default everywhere, ``classifiers/minilm-l2-logistic-int8``, reads
+  the encoder's first 2 layers only (a *student*, :mod:`~argus.classifier.distill`), in int8;
+  ``classifiers/minilm-logistic`` reads all 6, in float32.
 * ``finetune``: the encoder is fine-tuned with the head (LP-FT: the logistic head first, then
   everything), as in the paper. Its encoder weights (~90 MB for MiniLM) are written beside the
   head and kept out of git.
@@ -24,7 +26,9 @@ Modules, in the order data flows:
 * :mod:`~argus.classifier.serving`: prompt checks, hot-swappable models, the micro-batcher,
   classes for the router and Q(v | c) for the allocator;
 * :mod:`~argus.classifier.embedding_cache`: encoder vectors kept on disk by content (replays);
-* :mod:`~argus.classifier.drift`: drift detection and background retraining.
+* :mod:`~argus.classifier.drift`: drift detection and background retraining;
+* :mod:`~argus.classifier.distill`: student encoders (MiniLM's first layers, optionally
+  distilled to the whole) and their heads.
 
 Nothing here imports torch, transformers or scikit-learn at import time; they load when a
 model is loaded or trained.

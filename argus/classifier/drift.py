@@ -341,7 +341,10 @@ class Retrainer:
 
     def _retrain(self, data: LabelledPrompts) -> None:
         try:
-            model = self._train(data)
+            train = self._train
+            if isinstance(train, LogisticRetrain):  # on the encoder layers the old model reads
+                train = train.following(self.holder.current)
+            model = train(data)
             if model.strategy is not self.holder.current.strategy:
                 raise ValueError(
                     f"retrained a {model.strategy} model for a {self.recent.strategy} slot"
@@ -351,6 +354,7 @@ class Retrainer:
             quality = None if self._measure is None else self._measure(model)
             if self._prepare is not None:
                 model = self._prepare(model)
+            check_same_layers(model)
         except Exception as exc:  # the old model keeps serving; the error is kept for stats
             with self._lock:
                 self._failures += 1
@@ -401,16 +405,54 @@ class DriftRetraining:
         return verdict
 
 
+def check_same_layers(model: LevelClassifier) -> None:
+    """``ValueError`` when ``model``'s encoder runs other layers than its head was fitted on
+    (a student's head on the full encoder, or the reverse: they share the encoder's weights'
+    SHA-256, so nothing else would tell). Encoders that do not say (test fakes) pass."""
+    layers = getattr(model.encoder, "layers", model.config.layers)
+    distilled = getattr(model.encoder, "layer_weights", None) is not None
+    if layers != model.config.layers or (
+        hasattr(model.encoder, "layer_weights") and distilled != bool(model.config.student_weights)
+    ):
+        raise ValueError(
+            f"the {model.strategy} head was fitted on encoder layers {model.config.layers} "
+            f"(distilled: {bool(model.config.student_weights)}), its encoder runs {layers} "
+            f"(distilled: {distilled})"
+        )
+
+
+class LogisticRetrain:
+    """A ``train`` function for :class:`Retrainer`: the logistic backbone on ``encoder_dir``
+    (default all-MiniLM-L6-v2), so a retrain takes seconds on a CPU. The retrainer calls
+    :meth:`following` first, so a retrained head reads the same encoder layers (a student's,
+    with its distilled weights) as the model it replaces."""
+
+    def __init__(self, encoder_dir: str | None = None, config: TrainConfig | None = None) -> None:
+        self.encoder_dir = encoder_dir
+        self.config = replace(config or TrainConfig(), backbone=Backbone.LOGISTIC)
+
+    def following(self, model: LevelClassifier) -> LogisticRetrain:
+        """The same training on the encoder layers ``model`` reads: its layer count, its
+        runtime and, for a distilled student, the weights file its encoder loaded."""
+        weights = getattr(model.encoder, "layer_weights", None)
+        if model.config.student_weights and weights is None:
+            raise ValueError(f"the {model.strategy} student's encoder has no layer weights file")
+        config = replace(
+            self.config,
+            layers=model.config.layers,
+            student_weights=weights,
+            runtime=model.config.runtime,  # an int8 head's vectors are the int8 runtime's
+        )
+        return LogisticRetrain(self.encoder_dir, config)
+
+    def __call__(self, data: LabelledPrompts) -> LevelClassifier:
+        from argus.classifier.train import train_classifier
+
+        return train_classifier(data, self.config, encoder_dir=self.encoder_dir).classifier
+
+
 def logistic_retrain(
     encoder_dir: str | None = None, config: TrainConfig | None = None
-) -> Callable[[LabelledPrompts], LevelClassifier]:
-    """A ``train`` function for :class:`Retrainer`: the logistic backbone on ``encoder_dir``
-    (default all-MiniLM-L6-v2), so a retrain takes seconds on a CPU."""
-    from argus.classifier.train import train_classifier
-
-    settings = replace(config or TrainConfig(), backbone=Backbone.LOGISTIC)
-
-    def train(data: LabelledPrompts) -> LevelClassifier:
-        return train_classifier(data, settings, encoder_dir=encoder_dir).classifier
-
-    return train
+) -> LogisticRetrain:
+    """A :class:`LogisticRetrain` (what the router retrains its classifiers with)."""
+    return LogisticRetrain(encoder_dir, config)

@@ -62,7 +62,7 @@ class EncoderIdentity:
     """What makes two encoders give the same vector for the same text."""
 
     reference: str  # the encoder's name or directory, for people reading the file
-    sha256: str  # SHA-256 of its weights (argus.classifier.model.encoder_sha256)
+    sha256: str  # SHA-256 of its weights (ClassifierConfig.vectors_sha256: a student's too)
     max_tokens: int  # input limit: a different cut is a different vector
     dim: int  # width of its vectors
     precision: str = "fp32"  # bf16 vectors differ from fp32 ones in the third decimal
@@ -78,9 +78,9 @@ class EncoderIdentity:
         """The identity of a classifier's encoder; ``None`` when its weights' hash is not
         known (a fine-tuned encoder not yet saved, a test's fake)."""
         config = classifier.config
-        if not config.encoder_sha256:
+        if not config.vectors_sha256:
             return None
-        return cls.of_encoder(config.encoder, config.encoder_sha256, classifier.encoder)
+        return cls.of_encoder(config.encoder, config.vectors_sha256, classifier.encoder)
 
     @classmethod
     def of_encoder(cls, reference: str, sha256: str, encoder: Encoder) -> EncoderIdentity:

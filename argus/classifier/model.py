@@ -16,7 +16,8 @@ Artifact directory (one per strategy), no pickle anywhere::
 
     config.json        {"format": "argus-classifier v1", "strategy", "backbone", "encoder",
                         "encoder_sha256", "hidden_size", "max_tokens", "runtime", "seed",
-                        "labels_source", "base_encoder"}
+                        "labels_source", "base_encoder"}, and for a student encoder
+                        "layers" (and, distilled, "student_weights", "student_sha256")
     labels.json        label map: {"strategy", "delta", "labels": {"0": "ac-k0", ...}}
     model.safetensors  the head: "head.weight" [levels, hidden] and "head.bias" [levels], float32
     metrics.json       what training measured (see train.py)
@@ -32,6 +33,14 @@ and ``runtime`` (the encoder runtime whose vectors the head was fitted on, see
 :func:`argus.embedding.vectors_of`; ``"torch"`` when absent, as in artifacts from before it
 was recorded) decide how the encoder runs at load: a runtime that computes other numbers
 (an int8 one for a float32 head, or the reverse) is refused, never substituted.
+
+A *student* artifact runs only the first ``layers`` transformer layers of that encoder
+(:class:`argus.embedding.PromptEmbedder`), with, when distilled, those layers' weights from
+``student_weights`` (a safetensors file, a path relative to the artifact, shared by the
+strategies: ``"../student.safetensors"``; the embedding table stays the package's). At load
+the file's SHA-256 must equal ``student_sha256`` and its tensors must be exactly layers
+``0 .. layers - 1``; a truncated student without weights needs ``layers`` no larger than the
+encoder has. Anything else is an ``ArtifactError``.
 """
 
 from __future__ import annotations
@@ -87,7 +96,10 @@ EMBED_CHAR_BUDGET = 1024  # most (prompts × longest prompt's characters) per fo
 
 # The package lives at <repo>/argus, so the committed artifacts are at <repo>/classifiers.
 CLASSIFIERS_DIR = Path(__file__).resolve().parent.parent.parent / "classifiers"
-DEFAULT_CLASSIFIER = "minilm-logistic"  # committed: logistic heads on frozen all-MiniLM-L6-v2
+# committed: logistic heads on the first 2 layers of frozen all-MiniLM-L6-v2 run by ONNX
+# Runtime with int8 linear layers (a student: a fifth of the float32 encoder's CPU;
+# classifiers/README.md); minilm-logistic has them on all 6 layers, in float32
+DEFAULT_CLASSIFIER = "minilm-l2-logistic-int8"
 
 
 class Backbone(enum.StrEnum):
@@ -117,6 +129,14 @@ class ClassifierConfig:
     labels_source: str  # the quality table's source, e.g. "synthetic: seed 0; ..."
     base_encoder: str = DEFAULT_ENCODER  # the encoder training started from (same reference)
     runtime: str = "torch"  # the encoder runtime the head was fitted on (argus.embedding)
+    layers: int | None = None  # a student's transformer layers (the first k); None: all
+    student_weights: str = ""  # a distilled student's layer weights, relative to the artifact
+    student_sha256: str = ""  # SHA-256 of the file student_weights names
+
+    @property
+    def vectors_sha256(self) -> str:
+        """What names this encoder's vectors (embedding caches key them by it)."""
+        return vectors_sha256(self.encoder_sha256, self.layers, self.student_sha256)
 
     @property
     def synthetic_labels(self) -> bool:
@@ -132,9 +152,21 @@ class ClassifierConfig:
         base = self.base_encoder
         encoder = "all-MiniLM-L6-v2" if base == DEFAULT_ENCODER else Path(base).name
         labels = "SYNTHETIC labels" if self.synthetic_labels else "profiled labels"
+        if self.layers is not None:
+            kind = "distilled" if self.student_weights else "truncated"
+            encoder = f"{encoder} cut to its first {self.layers} layers ({kind})"
         if self.backbone is Backbone.LOGISTIC:
             return f"logistic regression on frozen {encoder}, {labels}"
         return f"fine-tuned {encoder} with a linear head, {labels}"
+
+
+def vectors_sha256(encoder_sha256: str, layers: int | None, student_sha256: str) -> str:
+    """The encoder weights' SHA-256 for the full encoder; for a student, a SHA-256 of it with
+    the layer count and the distilled weights' SHA-256 (``""`` when the weights' is unknown)."""
+    if layers is None or not encoder_sha256:
+        return encoder_sha256
+    text = f"{encoder_sha256};layers={layers};student={student_sha256}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class Encoder(Protocol):
@@ -379,7 +411,7 @@ def encoder_sha256(directory: Path) -> str:
     return _FINGERPRINTS[key]
 
 
-_SHARED: dict[tuple[str, int, str, str, int | None], Encoder] = {}
+_SHARED: dict[tuple[str, int, str, str, int | None, int | None, str], Encoder] = {}
 _SHARED_LOCK = threading.Lock()
 
 
@@ -390,14 +422,22 @@ def build_encoder(
     *,
     runtime: str = "torch",
     threads: int | None = None,
+    layers: int | None = None,
+    layer_weights: Path | None = None,
 ) -> Encoder:
-    """A new :class:`~argus.embedding.PromptEmbedder` on ``runtime``; where the float32 ONNX
-    runtime cannot start (onnxruntime missing, the export failing), a torch one, with a
-    warning that says why: the classifier then answers the same, only slower. An int8 runtime
-    has no such stand-in (no other runtime computes its vectors): its failure is raised."""
+    """A new :class:`~argus.embedding.PromptEmbedder` on ``runtime`` (a student when
+    ``layers`` is given); where the float32 ONNX runtime cannot start (onnxruntime missing,
+    the export failing), a torch one, with a warning that says why: the classifier then
+    answers the same, only slower. An int8 runtime has no such stand-in (no other runtime
+    computes its vectors): its failure is raised."""
     from argus.embedding import PromptEmbedder, vectors_of
 
-    options: dict[str, Any] = {"max_tokens": max_tokens, "threads": threads}
+    options: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "threads": threads,
+        "layers": layers,
+        "layer_weights": layer_weights,
+    }
     try:
         return PromptEmbedder(directory, precision=precision, runtime=runtime, **options)
     except Exception as exc:
@@ -414,19 +454,29 @@ def shared_encoder(
     *,
     runtime: str = "torch",
     threads: int | None = None,
+    layers: int | None = None,
+    layer_weights: Path | None = None,
 ) -> Encoder:
-    """One encoder per (directory, token limit, precision, runtime, threads) in this process
-    (see :func:`build_encoder`).
+    """One encoder per (directory, token limit, precision, runtime, threads, student layers
+    and weights) in this process (see :func:`build_encoder`).
 
     Frozen encoders are shared, so the AC and SM heads on MiniLM hold one copy of it and one
     forward pass serves both. Fine-tuned encoders are private to their classifier.
     """
-    key = (str(directory.resolve()), max_tokens, precision, runtime, threads)
+    # by content: a file rewritten in place (a new distillation) is another encoder
+    weights = "" if layer_weights is None else file_sha256(layer_weights)
+    key = (str(directory.resolve()), max_tokens, precision, runtime, threads, layers, weights)
     with _SHARED_LOCK:
         encoder = _SHARED.get(key)
         if encoder is None:
             encoder = build_encoder(
-                directory, max_tokens, precision, runtime=runtime, threads=threads
+                directory,
+                max_tokens,
+                precision,
+                runtime=runtime,
+                threads=threads,
+                layers=layers,
+                layer_weights=layer_weights,
             )
             _SHARED[key] = encoder
         return encoder
@@ -464,6 +514,12 @@ def save_artifact(
     )
     os.chmod(temporary, 0o644)  # safetensors creates its file private to the user
     os.replace(temporary, directory / WEIGHTS_FILE)
+    student: dict[str, Any] = {}
+    if config.layers is not None:  # absent for the full encoder: older configs stay as they are
+        student["layers"] = config.layers
+    if config.student_weights:
+        student["student_weights"] = config.student_weights
+        student["student_sha256"] = config.student_sha256
     _write_json(
         directory / CONFIG_FILE,
         {
@@ -478,6 +534,7 @@ def save_artifact(
             "seed": config.seed,
             "labels_source": config.labels_source,
             "base_encoder": config.base_encoder,
+            **student,
         },
     )
     _write_json(
@@ -545,6 +602,7 @@ def read_config(directory: str | Path) -> ClassifierConfig:
         )
     if not levels:
         raise ArtifactError(f"{labels_path}: no labels")
+    layers, student_weights, student_sha256 = _read_student(document, config_path)
     return ClassifierConfig(
         strategy=strategy,
         levels=levels,
@@ -560,7 +618,34 @@ def read_config(directory: str | Path) -> ClassifierConfig:
         # checked against the runtimes where an encoder is built (check_runtime), so that
         # reading a config needs no torch; absent before int8 heads existed
         runtime=_field(document, "runtime", str, config_path) if "runtime" in document else "torch",
+        layers=layers,
+        student_weights=student_weights,
+        student_sha256=student_sha256,
     )
+
+
+def _read_student(document: Mapping[str, Any], path: Path) -> tuple[int | None, str, str]:
+    """``layers``, ``student_weights`` and ``student_sha256`` of a config (``None, "", ""``
+    for the full encoder); ``ArtifactError`` names the field that is wrong."""
+    layers = None
+    if "layers" in document:
+        layers = _field(document, "layers", int, path)
+        if layers < 1:
+            raise ArtifactError(f"{path}: field 'layers' must be >= 1, got {layers}")
+    if "student_weights" not in document:
+        if "student_sha256" in document:
+            raise ArtifactError(f"{path}: field 'student_sha256' without 'student_weights'")
+        return layers, "", ""
+    weights = _field(document, "student_weights", str, path)
+    digest = _field(document, "student_sha256", str, path)
+    if layers is None:
+        raise ArtifactError(f"{path}: field 'layers' is missing (needed by 'student_weights')")
+    if not weights or len(digest) != 64:
+        raise ArtifactError(
+            f"{path}: fields 'student_weights' and 'student_sha256' must name a file and its "
+            f"SHA-256, got {weights!r} and {digest!r}"
+        )
+    return layers, weights, digest
 
 
 def read_head(directory: str | Path) -> LinearHead:
@@ -613,8 +698,17 @@ def load_artifact(
             f"{directory}: the encoder at {encoder_dir} is not the one this head was trained "
             "on (SHA-256 of its weights differs); retrain with argus train-classifier"
         )
+    layer_weights = check_student(directory, config, encoder_dir) if config.layers else None
     make = shared_encoder if config.backbone is Backbone.LOGISTIC else build_encoder
-    encoder = make(encoder_dir, config.max_tokens, precision, runtime=runtime, threads=threads)
+    encoder = make(
+        encoder_dir,
+        config.max_tokens,
+        precision,
+        runtime=runtime,
+        threads=threads,
+        layers=config.layers,
+        layer_weights=layer_weights,
+    )
     if encoder.dim != config.hidden_size:
         raise ArtifactError(
             f"{directory}: encoder width {encoder.dim} differs from hidden_size "
@@ -625,6 +719,71 @@ def load_artifact(
         return LevelClassifier(config, encoder, head, calibration)
     except ValueError as exc:
         raise ArtifactError(f"{directory}: {exc}") from None
+
+
+def check_student(directory: Path, config: ClassifierConfig, encoder_dir: Path) -> Path | None:
+    """The distilled layer weights of a student artifact (``None`` for a truncated one), once
+    its config agrees with them and with the encoder: the file's SHA-256 is
+    ``student_sha256``, its tensors are exactly layers ``0 .. layers - 1``, and the encoder
+    has at least ``layers`` layers. ``ArtifactError`` names what differs."""
+    config_path = directory / CONFIG_FILE
+    assert config.layers is not None
+    try:
+        available = int(json.loads((encoder_dir / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, KeyError, ValueError) as exc:
+        raise ArtifactError(f"{encoder_dir / 'config.json'}: no layer count ({exc})") from None
+    if config.layers > available:
+        raise ArtifactError(
+            f"{config_path}: field 'layers' is {config.layers}, but the encoder at "
+            f"{encoder_dir} has {available} layers"
+        )
+    if not config.student_weights:
+        return None
+    path = directory / config.student_weights
+    if not path.is_file():
+        raise ArtifactError(f"{config_path}: field 'student_weights': {path} is missing")
+    if file_sha256(path) != config.student_sha256:
+        raise ArtifactError(
+            f"{config_path}: field 'student_sha256': {path} is not the file this head was "
+            "trained on (its SHA-256 differs); retrain with python -m argus.classifier.distill"
+        )
+    found = student_layer_count(path)
+    if found != config.layers:
+        raise ArtifactError(
+            f"{config_path}: field 'layers' is {config.layers}, but {path} holds the weights "
+            f"of {found} layers"
+        )
+    return path
+
+
+def student_layer_count(path: Path) -> int:
+    """How many transformer layers a student's weights file holds: ``k`` when its tensors are
+    exactly those of layers ``0 .. k - 1`` (``ArtifactError`` when they skip one)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            names = list(handle.keys())
+    except Exception as exc:  # safetensors raises its own error types
+        raise ArtifactError(f"{path}: {exc}") from None
+    indices = set()
+    for name in names:
+        parts = name.split(".")
+        if len(parts) < 3 or parts[:2] != ["encoder", "layer"] or not parts[2].isdigit():
+            raise ArtifactError(f"{path}: tensor {name!r} is not a transformer layer's")
+        indices.add(int(parts[2]))
+    if indices != set(range(len(indices))):
+        raise ArtifactError(f"{path}: layers {sorted(indices)} are not 0 .. k - 1")
+    return len(indices)
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of one file's bytes."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def check_runtime(directory: Path, config: ClassifierConfig, runtime: str | None) -> str:

@@ -83,7 +83,7 @@ R = TypeVar("R")
 
 
 def default_classifier_dir() -> Path:
-    """``classifiers/minilm-logistic`` of the repository (the committed artifacts)."""
+    """``classifiers/minilm-l2-logistic-int8`` of the repository (the committed default)."""
     return CLASSIFIERS_DIR / DEFAULT_CLASSIFIER
 
 

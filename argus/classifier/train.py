@@ -33,6 +33,7 @@ CPU kernels and L-BFGS are deterministic for a given thread count).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -64,9 +65,11 @@ from argus.classifier.model import (
     LinearHead,
     embed_many,
     encoder_sha256,
+    file_sha256,
     save_artifact,
     shared_encoder,
     softmax,
+    vectors_sha256,
 )
 from argus.prompt_split import PromptSet
 
@@ -124,6 +127,14 @@ class TrainConfig:
     or ``onnx`` for float32 vectors, ``onnx-int8`` for the router's cheaper int8 encoder.
     ``finetune`` trains in torch and needs ``torch``."""
 
+    layers: int | None = None
+    """A student encoder: only the encoder's first ``layers`` transformer layers (``None``:
+    all of them); ``logistic`` only."""
+
+    student_weights: Path | None = None
+    """A distilled student's layer weights (:mod:`argus.classifier.distill`), which replace
+    the first ``layers`` layers of the encoder; needs ``layers``."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "backbone", Backbone(self.backbone))
         if self.seed < 0:
@@ -144,6 +155,12 @@ class TrainConfig:
             raise ValueError(f"runtime: must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         if self.backbone is Backbone.FINETUNE and self.runtime != "torch":
             raise ValueError(f"runtime: finetune trains in torch, got {self.runtime!r}")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"layers: must be >= 1, got {self.layers}")
+        if self.layers is not None and self.backbone is not Backbone.LOGISTIC:
+            raise ValueError("layers: a student encoder is for the logistic backbone only")
+        if self.student_weights is not None and self.layers is None:
+            raise ValueError("student_weights: needs layers (the student's layer count)")
 
 
 @dataclass(frozen=True)
@@ -379,8 +396,15 @@ def train_classifier(
 
     started = clock()
     encoder: Encoder
+    weights = None if config.student_weights is None else Path(config.student_weights).resolve()
     if config.backbone is Backbone.LOGISTIC:
-        encoder = shared_encoder(directory, config.max_tokens, runtime=config.runtime)
+        encoder = shared_encoder(
+            directory,
+            config.max_tokens,
+            runtime=config.runtime,
+            layers=config.layers,
+            layer_weights=weights,
+        )
     else:
         from argus.embedding import PromptEmbedder
 
@@ -390,7 +414,9 @@ def train_classifier(
     if cache is None:
         vectors = embed_many(encoder, data.prompts)
     else:
-        identity = EncoderIdentity.of_encoder(reference, encoder_sha256(directory), encoder)
+        student_sha256 = "" if weights is None else file_sha256(weights)
+        sha256 = vectors_sha256(encoder_sha256(directory), config.layers, student_sha256)
+        identity = EncoderIdentity.of_encoder(reference, sha256, encoder)
         vectors = cache.embed(encoder, identity, data.prompts)
     seconds["embed"] = clock() - started
     say(f"{data.strategy}: embedded {len(data)} prompts in {seconds['embed']:.1f} s")
@@ -413,6 +439,7 @@ def train_classifier(
         vectors = embed_many(encoder, data.prompts)  # the fine-tuned encoder's vectors
         reference = ENCODER_DIR
 
+    # the weights file's absolute path for now; save_trained makes it relative to the artifact
     classifier_config = ClassifierConfig(
         strategy=data.strategy,
         levels=data.levels,
@@ -426,6 +453,9 @@ def train_classifier(
         labels_source=data.source,
         base_encoder=base,
         runtime=config.runtime,
+        layers=config.layers,
+        student_weights="" if weights is None else str(weights),
+        student_sha256="" if weights is None else file_sha256(weights),
     )
     logits = head.logits(vectors)
     calibration = calibration_metrics = class_metrics = None
@@ -483,6 +513,13 @@ def save_trained(result: TrainResult, directory: str | Path) -> Path:
         embedder.model.save_pretrained(encoder_dir)
         embedder.tokenizer.save_pretrained(encoder_dir)
         config = replace(classifier.config, encoder_sha256=encoder_sha256(encoder_dir))
+        classifier = LevelClassifier(
+            config, classifier.encoder, classifier.head, classifier.calibration
+        )
+        result.classifier = classifier
+    if classifier.config.student_weights:  # the artifact names the student's file relative to it
+        relative = os.path.relpath(classifier.config.student_weights, directory.resolve())
+        config = replace(classifier.config, student_weights=relative)
         classifier = LevelClassifier(
             config, classifier.encoder, classifier.head, classifier.calibration
         )
