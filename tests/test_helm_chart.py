@@ -1027,7 +1027,10 @@ def test_dockerfile_matches_the_chart() -> None:
     assert user == f"{security['runAsUser']}:{security['runAsGroup']}"
     assert 'ENTRYPOINT ["argus"]' in instructions
     # the router's default classifier is baked into the image
-    assert f"COPY classifiers/minilm-logistic {defaults['router']['classifier']}" in instructions
+    assert (
+        f"COPY classifiers/minilm-l2-logistic-int8 {defaults['router']['classifier']}"
+        in instructions
+    )
     (expose,) = [i.split()[1:] for i in instructions if i.startswith("EXPOSE ")]
     ports = {defaults[c]["port"] for c in ARGUS_COMPONENTS} | {defaults["metrics"]["port"]}
     assert {int(p) for p in expose} == ports
@@ -1050,7 +1053,9 @@ def test_dockerfile_matches_the_chart() -> None:
         if i.startswith("COPY ") and "--from=" not in i
         for src in i.split()[1:-1]
     ]
-    assert {"pyproject.toml", "proto", "argus", "classifiers/minilm-logistic"} <= set(sources)
+    assert {"pyproject.toml", "proto", "argus", "classifiers/minilm-l2-logistic-int8"} <= set(
+        sources
+    )
     for src in sources:
         assert (ROOT / src).exists(), src
         assert any(src == k or src.startswith(f"{k}/") for k in kept), src
@@ -1059,12 +1064,13 @@ def test_dockerfile_matches_the_chart() -> None:
 
 
 def test_the_routers_default_classifier_is_the_one_the_image_bakes_in() -> None:
-    """The chart passes /opt/argus/classifiers/minilm-logistic; the image copies the repo's
-    classifiers/minilm-logistic there: an AC and an SM artifact the router's loader accepts."""
+    """The chart passes /opt/argus/classifiers/minilm-l2-logistic-int8; the image copies the
+    repo's classifiers/minilm-l2-logistic-int8 there: an AC and an SM artifact the router's
+    loader accepts."""
     from argus.classifier.serving import strategy_dirs
     from argus.types import Strategy
 
     default = _chart().values["router"]["classifier"]
-    assert default == "/opt/argus/classifiers/minilm-logistic"
-    found = strategy_dirs(ROOT / "classifiers" / "minilm-logistic")
+    assert default == "/opt/argus/classifiers/minilm-l2-logistic-int8"
+    found = strategy_dirs(ROOT / "classifiers" / "minilm-l2-logistic-int8")
     assert set(found) == {Strategy.AC, Strategy.SM}

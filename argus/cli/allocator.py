@@ -31,7 +31,7 @@ class AllocatorCommand:
         parser.add_argument(
             "--classifier",
             help="the routers' classifier directory, whose Q(v | c) prices their classes "
-            "(default: classifiers/minilm-logistic); none: plan with level averages",
+            "(default: classifiers/minilm-l2-logistic-int8); none: plan with level averages",
         )
         parser.add_argument(
             "--period-s",

@@ -74,8 +74,9 @@ class ReplayCommand:
             "--classifier",
             help=(
                 "level classifier of argus and nirvana: 'default' (the committed "
-                "classifiers/minilm-logistic: logistic heads on frozen all-MiniLM-L6-v2, "
-                "trained on SYNTHETIC labels), 'oracle' (the quality table's optimal level), "
+                "classifiers/minilm-l2-logistic-int8: logistic heads on the first 2 layers "
+                "of all-MiniLM-L6-v2 in int8, trained on SYNTHETIC labels), 'oracle' "
+                "(the quality table's optimal level), "
                 "'noisy-oracle@ACCURACY', or a classifier directory from argus train-classifier"
             ),
         )

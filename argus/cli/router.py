@@ -44,7 +44,8 @@ class RouterCommand:
         )
         parser.add_argument("--profile", help="profile file (default: the embedded one)")
         parser.add_argument(
-            "--classifier", help="classifier directory (default: classifiers/minilm-logistic)"
+            "--classifier",
+            help="classifier directory (default: classifiers/minilm-l2-logistic-int8)",
         )
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
         parser.add_argument(

@@ -101,7 +101,7 @@ class UpCommand:
         parser.add_argument(
             "--classifier",
             help="classifier directory of the router and the allocator "
-            "(default: classifiers/minilm-logistic)",
+            "(default: classifiers/minilm-l2-logistic-int8)",
         )
         parser.add_argument("--auth-token-file", help="the router requires this bearer token")
         parser.add_argument("--tls-cert", help="PEM certificate of the router's endpoint")

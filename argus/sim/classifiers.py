@@ -285,7 +285,7 @@ _PREDICTIONS: dict[str, dict[str, tuple[int, int]]] = {}  # text → (level, cla
 
 
 def make_classifier(spec: str) -> Classifier:
-    """A classifier by name: ``default`` (the committed ``classifiers/minilm-logistic``),
+    """A classifier by name: ``default`` (the committed ``classifiers/minilm-l2-logistic-int8``),
     ``oracle``, ``noisy-oracle@ACCURACY`` (a bare accuracy such as ``0.85`` works too), or a
     classifier directory. Bad specs raise ValueError quoting them."""
     text = spec.strip()
