@@ -18,12 +18,12 @@ import grpc
 
 from argus import rpc
 from argus.grpc_server import reconnect_options
+from argus.router.convert import RETRY_AFTER_KEY, request_to_pb
+from argus.router.values import RouterRequest
 
 common_pb2: Any = rpc.load("common_pb2")
-router_pb2: Any = rpc.load("router_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
-RETRY_AFTER_KEY = "retry-after-ms"
 
 
 class RequestFailed(Exception):
@@ -147,21 +147,18 @@ def generate_request(
 ) -> Any:
     """A RouterGenerateRequest; a fresh request id unless one is given (a retry with the
     same id joins the first call instead of running again)."""
-    request = router_pb2.RouterGenerateRequest(
-        request_id=request_id or uuid.uuid4().hex,
+    typed = RouterRequest(
         prompt=prompt,
+        request_id=request_id or uuid.uuid4().hex,
         negative_prompt=negative_prompt,
         seed=seed,
+        width=size,
+        height=size,
+        steps=steps,
+        deadline_ms=deadline_ms,
+        max_level_index=max_level_index,
     )
-    if size is not None:
-        request.width = request.height = size
-    if steps is not None:
-        request.steps = steps
-    if deadline_ms is not None:
-        request.deadline_ms = deadline_ms
-    if max_level_index is not None:
-        request.max_level_index = max_level_index
-    return request
+    return request_to_pb(typed)
 
 
 def retry_after(err: grpc.RpcError) -> int | None:

@@ -11,7 +11,15 @@ import pytest
 from argus import rpc
 from argus.router import convert
 from argus.router.core import check_request
-from argus.router.values import AdapterKind, Refusal, RouterError, Stage
+from argus.router.values import (
+    AdapterKind,
+    Refusal,
+    RouterError,
+    RouterReply,
+    RouterTiming,
+    Stage,
+)
+from argus.types import Strategy
 
 common_pb2: Any = rpc.load("common_pb2")
 router_pb2: Any = rpc.load("router_pb2")
@@ -148,7 +156,26 @@ def test_a_reply_with_every_field_set_round_trips() -> None:
     assert set_fields(message) == set(message.DESCRIPTOR.fields_by_name)
     worker = full_worker_response()
     assert set_fields(worker) == set(worker.DESCRIPTOR.fields_by_name)
-    typed = convert.reply_from_pb(message)
+    typed = RouterReply(
+        request_id="r-1",
+        png=b"\x89PNG router",
+        level="ac-k10",
+        level_index=1,
+        strategy=Strategy.AC,
+        worker_id="w1",
+        classified_level="ac-k0",
+        target_level="ac-k10",
+        plan_version=42,
+        timing=RouterTiming(
+            classify_ms=1.5,
+            route_ms=0.25,
+            forward_ms=30.0,
+            total_ms=32.0,
+            worker=convert.timing_from_pb(message.timing.worker),
+            attempts=2,
+        ),
+        worker_response=convert.worker_reply_from_pb(worker),
+    )
     assert typed.worker_response.scores[0].prompt == "a cat"
     assert convert.reply_to_pb(typed) == message
     assert convert.worker_reply_to_pb(convert.worker_reply_from_pb(worker)) == worker

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from argus import rpc
-from argus.contracts.wire import STRATEGY_FROM_PB, STRATEGY_TO_PB, strategy_from_pb
+from argus.contracts.wire import STRATEGY_FROM_PB, STRATEGY_TO_PB
 from argus.router.values import (
     Adapter,
     AdapterKind,
@@ -26,7 +26,6 @@ from argus.router.values import (
     Refusal,
     RouterReply,
     RouterRequest,
-    RouterTiming,
     Stage,
     WorkerCall,
     WorkerReply,
@@ -175,30 +174,6 @@ def reply_to_pb(reply: RouterReply) -> Any:
             attempts=t.attempts,
         ),
         worker_response=worker_reply_to_pb(reply.worker_response),
-    )
-
-
-def reply_from_pb(message: Any) -> RouterReply:
-    t = message.timing
-    return RouterReply(
-        request_id=message.request_id,
-        png=bytes(message.png),
-        level=message.level,
-        level_index=message.level_index,
-        strategy=strategy_from_pb(message.strategy, "strategy"),
-        worker_id=message.worker_id,
-        classified_level=message.classified_level,
-        target_level=message.target_level,
-        plan_version=message.plan_version,
-        timing=RouterTiming(
-            classify_ms=t.classify_ms,
-            route_ms=t.route_ms,
-            forward_ms=t.forward_ms,
-            total_ms=t.total_ms,
-            worker=timing_from_pb(t.worker),
-            attempts=t.attempts,
-        ),
-        worker_response=worker_reply_from_pb(message.worker_response),
     )
 
 
