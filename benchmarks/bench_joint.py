@@ -16,7 +16,7 @@ plans pay imports and caches); percentiles are ``numpy.percentile`` of those sam
 and CPU time (the process's) of the same plans. The machine's load average is printed at
 the start and the end: on a shared machine the wall times are those of a busy one.
 
-    python benchmarks/bench_joint.py [--repeats 200] [--warmup 20]
+    python benchmarks/bench_joint.py [--repeats 200] [--warmup 20] [--workers 8,64,512,4096]
 """
 
 from __future__ import annotations
@@ -76,6 +76,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument(
+        "--workers",
+        default="8,64,512,4096",
+        help="comma-separated cluster sizes (live workers) to time",
+    )
     args = parser.parse_args()
     print(machine_line())
     print("SYNTHETIC 12-level profile and Q(v | c); times per plan in ms (four solves at most)")
@@ -87,7 +92,7 @@ def main() -> None:
     draws = np.random.default_rng(2026)
     config = PlannerConfig(queue=QueueModel(12.6))
     counter = _Counter()
-    for workers in (8, 64, 512, 4096):
+    for workers in (int(n) for n in args.workers.split(",")):
         for class_count in (1, 4):
             profiles = synthetic_profiles(class_count)
             levels = profiles.levels_for(Strategy.AC)

@@ -170,16 +170,39 @@ class JointSolver:
             self._problem, class_quality, self._weights, np.array(totals, dtype=np.float64)
         )
         self._basis: highspy.HighsBasis | None = None  # the last relaxation's optimal basis
+        self._last_counts: FloatArray | None = None  # [g, v]: the last solve's worker counts
         self._setup_s = time.perf_counter() - started  # counted in the first solve's solve_ms
 
-    def solve(self, caps: Caps | None = None) -> JointPlan:
+    def solve(self, caps: Caps | None = None, *, resume: bool = False) -> JointPlan:
         """Plan under ``caps`` (1 where absent). Called by the planner every period and on
-        events, a second time when the pools change."""
+        events, a second time when the pools change. With ``resume`` the local search starts
+        from the better of the relaxation's rounding and the last solve's worker counts (the
+        planner's second solve, whose caps come from the first's pools: its counts are
+        usually a step or two from the answer, where the rounding is several)."""
+        plan = self._plan(caps or {}, None, resume)
+        assert plan is not None  # nothing to beat: always a plan
+        return plan
+
+    def solve_to_beat(self, caps: Caps, served_qpm: float, objective: float) -> JointPlan | None:
+        """Plan under ``caps`` only when the plan could beat one that serves ``served_qpm``
+        at ``objective`` (more served, or as much at a higher objective); None when it
+        cannot. The LP relaxation bounds every plan under ``caps`` from above, so when it
+        serves no more and its objective is no higher (within 1e-9), neither rounding nor
+        local search runs: the planner's second start costs one LP instead of a solve."""
+        return self._plan(caps, (served_qpm, objective), False)
+
+    def _plan(self, caps: Caps, beat: tuple[float, float] | None, resume: bool) -> JointPlan | None:
         started = time.perf_counter()
         problem = self._problem
-        rate = self._rates(caps or {})
+        rate = self._rates(caps)
         served = min(problem.load_qpm, self._capacity(rate))
-        counts, x = self._solve(rate, served)
+        if beat is not None and served < beat[0] - 1e-9 * max(1.0, beat[0]):
+            return None
+        bound = None if beat is None or served > beat[0] + 1e-9 * max(1.0, beat[0]) else beat[1]
+        solved = self._solve(rate, served, bound, self._last_counts if resume else None)
+        if solved is None:
+            return None
+        counts, x = solved
         names = tuple(level.name for level in self._levels)
         chosen = _chosen_levels(problem, counts)
         assignment = dict(
@@ -218,17 +241,25 @@ class JointSolver:
         return sum(count * max(rate[g]) for g, count in self._live_by_class.items())
 
     def _solve(
-        self, rate: Mapping[str, Sequence[float]], served: float
-    ) -> tuple[_Counts, FloatArray]:
-        """Solve the program for ``rate`` and W = ``served``; return integer worker counts
-        and x[c, v]."""
+        self,
+        rate: Mapping[str, Sequence[float]],
+        served: float,
+        bound: float | None,
+        hint: FloatArray | None,
+    ) -> tuple[_Counts, FloatArray] | None:
+        """Solve the program for ``rate`` and W = ``served``, the local search also trying
+        ``hint``'s worker counts as its start; return integer worker counts and x[c, v], or
+        None when the relaxation's objective is at most ``bound``."""
         shape = (len(self._worker_classes), len(self._levels))
         rates = np.array([rate[g] for g in self._worker_classes], dtype=np.float64).reshape(shape)
         program = self._model.program(rates, served)
         highs = _Highs(program, self._basis)
-        values = _round_then_certify(highs, program, self._options)
+        values = _round_then_certify(highs, program, self._options, bound, hint)
         self._basis = highs.relaxed_basis
+        if values is None:
+            return None
         workers = np.rint(values[: rates.size]).astype(np.int64).reshape(shape)
+        self._last_counts = workers.astype(np.float64)
         counts = _Counts.empty()
         for i, g in enumerate(self._worker_classes):
             for v, count in enumerate(workers[i].tolist()):
@@ -465,10 +496,18 @@ class _Builder:
         )
 
 
-def _round_then_certify(highs: _Highs, program: _Program, options: HighsOptions) -> FloatArray:
-    """Solve the LP relaxation, round its worker counts, improve them by local search, and
-    keep the result when it is within ``rel_gap`` or ``shortcut_gap`` of the relaxation's
-    bound; otherwise branch and bound from the best found.
+def _round_then_certify(
+    highs: _Highs,
+    program: _Program,
+    options: HighsOptions,
+    bound: float | None = None,
+    hint: FloatArray | None = None,
+) -> FloatArray | None:
+    """Solve the LP relaxation, round its worker counts, improve them by local search (from
+    ``hint``'s counts instead when those serve W and are worth more), and keep the result
+    when it is within ``rel_gap`` or ``shortcut_gap`` of the relaxation's bound; otherwise
+    branch and bound from the best found. None, after the relaxation alone, when its
+    objective is at most ``bound`` (no plan of this program can beat one worth ``bound``).
 
     Every set of counts is valued by the LP with those counts fixed, solved warm on the
     relaxation's HiGHS instance. Branch and bound is all but never needed on large clusters
@@ -479,11 +518,17 @@ def _round_then_certify(highs: _Highs, program: _Program, options: HighsOptions)
     if relaxed is None:
         raise InfeasiblePlanError("joint program: the LP relaxation has no solution")
     scale = max(1.0, abs(relaxed.objective))
+    if bound is not None and relaxed.objective <= bound + 1e-9 * scale:
+        return None
     gap = options.rel_gap * scale
     target = relaxed.objective - max(gap, options.shortcut_gap * scale)
     start = highs.with_counts(
         _rounded(relaxed.counts, program.totals, program.rate, program.served)
     )
+    if hint is not None and hint.shape == relaxed.counts.shape:
+        resumed = highs.with_counts(hint)
+        if resumed is not None and (start is None or resumed.objective > start.objective):
+            start = resumed
     aim = relaxed.objective - SEARCH_AIM * gap
     best = _improved(highs, start, program, aim, target) if start is not None else None
     if best is not None and (best.objective >= target or options.time_limit_s == 0.0):

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from argus import defaults
-from argus.allocator.joint import HighsOptions, JointSolver
+from argus.allocator.joint import HighsOptions, JointPlan, JointSolver
 from argus.allocator.oda import align
 from argus.allocator.queueing import QueueModel
 from argus.allocator.solver import SolverFactory, solve
@@ -125,12 +125,22 @@ def make_plan(
             options=HighsOptions(),
         )
 
-    def settled(pools: Mapping[str, int]) -> tuple[Allocation, ShiftMap]:
+    def settled(
+        pools: Mapping[str, int], beat: Allocation | None = None
+    ) -> tuple[Allocation, ShiftMap] | None:
         """The plan with the caps of ``pools``, solved again with the caps of its own pools
-        when they differ (the caps depend on the pools the plan chooses)."""
-        allocation, shift_map = _solve(
-            profiles, strategy, workers, load, weights, config, pools, backend, joint
-        )
+        when they differ (the caps depend on the pools the plan chooses). With ``beat``:
+        None when the joint program's relaxation under ``pools`` shows no plan beats it."""
+        if beat is not None and joint is not None:
+            caps = utilisation_caps(profiles, strategy, workers, config.queue, pools)
+            found = joint.solve_to_beat(caps, beat.served_qpm, beat.objective)
+            if found is None:
+                return None
+            allocation, shift_map = _joint_answer(found, weights, profiles, workers)
+        else:
+            allocation, shift_map = _solve(
+                profiles, strategy, workers, load, weights, config, pools, backend, joint
+            )
         if config.queue is not None and _pools_of(allocation) != pools:
             allocation, shift_map = _solve(
                 profiles,
@@ -142,22 +152,29 @@ def make_plan(
                 _pools_of(allocation),
                 backend,
                 joint,
+                resume=True,
             )
         return allocation, shift_map
 
     pools = _pools(previous, strategy, workers)
-    allocation, shift_map = settled(pools)
+    settled_first = settled(pools)
+    assert settled_first is not None  # nothing to beat
+    allocation, shift_map = settled_first
     if config.queue is not None:
         # Starting from the previous pools alone is path-dependent: a level no worker runs
         # gets the caps of a one-worker pool, which are low, so new splits are never tried and
         # the plan stays in whatever mix it first fell into. The second start prices every
-        # level as if it had every live worker.
+        # level as if it had every live worker; its own pools can only lower those caps, so
+        # when its relaxation cannot beat the first start's plan it stops there.
         everyone = len(workers.alive())
         open_start = {level.name: everyone for level in profiles.levels_for(strategy)}
         if open_start != pools:
-            other, other_map = settled(open_start)
-            if (other.served_qpm, other.objective) > (allocation.served_qpm, allocation.objective):
-                allocation, shift_map = other, other_map
+            second = settled(open_start, beat=allocation)
+            if second is not None and (second[0].served_qpm, second[0].objective) > (
+                allocation.served_qpm,
+                allocation.objective,
+            ):
+                allocation, shift_map = second
     return Plan(
         version=previous.version + 1 if previous else 1,
         strategy=strategy,
@@ -179,16 +196,15 @@ def _solve(
     pools: Mapping[str, int],
     backend: SolverFactory | None,
     joint: JointSolver | None,
+    *,
+    resume: bool = False,
 ) -> tuple[Allocation, ShiftMap]:
     """One solve under the caps that ``pools`` imply: the joint program when ``joint`` is
-    given, else Eq. 1 and ODA."""
+    given (``resume``: from its last solve's counts too, see :meth:`JointSolver.solve`),
+    else Eq. 1 and ODA."""
     caps = utilisation_caps(profiles, strategy, workers, config.queue, pools)
     if joint is not None:
-        plan = joint.solve(caps)
-        if plan.allocation.served_qpm > 0.0:
-            return plan.allocation, plan.shift_map
-        share = _routing_share(plan.allocation, profiles, workers)
-        return plan.allocation, align(weights, share, plan.allocation.levels)
+        return _joint_answer(joint.solve(caps, resume=resume), weights, profiles, workers)
     allocation = solve(
         profiles,
         strategy,
@@ -201,6 +217,17 @@ def _solve(
     )
     share = _routing_share(allocation, profiles, workers)
     return allocation, align(weights, share, allocation.levels)
+
+
+def _joint_answer(
+    plan: JointPlan, weights: tuple[float, ...], profiles: ProfileSet, workers: ClusterView
+) -> tuple[Allocation, ShiftMap]:
+    """The joint program's allocation and PASM; with nothing served (no capacity), the
+    PASM that routes by the workers' share."""
+    if plan.allocation.served_qpm > 0.0:
+        return plan.allocation, plan.shift_map
+    share = _routing_share(plan.allocation, profiles, workers)
+    return plan.allocation, align(weights, share, plan.allocation.levels)
 
 
 def utilisation_caps(
