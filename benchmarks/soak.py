@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 from _machine import machine_line
 
+from argus import defaults
 from argus.client import Connection, RequestFailed, RouterClient
 from argus.local_cluster import ClusterSpec, LocalCluster
 
@@ -273,6 +274,12 @@ def main() -> None:
     parser.add_argument("--max-outstanding", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--period-s",
+        type=float,
+        help="the allocator's planning period (default: the product's); a long one keeps "
+        "the workers on their first levels",
+    )
+    parser.add_argument(
         "--flat-mb-per-min",
         type=float,
         default=FLAT_MB_PER_MIN,
@@ -308,6 +315,7 @@ def main() -> None:
             workers=args.workers,
             default_steps=args.steps,
             metrics=False,
+            period_s=defaults.PLANNING_PERIOD_S if args.period_s is None else args.period_s,
             worker_args=("--cache-max-entries", str(args.cache_max_entries)),
             router_args=()
             if args.max_id_bytes is None
@@ -364,6 +372,10 @@ def main() -> None:
                     f"slope {fit.slope:+.2f} ± {fit.stderr:.2f} MB/min "
                     f"(noise {fit.noise:.2f} MB)  {fit.verdict(args.flat_mb_per_min)}"
                 )
+            print("level switches (the workers' 'plan N: serving' log lines):")
+            for name, part in cluster.parts.items():
+                if name.startswith("worker"):
+                    print(f"  {name:<20} {part.log_text().count(': serving ')}")
     print(f"end: {load_average()}")
     if args.probe_dir is not None:
         probe_summary(args.probe_dir)
