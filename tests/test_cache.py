@@ -35,6 +35,7 @@ from argus.worker.latent_store import (
 )
 from argus.worker.vector_index import (
     CURRENT,
+    LOCK_FILE,
     EdgeIndexConfig,
     EdgeVectorIndex,
     IndexMatch,
@@ -622,7 +623,7 @@ def test_edge_rebuilds_in_a_child_and_keeps_updates_made_meanwhile(
     reopened = EdgeVectorIndex(tmp_path / "edge", DIM, optimize_after=None)
     assert reopened.count() == 49
     assert sorted(p.name for p in (tmp_path / "edge").iterdir()) == sorted(
-        [CURRENT, reopened.generation_dir.name]
+        [CURRENT, LOCK_FILE, reopened.generation_dir.name]
     )
     reopened.close()
 
@@ -675,6 +676,58 @@ def test_edge_rebuilds_when_dead_points_reach_a_share_of_the_live_ones(tmp_path:
     assert index.count() == 10
     assert index.info().points_count == 10  # recounted from the rebuilt shard
     index.close()
+
+
+def test_edge_shards_keep_no_write_ahead_log_across_rebuilds(tmp_path: Path) -> None:
+    """Edge's log is two preallocated, memory-mapped 32 MB files that a rebuild's copy
+    carried from generation to generation, its mapped pages growing in the worker's memory
+    by about 2 KB an update: shards the index creates, and the rebuilds of them, have none."""
+    index = EdgeVectorIndex(tmp_path / "edge", DIM, optimize_after=10)
+    first = index.generation_dir
+    assert not (first / "wal").exists()
+    edge_points(index, range(10))
+    assert index.wait_for_rebuild(60) and index.rebuilds == 1
+    assert index.generation_dir != first
+    assert not (index.generation_dir / "wal").exists()
+    assert index.count() == 10
+    index.close()
+
+
+CRASHING_OPENER = """
+import os, sys
+import numpy as np
+from argus.worker.vector_index import EdgeVectorIndex
+
+def unit(seed):
+    v = np.random.default_rng(seed).standard_normal({dim}).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+index = EdgeVectorIndex(sys.argv[1], {dim}, optimize_after=None)
+for s in range(10):
+    index.upsert(f"00000000-0000-0000-0000-{{s:012d}}", unit(s), {{"key": "k", "n": s}})
+index.flush()
+for s in range(10, 15):
+    index.upsert(f"00000000-0000-0000-0000-{{s:012d}}", unit(s), {{"key": "k", "n": s}})
+os._exit(0)  # killed: no close, no flush
+"""
+
+
+def test_edge_reopens_after_its_process_died_with_every_flushed_update(tmp_path: Path) -> None:
+    """Without a log an update is durable once flushed: a process that dies without closing
+    leaves a directory the next opener loads (its lock died with the process), holding at
+    least what was flushed."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_OPENER.format(dim=DIM))
+    subprocess.run([sys.executable, str(script), str(tmp_path / "edge")], check=True, timeout=120)
+    reopened = EdgeVectorIndex(tmp_path / "edge", DIM, optimize_after=None)
+    assert 10 <= reopened.count() <= 15
+    for s in range(10):
+        match = reopened.search(unit(s), "k")
+        assert match is not None and match.payload["n"] == s
+    reopened.close()
 
 
 def test_edge_vacuum_needs_a_positive_ratio_and_floor(tmp_path: Path) -> None:
