@@ -198,42 +198,6 @@ def test_a_solve_to_beat_stops_only_when_no_plan_under_its_caps_beats_the_given_
     assert 10 <= stopped <= 70  # both ways were exercised
 
 
-def test_a_resumed_solve_starts_from_the_last_counts_when_they_are_worth_more() -> None:
-    """``resume``: the local search also starts from the last solve's worker counts. Where the
-    rounding's search stops well below the optimum, resuming from the optimum's counts keeps
-    the optimum."""
-    for seed in range(400):
-        instance = Instance(random.Random(90000 + seed), 1, 8)
-        short = instance.solve(NO_BRANCHING)
-        exact = instance.solve(EXACT)
-        best = exact.allocation.objective
-        if short.allocation.objective < best - 0.02 * max(1.0, abs(best)):
-            break
-    else:
-        pytest.fail("no instance where the search alone stops 2% below the optimum")
-    solver = JointSolver(
-        instance.profiles,
-        Strategy.AC,
-        instance.workers,
-        instance.load,
-        instance.quality,
-        instance.histogram,
-        switch_cost_weight=instance.switch_cost_weight,
-        options=NO_BRANCHING,
-    )
-    classes = sorted({w.worker_class for w in instance.workers.workers})
-    counts = np.zeros((len(classes), len(exact.allocation.levels)))
-    for worker in instance.workers.workers:
-        level = exact.allocation.assignment[worker.worker_id]
-        counts[classes.index(worker.worker_class), exact.allocation.levels.index(level)] += 1
-    solver._last_counts = counts  # as if the last solve had found the optimum
-    resumed = solver.solve(instance.caps, resume=True)
-    instance.check_feasible(resumed)
-    assert resumed.allocation.objective == pytest.approx(best, rel=1e-7)
-    again = solver.solve(instance.caps)
-    assert again.allocation.objective == pytest.approx(short.allocation.objective, rel=1e-9)
-
-
 def test_each_solve_gets_the_reused_highs_as_good_as_new() -> None:
     """Solves reuse their thread's HiGHS instance: whatever a solve left on it (options set
     for branch and bound, a model, a solution) is gone when the next one gets it, and the same

@@ -170,16 +170,12 @@ class JointSolver:
             self._problem, class_quality, self._weights, np.array(totals, dtype=np.float64)
         )
         self._basis: highspy.HighsBasis | None = None  # the last relaxation's optimal basis
-        self._last_counts: FloatArray | None = None  # [g, v]: the last solve's worker counts
         self._setup_s = time.perf_counter() - started  # counted in the first solve's solve_ms
 
-    def solve(self, caps: Caps | None = None, *, resume: bool = False) -> JointPlan:
+    def solve(self, caps: Caps | None = None) -> JointPlan:
         """Plan under ``caps`` (1 where absent). Called by the planner every period and on
-        events, a second time when the pools change. With ``resume`` the local search starts
-        from the better of the relaxation's rounding and the last solve's worker counts (the
-        planner's second solve, whose caps come from the first's pools: its counts are
-        usually a step or two from the answer, where the rounding is several)."""
-        plan = self._plan(caps or {}, None, resume)
+        events, a second time when the pools change."""
+        plan = self._plan(caps or {}, None)
         assert plan is not None  # nothing to beat: always a plan
         return plan
 
@@ -189,9 +185,9 @@ class JointSolver:
         cannot. The LP relaxation bounds every plan under ``caps`` from above, so when it
         serves no more and its objective is no higher (within 1e-9), neither rounding nor
         local search runs: the planner's second start costs one LP instead of a solve."""
-        return self._plan(caps, (served_qpm, objective), False)
+        return self._plan(caps, (served_qpm, objective))
 
-    def _plan(self, caps: Caps, beat: tuple[float, float] | None, resume: bool) -> JointPlan | None:
+    def _plan(self, caps: Caps, beat: tuple[float, float] | None) -> JointPlan | None:
         started = time.perf_counter()
         problem = self._problem
         rate = self._rates(caps)
@@ -199,7 +195,7 @@ class JointSolver:
         if beat is not None and served < beat[0] - 1e-9 * max(1.0, beat[0]):
             return None
         bound = None if beat is None or served > beat[0] + 1e-9 * max(1.0, beat[0]) else beat[1]
-        solved = self._solve(rate, served, bound, self._last_counts if resume else None)
+        solved = self._solve(rate, served, bound)
         if solved is None:
             return None
         counts, x = solved
@@ -241,25 +237,19 @@ class JointSolver:
         return sum(count * max(rate[g]) for g, count in self._live_by_class.items())
 
     def _solve(
-        self,
-        rate: Mapping[str, Sequence[float]],
-        served: float,
-        bound: float | None,
-        hint: FloatArray | None,
+        self, rate: Mapping[str, Sequence[float]], served: float, bound: float | None
     ) -> tuple[_Counts, FloatArray] | None:
-        """Solve the program for ``rate`` and W = ``served``, the local search also trying
-        ``hint``'s worker counts as its start; return integer worker counts and x[c, v], or
-        None when the relaxation's objective is at most ``bound``."""
+        """Solve the program for ``rate`` and W = ``served``; return integer worker counts
+        and x[c, v], or None when the relaxation's objective is at most ``bound``."""
         shape = (len(self._worker_classes), len(self._levels))
         rates = np.array([rate[g] for g in self._worker_classes], dtype=np.float64).reshape(shape)
         program = self._model.program(rates, served)
         highs = _Highs(program, self._basis)
-        values = _round_then_certify(highs, program, self._options, bound, hint)
+        values = _round_then_certify(highs, program, self._options, bound)
         self._basis = highs.relaxed_basis
         if values is None:
             return None
         workers = np.rint(values[: rates.size]).astype(np.int64).reshape(shape)
-        self._last_counts = workers.astype(np.float64)
         counts = _Counts.empty()
         for i, g in enumerate(self._worker_classes):
             for v, count in enumerate(workers[i].tolist()):
@@ -497,17 +487,13 @@ class _Builder:
 
 
 def _round_then_certify(
-    highs: _Highs,
-    program: _Program,
-    options: HighsOptions,
-    bound: float | None = None,
-    hint: FloatArray | None = None,
+    highs: _Highs, program: _Program, options: HighsOptions, bound: float | None = None
 ) -> FloatArray | None:
-    """Solve the LP relaxation, round its worker counts, improve them by local search (from
-    ``hint``'s counts instead when those serve W and are worth more), and keep the result
-    when it is within ``rel_gap`` or ``shortcut_gap`` of the relaxation's bound; otherwise
-    branch and bound from the best found. None, after the relaxation alone, when its
-    objective is at most ``bound`` (no plan of this program can beat one worth ``bound``).
+    """Solve the LP relaxation, round its worker counts, improve them by local search, and
+    keep the result when it is within ``rel_gap`` or ``shortcut_gap`` of the relaxation's
+    bound; otherwise branch and bound from the best found. None, after the relaxation
+    alone, when its objective is at most ``bound`` (no plan of this program can beat one
+    worth ``bound``).
 
     Every set of counts is valued by the LP with those counts fixed, solved warm on the
     relaxation's HiGHS instance. Branch and bound is all but never needed on large clusters
@@ -525,10 +511,6 @@ def _round_then_certify(
     start = highs.with_counts(
         _rounded(relaxed.counts, program.totals, program.rate, program.served)
     )
-    if hint is not None and hint.shape == relaxed.counts.shape:
-        resumed = highs.with_counts(hint)
-        if resumed is not None and (start is None or resumed.objective > start.objective):
-            start = resumed
     aim = relaxed.objective - SEARCH_AIM * gap
     best = _improved(highs, start, program, aim, target) if start is not None else None
     if best is not None and (best.objective >= target or options.time_limit_s == 0.0):

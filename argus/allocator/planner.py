@@ -152,7 +152,6 @@ def make_plan(
                 _pools_of(allocation),
                 backend,
                 joint,
-                resume=True,
             )
         return allocation, shift_map
 
@@ -196,15 +195,12 @@ def _solve(
     pools: Mapping[str, int],
     backend: SolverFactory | None,
     joint: JointSolver | None,
-    *,
-    resume: bool = False,
 ) -> tuple[Allocation, ShiftMap]:
     """One solve under the caps that ``pools`` imply: the joint program when ``joint`` is
-    given (``resume``: from its last solve's counts too, see :meth:`JointSolver.solve`),
-    else Eq. 1 and ODA."""
+    given, else Eq. 1 and ODA."""
     caps = utilisation_caps(profiles, strategy, workers, config.queue, pools)
     if joint is not None:
-        return _joint_answer(joint.solve(caps, resume=resume), weights, profiles, workers)
+        return _joint_answer(joint.solve(caps), weights, profiles, workers)
     allocation = solve(
         profiles,
         strategy,
