@@ -124,6 +124,39 @@ def test_full_queue_is_refused_not_grown() -> None:
         worker.close()
 
 
+def test_every_pipeline_run_is_on_the_one_device_thread() -> None:
+    """Torch keeps MKL buffers and an OpenMP team per thread that computes: requests arriving
+    on many handler threads must all compute on the worker's one device thread (run on the
+    callers' threads, a soak worker's memory crept as each pool thread first won the slot)."""
+    worker = make_worker()
+    computed_on: list[int] = []
+    run = worker._run
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        computed_on.append(threading.get_ident())
+        return run(*args, **kwargs)
+
+    worker._run = spy  # type: ignore[method-assign]
+    callers: list[int] = []
+
+    def call(n: int) -> None:
+        callers.append(threading.get_ident())
+        for i in range(2):
+            worker.generate(GenerateCall(f"prompt {n} {i}", seed=n))
+
+    try:
+        threads = [threading.Thread(target=call, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        assert len(computed_on) == 8
+        assert len(set(computed_on)) == 1
+        assert computed_on[0] not in callers
+    finally:
+        worker.close()
+
+
 def test_configure_switches_model_in_the_background_and_unloads_the_old() -> None:
     worker = make_worker()
     try:

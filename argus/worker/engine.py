@@ -26,6 +26,15 @@ without running; one that is denoising stops at the next step boundary and frees
 once. Both raise :class:`~argus.worker.pipelines.Cancelled` and are counted by reason
 ("cancelled", "expired") and stage ("queued", "running") in :meth:`Worker.stats`.
 
+One thread computes: every pipeline run (the cache's prompt encoder, denoising, decoding)
+happens on the worker's *device thread*, whichever thread called :meth:`Worker.generate` (the
+caller holds the GPU slot and waits). Torch's CPU kernels keep state per calling thread:
+MKL's buffers (about 2.3 MB a thread at the tiny models' sizes, measured) and an OpenMP team
+for each thread that starts a parallel region (about 1.2 MB of resident memory more). Run on
+the gRPC server's handler threads, every pool thread that ever won the slot kept its own: 16
+threads' worth, gathered one by one as concurrency peaks created pool threads, which was the
+soak's slow creep of a worker's memory. One device thread bounds it to one thread's worth.
+
 Progress: a caller that passes ``progress`` to :meth:`Worker.generate` hears where the request
 stands (:class:`Progress`): queued with the requests ahead of it, running from its start step,
 each step done (with a low-resolution preview of the latent when the call asked for some),
@@ -48,7 +57,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -77,6 +86,7 @@ from argus.worker.pipelines import (
 from argus.worker.registry import ModelInfo, ModelRegistry
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class QueueFullError(RuntimeError):
@@ -238,6 +248,8 @@ class Worker:
         self._finished = 0  # requests that left the queue (served, failed or stopped)
         self._counts: Counter[str] = Counter()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-insert")
+        # every pipeline run, whoever holds the slot (see the module's docstring)
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
         self._pending: set[Future[Any]] = set()
         self._warm = threading.Event()  # set by warm_up(): the pipeline has run once
 
@@ -294,10 +306,10 @@ class Worker:
         """
         spec, level, plan = self.validate(GenerateCall(prompt=WARM_UP_PROMPT))
         began = time.perf_counter()
-        if self.encoder is not None:
-            self.encoder.embed_one(WARM_UP_PROMPT)
         with self._slots:
-            self._run(spec, level, plan, "warm-up", feed_cache=False)
+            if self.encoder is not None:
+                self._on_device(self.encoder.embed_one, WARM_UP_PROMPT)
+            self._on_device(self._run, spec, level, plan, "warm-up", feed_cache=False)
         self._warm.set()
         return time.perf_counter() - began
 
@@ -364,7 +376,9 @@ class Worker:
             try:
                 stage = "running"
                 started = time.perf_counter()
-                result = self._run(spec, level, plan, call.request_id, cancel=cancel, report=report)
+                result = self._on_device(
+                    self._run, spec, level, plan, call.request_id, cancel=cancel, report=report
+                )
             finally:
                 self._slots.release()
             result.timing_ms["queue_ms"] = (started - arrived) * 1e3
@@ -386,6 +400,10 @@ class Worker:
             with self._lock:
                 self._queued -= 1
                 self._finished += 1
+
+    def _on_device(self, work: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Run ``work`` on the device thread and wait for it; its exception is raised here."""
+        return self._device.submit(work, *args, **kwargs).result()
 
     def _ahead(self, ahead: int, finished: int) -> int:
         """Requests still ahead of one that found ``ahead`` in the queue when ``finished``
@@ -646,6 +664,7 @@ class Worker:
         )
 
     def close(self) -> None:
+        self._device.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         if self.adapters is not None:
             self.adapters.close()
