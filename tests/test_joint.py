@@ -62,7 +62,7 @@ class Instance:
         self.load = rng.uniform(0.0, 1.2) * capacity
         self.switch_cost_weight = rng.uniform(0.0, 3.0)
 
-    def solve(self, options: HighsOptions) -> JointPlan:
+    def solver(self, options: HighsOptions | None = None) -> JointSolver:
         return JointSolver(
             self.profiles,
             Strategy.AC,
@@ -72,7 +72,10 @@ class Instance:
             self.histogram,
             switch_cost_weight=self.switch_cost_weight,
             options=options,
-        ).solve(self.caps)
+        )
+
+    def solve(self, options: HighsOptions) -> JointPlan:
+        return self.solver(options).solve(self.caps)
 
     def check_feasible(self, plan: JointPlan) -> None:
         """Every class's load is placed, no level takes more than its workers may, and every
@@ -146,16 +149,7 @@ def test_a_second_solve_under_other_caps_matches_a_fresh_one(seed: int) -> None:
     rng = random.Random(60260 + seed)
     instance = Instance(rng, 8, 64)
     other_caps = {key: rng.uniform(0.5, 1.0) for key in instance.caps}
-    solver = JointSolver(
-        instance.profiles,
-        Strategy.AC,
-        instance.workers,
-        instance.load,
-        instance.quality,
-        instance.histogram,
-        switch_cost_weight=instance.switch_cost_weight,
-        options=EXACT,
-    )
+    solver = instance.solver(EXACT)
     solver.solve(instance.caps)
     second = solver.solve(other_caps)
     instance.caps = other_caps
@@ -175,15 +169,9 @@ def test_a_solve_to_beat_stops_only_when_no_plan_under_its_caps_beats_the_given_
         instance = Instance(rng, 1, 12)
         to_beat = instance.solve(HighsOptions()).allocation
         instance.caps = {key: rng.uniform(0.5, 1.0) for key in instance.caps}
-        found = JointSolver(
-            instance.profiles,
-            Strategy.AC,
-            instance.workers,
-            instance.load,
-            instance.quality,
-            instance.histogram,
-            switch_cost_weight=instance.switch_cost_weight,
-        ).solve_to_beat(instance.caps, to_beat.served_qpm, to_beat.objective)
+        found = instance.solver().solve_to_beat(
+            instance.caps, to_beat.served_qpm, to_beat.objective
+        )
         if found is None:
             stopped += 1
             exact = instance.solve(EXACT).allocation
