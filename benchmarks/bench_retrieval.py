@@ -179,7 +179,8 @@ def exact_top1(x: np.ndarray, queries: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def parse_settings(ef_list: str, threads_list: str) -> list[tuple[int | None, int | None]]:
-    """The (hnsw_ef, search_threads) pairs to measure; "default" is None."""
+    """The (hnsw_ef, search_threads) pairs to measure; "default" is None: the product's
+    (``EdgeIndexConfig``'s) value."""
 
     def values(text: str) -> list[int | None]:
         return [None if v.strip() == "default" else int(v) for v in text.split(",")]
@@ -302,7 +303,7 @@ def main() -> None:
     parser.add_argument(
         "--hnsw-ef",
         default="default",
-        help="search ef values, comma-separated; 'default': Qdrant's",
+        help="search ef values, comma-separated; 'default': the product's (EdgeIndexConfig)",
     )
     parser.add_argument(
         "--search-threads",
@@ -380,7 +381,14 @@ def main() -> None:
                 f"{built['peak_rss_mib']:,.0f} MiB",
                 flush=True,
             )
-        variants = [replace(config, hnsw_ef=ef, search_threads=t) for ef, t in settings]
+        variants = [
+            replace(
+                config,
+                hnsw_ef=config.hnsw_ef if ef is None else ef,
+                search_threads=config.search_threads if t is None else t,
+            )
+            for ef, t in settings
+        ]
         measured = measure_search(
             path, x, queries, variants, args.rounds, min(args.recall, args.queries)
         )
