@@ -192,9 +192,14 @@ class JointSolver:
         problem = self._problem
         rate = self._rates(caps)
         served = min(problem.load_qpm, self._capacity(rate))
-        if beat is not None and served < beat[0] - 1e-9 * max(1.0, beat[0]):
-            return None
-        bound = None if beat is None or served > beat[0] + 1e-9 * max(1.0, beat[0]) else beat[1]
+        bound = None  # the objective to beat, when this plan can serve no more than beat's
+        if beat is not None:
+            beat_served, beat_objective = beat
+            tolerance = 1e-9 * max(1.0, beat_served)
+            if served < beat_served - tolerance:
+                return None
+            if served <= beat_served + tolerance:
+                bound = beat_objective
         solved = self._solve(rate, served, bound)
         if solved is None:
             return None
