@@ -276,8 +276,8 @@ def main() -> None:
     parser.add_argument(
         "--period-s",
         type=float,
-        help="the allocator's planning period (default: the product's); a long one keeps "
-        "the workers on their first levels",
+        default=defaults.PLANNING_PERIOD_S,
+        help="the allocator's planning period (backlogs and load surges still re-plan)",
     )
     parser.add_argument(
         "--flat-mb-per-min",
@@ -315,7 +315,7 @@ def main() -> None:
             workers=args.workers,
             default_steps=args.steps,
             metrics=False,
-            period_s=defaults.PLANNING_PERIOD_S if args.period_s is None else args.period_s,
+            period_s=args.period_s,
             worker_args=("--cache-max-entries", str(args.cache_max_entries)),
             router_args=()
             if args.max_id_bytes is None
