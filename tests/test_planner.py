@@ -140,3 +140,43 @@ def _all_at(plan, level):
         load_share_qpm=shares,
         assignment={w: level for w in allocation.assignment},
     )
+
+
+def test_the_second_start_stops_early_only_where_it_could_not_win(monkeypatch):
+    """The second start (every level priced as if it had every worker) and its re-solve under
+    the pools it picks each stop after their LP relaxation when that shows no plan beats the
+    first start's: the plans are as good as those of a planner that solves both in full, and
+    both kinds of stop happen."""
+    from argus.allocator.joint import JointSolver
+
+    profiles = default_profiles()
+    quality = read_planning_classes().class_quality[Strategy.AC]
+    config = PlannerConfig(queue=QueueModel(slo_s=12.6))
+    rng = random.Random(2611)
+    cases = []
+    for _ in range(40):
+        workers = ClusterView.uniform(rng.choice([4, 8, 16]))
+        histogram = [rng.random() for _ in quality.prior]
+        cases.append((workers, forecast(rng.uniform(20.0, 160.0)), histogram))
+
+    def plans():
+        plan = partial(make_plan, profiles, Strategy.AC, config=config, class_quality=quality)
+        return [plan(workers, load, histogram) for workers, load, histogram in cases]
+
+    calls: list[bool] = []  # per call of solve_to_beat: did it stop?
+    to_beat = JointSolver.solve_to_beat
+
+    def counted(self, caps, served_qpm, objective):
+        found = to_beat(self, caps, served_qpm, objective)
+        calls.append(found is None)
+        return found
+
+    monkeypatch.setattr(JointSolver, "solve_to_beat", counted)
+    stopping = plans()
+    monkeypatch.setattr(JointSolver, "solve_to_beat", lambda self, caps, s, o: self.solve(caps))
+    full = plans()
+    for early, late in zip(stopping, full, strict=True):  # as good (ties may differ)
+        assert early.allocation.served_qpm == pytest.approx(late.allocation.served_qpm, rel=1e-9)
+        assert early.allocation.objective == pytest.approx(late.allocation.objective, rel=1e-9)
+    assert any(calls) and not all(calls)
+    assert len(calls) > len(cases)  # some second starts were solved again

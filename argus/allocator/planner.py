@@ -125,35 +125,27 @@ def make_plan(
             options=HighsOptions(),
         )
 
+    def solved(
+        pools: Mapping[str, int], beat: Allocation | None
+    ) -> tuple[Allocation, ShiftMap] | None:
+        """The plan with the caps of ``pools``. With ``beat`` (joint mode): None when the
+        joint program's relaxation under those caps shows no plan beats it."""
+        if beat is not None and joint is not None:
+            caps = utilisation_caps(profiles, strategy, workers, config.queue, pools)
+            found = joint.solve_to_beat(caps, beat.served_qpm, beat.objective)
+            return None if found is None else _joint_answer(found, weights, profiles, workers)
+        return _solve(profiles, strategy, workers, load, weights, config, pools, backend, joint)
+
     def settled(
         pools: Mapping[str, int], beat: Allocation | None = None
     ) -> tuple[Allocation, ShiftMap] | None:
         """The plan with the caps of ``pools``, solved again with the caps of its own pools
         when they differ (the caps depend on the pools the plan chooses). With ``beat``:
-        None when the joint program's relaxation under ``pools`` shows no plan beats it."""
-        if beat is not None and joint is not None:
-            caps = utilisation_caps(profiles, strategy, workers, config.queue, pools)
-            found = joint.solve_to_beat(caps, beat.served_qpm, beat.objective)
-            if found is None:
-                return None
-            allocation, shift_map = _joint_answer(found, weights, profiles, workers)
-        else:
-            allocation, shift_map = _solve(
-                profiles, strategy, workers, load, weights, config, pools, backend, joint
-            )
-        if config.queue is not None and _pools_of(allocation) != pools:
-            allocation, shift_map = _solve(
-                profiles,
-                strategy,
-                workers,
-                load,
-                weights,
-                config,
-                _pools_of(allocation),
-                backend,
-                joint,
-            )
-        return allocation, shift_map
+        None when a relaxation, of either solve, shows that no plan beats it."""
+        found = solved(pools, beat)
+        if found is not None and config.queue is not None and _pools_of(found[0]) != pools:
+            return solved(_pools_of(found[0]), beat)
+        return found
 
     pools = _pools(previous, strategy, workers)
     settled_first = settled(pools)
