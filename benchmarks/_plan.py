@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
+
+from argus.types import ProfileSet
 
 
 def allocator_plan(profiles: Any, workers: list[tuple[str, str]], epoch: str) -> Any:
@@ -51,3 +54,17 @@ def serve_router(core: Any, threads: int) -> tuple[int, Callable[[], None]]:
         router.stop(grace=None)
 
     return port, stop
+
+
+def scaled_profiles(time_scale: float) -> ProfileSet:
+    """The default profile with every latency × ``time_scale`` (and throughput ÷ it)."""
+    from argus.profiles import default_profiles
+
+    profiles = default_profiles()
+    table = {
+        key: replace(
+            p, latency_s=p.latency_s * time_scale, throughput_qpm=p.throughput_qpm / time_scale
+        )
+        for key, p in profiles.table.items()
+    }
+    return replace(profiles, table=table, source=f"default × {time_scale:g}")

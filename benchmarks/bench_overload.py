@@ -9,17 +9,16 @@ Processes on this machine, as in a deployment with one router:
   router forwards its own) and is dropped with DEADLINE_EXCEEDED when that passes, as a real
   worker drops expired work; a cancelled call stops at once;
 * **the router** (another child): ``RouterCore`` behind ``argus.router.app``'s
-  ``create_server``, with the committed classifier (``classifiers/minilm-logistic`` behind
-  the micro-batcher; ``--classifier stub`` skips it for smoke runs), following the plan an
-  in-process allocator made for the workers. Torch runs the classifier on
-  ``--classifier-threads`` intra-op threads (default 1): on a machine whose cores are all
-  busy, torch's default of one thread per core made each batch wait for descheduled
-  threads: on this 2-core machine (load average 5–6, two 20 s runs in 5 s windows) the
-  served requests' classifier p95 was 590–850 ms against 40–85 ms with one thread, and
-  served throughput 8–88% of capacity against 97–100%. The
-  profile is the default one with every latency multiplied by ``--time-scale``, so the
-  router's admission and the stubs' service times agree and a run at stub speed takes
-  seconds, not hours;
+  ``create_server``, with the committed default classifier behind the micro-batcher
+  (``--classifier stub`` skips it for smoke runs), following the plan an in-process
+  allocator made for the workers. The classifier's encoder runs on ``--classifier-threads``
+  intra-op threads (default 1): on a machine whose cores are all busy, torch's default of one
+  thread per core made each batch wait for descheduled threads: on this 2-core machine
+  (load average 5–6, two 20 s runs in 5 s windows) the served requests' classifier p95 was
+  590–850 ms against 40–85 ms with one thread, and served throughput 8–88% of capacity
+  against 97–100%. The profile is the default one with every latency multiplied by
+  ``--time-scale``, so the router's admission and the stubs' service times agree and a run
+  at stub speed takes seconds, not hours;
 * **the load generator** (this process): open-loop Poisson arrivals at ``--load`` × the
   capacity for ``--duration-s``, each request with ``deadline_ms`` = ``--deadline-ms`` and
   sent with ``Generate.future`` so that slow answers never hold back the next arrival. At
@@ -54,18 +53,17 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
 from _machine import machine_line
-from _plan import allocator_plan, serve_router
+from _plan import allocator_plan, scaled_profiles, serve_router
 from bench_router import PNG, Child, StubClassifier, arrivals, load_average
 
 from argus import rpc
 from argus.traces import default_prompt_trace, load_prompts
-from argus.types import ProfileSet
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
@@ -74,20 +72,6 @@ worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 
 READY_TIMEOUT_S = 300.0  # the real classifier imports torch and loads MiniLM
 ROUTER_THREADS = 128  # the router's gRPC handler threads: refusals must not queue for one
-
-
-def scaled_profiles(time_scale: float) -> ProfileSet:
-    """The default profile with every latency × ``time_scale`` (and throughput ÷ it)."""
-    from argus.profiles import default_profiles
-
-    profiles = default_profiles()
-    table = {
-        key: replace(
-            p, latency_s=p.latency_s * time_scale, throughput_qpm=p.throughput_qpm / time_scale
-        )
-        for key, p in profiles.table.items()
-    }
-    return replace(profiles, table=table, source=f"default × {time_scale:g}")
 
 
 # -- child processes -----------------------------------------------------------------------

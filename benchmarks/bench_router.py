@@ -44,15 +44,21 @@ for a real classification; the router's cache counters are printed to show it.
 
 Admission works as in production (``--deadline-ms router``, the default): requests carry no
 deadline, so the router gives them its default (30 s) and refuses with RESOURCE_EXHAUSTED
-what its admission rule or its in-flight bound refuses. ``--deadline-ms auto`` picks
-(max_in_flight + 1) × the plan's slowest t_proc, a deadline admission cannot refuse.
+what its admission rule or its in-flight bound refuses. The profile the allocator plans with
+and the router admits by is the default one with every latency × ``--time-scale`` (default
+0.00025: the slowest level takes about 1 ms), so that the router prices the stubs at about
+their speed; at ``--time-scale 1`` it believes each answer takes seconds, and at 500 req/s
+admission refuses a few per cent of requests that the stubs would have served at once.
+``--deadline-ms auto`` picks (max_in_flight + 1) × the plan's slowest t_proc, a deadline
+admission cannot refuse.
 Refused requests (RESOURCE_EXHAUSTED) and cancelled ones (CANCELLED, DEADLINE_EXCEEDED) are
 counted per rate; the sustained rate is the requests answered OK per second of the rate's
 wall time (first send to last answer).
 
     .venv/bin/python benchmarks/bench_router.py [--rates 10,100,500] [--seconds 10]
         [--workers 4] [--classifier default|stub] [--deadline-ms router|auto|MS]
-        [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--router-threads 64]
+        [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--router-threads 272]
+        [--time-scale 0.00025]
         [--json PATH]
 
 These are figures for stub-fast workers on this machine: every process shares its CPUs.
@@ -63,6 +69,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import math
 import multiprocessing
@@ -80,9 +87,9 @@ from typing import Any
 import grpc
 import numpy as np
 from _machine import machine_line
-from _plan import allocator_plan, serve_router
+from _plan import allocator_plan, scaled_profiles, serve_router
 
-from argus import rpc
+from argus import defaults, rpc
 from argus.traces import default_prompt_trace, load_prompts
 
 router_pb2: Any = rpc.load("router_pb2")
@@ -91,7 +98,8 @@ worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(56)  # a small fixed answer (64 bytes)
-MAX_IN_FLIGHT = 256  # RouterServiceConfig's default, used here for the auto deadline
+TIME_SCALE = 0.00025  # the profile's slowest level (4.2 s) becomes about 1 ms, as fast as a stub
+MAX_IN_FLIGHT = defaults.MAX_IN_FLIGHT  # the router's; the auto deadline and thread count use it
 ROUTER_DEADLINE_MS = 30_000  # RouterServiceConfig.default_deadline_ms: requests without one
 READY_TIMEOUT_S = 300.0  # loading the real classifier imports torch and MiniLM
 WARMUP_REQUESTS = 100
@@ -130,6 +138,38 @@ class StubClassifier:
         from argus.types import Strategy
 
         return {Strategy.AC: self.level, Strategy.SM: self.level}
+
+
+class FloorRouter(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
+    """The least a Python gRPC router does: take the request, call a stub worker (round
+    robin) with the router's own client call (``Generate.future``, then its result) and
+    answer. No checks, id ledger, classification, routing or admission: what remains is
+    the transport every router on this machine pays."""
+
+    def __init__(self, workers: list[tuple[str, str]]) -> None:
+        self._channels = [grpc.insecure_channel(address) for _, address in workers]
+        self._stubs = [worker_pb2_grpc.WorkerStub(channel) for channel in self._channels]
+        self._next = itertools.count()
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        began = time.perf_counter()
+        stub = self._stubs[next(self._next) % len(self._stubs)]
+        call = worker_pb2.GenerateRequest(
+            request_id=request.request_id, prompt=request.prompt, seed=request.seed
+        )
+        sent = time.perf_counter()
+        reply = stub.Generate.future(call, timeout=ROUTER_DEADLINE_MS / 1e3).result()
+        answer = router_pb2.RouterGenerateResponse(
+            request_id=request.request_id, png=reply.png, worker_id=reply.worker_id
+        )
+        answer.timing.forward_ms = (time.perf_counter() - sent) * 1e3
+        answer.timing.worker.CopyFrom(reply.timing)
+        answer.timing.total_ms = (time.perf_counter() - began) * 1e3
+        return answer
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
 
 
 class GcWatch:
@@ -215,15 +255,15 @@ def start_router(
     with_metrics: bool,
     gc_freeze: bool,
     threads: int,
+    time_scale: float,
 ) -> tuple[dict[str, Any], Callable[[], None]]:
     """A router serving on a plan the allocator made for ``workers``; returns its port, the
     plan's summary and a closer. ``gc_freeze``: move every object made so far out of the
     collector's reach (``gc.freeze``), as ``argus router`` does after loading its classifier."""
-    from argus.profiles import default_profiles
     from argus.router.core import RouterCore, RouterServiceConfig
     from argus.router.worker_calls import GrpcWorkers
 
-    profiles = default_profiles()
+    profiles = scaled_profiles(time_scale)
     published = allocator_plan(profiles, workers, "bench")
 
     classifier, label = load_classifier(classifier_name)
@@ -261,6 +301,33 @@ def start_router(
             closer()
 
     return info, close
+
+
+def start_floor(
+    workers: list[tuple[str, str]], threads: int
+) -> tuple[dict[str, Any], Callable[[], None]]:
+    """A :class:`FloorRouter` on a server built as the router's is (``new_server``: the
+    same pool, limits and request parsing); returns its port and a closer."""
+    from argus.grpc_server import new_server
+    from argus.router.app import MAX_REQUEST_BYTES
+
+    server = new_server(
+        threads=threads,
+        thread_prefix="floor",
+        max_receive_bytes=MAX_REQUEST_BYTES,
+        max_send_bytes=64 * 1024 * 1024,
+        max_concurrent_rpcs=threads,
+    )
+    floor = FloorRouter(workers)
+    router_pb2_grpc.add_RouterServicer_to_server(floor, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    def close() -> None:
+        server.stop(grace=None)
+        floor.close()
+
+    return {"port": port}, close
 
 
 def load_classifier(name: str) -> tuple[Any, str]:
@@ -519,7 +586,7 @@ def summarize(rate: float, seconds: float, samples: list[Sample], wall_s: float)
 def print_tables(rows: list[dict[str, Any]]) -> None:
     print()
     print(
-        f"{'offered/s':>9} {'sent/s':>7} {'ok/s':>7} {'count':>6} {'refused':>7} "
+        f"{'router':>6} {'offered/s':>9} {'sent/s':>7} {'ok/s':>7} {'count':>6} {'refused':>7} "
         f"{'cancelled':>9} {'other':>5} | {'overhead ms: p50':>16} {'p99':>6} {'max':>7} | "
         f"{'client ms: p50':>14} {'p99':>6} | {'router-internal ms: p50':>23} {'p99':>6}"
     )
@@ -527,22 +594,23 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         other = sum(r["errors"].values()) - r["refused"] - r["cancelled"]
         o, c, i = r["overhead_ms"], r["client_ms"], r["router_internal_ms"]
         print(
-            f"{r['offered_per_s']:>9g} {r['sent_per_s']:>7.1f} {r['ok_per_s']:>7.1f} "
+            f"{r['router']:>6} {r['offered_per_s']:>9g} {r['sent_per_s']:>7.1f} "
+            f"{r['ok_per_s']:>7.1f} "
             f"{r['sent']:>6} {r['refused']:>7} {r['cancelled']:>9} {other:>5} | "
             f"{o['p50']:>16.2f} {o['p99']:>6.2f} {o['max']:>7.1f} | "
             f"{c['p50']:>14.2f} {c['p99']:>6.2f} | {i['p50']:>23.2f} {i['p99']:>6.2f}"
         )
         if r["errors"]:
-            print(f"{'':>9} status codes: {r['errors']}")
+            print(f"{'':>16} status codes: {r['errors']}")
     print()
     print(
         "where the router's time goes (ms, p50/p99), CPU per process (100% = one core) and the "
         "router's garbage collections (full ones, longest pause):"
     )
     print(
-        f"{'offered/s':>9} {'classify':>13} {'route':>13} {'worker hop':>13} {'worker':>13} "
-        f"{'send lag p99':>12} | {'cpu: router':>11} {'workers':>8} {'loadgen':>8} | "
-        f"{'gc: full':>8} {'max ms':>7}"
+        f"{'router':>6} {'offered/s':>9} {'classify':>13} {'route':>13} {'worker hop':>13} "
+        f"{'worker':>13} {'send lag p99':>12} | {'cpu: router':>11} {'ms/req':>6} "
+        f"{'workers':>8} {'loadgen':>8} | {'gc: full':>8} {'max ms':>7}"
     )
     for r in rows:
         cells = [
@@ -551,10 +619,33 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         ]
         cpu = r["cpu_percent"]
         print(
-            f"{r['offered_per_s']:>9g} " + " ".join(f"{c:>13}" for c in cells) + " "
-            f"{r['send_lag_ms']['p99']:>12.2f} | {cpu['router']:>10.0f}% "
+            f"{r['router']:>6} {r['offered_per_s']:>9g} "
+            + " ".join(f"{c:>13}" for c in cells)
+            + f" {r['send_lag_ms']['p99']:>12.2f} | {cpu['router']:>10.0f}% "
+            f"{r['router_cpu_ms_per_request']:>6.2f} "
             f"{cpu['workers']:>7.0f}% {cpu['loadgen']:>7.0f}% | "
             f"{r['router_gc']['gen2_count']:>8} {r['router_gc']['pause_max_ms']:>7.1f}"
+        )
+
+
+def print_floor(rows: list[dict[str, Any]]) -> None:
+    """The router's overhead and CPU beside the floor's at each rate (with ``--floor``)."""
+    floors = {r["offered_per_s"]: r for r in rows if r["router"] == "floor"}
+    if not floors:
+        return
+    print()
+    print("the router over the floor (the transport alone), same arrivals, floor first:")
+    for r in rows:
+        floor = floors.get(r["offered_per_s"])
+        if r["router"] == "floor" or floor is None:
+            continue
+        o, f = r["overhead_ms"], floor["overhead_ms"]
+        print(
+            f"  {r['offered_per_s']:g} req/s: overhead p50 {o['p50']:.2f} ms (floor "
+            f"{f['p50']:.2f}, +{o['p50'] - f['p50']:.2f}), p99 {o['p99']:.2f} ms (floor "
+            f"{f['p99']:.2f}, +{o['p99'] - f['p99']:.2f}); router CPU "
+            f"{r['router_cpu_ms_per_request']:.2f} ms a request (floor "
+            f"{floor['router_cpu_ms_per_request']:.2f})"
         )
 
 
@@ -589,8 +680,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--router-threads",
         type=int,
-        default=64,
-        help="the router's gRPC handler threads (argus router's default: 64)",
+        default=MAX_IN_FLIGHT + 16,
+        help="the router's gRPC handler threads, as many calls at once (argus router's "
+        "default: max_in_flight + 16 = %(default)d)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=TIME_SCALE,
+        help="the profile's latencies × this, as the router admits by (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also offer each rate's arrivals to a pass-through router (the transport alone)",
     )
     parser.add_argument("--seed", type=int, default=0, help="arrival times")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -598,6 +701,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.rates = [float(r) for r in args.rates.split(",")]
     if args.workers < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates):
         parser.error("--workers, --seconds and every rate must be > 0")
+    if not args.time_scale > 0:
+        parser.error("--time-scale: must be > 0")
     return args
 
 
@@ -616,9 +721,12 @@ def warm_up(stub: Any, tag: str | None, prompts: Sequence[str], deadline_ms: int
 
 
 @contextlib.contextmanager
-def processes(args: argparse.Namespace) -> Iterator[tuple[Child, dict[str, int]]]:
-    """Start the stub workers' and the router's processes; yields the router's and the pids
-    (router, workers, loadgen); stops both children on the way out, Ctrl-C included."""
+def processes(
+    args: argparse.Namespace,
+) -> Iterator[tuple[Child, dict[str, int], Child | None]]:
+    """Start the stub workers' and the router's processes (and with ``--floor`` the floor
+    router's); yields the router's, the pids (router, workers, loadgen) and the floor's;
+    stops every child on the way out, Ctrl-C included."""
     ctx = multiprocessing.get_context("spawn")
     children: list[Child] = []
     try:
@@ -634,15 +742,21 @@ def processes(args: argparse.Namespace) -> Iterator[tuple[Child, dict[str, int]]
             args.metrics,
             args.gc_freeze,
             args.router_threads,
+            args.time_scale,
         )
         children.append(router)
         router.wait_ready(READY_TIMEOUT_S)
+        floor = None
+        if args.floor:
+            floor = Child(ctx, "floor", start_floor, addresses, args.router_threads)
+            children.append(floor)
+            floor.wait_ready(60.0)
         pids = {
             "router": router.process.pid,
             "workers": workers.process.pid,
             "loadgen": os.getpid(),
         }
-        yield router, pids
+        yield router, pids, floor
     finally:
         for child in reversed(children):
             child.close()
@@ -651,25 +765,27 @@ def processes(args: argparse.Namespace) -> Iterator[tuple[Child, dict[str, int]]
 def measure(
     stub: Any,
     rate: float,
+    times: np.ndarray,
     args: argparse.Namespace,
     prompts: Sequence[str],
     deadline_ms: int | None,
     router: Child,
     pids: dict[str, int],
-    rng: np.random.Generator,
+    label: str = "argus",
 ) -> dict[str, Any]:
-    """Offer ``rate`` req/s for ``args.seconds``, one prompt of ``prompts`` per request in
-    order; the rate's figures with CPU % per process, the router's garbage collections and
-    its classifier's counters."""
-    times = arrivals(rate, args.seconds, rng)
+    """Offer ``rate`` req/s at ``times``, one prompt of ``prompts`` per request in order,
+    to the router ``label`` (its process is ``router``, ``pids["router"]``); the rate's
+    figures with CPU % per process, the router's garbage collections and its classifier's
+    counters."""
     gc_before = router.gc()
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    tag = f"r{rate:g}" if args.request_ids == "unique" else None
+    tag = f"{label}-r{rate:g}" if args.request_ids == "unique" else None
     samples, wall_s = offer(stub, tag, times, prompts[: len(times)], deadline_ms)
     row = summarize(rate, args.seconds, samples, wall_s)
-    row["cpu_percent"] = {
-        name: (cpu_seconds(pid) - before[name]) / wall_s * 100 for name, pid in pids.items()
-    }
+    row["router"] = label
+    used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    row["cpu_percent"] = {name: used[name] / wall_s * 100 for name in pids}
+    row["router_cpu_ms_per_request"] = used["router"] / max(1, len(samples)) * 1e3
     gc_after = router.gc()
     row["router_gc"] = {
         "gen2_count": int(gc_after["count"][2] - gc_before["count"][2]),
@@ -679,7 +795,9 @@ def measure(
     }
     counted = gc_after["classifier"]
     row["classifier"] = {k: v - gc_before["classifier"].get(k, 0.0) for k, v in counted.items()}
-    print(f"  {rate:g} req/s: {row['ok']}/{row['sent']} OK in {wall_s:.1f} s", flush=True)
+    print(
+        f"  {label} at {rate:g} req/s: {row['ok']}/{row['sent']} OK in {wall_s:.1f} s", flush=True
+    )
     return row
 
 
@@ -689,7 +807,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prompts = [p.prompt for p in load_prompts(default_prompt_trace())]
     print(machine_line())
     print(f"load average at start: {load_average()}")
-    with processes(args) as (router, pids):
+    with processes(args) as (router, pids, floor):
         info = router.info
         deadline_ms = deadline_for(args.deadline_ms, info["max_t_proc_s"])
         print(
@@ -704,19 +822,42 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
         print(
             f"plan: {info['strategy']}, {sorted(Counter(info['assignment'].values()).items())}; "
-            f"deadline_ms {deadline_ms}; open-loop Poisson arrivals, {args.seconds:g} s per rate",
+            f"profile latencies x {args.time_scale:g} (slowest t_proc "
+            f"{info['max_t_proc_s'] * 1e3:.2f} ms); deadline_ms {deadline_ms}; "
+            f"open-loop Poisson arrivals, {args.seconds:g} s per rate",
             flush=True,
         )
-        with grpc.insecure_channel(f"127.0.0.1:{info['port']}") as channel:
+        if floor is not None:
+            print(
+                "floor: a pass-through router on the same kind of server (FloorRouter), "
+                "offered the same arrivals just before the router at each rate",
+                flush=True,
+            )
+        with contextlib.ExitStack() as stack:
+            channel = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{info['port']}"))
             stub = router_pb2_grpc.RouterStub(channel)
             warm_up(stub, "warm-up" if args.request_ids == "unique" else None, prompts, deadline_ms)
+            floor_stub = None
+            if floor is not None:
+                address = f"127.0.0.1:{floor.info['port']}"
+                floor_stub = router_pb2_grpc.RouterStub(
+                    stack.enter_context(grpc.insecure_channel(address))
+                )
+                tag = "floor-warm-up" if args.request_ids == "unique" else None
+                warm_up(floor_stub, tag, prompts, deadline_ms)
             rng = np.random.default_rng(args.seed)
             rows, used = [], WARMUP_REQUESTS  # no rate reuses a prompt of the warm-up
             for rate in args.rates:
-                fresh = distinct_prompts(prompts, used, int(rate * args.seconds * 1.5) + 100)
-                rows.append(measure(stub, rate, args, fresh, deadline_ms, router, pids, rng))
-                used += rows[-1]["sent"]
+                times = arrivals(rate, args.seconds, rng)
+                fresh = distinct_prompts(prompts, used, len(times))
+                if floor is not None and floor_stub is not None:
+                    floor_pids = pids | {"router": floor.process.pid}
+                    offered = (floor_stub, rate, times, args, fresh, deadline_ms)
+                    rows.append(measure(*offered, floor, floor_pids, label="floor"))
+                rows.append(measure(stub, rate, times, args, fresh, deadline_ms, router, pids))
+                used += len(times)
     print_tables(rows)
+    print_floor(rows)
     for r in rows:
         counted = r["classifier"]
         if counted:
@@ -731,6 +872,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results = {
         "machine": machine_line(),
         "note": "stub-fast workers on this machine",
+        "floor": args.floor,
         "classifier": info["classifier"],
         "workers": args.workers,
         "request_ids": args.request_ids,
@@ -739,6 +881,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "router_threads": args.router_threads,
         "router_gc_objects": info["gc_objects"],
         "deadline_ms": deadline_ms,
+        "time_scale": args.time_scale,
         "plan": {"strategy": info["strategy"], "assignment": info["assignment"]},
         "rates": rows,
     }

@@ -60,3 +60,22 @@ def test_prompts_never_repeat_across_passes(bench_router: Any) -> None:
     assert stream[:3] == base and stream[3] == "a cat, variation 1"
     assert len(set(stream)) == 10
     assert bench_router.distinct_prompts(base, 4, 3) == stream[4:7]
+
+
+def test_the_floor_router_gets_the_same_arrivals_and_is_reported_beside(
+    bench_router: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--rates", "20", "--seconds", "1", "--workers", "2", "--classifier", "stub"]
+    results = bench_router.main([*argv, "--floor"])
+
+    floor, argus = results["rates"]
+    assert (floor["router"], argus["router"]) == ("floor", "argus")
+    assert floor["sent"] == argus["sent"] > 0  # the same arrival times, one after the other
+    assert floor["ok"] == floor["sent"] and argus["ok"] == argus["sent"]
+    assert floor["classifier"] == {}  # the floor neither classifies nor routes
+    assert all(math.isfinite(v) for v in floor["overhead_ms"].values())
+    assert floor["router_cpu_ms_per_request"] > 0.0
+    assert results["floor"] is True
+    printed = capsys.readouterr().out
+    assert "the router over the floor" in printed
+    assert "20 req/s: overhead p50" in printed
