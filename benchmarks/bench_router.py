@@ -33,12 +33,17 @@ real classifier's torch and transformers make hundreds of thousands; the router 
 a router without it pays.
 
 The classifier is the router's own by default (``--classifier default``): the committed
-``classifiers/minilm-logistic`` loaded by ``load_prompt_classifier`` with the serving defaults
-(encoder runtime, threads, micro-batcher, prompt-vector cache), as ``argus router`` runs it.
+default (``default_classifier_dir``) loaded by ``load_prompt_classifier`` with the serving
+defaults (encoder runtime, threads, micro-batcher, prompt-vector cache), as ``argus router``
+runs it.
 Prompts are PartiPrompts made distinct across the whole run (after the first pass over the
 1,632 of them each gets ", variation N"), so the cache never answers: every request pays
 for a real classification; the router's cache counters are printed to show it.
 ``--classifier stub`` returns a fixed level instead (the router's own overhead alone).
+``--floor`` also starts a pass-through router (:class:`FloorRouter`, on a server built as
+the router's) and offers each rate's arrivals to it just before the router: what the Python
+gRPC transport costs on this machine, beside what the router adds (overhead and the router
+process's CPU per request).
 ``--metrics`` also gives the core the ``RouterMetrics`` that ``argus router`` counts in
 (prometheus_client; nothing scrapes them here).
 
