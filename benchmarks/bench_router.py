@@ -311,18 +311,11 @@ def start_router(
 def start_floor(
     workers: list[tuple[str, str]], threads: int
 ) -> tuple[dict[str, Any], Callable[[], None]]:
-    """A :class:`FloorRouter` on a server built as the router's is (``new_server``: the
-    same pool, limits and request parsing); returns its port and a closer."""
-    from argus.grpc_server import new_server
-    from argus.router.app import MAX_REQUEST_BYTES
+    """A :class:`FloorRouter` on the router's kind of server (``router_server``: the same
+    pool, limits and request parsing); returns its port and a closer."""
+    from argus.router.app import router_server
 
-    server = new_server(
-        threads=threads,
-        thread_prefix="floor",
-        max_receive_bytes=MAX_REQUEST_BYTES,
-        max_send_bytes=64 * 1024 * 1024,
-        max_concurrent_rpcs=threads,
-    )
+    server = router_server(threads, prefix="floor")
     floor = FloorRouter(workers)
     router_pb2_grpc.add_RouterServicer_to_server(floor, server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -40,6 +40,7 @@ from argus.types import ClassQuality, ProfileSet, Strategy
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
+MAX_REPLY_BYTES = 64 * 1024 * 1024  # an image and its worker's answer
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,22 @@ class ServerSecurity:
 
     credentials: grpc.ServerCredentials | None = None  # TLS
     token: str | None = None  # bearer token every call but health checks must carry
+
+
+def router_server(
+    threads: int, interceptors: Sequence[grpc.ServerInterceptor] = (), prefix: str = "router"
+) -> grpc.Server:
+    """The router's gRPC server, not started and bound to nothing: ``threads`` handler
+    threads and as many calls at once (more are refused with RESOURCE_EXHAUSTED), the
+    router's message limits and request parsing."""
+    return new_server(
+        threads=threads,
+        thread_prefix=prefix,
+        max_receive_bytes=MAX_REQUEST_BYTES,
+        max_send_bytes=MAX_REPLY_BYTES,
+        interceptors=interceptors,
+        max_concurrent_rpcs=threads,
+    )
 
 
 def create_server(
@@ -67,14 +84,7 @@ def create_server(
     RouterGenerateRequest get INVALID_ARGUMENT instead of gRPC's INTERNAL.
     """
     interceptors = [] if security.token is None else [BearerTokenInterceptor(security.token)]
-    server = new_server(
-        threads=threads,
-        thread_prefix="router",
-        max_receive_bytes=MAX_REQUEST_BYTES,
-        max_send_bytes=64 * 1024 * 1024,
-        interceptors=interceptors,
-        max_concurrent_rpcs=threads,
-    )
+    server = router_server(threads, interceptors)
     health_servicer = health.HealthServicer()
     servicer = RouterServicer(core, health_servicer)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
