@@ -25,7 +25,6 @@ from argus.sim.adapters import (
     draw_adapters,
     invocation_shares,
     popularity,
-    sample_adapters,
     with_adapter_costs,
     zipf_weights,
 )
@@ -35,6 +34,7 @@ from argus.sim.quality import synthetic_quality_table
 from argus.sim.report import summarise
 from argus.sim.workloads import poisson
 from argus.types import Strategy
+from tests.package_helpers import sample_adapters
 
 SAMPLE = 100_000
 

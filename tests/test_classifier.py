@@ -24,7 +24,6 @@ from argus.classifier.model import (
     length_batches,
     load_artifact,
     read_config,
-    read_metrics,
 )
 from argus.classifier.prompts import (
     EMPTY_PROMPT_LEVEL,
@@ -45,6 +44,7 @@ from argus.sim.quality import synthetic_quality_table
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
 from tests.classifier_factories import AC_LEVELS, lexical_table, make_tiny_bert
+from tests.package_helpers import read_metrics
 
 FAST = TrainConfig(max_tokens=64, c_grid=(0.3, 3.0, 30.0))
 

@@ -26,13 +26,13 @@ from argus.worker.controlnet.models import (
     build_controlnet,
     build_tiny_controlnet,
     estimate_bytes,
-    export_tiny_catalog,
     load_entry,
     model_bytes,
     prepare_control_image,
     tiny_unet_config,
 )
 from argus.worker.controlnet.transport import tensor_from_pb, tensor_to_pb
+from tests.package_helpers import export_tiny_catalog
 
 
 def png(seed: int = 0, size: tuple[int, int] = (64, 64), mode: str = "RGB") -> bytes:

@@ -249,7 +249,7 @@ def test_without_cfg_the_controlnets_see_one_branch(local: LocalControlNetExecut
 
 def test_executor_for_a_worker_setting(tmp_path: Any) -> None:
     from argus.worker.controlnet.client import executor_for
-    from argus.worker.controlnet.models import export_tiny_catalog
+    from tests.package_helpers import export_tiny_catalog
 
     assert isinstance(executor_for("local"), LocalControlNetExecutor)
     export_tiny_catalog(tmp_path, {"sd15": ["canny"]})

@@ -810,11 +810,6 @@ def check_runtime(directory: Path, config: ClassifierConfig, runtime: str | None
     return runtime
 
 
-def read_metrics(directory: str | Path) -> dict[str, Any]:
-    """``metrics.json`` of an artifact."""
-    return _read_json(Path(directory) / METRICS_FILE)
-
-
 def read_artifact_calibration(
     directory: str | Path, config: ClassifierConfig | None = None
 ) -> Calibration | None:

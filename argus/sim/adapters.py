@@ -386,28 +386,6 @@ def draw_adapters(
     )
 
 
-def sample_adapters(
-    rng: np.random.Generator,
-    mix: AdapterMix = KATZ_SERVICE_A,
-    *,
-    controlnets: Sequence[str] | None = None,
-) -> list[tuple[str, str, float]]:
-    """One request's adapters as ``(kind, name, scale)``, kind ``"controlnet"`` or ``"lora"``.
-
-    ``controlnets`` names the ControlNets a client can actually ask for, most popular first
-    (e.g. a tiny catalog's names): popularity is cut to that many ranks and renormalised, and
-    rank r takes ``controlnets[r]``. Without it the names are :func:`controlnet_name`'s.
-    """
-    limit = None if controlnets is None else len(controlnets)
-    draws = draw_adapters(1, rng, mix, controlnets=limit)
-    found = draws.adapters(0)
-    if controlnets is None:
-        return found
-    ranks = [int(r) for r in draws.controlnets[0] if r >= 0]
-    named = [(CONTROLNET, controlnets[r], DEFAULT_SCALE) for r in ranks]
-    return named + [entry for entry in found if entry[0] == LORA]
-
-
 # -- costs -----------------------------------------------------------------------------------
 
 

@@ -332,22 +332,6 @@ def load_controlnet_dir(path: str | Path, *, dtype: torch.dtype) -> Any:
         raise ControlNetLoadError("", f"{root}: cannot load ControlNet: {err}") from err
 
 
-def export_tiny_catalog(
-    root: str | Path, names: Mapping[str, Iterable[str]] | None = None
-) -> ControlNetCatalog:
-    """Write tiny ControlNets as a directory catalog (``ROOT/<family>/<name>/``) and open it.
-
-    For tests and demos of the directory path; ``names`` maps family → names (default: all).
-    """
-    base = Path(root)
-    for family, family_names in (names or TINY_NAMES).items():
-        for name in family_names:
-            build_tiny_controlnet(family, name).save_pretrained(
-                base / family / name, safe_serialization=True
-            )
-    return ControlNetCatalog.directory(base)
-
-
 def estimate_bytes(entry: CatalogEntry, dtype: torch.dtype) -> int:
     """Bytes of weights loading ``entry`` in ``dtype`` will place on the device."""
     from argus.worker.models import safetensors_numel
