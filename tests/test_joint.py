@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from argus.allocator.joint import HighsOptions, JointPlan, JointSolver, _rounded
+from argus.allocator.joint import (
+    HighsOptions,
+    JointPlan,
+    JointSolver,
+    _Ceiling,
+    _Highs,
+    _rounded,
+    _Solution,
+)
 from argus.types import ClassQuality, ClusterView, ProfileSet, Strategy, WorkerState
 from tests.factories import make_profiles
 
@@ -243,3 +251,77 @@ def test_rounded_counts_keep_the_relaxed_capacity(
     assert np.all(counts == np.round(counts)) and np.all(counts >= 0.0)
     assert np.all(counts.sum(axis=1) <= totals)
     assert float((counts * rate).sum()) >= served - 1e-9 * max(1.0, served)
+
+
+def _valued_counts(instance: Instance, rng: random.Random) -> list[_Solution]:
+    """The relaxation of ``instance``'s program and the LPs of random counts near its
+    rounding, all solved on one ``_Highs`` as a solve's are."""
+    solver = instance.solver()
+    rate = solver._rates(instance.caps)
+    served = min(instance.load, solver._capacity(rate))
+    groups = solver._worker_classes
+    rates = np.array([rate[g] for g in groups], dtype=np.float64)
+    program = solver._model.program(rates, served)
+    highs = _Highs(program, None)
+    relaxed = highs.relaxation()
+    assert relaxed is not None
+    start = _rounded(relaxed.counts, program.totals, program.rate, program.served)
+    solutions = [relaxed]
+    for _ in range(16):
+        counts = start.copy()
+        for _ in range(rng.randint(1, 3)):  # move or add a worker where there is one
+            g = rng.randrange(counts.shape[0])
+            v, w = rng.randrange(counts.shape[1]), rng.randrange(counts.shape[1])
+            if counts[g, v] >= 1.0:
+                counts[g, v] -= 1.0
+                counts[g, w] += 1.0
+            elif counts[g].sum() < program.totals[g]:
+                counts[g, w] += 1.0
+        solved = highs.with_counts(counts)
+        if solved is not None:
+            solutions.append(solved)
+    return solutions
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_planes_of_solved_lps_lie_over_the_value_of_any_counts(seed: int) -> None:
+    """What lets local search skip a candidate: the value of counts is concave in them and
+    every solved LP's duals give a plane over it. Each valued counts lies under every
+    plane, the others' and the relaxation's, and so under their ceiling."""
+    rng = random.Random(81260 + seed)
+    solutions = _valued_counts(Instance(rng, 2, 24), rng)
+    assert len(solutions) >= 3
+    ceiling = _Ceiling()
+    for solution in solutions:
+        ceiling.add(solution)
+    for b in solutions[1:]:
+        tolerance = 1e-7 * max(1.0, abs(b.objective))
+        for a in solutions:
+            plane = a.objective + float((a.reduced * (b.counts - a.counts)).sum())
+            assert b.objective <= plane + tolerance
+        assert b.objective <= ceiling.over(b.counts) + tolerance
+        assert ceiling.over(b.counts) <= b.objective + tolerance  # its own plane touches it
+
+
+def test_local_search_skips_only_counts_that_could_not_gain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On random small clusters the search values fewer counts with the ceiling than without
+    it, and every plan is worth the same: a skipped candidate would not have gained."""
+    valued = [0]
+    with_counts = _Highs.with_counts
+
+    def counted(highs: _Highs, counts: np.ndarray) -> _Solution | None:
+        valued[0] += 1
+        return with_counts(highs, counts)
+
+    monkeypatch.setattr(_Highs, "with_counts", counted)
+    instances = [Instance(random.Random(82000 + seed), 2, 12) for seed in range(80)]
+    skipping = [instance.solve(NO_BRANCHING).allocation for instance in instances]
+    valued_skipping, valued[0] = valued[0], 0
+    monkeypatch.setattr(_Ceiling, "over", lambda self, counts: np.inf)
+    solving = [instance.solve(NO_BRANCHING).allocation for instance in instances]
+    assert valued[0] - valued_skipping >= 10
+    for ours, theirs in zip(skipping, solving, strict=True):
+        assert ours.served_qpm == pytest.approx(theirs.served_qpm, rel=1e-9)
+        assert ours.objective == pytest.approx(theirs.objective, rel=1e-9, abs=1e-9)

@@ -32,7 +32,8 @@ numpy arrays), on one HiGHS instance per thread, cleared for each solve, to a re
 3. the loads for those counts: the same LP with n fixed, warm from step 1's basis;
 4. while that is short of step 1's bound by more than a tenth of the gap, local search:
    add, remove or move one worker, as the reduced costs suggest, each valued as in step 3
-   (on up to ``PAIR_MOVES_UP_TO`` workers, two at once when no single move gains);
+   (on up to ``PAIR_MOVES_UP_TO`` workers, two at once when no single move gains), but for
+   those that the duals of the LPs solved before show cannot gain (``_Ceiling``);
 5. if it is still short of the bound by more than ``HighsOptions.shortcut_gap`` (5%),
    branch and bound from the best counts, within ``HighsOptions.time_limit_s``.
 
@@ -264,7 +265,6 @@ class JointSolver:
         loads = np.zeros((n_levels, n_levels))
         x = values[rates.size : rates.size + program.classes.size * n_levels]
         loads[program.classes] = np.maximum(0.0, x.reshape(program.classes.size, n_levels))
-        _split_by_class(counts, loads, rate, self._live_by_class)
         return counts, loads
 
 
@@ -408,26 +408,29 @@ class _Model:
         position = np.empty_like(order)
         position[order] = np.arange(order.size)
         self._rate_slots = position[n_size : 2 * n_size]  # where −rate[g, v] goes
-
-    def program(self, rate: FloatArray, served: float) -> _Program:
-        """The program with ``rate`` [g, v] = u · P_th and W = ``served``."""
         block = self._block
-        value = self._value.copy()
-        value[self._rate_slots] = -rate.ravel()
-        row_lower, row_upper = block.row_lower.copy(), block.row_upper.copy()
-        row_lower[self._class_rows] = row_upper[self._class_rows] = self._share * served
-        lp = highspy.HighsLp()
+        self._lp = lp = highspy.HighsLp()
         lp.num_col_ = len(block.cost)
-        lp.num_row_ = len(row_lower)
+        lp.num_row_ = len(block.row_lower)
         lp.sense_ = highspy.ObjSense.kMaximize
         lp.col_cost_ = block.cost
         lp.col_lower_ = block.col_lower
         lp.col_upper_ = block.col_upper
-        lp.row_lower_ = row_lower
-        lp.row_upper_ = row_upper
         lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
         lp.a_matrix_.start_ = self._start
         lp.a_matrix_.index_ = self._index
+
+    def program(self, rate: FloatArray, served: float) -> _Program:
+        """The program with ``rate`` [g, v] = u · P_th and W = ``served``. It is the model's
+        one HighsLp with those filled in: the next program fills it again (HiGHS copies
+        the LP it is passed, and a solver solves one program at a time)."""
+        block, lp = self._block, self._lp
+        value = self._value.copy()
+        value[self._rate_slots] = -rate.ravel()
+        row_lower, row_upper = block.row_lower.copy(), block.row_upper.copy()
+        row_lower[self._class_rows] = row_upper[self._class_rows] = self._share * served
+        lp.row_lower_ = row_lower
+        lp.row_upper_ = row_upper
         lp.a_matrix_.value_ = value
         return _Program(lp, self.classes, self.totals, rate, served)
 
@@ -538,6 +541,7 @@ class _Solution:
     reduced: FloatArray  # [g, v]: ∂ objective / ∂ n, from the LP's duals
 
 
+FEASIBLE = 2  # HiGHS's primal_solution_status of a feasible solution
 PRIMAL_SIMPLEX = 4  # HiGHS's simplex_strategy values
 DUAL_SIMPLEX = 1
 
@@ -566,10 +570,13 @@ class _Highs:
             self._highs.setBasis(basis)
         self._columns = np.arange(program.rate.size, dtype=np.int32)
         self.relaxed_basis: highspy.HighsBasis | None = None  # once the relaxation is solved
+        self.ceiling = _Ceiling()  # over the value of any counts, from the LPs solved
 
     def relaxation(self) -> _Solution | None:
         solution = self._run()
         self.relaxed_basis = self._highs.getBasis()
+        if solution is not None:
+            self.ceiling.add(solution)
         return solution
 
     def with_counts(self, counts: FloatArray) -> _Solution | None:
@@ -577,7 +584,10 @@ class _Highs:
         fixed = counts.ravel()
         self._highs.setOptionValue("simplex_strategy", DUAL_SIMPLEX)
         self._highs.changeColsBounds(fixed.size, self._columns, fixed, fixed)
-        return self._run()
+        solution = self._run()
+        if solution is not None:
+            self.ceiling.add(solution)
+        return solution
 
     def branch_and_bound(self, options: HighsOptions, start: _Solution | None) -> FloatArray | None:
         """The program with integer counts, from ``start`` when there is one (without one
@@ -605,24 +615,57 @@ class _Highs:
 
     def _run(self) -> _Solution | None:
         """Run; None when HiGHS found no feasible solution."""
-        self._highs.run()
-        status = self._highs.getModelStatus()
-        info = self._highs.getInfo()
-        solved = status == highspy.HighsModelStatus.kOptimal
-        timed_out = (
-            status == highspy.HighsModelStatus.kTimeLimit and info.primal_solution_status == 2
-        )
-        if not (solved or timed_out):
+        highs = self._highs
+        highs.run()
+        status = highs.getModelStatus()
+        if status != highspy.HighsModelStatus.kOptimal and not (
+            status == highspy.HighsModelStatus.kTimeLimit
+            and highs.getInfoValue("primal_solution_status")[1] == FEASIBLE
+        ):
             return None
-        solution = self._highs.getSolution()
+        solution = highs.getSolution()
         values = np.asarray(solution.col_value, dtype=np.float64)
         size, shape = self._columns.size, self._program.rate.shape
         return _Solution(
-            float(info.objective_function_value),
+            highs.getObjectiveValue(),
             values,
             values[:size].reshape(shape),
             np.asarray(solution.col_dual, dtype=np.float64)[:size].reshape(shape),
         )
+
+
+class _Ceiling:
+    """An upper bound on what any worker counts are worth, from the LPs solved so far.
+
+    The value V(n) of counts n is an LP in which n only sets bounds, so V is concave in n,
+    and the duals of an LP solved at n give a plane over it: V(n') ≤ V(n) + d·(n' − n),
+    where d is n's reduced costs (weak duality: the dual solution at n stays feasible at
+    n', and its objective there is that plane). The relaxation's duals give one too, as
+    its n only moves within the bounds the fixed programs narrow. The lowest plane over
+    counts bounds their value without solving for it; local search skips a candidate whose
+    bound cannot beat the plan it has, which in the last round of a search (the candidates
+    it tries before giving up) is most of them.
+    """
+
+    def __init__(self) -> None:
+        self._slopes: list[FloatArray] = []
+        self._offsets: list[float] = []
+        self._stacked: tuple[FloatArray, FloatArray] | None = None
+
+    def add(self, solution: _Solution) -> None:
+        slope = solution.reduced.ravel()
+        self._slopes.append(slope)
+        self._offsets.append(solution.objective - float(slope @ solution.counts.ravel()))
+        self._stacked = None
+
+    def over(self, counts: FloatArray) -> float:
+        """The lowest plane at ``counts`` [g, v] (inf before any LP was solved)."""
+        if not self._slopes:
+            return math.inf
+        if self._stacked is None:
+            self._stacked = (np.array(self._slopes), np.array(self._offsets))
+        slopes, offsets = self._stacked
+        return float((offsets + slopes @ counts.ravel()).min())
 
 
 _THREAD = threading.local()  # .highs: the HiGHS instance this thread's solves reuse
@@ -673,15 +716,22 @@ def _improved(
     return best
 
 
+CEILING_SLACK = 1e-6  # a candidate is skipped when its ceiling is this share below the best
+# (HiGHS's duals are feasible to 1e-7, so a plane may sit that far below the value; on the
+# benchmark's instances and test_joint's none was more than 1e-7 of the objective below it)
+
+
 def _first_gain(
     highs: _Highs, best: _Solution, candidates: Sequence[FloatArray]
 ) -> _Solution | None:
-    """The first of ``candidates`` (worker counts) whose loads value above ``best``."""
+    """The first of ``candidates`` (worker counts) whose loads value above ``best``; those
+    the LPs solved so far show cannot are not solved."""
+    scale = max(1.0, abs(best.objective))
     for counts in candidates:
+        if highs.ceiling.over(counts) < best.objective - CEILING_SLACK * scale:
+            continue
         trial = highs.with_counts(counts)
-        if trial is not None and trial.objective > best.objective + 1e-9 * max(
-            1.0, abs(best.objective)
-        ):
+        if trial is not None and trial.objective > best.objective + 1e-9 * scale:
             return trial
     return None
 
@@ -804,21 +854,6 @@ def _rounded(
         up[g, np.argmax(fastest[g])] = True
     result: FloatArray = floors + up
     return result
-
-
-def _split_by_class(
-    counts: _Counts,
-    loads: FloatArray,
-    rate: Mapping[str, Sequence[float]],
-    live_by_class: Mapping[str, int],
-) -> None:
-    """Each level's load spread over the worker classes in proportion to their capacity."""
-    for v, total in enumerate(loads.sum(axis=0).tolist()):
-        capacity = {g: rate[g][v] * counts.workers[g, v] for g in live_by_class}
-        room = sum(capacity.values())
-        for g, cap in capacity.items():
-            if cap > 0.0:
-                counts.load[g, v] = total * cap / room
 
 
 def _shift_map(
