@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,3 +34,16 @@ def test_cap_is_the_largest_utilisation_whose_late_share_fits(
 
 def test_no_budget_means_no_load() -> None:
     assert QueueModel(2.0).max_utilisation(2.5, 4) == 0.0
+
+
+def test_a_model_answers_again_as_it_did_and_stays_equal_to_an_unused_one() -> None:
+    """The caps a model keeps are per model: another SLO gets its own, a bad pool size is
+    refused every time, and what it keeps takes no part in equality or hashing."""
+    used, other = QueueModel(12.6), QueueModel(4.0)
+    first = used.max_utilisation(3.0, 4)
+    assert used.max_utilisation(3.0, 4) == first
+    assert other.max_utilisation(3.0, 4) != first
+    assert used == QueueModel(12.6) and hash(used) == hash(QueueModel(12.6))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="servers"):
+            used.max_utilisation(3.0, 0)

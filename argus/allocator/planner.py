@@ -111,6 +111,7 @@ def make_plan(
     levels = profiles.levels_for(strategy)
     weights = _normalised_histogram(histogram, len(levels))
     load = forecast.qpm * config.load_margin
+    caps_of = UtilisationCaps(profiles, strategy, workers, config.queue)
     joint = None
     if config.mode is PlannerMode.JOINT:
         joint = JointSolver(
@@ -131,10 +132,11 @@ def make_plan(
         """The plan with the caps of ``pools``. With ``beat`` (joint mode): None when the
         joint program's relaxation under those caps shows no plan beats it."""
         if beat is not None and joint is not None:
-            caps = utilisation_caps(profiles, strategy, workers, config.queue, pools)
-            found = joint.solve_to_beat(caps, beat.served_qpm, beat.objective)
+            found = joint.solve_to_beat(caps_of(pools), beat.served_qpm, beat.objective)
             return None if found is None else _joint_answer(found, weights, profiles, workers)
-        return _solve(profiles, strategy, workers, load, weights, config, pools, backend, joint)
+        return _solve(
+            profiles, strategy, workers, load, weights, config, caps_of(pools), backend, joint
+        )
 
     def settled(
         pools: Mapping[str, int], beat: Allocation | None = None
@@ -184,13 +186,12 @@ def _solve(
     load: float,
     weights: tuple[float, ...],
     config: PlannerConfig,
-    pools: Mapping[str, int],
+    caps: Mapping[tuple[str, str], float],
     backend: SolverFactory | None,
     joint: JointSolver | None,
 ) -> tuple[Allocation, ShiftMap]:
-    """One solve under the caps that ``pools`` imply: the joint program when ``joint`` is
-    given, else Eq. 1 and ODA."""
-    caps = utilisation_caps(profiles, strategy, workers, config.queue, pools)
+    """One solve under ``caps``: the joint program when ``joint`` is given, else Eq. 1 and
+    ODA."""
     if joint is not None:
         return _joint_answer(joint.solve(caps), weights, profiles, workers)
     allocation = solve(
@@ -218,25 +219,35 @@ def _joint_answer(
     return plan.allocation, align(weights, share, plan.allocation.levels)
 
 
-def utilisation_caps(
-    profiles: ProfileSet,
-    strategy: Strategy,
-    workers: ClusterView,
-    queue: QueueModel | None,
-    pools: Mapping[str, int],
-) -> dict[tuple[str, str], float]:
+class UtilisationCaps:
     """(worker class, level) → the utilisation at which a level of ``pools[level]`` workers
-    keeps the expected wait within the SLO (empty without a queue model)."""
-    if queue is None:
-        return {}
-    classes = sorted({w.worker_class for w in workers.alive()})
-    return {
-        (g, level.name): queue.max_utilisation(
-            profiles.profile(g, level.name).latency_s, max(1, pools.get(level.name, 1))
-        )
-        for g in classes
-        for level in profiles.levels_for(strategy)
-    }
+    keeps the expected wait within the SLO, for the live workers of one planning step (empty
+    without a queue model). A plan asks for up to four sets of pools; the worker classes and
+    the latencies are looked up once."""
+
+    def __init__(
+        self,
+        profiles: ProfileSet,
+        strategy: Strategy,
+        workers: ClusterView,
+        queue: QueueModel | None,
+    ) -> None:
+        self._queue = queue
+        classes = sorted({w.worker_class for w in workers.alive()}) if queue else []
+        self._latency = [
+            (g, level.name, profiles.profile(g, level.name).latency_s)
+            for g in classes
+            for level in profiles.levels_for(strategy)
+        ]
+
+    def __call__(self, pools: Mapping[str, int]) -> dict[tuple[str, str], float]:
+        queue = self._queue
+        if queue is None:
+            return {}
+        return {
+            (g, level): queue.max_utilisation(latency_s, max(1, pools.get(level, 1)))
+            for g, level, latency_s in self._latency
+        }
 
 
 def _pools(previous: Plan | None, strategy: Strategy, workers: ClusterView) -> dict[str, int]:
