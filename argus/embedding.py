@@ -354,6 +354,27 @@ def _onnx_forward(path: Path, threads: int) -> Forward:
     return forward
 
 
+def _direct_tokenizer(tokenizer: Any, max_tokens: int) -> Any:
+    """A copy of a fast transformers ``tokenizer``'s Rust tokenizer that pads a batch to its
+    longest prompt and cuts at ``max_tokens``, as the transformers call does; None for a
+    tokenizer without one. The transformers call sets these per call and builds its
+    answer in Python: for one prompt that is most of the tokenizer's time (0.04 of 0.05 ms
+    here, and 0.2 of 0.36 ms on a core that ran something else just before)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or tokenizer.padding_side != "right":
+        return None
+    from tokenizers import Tokenizer
+
+    direct = Tokenizer.from_str(backend.to_str())
+    direct.enable_truncation(max_tokens, strategy="longest_first", direction="right")
+    direct.enable_padding(
+        pad_id=tokenizer.pad_token_id,
+        pad_type_id=tokenizer.pad_token_type_id,
+        pad_token=tokenizer.pad_token,
+    )
+    return direct
+
+
 class PromptEmbedder:
     """Embeds prompts as unit vectors; thread-safe, batched, truncating to ``max_tokens``.
 
@@ -414,6 +435,7 @@ class PromptEmbedder:
         config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
         self.device = device
         self.max_tokens = min(max_tokens, int(config.max_position_embeddings))
+        self._encoder = _direct_tokenizer(self.tokenizer, self.max_tokens)
         self.dim = int(config.hidden_size)
         if layers is not None and layers > int(config.num_hidden_layers):
             raise ValueError(
@@ -472,7 +494,17 @@ class PromptEmbedder:
         self._lock = threading.Lock()
 
     def tokenize(self, prompts: Sequence[str]) -> dict[str, npt.NDArray[np.int64]]:
-        """Token arrays of ``prompts``, padded to the longest, cut at ``max_tokens``."""
+        """Token arrays of ``prompts``, padded to the longest, cut at ``max_tokens``: the
+        transformers tokenizer's own arrays, from its Rust tokenizer called directly where
+        it has one (``_direct_tokenizer``)."""
+        if self._encoder is not None:
+            encoded = self._encoder.encode_batch(list(prompts))
+            ids = np.array([e.ids for e in encoded], dtype=np.int64)
+            return {
+                "input_ids": ids,
+                "attention_mask": np.array([e.attention_mask for e in encoded], dtype=np.int64),
+                "token_type_ids": np.array([e.type_ids for e in encoded], dtype=np.int64),
+            }
         batch: Any = self.tokenizer(
             list(prompts),
             padding=True,

@@ -72,6 +72,29 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------- runtimes
 
 
+def test_prompts_are_tokenized_as_the_transformers_tokenizer_does(tiny_bert: Path) -> None:
+    """The embedder calls the Rust tokenizer directly; its arrays are those of the
+    transformers call it replaces, for one prompt and for batches padded to their longest,
+    cut at max_tokens (11 here, so most of these are cut), empty and non-ASCII prompts too."""
+    embedder = PromptEmbedder(tiny_bert, max_tokens=11)
+    assert embedder._encoder is not None  # the direct path is the one under test
+    prompts = [*PROMPTS, " ", "héllo wörld 東京 🚀 " * 3, "[CLS] [SEP] [PAD] x " * 9, "a" * 300]
+
+    def transformers_call(batch: list[str]) -> dict[str, np.ndarray]:
+        arrays = embedder.tokenizer(
+            batch, padding=True, truncation=True, max_length=11, return_tensors="np"
+        )
+        return {name: np.asarray(arrays[name], dtype=np.int64) for name in arrays}
+
+    batches = [[p] for p in prompts] + [prompts, prompts[::-1], prompts[2:5]]
+    for batch in batches:
+        ours, theirs = embedder.tokenize(batch), transformers_call(batch)
+        assert ours.keys() == theirs.keys()
+        for name, array in theirs.items():
+            assert ours[name].dtype == np.int64
+            np.testing.assert_array_equal(ours[name], array, err_msg=f"{name} of {batch}")
+
+
 @pytest.mark.parametrize("runtime", ["onnx", "onnx-int8", "torch-int8"])
 def test_runtimes_embed_like_torch_fp32(tiny_bert: Path, cache_dir: Path, runtime: str) -> None:
     reference = PromptEmbedder(tiny_bert, max_tokens=32).embed(PROMPTS)
