@@ -258,10 +258,7 @@ def _valued_counts(instance: Instance, rng: random.Random) -> list[_Solution]:
     rounding, all solved on one ``_Highs`` as a solve's are."""
     solver = instance.solver()
     rate = solver._rates(instance.caps)
-    served = min(instance.load, solver._capacity(rate))
-    groups = solver._worker_classes
-    rates = np.array([rate[g] for g in groups], dtype=np.float64)
-    program = solver._model.program(rates, served)
+    program = solver._program(rate, min(instance.load, solver._capacity(rate)))
     highs = _Highs(program, None)
     relaxed = highs.relaxation()
     assert relaxed is not None

@@ -37,8 +37,8 @@ def test_no_budget_means_no_load() -> None:
 
 
 def test_a_model_answers_again_as_it_did_and_stays_equal_to_an_unused_one() -> None:
-    """The caps a model keeps are per model: another SLO gets its own, a bad pool size is
-    refused every time, and what it keeps takes no part in equality or hashing."""
+    """Answers are cached by the model's parameters: another SLO gets its own, a bad pool
+    size is refused every time, and using a model changes nothing of its equality or hash."""
     used, other = QueueModel(12.6), QueueModel(4.0)
     first = used.max_utilisation(3.0, 4)
     assert used.max_utilisation(3.0, 4) == first

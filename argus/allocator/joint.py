@@ -242,20 +242,25 @@ class JointSolver:
         """What the live workers can serve at ``rate``: each at its fastest level."""
         return sum(count * max(rate[g]) for g, count in self._live_by_class.items())
 
+    def _program(self, rate: Mapping[str, Sequence[float]], served: float) -> _Program:
+        """The program for ``rate`` (per worker class, per level) and W = ``served``."""
+        rates = np.array([rate[g] for g in self._worker_classes], dtype=np.float64)
+        shape = (len(self._worker_classes), len(self._levels))
+        return self._model.program(rates.reshape(shape), served)
+
     def _solve(
         self, rate: Mapping[str, Sequence[float]], served: float, bound: float | None
     ) -> tuple[_Counts, FloatArray] | None:
         """Solve the program for ``rate`` and W = ``served``; return integer worker counts
         and x[c, v], or None when the relaxation's objective is at most ``bound``."""
-        shape = (len(self._worker_classes), len(self._levels))
-        rates = np.array([rate[g] for g in self._worker_classes], dtype=np.float64).reshape(shape)
-        program = self._model.program(rates, served)
+        program = self._program(rate, served)
+        size, shape = program.rate.size, program.rate.shape
         highs = _Highs(program, self._basis)
         values = _round_then_certify(highs, program, self._options, bound)
         self._basis = highs.relaxed_basis
         if values is None:
             return None
-        workers = np.rint(values[: rates.size]).astype(np.int64).reshape(shape)
+        workers = np.rint(values[:size]).astype(np.int64).reshape(shape)
         counts = _Counts.empty()
         for i, g in enumerate(self._worker_classes):
             for v, count in enumerate(workers[i].tolist()):
@@ -263,7 +268,7 @@ class JointSolver:
         counts.switch_cost = _rounded_switch_cost(self._problem, counts.workers)
         n_levels = len(self._levels)
         loads = np.zeros((n_levels, n_levels))
-        x = values[rates.size : rates.size + program.classes.size * n_levels]
+        x = values[size : size + program.classes.size * n_levels]
         loads[program.classes] = np.maximum(0.0, x.reshape(program.classes.size, n_levels))
         return counts, loads
 

@@ -24,7 +24,7 @@ again.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 
@@ -46,12 +46,6 @@ class QueueModel:
     router refuses a request whose predicted completion misses its deadline, so planning
     only the *mean* wait into the budget (a share of a half) leaves too many to refusal."""
 
-    _caps: dict[tuple[float, int], float] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    """max_utilisation's answers by (service_s, servers): a plan asks for the same few
-    dozen four times, and the module's cache costs its key's rounding on each."""
-
     def __post_init__(self) -> None:
         if not (math.isfinite(self.slo_s) and self.slo_s > 0.0):
             raise ValueError(f"slo_s: must be a finite number > 0, got {self.slo_s}")
@@ -66,22 +60,11 @@ class QueueModel:
         """The highest utilisation of ``servers`` workers of service time ``service_s`` at
         which at most ``late_share`` of the requests wait longer than ``slo_s − service_s``
         (0 when none does)."""
-        found = self._caps.get((service_s, servers))
-        if found is not None:
-            return found
         if servers < 1:
             raise ValueError(f"servers: must be >= 1, got {servers}")
-        cap = _max_utilisation(
-            round(service_s, 6),
-            servers,
-            round(self.slo_s - service_s, 6),
-            round((self.arrival_scv + self.service_scv) / 2.0, 6),
-            self.late_share,
+        return _cap(
+            self.slo_s, self.arrival_scv + self.service_scv, self.late_share, service_s, servers
         )
-        if len(self._caps) >= CAPS_KEPT:
-            self._caps.clear()
-        self._caps[service_s, servers] = cap
-        return cap
 
     def expected_wait_s(self, service_s: float, servers: int, utilisation: float) -> float:
         """Expected wait in queue (seconds) at ``utilisation`` (inf at 1 or above)."""
@@ -120,11 +103,23 @@ def mmc_late_share(service_s: float, servers: int, utilisation: float, wait_s: f
     return waits * math.exp(-servers * (1.0 - utilisation) * wait_s / service_s)
 
 
-CAPS_KEPT = 65536  # answers a QueueModel keeps before it starts again
 UTILISATION_TOLERANCE = 2.0**-40  # how close below the largest admissible utilisation
 
 
 @lru_cache(maxsize=65536)
+def _cap(slo_s: float, scv_sum: float, late_share: float, service_s: float, servers: int) -> float:
+    """:meth:`QueueModel.max_utilisation`, cached by its inputs as given (a plan asks for the
+    same few dozen four times, and a key of rounded inputs cost its rounding on each); the
+    search runs on them rounded to 1e-6."""
+    return _max_utilisation(
+        round(service_s, 6),
+        servers,
+        round(slo_s - service_s, 6),
+        round(scv_sum / 2.0, 6),
+        late_share,
+    )
+
+
 def _max_utilisation(
     service_s: float, servers: int, budget_s: float, variability: float, late_share: float
 ) -> float:
