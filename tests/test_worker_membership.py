@@ -248,6 +248,8 @@ def test_an_unreachable_allocator_is_retried_while_the_worker_serves(
         held.close()
         alloc = allocator(address)  # the allocator comes up: the next retry joins
         wait_until(lambda: "w7" in alloc.members())
+        # the allocator lists the worker as it answers the join; the worker logs on the answer
+        wait_until(lambda: any("joined the allocator" in r.getMessage() for r in caplog.records))
     messages = [r.getMessage() for r in caplog.records]
     joined = [i for i, m in enumerate(messages) if "joined the allocator" in m]
     assert joined
