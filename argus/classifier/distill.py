@@ -284,6 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DistillConfig.max_tokens,
+        help="where prompts are cut, in training and serving (default %(default)s)",
+    )
+    parser.add_argument(
         "--runtime",
         default="torch",
         choices=["torch", "onnx", "onnx-int8"],
@@ -295,7 +301,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from argus.embedding import use_torch_threads
 
     try:
-        config = DistillConfig(layers=args.layers, epochs=args.epochs, lr=args.lr, seed=args.seed)
+        config = DistillConfig(
+            layers=args.layers,
+            epochs=args.epochs,
+            lr=args.lr,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     use_torch_threads(args.threads)  # one: a shared machine's second core is not ours
@@ -312,7 +324,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{result.best_epoch}, held-out cosine {result.held_out_cosine[0]:.4f} -> "
             f"{max(result.held_out_cosine):.4f}, {result.seconds:.0f} s; {weights}"
         )
-    train_config = TrainConfig(layers=config.layers, student_weights=weights, runtime=args.runtime)
+    train_config = TrainConfig(
+        layers=config.layers,
+        student_weights=weights,
+        runtime=args.runtime,
+        max_tokens=config.max_tokens,
+    )
     pinned: dict[str, Any] = {"layers": config.layers, "prompts": list(PINNED_PROMPTS)}
     for strategy, labelled in data.items():
         trained = train_classifier(labelled, train_config)
