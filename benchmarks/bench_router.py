@@ -4,7 +4,8 @@ Three processes on this machine, as in a deployment with one router:
 
 * **stub workers** (one child process): ``--workers`` gRPC servers with the real
   ``argus.v1.Worker`` interface that answer a small fixed PNG at once and report their own
-  service time (handler entry to reply) in ``timing.total_ms``;
+  service time (handler entry to reply) in ``timing.total_ms``, and the health service the
+  workers serve (the router holds a ``Watch`` open on each worker's channel);
 * **the router** (another child process): ``RouterCore`` behind ``argus.router.app``'s
   ``create_server`` with its defaults, following a real plan: an allocator in that process
   (frozen clock, no control loop) receives one heartbeat per stub worker and makes the plan,
@@ -39,7 +40,8 @@ runs it.
 Prompts are PartiPrompts made distinct across the whole run (after the first pass over the
 1,632 of them each gets ", variation N"), so the cache never answers: every request pays
 for a real classification; the router's cache counters are printed to show it.
-``--classifier stub`` returns a fixed level instead (the router's own overhead alone).
+``--classifier stub`` returns a fixed level instead (the router's own overhead alone);
+``--classifier DIR`` loads the classifier artifacts under DIR the same way.
 ``--floor`` also starts a pass-through router (:class:`FloorRouter`, on a server built as
 the router's) and offers each rate's arrivals to it just before the router: what the Python
 gRPC transport costs on this machine, beside what the router adds (overhead and the router
@@ -61,7 +63,7 @@ counted per rate; the sustained rate is the requests answered OK per second of t
 wall time (first send to last answer).
 
     .venv/bin/python benchmarks/bench_router.py [--rates 10,100,500] [--seconds 10]
-        [--workers 4] [--classifier default|stub] [--deadline-ms router|auto|MS]
+        [--workers 4] [--classifier default|stub|DIR] [--deadline-ms router|auto|MS]
         [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--router-threads 272]
         [--time-scale 0.00025]
         [--json PATH]
@@ -93,6 +95,7 @@ import grpc
 import numpy as np
 from _machine import machine_line
 from _plan import allocator_plan, scaled_profiles, serve_router
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from argus import defaults, rpc
 from argus.traces import default_prompt_trace, load_prompts
@@ -149,11 +152,16 @@ class FloorRouter(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
     """The least a Python gRPC router does: take the request, call a stub worker (round
     robin) with the router's own client call (``Generate.future``, then its result) and
     answer. No checks, id ledger, classification, routing or admission: what remains is
-    the transport every router on this machine pays."""
+    the transport every router on this machine pays. Like the router's channels, each holds
+    the worker's health watch open, which keeps the channel's completion thread running."""
 
     def __init__(self, workers: list[tuple[str, str]]) -> None:
         self._channels = [grpc.insecure_channel(address) for _, address in workers]
         self._stubs = [worker_pb2_grpc.WorkerStub(channel) for channel in self._channels]
+        self._watches = [
+            health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            for channel in self._channels
+        ]
         self._next = itertools.count()
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -242,6 +250,7 @@ def start_workers(count: int) -> tuple[list[tuple[str, str]], Callable[[], None]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         worker_id = f"stub-{i}"
         worker_pb2_grpc.add_WorkerServicer_to_server(StubWorker(worker_id), server)
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # as workers
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)
@@ -341,7 +350,8 @@ def load_classifier(name: str) -> tuple[Any, str]:
     )
     from argus.types import Strategy
 
-    classifier = load_prompt_classifier()
+    directory = default_classifier_dir() if name == "default" else Path(name)
+    classifier = load_prompt_classifier(directory)
     classifier.classify("warm-up: a red fox in the snow")
     global _CLASSIFIER
     _CLASSIFIER = classifier
@@ -354,7 +364,7 @@ def load_classifier(name: str) -> tuple[Any, str]:
 
         threads = f"{torch.get_num_threads()} torch intra-op thread(s)"
     return classifier, (
-        f"default ({default_classifier_dir().name}; encoder runtime {runtime}, {threads}; "
+        f"{name} ({directory.name}; encoder runtime {runtime}, {threads}; "
         f"micro-batched, wait {SERVING_MAX_WAIT_S * 1e3:g} ms; prompt-vector cache of "
         f"{SERVING_CACHE_ENTRIES})"
     )
@@ -655,7 +665,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rates", default="10,100,500", help="offered req/s, comma-separated")
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of each rate")
     parser.add_argument("--workers", type=int, default=4, help="stub workers")
-    parser.add_argument("--classifier", choices=["default", "stub"], default="default")
+    parser.add_argument(
+        "--classifier",
+        default="default",
+        help="default (the committed default), stub (a fixed level) or a classifier directory",
+    )
     parser.add_argument(
         "--deadline-ms",
         default="router",

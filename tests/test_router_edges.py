@@ -6,14 +6,18 @@ In process (tests/router_cluster.py): a real RouterCore behind the real server, 
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from argus import rpc
@@ -21,14 +25,17 @@ from argus.classifier.prompts import InvalidPromptError
 from argus.classifier.serving import BatcherClosed
 from argus.grpc_server import tls_credentials
 from argus.router.app import ServerSecurity
-from argus.router.core import RouterServiceConfig
+from argus.router.core import CallCancel, RouterServiceConfig
 from argus.router.metrics import RouterMetrics
+from argus.router.values import WorkerCall
+from argus.router.worker_calls import GrpcWorkers, WorkerChannels
 from argus.types import Strategy
-from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster
+from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster, StubWorker
 from tests.service_process import self_signed_certificate
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
+worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 TOKEN = "s3cret-token"
 
 
@@ -192,7 +199,14 @@ class FakeChannel:
         return lambda *a, **k: None
 
     def unary_stream(self, *args: object, **kwargs: object) -> object:
-        return lambda *a, **k: None
+        return lambda *a, **k: FakeWatch()
+
+
+class FakeWatch:
+    """A health watch that stays open."""
+
+    def done(self) -> bool:
+        return False
 
 
 def test_a_channel_dropped_from_the_plan_closes_only_after_its_grace() -> None:
@@ -216,3 +230,104 @@ def test_a_channel_dropped_from_the_plan_closes_only_after_its_grace() -> None:
     assert made[0].closed and not made[1].closed and not made[2].closed
     channels.close()
     assert all(channel.closed for channel in made)
+
+
+class CountingHealth(health.HealthServicer):  # type: ignore[misc]
+    """The health service, counting Watch calls; each ends at once with ``end`` when set."""
+
+    def __init__(self, end: grpc.StatusCode | None = None) -> None:
+        super().__init__()
+        self.end = end
+        self.watches = 0
+
+    def Watch(
+        self, request: Any, context: grpc.ServicerContext, send_response_callback: Any = None
+    ) -> Any:
+        self.watches += 1
+        if self.end is not None:
+            context.abort(self.end, "watch refused")
+        return super().Watch(request, context, send_response_callback)
+
+
+@contextlib.contextmanager
+def worker_server(health_service: health.HealthServicer | None) -> Iterator[str]:
+    """A stub worker on loopback, with ``health_service`` when given; yields its address."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(StubWorker("w1"), server)
+    if health_service is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=None)
+
+
+def call_worker(workers: GrpcWorkers, address: str, calls: int) -> None:
+    for i in range(calls):
+        reply = workers.generate(
+            address,
+            WorkerCall("a fox", "ac-k0", seed=i),
+            timeout_s=TIMEOUT,
+            cancel=CallCancel(),
+            progress=None,
+        )
+        assert reply.png == PNG
+
+
+def test_a_workers_channel_keeps_its_completion_thread_between_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The router holds the worker's health watch open, so calls one after another do not
+    each start the channel's completion thread (and wait for it to run)."""
+    watched = CountingHealth()
+    with worker_server(watched) as address:
+        workers = GrpcWorkers(WorkerChannels())
+        call_worker(workers, address, 1)  # the channel and its watch open
+        started: list[threading.Thread] = []
+        start = threading.Thread.start
+
+        def counted(thread: threading.Thread) -> None:
+            started.append(thread)
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", counted)
+        call_worker(workers, address, 10)
+        monkeypatch.undo()
+        workers.close()
+    assert started == []
+    assert watched.watches == 1
+
+
+def test_a_worker_without_health_is_called_and_not_watched_again() -> None:
+    unimplemented = CountingHealth(end=grpc.StatusCode.UNIMPLEMENTED)
+    with worker_server(unimplemented) as address:
+        workers = GrpcWorkers(WorkerChannels(rewatch_s=0.0))
+        for _ in range(5):  # each call would open a watch again, were the answer not heeded
+            call_worker(workers, address, 1)
+            time.sleep(0.05)
+        workers.close()
+    assert unimplemented.watches == 1
+    with worker_server(None) as address:  # no health service at all: calls still answered
+        workers = GrpcWorkers(WorkerChannels(rewatch_s=0.0))
+        call_worker(workers, address, 3)
+        workers.close()
+
+
+def test_an_ended_watch_is_opened_again_after_rewatch_s() -> None:
+    now = [0.0]
+    ending = CountingHealth(end=grpc.StatusCode.UNAVAILABLE)
+    with worker_server(ending) as address:
+        workers = GrpcWorkers(WorkerChannels(rewatch_s=5.0, clock=lambda: now[0]))
+        call_worker(workers, address, 1)
+        time.sleep(0.2)  # the watch has ended
+        call_worker(workers, address, 3)  # within rewatch_s of opening it: not opened again
+        assert ending.watches == 1
+        now[0] = 6.0
+        deadline = time.monotonic() + TIMEOUT
+        while ending.watches < 2 and time.monotonic() < deadline:
+            call_worker(workers, address, 1)  # the next use after rewatch_s opens it again
+            time.sleep(0.01)
+        workers.close()
+    assert ending.watches == 2

@@ -1,7 +1,8 @@
 """The router's calls to workers over gRPC: :class:`GrpcWorkers`, the core's
 :class:`~argus.router.core.WorkerTransport`.
 
-It keeps one channel per worker address (:class:`WorkerChannels`), converts the core's
+It keeps one channel per worker address (:class:`WorkerChannels`), each with the worker's
+health ``Watch`` stream held open (see there), converts the core's
 :class:`~argus.router.values.WorkerCall` to a ``GenerateRequest`` and the worker's answer and
 progress back (:mod:`argus.router.convert`), passes the call's cancel on to the gRPC call,
 turns a failed call's status into a :class:`~argus.router.core.WorkerError`, and refuses an
@@ -11,12 +12,14 @@ image of another size than the call asked for (:func:`check_reply_size`).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from argus import rpc
 from argus.grpc_server import reconnect_options
@@ -24,13 +27,27 @@ from argus.router import convert
 from argus.router.core import CallCancel, ProgressSink, WorkerError
 from argus.router.values import Refusal, WorkerCall, WorkerReply
 
+worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 log = logging.getLogger(__name__)
 
 
 def _worker_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=reconnect_options())
+
+
+class _Worker:
+    """A worker address's channel, its stub and its health watch."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel = channel
+        self.stub = worker_pb2_grpc.WorkerStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+        self.watch: Any = None  # the open Watch call (a future and an iterator), or None
+        self.watch_at = -math.inf  # when it was last opened
+        self.watchable = True  # False once the worker answered UNIMPLEMENTED
 
 
 class WorkerChannels:
@@ -40,6 +57,16 @@ class WorkerChannels:
     cancels the calls on it, and a worker that left a plan (or was restarted at the same
     address and rejoins) may still be serving requests the router sent it, which would
     otherwise fail as CANCELLED although nobody cancelled them.
+
+    On each channel the worker's ``grpc.health.v1.Health/Watch`` stream is held open (nobody
+    reads it). Python gRPC completes a channel's calls on a thread that runs while the channel
+    has a call in flight and exits when it has none; at a few requests a second each
+    ``Generate`` found the channel idle, so its client call started a thread and waited for it
+    to run, which the router paid in CPU and latency (benchmarks/bench_router.py with
+    ``--classifier stub``). The open stream keeps that thread for the channel's life. A watch
+    that ends (the worker restarted, the connection dropped) is opened again on the channel's
+    next use, at most once every ``rewatch_s``; a worker without the health service
+    (UNIMPLEMENTED) is not asked again.
     """
 
     def __init__(
@@ -47,42 +74,59 @@ class WorkerChannels:
         factory: Callable[[str], grpc.Channel] | None = None,
         *,
         grace_s: float = 120.0,
+        rewatch_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._factory = factory or _worker_channel
         self._grace_s = grace_s
+        self._rewatch_s = rewatch_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._stubs: dict[str, tuple[grpc.Channel, Any]] = {}
+        self._workers: dict[str, _Worker] = {}
         self._retired: list[tuple[float, grpc.Channel]] = []  # (close at, channel)
 
     def stub(self, address: str) -> Any:
         with self._lock:
-            found = self._stubs.get(address)
-            if found is None:
-                channel = self._factory(address)
-                found = (channel, worker_pb2_grpc.WorkerStub(channel))
-                self._stubs[address] = found
-            return found[1]
+            worker = self._workers.get(address)
+            if worker is None:
+                worker = self._workers[address] = _Worker(self._factory(address))
+            self._keep_watching(address, worker)
+            return worker.stub
+
+    def _keep_watching(self, address: str, worker: _Worker) -> None:
+        """Open ``worker``'s health watch when it has none running (under the lock)."""
+        watch = worker.watch
+        if watch is not None and not watch.done():
+            return
+        if watch is not None and watch.code() is grpc.StatusCode.UNIMPLEMENTED:
+            log.info("worker at %s serves no health service: its channel is not watched", address)
+            worker.watchable, worker.watch = False, None
+        if not worker.watchable:
+            return
+        now = self._clock()
+        if now - worker.watch_at < self._rewatch_s:
+            return
+        worker.watch_at = now
+        worker.watch = worker.health.Watch(health_pb2.HealthCheckRequest(service=WORKER_SERVICE))
 
     def keep_only(self, addresses: set[str]) -> None:
         """Retire the channels of addresses not in ``addresses``; close retired channels
         whose grace has passed."""
         now = self._clock()
         with self._lock:
-            gone = [a for a in self._stubs if a not in addresses]
-            self._retired += [(now + self._grace_s, self._stubs.pop(a)[0]) for a in gone]
+            gone = [a for a in self._workers if a not in addresses]
+            self._retired += [(now + self._grace_s, self._workers.pop(a).channel) for a in gone]
             due = [channel for at, channel in self._retired if at <= now]
             self._retired = [(at, channel) for at, channel in self._retired if at > now]
         for channel in due:
             channel.close()
 
     def close(self) -> None:
-        """Close every channel now (the router is stopping)."""
+        """Close every channel now (the router is stopping); their watches end with them."""
         with self._lock:
-            channels = [channel for channel, _ in self._stubs.values()]
+            channels = [worker.channel for worker in self._workers.values()]
             channels += [channel for _, channel in self._retired]
-            self._stubs.clear()
+            self._workers.clear()
             self._retired.clear()
         for channel in channels:
             channel.close()
