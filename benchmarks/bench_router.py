@@ -1,12 +1,14 @@
 """Router overhead: the time a request spends outside the workers, at 10, 100 and 500 req/s.
 
-Three processes on this machine, as in a deployment with one router:
+Three processes on this machine, as in a deployment with one router (more with ``--routers``):
 
 * **stub workers** (one child process): ``--workers`` gRPC servers with the real
   ``argus.v1.Worker`` interface that answer a small fixed PNG at once and report their own
   service time (handler entry to reply) in ``timing.total_ms``, and the health service the
   workers serve (the router holds a ``Watch`` open on each worker's channel);
-* **the router** (another child process): ``RouterCore`` behind ``argus.router.app``'s
+* **the router** (another child process; ``--routers N``: N of them, replicas as the Helm
+  chart runs several, each with its own classifier, the same plan and a share of the
+  arrivals, request i to replica i mod N): ``RouterCore`` behind ``argus.router.app``'s
   ``create_server`` with its defaults, following a real plan: an allocator in that process
   (frozen clock, no control loop) receives one heartbeat per stub worker and makes the plan,
   which the router installs once; the allocator is stopped before the load starts. A thread
@@ -63,7 +65,7 @@ counted per rate; the sustained rate is the requests answered OK per second of t
 wall time (first send to last answer).
 
     .venv/bin/python benchmarks/bench_router.py [--rates 10,100,500] [--seconds 10]
-        [--workers 4] [--classifier default|stub|DIR] [--deadline-ms router|auto|MS]
+        [--workers 4] [--routers 1] [--classifier default|stub|DIR] [--deadline-ms router|auto|MS]
         [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--router-threads 272]
         [--time-scale 0.00025]
         [--json PATH]
@@ -443,6 +445,7 @@ class Sample:
     forward_ms: float = math.nan
     router_ms: float = math.nan  # RouterTiming.total_ms
     worker_ms: float = math.nan  # RouterTiming.worker.total_ms
+    replica: int = 0  # which router process it was sent to (--routers)
 
 
 class Countdown:
@@ -491,34 +494,36 @@ def distinct_prompts(prompts: Sequence[str], start: int, count: int) -> list[str
     return out
 
 
-def sample_of(future: Any, lag_s: float, sent: float, done: float) -> Sample:
+def sample_of(future: Any, lag_s: float, sent: float, done: float, replica: int = 0) -> Sample:
     lag_ms, latency_ms = lag_s * 1e3, (done - sent) * 1e3
     err = future.exception()
     if err is not None:
         code = err.code() if isinstance(err, grpc.Call) else None
-        return Sample(lag_ms, latency_ms, code.name if code is not None else type(err).__name__)
+        name = code.name if code is not None else type(err).__name__
+        return Sample(lag_ms, latency_ms, name, replica=replica)
     t = future.result().timing
     return Sample(
         lag_ms, latency_ms, "OK", t.classify_ms, t.route_ms, t.forward_ms, t.total_ms,
-        t.worker.total_ms,
+        t.worker.total_ms, replica,
     )  # fmt: skip
 
 
 def offer(
-    stub: Any,
+    stubs: Sequence[Any],
     tag: str | None,
     times: np.ndarray,
     prompts: Sequence[str],
     deadline_ms: int | None,
 ) -> tuple[list[Sample], float]:
-    """Send one request at each of ``times`` (open loop), request ``i`` with ``prompts[i]``;
-    the samples and the wall time from the first send to the last answer."""
+    """Send one request at each of ``times`` (open loop), request ``i`` with ``prompts[i]``
+    to ``stubs[i % len(stubs)]`` (one stub per router process); the samples and the wall
+    time from the first send to the last answer."""
     samples: list[Sample | None] = [None] * len(times)
     countdown = Countdown(len(times))
     timeout_s = (deadline_ms or ROUTER_DEADLINE_MS) / 1e3 + 5.0
 
     def record(i: int, lag_s: float, sent: float, future: Any) -> None:
-        samples[i] = sample_of(future, lag_s, sent, time.perf_counter())
+        samples[i] = sample_of(future, lag_s, sent, time.perf_counter(), i % len(stubs))
         countdown.count()
 
     start = time.perf_counter()
@@ -528,7 +533,7 @@ def offer(
             time.sleep(delay)
         sent = time.perf_counter()
         call = request(tag, i, prompts[i], deadline_ms)
-        future = stub.Generate.future(call, timeout=timeout_s)
+        future = stubs[i % len(stubs)].Generate.future(call, timeout=timeout_s)
         future.add_done_callback(lambda f, i=i, lag=sent - due, sent=sent: record(i, lag, sent, f))
     if not countdown.wait(timeout_s + 10.0):
         raise RuntimeError(f"answers still missing after {timeout_s + 10.0:.0f} s")
@@ -540,13 +545,17 @@ def load_average() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (NaN where /proc is not available)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return math.nan
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of the processes ``pids`` together (NaN where /proc is not
+    available)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return math.nan
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 # -- figures -------------------------------------------------------------------------------
@@ -588,6 +597,7 @@ def summarize(rate: float, seconds: float, samples: list[Sample], wall_s: float)
         "worker_hop_ms": spread(column("forward_ms") - worker, "p50", "p99"),
         "worker_ms": spread(worker, "p50", "p99"),
         "send_lag_ms": spread(np.array([s.lag_ms for s in samples]), "p99", "max"),
+        "ok_by_router": [n for _, n in sorted(Counter(s.replica for s in ok).items())],
     }
 
 
@@ -707,15 +717,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also offer each rate's arrivals to a pass-through router (the transport alone)",
     )
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router processes (replicas, as the Helm chart runs several); request i goes to "
+        "replica i mod N (default 1)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="arrival times")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
-    if args.workers < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates):
-        parser.error("--workers, --seconds and every rate must be > 0")
+    if args.workers < 1 or args.routers < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates):
+        parser.error("--workers, --routers, --seconds and every rate must be > 0")
     if not args.time_scale > 0:
         parser.error("--time-scale: must be > 0")
     return args
+
+
+def replicas(count: int) -> str:
+    """How the printout names the router processes."""
+    if count == 1:
+        return "the router (another)"
+    return (
+        f"{count} router processes (replicas, each with its own classifier and the same plan; "
+        f"request i goes to replica i mod {count}, as a client balancing over their addresses)"
+    )
 
 
 def deadline_for(text: str, max_t_proc_s: float) -> int | None:
@@ -735,70 +762,88 @@ def warm_up(stub: Any, tag: str | None, prompts: Sequence[str], deadline_ms: int
 @contextlib.contextmanager
 def processes(
     args: argparse.Namespace,
-) -> Iterator[tuple[Child, dict[str, int], Child | None]]:
-    """Start the stub workers' and the router's processes (and with ``--floor`` the floor
-    router's); yields the router's, the pids (router, workers, loadgen) and the floor's;
-    stops every child on the way out, Ctrl-C included."""
+) -> Iterator[tuple[list[Child], dict[str, tuple[int, ...]], Child | None]]:
+    """Start the stub workers' process, ``--routers`` router processes (and with ``--floor``
+    the floor router's); yields the routers, the pids (routers, workers, loadgen) and the
+    floor; stops every child on the way out, Ctrl-C included."""
     ctx = multiprocessing.get_context("spawn")
     children: list[Child] = []
     try:
         workers = Child(ctx, "stub-workers", start_workers, args.workers)
         children.append(workers)
         addresses = workers.wait_ready(60.0)
-        router = Child(
-            ctx,
-            "router",
-            start_router,
-            addresses,
-            args.classifier,
-            args.metrics,
-            args.gc_freeze,
-            args.router_threads,
-            args.time_scale,
-        )
-        children.append(router)
-        router.wait_ready(READY_TIMEOUT_S)
+        routers = []
+        for k in range(args.routers):  # one after another: each loads its own classifier
+            router = Child(
+                ctx,
+                f"router-{k}",
+                start_router,
+                addresses,
+                args.classifier,
+                args.metrics,
+                args.gc_freeze,
+                args.router_threads,
+                args.time_scale,
+            )
+            children.append(router)
+            router.wait_ready(READY_TIMEOUT_S)
+            routers.append(router)
         floor = None
         if args.floor:
             floor = Child(ctx, "floor", start_floor, addresses, args.router_threads)
             children.append(floor)
             floor.wait_ready(60.0)
         pids = {
-            "router": router.process.pid,
-            "workers": workers.process.pid,
-            "loadgen": os.getpid(),
+            "router": tuple(router.process.pid for router in routers),
+            "workers": (workers.process.pid,),
+            "loadgen": (os.getpid(),),
         }
-        yield router, pids, floor
+        yield routers, pids, floor
     finally:
         for child in reversed(children):
             child.close()
 
 
+def gc_total(routers: Sequence[Child]) -> dict[str, Any]:
+    """The routers' :meth:`Child.gc` snapshots together: counts and pauses summed, longest
+    pauses the longest of any, classifier counters summed."""
+    snapshots = [router.gc() for router in routers]
+    classifier: Counter[str] = Counter()
+    for snapshot in snapshots:
+        classifier.update(snapshot["classifier"])
+    return {
+        "count": [sum(s["count"][g] for s in snapshots) for g in range(3)],
+        "total_s": [sum(s["total_s"][g] for s in snapshots) for g in range(3)],
+        "max_s": [max(s["max_s"][g] for s in snapshots) for g in range(3)],
+        "classifier": dict(classifier),
+    }
+
+
 def measure(
-    stub: Any,
+    stubs: Sequence[Any],
     rate: float,
     times: np.ndarray,
     args: argparse.Namespace,
     prompts: Sequence[str],
     deadline_ms: int | None,
-    router: Child,
-    pids: dict[str, int],
+    routers: Sequence[Child],
+    pids: dict[str, tuple[int, ...]],
     label: str = "argus",
 ) -> dict[str, Any]:
     """Offer ``rate`` req/s at ``times``, one prompt of ``prompts`` per request in order,
-    to the router ``label`` (its process is ``router``, ``pids["router"]``); the rate's
-    figures with CPU % per process, the router's garbage collections and its classifier's
-    counters."""
-    gc_before = router.gc()
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    to the router ``label`` (its processes are ``routers``, ``pids["router"]``, one of
+    ``stubs`` each); the rate's figures with CPU % per process (the routers' together), the
+    routers' garbage collections and their classifiers' counters."""
+    gc_before = gc_total(routers)
+    before = {name: cpu_seconds(ids) for name, ids in pids.items()}
     tag = f"{label}-r{rate:g}" if args.request_ids == "unique" else None
-    samples, wall_s = offer(stub, tag, times, prompts[: len(times)], deadline_ms)
+    samples, wall_s = offer(stubs, tag, times, prompts[: len(times)], deadline_ms)
     row = summarize(rate, args.seconds, samples, wall_s)
     row["router"] = label
-    used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    used = {name: cpu_seconds(ids) - before[name] for name, ids in pids.items()}
     row["cpu_percent"] = {name: used[name] / wall_s * 100 for name in pids}
     row["router_cpu_ms_per_request"] = used["router"] / max(1, len(samples)) * 1e3
-    gc_after = router.gc()
+    gc_after = gc_total(routers)
     row["router_gc"] = {
         "gen2_count": int(gc_after["count"][2] - gc_before["count"][2]),
         "gen2_max_ms": gc_after["max_s"][2] * 1e3,
@@ -819,12 +864,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prompts = [p.prompt for p in load_prompts(default_prompt_trace())]
     print(machine_line())
     print(f"load average at start: {load_average()}")
-    with processes(args) as (router, pids, floor):
-        info = router.info
+    with processes(args) as (routers, pids, floor):
+        info = routers[0].info
         deadline_ms = deadline_for(args.deadline_ms, info["max_t_proc_s"])
         print(
             f"stub-fast workers on this machine: {args.workers} stub workers (one process), "
-            f"the router (another), the load generator (this one)"
+            f"{replicas(args.routers)}, the load generator (this one)"
         )
         print(
             f"classifier: {info['classifier']}; request ids: {args.request_ids}; "
@@ -846,9 +891,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 flush=True,
             )
         with contextlib.ExitStack() as stack:
-            channel = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{info['port']}"))
-            stub = router_pb2_grpc.RouterStub(channel)
-            warm_up(stub, "warm-up" if args.request_ids == "unique" else None, prompts, deadline_ms)
+            stubs = []
+            for k, router in enumerate(routers):
+                address = f"127.0.0.1:{router.info['port']}"
+                stub = router_pb2_grpc.RouterStub(
+                    stack.enter_context(grpc.insecure_channel(address))
+                )
+                tag = f"warm-up-{k}" if args.request_ids == "unique" else None
+                warm_up(stub, tag, prompts, deadline_ms)
+                stubs.append(stub)
             floor_stub = None
             if floor is not None:
                 address = f"127.0.0.1:{floor.info['port']}"
@@ -863,14 +914,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 times = arrivals(rate, args.seconds, rng)
                 fresh = distinct_prompts(prompts, used, len(times))
                 if floor is not None and floor_stub is not None:
-                    floor_pids = pids | {"router": floor.process.pid}
-                    offered = (floor_stub, rate, times, args, fresh, deadline_ms)
-                    rows.append(measure(*offered, floor, floor_pids, label="floor"))
-                rows.append(measure(stub, rate, times, args, fresh, deadline_ms, router, pids))
+                    floor_pids = pids | {"router": (floor.process.pid,)}
+                    offered = ([floor_stub], rate, times, args, fresh, deadline_ms)
+                    rows.append(measure(*offered, [floor], floor_pids, label="floor"))
+                rows.append(measure(stubs, rate, times, args, fresh, deadline_ms, routers, pids))
                 used += len(times)
     print_tables(rows)
     print_floor(rows)
     for r in rows:
+        if len(r["ok_by_router"]) > 1:
+            each = r["ok_by_router"]
+            print(f"{r['router']} at {r['offered_per_s']:g}/s: answered OK by replica {each}")
         counted = r["classifier"]
         if counted:
             print(
@@ -887,6 +941,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "floor": args.floor,
         "classifier": info["classifier"],
         "workers": args.workers,
+        "routers": args.routers,
         "request_ids": args.request_ids,
         "metrics": args.metrics,
         "gc_freeze": args.gc_freeze,

@@ -79,3 +79,15 @@ def test_the_floor_router_gets_the_same_arrivals_and_is_reported_beside(
     printed = capsys.readouterr().out
     assert "the router over the floor" in printed
     assert "20 req/s: overhead p50" in printed
+
+
+def test_router_replicas_share_the_arrivals(bench_router: Any) -> None:
+    argv = ["--rates", "20", "--seconds", "1", "--workers", "2", "--classifier", "stub"]
+    results = bench_router.main([*argv, "--routers", "2"])
+
+    [row] = results["rates"]
+    assert results["routers"] == 2
+    assert row["ok"] == row["sent"] > 1
+    first, second = row["ok_by_router"]  # every other request to each replica
+    assert first + second == row["sent"] and abs(first - second) <= 1
+    assert row["router_cpu_ms_per_request"] > 0.0  # both processes counted together
