@@ -97,7 +97,7 @@ import grpc
 import numpy as np
 from _machine import machine_line
 from _plan import allocator_plan, scaled_profiles, serve_router
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from argus import defaults, rpc
 from argus.traces import default_prompt_trace, load_prompts
@@ -154,21 +154,21 @@ class FloorRouter(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
     """The least a Python gRPC router does: take the request, call a stub worker (round
     robin) with the router's own client call (``Generate.future``, then its result) and
     answer. No checks, id ledger, classification, routing or admission: what remains is
-    the transport every router on this machine pays. Like the router's channels, each holds
-    the worker's health watch open, which keeps the channel's completion thread running."""
+    the transport every router on this machine pays. Its channels are the router's
+    (:class:`~argus.router.worker_calls.WorkerChannels`: each holds the worker's health watch
+    open, which keeps the channel's completion thread running)."""
 
     def __init__(self, workers: list[tuple[str, str]]) -> None:
-        self._channels = [grpc.insecure_channel(address) for _, address in workers]
-        self._stubs = [worker_pb2_grpc.WorkerStub(channel) for channel in self._channels]
-        self._watches = [
-            health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
-            for channel in self._channels
-        ]
+        from argus.router.worker_calls import WorkerChannels
+
+        self._channels = WorkerChannels(grpc.insecure_channel)
+        self._addresses = [address for _, address in workers]
         self._next = itertools.count()
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
         began = time.perf_counter()
-        stub = self._stubs[next(self._next) % len(self._stubs)]
+        address = self._addresses[next(self._next) % len(self._addresses)]
+        stub = self._channels.stub(address)
         call = worker_pb2.GenerateRequest(
             request_id=request.request_id, prompt=request.prompt, seed=request.seed
         )
@@ -183,8 +183,7 @@ class FloorRouter(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
         return answer
 
     def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
+        self._channels.close()
 
 
 class GcWatch:
