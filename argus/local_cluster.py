@@ -226,7 +226,9 @@ class LocalCluster:
     def _launch_router(self) -> None:
         spec = self.spec
         router_args: list[str] = ["--allocator", self.allocator, "--port", str(spec.router_port)]
-        router_args += ["--default-steps", str(spec.default_steps)]  # as the workers run
+        # as the workers run: requests that leave steps or size to them are priced so
+        router_args += ["--default-steps", str(spec.default_steps)]
+        router_args += ["--default-size", str(spec.default_size)]
         if spec.router_http_port is not None:
             router_args += ["--http-port", str(spec.router_http_port)]
         for flag, value in (

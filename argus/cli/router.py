@@ -102,6 +102,12 @@ class RouterCommand:
             help="the workers' --default-steps: requests without steps are not routed to "
             "levels that skip as many (default: not capped)",
         )
+        parser.add_argument(
+            "--default-size",
+            type=int,
+            help="the workers' --default-size: requests without width or height are priced at "
+            "this side (default: the profile's reference size)",
+        )
         drift = parser.add_argument_group("drift retraining (workers' quality scores)")
         drift.add_argument(
             "--drift-window",
@@ -154,6 +160,7 @@ class RouterCommand:
                 max_id_bytes=args.max_id_bytes,
                 max_cost=args.max_cost,
                 default_steps=args.default_steps,
+                default_size=args.default_size,
                 http_port=args.http_port,
                 http_host=args.http_host,
                 internal_tls_dir=tls_dir,

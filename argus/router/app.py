@@ -180,9 +180,10 @@ class RouterSettings:
     default_deadline_ms: int = defaults.DEFAULT_DEADLINE_MS
     max_in_flight: int = defaults.MAX_IN_FLIGHT
     max_id_bytes: int = defaults.MAX_ID_BYTES  # answers kept for request-id retries, bytes
-    threads: int | None = None  # calls at once, more are refused; None: max_in_flight + 16
+    threads: int | None = None  # gRPC handler threads; None: max_in_flight + REFUSAL_THREADS
     max_cost: float | None = None  # largest request, in the profile's reference requests
     default_steps: int | None = None  # the workers' default steps; None: levels not capped
+    default_size: int | None = None  # the workers' default image side; None: the profile's
     http_port: int | None = None  # OpenAI-compatible HTTP API; 0: any free port; None: off
     http_host: str = defaults.LOOPBACK  # public like ``host``
     # drift retraining on the workers' quality scores (argus.router.drift); None: off
@@ -209,6 +210,7 @@ class RouterSettings:
             max_id_bytes=self.max_id_bytes,
             max_cost=self.max_cost,
             default_steps=self.default_steps,
+            default_size=self.default_size,
         )
 
     def security(self) -> ServerSecurity:

@@ -67,6 +67,7 @@ from argus.router.drift import RouterDrift
 from argus.router.metrics import RouterMetrics
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.router.scheduler import NoLiveWorkerError
+from argus.router.service_times import ServiceTimeConfig, ServiceTimes
 from argus.router.values import (
     Progress,
     Refusal,
@@ -220,7 +221,16 @@ class RouterServiceConfig:
 
     default_steps: int | None = None
     """The workers' default steps (``argus worker --default-steps``): a request without
-    ``steps`` runs that many, so no level may skip as many. None: not known, not capped."""
+    ``steps`` runs that many, so no level may skip as many, and is priced at that many. None:
+    not known, not capped, priced at the profile's reference steps."""
+
+    default_size: int | None = None
+    """The workers' default image side (``argus worker --default-size``): a request without
+    ``width`` or ``height`` is priced at it. None: priced at the profile's reference size."""
+
+    service_times: ServiceTimeConfig = field(default_factory=ServiceTimeConfig)
+    """How the workers' service times are learned from their replies (admission and worker
+    selection read them, not the profile's latencies, once a worker has answered)."""
 
     def __post_init__(self) -> None:
         if self.max_cost is not None and not (math.isfinite(self.max_cost) and self.max_cost > 0):
@@ -230,6 +240,8 @@ class RouterServiceConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.id_window_s < 0.0 or self.down_for_s < 0.0:
             raise ValueError("id_window_s, down_for_s: must be >= 0")
+        if self.default_size is not None and self.default_size < 1:
+            raise ValueError(f"default_size: must be >= 1, got {self.default_size}")
         if self.max_id_bytes < 0:
             raise ValueError(f"max_id_bytes: must be >= 0, got {self.max_id_bytes}")
         if self.slo_s is not None and not self.slo_s > 0.0:
@@ -353,6 +365,9 @@ class RouterCore:
         self._queues: dict[str, int] = {}
         self._head_started: dict[str, float] = {}  # when each worker began its current request
         self._down_until: dict[str, float] = {}
+        # workers still finishing a request whose caller gave up (deadline, cancel), until when
+        self._abandoned_until: dict[str, float] = {}
+        self._times = ServiceTimes(profiles, config.service_times)
         self._plan_version = 0
         self._in_flight = threading.BoundedSemaphore(config.max_in_flight)
         self._ledger: RequestLedger[RouterReply] = RequestLedger(
@@ -416,6 +431,10 @@ class RouterCore:
                 w: t for w, t in self._head_started.items() if w in self._addresses
             }
             self._down_until = {w: t for w, t in self._down_until.items() if w in self._addresses}
+            self._abandoned_until = {
+                w: t for w, t in self._abandoned_until.items() if w in self._addresses
+            }
+            self._times.forget(set(self._addresses))
             self._plan_version = published.version
             queues = dict(self._queues)
         self._workers.keep_only(set(self._addresses.values()))
@@ -501,7 +520,13 @@ class RouterCore:
     def _price(self, request: RouterRequest) -> float:
         """The request's cost in reference requests; INVALID above ``max_cost``."""
         ref = self.profiles.reference
-        cost = request_cost(request.width, request.height, request.steps, ref)
+        size = self.config.default_size
+        cost = request_cost(
+            request.width or size,
+            request.height or size,
+            request.steps or self.config.default_steps,
+            ref,
+        )
         cap = self.config.max_cost
         if cap is not None and cost > cap:
             raise RouterError(
@@ -589,19 +614,38 @@ class RouterCore:
         """The live workers that may serve a request capped at level ``cap``, each with the
         request's service time at the cheapest level it can serve it at. Under the lock."""
         down = self._down(now)
+        queues = self._queue_view(now)
         loads = []
-        for worker, (index, worker_class) in self._worker_levels.items():
+        for worker, (index, _) in self._worker_levels.items():
             if worker in down:
                 continue
             if cap is not None and index > cap:
                 if self._model_of(index) != self._model_of(cap):
                     continue
                 index = cap  # it runs the capped level on the same model (see _route_capped)
-            latency = self.profiles.profile(worker_class, self._router.level_name(index)).latency_s
-            queue = self._queues.get(worker, 0)
             elapsed = now - self._head_started.get(worker, now)
-            loads.append(WorkerLoad(queue, latency * cost, elapsed))
+            t_proc = self._service_s(worker, index, cost, now)
+            loads.append(WorkerLoad(queues.get(worker, 0), t_proc, elapsed))
         return loads
+
+    def _service_s(self, worker: str, index: int, cost: float, now: float) -> float:
+        """A request of ``cost`` on ``worker`` at level ``index``: the service time learned
+        from the worker's replies (its seed until it has answered). Under the lock."""
+        worker_class = self._worker_levels[worker][1]
+        level = self._router.level_name(index)
+        return self._times.predict_s(worker, worker_class, level, cost, now)
+
+    def _queue_view(self, now: float) -> Mapping[str, int]:
+        """The router's queue per worker, one more on a worker still finishing a request whose
+        caller gave up (it stops at its next step, which the router waits out). Under the
+        lock."""
+        busy = [w for w, until in self._abandoned_until.items() if until > now]
+        if not busy:
+            return self._queues
+        view = dict(self._queues)
+        for worker in busy:
+            view[worker] = view.get(worker, 0) + 1
+        return view
 
     def _level_cap(self, strategy: Strategy, request: RouterRequest) -> int | None:
         """The highest level index ``request`` may be served at: its ``max_level_index`` and
@@ -641,7 +685,7 @@ class RouterCore:
                 routed_at = self._clock()
                 call.routed(decision, self._router.level_name, routed_at - arrived)
                 try:
-                    reply = self._forward(request, decision, address, deadline, call)
+                    reply = self._forward(request, decision, address, deadline, call, cost)
                 except RouterError as err:
                     if err.kind is not Refusal.UNAVAILABLE:
                         raise
@@ -681,12 +725,19 @@ class RouterCore:
             max_level = self._level_cap(plan.strategy, request)
             now = self._clock()
             down = self._down(now) | tried
-            decision = self._route_capped(levels.get(plan.strategy, 0), down, max_level)
+            queues = self._queue_view(now)
+
+            def t_proc_of(worker: str, index: int) -> float:
+                return self._service_s(worker, index, cost, now)
+
+            decision = self._route_capped(
+                levels.get(plan.strategy, 0), down, max_level, queues, t_proc_of
+            )
             if decision.worker_id in down:
                 raise RouterError(Refusal.UNAVAILABLE, "no live worker left", 1.0)
             worker = decision.worker_id
-            queue = self._queues.get(worker, 0)
-            t_proc = cost * decision.score / (queue + 1)  # the score is (queue + 1) × t_proc
+            queue = queues.get(worker, 0)
+            t_proc = t_proc_of(worker, decision.served_level)
             elapsed = now - self._head_started.get(worker, now)
             predicted = self.config.admission.completion_s(queue, t_proc, elapsed)
             verdict = admit(predicted, deadline - now)
@@ -699,9 +750,9 @@ class RouterCore:
                     f"{verdict.budget_s * 1e3:.0f} ms left",
                     verdict.retry_after_s,
                 )
-            if queue == 0:
+            if self._queues.get(worker, 0) == 0:
                 self._head_started[worker] = now
-            self._queues[worker] = queue + 1
+            self._queues[worker] = self._queues.get(worker, 0) + 1
             return decision, plan.strategy, self._addresses[worker]
 
     def _forward(
@@ -711,6 +762,7 @@ class RouterCore:
         address: str,
         deadline: float,
         call: _Call,
+        cost: float,
     ) -> WorkerReply:
         level = self._router.level_name(decision.served_level)
         work = worker_call(request, level, previews=call.progress is not None)
@@ -718,17 +770,21 @@ class RouterCore:
             self.worker_calls += 1
         try:
             call.cancel.check()  # the client left while the request was classified or routed
-            return self._workers.generate(
+            reply = self._workers.generate(
                 address,
                 work,
                 timeout_s=max(0.001, deadline - self._clock()),
                 cancel=call.cancel,
                 progress=call.progress,
             )
+            self._learn(decision.worker_id, reply.level or level, cost, reply)
+            return reply
         except WorkerError as err:
             if err.kind is Refusal.UNAVAILABLE:
                 with self._lock:
                     self._down_until[decision.worker_id] = self._clock() + self.config.down_for_s
+            if err.kind in (Refusal.DEADLINE, Refusal.CANCELLED):
+                self._abandoned(decision.worker_id, level, cost, request)
             if err.kind is Refusal.CANCELLED and call.cancel.cancelled:
                 raise RouterError(err.kind, "the client cancelled the request") from None
             raise RouterError(err.kind, f"worker {decision.worker_id}: {err.details}") from None
@@ -740,17 +796,54 @@ class RouterCore:
                     # a worker serves in order: the next request started as this one ended
                     self._head_started[decision.worker_id] = self._clock()
 
-    def _route_capped(self, optimal: int, down: set[str], cap: int | None) -> RouteDecision:
+    def _learn(self, worker: str, level: str, cost: float, reply: WorkerReply) -> None:
+        """Learn the worker's service time at ``level`` from its reply's timings."""
+        timing = reply.timing
+        with self._lock:
+            if worker not in self._worker_levels:
+                return  # it left the plan while serving
+            self._times.observe(
+                worker,
+                self._worker_levels[worker][1],
+                level,
+                cost,
+                (timing.total_ms - timing.queue_ms) / 1e3,
+                timing.denoise_ms / 1e3,
+                self._clock(),
+            )
+
+    def _abandoned(self, worker: str, level: str, cost: float, request: RouterRequest) -> None:
+        """The call to ``worker`` ended without an answer (deadline, cancel): the worker stops
+        at its next denoising step, so count it busy for one step's time more."""
+        steps = request.steps or self.config.default_steps or self.profiles.reference.steps
+        with self._lock:
+            if worker not in self._worker_levels:
+                return
+            now = self._clock()
+            worker_class = self._worker_levels[worker][1]
+            step_s = self._times.step_s(worker, worker_class, level, cost, steps, now)
+            self._abandoned_until[worker] = max(
+                self._abandoned_until.get(worker, now), now + step_s
+            )
+
+    def _route_capped(
+        self,
+        optimal: int,
+        down: set[str],
+        cap: int | None,
+        queues: Mapping[str, int],
+        t_proc: Callable[[str, int], float],
+    ) -> RouteDecision:
         """Route with no level above ``cap``. When no live worker serves such a level, a worker
         whose model also runs the capped level serves it there (AC levels share one model:
         an ac-k25 worker runs ac-k0 for a request of 4 steps); otherwise UNAVAILABLE."""
         try:
-            return self._router.route(optimal, self._queues, down, cap)
+            return self._router.route(optimal, queues, down, cap, t_proc)
         except NoLiveWorkerError as err:
             if cap is None:
                 raise RouterError(Refusal.UNAVAILABLE, str(err), 1.0) from None
             try:
-                decision = self._router.route(optimal, self._queues, down)
+                decision = self._router.route(optimal, queues, down, t_proc=t_proc)
             except NoLiveWorkerError:
                 raise RouterError(Refusal.UNAVAILABLE, str(err), 1.0) from None
         if decision.served_level <= cap:

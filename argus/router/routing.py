@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
-from argus.router.scheduler import PromptScheduler
+from argus.router.scheduler import PromptScheduler, TimeOf
 from argus.types import Plan, ProfileSet, RouteDecision, ShiftMap
 
 
@@ -91,12 +91,14 @@ class PlanRouter:
         queues: Mapping[str, int],
         down: AbstractSet[str],
         max_level: int | None = None,
+        t_proc: TimeOf | None = None,
     ) -> RouteDecision:
         """Route one prompt whose classified level (for the plan's strategy) is given; no level
-        above ``max_level`` (the request's minimum quality) is served."""
+        above ``max_level`` (the request's minimum quality) is served; ``t_proc``: the
+        request's measured service time per worker and level (default: the profile's)."""
         if self._scheduler is None:
             raise RuntimeError("no plan installed: install() comes before route()")
-        return self._scheduler.route(optimal_level, queues, down, max_level)
+        return self._scheduler.route(optimal_level, queues, down, max_level, t_proc)
 
     def level_name(self, index: int) -> str:
         assert self._plan is not None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import random
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import repeat
@@ -37,6 +37,10 @@ class SchedulerStats:
     fallbacks: int
     spills: int  # prompts moved off a backlogged target level (see ``spill_after_s``)
     by_target_level: tuple[int, ...]  # decisions per sampled target level, slowest first
+
+
+TimeOf = Callable[[str, int], float]
+"""A request's service time on a worker at a level index, seconds (the router's measurement)."""
 
 
 class NoLiveWorkerError(RuntimeError):
@@ -102,14 +106,18 @@ class PromptScheduler:
         queue_lengths: Mapping[str, int],
         down: AbstractSet[str] = frozenset(),
         max_level: int | None = None,
+        t_proc: TimeOf | None = None,
     ) -> RouteDecision:
         """Choose level and worker for a prompt whose classifier level is ``optimal_level``.
 
         ``queue_lengths`` (missing ids count as 0) and ``down`` are the router's current view.
         ``max_level`` is the request's minimum quality: no level above it (faster, more
         approximate) is sampled or served; a prompt classified above it is routed as if its
-        optimal level were ``max_level``. Raises ``ValueError`` for an out-of-range level,
-        :class:`NoLiveWorkerError` when no live worker serves an allowed level.
+        optimal level were ``max_level``. ``t_proc(worker_id, level_index)``, when given, is
+        this request's service time there as the router measured it, in place of the profile's
+        latency (a worker slower than its peers then gets less of the level's traffic).
+        Raises ``ValueError`` for an out-of-range level, :class:`NoLiveWorkerError` when no live
+        worker serves an allowed level.
         """
         last = len(self._levels) - 1
         if not 0 <= optimal_level <= last:
@@ -120,7 +128,7 @@ class PromptScheduler:
         target = min(target, limit)
         self._decisions += 1
         self._by_target[target] += 1
-        decision = self._place(optimal_level, target, queue_lengths, down, limit)
+        decision = self._place(optimal_level, target, queue_lengths, down, limit, t_proc)
         if decision is None:
             raise NoLiveWorkerError(
                 "no live worker in the plan serves an allowed level"
@@ -136,6 +144,7 @@ class PromptScheduler:
         queue_lengths: Mapping[str, int],
         down: AbstractSet[str],
         limit: int,
+        t_proc: TimeOf | None = None,
     ) -> RouteDecision | None:
         """The target level's best worker; on fallback or spill a nearby level's, never one
         above ``limit``."""
@@ -144,7 +153,10 @@ class PromptScheduler:
         for served in self._search_order[target]:
             if served > limit:
                 continue
-            best = _best_worker(self._groups[served], queue_lengths, down)
+            if t_proc is None:
+                best = _best_worker(self._groups[served], queue_lengths, down)
+            else:
+                best = _best_measured(self._groups[served], queue_lengths, down, t_proc, served)
             if best is None:
                 continue
             if first is None:
@@ -200,6 +212,28 @@ def _best_worker(
         candidate = ((queue + 1) * t_proc, worker_id)
         if best is None or candidate < best:
             best = candidate
+    return best
+
+
+def _best_measured(
+    groups: tuple[tuple[float, tuple[str, ...]], ...],
+    queue_lengths: Mapping[str, int],
+    down: AbstractSet[str],
+    t_proc: TimeOf,
+    level: int,
+) -> tuple[float, str] | None:
+    """As :func:`_best_worker`, with each worker's measured ``t_proc`` at ``level``."""
+    best: tuple[float, str] | None = None
+    for _, ids in groups:
+        for worker_id in ids:
+            if worker_id in down:
+                continue
+            candidate = (
+                (queue_lengths.get(worker_id, 0) + 1) * t_proc(worker_id, level),
+                worker_id,
+            )
+            if best is None or candidate < best:
+                best = candidate
     return best
 
 
