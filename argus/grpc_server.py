@@ -39,9 +39,12 @@ def new_server(
     """A server (not started) on a pool of ``threads`` threads with the given message limits.
 
     ``max_concurrent_rpcs``: calls beyond this many at once are refused at once by gRPC with
-    RESOURCE_EXHAUSTED. Without it a server whose threads are all busy queues new calls
-    without bound in front of its pool, where no admission sees them (under overload the
-    router's clients waited 9-11 s there while each request spent 0.3 s inside it).
+    RESOURCE_EXHAUSTED ("Concurrent RPC limit exceeded!", no retry hint). Without it a server
+    whose threads are all busy queues new calls without bound in front of its pool, where no
+    admission sees them (under overload the router's clients waited 9-11 s there while each
+    request spent 0.3 s inside it). gRPC counts a call from its arrival until its handler
+    returns, calls queued for a thread included; a service that wants its own refusal to be
+    the one clients see bounds its calls with :class:`InFlightLimit` well below this.
 
     ``interceptors`` run in order, outermost first; :class:`ParseRequests` comes last, so
     requests are parsed only once they passed authentication. Port reuse is off: gRPC sets
@@ -118,6 +121,80 @@ class ParseRequests(grpc.ServerInterceptor):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
         return handler._replace(request_deserializer=None, stream_unary=stream_unary)
+
+
+class InFlightLimit(grpc.ServerInterceptor):
+    """Runs at most ``limit`` calls of ``methods`` at once; a call beyond that is refused in
+    its handler thread, before its request is parsed, with RESOURCE_EXHAUSTED, ``message``
+    and the ``trailing`` metadata (a retry hint); ``on_refuse`` is called for each refusal
+    (the service's metrics count it).
+
+    This is the service's own bound, so it must bind before gRPC's ``max_concurrent_rpcs``
+    does (whose refusal carries no hint and gRPC's words): give the server a pool of more
+    than ``limit`` threads, so a refusal never waits behind a call being served, and a
+    ``max_concurrent_rpcs`` well above the pool. A slot is taken when the handler starts and
+    given back when it returns (a unary call) or its stream ends; calls still queued for a
+    thread hold none. Other methods (health checks, reflection) pass unbounded, and so do
+    request-streaming methods of ``methods`` (the router has none).
+    """
+
+    def __init__(
+        self,
+        limit: int,
+        methods: Sequence[str],
+        message: str,
+        trailing: Sequence[tuple[str, str]] = (),
+        on_refuse: Callable[[], None] | None = None,
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"limit: must be >= 1, got {limit}")
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+        self._methods = frozenset(methods)
+        self._message = message
+        self._trailing = tuple(trailing)
+        self._on_refuse = on_refuse
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(details)
+        if handler is None or details.method not in self._methods:
+            return handler
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
+                self._enter(context)
+                try:
+                    return inner_uu(request, context)
+                finally:
+                    self._slots.release()
+
+            return handler._replace(unary_unary=unary_unary)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            def unary_stream(request: Any, context: grpc.ServicerContext) -> Any:
+                self._enter(context)
+                try:
+                    yield from inner_us(request, context)
+                finally:  # the stream ended, failed, or was closed when its call ended
+                    self._slots.release()
+
+            return handler._replace(unary_stream=unary_stream)
+        return handler
+
+    def _enter(self, context: grpc.ServicerContext) -> None:
+        """Take a slot, or refuse the call (``context.abort`` raises)."""
+        if not self._slots.acquire(blocking=False):
+            if self._on_refuse is not None:
+                self._on_refuse()
+            if self._trailing:
+                context.set_trailing_metadata(self._trailing)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._message)
 
 
 def _parser(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
@@ -295,7 +372,8 @@ def check_port(value: int | None, name: str) -> None:
 def check_address(value: str, name: str) -> str:
     """``value`` if it is HOST:PORT with a port in 1..65535; else ValueError naming ``name``."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host.strip() or not port.isdigit() or not 0 < int(port) < 65536:
+    digits = port.isascii() and port.isdigit()  # str.isdigit alone takes "５" and "²"
+    if not sep or not host.strip() or not digits or not 0 < int(port) < 65536:
         raise ValueError(f"{name}: expected HOST:PORT with a port in 1..65535, got {value!r}")
     if any(c.isspace() for c in value):
         raise ValueError(f"{name}: expected HOST:PORT without spaces, got {value!r}")

@@ -1,5 +1,6 @@
 """The router process around :class:`~argus.router.core.RouterCore`: the gRPC server
-(``create_server``: the public endpoint with optional TLS and bearer-token auth), the periodic
+(``create_server``: the public endpoint with optional TLS and bearer-token auth, sized by
+:func:`grpc_sizes` so that overload is refused in Argus's words), the periodic
 statistics report to the allocator (:class:`StatsReporter`, whose ``report_once`` tests call
 directly with a fake clock) and the process itself (:class:`RouterSettings`, ``serve``).
 """
@@ -24,6 +25,7 @@ from argus.classifier.serving import ClassifierSet
 from argus.contracts.allocator_client import AllocatorClient
 from argus.grpc_server import (
     BearerTokenInterceptor,
+    InFlightLimit,
     add_health_and_reflection,
     bind,
     check_address,
@@ -31,16 +33,35 @@ from argus.grpc_server import (
     new_server,
     set_serving,
 )
+from argus.router.convert import retry_after_metadata
 from argus.router.core import RouterCore, RouterServiceConfig
 from argus.router.drift import DriftSettings, RouterDrift
 from argus.router.metrics import RouterMetrics
 from argus.router.service import SERVICE_NAME, RouterServicer, router_pb2_grpc
+from argus.router.values import Refusal
 from argus.types import ClassQuality, ProfileSet, Strategy
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # an image and its worker's answer
+REFUSAL_THREADS = 64
+"""Handler threads beside the ``max_in_flight`` that Generate calls may hold: refusals and
+health checks run on these, so they never wait behind a call being served. A refusal holds
+its thread for well under a millisecond; 64 keep answering a burst of 1,000 calls at once
+(benchmarks/bench_concurrency.py)."""
+MIN_REFUSAL_THREADS = 16
+"""The fewest such threads: an explicit ``threads`` below ``max_in_flight`` + this lowers the
+gRPC in-flight bound instead."""
+REFUSAL_BACKLOG = 1024
+"""Calls gRPC takes beyond the pool's threads, queued for a thread: only refusals and health
+checks run on a free one (the in-flight bound holds the rest), so the queue drains in
+refusals, a fraction of a millisecond each, and each queued call ends with Argus's
+RESOURCE_EXHAUSTED and its retry hint. Beyond threads + this many calls at once gRPC refuses
+in its own words, with no hint. A queued call holds no thread and its request is not read
+until it runs (flow control keeps what its client sent in the transport's window)."""
+BUSY_RETRY_AFTER_S = 0.1  # the hint of the core's own "router busy" refusal
+GENERATE_METHODS = (f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream")
 
 
 @dataclass(frozen=True)
@@ -51,19 +72,75 @@ class ServerSecurity:
     token: str | None = None  # bearer token every call but health checks must carry
 
 
+@dataclass(frozen=True)
+class GrpcSizes:
+    """The bounds of the router's gRPC server, from the innermost out (:func:`grpc_sizes`)."""
+
+    in_flight: int
+    """Generate and GenerateStream calls served at once; one more is refused at once by
+    Argus (RESOURCE_EXHAUSTED, "router busy", ``retry-after-ms``)."""
+
+    threads: int
+    """Handler threads: ``in_flight`` for served calls and the rest for refusals and health
+    checks."""
+
+    max_concurrent_rpcs: int
+    """Calls gRPC takes at once, those queued for a thread included; one more is refused by
+    gRPC itself ("Concurrent RPC limit exceeded!", no retry hint)."""
+
+
+def grpc_sizes(max_in_flight: int, threads: int | None = None) -> GrpcSizes:
+    """The sizes for a core serving ``max_in_flight`` requests at once: by default
+    ``max_in_flight`` calls in flight, :data:`REFUSAL_THREADS` more threads and
+    :data:`REFUSAL_BACKLOG` more calls (256, 320 and 1,344 with the default 256). With
+    ``threads`` given, the pool has that many and the in-flight bound is lowered to keep at
+    least :data:`MIN_REFUSAL_THREADS` of them for refusals; ValueError names ``threads`` when
+    fewer than that plus one are given."""
+    if threads is None:
+        threads = max_in_flight + REFUSAL_THREADS
+    if threads <= MIN_REFUSAL_THREADS:
+        raise ValueError(f"threads: must be > {MIN_REFUSAL_THREADS}, got {threads}")
+    in_flight = min(max_in_flight, threads - MIN_REFUSAL_THREADS)
+    return GrpcSizes(in_flight, threads, threads + REFUSAL_BACKLOG)
+
+
 def router_server(
-    threads: int, interceptors: Sequence[grpc.ServerInterceptor] = (), prefix: str = "router"
+    threads: int,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    prefix: str = "router",
+    backlog: int = REFUSAL_BACKLOG,
 ) -> grpc.Server:
     """The router's gRPC server, not started and bound to nothing: ``threads`` handler
-    threads and as many calls at once (more are refused with RESOURCE_EXHAUSTED), the
-    router's message limits and request parsing."""
+    threads, gRPC's own bound at ``threads + backlog`` calls at once (see
+    :data:`REFUSAL_BACKLOG`), the router's message limits and request parsing. The in-flight
+    bound is one of the ``interceptors`` (:func:`create_server` adds it)."""
     return new_server(
         threads=threads,
         thread_prefix=prefix,
         max_receive_bytes=MAX_REQUEST_BYTES,
         max_send_bytes=MAX_REPLY_BYTES,
         interceptors=interceptors,
-        max_concurrent_rpcs=threads,
+        max_concurrent_rpcs=threads + backlog,
+    )
+
+
+def busy_limit(in_flight: int, metrics: RouterMetrics | None = None) -> InFlightLimit:
+    """The router's in-flight bound on Generate and GenerateStream, refusing in the core's
+    words for the same refusal (RESOURCE_EXHAUSTED with a ``retry-after-ms`` trailer), and
+    counted in ``metrics`` as the core counts it (a RESOURCE_EXHAUSTED answer, rejected as
+    "busy")."""
+
+    def count() -> None:
+        if metrics is not None:
+            metrics.requests.labels(Refusal.OVERLOADED.status_name).inc()
+            metrics.rejected.labels("busy").inc()
+
+    return InFlightLimit(
+        in_flight,
+        GENERATE_METHODS,
+        f"router busy: {in_flight} requests in flight",
+        retry_after_metadata(BUSY_RETRY_AFTER_S),
+        on_refuse=count,
     )
 
 
@@ -71,20 +148,27 @@ def create_server(
     core: RouterCore,
     address: str = "127.0.0.1:0",
     *,
-    threads: int = 32,
+    threads: int | None = None,
     security: ServerSecurity = ServerSecurity(),
 ) -> tuple[grpc.Server, int, RouterServicer]:
     """A not-yet-started server bound to ``address``; returns it with the bound port.
 
-    It runs at most ``threads`` calls at once and refuses more with RESOURCE_EXHAUSTED
-    straight away (give it the core's ``max_in_flight`` and a few threads for health checks).
+    Sized by :func:`grpc_sizes` from the core's ``max_in_flight`` (``threads``: the pool's
+    size instead of the default): a Generate call beyond the in-flight bound is refused at
+    once by Argus with RESOURCE_EXHAUSTED and a ``retry-after-ms`` trailer, from a thread
+    kept free for refusals, and gRPC's own bound sits far above it. The bound counts gRPC
+    calls only; the core's own ``max_in_flight`` still bounds gRPC and HTTP together.
 
     Health reports NOT_SERVING until the core has a plan with at least one worker
     (``servicer.plan_installed`` follows plans); requests whose bytes are not a
     RouterGenerateRequest get INVALID_ARGUMENT instead of gRPC's INTERNAL.
     """
-    interceptors = [] if security.token is None else [BearerTokenInterceptor(security.token)]
-    server = router_server(threads, interceptors)
+    sizes = grpc_sizes(core.config.max_in_flight, threads)
+    interceptors: list[grpc.ServerInterceptor] = []
+    if security.token is not None:  # an unauthenticated call is refused as such, not as busy
+        interceptors.append(BearerTokenInterceptor(security.token))
+    interceptors.append(busy_limit(sizes.in_flight, core.metrics))
+    server = router_server(sizes.threads, interceptors)
     health_servicer = health.HealthServicer()
     servicer = RouterServicer(core, health_servicer)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
@@ -287,7 +371,7 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     server, port, servicer = create_server(
         core,
         f"{settings.host}:{settings.port}",
-        threads=settings.threads or settings.max_in_flight + 16,
+        threads=settings.threads,
         security=security,
     )
     http = None

@@ -52,8 +52,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
 
     def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         """The core runs on a thread of its own and this call's thread streams its progress
-        out (a streaming handler yields from the thread gRPC gave it); the server's bound on
-        concurrent calls bounds those threads too."""
+        out (a streaming handler yields from the thread gRPC gave it); the server's in-flight
+        bound (:func:`argus.router.app.busy_limit`) bounds those threads too, and the core's
+        ``max_in_flight`` bounds them after their call was cancelled."""
         deadline, cancel = self._call(context)
         typed = convert.request_from_pb(request)
         events: queue.SimpleQueue[Progress | RouterReply | BaseException] = queue.SimpleQueue()
