@@ -262,3 +262,58 @@ def test_up_keeps_a_given_workdir(fake_cluster, tmp_path):
     assert main(["up", "--port", "0", "--exit-after-demo", "--workdir", str(workdir)]) == 0
     assert fake_cluster.workdirs == [workdir]
     assert (workdir / "logs" / "router.log").exists()
+
+
+def test_a_client_with_retries_follows_the_routers_hint_and_says_how_many_it_took(
+    tmp_path, capsys, monkeypatch
+):
+    import grpc
+
+    from argus.cli.client import send_prompts
+    from argus.client import RequestFailed
+
+    class Response:
+        png = b"png"
+
+    class BusyTwice:
+        def __init__(self):
+            self.calls = 0
+
+        def generate(self, prompt, **options):
+            self.calls += 1
+            if self.calls == 1:
+                raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", 250)
+            if self.calls == 2:
+                raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed", None)
+            return Response()
+
+    import argus.client
+
+    monkeypatch.setattr(argus.client, "summary", lambda response, path: {"out": str(path)})
+    pauses = []
+    client = BusyTwice()
+    failed = send_prompts(
+        client, ["a fox"], tmp_path, count=1, concurrency=1, retries=3, sleep=pauses.append
+    )
+    assert failed == 0 and client.calls == 3
+    assert pauses == [0.25, 1.0]  # the hint, then the pause of a request without one
+    assert json.loads(capsys.readouterr().out)["retries"] == 2
+    assert (tmp_path / "0000.png").read_bytes() == b"png"
+
+
+def test_a_client_without_retries_reports_the_refusal_and_does_not_send_again(tmp_path, capsys):
+    import grpc
+
+    from argus.cli.client import send_prompts
+    from argus.client import RequestFailed
+
+    class Busy:
+        calls = 0
+
+        def generate(self, prompt, **options):
+            Busy.calls += 1
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", 250)
+
+    assert send_prompts(Busy(), ["a fox"], tmp_path, count=1, concurrency=1) == 1
+    assert Busy.calls == 1
+    assert json.loads(capsys.readouterr().out)["retry_after_ms"] == 250

@@ -23,6 +23,7 @@ from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 from tests.test_router_core import PNG, FakeWorkers
 
 CLASS = PROFILES.worker_classes[0]
+EXACT = ServiceTimeConfig(headroom=0.0)  # figures as learned, without the admission's headroom
 LEVEL = PROFILES.levels[0].name
 PROFILED_S = PROFILES.profile(CLASS, LEVEL).latency_s
 
@@ -37,40 +38,40 @@ def learn(times: ServiceTimes, worker: str, service_s: float, denoise_s: float, 
 
 
 def test_a_worker_is_priced_from_the_profile_until_it_has_answered() -> None:
-    times = ServiceTimes(PROFILES)
+    times = ServiceTimes(PROFILES, EXACT)
     assert times.predict_s("w1", CLASS, LEVEL, 2.0, now=0.0) == pytest.approx(2 * PROFILED_S)
 
 
 def test_a_learned_worker_costs_its_fixed_part_plus_its_denoising_per_reference_request() -> None:
-    times = ServiceTimes(PROFILES)
+    times = ServiceTimes(PROFILES, EXACT)
     learn(times, "w1", service_s=0.5, denoise_s=0.4, cost=0.5)  # 0.1 fixed, 0.8 s per unit
     assert times.predict_s("w1", CLASS, LEVEL, 0.5, now=1.0) == pytest.approx(0.5)
     assert times.predict_s("w1", CLASS, LEVEL, 2.0, now=1.0) == pytest.approx(0.1 + 1.6)
 
 
 def test_one_slow_reply_does_not_move_the_figure() -> None:
-    times = ServiceTimes(PROFILES)
+    times = ServiceTimes(PROFILES, EXACT)
     learn(times, "w1", service_s=1.0, denoise_s=1.0, n=20)
     times.observe("w1", CLASS, LEVEL, 1.0, 60.0, 60.0, 0.0)  # a preempted vCPU, a LoRA load
     assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(1.0)
 
 
 def test_the_figure_follows_a_worker_that_changed_speed_within_its_window() -> None:
-    times = ServiceTimes(PROFILES, ServiceTimeConfig(window=8))
+    times = ServiceTimes(PROFILES, ServiceTimeConfig(window=8, headroom=0.0))
     learn(times, "w1", service_s=1.0, denoise_s=1.0, n=8)
     learn(times, "w1", service_s=3.0, denoise_s=3.0, n=8)  # its cache went cold
     assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(3.0)
 
 
 def test_an_old_figure_is_forgotten_and_the_worker_is_seeded_again() -> None:
-    times = ServiceTimes(PROFILES, ServiceTimeConfig(max_age_s=60.0))
+    times = ServiceTimes(PROFILES, ServiceTimeConfig(max_age_s=60.0, headroom=0.0))
     learn(times, "w1", service_s=0.2, denoise_s=0.2, now=0.0)
     assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=59.0) == pytest.approx(0.2)
     assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=61.0) == pytest.approx(PROFILED_S)
 
 
 def test_a_new_worker_is_seeded_from_its_learned_peers_of_the_same_class_and_level() -> None:
-    times = ServiceTimes(PROFILES)
+    times = ServiceTimes(PROFILES, EXACT)
     learn(times, "w1", service_s=0.3, denoise_s=0.2)
     learn(times, "w2", service_s=0.5, denoise_s=0.4)
     learn(times, "w3", service_s=0.7, denoise_s=0.6)
@@ -78,7 +79,7 @@ def test_a_new_worker_is_seeded_from_its_learned_peers_of_the_same_class_and_lev
 
 
 def test_a_level_nobody_served_yet_is_the_profile_scaled_as_the_learned_workers_compare() -> None:
-    times = ServiceTimes(PROFILES)
+    times = ServiceTimes(PROFILES, EXACT)
     learn(times, "w1", service_s=0.1 + PROFILED_S / 20, denoise_s=PROFILED_S / 20)
     other = PROFILES.levels[1].name
     expected = 0.1 + PROFILES.profile(CLASS, other).latency_s / 20
@@ -86,13 +87,23 @@ def test_a_level_nobody_served_yet_is_the_profile_scaled_as_the_learned_workers_
 
 
 def test_the_allocator_gets_each_class_and_levels_median_at_the_reference_request() -> None:
-    times = ServiceTimes(PROFILES)
+    times = ServiceTimes(PROFILES, EXACT)
     learn(times, "w1", service_s=0.3, denoise_s=0.2)
     learn(times, "w2", service_s=0.5, denoise_s=0.4)
     learn(times, "w3", service_s=0.9, denoise_s=0.8)
     (measured,) = times.measured(now=0.0)
     assert (measured.worker_class, measured.level) == (CLASS, LEVEL)
     assert measured.latency_s == pytest.approx(0.5) and measured.samples == 15
+
+
+def test_a_learned_figure_is_raised_by_the_headroom_and_the_profile_is_not() -> None:
+    times = ServiceTimes(PROFILES, ServiceTimeConfig(headroom=0.25))
+    assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(PROFILED_S)
+    learn(times, "w1", service_s=1.0, denoise_s=1.0)
+    assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(1.25)
+    assert times.predict_s("w2", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(1.25)  # a seed
+    (measured,) = times.measured(now=0.0)
+    assert measured.latency_s == pytest.approx(1.0)  # the allocator gets it as learned
 
 
 def test_nonsense_timings_are_not_learned() -> None:

@@ -4,7 +4,8 @@ Prompts come from ``--prompt`` (repeatable) or ``--prompts-file`` (one per line)
 sends the list round-robin up to that many requests, ``--concurrency`` at a time. Each image
 is saved as ``OUT/NNNN.png`` and described by one JSON line (level served, worker, strategy,
 timing). A failed request prints a JSON line with its status and retry hint; the exit code is
-1 if any failed.
+1 if any failed. ``--retries N`` sends a request the router refused for now (with a retry
+hint) or that ran out of its deadline again, after the hint, up to N times.
 
 ``--stream`` sends the requests one at a time through GenerateStream and draws each one's
 progress on stderr: the level and worker chosen, its place in the worker's queue, then a bar
@@ -17,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
@@ -57,6 +59,25 @@ def read_connection(address: str, args: argparse.Namespace) -> Any:
     return Connection(address, token=token, tls_ca=args.tls_ca)
 
 
+RETRY_PAUSE_S = 1.0  # before sending again a request that was refused without a hint
+MAX_RETRY_PAUSE_S = 10.0  # a hint longer than this is waited only this long
+
+
+def retryable(err: Any) -> bool:
+    """A failure worth sending again: the router said when (a retry hint), or the request ran
+    out of time (its deadline passed while the cluster was busy)."""
+    import grpc
+
+    return err.retry_after_ms is not None or err.code is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def retry_pause_s(err: Any) -> float:
+    if err.retry_after_ms is None:
+        return RETRY_PAUSE_S
+    pause_s: float = min(max(err.retry_after_ms / 1e3, 0.0), MAX_RETRY_PAUSE_S)
+    return pause_s
+
+
 def send_prompts(
     client: Any,
     prompts: list[str],
@@ -65,39 +86,55 @@ def send_prompts(
     count: int,
     concurrency: int,
     stream: TextIO | None = None,
+    retries: int = 0,
+    sleep: Callable[[float], None] = time.sleep,
     **options: Any,
 ) -> int:
     """Send ``count`` requests, save images under ``out``, print a JSON line each; returns the
     number that failed. ``stream``: send them one at a time through GenerateStream and draw
-    their progress there."""
+    their progress there. ``retries``: a request the router refused for now (a retry hint:
+    overloaded, no plan yet) or that ran out of its deadline is sent again, up to this many
+    times, after the hint (or :data:`RETRY_PAUSE_S` without one, at most
+    :data:`MAX_RETRY_PAUSE_S`); its line says how many retries it took."""
     from argus.client import RequestFailed, summary
 
     out.mkdir(parents=True, exist_ok=True)
     if stream is not None:
         concurrency = 1  # one progress bar
 
+    def attempt(i: int, prompt: str) -> Any:
+        if stream is None:
+            return client.generate(prompt, seed=i, **options)
+        bar = ProgressBar(stream, f"[{i:04d}]")
+        try:
+            return client.generate_stream(prompt, bar.update, seed=i, **options)
+        finally:
+            bar.close()
+
     def one(i: int) -> dict[str, Any]:
         prompt = prompts[i % len(prompts)]
-        try:
-            if stream is None:
-                response = client.generate(prompt, seed=i, **options)
-            else:
-                bar = ProgressBar(stream, f"[{i:04d}]")
-                try:
-                    response = client.generate_stream(prompt, bar.update, seed=i, **options)
-                finally:
-                    bar.close()
-        except RequestFailed as err:
-            return {
-                "index": i,
-                "prompt": shorten(prompt),
-                "error": err.code.name,
-                "details": err.details,
-                "retry_after_ms": err.retry_after_ms,
-            }
+        tried = 0
+        while True:
+            try:
+                response = attempt(i, prompt)
+                break
+            except RequestFailed as err:
+                if tried < retries and retryable(err):
+                    tried += 1
+                    sleep(retry_pause_s(err))
+                    continue
+                return {
+                    "index": i,
+                    "prompt": shorten(prompt),
+                    "error": err.code.name,
+                    "details": err.details,
+                    "retry_after_ms": err.retry_after_ms,
+                    **({"retries": tried} if retries else {}),
+                }
         path = out / f"{i:04d}.png"
         path.write_bytes(response.png)
-        return {"index": i, "prompt": shorten(prompt), **summary(response, path)}
+        line = {"index": i, "prompt": shorten(prompt), **summary(response, path)}
+        return {**line, "retries": tried} if retries else line
 
     failed = 0
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -164,6 +201,13 @@ class ClientCommand:
         parser.add_argument("--steps", type=int, help="denoising steps (default: the worker's)")
         parser.add_argument("--deadline-ms", type=int, help="give up after this long")
         parser.add_argument(
+            "--retries",
+            type=int,
+            default=0,
+            help="send a refused (retry hint) or timed-out request again up to N times, "
+            "after the router's hint",
+        )
+        parser.add_argument(
             "--max-level-index",
             type=int,
             help="minimum quality: never serve a level faster than this index (0 = best)",
@@ -184,6 +228,8 @@ class ClientCommand:
         for flag, value in (("--count", count), ("--concurrency", args.concurrency)):
             if value < 1:
                 raise CLIError(f"{flag}: {value} must be positive")
+        if args.retries < 0:
+            raise CLIError(f"--retries: {args.retries} must be >= 0")
         if args.max_level_index is not None and args.max_level_index < 0:
             raise CLIError(f"--max-level-index: {args.max_level_index} must be >= 0")
         connection = read_connection(args.router, args)
@@ -195,6 +241,7 @@ class ClientCommand:
                 count=count,
                 concurrency=args.concurrency,
                 stream=sys.stderr if args.stream else None,
+                retries=args.retries,
                 size=args.size,
                 steps=args.steps,
                 deadline_ms=args.deadline_ms,

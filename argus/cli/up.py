@@ -40,6 +40,7 @@ def demo_prompts(count: int) -> list[str]:
     return [record.prompt for record in records[::stride][:count]]
 
 
+DEMO_RETRIES = 3  # the demo follows the router's retry hints, as a client should
 GAVE_UP_EXIT = 3  # a part died --max-restarts times within the window
 
 
@@ -206,10 +207,20 @@ class UpCommand:
 
         token = None if args.auth_token_file is None else read_token(args.auth_token_file)
         connection = Connection(cluster.router, token=token, tls_ca=args.tls_cert)
-        print(f"argus up: demo: {args.demo} prompts → {args.out}/", flush=True)
+        print(
+            f"argus up: demo: {args.demo} prompts → {args.out}/ (a request the router refuses "
+            f"for now or that runs out of time is sent again after its retry hint, up to "
+            f"{DEMO_RETRIES} times, as a client following the hint would)",
+            flush=True,
+        )
         with RouterClient(connection) as client:
             failed: int = send_prompts(
-                client, demo_prompts(args.demo), args.out, count=args.demo, concurrency=2
+                client,
+                demo_prompts(args.demo),
+                args.out,
+                count=args.demo,
+                concurrency=2,
+                retries=DEMO_RETRIES,
             )
         return failed
 

@@ -57,6 +57,12 @@ class ServiceTimeConfig:
     min_samples: int = 3
     """Replies at a level before a worker's own figure replaces its seed."""
 
+    headroom: float = 0.1
+    """Share by which a learned figure is raised when the router predicts with it. Workers slow
+    down as load rises (a host's CPU shared with more work, a cache turning over), and the
+    admission check multiplies the figure by the queue ahead: behind 30 s of admitted work, a
+    figure 10% short finishes requests 3 s late."""
+
     def __post_init__(self) -> None:
         if self.window < 1 or self.min_samples < 1 or self.min_samples > self.window:
             raise ValueError(
@@ -65,6 +71,8 @@ class ServiceTimeConfig:
             )
         if not (math.isfinite(self.max_age_s) and self.max_age_s > 0.0):
             raise ValueError(f"max_age_s: must be a finite number > 0, got {self.max_age_s}")
+        if not (math.isfinite(self.headroom) and self.headroom >= 0.0):
+            raise ValueError(f"headroom: must be a finite number >= 0, got {self.headroom}")
         if not 0.0 <= self.trim < 0.5:
             raise ValueError(f"trim: must be in [0, 0.5), got {self.trim}")
 
@@ -76,6 +84,7 @@ class LearnedTime:
     fixed_s: float  # seconds every request takes whatever its size
     unit_s: float  # seconds per reference request of denoising (pixels × steps asked for)
     samples: int  # replies behind it; 0 for a seed
+    measured: bool = True  # False: the profile's figure, no reply behind it at all
 
     def seconds(self, cost: float) -> float:
         return self.fixed_s + self.unit_s * cost
@@ -154,8 +163,11 @@ class ServiceTimes:
         self, worker: str, worker_class: str, level: str, cost: float, now: float
     ) -> float:
         """Seconds ``worker`` (of ``worker_class``) takes to serve a request of ``cost`` at
-        ``level``: its own figure, or its seed (see the module docstring)."""
-        return self.learned(worker, worker_class, level, now).seconds(cost)
+        ``level``: its own figure, or its seed (see the module docstring), raised by
+        ``headroom`` when learned (a profile's figure is taken as it is)."""
+        learned = self.learned(worker, worker_class, level, now)
+        scale = 1.0 + self.config.headroom if learned.measured else 1.0
+        return learned.seconds(cost) * scale
 
     def learned(self, worker: str, worker_class: str, level: str, now: float) -> LearnedTime:
         """``worker``'s figure at ``level``, or its seed."""
@@ -229,7 +241,7 @@ class ServiceTimes:
             profiled = max(p.latency_s for p in self.profiles.table.values())
         if ratios:
             return LearnedTime(statistics.median(fixed), profiled * statistics.median(ratios), 0)
-        return LearnedTime(0.0, profiled, 0)
+        return LearnedTime(0.0, profiled, 0, measured=False)
 
     def _profiled_s(self, worker_class: str, level: str) -> float | None:
         entry = self.profiles.table.get((worker_class, level))

@@ -1,0 +1,317 @@
+"""Overload on a real cluster: ``argus up``'s processes (allocator, ControlNet service, tiny-model
+workers running diffusers on this CPU, the router with its default classifier), offered more
+than they can serve.
+
+Unlike ``bench_overload.py`` (stub workers that sleep the profile's latency), the workers here
+really denoise, so their speed is whatever this machine gives them, and the profile the router
+starts from (GPU latencies) is wrong for them: the run shows whether the router learns the
+workers' real speed in time to keep overload to fast refusals.
+
+1. **Capacity, measured**: after ``--warmup-s`` of traffic, ``4 × workers`` clients send
+   requests back to back (closed loop, every worker busy with three more queued) for
+   ``--capacity-s``; capacity is the answers a second they get.
+2. **Overload**: open-loop Poisson arrivals at ``--load`` × that capacity for ``--duration-s``,
+   each request with ``deadline_ms`` = ``--deadline-ms`` (the router's default, 30 s, unless
+   given) and a gRPC timeout 5 s longer, so that a DEADLINE_EXCEEDED is the router's own
+   answer, not the client giving up; then the calls still open are waited for.
+
+Per ``--window-s`` window (by completion time) it prints the answers served a second and their
+share of the capacity; then over the whole run: the requests refused (RESOURCE_EXHAUSTED with
+its ``retry-after-ms`` hint, or DEADLINE_EXCEEDED answered in under a second: refused at
+arrival as infeasible) and their latency p50 / p95; the admitted requests (served, or failed
+after a second) and the share of them late (served after their deadline, or failed at it);
+and the DEADLINE_EXCEEDED answers that came at the full deadline.
+Targets (issue 29): served ≥ 90% of capacity in every window, late ≤ 1% of admitted, refusal
+p95 ≤ 50 ms, no answer at the full deadline that the router could have refused at arrival.
+
+    .venv/bin/python benchmarks/bench_overload_live.py [--workers 2] [--steps 30] [--load 3]
+        [--duration-s 60] [--capacity-s 20] [--warmup-s 10] [--deadline-ms 30000]
+        [--window-s 10] [--seed 0]
+
+Figures are for this machine: the cluster's processes, the load generator and anything else
+share its cores, so the load average is printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from _machine import load_line, machine_line
+
+from argus import rpc
+from argus.client import generate_request, retry_after
+from argus.local_cluster import ClusterSpec, LocalCluster
+from argus.traces import default_prompt_trace, load_prompts
+
+router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
+
+EARLY_S = 1.0  # a DEADLINE_EXCEEDED sooner than this was refused at arrival, not run out
+
+
+@dataclass
+class Outcome:
+    sent: float
+    done: float = math.nan
+    code: grpc.StatusCode | None = None
+    retry_hint: bool = False
+    worker: str = ""  # the worker that served it
+    service_s: float = 0.0  # its time there from taking the worker's slot to the answer
+
+    @property
+    def latency_s(self) -> float:
+        return self.done - self.sent
+
+
+class Offered:
+    """Requests sent through one stub, their outcomes recorded as they complete."""
+
+    def __init__(self, stub: Any, prompts: list[str], steps: int | None, deadline_ms: int):
+        self.stub = stub
+        self.prompts = prompts
+        self.steps = steps
+        self.deadline_ms = deadline_ms
+        self.outcomes: list[Outcome] = []
+        self._lock = threading.Lock()
+        self._open = 0
+        self._idle = threading.Condition(self._lock)
+        self._sent = 0
+
+    def send(self, on_done: Any = None) -> None:
+        i = self._sent
+        self._sent += 1
+        request = generate_request(
+            self.prompts[i % len(self.prompts)],
+            seed=i,
+            steps=self.steps,
+            deadline_ms=self.deadline_ms,
+        )
+        outcome = Outcome(time.monotonic())
+        with self._lock:
+            self.outcomes.append(outcome)
+            self._open += 1
+        future = self.stub.Generate.future(request, timeout=self.deadline_ms / 1e3 + 5.0)
+
+        def finished(done: Any) -> None:
+            outcome.done = time.monotonic()
+            err = done.exception()
+            outcome.code = grpc.StatusCode.OK if err is None else err.code()
+            outcome.retry_hint = err is not None and retry_after(err) is not None
+            if err is None:
+                response = done.result()
+                timing = response.timing.worker
+                outcome.worker = response.worker_id
+                outcome.service_s = (timing.total_ms - timing.queue_ms) / 1e3
+            with self._lock:
+                self._open -= 1
+                self._idle.notify_all()
+            if on_done is not None:
+                on_done()
+
+        future.add_done_callback(finished)
+
+    def wait_all(self, timeout_s: float) -> None:
+        with self._lock:
+            self._idle.wait_for(lambda: self._open == 0, timeout=timeout_s)
+
+
+def measure_capacity(offered: Offered, clients: int, seconds: float) -> float:
+    """Answers a second with ``clients`` requests always open (closed loop)."""
+    stop_at = time.monotonic() + seconds
+    start = time.monotonic()
+    first = len(offered.outcomes)
+
+    def again() -> None:
+        if time.monotonic() < stop_at:
+            offered.send(again)
+
+    for _ in range(clients):
+        offered.send(again)
+    offered.wait_all(seconds + offered.deadline_ms / 1e3 + 10.0)
+    outcomes = offered.outcomes[first:]
+    served = sum(1 for o in outcomes if o.code is grpc.StatusCode.OK and o.done <= stop_at)
+    return served / (stop_at - start)
+
+
+def served_capacity(outcomes: list[Outcome], lo: float, hi: float) -> float:
+    """Requests a second the workers could serve at the levels they ran between ``lo`` and
+    ``hi``: Σ over workers of 1 / their mean service time on the requests they served then."""
+    by_worker: dict[str, list[float]] = {}
+    for o in outcomes:
+        if o.code is grpc.StatusCode.OK and lo <= o.done < hi and o.service_s > 0:
+            by_worker.setdefault(o.worker, []).append(o.service_s)
+    return sum(len(times) / sum(times) for times in by_worker.values())
+
+
+def overload(offered: Offered, rate: float, seconds: float, seed: int) -> float:
+    """Poisson arrivals at ``rate`` a second for ``seconds``; returns the start time."""
+    rng = random.Random(seed)
+    start = time.monotonic()
+    at = start
+    while True:
+        at += rng.expovariate(rate)
+        if at - start >= seconds:
+            break
+        pause = at - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        offered.send()
+    return start
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def report(
+    every: list[Outcome], first: int, start: float, seconds: float, window_s: float,
+    capacity: float, deadline_s: float,
+) -> dict[str, Any]:  # fmt: skip
+    """The windows over every answer (the settling phase's too, by completion), the rest over
+    the requests sent from ``first`` on."""
+    ok = grpc.StatusCode.OK
+    outcomes = every[first:]
+    windows = []
+    print(
+        f"{'window':>10} {'offered/s':>10} {'served/s':>9} {'of capacity':>12} {'workers busy':>13}"
+    )
+    for k in range(math.ceil(seconds / window_s)):
+        lo, hi = start + k * window_s, start + min((k + 1) * window_s, seconds)
+        offered_n = sum(1 for o in outcomes if lo <= o.sent < hi)
+        served_n = sum(1 for o in every if o.code is ok and lo <= o.done < hi)
+        span = hi - lo
+        share = served_n / span / capacity
+        windows.append(share)
+        busy = served_n / span / max(served_capacity(every, lo, hi), 1e-9)
+        print(
+            f"{k * window_s:>4.0f}-{(k * window_s + span):<4.0f}s {offered_n / span:>10.2f} "
+            f"{served_n / span:>9.2f} {share:>11.0%} {busy:>12.0%}"
+        )
+
+    def refused(o: Outcome) -> bool:
+        early_deadline = o.code is grpc.StatusCode.DEADLINE_EXCEEDED and o.latency_s < EARLY_S
+        return o.code is grpc.StatusCode.RESOURCE_EXHAUSTED or early_deadline
+
+    refusals = [o for o in outcomes if refused(o)]
+    admitted = [o for o in outcomes if o.code is not None and not refused(o)]
+    late = [
+        o for o in admitted if (o.code is ok and o.latency_s > deadline_s) or (o.code is not ok)
+    ]
+    at_deadline = [
+        o
+        for o in outcomes
+        if o.code is grpc.StatusCode.DEADLINE_EXCEEDED and o.latency_s >= 0.9 * deadline_s
+    ]
+    served = [o for o in admitted if o.code is ok]
+    answers = Counter(
+        f"{'?' if o.code is None else o.code.name}{'+hint' if o.retry_hint else ''}"
+        for o in outcomes
+    )
+    print("answers: " + ", ".join(f"{name} {n}" for name, n in sorted(answers.items())))
+    figures = {
+        "requests": len(outcomes),
+        "served": len(served),
+        "served_p50_s": pct([o.latency_s for o in served], 50),
+        "served_p95_s": pct([o.latency_s for o in served], 95),
+        "refused": len(refusals),
+        "refused_with_hint": sum(o.retry_hint for o in refusals),
+        "refusal_p50_ms": pct([o.latency_s * 1e3 for o in refusals], 50),
+        "refusal_p95_ms": pct([o.latency_s * 1e3 for o in refusals], 95),
+        "admitted": len(admitted),
+        "late": len(late),
+        "late_share": len(late) / len(admitted) if admitted else 0.0,
+        "deadline_exceeded_at_full_deadline": len(at_deadline),
+        "min_window_share": min(windows) if windows else math.nan,
+        "unanswered": sum(1 for o in outcomes if o.code is None),
+    }
+    print(
+        f"served {figures['served']} of {figures['requests']} (latency p50 "
+        f"{figures['served_p50_s']:.2f} s, p95 {figures['served_p95_s']:.2f} s); refused "
+        f"{figures['refused']} ({figures['refused_with_hint']} with a retry hint), refusal p50 "
+        f"{figures['refusal_p50_ms']:.1f} ms, p95 {figures['refusal_p95_ms']:.1f} ms; admitted "
+        f"{figures['admitted']}, late {figures['late']} ({figures['late_share']:.2%}); "
+        f"DEADLINE_EXCEEDED at the full deadline: {figures['deadline_exceeded_at_full_deadline']}"
+        f"; unanswered {figures['unanswered']}; lowest window {figures['min_window_share']:.0%} "
+        "of capacity"
+    )
+    return figures
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30, help="the workers' default steps")
+    parser.add_argument("--load", type=float, default=3.0, help="offered load × capacity")
+    parser.add_argument("--duration-s", type=float, default=60.0)
+    parser.add_argument("--capacity-s", type=float, default=20.0)
+    parser.add_argument("--warmup-s", type=float, default=10.0)
+    parser.add_argument("--settle-s", type=float, default=20.0, help="overload before measuring")
+    parser.add_argument("--deadline-ms", type=int, default=30_000)
+    parser.add_argument("--window-s", type=float, default=10.0)
+    parser.add_argument("--no-controlnet", action="store_true", help="as argus up --no-controlnet")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    prompts = [record.prompt for record in load_prompts(default_prompt_trace())]
+    random.Random(args.seed).shuffle(prompts)
+    with tempfile.TemporaryDirectory(prefix="argus-overload-") as workdir:
+        spec = ClusterSpec(
+            workdir=Path(workdir),
+            workers=args.workers,
+            default_steps=args.steps,
+            controlnet=not args.no_controlnet,
+            router_http_port=None,
+        )
+        began = time.monotonic()
+        with LocalCluster(spec) as cluster:  # started, every worker ready
+            print(f"cluster ready in {time.monotonic() - began:.1f} s; {machine_line()}")
+            with cluster.channel() as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                offered = Offered(stub, prompts, None, args.deadline_ms)
+                clients = 4 * args.workers
+                measure_capacity(offered, clients, args.warmup_s)
+                closed = measure_capacity(offered, clients, args.capacity_s)
+                print(
+                    f"closed-loop capacity {closed:.2f} requests/s ({clients} clients back to "
+                    f"back, {args.capacity_s:.0f} s, {args.steps} steps, 64 × 64)"
+                )
+                start = overload(offered, args.load * closed, args.settle_s, args.seed)
+                settled = time.monotonic()
+                capacity = served_capacity(offered.outcomes, settled - 10.0, settled)
+                print(
+                    f"capacity under overload {capacity:.2f} requests/s (Σ 1 / mean service time "
+                    f"of each worker's last 10 s, after {args.settle_s:.0f} s at "
+                    f"{args.load:g} × {closed:.2f})"
+                )
+                first = len(offered.outcomes)
+                start = overload(offered, args.load * capacity, args.duration_s, args.seed + 1)
+                offered.wait_all(args.deadline_ms / 1e3 + 15.0)
+                print(
+                    f"{args.load:g} × {capacity:.2f} requests/s for {args.duration_s:.0f} s, "
+                    f"deadline {args.deadline_ms} ms; {load_line('end')}"
+                )
+                figures = report(
+                    offered.outcomes, first, start, args.duration_s, args.window_s, capacity,
+                    args.deadline_ms / 1e3,
+                )  # fmt: skip
+        return {"closed_loop_capacity": closed, "capacity": capacity, **figures}
+
+
+if __name__ == "__main__":
+    main()
