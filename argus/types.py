@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class Strategy(enum.StrEnum):
@@ -56,6 +56,18 @@ class LevelProfile:
 
 
 @dataclass(frozen=True)
+class MeasuredLatency:
+    """A level's latency on a worker class as a router measured it on its workers' replies, at
+    the profile's reference request (``argus.router.service_times``); the allocator plans with
+    the speed it shows."""
+
+    worker_class: str
+    level: str
+    latency_s: float
+    samples: int  # replies behind it, over the class's workers
+
+
+@dataclass(frozen=True)
 class ReferenceRequest:
     """The request a profile's latencies were measured with: image size and denoising steps
     (N; an AC level skips K of them). The router prices other sizes relative to it."""
@@ -91,6 +103,24 @@ class ProfileSet:
             for strategy in Strategy
             if (levels := self.levels_for(strategy))
         )
+
+    def with_speed(self, factors: Mapping[str, float]) -> ProfileSet:
+        """These profiles with each worker class in ``factors`` that many times slower (its
+        latencies × the factor, its throughputs ÷ it): the speed its workers were measured at.
+        Load times and memory are kept."""
+        table = {
+            (worker_class, level): (
+                replace(
+                    entry,
+                    latency_s=entry.latency_s * factors[worker_class],
+                    throughput_qpm=entry.throughput_qpm / factors[worker_class],
+                )
+                if worker_class in factors
+                else entry
+            )
+            for (worker_class, level), entry in self.table.items()
+        }
+        return replace(self, table=table)
 
     def profile(self, worker_class: str, level: str) -> LevelProfile:
         """Numbers of ``level`` on ``worker_class``; ``KeyError`` names both when missing."""

@@ -73,6 +73,11 @@ class Allocator:
         )
         self._last: Plan | None = None
 
+    def use_profiles(self, profiles: ProfileSet) -> None:
+        """Plan with ``profiles`` from now on: the same levels and classes at another speed
+        (the workers' measured one, :mod:`argus.allocator.measured`)."""
+        self.profiles = profiles
+
     @property
     def last_plan(self) -> Plan | None:
         return self._last

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 from argus import defaults
 from argus.allocator.allocator import Allocator, AllocatorConfig
+from argus.allocator.measured import MeasuredSpeeds
 from argus.allocator.membership import Change, Membership, NotOwnerError
 from argus.allocator.planner import PlannerConfig, PlannerMode
 from argus.allocator.predictor import LoadPredictorConfig
@@ -262,6 +263,7 @@ class AllocatorControl:
             class_quality=class_quality,
         )
         self._monitor = StrategyMonitor(self.config.retrieval, start=Strategy.AC)
+        self._speeds = MeasuredSpeeds()  # the routers' measured worker speeds
         self._members = Membership(self.config.dead_after_s, self.config.max_workers)
         self._router_seq: OrderedDict[str, int] = OrderedDict()
         self._router_owners: OrderedDict[str, str] = OrderedDict()  # router id → identity
@@ -339,6 +341,7 @@ class AllocatorControl:
                 return RouterAnswer(self._current.version, duplicate=True)
             self._adopt_class_quality(report)
             self._check_classifier(report)
+            self._speeds.observe(report.router_id, report.measured, now)
             if report.arrival_ages_s:  # oldest first, so no arrival reads as late
                 for age in sorted(report.arrival_ages_s, reverse=True):
                     self._allocator.observe_arrival(now - age)
@@ -410,6 +413,7 @@ class AllocatorControl:
             prefer = previous.plan.strategy if previous else self._strategies[0]
         margin = self.config.switch_margin if now < self._margin_until else 1.0
         members = self._members.members()
+        self._allocator.use_profiles(self._speeds.profiles(self.profiles, now))
         started = time.perf_counter()
         plan = self._allocator.plan_best(
             now, self._members.view(), allowed, prefer=prefer, load_margin=margin

@@ -27,6 +27,7 @@ from argus.contracts.plans import PublishedPlan, plan_from_pb
 from argus.contracts.routers import (
     RouterAnswer,
     class_quality_to_pb,
+    measured_to_pb,
     router_answer_from_pb,
     router_report_to_pb,
 )
@@ -39,7 +40,7 @@ from argus.contracts.workers import (
 )
 from argus.grpc_server import reconnect_options
 from argus.internal_tls import InternalTLS, channel
-from argus.types import ClassQuality, Strategy
+from argus.types import ClassQuality, MeasuredLatency, Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
 allocator_pb2_grpc: Any = rpc.load("allocator_pb2_grpc")
@@ -74,6 +75,7 @@ class AllocatorClient:
         replan_wanted: bool = False,
         classifier: str = "",
         class_quality: Sequence[ClassQuality] = (),
+        measured: Sequence[MeasuredLatency] = (),
     ) -> RouterAnswer:
         """Send a router's statistics since its last report (see ``RouterReport``)."""
         request = router_report_to_pb(
@@ -85,6 +87,7 @@ class AllocatorClient:
             classifier=classifier,
         )
         request.class_quality.extend(class_quality_to_pb(q) for q in class_quality)
+        request.measured.extend(measured_to_pb(m) for m in measured)
         return router_answer_from_pb(self._stub.ReportRouter(request, timeout=self.timeout_s))
 
     def get_plan(self) -> PublishedPlan:

@@ -27,7 +27,9 @@ from argus.contracts.wire import (
     seconds,
     strategy_from_pb,
 )
-from argus.types import ClassQuality, ProfileSet, Strategy
+from argus.types import ClassQuality, MeasuredLatency, ProfileSet, Strategy
+
+MAX_MEASURED = 4096  # measured latencies per report: every (class, level) of a large profile
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class RouterReport:
     classifier: str = ""  # classifier_key of the router's classifier; "": not said
     # Q(v | c) of strategies the router retrained since it started (drift retraining)
     class_quality: tuple[ClassQuality, ...] = ()
+    # level latencies measured on the router's workers (argus.router.service_times)
+    measured: tuple[MeasuredLatency, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,39 @@ def router_report_from_pb(message: Any, profiles: ProfileSet) -> RouterReport:
             class_quality_from_pb(entry, profiles, f"class_quality[{i}]")
             for i, entry in enumerate(message.class_quality)
         ),
+        measured=tuple(
+            measured_from_pb(entry, profiles, f"measured[{i}]")
+            for i, entry in enumerate(message.measured[: _measured_count(message)])
+        ),
+    )
+
+
+def _measured_count(message: Any) -> int:
+    return at_most(len(message.measured), MAX_MEASURED, "measured")
+
+
+def measured_from_pb(message: Any, profiles: ProfileSet, where: str) -> MeasuredLatency:
+    """A measured latency, checked against the profile: a known class and level, a finite
+    latency > 0. FieldError names the field."""
+    if message.worker_class not in profiles.worker_classes:
+        raise FieldError(
+            f"{where}.worker_class: {message.worker_class[:MAX_ID_CHARS]!r} is not a class of "
+            f"the profile ({', '.join(profiles.worker_classes)})"
+        )
+    if (message.worker_class, message.level) not in profiles.table:
+        raise FieldError(f"{where}.level: {message.level[:MAX_ID_CHARS]!r} is not in the profile")
+    if not (math.isfinite(message.latency_s) and message.latency_s > 0.0):
+        raise FieldError(f"{where}.latency_s: must be finite and > 0, got {message.latency_s}")
+    return MeasuredLatency(message.worker_class, message.level, message.latency_s, message.samples)
+
+
+def measured_to_pb(measured: MeasuredLatency) -> Any:
+    """The router's side of :func:`measured_from_pb`."""
+    return allocator_pb2.MeasuredLatency(
+        worker_class=measured.worker_class,
+        level=measured.level,
+        latency_s=measured.latency_s,
+        samples=min(measured.samples, 2**32 - 1),
     )
 
 

@@ -226,6 +226,7 @@ class StatsReporter:
             replan_wanted=wants,
             classifier=key,
             class_quality=quality,
+            measured=self.core.measured_latencies(),
         )
 
     def start(self) -> None:

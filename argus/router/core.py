@@ -79,7 +79,7 @@ from argus.router.values import (
     WorkerCall,
     WorkerReply,
 )
-from argus.types import ProfileSet, RouteDecision, Strategy
+from argus.types import MeasuredLatency, ProfileSet, RouteDecision, Strategy
 
 if TYPE_CHECKING:  # its module reads plans from protobuf; the core only follows them
     from argus.contracts.plans import PublishedPlan
@@ -454,6 +454,12 @@ class RouterCore:
                 now, self._queues, self._down(now)
             )
         return arrivals, classified, wants
+
+    def measured_latencies(self) -> tuple[MeasuredLatency, ...]:
+        """Each level's latency on each worker class as the workers' replies showed it, at the
+        profile's reference request (for the allocator's report)."""
+        with self._lock:
+            return self._times.measured(self._clock())
 
     # requests ----------------------------------------------------------------------------
 

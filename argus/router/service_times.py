@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from argus.types import ProfileSet
+from argus.types import MeasuredLatency, ProfileSet
 
 
 @dataclass(frozen=True)
@@ -88,17 +88,6 @@ class LearnedTime:
 
     def seconds(self, cost: float) -> float:
         return self.fixed_s + self.unit_s * cost
-
-
-@dataclass(frozen=True)
-class MeasuredLatency:
-    """The learned latency of one level on one worker class at the profile's reference
-    request (what the allocator plans with)."""
-
-    worker_class: str
-    level: str
-    latency_s: float
-    samples: int  # replies behind it, over the class's workers
 
 
 @dataclass
