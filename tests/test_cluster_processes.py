@@ -89,7 +89,8 @@ BAD_REQUESTS = [
 
 def test_garbage_and_wrong_credentials_get_the_right_status(secure: LocalCluster) -> None:
     for fields, field in BAD_REQUESTS:
-        code, details = code_of(secure, router_pb2.RouterGenerateRequest(**fields))
+        request = router_pb2.RouterGenerateRequest(**({"prompt": "a cat"} | fields))
+        code, details = code_of(secure, request)
         assert code is grpc.StatusCode.INVALID_ARGUMENT, (fields.keys(), code)
         assert details.startswith(field), details
     unknown = router_pb2.RouterGenerateRequest(prompt="a cat")
@@ -106,8 +107,9 @@ def test_garbage_and_wrong_credentials_get_the_right_status(secure: LocalCluster
         with pytest.raises(grpc.RpcError) as err:
             router_pb2_grpc.RouterStub(channel).Generate(plain, timeout=10)
         assert err.value.code() is grpc.StatusCode.UNAVAILABLE
-    # an empty prompt is a valid (unconditional) request; and the router still serves
-    assert call(secure, router_pb2.RouterGenerateRequest(prompt="")).png.startswith(PNG_MAGIC)
+    # an empty prompt is refused naming it; and the router still serves
+    code, details = code_of(secure, router_pb2.RouterGenerateRequest(prompt=""))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith("prompt")
     assert call(secure, plain).png.startswith(PNG_MAGIC)
     assert all(part.alive() for part in secure.parts.values())
 

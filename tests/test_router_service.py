@@ -183,9 +183,14 @@ def test_garbage_gets_invalid_argument(cluster: Cluster, fields: Any, field: str
     assert ask(stub).png == PNG  # still serving
 
 
-def test_empty_prompt_is_served(cluster: Cluster) -> None:
+def test_an_empty_or_blank_prompt_is_refused_naming_prompt(cluster: Cluster) -> None:
     cluster.add_worker("w1")
-    assert ask(cluster.router(), prompt="").png == PNG
+    stub = cluster.router()
+    for prompt in ("", "  \n"):
+        code, details, _ = code_of(stub, prompt=prompt)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith("prompt: empty")
+    assert cluster.workers["w1"].calls == []
 
 
 def test_no_worker_is_unavailable(cluster: Cluster) -> None:

@@ -27,6 +27,7 @@ common_pb2: Any = rpc.load("common_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 KIND = common_pb2.Adapter.Kind
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
 STEPS = 4
 
 
@@ -171,22 +172,31 @@ def test_status_codes_over_grpc(worker: Any, lora_dir: Path) -> None:
     stub = worker_pb2_grpc.WorkerStub(channel)
     try:
         cases = [
-            ([lora("nope")], grpc.StatusCode.NOT_FOUND, "adapters[0]"),
+            ([lora("nope")], grpc.StatusCode.INVALID_ARGUMENT, "adapters[0]: LoRA 'nope'"),
             ([lora("ink"), lora("wrong")], grpc.StatusCode.INVALID_ARGUMENT, "adapters[1]"),
-            ([controlnet("no-such-net")], grpc.StatusCode.NOT_FOUND, "no-such-net"),
+            (
+                [lora("ink"), controlnet("no-such-net")],
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "adapters[1].name: unknown",
+            ),
             (
                 [common_pb2.Adapter(kind=KIND.CONTROLNET, name="canny", control_image=b"\x89PNG")],
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "control_image",
+                "adapters[0].control_image",
             ),
         ]
+        cases.append(([lora("ink")] * 10_000, INVALID, "adapters: 10000 adapters; at most 16"))
         for adapters, code, needle in cases:
             request = worker_pb2.GenerateRequest(prompt="a cat", seed=1, adapters=adapters)
             with pytest.raises(grpc.RpcError) as err:
                 stub.Generate(request, timeout=60)
             assert err.value.code() == code, err.value.details()
-            assert needle in err.value.details()
+            assert err.value.details().startswith(needle)
             assert str(lora_dir.parent) not in err.value.details()  # no server path leaks
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(worker_pb2.GenerateRequest(prompt=" \t", seed=1), timeout=60)
+        assert err.value.code() == INVALID
+        assert err.value.details().startswith("prompt: empty")
         ok = stub.Generate(
             worker_pb2.GenerateRequest(prompt="a cat", seed=1, adapters=[controlnet("canny")]),
             timeout=60,
@@ -237,7 +247,7 @@ def test_argus_generate_sends_adapters(worker: Any, tmp_path: Path, capsys: Any)
         assert code == 0 and out.read_bytes()[:4] == b"\x89PNG"
         assert '"adapters": "controlnet"' in capsys.readouterr().out
         assert main([*base, str(out), "--lora", "nope"]) == 2
-        assert "NOT_FOUND" in capsys.readouterr().err
+        assert "INVALID_ARGUMENT" in capsys.readouterr().err
         assert main([*base, str(out), "--controlnet", "canny"]) == 2
         assert "NAME=PNG" in capsys.readouterr().err
     finally:

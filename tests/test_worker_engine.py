@@ -90,9 +90,10 @@ def test_unloaded_level_model_is_served_by_the_active_one(worker: Any) -> None:
     assert worker.stats().substituted == before + 1
 
 
-def test_empty_and_whitespace_prompts_generate(worker: Any) -> None:
-    for prompt in ("", "   \n\t"):
-        assert worker.generate(GenerateCall(prompt)).png.startswith(b"\x89PNG")
+def test_empty_and_whitespace_prompts_are_refused_naming_prompt(worker: Any) -> None:
+    for prompt in ("", "   \n\t"):  # argus.request_limits: as the router refuses them
+        with pytest.raises(InvalidRequestError, match=r"^prompt: empty"):
+            worker.generate(GenerateCall(prompt))
 
 
 def test_full_queue_is_refused_not_grown() -> None:

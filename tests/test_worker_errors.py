@@ -20,7 +20,7 @@ def test_a_missing_lora_is_named_without_the_library_path(tmp_path: Path) -> Non
         LoraLibrary(tmp_path).path("ink", field="adapters[0]")
     assert str(tmp_path) not in str(missing.value)  # not even before the scrub
     code, details = status_of(missing.value)
-    assert code is grpc.StatusCode.NOT_FOUND
+    assert code is grpc.StatusCode.INVALID_ARGUMENT  # the request named it: its error
     assert details.startswith("adapters[0]: LoRA 'ink':")
     assert str(tmp_path) not in details
 

@@ -29,14 +29,20 @@ Decisions:
   resume (the LoRA acts in the late steps; BAL merges at the run's first step); neither kind
   feeds the cache, whose latents must be the base model's alone.
 * **Errors keep their own classes** and :func:`adapter_status` maps them to gRPC codes: an
-  unknown LoRA or ControlNet is NOT_FOUND, a bad one INVALID_ARGUMENT naming
-  ``adapters[i]``, a saturated loader RESOURCE_EXHAUSTED, an unreachable service UNAVAILABLE.
+  unknown or bad LoRA or ControlNet is INVALID_ARGUMENT whose details start with the
+  request's field, ``adapters[i]`` (the request named it, so it is the request's error, and
+  the router's HTTP API answers 400 with ``param`` from it; NOT_FOUND would be a 500 there),
+  too many adapters INVALID_ARGUMENT on ``adapters``, a saturated loader RESOURCE_EXHAUSTED,
+  an unreachable service UNAVAILABLE. The ControlNet path names its own fields
+  (``controlnets[j]``, the j-th ControlNet); :meth:`WorkerAdapters.attach` renames them to the
+  request's ``adapters[i]``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +51,8 @@ from typing import Any
 
 import torch
 
+from argus.request_limits import check_adapters
+from argus.worker.controlnet.errors import ControlNetError
 from argus.worker.pipelines import (
     DiffusionModel,
     GenerationSpec,
@@ -57,7 +65,7 @@ log = logging.getLogger(__name__)
 
 KIND_LORA = 1  # argus.v1.Adapter.Kind
 KIND_CONTROLNET = 2
-MAX_ADAPTERS = 16
+_CONTROLNET_FIELD = re.compile(r"controlnets\[(\d+)\]")
 
 
 class AdapterRequestError(ValueError):
@@ -104,6 +112,7 @@ class AdapterPlan:
 
     loras: tuple[Any, ...] = ()  # argus.worker.lora.LoraRequest
     controls: tuple[Any, ...] = ()  # argus.worker.controlnet.executor.ControlUnit
+    control_fields: tuple[str, ...] = ()  # each control's request field, "adapters[i]"
 
     def __bool__(self) -> bool:
         return bool(self.loras or self.controls)
@@ -218,12 +227,10 @@ class WorkerAdapters:
         """Check a request's adapters; raises AdapterRequestError or a LoRA/ControlNet error."""
         if not adapters:
             return NO_ADAPTERS
-        if len(adapters) > MAX_ADAPTERS:
-            raise AdapterRequestError(
-                "adapters", f"{len(adapters)} adapters; at most {MAX_ADAPTERS}"
-            )
+        check_adapters(adapters)  # the router's words: InvalidRequestError on "adapters"
         loras: list[Any] = []
         controls: list[Any] = []
+        control_fields: list[str] = []
         for i, adapter in enumerate(adapters):
             where = f"adapters[{i}]"
             kind = int(adapter.kind)
@@ -254,9 +261,10 @@ class WorkerAdapters:
                 if not torch.isfinite(torch.tensor(scale)):
                     raise AdapterRequestError(f"{where}.scale", f"{scale} is not finite")
                 controls.append(ControlUnit(name, scale, bytes(adapter.control_image)))
+                control_fields.append(where)
             else:
                 raise AdapterRequestError(f"{where}.kind", f"{kind} is not LORA or CONTROLNET")
-        return AdapterPlan(tuple(loras), tuple(controls))
+        return AdapterPlan(tuple(loras), tuple(controls), tuple(control_fields))
 
     def bound(self, steps: int) -> int:
         s = self.settings
@@ -266,12 +274,24 @@ class WorkerAdapters:
     def attach(
         self, model: DiffusionModel, spec: GenerationSpec, plan: AdapterPlan, request_id: str = ""
     ) -> Iterator[DenoiseExtras]:
-        """The denoise arguments for ``plan`` on ``model``; cleans up when the block ends."""
-        extras = DenoiseExtras()
+        """The denoise arguments for ``plan`` on ``model``; cleans up when the block ends. A
+        ControlNet error raised in it, or in the block, names the request's field
+        (:func:`at_request_field`)."""
         with self._lock:
             self.counts["requests"] += 1
             self.counts["lora_requests"] += bool(plan.loras)
             self.counts["controlnet_requests"] += bool(plan.controls)
+        try:
+            with self._attached(model, spec, plan, request_id) as extras:
+                yield extras
+        except ControlNetError as err:
+            raise at_request_field(err, plan) from err
+
+    @contextlib.contextmanager
+    def _attached(
+        self, model: DiffusionModel, spec: GenerationSpec, plan: AdapterPlan, request_id: str
+    ) -> Iterator[DenoiseExtras]:
+        extras = DenoiseExtras()
         with contextlib.ExitStack() as stack:
             if plan.loras:
                 session = self.loras.open_session(
@@ -343,13 +363,16 @@ class WorkerAdapters:
                 if module is not None:
                     self._peer_modules.move_to_end(key)
             if module is None:
-                module = build_controlnet(
-                    unit.name,
-                    base=family,
-                    catalog=self.settings.controlnet_catalog,
-                    device=model.device,
-                    dtype=model.dtype,
-                )
+                try:
+                    module = build_controlnet(
+                        unit.name,
+                        base=family,
+                        catalog=self.settings.controlnet_catalog,
+                        device=model.device,
+                        dtype=model.dtype,
+                    )
+                except ControlNetError as err:  # the catalog names its own field, "name"
+                    raise _with_field(err, f"controlnets[{i}].{err.field or 'name'}") from err
                 with self._lock:
                     self._peer_modules[key] = module
                     while len(self._peer_modules) > 8:
@@ -386,8 +409,26 @@ def _controlnet_timing(predictor: Any, extras: DenoiseExtras) -> None:
     extras.timing_ms["controlnet_wait_ms"] = predictor.stats.wait_s * 1e3
 
 
+def at_request_field(err: ControlNetError, plan: AdapterPlan) -> ControlNetError:
+    """``err`` naming the worker request's field: ``controlnets[j]...`` (the j-th ControlNet
+    of ``plan``) becomes ``adapters[i]...``, the entry the request gave it at. An error that
+    names another field, or none, is returned as it is."""
+    match = _CONTROLNET_FIELD.match(err.field)
+    if match is None or int(match[1]) >= len(plan.control_fields):
+        return err
+    return _with_field(err, plan.control_fields[int(match[1])] + err.field[match.end() :])
+
+
+def _with_field(err: ControlNetError, field: str) -> ControlNetError:
+    """A copy of ``err`` (same class and message) that names ``field``."""
+    message = str(err).removeprefix(f"{err.field}: ") if err.field else str(err)
+    return type(err)(field, message)
+
+
 def adapter_status(err: BaseException) -> tuple[str, str] | None:
-    """The gRPC status code name and details for an adapter error; None for other errors."""
+    """The gRPC status code name and details for an adapter error; None for other errors.
+    An adapter the request names but the worker does not have (an unknown LoRA or
+    ControlNet) is INVALID_ARGUMENT, like a bad one: the request's error, with its field."""
     if isinstance(err, AdapterRequestError):
         return "INVALID_ARGUMENT", str(err)
     from argus.worker.controlnet.errors import (
@@ -408,9 +449,7 @@ def adapter_status(err: BaseException) -> tuple[str, str] | None:
 
     if isinstance(err, LoraError):
         where = f"{err.field}: {err}"
-        if isinstance(err, LoraNotFoundError):
-            return "NOT_FOUND", where
-        if isinstance(err, LoraInvalidError):
+        if isinstance(err, LoraNotFoundError | LoraInvalidError):
             return "INVALID_ARGUMENT", where
         if isinstance(err, LoraBusyError):
             return "RESOURCE_EXHAUSTED", where
@@ -418,9 +457,7 @@ def adapter_status(err: BaseException) -> tuple[str, str] | None:
             return "UNAVAILABLE", where
         return "INTERNAL", where
     if isinstance(err, ControlNetError):
-        if isinstance(err, UnknownControlNetError):
-            return "NOT_FOUND", str(err)
-        if isinstance(err, InvalidControlNetRequest):
+        if isinstance(err, UnknownControlNetError | InvalidControlNetRequest):
             return "INVALID_ARGUMENT", str(err)
         if isinstance(err, ControlNetBusyError):
             return "RESOURCE_EXHAUSTED", str(err)
