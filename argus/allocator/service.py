@@ -6,8 +6,9 @@ service keeps serving:
 
 * a bad field, or bytes that are not the request message → ``INVALID_ARGUMENT`` whose
   details start with the field's path;
-* a heartbeat for a worker id, or a report for a router id, that another identity first used
-  → ``PERMISSION_DENIED`` naming it;
+* a heartbeat whose ``worker_id`` is not the name in the caller's certificate (a worker
+  speaks only for itself, :func:`check_worker_identity`), or a report for a router id that
+  another identity first used → ``PERMISSION_DENIED`` naming the field;
 * a join beyond ``max_workers``, a watch beyond ``max_watchers`` → ``RESOURCE_EXHAUSTED``;
 * a watch while shutting down → ``UNAVAILABLE``; anything else → ``INTERNAL`` with the text.
 
@@ -41,7 +42,7 @@ from argus.contracts.routers import router_answer_to_pb, router_report_from_pb
 from argus.contracts.wire import FieldError
 from argus.contracts.workers import heartbeat_answer_to_pb, heartbeat_from_pb
 from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
-from argus.internal_tls import InternalTLS, caller, server_security
+from argus.internal_tls import Identity, InternalTLS, caller, server_security
 from argus.types import ClassQuality, ProfileSet, Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
@@ -80,6 +81,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServicer):  # type: ignore[m
         try:
             report = heartbeat_from_pb(request, self.control.profiles)
             who = caller(context)
+            check_worker_identity(report.worker_id, who)
             answer = self.control.heartbeat(report, "" if who is None else str(who))
         except Exception as err:
             self._fail(context, "Heartbeat", err)
@@ -123,6 +125,20 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServicer):  # type: ignore[m
             self.metrics.observe_rejected(method, code.name)
         context.abort(code, details)
         raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+def check_worker_identity(worker_id: str, who: Identity | None) -> None:
+    """A heartbeat (a join, a move, a leave) speaks for the worker whose certificate sent it:
+    ``worker_id`` must be the name of the caller's identity (``argus://worker/NAME``, issued
+    by ``argus issue-cert --identity worker/NAME``; ``argus up`` and the Helm chart give a
+    worker the same name as its ``--worker-id``). Otherwise :class:`NotOwnerError` naming
+    ``worker_id``: a stolen worker certificate registers no made-up workers and speaks for no
+    other worker. None (a plaintext plane, ``--insecure-internal``) checks nothing."""
+    if who is not None and who.name != worker_id:
+        raise NotOwnerError(
+            f"worker_id: {worker_id!r} is not the caller's own id; the certificate of {who} "
+            f"may heartbeat only as {who.name!r}"
+        )
 
 
 def status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
