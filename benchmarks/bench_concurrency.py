@@ -50,7 +50,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -179,6 +179,12 @@ class Outcome:
     code: str  # gRPC status name or HTTP status ("none" when nothing came back)
     latency_ms: float  # from the start of the burst to the answer
     detail: str = ""  # the refusal's text, cut short
+    sent_ms: float = 0.0  # when it left the client, from the start of the burst
+
+    @property
+    def own_ms(self) -> float:
+        """From its own sending to its answer."""
+        return self.latency_ms - self.sent_ms
 
 
 def grpc_outcome(future: Any, latency_ms: float) -> Outcome:
@@ -212,16 +218,18 @@ def grpc_burst(port: int, count: int, deadline_ms: int, channels: int) -> list[O
     try:
         start = time.perf_counter()
 
-        def record(i: int, future: Any) -> None:
-            outcomes[i] = grpc_outcome(future, (time.perf_counter() - start) * 1e3)
+        def record(i: int, sent_ms: float, future: Any) -> None:
+            outcome = grpc_outcome(future, (time.perf_counter() - start) * 1e3)
+            outcomes[i] = replace(outcome, sent_ms=sent_ms)
             done.release()
 
         for i in range(count):
             call = router_pb2.RouterGenerateRequest(
                 prompt=f"{PROMPT}, take {i}", seed=i, deadline_ms=deadline_ms
             )
+            sent_ms = (time.perf_counter() - start) * 1e3
             future = stubs[i % channels].Generate.future(call, timeout=timeout_s)
-            future.add_done_callback(lambda f, i=i: record(i, f))
+            future.add_done_callback(lambda f, i=i, sent=sent_ms: record(i, sent, f))
         for _ in range(count):
             if not done.acquire(timeout=timeout_s + SLACK_S):
                 raise RuntimeError(f"gRPC answers still missing after {timeout_s + SLACK_S} s")
@@ -250,6 +258,14 @@ async def http_request(port: int, body: bytes, timeout_s: float, start: float) -
     def elapsed_ms() -> float:
         return (time.perf_counter() - start) * 1e3
 
+    sent_ms = elapsed_ms()  # the task's turn to connect came
+    outcome = await _http_request(port, body, timeout_s, elapsed_ms)
+    return replace(outcome, sent_ms=sent_ms)
+
+
+async def _http_request(
+    port: int, body: bytes, timeout_s: float, elapsed_ms: Callable[[], float]
+) -> Outcome:
     head = (
         f"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
@@ -309,21 +325,27 @@ def spread(values: list[float]) -> str:
 def summarize(name: str, outcomes: list[Outcome], deadline_ms: int) -> dict[str, Any]:
     kinds = Counter(o.kind for o in outcomes)
     answered = sum(1 for o in outcomes if o.code != "none")
-    late = sum(1 for o in outcomes if o.code != "none" and o.latency_ms > deadline_ms)
+    late = Counter(o.kind for o in outcomes if o.code != "none" and o.latency_ms > deadline_ms)
     others = Counter(o.code for o in outcomes if o.kind == "other")
     argus = [o.latency_ms for o in outcomes if o.kind == "argus"]
     transport = [o.latency_ms for o in outcomes if o.kind == "transport"]
+    argus_own = [o.own_ms for o in outcomes if o.kind == "argus"]
+    sent_last = max((o.sent_ms for o in outcomes), default=0.0)
     refusals = Counter(o.detail.split(":")[0] for o in outcomes if o.kind == "argus")
     transport_words = Counter(o.detail[:40] for o in outcomes if o.kind == "transport")
     print(f"-- {name}: {len(outcomes)} requests at once, deadline {deadline_ms} ms")
     print(f"   answered {answered}, served {kinds['served']}")
-    print(f"   refused by Argus with a retry hint: {kinds['argus']}  ({spread(argus)})")
+    print(f"   the last request left the client {sent_last:.0f} ms after the first")
+    print(f"   refused by Argus with a retry hint: {kinds['argus']}")
+    print(f"      latency from the burst's start: {spread(argus)}")
+    print(f"      from the request's own send:    {spread(argus_own)}")
     print(f"      why (the refusal's first words): {dict(refusals.most_common(4))}")
     print(f"   refused by the transport: {kinds['transport']}  ({spread(transport)})")
     if transport_words:
         print(f"      what it said: {dict(transport_words.most_common(3))}")
     print(f"   other answers: {dict(others) or 0}")
-    print(f"   answers after their deadline: {late}")
+    by_kind = f" {dict(late)}" if late else ""
+    print(f"   answers after their deadline: {late.total()}{by_kind}")
     return {
         "requests": len(outcomes),
         "answered": answered,
@@ -331,8 +353,9 @@ def summarize(name: str, outcomes: list[Outcome], deadline_ms: int) -> dict[str,
         "refused_argus": kinds["argus"],
         "refused_transport": kinds["transport"],
         "other": dict(others),
-        "late": late,
+        "late": late.total(),
         "argus_refusal_ms": argus,
+        "argus_refusal_own_ms": argus_own,
         "transport_refusal_ms": transport,
     }
 
