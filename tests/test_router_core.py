@@ -145,7 +145,7 @@ def test_an_unavailable_worker_is_routed_around_and_a_failure_names_the_worker()
     with pytest.raises(RouterError) as caught:
         core.generate(RouterRequest(prompt="a fox"))  # w0 is down for a while: w1 only
     assert caught.value.kind is Refusal.NOT_FOUND
-    assert caught.value.details == "worker w1: adapters[0]: no LoRA 'ink'"
+    assert caught.value.details == "adapters[0]: no LoRA 'ink' (worker w1)"  # the field first
 
 
 def test_refusals_are_counted_under_the_grpc_status_names() -> None:

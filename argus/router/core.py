@@ -48,6 +48,7 @@ from argus.classifier.serving import BatcherClosed, BatcherFull
 from argus.request_limits import (
     ImageLimits,
     InvalidRequestError,
+    check_adapters,
     check_image,
     check_prompts,
     check_sampling,
@@ -280,6 +281,7 @@ def check_request(request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS) 
         check_prompts(request.prompt, request.negative_prompt)
         check_image(request.width, request.height, limits)
         check_sampling(request.steps, request.guidance_scale, request.seed)
+        check_adapters(request.adapters)  # before any walk of a list that may be huge
         if request.deadline_ms is not None and request.deadline_ms <= 0:
             raise InvalidRequestError("deadline_ms", "must be > 0")
         for name in ("max_level_index", "previews"):  # unsigned on the wire
@@ -793,6 +795,10 @@ class RouterCore:
                 self._abandoned(decision.worker_id, level, cost, request)
             if err.kind is Refusal.CANCELLED and call.cancel.cancelled:
                 raise RouterError(err.kind, "the client cancelled the request") from None
+            if err.kind in (Refusal.INVALID, Refusal.NOT_FOUND):  # the field first, as ours
+                raise RouterError(
+                    err.kind, f"{err.details} (worker {decision.worker_id})"
+                ) from None
             raise RouterError(err.kind, f"worker {decision.worker_id}: {err.details}") from None
         finally:
             call.cancel.attach(None)
