@@ -66,7 +66,7 @@ wall time (first send to last answer).
 
     .venv/bin/python benchmarks/bench_router.py [--rates 10,100,500] [--seconds 10]
         [--workers 4] [--routers 1] [--classifier default|stub|DIR] [--deadline-ms router|auto|MS]
-        [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--router-threads 272]
+        [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--router-threads 320]
         [--time-scale 0.00025]
         [--json PATH]
 
@@ -100,6 +100,7 @@ from _plan import allocator_plan, scaled_profiles, serve_router
 from grpc_health.v1 import health, health_pb2_grpc
 
 from argus import defaults, rpc
+from argus.router.app import grpc_sizes
 from argus.traces import default_prompt_trace, load_prompts
 
 router_pb2: Any = rpc.load("router_pb2")
@@ -701,9 +702,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--router-threads",
         type=int,
-        default=MAX_IN_FLIGHT + 16,
-        help="the router's gRPC handler threads, as many calls at once (argus router's "
-        "default: max_in_flight + 16 = %(default)d)",
+        default=grpc_sizes(MAX_IN_FLIGHT).threads,
+        help="the router's gRPC handler threads (argus router's default: max_in_flight + "
+        "its refusal threads = %(default)d)",
     )
     parser.add_argument(
         "--time-scale",
