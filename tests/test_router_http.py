@@ -124,12 +124,15 @@ def test_malformed_json_400_and_large_body_413(served: Any) -> None:
     url = f"{server.base_url}/images/generations"
     bad = httpx.post(url, content=b"{not json", headers=auth, timeout=TIMEOUT)
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("body:")
+    assert bad.json()["error"]["param"] == "body"  # as every refusal of the body
     huge = httpx.post(url, content=b" " * (9 * 1024 * 1024), headers=auth, timeout=TIMEOUT)
     assert huge.status_code == 413
-    assert "error" in huge.json()
+    assert huge.json()["error"]["param"] == "body"
+    assert huge.headers["connection"] == "close"  # the rest of the body is not read
     chunked = iter([b" " * (1 << 20)] * 9)  # no Content-Length: counted as it arrives
     streamed = httpx.post(url, content=chunked, headers=auth, timeout=TIMEOUT)
     assert streamed.status_code == 413
+    assert streamed.json()["error"]["param"] == "body"
 
 
 def test_wrong_missing_or_doubled_token_is_401(served: Any) -> None:
@@ -137,7 +140,10 @@ def test_wrong_missing_or_doubled_token_is_401(served: Any) -> None:
     with pytest.raises(openai.AuthenticationError):
         client(server, token="wrong").images.generate(prompt="x")
     url = f"{server.base_url}/models"
-    assert httpx.get(url, timeout=TIMEOUT).status_code == 401
+    missing = httpx.get(url, timeout=TIMEOUT)
+    assert missing.status_code == 401
+    assert missing.headers["www-authenticate"].startswith("Bearer ")  # RFC 6750
+    assert missing.json()["error"]["type"] == "authentication_error"
     doubled = httpx.Headers([("authorization", f"Bearer {TOKEN}")] * 2)
     assert httpx.get(url, headers=doubled, timeout=TIMEOUT).status_code == 401
     assert httpx.get(url, headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200

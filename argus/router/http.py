@@ -25,14 +25,37 @@ A client that disconnects cancels its requests: the worker stops denoising at it
 step, and the router counts a CANCELLED request. An answer not yet begun (never sent) is
 counted with HTTP status 499, as nginx counts a client that closed the connection; a stream
 had begun with 200.
+
+The front door bounds what a client can make it hold (the constants below say how much and
+why): the body's size (413) and its arrays and objects, how many and how deep (400, checked
+on the bytes before they are parsed), the time its request line and headers (408, by the
+protocol) and its body (408, by the app) may take, the time an answer may wait for a client
+that reads none of it (the connection is cut), and idle keep-alive connections (closed after
+``KEEP_ALIVE_S``). Requests are bounded
+twice, each refused at once on the event loop with Argus's 429 and ``Retry-After``, never
+queued: ``max_requests`` HTTP requests in the app (the health routes aside), and image
+requests in the core (``threads``). uvicorn's own ``limit_concurrency`` is set above both, so
+that under a burst Argus refuses first.
+
+Every answer is OpenAI's error JSON, 404 and 405 included. uvicorn answers some requests
+itself, before the app sees them; its h11 protocol is subclassed here
+(:class:`ArgusH11Protocol`) so that those answers are the same JSON too: a request h11 cannot
+parse (400: a bad request line, a bad ``Content-Length``; 431: request line and headers over
+``MAX_HEAD_BYTES``; 501: a transfer coding other than chunked), headers that do not arrive in
+time (408) and more connections than ``limit_concurrency`` (503 with ``Retry-After``). These
+protocol answers close the connection and are not counted in the HTTP metrics (no route was
+reached). Still answered without a body: a TLS handshake that fails or takes longer than
+asyncio's 60 s (the connection is closed), and a client that closes the connection first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import functools
 import hmac
+import http
 import json
 import logging
 import math
@@ -40,19 +63,22 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
 
 from argus.request_limits import InvalidRequestError, check_image
 from argus.router.core import CallCancel, ProgressSink, RouterCore
@@ -71,7 +97,45 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the gRPC endpoint's bound on a request
 MAX_IMAGES = 10  # OpenAI's bound on n
 MAX_USER_CHARS = 256
-SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+# ASCII digits only: Python's \d and int() also take other scripts' digits ("٦٤" is 64)
+SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
+
+# -- what one client may make the front door hold, and for how long -------------------------
+# The body nests at most 3 deep ({"adapters": [{...}]}); 32 leaves room for clients that wrap
+# it, and keeps json's recursion (a RecursionError, so a 500, past about 1,000) far away.
+MAX_JSON_DEPTH = 32
+# Arrays and objects in a body: it has a handful (one per adapter, and adapters are few);
+# millions of empty ones are cheap to send and slow to parse.
+MAX_JSON_CONTAINERS = 1024
+# Request line and headers, h11's default (set explicitly); more is answered 431.
+MAX_HEAD_BYTES = 16 * 1024
+# Request line and headers must arrive within this of the connection opening or of the
+# previous answer on it (slowloris sending a header byte at a time); 408, or a silent close
+# for a connection that sent nothing.
+HEADER_TIMEOUT_S = 10.0
+# The whole body must arrive within this of the headers (8 MiB needs about 280 KB/s); 408.
+BODY_TIMEOUT_S = 30.0
+# A connection idle between requests is closed after this (uvicorn's timeout_keep_alive,
+# its default, set explicitly).
+KEEP_ALIVE_S = 5
+# A client that stops reading an answer (the socket's buffers full, and the transport's past
+# its high-water mark and not drained to its low one) for this long has its connection cut,
+# which ends the answer; a client that never reads would otherwise hold it forever.
+WRITE_TIMEOUT_S = 30.0
+# HTTP requests the app answers at once (the health routes aside); more are refused with 429
+# before their body is read. It bounds the bodies held in memory (512 × 8 MiB at most).
+MAX_REQUESTS = 512
+# uvicorn's limit_concurrency (connections, or requests, at once): above MAX_REQUESTS and above
+# a burst of 1,000 connections, so that Argus's 429 is the refusal clients see; past it the
+# protocol answers 503 JSON.
+MAX_CONNECTIONS = 2048
+# listen() backlog: a burst of connections waits in the kernel's queue rather than losing SYNs
+# (a client retries a dropped SYN only after 1, 3, 7 s...). Set on the socket bound here and
+# in uvicorn's Config (its default), which asyncio applies again when serving starts; the
+# socket's former 128 only held until then. (The kernel caps it at net.core.somaxconn.)
+BACKLOG = 2048
+_DECLARED_CHUNK = "argus.declared_chunk_bytes"  # scope key: what the protocol tells the app
+_HEALTH = frozenset({"/healthz", "/readyz"})  # served beyond MAX_REQUESTS (health is its own path)
 
 # the core's refusal → (HTTP status, OpenAI error type); the others are 500
 HTTP_STATUS: dict[Refusal, tuple[int, str]] = {
@@ -119,6 +183,8 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: float | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -127,6 +193,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})  # e.g. Connection: close, when the body is unread
 
     def body(self) -> dict[str, Any]:
         return {
@@ -138,16 +205,42 @@ class ApiError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        headers = {}
+    def all_headers(self) -> dict[str, str]:
+        headers = dict(self.headers)
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.all_headers())
+
+    def raw(self) -> bytes:
+        """The whole HTTP/1.1 answer, closing the connection: what the protocol writes when
+        it answers without the app."""
+        body = json.dumps(self.body()).encode()
+        phrase = http.HTTPStatus(self.status).phrase
+        head = [f"HTTP/1.1 {self.status} {phrase}", "content-type: application/json"]
+        head += [f"content-length: {len(body)}", "connection: close"]
+        head += [f"{name}: {value}" for name, value in self.all_headers().items()]
+        return "\r\n".join([*head, "", ""]).encode("latin-1") + body
 
 
 def invalid(param: str, message: str) -> ApiError:
     """400 naming ``param``; the message starts with it, as gRPC's details do."""
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+_CLOSE = {"Connection": "close"}  # answered before the body was read: the rest is not read
+
+
+def too_large(max_body_bytes: int) -> ApiError:
+    return ApiError(
+        413,
+        f"body: larger than {max_body_bytes} bytes",
+        param="body",
+        code="body_too_large",
+        headers=_CLOSE,
+    )
 
 
 def from_router_error(err: RouterError) -> ApiError:
@@ -172,6 +265,77 @@ def _param_of(details: str) -> str | None:
 
 # -- request body ---------------------------------------------------------------------------
 
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# keeps only brackets, each kind as "[" or "]": nesting is counted, matching is json's to check
+_AS_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def check_json_shape(body: bytes, max_depth: int, max_containers: int) -> None:
+    """Raise 400 naming body when the JSON text ``body`` has more than ``max_containers``
+    arrays and objects, or nests them deeper than ``max_depth``: checked on the bytes, before
+    ``json.loads`` recurses into 100,000 ``[`` (a RecursionError) or builds millions of empty
+    lists (an 8 MiB body of ``[],`` took 0.7 s to parse).
+
+    A body with at most ``max_depth`` brackets passes at once (the common case: two counts).
+    Otherwise its strings are cut out and its brackets kept (regex and translate, tens of ms
+    for 8 MiB); only when they are few enough are they walked for the depth. Brackets left
+    unmatched count as levels, so malformed text may be refused here rather than by the
+    parser; either answer is a 400 naming body."""
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return
+    brackets = _JSON_STRING.sub(b"", body).translate(_AS_BRACKETS, _NOT_BRACKETS)
+    if brackets.count(b"[") > max_containers or brackets.count(b"]") > max_containers:
+        raise invalid("body", f"more than {max_containers} arrays and objects")
+    depth = deepest = 0
+    for bracket in brackets:
+        depth += 1 if bracket == ord("[") else -1
+        deepest = max(deepest, depth)
+    if deepest > max_depth:
+        raise invalid("body", f"arrays and objects nested deeper than {max_depth}")
+
+
+async def read_body(request: Request, max_body_bytes: int, timeout_s: float) -> bytes:
+    """The request's body: 413 above ``max_body_bytes`` (as declared by Content-Length, or by
+    a chunk's size as the protocol reports it, or as counted), 408 when it has not all come
+    within ``timeout_s``, 499 when the client closed the connection first. Refusals before
+    the whole body was read close the connection (its rest is not read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared) > max_body_bytes:
+        raise too_large(max_body_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    with anyio.move_on_after(timeout_s):
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ApiError(499, "body: the client closed the connection", "cancelled", "body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            # the protocol sets the scope's key when a chunk's header declares its size
+            if size + request.scope.get(_DECLARED_CHUNK, 0) > max_body_bytes:
+                raise too_large(max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+    raise ApiError(
+        408,
+        f"body: not received within {timeout_s:g} s",
+        param="body",
+        code="request_timeout",
+        headers=_CLOSE,
+    )
+
+
+def decode_json(body: bytes, max_depth: int, max_containers: int = MAX_JSON_CONTAINERS) -> Any:
+    """The JSON value of ``body``; 400 naming body when its shape is refused (see
+    :func:`check_json_shape`) or it is not JSON."""
+    check_json_shape(body, max_depth, max_containers)
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as err:  # RecursionError: the depth check is the guard
+        raise invalid("body", f"not valid JSON ({err})") from None
+
 
 @dataclass(frozen=True)
 class ImagesRequest:
@@ -191,13 +355,16 @@ class ImagesRequest:
 def parse_images_request(body: Any, model_id: str, core: RouterCore) -> ImagesRequest:
     """Check a decoded JSON body; ApiError(400) names the first bad field."""
     if not isinstance(body, dict):
-        raise ApiError(400, "body: must be a JSON object")
+        raise invalid("body", f"must be a JSON object, got {type(body).__name__}")
     for name in body:
         if name not in _FIELDS:
-            raise invalid(name, f"unknown field; supported: {', '.join(sorted(_FIELDS))}")
+            shown = name[:64]  # a client's key, echoed back: bounded
+            raise invalid(shown, f"unknown field; supported: {', '.join(sorted(_FIELDS))}")
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise invalid("prompt", "required, a string")
+    if not prompt.strip():
+        raise invalid("prompt", "empty; describe the image to generate")
     model = body.get("model")
     if model is not None and model != model_id:
         raise invalid("model", f"{model!r} is not served here; the served model is {model_id!r}")
@@ -265,7 +432,7 @@ def _int(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
 def _size(size: str, core: RouterCore) -> tuple[int, int]:
     match = SIZE.fullmatch(size)
     if match is None:
-        raise invalid("size", f"{size[:32]!r} is not WIDTHxHEIGHT (e.g. '512x512')")
+        raise invalid("size", f"{size[:32]!r} is not WIDTHxHEIGHT in ASCII digits (e.g. '512x512')")
     width, height = int(match[1]), int(match[2])
     try:
         check_image(width, height, core.config.limits)
@@ -352,15 +519,21 @@ def create_app(
     model_id: str = "argus",
     max_body_bytes: int = MAX_BODY_BYTES,
     threads: int | None = None,
+    max_requests: int = MAX_REQUESTS,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+    max_json_depth: int = MAX_JSON_DEPTH,
 ) -> Starlette:
     """The Starlette app; every answer is counted in the core's metrics by route and status.
 
     ``threads`` bounds the core calls at once (default: the core's ``max_in_flight`` + 16, as
     the gRPC server's threads, so that the core's own in-flight bound refuses first); an image
-    arriving when every thread is busy is refused at once (429), as gRPC refuses calls beyond
-    its threads, rather than queued where no deadline is watched.
+    arriving when every thread is busy is refused at once on the event loop (429), as gRPC
+    refuses calls beyond its threads, rather than queued where no deadline is watched.
+    ``max_requests`` bounds the HTTP requests in the app at once, refused (429) before their
+    body is read; ``body_timeout_s`` and ``max_json_depth`` bound the body (see the
+    constants).
     """
-    limiter = anyio.CapacityLimiter(threads or core.config.max_in_flight + 16)
+    slots = _CoreSlots(threads or core.config.max_in_flight + 16)
     expected = None if token is None else f"Bearer {token}".encode()
 
     def authorize(request: Request) -> None:
@@ -368,32 +541,24 @@ def create_app(
             return
         given = request.headers.getlist("authorization")
         if len(given) != 1 or not hmac.compare_digest(given[0].encode(), expected):
+            # RFC 6750: the scheme and realm; error="invalid_token" only when a token came
+            challenge = 'Bearer realm="argus"' + (', error="invalid_token"' if given else "")
             raise ApiError(
-                401, "authorization: missing or wrong bearer token", "authentication_error"
+                401,
+                "authorization: missing or wrong bearer token",
+                "authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": challenge},
             )
 
     async def read_json(request: Request) -> Any:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise ApiError(413, f"body: larger than {max_body_bytes} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise ApiError(413, f"body: larger than {max_body_bytes} bytes")
-            chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ApiError(400, f"body: not valid JSON ({err})") from None
+        return decode_json(await read_body(request, max_body_bytes, body_timeout_s), max_json_depth)
 
     async def generate_one(
         request: RouterRequest, cancel: CallCancel, progress: ProgressSink | None = None
     ) -> RouterReply:
-        if limiter.available_tokens < 1:
-            raise RouterError(Refusal.OVERLOADED, "router busy", 1.0)
         run = functools.partial(core.generate, request, progress=progress, cancel=cancel)
-        return await anyio.to_thread.run_sync(run, limiter=limiter)
+        return await slots.run(run)
 
     async def generations(request: Request) -> Response:
         authorize(request)
@@ -448,7 +613,7 @@ def create_app(
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return ApiError(exc.status_code, str(exc.detail), code="not_found").response()
+        return starlette_error(request, exc).response()
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("http %s failed", request.url.path)
@@ -467,9 +632,98 @@ def create_app(
             Exception: server_error,
         },
     )
-    if core.metrics is not None:
+    app.add_middleware(_Admission, limit=max_requests)
+    if core.metrics is not None:  # added last, so outermost: it counts the bound's refusals
         app.add_middleware(_CountMiddleware, observe=core.metrics.observe_http)
     return app
+
+
+def starlette_error(request: Request, exc: HTTPException) -> ApiError:
+    """Starlette's own refusals (no such route, a method the route does not take) as OpenAI's
+    error, keeping their headers (``Allow`` on 405)."""
+    path = request.url.path[:200]
+    if exc.status_code == 404:
+        message, code = f"path: no route {path}; routes: {', '.join(_ROUTES)}", "not_found"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"method: {request.method[:16]} not allowed on {path}; allowed: {allowed}"
+        code = "method_not_allowed"
+    else:
+        message, code = str(exc.detail), "_".join(str(exc.detail).lower().split())
+    return ApiError(exc.status_code, message, code=code, headers=exc.headers)
+
+
+class _CoreSlots:
+    """Core calls from the HTTP transport running at once, counted on the event loop: one
+    beyond ``limit`` is refused at once (429) instead of waiting for a thread.
+
+    The count is taken before any await. (anyio's ``to_thread.run_sync`` yields to the loop
+    before it takes its limiter's token, so a check of the limiter's free tokens let a burst
+    read in one turn of the loop pass it whole and then queue for threads: each refusal waited
+    for a thread to come free, and none came while every thread held a request in service.)
+    Each call holds one of ``limit`` threads, so the thread limiter never makes a call wait."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.busy = 0
+        self._threads = anyio.CapacityLimiter(limit)
+
+    async def run(self, call: Callable[[], RouterReply]) -> RouterReply:
+        if self.busy >= self.limit:
+            raise RouterError(
+                Refusal.OVERLOADED, f"router busy: {self.limit} HTTP requests in the core", 1.0
+            )
+        self.busy += 1
+        try:
+            return await anyio.to_thread.run_sync(call, limiter=self._threads)
+        finally:
+            self.busy -= 1
+
+
+class _Admission:
+    """What every request passes before its route: a request line and headers of at most
+    ``MAX_HEAD_BYTES`` (431: h11 checks only a head still incomplete when a read ends, so a
+    larger one arriving whole would pass it), and at most ``limit`` requests being answered
+    at once (429 with ``Retry-After``, on the event loop and before the body is read). The
+    health routes are not counted nor refused by the limit (their answers are cheap, and a
+    busy router is still alive)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.answering = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        head = len(scope.get("raw_path") or b"") + len(scope["query_string"])
+        head += sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+        if head > MAX_HEAD_BYTES:
+            large = f"request line and headers larger than {MAX_HEAD_BYTES} bytes"
+            refusal = ApiError(
+                431, f"request: {large}", code="invalid_http_request", headers=_CLOSE
+            )
+            await refusal.response()(scope, receive, send)
+            return
+        if scope["path"] in _HEALTH:
+            await self.app(scope, receive, send)
+            return
+        if self.answering >= self.limit:
+            busy = ApiError(
+                429,
+                f"router busy: {self.limit} HTTP requests being answered",
+                "rate_limit_error",
+                code="overloaded",
+                retry_after_s=1.0,
+            )
+            await busy.response()(scope, receive, send)
+            return
+        self.answering += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.answering -= 1
 
 
 async def _cancel_on_disconnect(receive: Any, cancels: list[CallCancel]) -> None:
@@ -631,10 +885,180 @@ class _CountMiddleware:
 # -- the server -----------------------------------------------------------------------------
 
 
+class _Connection(h11.Connection):
+    """h11's server side, remembering the error that broke a request (uvicorn's protocol drops
+    h11's reason and its status hint, and answers every such error with the same text)."""
+
+    error: h11.RemoteProtocolError | None = None
+
+    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as err:
+            self.error = err
+            raise
+
+
+class ArgusH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the deadlines uvicorn lacks and OpenAI's error JSON where
+    uvicorn answers in text (the module's docstring lists those answers).
+
+    Deadlines: a connection's request line and headers within ``header_timeout_s`` of its
+    opening or of its previous answer (the timer is checked when it fires: a request being
+    answered is left to the app's body deadline and the core's deadlines); an answer the client
+    reads none of for ``write_timeout_s`` cuts the connection. A chunk's declared size is told
+    to the app through the request's scope, so that a chunk of 0xffffffffffffffff bytes is
+    refused (413) when its header arrives rather than waited for: h11 accepts any size and
+    delivers the data as it comes, and without this the request would last until the body
+    deadline. ``HttpServer`` subclasses it to set the timeouts.
+    """
+
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    write_timeout_s: float = WRITE_TIMEOUT_S
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.conn = _Connection(h11.SERVER, config.h11_max_incomplete_event_size or MAX_HEAD_BYTES)
+        self._connection_limit = self.limit_concurrency
+        self.limit_concurrency = None  # checked by _bounded instead, which answers JSON
+        self._app = self.app
+        self.app = self._bounded
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+
+    # uvicorn's own answers, as JSON ------------------------------------------------------
+
+    async def _bounded(self, scope: Any, receive: Any, send: Any) -> None:
+        """uvicorn's ``limit_concurrency`` check (503 beyond it), answering JSON. This
+        request's task is already among ``tasks`` (uvicorn checks before adding it)."""
+        limit = self._connection_limit
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) > limit):
+            refusal = ApiError(
+                503,
+                f"server busy: {limit} connections or requests at once",
+                "server_error",
+                code="too_many_connections",
+                retry_after_s=1.0,
+                headers=_CLOSE,
+            )
+            await refusal.response()(scope, receive, send)
+            return
+        await self._app(scope, receive, send)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 could not parse: h11's status hint (400, 431, 501) and reason."""
+        error = self.conn.error if isinstance(self.conn, _Connection) else None
+        status = 400 if error is None else error.error_status_hint
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # broken inside a body
+            cycle.disconnected = True  # the app sees a disconnect; its answer is dropped
+            cycle.message_event.set()
+            if cycle.response_started:
+                self.transport.close()
+                return
+        reason = msg if error is None else str(error)
+        if status == 431:  # h11's reason is "Receive buffer too long"
+            reason = f"request line and headers larger than {MAX_HEAD_BYTES} bytes"
+        self._answer(ApiError(status, f"request: {reason}", code="invalid_http_request"))
+
+    def _answer(self, error: ApiError) -> None:
+        """Write ``error`` as the connection's last answer, and close it."""
+        if not self.transport.is_closing():
+            self.transport.write(error.raw())
+            self.transport.close()
+
+    # the header deadline -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._head_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._write_timer = None
+        super().connection_lost(exc)
+
+    def _arm_head_deadline(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if not self.transport.is_closing():
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
+
+    def _head_late(self) -> None:
+        """No request came in time: 408 when part of one came, else close without a word."""
+        self._head_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or (cycle is not None and not cycle.response_complete):
+            return
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+            late = f"request line and headers not received within {self.header_timeout_s:g} s"
+            self._answer(ApiError(408, f"request: {late}", code="request_timeout"))
+        else:  # idle, or still sending a body the answer did not need
+            self.transport.close()
+
+    # the write deadline ------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_late)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_late(self) -> None:
+        self._write_timer = None
+        log.info(
+            "http: a client read nothing for %g s; its connection is cut", self.write_timeout_s
+        )
+        self.transport.abort()
+
+    # a chunk's declared size -------------------------------------------------------------
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._tell_declared_chunk()
+
+    def _tell_declared_chunk(self) -> None:
+        """Put in the request's scope how many bytes of the current chunk are still to come, as
+        its header declared them, and wake the app when that grew (a new chunk's header), so
+        that it refuses a body declared too large before waiting for it. The count is h11's
+        chunked reader's (not public: where a later h11 lacks it, the app's body deadline
+        still ends the request)."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or self.conn.their_state is not h11.SEND_BODY:
+            return
+        remaining = getattr(getattr(self.conn, "_reader", None), "_bytes_in_chunk", 0)
+        scope = cast(dict[str, Any], cycle.scope)
+        if not isinstance(remaining, int) or remaining == scope.get(_DECLARED_CHUNK, 0):
+            return
+        grew = remaining > scope.get(_DECLARED_CHUNK, 0)
+        scope[_DECLARED_CHUNK] = remaining
+        if grew:
+            cycle.message_event.set()
+
+
 class HttpServer:
     """uvicorn on a socket bound by ``bind_socket`` (so a taken port fails at once, naming it),
     serving in its own thread until ``stop``; HTTPS when given ``tls`` (certificate and key PEM
-    files: the gRPC endpoint's)."""
+    files: the gRPC endpoint's). The protocol is :class:`ArgusH11Protocol` with the given
+    timeouts; ``max_connections`` is uvicorn's ``limit_concurrency`` (see the constants)."""
 
     def __init__(
         self,
@@ -643,17 +1067,33 @@ class HttpServer:
         port: int,
         *,
         tls: tuple[str, str] | None = None,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
+        keep_alive_s: int = KEEP_ALIVE_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.host = host
         self._socket = bind_socket(host, port)
         self.port: int = self._socket.getsockname()[1]
         self.scheme = "http" if tls is None else "https"
+
+        class Protocol(ArgusH11Protocol):
+            pass
+
+        Protocol.header_timeout_s = header_timeout_s
+        Protocol.write_timeout_s = write_timeout_s
         config = uvicorn.Config(
             app,
+            http=Protocol,
+            ws="none",  # no WebSocket routes: an upgrade request is served as plain HTTP
             log_level="warning",
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=2,
+            timeout_keep_alive=keep_alive_s,
+            limit_concurrency=max_connections,
+            backlog=BACKLOG,
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             ssl_certfile=None if tls is None else tls[0],
             ssl_keyfile=None if tls is None else tls[1],
         )
@@ -685,13 +1125,14 @@ class HttpServer:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (0: a free port); OSError names the address."""
+    """A listening TCP socket on ``host:port`` (0: a free port) with a ``BACKLOG`` queue;
+    OSError names the address."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        sock.listen(128)
+        sock.listen(BACKLOG)
     except OSError as err:
         sock.close()
         raise OSError(f"--http-port: cannot bind {host}:{port} ({err.strerror})") from None
