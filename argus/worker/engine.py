@@ -21,10 +21,36 @@ from noise (SM) and the response says ``substituted``; loads are the job of ``co
 
 Deadlines and cancellation: the transport hands :meth:`Worker.generate` a
 :class:`~argus.worker.pipelines.CancelToken` (the call's deadline, and a flag its client's
-going away sets). A request whose token says stop while it waits for the GPU is dropped
-without running; one that is denoising stops at the next step boundary and frees the GPU at
-once. Both raise :class:`~argus.worker.pipelines.Cancelled` and are counted by reason
-("cancelled", "expired") and stage ("queued", "running") in :meth:`Worker.stats`.
+going away sets). Work nobody will wait for is not done:
+
+* a request whose token says stop while it waits for the GPU is dropped without running;
+* one that is denoising or decoding stops at the model's next checkpoint (before each step,
+  each attention and ResNet block, each decoded tile: see :mod:`argus.worker.pipelines`), and
+  the PNG is not encoded once the token says stop;
+* a request whose decode cannot finish in the time left is stopped without decoding
+  (:class:`DecodeSkipped`), and without running at all when that is already so on arrival or
+  while it waits in the queue: the decode (VAE and PNG) is predicted by :class:`DecodeTimes`
+  from this worker's own recent decodes, in seconds per pixel.
+
+Before these, a 2048×2048 request whose deadline was 2 s held a worker of the tiny models 10 s
+past its answer, since it stopped only between two steps and one step at that size takes 8 s
+on two idle CPU cores (six self-attentions of about 1 s each; measured); its whole decode, had
+it got that far, would have been 6.9 s more in one uninterruptible call.
+
+Each raises :class:`~argus.worker.pipelines.Cancelled` (the transport answers
+DEADLINE_EXCEEDED or CANCELLED) and releases the GPU slot at once, so the next request starts
+as soon as the stopped one's current block ends. They are counted by reason ("cancelled",
+"expired") and stage ("queued": never got the GPU; "running": got it) in :meth:`Worker.stats`,
+skipped decodes also as ``decodes_skipped``.
+
+Timing (``GenerateResult.timing_ms``, the reply's ``Timing``): ``queue_ms`` is the wait for
+the GPU slot, from the request's admission to the queue until it took the slot; ``total_ms``
+is from the admission until :meth:`Worker.generate` returns (the gRPC servicer replaces it
+with the time from the call's arrival at its handler until its reply is ready). So
+``total_ms - queue_ms`` is the worker's service time of the request, which routers learn.
+Inside it: ``encode_ms`` (text encoding and the starting latents), ``denoise_ms`` (the
+denoising loop), ``decode_ms`` (the VAE decode and the PNG), and on AC levels ``embed_ms``,
+``search_ms``, ``fetch_ms`` (the cache lookup); adapters add their own.
 
 One thread computes: every pipeline run (the cache's prompt encoder, denoising, decoding)
 happens on the worker's *device thread*, whichever thread called :meth:`Worker.generate` (the
@@ -52,7 +78,7 @@ import io
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -100,6 +126,91 @@ class NoModelError(RuntimeError):
 WARM_UP_PROMPT = "a warm-up image, never served"
 # how often a request waiting for the GPU looks at its token (client gone, deadline passed)
 QUEUE_POLL_S = 0.05
+# the decode time (VAE and PNG) assumed before a worker has decoded an image of about a size:
+# 2 µs a pixel, 8.4 s at 2048×2048. Slow on purpose, so that a worker does not start decodes it
+# has no measure of and cannot finish: about three times the tiny models' tiled decode and PNG
+# on two idle CPU cores (0.7 µs a pixel at 2048×2048; measured). Its own decodes replace it
+DECODE_SEED_S_PER_PIXEL = 2e-6
+
+
+class DecodeSkipped(Cancelled):
+    """A request was stopped because its decode (predicted ``predicted_s``) cannot finish in
+    the ``left_s`` seconds before its deadline; reason "expired"."""
+
+    def __init__(self, steps_done: int, predicted_s: float, left_s: float) -> None:
+        super().__init__("expired", steps_done)
+        self.predicted_s = predicted_s
+        self.left_s = left_s
+
+    def __str__(self) -> str:
+        return (
+            f"deadline too close: decoding takes about {self.predicted_s:.2f} s, "
+            f"{max(self.left_s, 0.0):.2f} s left ({self.steps_done} steps run)"
+        )
+
+
+class DecodeTimes:
+    """How long this worker takes to decode an image (VAE and PNG), learned from its own
+    decodes, to skip a decode that cannot finish before the deadline.
+
+    Each decode gives a rate, seconds per pixel. A prediction for ``pixels`` is ``pixels ×``
+    the ``quantile`` (a high one: a slow decode is likely to recur under the same load) of the
+    rates of the last ``window`` decodes of images at least a quarter that size, each weighted
+    by ``decay`` to the power of its age in decodes, so that a worker whose load changed is
+    learned again within a few decodes. Smaller images are left out because a fixed cost per
+    image dominates theirs (the tiny models decode 64×64 at 7 µs a pixel, 2048×2048 at 0.7 µs;
+    measured); tiles keep the rate of large images flat (:meth:`DiffusionModel.decode`). With
+    no decode that large yet, the rate is ``seed_s_per_pixel``, or the smaller images' rate
+    when that is lower. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        seed_s_per_pixel: float = DECODE_SEED_S_PER_PIXEL,
+        *,
+        window: int = 32,
+        decay: float = 0.8,
+        quantile: float = 0.9,
+    ) -> None:
+        if seed_s_per_pixel < 0.0:
+            raise ValueError(f"seed_s_per_pixel: must be >= 0, got {seed_s_per_pixel}")
+        if not 0.0 < decay <= 1.0 or not 0.0 < quantile <= 1.0:
+            raise ValueError(f"decay and quantile: must be in (0, 1], got {decay}, {quantile}")
+        self.seed_s_per_pixel = seed_s_per_pixel
+        self.decay = decay
+        self.quantile = quantile
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)  # (pixels, s/px)
+        self._lock = threading.Lock()
+
+    def observe(self, pixels: int, seconds: float) -> None:
+        """A decode of ``pixels`` took ``seconds``."""
+        if pixels > 0:
+            with self._lock:
+                self._samples.append((pixels, seconds / pixels))
+
+    def predict_s(self, pixels: int) -> float:
+        """Seconds a decode of ``pixels`` is expected to take (see the class's docstring)."""
+        with self._lock:
+            samples = list(self._samples)
+        alike = [(i, r) for i, (p, r) in enumerate(samples) if 4 * p >= pixels]
+        if alike:
+            return pixels * self._quantile(alike, len(samples))
+        rate = self.seed_s_per_pixel
+        if samples:
+            rate = min(rate, self._quantile(list(enumerate(r for _, r in samples)), len(samples)))
+        return pixels * rate
+
+    def _quantile(self, indexed: list[tuple[int, float]], count: int) -> float:
+        """The weighted ``quantile`` of the rates; ``indexed`` pairs (position, rate), the
+        newest of ``count`` samples at position ``count - 1``, weighted ``decay ** age``."""
+        weighted = sorted((rate, self.decay ** (count - 1 - i)) for i, rate in indexed)
+        goal = self.quantile * sum(w for _, w in weighted)
+        total = 0.0
+        for rate, weight in weighted:
+            total += weight
+            if total >= goal - 1e-12:
+                return rate
+        return weighted[-1][0]
 
 
 class CacheOutcome(Enum):
@@ -122,6 +233,9 @@ class WorkerConfig:
     max_side: int = 2048
     max_queue: int = defaults.MAX_QUEUE
     pending_inserts: int = 32
+    decode_seed_s_per_pixel: float = DECODE_SEED_S_PER_PIXEL
+    """The decode rate :class:`DecodeTimes` assumes before it has seen a decode as large; 0
+    assumes decodes are free until measured (nothing is skipped for want of a measurement)."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +319,10 @@ class WorkerStats:
     stopped: dict[str, dict[str, int]] = field(default_factory=dict)
     denoise_runs: int = 0  # denoising loops started (warm-up included)
     denoise_steps: int = 0  # denoising steps run (warm-up included)
+    decodes: int = 0  # images decoded (warm-up included)
+    # requests stopped because their decode could not finish before their deadline (on
+    # arrival, in the queue, or after denoising); also counted in stopped
+    decodes_skipped: int = 0
 
     @property
     def cancelled(self) -> int:
@@ -252,6 +370,7 @@ class Worker:
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
         self._pending: set[Future[Any]] = set()
         self._warm = threading.Event()  # set by warm_up(): the pipeline has run once
+        self.decode_times = DecodeTimes(self.config.decode_seed_s_per_pixel)
 
     def _default_level(self) -> str:
         fastest_ac = [lv for lv in self.profiles.levels if lv.strategy is Strategy.AC]
@@ -353,8 +472,10 @@ class Worker:
         progress: ProgressSink | None = None,
     ) -> GenerateResult:
         """Serve one request. Raises :class:`Cancelled` when ``cancel`` says stop before the
-        request got the GPU (it never runs) or between two of its steps. ``progress`` hears
-        each :class:`Progress` event (see the module's docstring)."""
+        request got the GPU (it never runs) or at a checkpoint of its run, and
+        :class:`DecodeSkipped` when its decode cannot finish before its deadline; either way
+        the GPU slot is free when it raises. ``progress`` hears each :class:`Progress` event
+        (see the module's docstring)."""
         spec, level, plan = self.validate(call)
         with self._lock:
             if self._queued >= self.config.max_queue:
@@ -364,15 +485,18 @@ class Worker:
                 )
             ahead, finished = self._queued, self._finished
             self._queued += 1
-        arrived = time.perf_counter()
-        report = None if progress is None else _Reporter(progress, arrived, call.previews)
+        admitted = time.perf_counter()
+        report = None if progress is None else _Reporter(progress, admitted, call.previews)
         stage = "queued"
         try:
+            pixels = spec.width * spec.height
             if report is not None:
                 report.queued(ahead)
-                self._wait_for_slot(cancel, lambda: report.queued(self._ahead(ahead, finished)))
+                self._wait_for_slot(
+                    cancel, lambda: report.queued(self._ahead(ahead, finished)), pixels
+                )
             else:
-                self._wait_for_slot(cancel)
+                self._wait_for_slot(cancel, pixels=pixels)
             try:
                 stage = "running"
                 started = time.perf_counter()
@@ -381,8 +505,8 @@ class Worker:
                 )
             finally:
                 self._slots.release()
-            result.timing_ms["queue_ms"] = (started - arrived) * 1e3
-            result.timing_ms["total_ms"] = (time.perf_counter() - arrived) * 1e3
+            result.timing_ms["queue_ms"] = (started - admitted) * 1e3
+            result.timing_ms["total_ms"] = (time.perf_counter() - admitted) * 1e3
             with self._lock:
                 self._counts["completed"] += 1
                 self._counts["substituted"] += result.substituted
@@ -391,6 +515,7 @@ class Worker:
             stop.stage = stage
             with self._lock:
                 self._counts[f"stopped:{stop.reason}:{stage}"] += 1
+                self._counts["decodes_skipped"] += isinstance(stop, DecodeSkipped)
             raise
         except Exception:
             with self._lock:
@@ -413,15 +538,30 @@ class Worker:
             return max(0, ahead - (self._finished - finished))
 
     def _wait_for_slot(
-        self, cancel: CancelToken, waiting: Callable[[], None] | None = None
+        self,
+        cancel: CancelToken,
+        waiting: Callable[[], None] | None = None,
+        pixels: int = 0,
     ) -> None:
         """Take the GPU slot, or raise :class:`Cancelled` without it once ``cancel`` says stop
-        (a request whose deadline passed in the queue is never run). ``waiting`` is called
-        each time the wait polls without the slot."""
+        (a request whose deadline passed in the queue is never run), or
+        :class:`DecodeSkipped` once the time left before the deadline is shorter than the
+        predicted decode of an image of ``pixels`` (predicted again at each poll: a decode
+        that finished meanwhile may have changed it). ``waiting`` is called each time the wait
+        polls without the slot."""
         while True:
             cancel.check()
             remaining = cancel.remaining_s()
-            wait = QUEUE_POLL_S if remaining is None else min(QUEUE_POLL_S, max(remaining, 0.0))
+            decode_s = 0.0
+            if remaining is not None and pixels:
+                decode_s = self.decode_times.predict_s(pixels)
+                if remaining < decode_s:
+                    raise DecodeSkipped(0, decode_s, remaining)
+            wait = (
+                QUEUE_POLL_S
+                if remaining is None
+                else min(QUEUE_POLL_S, max(remaining - decode_s, 0.0))
+            )
             if self._slots.acquire(timeout=wait):
                 break
             if waiting is not None:
@@ -502,20 +642,21 @@ class Worker:
             hooks,
         )  # fmt: skip
         cancel.check(result.steps_run)  # decoding a large image is worth skipping too
+        self._check_decode_fits(spec, cancel, result.steps_run)
         if report is not None:
             report.decoding(spec.steps)
         timing["encode_ms"] = result.encode_s * 1e3
         timing["denoise_ms"] = result.denoise_s * 1e3
         began = time.perf_counter()
-        image = model.decode(result.latents)
-        png = io.BytesIO()
-        image.save(png, format="PNG")
-        timing["decode_ms"] = (time.perf_counter() - began) * 1e3
+        png, size = self._decode(model, result.latents, cancel, result.steps_run)
+        decode_s = time.perf_counter() - began
+        timing["decode_ms"] = decode_s * 1e3
+        self.decode_times.observe(spec.width * spec.height, decode_s)
         if feeds_cache and result.captured:
             self._insert_later(spec.prompt, embedding, key, result.captured)
         return GenerateResult(
             request_id=request_id,
-            png=png.getvalue(),
+            png=png,
             level=level.name,
             strategy=level.strategy,
             model=model.name,
@@ -527,9 +668,37 @@ class Worker:
             similarity=similarity,
             substituted=substituted,
             timing_ms=timing,
-            image_size=image.size,
+            image_size=size,
             adapter_path=adapter_path,
         )
+
+    def _check_decode_fits(self, spec: GenerationSpec, cancel: CancelToken, steps: int) -> None:
+        """Raise :class:`DecodeSkipped` when the image's predicted decode takes longer than
+        the time left before the deadline (none: it always fits)."""
+        left = cancel.remaining_s()
+        if left is None:
+            return
+        predicted = self.decode_times.predict_s(spec.width * spec.height)
+        if predicted > left:
+            raise DecodeSkipped(steps, predicted, left)
+
+    def _decode(
+        self, model: DiffusionModel, latents: torch.Tensor, cancel: CancelToken, steps: int
+    ) -> tuple[bytes, tuple[int, int]]:
+        """The PNG of ``latents`` and its size; raises :class:`Cancelled` (with ``steps`` run) when
+        ``cancel`` says stop during the decode or before the PNG is encoded (PIL's encoder
+        cannot be interrupted: 0.5 s at 2048×2048 on this project's CPU, measured)."""
+        try:
+            image = model.decode(latents, cancel)
+        except Cancelled as stop:
+            stop.steps_done = steps
+            raise
+        cancel.check(steps)
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        with self._lock:
+            self._counts["decodes"] += 1
+        return png.getvalue(), image.size
 
     def _denoise(
         self,
@@ -661,6 +830,8 @@ class Worker:
             stopped=_stopped(counts),
             denoise_runs=counts.get("denoise_runs", 0),
             denoise_steps=counts.get("denoise_steps", 0),
+            decodes=counts.get("decodes", 0),
+            decodes_skipped=counts.get("decodes_skipped", 0),
         )
 
     def close(self) -> None:

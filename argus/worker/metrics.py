@@ -63,9 +63,15 @@ class WorkerMetrics:
         self.stopped = Counter(
             "argus_worker_stopped",
             "Requests stopped before they finished, by reason (cancelled: the client went away; "
-            "expired: the deadline passed) and stage (queued: never ran; running: stopped at a "
-            "step boundary)",
+            "expired: the deadline passed) and stage (queued: never got the GPU; running: "
+            "stopped after it got the GPU, at a step, block or tile boundary or before decoding)",
             ["reason", "stage"],
+            registry=reg,
+        )
+        self.decodes_skipped = Counter(
+            "argus_worker_decodes_skipped",
+            "Requests stopped because their predicted decode could not finish before their "
+            "deadline (also counted in argus_worker_stopped as expired)",
             registry=reg,
         )
         self.queue_length = Gauge(
@@ -104,6 +110,9 @@ class WorkerMetrics:
 
     def observe_stopped(self, reason: str, stage: str) -> None:
         self.stopped.labels(reason, stage).inc()
+
+    def observe_decode_skipped(self) -> None:
+        self.decodes_skipped.inc()
 
     def observe_load(self, model: str, seconds: float) -> None:
         self.model_loads.labels(model).inc()

@@ -8,13 +8,20 @@ status codes; the work is the engine's:
 * an unknown variant → ``INVALID_ARGUMENT`` on ``variant``; a load that does not fit →
   ``RESOURCE_EXHAUSTED``;
 * :class:`~argus.worker.pipelines.Cancelled` → ``DEADLINE_EXCEEDED`` when the call's deadline
-  passed (in the queue or between two steps), ``CANCELLED`` when its client went away;
+  passed (in the queue or during its run) or its decode could not finish before it
+  (:class:`~argus.worker.engine.DecodeSkipped`, whose details say the predicted and the
+  remaining time), ``CANCELLED`` when its client went away;
 * no model loaded yet → ``UNAVAILABLE``; anything else → ``INTERNAL`` with the error's type
   (its text, which may hold server paths, is logged, not sent), and the worker keeps serving.
 
 Each Generate call gets a :class:`~argus.worker.pipelines.CancelToken` with the call's gRPC
 deadline, and ``context.add_callback`` sets it when the call ends early (client cancelled,
 deadline), so the engine stops work nobody waits for.
+
+The reply's ``Timing.total_ms`` runs from the moment the handler got the call until its reply
+is built (after the scores are attached), so it covers the conversions and the validation as
+well as the engine's work; ``queue_ms`` is the engine's wait for the GPU slot alone (see
+:mod:`argus.worker.engine`). Serialising and sending the reply happen after and are not in it.
 
 Health (``grpc.health.v1``) says ``NOT_SERVING`` until the worker is ready (``Worker.ready``:
 a model is loaded and its warm-up run is done); it is answered by the gRPC thread pool, never
@@ -43,6 +50,7 @@ from argus.types import Strategy
 from argus.worker.adapters import adapter_status
 from argus.worker.engine import (
     CacheOutcome,
+    DecodeSkipped,
     GenerateCall,
     GenerateResult,
     NoModelError,
@@ -206,6 +214,8 @@ def _status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(err)
     if isinstance(err, QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+    if isinstance(err, DecodeSkipped):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(err)
     if isinstance(err, Cancelled):
         if err.reason == "expired":
             return grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed: {err.steps_done} steps run"
@@ -250,16 +260,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         self.scores = scores  # samples images for the router's drift monitor; None: off
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        arrived = time.perf_counter()
         try:
             result = self.worker.generate(call_from_pb(request), cancel_token(context))
         except Exception as err:  # every failure becomes a status; the worker keeps serving
             self._abort(err, context)
-        return self._answer(request.prompt, result)
+        return self._answer(request.prompt, result, arrived)
 
     def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         """Generate on a thread of its own, whose progress this call's thread streams out
         (a streaming handler can only yield from the thread gRPC gave it). Each stream is
         one request the worker's bounded queue admitted, so the threads are bounded too."""
+        arrived = time.perf_counter()
         call = call_from_pb(request)
         token = cancel_token(context)
         events: queue.SimpleQueue[Progress | GenerateResult | BaseException] = queue.SimpleQueue()
@@ -277,14 +289,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             if isinstance(event, Progress):
                 yield worker_pb2.GenerateEvent(progress=progress_to_pb(event, worker_id))
             elif isinstance(event, GenerateResult):
-                yield worker_pb2.GenerateEvent(response=self._answer(call.prompt, event))
+                reply = self._answer(call.prompt, event, arrived)
+                yield worker_pb2.GenerateEvent(response=reply)
                 return
             else:
                 self._abort(event, context)
 
-    def _answer(self, prompt: str, result: GenerateResult) -> Any:
-        if self.metrics is not None:
-            self.metrics.observe(result)
+    def _answer(self, prompt: str, result: GenerateResult, arrived: float) -> Any:
+        """The reply to a served call that reached the handler at ``arrived``; its
+        ``total_ms`` is set last, when the reply is ready."""
         reply = result_to_pb(result, self.worker.config.worker_id)
         if self.scores is not None:  # earlier images' scores ride on this reply
             self.scores.offer(prompt, result.level, result.png, result.request_id)
@@ -294,6 +307,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
                 )
                 for s in self.scores.take()
             )
+        result.timing_ms["total_ms"] = (time.perf_counter() - arrived) * 1e3
+        reply.timing.total_ms = result.timing_ms["total_ms"]
+        if self.metrics is not None:
+            self.metrics.observe(result)
         return reply
 
     def _abort(self, err: BaseException, context: grpc.ServicerContext) -> NoReturn:
@@ -304,6 +321,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             self.metrics.observe_error(code.name)
             if isinstance(err, Cancelled):
                 self.metrics.observe_stopped(err.reason, err.stage)
+            if isinstance(err, DecodeSkipped):
+                self.metrics.observe_decode_skipped()
         context.abort(code, details)
 
     def Configure(self, request: Any, context: grpc.ServicerContext) -> Any:
