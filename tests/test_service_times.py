@@ -143,9 +143,7 @@ def core_on(workers: FakeWorkers, ids: tuple[str, ...], clock: FakeClock) -> Rou
     return core
 
 
-def test_a_request_the_workers_measured_speed_cannot_serve_in_time_is_refused_at_arrival() -> (
-    None
-):
+def test_a_request_the_workers_measured_speed_cannot_serve_in_time_is_refused_at_arrival() -> None:
     clock = FakeClock()
     workers = FakeWorkers()
     core = core_on(workers, ("w1",), clock)
