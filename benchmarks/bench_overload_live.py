@@ -221,6 +221,12 @@ def report(
         for o in outcomes
     )
     print("answers: " + ", ".join(f"{name} {n}" for name, n in sorted(answers.items())))
+    for worker in sorted({o.worker for o in served}):
+        times = [o.service_s for o in served if o.worker == worker]
+        print(
+            f"{worker}: {len(times)} served, service time mean {sum(times) / len(times):.3f} s, "
+            f"p50 {pct(times, 50):.3f}, p90 {pct(times, 90):.3f}, max {max(times):.3f}"
+        )
     figures = {
         "requests": len(outcomes),
         "served": len(served),

@@ -49,11 +49,18 @@ def test_a_learned_worker_costs_its_fixed_part_plus_its_denoising_per_reference_
     assert times.predict_s("w1", CLASS, LEVEL, 2.0, now=1.0) == pytest.approx(0.1 + 1.6)
 
 
-def test_one_slow_reply_does_not_move_the_figure() -> None:
+def test_one_very_slow_reply_counts_as_four_times_the_median_only() -> None:
     times = ServiceTimes(PROFILES, EXACT)
     learn(times, "w1", service_s=1.0, denoise_s=1.0, n=20)
     times.observe("w1", CLASS, LEVEL, 1.0, 60.0, 60.0, 0.0)  # a preempted vCPU, a LoRA load
-    assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(1.0)
+    assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(24 / 21)
+
+
+def test_a_long_tail_stays_in_the_figure() -> None:
+    times = ServiceTimes(PROFILES, EXACT)
+    learn(times, "w1", service_s=1.0, denoise_s=1.0, n=16)
+    learn(times, "w1", service_s=3.0, denoise_s=3.0, n=4)  # one in five runs 3x longer
+    assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(1.4)
 
 
 def test_the_figure_follows_a_worker_that_changed_speed_within_its_window() -> None:

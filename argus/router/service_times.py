@@ -15,10 +15,13 @@ timings every reply already carries (:class:`~argus.router.values.WorkerTiming`)
   (pixels × steps asked for, in the profile's reference requests: on an AC hit the worker runs
   fewer steps, so a warm cache shows as a cheaper level); the rest (text encoding, retrieval,
   decoding, PNG) is taken as fixed;
-* a worker's figure is ``fixed + unit × cost``, each part the **trimmed mean** of its last
-  ``window`` samples (the 10% at each end dropped: one LoRA load or a preempted vCPU does not
-  move it), forgotten once its newest sample is ``max_age_s`` old (decayed by window and
-  age), so a worker whose speed changed is learned again;
+* a worker's figure is ``fixed + unit × cost``, each part the **mean** of its last ``window``
+  samples with every sample clipped at ``outlier_factor`` × their median (one LoRA load or a
+  vCPU preempted for seconds moves it little, while the long tail a busy host gives every
+  request stays in: a trimmed mean, which drops the tail, came out 10-20% short on CPU workers
+  and admitted requests that then ran late), forgotten once its newest sample is
+  ``max_age_s`` old (decayed by window and age), so a worker whose speed changed is learned
+  again;
 * until a worker has ``min_samples`` at a level, its figure is **seeded**: from the median of
   the workers of the same class already learned at that level, else from the profile scaled
   by how the learned workers compare with the profile (the median ratio of their unit cost to
@@ -51,8 +54,8 @@ class ServiceTimeConfig:
     max_age_s: float = 300.0
     """A worker's figure at a level is forgotten when its newest reply there is this old."""
 
-    trim: float = 0.1
-    """Share of the samples dropped at each end before averaging."""
+    outlier_factor: float = 4.0
+    """Samples above this many times the window's median count as that much."""
 
     min_samples: int = 3
     """Replies at a level before a worker's own figure replaces its seed."""
@@ -73,8 +76,10 @@ class ServiceTimeConfig:
             raise ValueError(f"max_age_s: must be a finite number > 0, got {self.max_age_s}")
         if not (math.isfinite(self.headroom) and self.headroom >= 0.0):
             raise ValueError(f"headroom: must be a finite number >= 0, got {self.headroom}")
-        if not 0.0 <= self.trim < 0.5:
-            raise ValueError(f"trim: must be in [0, 0.5), got {self.trim}")
+        if not (math.isfinite(self.outlier_factor) and self.outlier_factor >= 1.0):
+            raise ValueError(
+                f"outlier_factor: must be a finite number >= 1, got {self.outlier_factor}"
+            )
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,8 @@ class ServiceTimes:
         held.unit.append(denoise_s / cost)
         held.last_at = now
         held.learned = LearnedTime(
-            _trimmed_mean(held.fixed, self.config.trim),
-            _trimmed_mean(held.unit, self.config.trim),
+            _clipped_mean(held.fixed, self.config.outlier_factor),
+            _clipped_mean(held.unit, self.config.outlier_factor),
             len(held.unit),
         )
 
@@ -237,9 +242,7 @@ class ServiceTimes:
         return None if entry is None else entry.latency_s
 
 
-def _trimmed_mean(values: deque[float], trim: float) -> float:
-    """The mean of ``values`` without the ``trim`` share at each end."""
-    ordered = sorted(values)
-    cut = int(len(ordered) * trim)
-    kept = ordered[cut : len(ordered) - cut] or ordered
-    return math.fsum(kept) / len(kept)
+def _clipped_mean(values: deque[float], factor: float) -> float:
+    """The mean of ``values``, each clipped at ``factor`` × their median."""
+    ceiling = statistics.median(values) * factor
+    return math.fsum(min(v, ceiling) for v in values) / len(values)
