@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -317,3 +318,38 @@ def test_a_client_without_retries_reports_the_refusal_and_does_not_send_again(tm
     assert send_prompts(Busy(), ["a fox"], tmp_path, count=1, concurrency=1) == 1
     assert Busy.calls == 1
     assert json.loads(capsys.readouterr().out)["retry_after_ms"] == 250
+
+
+@pytest.mark.parametrize(
+    ("command", "module"),
+    [
+        (["worker", "--allocator", "127.0.0.1:1", "--insecure-internal"], "argus.worker.app"),
+        (["controlnet", "--insecure-internal"], "argus.worker.controlnet.app"),
+    ],
+)
+def test_torch_processes_let_openmp_threads_sleep_unless_told_otherwise(command, module):
+    # the process reports what it found when it first imports the serving module, and stops
+    code = (
+        "import os, sys\n"
+        "class Spy:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        f"        if name == {module!r}:\n"
+        "            print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules, flush=True)\n"
+        "            os._exit(0)\n"
+        "sys.meta_path.insert(0, Spy())\n"
+        "from argus.cli.main import main\n"
+        f"main({command!r})\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.stdout.split()[:2] == ["PASSIVE", "False"], done.stdout + done.stderr
+    told = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+    )
+    assert told.stdout.split()[:1] == ["ACTIVE"], told.stdout + told.stderr

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
-from argus.cli.main import CLIError, config_error
+from argus.cli.main import CLIError, config_error, passive_openmp
 
 
 class ControlNetCommand:
@@ -41,6 +41,7 @@ class ControlNetCommand:
         add_internal_tls_arguments(parser, "controlnet")
 
     def run(self, args: argparse.Namespace) -> int:
+        passive_openmp()  # before torch loads
         from argus.worker.controlnet.app import ControlNetSettings, serve
         from argus.worker.controlnet.errors import ControlNetError
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from argus import defaults
 from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
-from argus.cli.main import CLIError, config_error
+from argus.cli.main import CLIError, config_error, passive_openmp
 from argus.quoting import quoted
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ class WorkerCommand:
         add_internal_tls_arguments(parser, "worker")
 
     def run(self, args: argparse.Namespace) -> int:
+        passive_openmp()  # before torch loads
         from argus.worker.app import serve
 
         tls_dir = internal_tls_dir(args, "worker")
