@@ -16,6 +16,7 @@ from argus.request_limits import InvalidRequestError
 from argus.types import Strategy
 from argus.worker.engine import (
     CacheOutcome,
+    FifoSlot,
     GenerateCall,
     QueueFullError,
 )
@@ -98,7 +99,7 @@ def test_empty_and_whitespace_prompts_are_refused_naming_prompt(worker: Any) -> 
 
 def test_full_queue_is_refused_not_grown() -> None:
     worker = make_worker(max_queue=1)
-    worker._slots.acquire()  # the "GPU" is busy
+    worker._slots.join()  # the "GPU" is busy (the slot is free: the ticket holds it at once)
     busy = True
     done: list[Any] = []
     waiting = threading.Thread(
@@ -220,3 +221,36 @@ def test_a_superseded_load_does_not_stay_resident() -> None:
         assert [m.name for m in registry.infos()] == ["small-sd"]
     finally:
         registry.close()
+
+
+def test_the_gpu_slot_goes_to_waiting_requests_in_their_order_of_arrival() -> None:
+    # the router predicts a request's completion from the requests it sent ahead of it, so the
+    # worker must serve them in that order however their threads are scheduled
+    slot = FifoSlot()
+    holder = slot.join()
+    assert slot.acquire(holder, timeout=0)
+    tickets = [slot.join() for _ in range(20)]
+    served: list[int] = []
+
+    def wait(i: int) -> None:
+        assert slot.acquire(tickets[i], timeout=60)
+        served.append(i)
+        slot.release()
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in reversed(range(20)) if i != 3]
+    for thread in threads:  # started newest first: a semaphore would favour them
+        thread.start()
+    slot.leave(tickets[3])  # one gives up (cancelled) before its turn
+    slot.release()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert served == [i for i in range(20) if i != 3]
+
+
+def test_a_ticket_that_leaves_just_as_its_turn_came_passes_the_slot_on() -> None:
+    slot = FifoSlot()
+    slot.join()
+    first, second = slot.join(), slot.join()
+    slot.release()  # the slot goes to first, which is leaving (its deadline passed)
+    slot.leave(first)
+    assert slot.acquire(second, timeout=0)
