@@ -57,9 +57,9 @@ class LevelProfile:
 
 @dataclass(frozen=True)
 class MeasuredLatency:
-    """A level's latency on a worker class as a router measured it on its workers' replies, at
-    the profile's reference request (``argus.router.service_times``); the allocator plans with
-    the speed it shows."""
+    """A level's latency on a worker class as a router measured it on its workers' replies: the
+    mean service time of the requests served there, as they came (``argus.router.service_times``);
+    the allocator, which counts load in requests, plans with the speed it shows."""
 
     worker_class: str
     level: str

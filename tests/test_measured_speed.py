@@ -115,4 +115,4 @@ def test_the_router_reports_what_it_learned_of_its_workers() -> None:
     StatsReporter(core, client, clock).report_once()  # type: ignore[arg-type]
     (measured,) = client.reports[0]["measured"]  # type: ignore[misc]
     assert measured.worker_class == CLASS and measured.samples == 3
-    assert measured.latency_s > 100 * 0.4  # at the reference request: 1024², 50 steps
+    assert measured.latency_s == pytest.approx(0.4)  # a request as served, not a 1024² one

@@ -93,11 +93,11 @@ def test_a_level_nobody_served_yet_is_the_profile_scaled_as_the_learned_workers_
     assert times.predict_s("w1", CLASS, other, 1.0, now=0.0) == pytest.approx(expected)
 
 
-def test_the_allocator_gets_each_class_and_levels_median_at_the_reference_request() -> None:
+def test_the_allocator_gets_each_class_and_levels_median_service_time_per_request() -> None:
     times = ServiceTimes(PROFILES, EXACT)
-    learn(times, "w1", service_s=0.3, denoise_s=0.2)
-    learn(times, "w2", service_s=0.5, denoise_s=0.4)
-    learn(times, "w3", service_s=0.9, denoise_s=0.8)
+    learn(times, "w1", service_s=0.3, denoise_s=0.2, cost=0.01)
+    learn(times, "w2", service_s=0.5, denoise_s=0.4, cost=0.01)
+    learn(times, "w3", service_s=0.9, denoise_s=0.8, cost=0.01)
     (measured,) = times.measured(now=0.0)
     assert (measured.worker_class, measured.level) == (CLASS, LEVEL)
     assert measured.latency_s == pytest.approx(0.5) and measured.samples == 15

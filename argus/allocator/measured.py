@@ -3,8 +3,11 @@
 A profile gives each level's latency on each worker class as it was profiled (the default one
 on A100 and H100 GPUs). The workers a cluster really runs may be faster or slower: tiny models
 on a CPU, an older card, a noisy neighbour. Each router learns its workers' service times from
-their replies (:mod:`argus.router.service_times`) and reports, per class and level, the
-latency at the profile's reference request. :class:`MeasuredSpeeds` keeps each router's
+their replies (:mod:`argus.router.service_times`) and reports, per class and level, the mean
+service time of the requests it served there, as they came: the allocator counts load in
+requests, so the speed that matters is a request's of the real mix, not a reference request's
+(on 64 × 64 requests the tiny CPU workers take 0.55 s against the profile's 4.2 s, though a
+1024 × 1024 request would take them minutes). :class:`MeasuredSpeeds` keeps each router's
 latest report for ``max_age_s`` and turns them into one **speed factor per class**: the median,
 over the levels reported by any router, of measured ÷ profiled latency. The allocator plans
 with the profile scaled by those factors (:meth:`~argus.types.ProfileSet.with_speed`), so its

@@ -29,7 +29,8 @@ timings every reply already carries (:class:`~argus.router.values.WorkerTiming`)
 
 The router's admission (early refusal and the routed check), its worker selection (Eq. 3's
 ``t_proc``) and the measured latencies it reports to the allocator all read this one figure
-(:meth:`predict_s`, :meth:`measured`). Pure: no grpc, no clock of its own (times come in),
+(:meth:`predict_s`; :meth:`measured` gives the allocator each level's mean service time per
+request as served). Pure: no grpc, no clock of its own (times come in),
 not thread-safe (the router calls it under its lock).
 """
 
@@ -89,6 +90,7 @@ class LearnedTime:
     fixed_s: float  # seconds every request takes whatever its size
     unit_s: float  # seconds per reference request of denoising (pixels × steps asked for)
     samples: int  # replies behind it; 0 for a seed
+    served_s: float = 0.0  # mean service time of the requests it served, as they came
     measured: bool = True  # False: the profile's figure, no reply behind it at all
 
     def seconds(self, cost: float) -> float:
@@ -99,12 +101,13 @@ class LearnedTime:
 class _Samples:
     fixed: deque[float]
     unit: deque[float]
+    served: deque[float]
     last_at: float = -math.inf
     learned: LearnedTime | None = None  # recomputed on each reply
 
     @classmethod
     def empty(cls, window: int) -> _Samples:
-        return cls(deque(maxlen=window), deque(maxlen=window))
+        return cls(deque(maxlen=window), deque(maxlen=window), deque(maxlen=window))
 
 
 @dataclass
@@ -140,11 +143,14 @@ class ServiceTimes:
             held = self._samples[(worker, level)] = _Samples.empty(self.config.window)
         held.fixed.append(service_s - denoise_s)
         held.unit.append(denoise_s / cost)
+        held.served.append(service_s)
         held.last_at = now
+        factor = self.config.outlier_factor
         held.learned = LearnedTime(
-            _clipped_mean(held.fixed, self.config.outlier_factor),
-            _clipped_mean(held.unit, self.config.outlier_factor),
+            _clipped_mean(held.fixed, factor),
+            _clipped_mean(held.unit, factor),
             len(held.unit),
+            _clipped_mean(held.served, factor),
         )
 
     def forget(self, keep: set[str]) -> None:
@@ -177,8 +183,9 @@ class ServiceTimes:
         return self.learned(worker, worker_class, level, now).unit_s * cost / max(steps, 1)
 
     def measured(self, now: float) -> tuple[MeasuredLatency, ...]:
-        """Each (class, level) some worker was learned at: the median of its workers' figures
-        at the profile's reference request (cost 1)."""
+        """Each (class, level) some worker was learned at: the median over its workers of the
+        mean service time of the requests they served there, as they came (the allocator
+        counts load in requests, so it plans with what a request of the real mix takes)."""
         by_key: dict[tuple[str, str], list[LearnedTime]] = {}
         for worker, level, learned in self._fresh_all(now):
             by_key.setdefault((self._classes[worker], level), []).append(learned)
@@ -186,7 +193,7 @@ class ServiceTimes:
             MeasuredLatency(
                 worker_class,
                 level,
-                statistics.median(t.seconds(1.0) for t in times),
+                statistics.median(t.served_s for t in times),
                 sum(t.samples for t in times),
             )
             for (worker_class, level), times in sorted(by_key.items())
