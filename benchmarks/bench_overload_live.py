@@ -7,16 +7,22 @@ really denoise, so their speed is whatever this machine gives them, and the prof
 starts from (GPU latencies) is wrong for them: the run shows whether the router learns the
 workers' real speed in time to keep overload to fast refusals.
 
-1. **Capacity, measured**: after ``--warmup-s`` of traffic, ``4 × workers`` clients send
-   requests back to back (closed loop, every worker busy with three more queued) for
-   ``--capacity-s``; capacity is the answers a second they get.
-2. **Overload**: open-loop Poisson arrivals at ``--load`` × that capacity for ``--duration-s``,
-   each request with ``deadline_ms`` = ``--deadline-ms`` (the router's default, 30 s, unless
-   given) and a gRPC timeout 5 s longer, so that a DEADLINE_EXCEEDED is the router's own
-   answer, not the client giving up; then the calls still open are waited for.
+1. **Closed loop**: after ``--warmup-s`` of traffic, ``4 × workers`` clients send requests back
+   to back (every worker busy, three more queued) for ``--capacity-s``: a first capacity.
+2. **Settling**: open-loop Poisson arrivals at ``--load`` × that for ``--settle-s`` (longer
+   than the allocator's 60 s planning period): the allocator sees the overload and plans for
+   it (faster levels, whose cache hits make requests cheaper), so the cluster's capacity
+   changes. **Capacity** is then measured at the levels the workers serve: Σ over workers of
+   1 / their mean service time over the settling's last 20 s (each reply's ``total_ms -
+   queue_ms``), the most they can serve a second whatever the router does.
+3. **Overload**: Poisson arrivals at ``--load`` × that capacity for ``--duration-s``, each
+   request with ``deadline_ms`` = ``--deadline-ms`` (the router's default, 30 s, unless given)
+   and a gRPC timeout 5 s longer, so that a DEADLINE_EXCEEDED is the router's own answer, not
+   the client giving up; then the calls still open are waited for.
 
 Per ``--window-s`` window (by completion time) it prints the answers served a second and their
-share of the capacity; then over the whole run: the requests refused (RESOURCE_EXHAUSTED with
+share of the capacity and how busy the workers were (served ÷ Σ 1 / mean service time in that
+window); then over the overload's requests: each worker's service times, the requests refused (RESOURCE_EXHAUSTED with
 its ``retry-after-ms`` hint, or DEADLINE_EXCEEDED answered in under a second: refused at
 arrival as infeasible) and their latency p50 / p95; the admitted requests (served, or failed
 after a second) and the share of them late (served after their deadline, or failed at it);
@@ -25,8 +31,8 @@ Targets (issue 29): served ≥ 90% of capacity in every window, late ≤ 1% of a
 p95 ≤ 50 ms, no answer at the full deadline that the router could have refused at arrival.
 
     .venv/bin/python benchmarks/bench_overload_live.py [--workers 2] [--steps 30] [--load 3]
-        [--duration-s 60] [--capacity-s 20] [--warmup-s 10] [--deadline-ms 30000]
-        [--window-s 10] [--seed 0]
+        [--duration-s 60] [--capacity-s 20] [--warmup-s 10] [--settle-s 90]
+        [--deadline-ms 30000] [--window-s 10] [--no-controlnet] [--seed 0]
 
 Figures are for this machine: the cluster's processes, the load generator and anything else
 share its cores, so the load average is printed with them.
@@ -264,7 +270,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--capacity-s", type=float, default=20.0)
     parser.add_argument("--warmup-s", type=float, default=10.0)
-    parser.add_argument("--settle-s", type=float, default=20.0, help="overload before measuring")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=90.0,
+        help="overload before measuring capacity (longer than a planning period: the plan "
+        "the allocator makes for the overload sets the capacity)",
+    )
     parser.add_argument("--deadline-ms", type=int, default=30_000)
     parser.add_argument("--window-s", type=float, default=10.0)
     parser.add_argument("--no-controlnet", action="store_true", help="as argus up --no-controlnet")
@@ -299,10 +311,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 )
                 start = overload(offered, args.load * closed, args.settle_s, args.seed)
                 settled = time.monotonic()
-                capacity = served_capacity(offered.outcomes, settled - 10.0, settled)
+                capacity = served_capacity(offered.outcomes, settled - 20.0, settled)
                 print(
                     f"capacity under overload {capacity:.2f} requests/s (Σ 1 / mean service time "
-                    f"of each worker's last 10 s, after {args.settle_s:.0f} s at "
+                    f"of each worker's last 20 s, after {args.settle_s:.0f} s at "
                     f"{args.load:g} × {closed:.2f})"
                 )
                 first = len(offered.outcomes)
