@@ -22,11 +22,11 @@ workers' real speed in time to keep overload to fast refusals.
 
 Per ``--window-s`` window (by completion time) it prints the answers served a second and their
 share of the capacity and how busy the workers were (served ÷ Σ 1 / mean service time in that
-window); then over the overload's requests: each worker's service times, the requests refused (RESOURCE_EXHAUSTED with
-its ``retry-after-ms`` hint, or DEADLINE_EXCEEDED answered in under a second: refused at
-arrival as infeasible) and their latency p50 / p95; the admitted requests (served, or failed
-after a second) and the share of them late (served after their deadline, or failed at it);
-and the DEADLINE_EXCEEDED answers that came at the full deadline.
+window); then over the overload's requests: each worker's service times, the requests refused
+(RESOURCE_EXHAUSTED with its ``retry-after-ms`` hint, or DEADLINE_EXCEEDED answered in under a
+second: refused at arrival as infeasible) and their latency p50 / p95; the admitted requests
+(served, or failed after a second) and the share of them late (served after their deadline, or
+failed at it); and the DEADLINE_EXCEEDED answers that came at the full deadline.
 Targets (issue 29): served ≥ 90% of capacity in every window, late ≤ 1% of admitted, refusal
 p95 ≤ 50 ms, no answer at the full deadline that the router could have refused at arrival.
 
