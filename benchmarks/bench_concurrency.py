@@ -43,13 +43,11 @@ import argparse
 import asyncio
 import json
 import math
-import multiprocessing
 import resource
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -57,8 +55,7 @@ import grpc
 import numpy as np
 from _machine import load_line, machine_line
 from _plan import allocator_plan, scaled_profiles
-from bench_overload import load_classifier, start_worker
-from bench_router import Child
+from bench_overload import load_classifier, stub_cluster
 
 from argus import rpc
 
@@ -137,35 +134,16 @@ def start_router(
     return info, close
 
 
-@contextmanager
-def processes(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    """Start the workers and the router; yields the router's info; stops them all."""
-    ctx = multiprocessing.get_context("spawn")
-    profiles = scaled_profiles(args.time_scale)
-    worker_class = profiles.worker_classes[0]
-    service_s = {level.name: profiles.profile(worker_class, level.name).latency_s
-                 for level in profiles.levels}  # fmt: skip
-    children: list[Child] = []
-    try:
-        addresses = []
-        for i in range(args.workers):
-            child = Child(ctx, f"worker-{i}", start_worker, f"stub-{i}", service_s)
-            children.append(child)
-            addresses.append(child.wait_ready(60.0))
-        router = Child(
-            ctx,
-            "router",
-            start_router,
-            addresses,
-            args.classifier,
-            args.time_scale,
-            args.max_in_flight,
-        )
-        children.append(router)
-        yield router.wait_ready(READY_TIMEOUT_S)
-    finally:
-        for child in reversed(children):
-            child.close()
+def processes(args: argparse.Namespace) -> Any:
+    """The stub workers and this benchmark's router (a context manager)."""
+    return stub_cluster(
+        args.workers,
+        args.time_scale,
+        start_router,
+        args.classifier,
+        args.time_scale,
+        args.max_in_flight,
+    )
 
 
 # -- the bursts ----------------------------------------------------------------------------

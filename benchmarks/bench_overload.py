@@ -173,34 +173,42 @@ def load_classifier(name: str, threads: int) -> tuple[Any, str]:
 
 
 @contextmanager
-def processes(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    """Start the workers and the router; yields the router's info; stops them all."""
+def stub_cluster(
+    workers: int, time_scale: float, router: Callable[..., Any], *router_args: Any
+) -> Iterator[dict[str, Any]]:
+    """Start ``workers`` stub workers at the profile's latencies × ``time_scale``, then
+    ``router(addresses, *router_args)`` in its own process; yields the router's info; stops
+    them all."""
     ctx = multiprocessing.get_context("spawn")
-    profiles = scaled_profiles(args.time_scale)
+    profiles = scaled_profiles(time_scale)
     worker_class = profiles.worker_classes[0]
     service_s = {level.name: profiles.profile(worker_class, level.name).latency_s
                  for level in profiles.levels}  # fmt: skip
     children: list[Child] = []
     try:
         addresses = []
-        for i in range(args.workers):
+        for i in range(workers):
             child = Child(ctx, f"worker-{i}", start_worker, f"stub-{i}", service_s)
             children.append(child)
             addresses.append(child.wait_ready(60.0))
-        router = Child(
-            ctx,
-            "router",
-            start_router,
-            addresses,
-            args.classifier,
-            args.time_scale,
-            args.classifier_threads,
-        )
-        children.append(router)
-        yield router.wait_ready(READY_TIMEOUT_S)
+        child = Child(ctx, "router", router, addresses, *router_args)
+        children.append(child)
+        yield child.wait_ready(READY_TIMEOUT_S)
     finally:
         for child in reversed(children):
             child.close()
+
+
+def processes(args: argparse.Namespace) -> Any:
+    """The stub workers and this benchmark's router (a context manager)."""
+    return stub_cluster(
+        args.workers,
+        args.time_scale,
+        start_router,
+        args.classifier,
+        args.time_scale,
+        args.classifier_threads,
+    )
 
 
 # -- the load ------------------------------------------------------------------------------
