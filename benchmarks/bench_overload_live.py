@@ -43,9 +43,11 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -262,6 +264,29 @@ def report(
     return figures
 
 
+def router_refusals(metrics_port: int | None) -> str:
+    """The router's own time per refusal (``argus_router_refusal_seconds``, the whole run), as
+    the bucket bounds its p50 and p95 fall in: what of a refusal's latency is the router's."""
+    if metrics_port is None:
+        return "router metrics off"
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    buckets = [
+        (float(m.group(1)), float(m.group(2)))
+        for m in re.finditer(r'argus_router_refusal_seconds_bucket\{le="([^"]+)"\} (\S+)', text)
+    ]
+    total = buckets[-1][1] if buckets else 0.0
+    if not total:
+        return "no refusal in the router's histogram"
+
+    def bound(q: float) -> str:
+        edge = next(le for le, count in buckets if count >= q * total)
+        return "> 1 s" if math.isinf(edge) else f"≤ {edge * 1e3:g} ms"
+
+    return f"in the router's core: {total:.0f} refusals, p50 {bound(0.5)}, p95 {bound(0.95)}"
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
@@ -324,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"{args.load:g} × {capacity:.2f} requests/s for {args.duration_s:.0f} s, "
                     f"deadline {args.deadline_ms} ms; {load_line('end')}"
                 )
+                print(router_refusals(cluster.parts["router"].metrics_port))
                 figures = report(
                     offered.outcomes, first, start, args.duration_s, args.window_s, capacity,
                     args.deadline_ms / 1e3,

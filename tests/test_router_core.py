@@ -165,6 +165,19 @@ def test_refusals_are_counted_under_the_grpc_status_names() -> None:
     assert len(workers.calls) == 1
 
 
+def test_an_overload_refusal_is_timed_in_the_refusal_histogram_and_nothing_else_is() -> None:
+    registry = CollectorRegistry()
+    workers = FakeWorkers()
+    core = make_core(workers, ("w1",), RouterMetrics(PROFILES, registry))
+    with pytest.raises(RouterError):
+        core.generate(RouterRequest(prompt="a fox", width=63))  # INVALID: not a refusal for load
+    core._queues["w1"] = 100  # a long queue: 64 × 64 requests cannot make a 1 s deadline now
+    with pytest.raises(RouterError) as caught:
+        core.generate(RouterRequest(prompt="a fox", width=64, height=64, deadline_ms=1000))
+    assert caught.value.kind is Refusal.OVERLOADED
+    assert registry.get_sample_value("argus_router_refusal_seconds_count") == 1
+
+
 def test_a_retry_with_a_shorter_deadline_is_the_same_request() -> None:
     workers = FakeWorkers()
     core = make_core(workers, ("w1",))

@@ -486,6 +486,8 @@ class RouterCore:
         except RouterError as err:
             if self.metrics is not None:
                 self.metrics.requests.labels(err.kind.status_name).inc()
+                if err.kind is Refusal.OVERLOADED:
+                    self.metrics.refusal.observe(self._clock() - arrived)
             raise
 
     def _generate(

@@ -63,6 +63,13 @@ class RouterMetrics:
             buckets=OVERHEAD_BUCKETS,
             registry=reg,
         )
+        self.refusal = Histogram(
+            "argus_router_refusal_seconds",
+            "Time from a call's arrival in the router's core to its refusal (RESOURCE_EXHAUSTED:"
+            " admission or busy), the router's own part of a refusal's latency",
+            buckets=OVERHEAD_BUCKETS,
+            registry=reg,
+        )
         self.classify = Histogram(
             "argus_router_classify_seconds",
             "Time to classify one prompt (micro-batch wait included)",
