@@ -327,6 +327,13 @@ def test_worker_model_volume_and_shared_latent_store() -> None:
     assert "small-sd=/models/small-sd" in variants and len(variants) == 5
 
 
+def test_the_router_prices_requests_at_the_workers_defaults() -> None:
+    values = {"worker": {"defaultSteps": 30, "defaultSize": 512}}
+    args = main_container(workloads(render(values))["router"])["args"]
+    assert arg_value(args, "--default-steps") == "30"
+    assert arg_value(args, "--default-size") == "512"
+
+
 def test_the_allocator_reads_the_routers_classifier() -> None:
     """The allocator prices the router's classes with the Q(v | c) of the same artifacts:
     one value names them for both pods, and a classifier volume is mounted in both."""
