@@ -34,7 +34,7 @@ from argus.grpc_server import (
     set_serving,
 )
 from argus.router.convert import retry_after_metadata
-from argus.router.core import RouterCore, RouterServiceConfig
+from argus.router.core import RouterCore, RouterServiceConfig, busy_refusal
 from argus.router.drift import DriftSettings, RouterDrift
 from argus.router.metrics import RouterMetrics
 from argus.router.service import SERVICE_NAME, RouterServicer, router_pb2_grpc
@@ -60,7 +60,6 @@ refusals, a fraction of a millisecond each, and each queued call ends with Argus
 RESOURCE_EXHAUSTED and its retry hint. Beyond threads + this many calls at once gRPC refuses
 in its own words, with no hint. A queued call holds no thread and its request is not read
 until it runs (flow control keeps what its client sent in the transport's window)."""
-BUSY_RETRY_AFTER_S = 0.1  # the hint of the core's own "router busy" refusal
 GENERATE_METHODS = (f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream")
 
 
@@ -135,11 +134,13 @@ def busy_limit(in_flight: int, metrics: RouterMetrics | None = None) -> InFlight
             metrics.requests.labels(Refusal.OVERLOADED.status_name).inc()
             metrics.rejected.labels("busy").inc()
 
+    refusal = busy_refusal(in_flight)
+    assert refusal.retry_after_s is not None
     return InFlightLimit(
         in_flight,
         GENERATE_METHODS,
-        f"router busy: {in_flight} requests in flight",
-        retry_after_metadata(BUSY_RETRY_AFTER_S),
+        refusal.details,
+        retry_after_metadata(refusal.retry_after_s),
         on_refuse=count,
     )
 

@@ -67,7 +67,7 @@ from argus.router.admission import (
 from argus.router.drift import RouterDrift
 from argus.router.metrics import RouterMetrics
 from argus.router.routing import PlanRouter, RouterConfig
-from argus.router.scheduler import NoLiveWorkerError
+from argus.router.scheduler import NoLiveWorkerError, TimeOf
 from argus.router.service_times import ServiceTimeConfig, ServiceTimes
 from argus.router.values import (
     Progress,
@@ -95,6 +95,17 @@ CALLER_ERRORS = frozenset(
 ProgressSink = Callable[[Progress], None]
 DEFAULT_LIMITS = ImageLimits()
 SLO_FACTOR = 3.0  # SLO = 3 × the best level's latency (Argus §5; the simulator's default)
+
+
+BUSY_RETRY_AFTER_S = 0.1  # the retry hint of a refusal for too many requests in flight
+
+
+def busy_refusal(in_flight: int) -> RouterError:
+    """The refusal of a request beyond ``in_flight`` requests held at once (the core's bound,
+    and the gRPC server's in front of it, refuse in the same words)."""
+    return RouterError(
+        Refusal.OVERLOADED, f"router busy: {in_flight} requests in flight", BUSY_RETRY_AFTER_S
+    )
 
 
 class CallCancel:
@@ -458,8 +469,8 @@ class RouterCore:
         return arrivals, classified, wants
 
     def measured_latencies(self) -> tuple[MeasuredLatency, ...]:
-        """Each level's latency on each worker class as the workers' replies showed it, at the
-        profile's reference request (for the allocator's report)."""
+        """Each level's mean service time per request on each worker class, as the workers'
+        replies showed it (for the allocator's report)."""
         with self._lock:
             return self._times.measured(self._clock())
 
@@ -552,11 +563,7 @@ class RouterCore:
     ) -> RouterReply:
         if not self._in_flight.acquire(blocking=False):
             self._rejected("busy")
-            raise RouterError(
-                Refusal.OVERLOADED,
-                f"router busy: {self.config.max_in_flight} requests in flight",
-                0.1,
-            )
+            raise busy_refusal(self.config.max_in_flight)
         with self._lock:
             self._serving += 1
         try:
@@ -846,7 +853,7 @@ class RouterCore:
         down: set[str],
         cap: int | None,
         queues: Mapping[str, int],
-        t_proc: Callable[[str, int], float],
+        t_proc: TimeOf,
     ) -> RouteDecision:
         """Route with no level above ``cap``. When no live worker serves such a level, a worker
         whose model also runs the capped level serves it there (AC levels share one model:

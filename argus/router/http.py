@@ -80,7 +80,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
-from argus.request_limits import InvalidRequestError, check_image
+from argus.request_limits import InvalidRequestError, check_image, parse_size
 from argus.router.core import CallCancel, ProgressSink, RouterCore
 from argus.router.values import (
     Adapter,
@@ -98,7 +98,6 @@ MAX_BODY_BYTES = 8 * 1024 * 1024  # the gRPC endpoint's bound on a request
 MAX_IMAGES = 10  # OpenAI's bound on n
 MAX_USER_CHARS = 256
 # ASCII digits only: Python's \d and int() also take other scripts' digits ("٦٤" is 64)
-SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
 
 # -- what one client may make the front door hold, and for how long -------------------------
 # The body nests at most 3 deep ({"adapters": [{...}]}); 32 leaves room for clients that wrap
@@ -430,14 +429,13 @@ def _int(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
 
 
 def _size(size: str, core: RouterCore) -> tuple[int, int]:
-    match = SIZE.fullmatch(size)
-    if match is None:
-        raise invalid("size", f"{size[:32]!r} is not WIDTHxHEIGHT in ASCII digits (e.g. '512x512')")
-    width, height = int(match[1]), int(match[2])
+    """``WIDTHxHEIGHT`` in ASCII digits (:func:`~argus.request_limits.parse_size`), within the
+    workers' limits; 400 naming ``size`` otherwise."""
     try:
+        width, height = parse_size(size)
         check_image(width, height, core.config.limits)
     except InvalidRequestError as err:
-        raise invalid("size", str(err)) from None
+        raise invalid("size", str(err).removeprefix("size: ")) from None
     return width, height
 
 
