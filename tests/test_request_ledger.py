@@ -14,13 +14,13 @@ from prometheus_client import CollectorRegistry
 
 from argus import rpc
 from argus.cli.main import main
-from argus.router.admission import (
+from argus.router.core import RouterServiceConfig
+from argus.router.ledger import (
     AnswerDroppedError,
     IdConflictError,
     LedgerStats,
     RequestLedger,
 )
-from argus.router.core import RouterServiceConfig
 from argus.router.metrics import RouterMetrics
 from tests.router_cluster import PROFILES, TIMEOUT, Cluster, FakeClock
 

@@ -55,16 +55,18 @@ from argus.request_limits import (
 )
 from argus.router.admission import (
     AdmissionRule,
-    AnswerDroppedError,
-    IdConflictError,
-    LedgerFullError,
-    RequestLedger,
     WorkerLoad,
     admit,
     earliest_completion_s,
     request_cost,
 )
 from argus.router.drift import RouterDrift
+from argus.router.ledger import (
+    AnswerDroppedError,
+    IdConflictError,
+    LedgerFullError,
+    RequestLedger,
+)
 from argus.router.metrics import RouterMetrics
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.router.scheduler import NoLiveWorkerError, TimeOf
