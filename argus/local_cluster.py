@@ -75,6 +75,9 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
     start_timeout_s: float = 300.0
+    # the workers' and the ControlNet service's --nice: on one machine the control plane
+    # (router, allocator) runs ahead of denoising, as on cores of its own
+    compute_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -83,6 +86,8 @@ class ClusterSpec:
             raise ValueError(f"router_port: {self.router_port} outside 0..65535")
         if self.router_http_port is not None and not 0 <= self.router_http_port < 65536:
             raise ValueError(f"router_http_port: {self.router_http_port} outside 0..65535")
+        if not 0 <= self.compute_nice <= 19:
+            raise ValueError(f"compute_nice: {self.compute_nice} outside 0..19")
 
 
 @dataclass
@@ -208,7 +213,7 @@ class LocalCluster:
         self._wait_address("allocator")
         ready("allocator")
         if spec.controlnet:
-            self._launch("controlnet", "controlnet", "--catalog", "tiny")
+            self._launch("controlnet", "controlnet", "--catalog", "tiny", *self._nice_args())
             self._wait_address("controlnet")  # workers are told where it is
             ready("controlnet")
         for i in range(spec.workers):
@@ -285,6 +290,7 @@ class LocalCluster:
             "--default-steps", str(spec.default_steps),
             "--default-size", str(spec.default_size),
             *self._profile_args(),
+            *self._nice_args(),
         ]  # fmt: skip
         if "controlnet" in self.parts:
             args += ["--controlnet", self.parts["controlnet"].address]
@@ -294,6 +300,9 @@ class LocalCluster:
         if wait:
             self._wait_address(name)
         return part
+
+    def _nice_args(self) -> list[str]:
+        return ["--nice", str(self.spec.compute_nice)] if self.spec.compute_nice else []
 
     def _profile_args(self) -> list[str]:
         return [] if self.spec.profile is None else ["--profile", self.spec.profile]

@@ -32,7 +32,7 @@ p95 ≤ 50 ms, no answer at the full deadline that the router could have refused
 
     .venv/bin/python benchmarks/bench_overload_live.py [--workers 2] [--steps 30] [--load 3]
         [--duration-s 60] [--capacity-s 20] [--warmup-s 10] [--settle-s 90]
-        [--deadline-ms 30000] [--window-s 10] [--no-controlnet] [--seed 0]
+        [--deadline-ms 30000] [--window-s 10] [--no-controlnet] [--compute-nice 10] [--seed 0]
 
 Figures are for this machine: the cluster's processes, the load generator and anything else
 share its cores, so the load average is printed with them.
@@ -305,6 +305,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--deadline-ms", type=int, default=30_000)
     parser.add_argument("--window-s", type=float, default=10.0)
     parser.add_argument("--no-controlnet", action="store_true", help="as argus up --no-controlnet")
+    parser.add_argument(
+        "--compute-nice",
+        type=int,
+        default=ClusterSpec.compute_nice,
+        help="as argus up --compute-nice (0: the workers compete with the router as equals)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -320,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             default_steps=args.steps,
             controlnet=not args.no_controlnet,
             router_http_port=None,
+            compute_nice=args.compute_nice,
         )
         began = time.monotonic()
         with LocalCluster(spec) as cluster:  # started, every worker ready

@@ -353,3 +353,10 @@ def test_torch_processes_let_openmp_threads_sleep_unless_told_otherwise(command,
         env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
     )
     assert told.stdout.split()[:1] == ["ACTIVE"], told.stdout + told.stderr
+
+
+@pytest.mark.parametrize("command", ["worker", "controlnet"])
+@pytest.mark.parametrize("nice", ["20", "-1"])
+def test_compute_commands_refuse_a_nice_value_outside_0_to_19(command, nice, capsys):
+    assert main([command, "--nice", nice]) == 2
+    assert f"--nice: {nice} outside 0..19" in capsys.readouterr().err

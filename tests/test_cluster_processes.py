@@ -9,6 +9,7 @@ models on the CPU; they take tens of seconds, not minutes.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -112,6 +113,29 @@ def test_garbage_and_wrong_credentials_get_the_right_status(secure: LocalCluster
     assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith("prompt")
     assert call(secure, plain).png.startswith(PNG_MAGIC)
     assert all(part.alive() for part in secure.parts.values())
+
+
+def thread_nices(pid: int) -> set[int]:
+    """The nice value of each of a process's threads (Linux keeps one per thread)."""
+    nices = set()
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        fields = stat.read_text().rpartition(")")[2].split()
+        nices.add(int(fields[16]))  # field 19 of proc(5), counted after the command name
+    return nices
+
+
+def test_compute_processes_run_every_thread_below_the_control_plane(secure: LocalCluster) -> None:
+    """The workers and the ControlNet service take ``compute_nice`` before any thread starts
+    (torch's and gRPC's threads inherit it), so on shared cores the router's admission and
+    refusals are not queued behind denoising; the router and the allocator keep ours."""
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = min(19, ours + secure.spec.compute_nice)
+    assert secure.spec.compute_nice > 0
+    compute = [n for n in secure.parts if n.startswith("worker") or n == "controlnet"]
+    assert compute and len(compute) < len(secure.parts)
+    for name, part in secure.parts.items():
+        expected = lowered if name in compute else ours
+        assert thread_nices(part.process.pid) == {expected}, name
 
 
 def test_client_command_saves_images(secure: LocalCluster, tmp_path: Path) -> None:

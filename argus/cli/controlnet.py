@@ -13,7 +13,13 @@ from __future__ import annotations
 import argparse
 
 from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
-from argus.cli.main import CLIError, config_error, passive_openmp
+from argus.cli.main import (
+    CLIError,
+    add_nice_argument,
+    config_error,
+    lower_priority,
+    passive_openmp,
+)
 
 
 class ControlNetCommand:
@@ -38,9 +44,11 @@ class ControlNetCommand:
         )
         parser.add_argument("--max-sessions", type=int, default=64, help="requests in flight")
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+        add_nice_argument(parser)
         add_internal_tls_arguments(parser, "controlnet")
 
     def run(self, args: argparse.Namespace) -> int:
+        lower_priority(args.nice)  # before any thread starts
         passive_openmp()  # before torch loads
         from argus.worker.controlnet.app import ControlNetSettings, serve
         from argus.worker.controlnet.errors import ControlNetError

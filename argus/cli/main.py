@@ -32,6 +32,28 @@ class CLIError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+def add_nice_argument(parser: argparse.ArgumentParser) -> None:
+    """``--nice N``: a compute process (worker, ControlNet service) that shares its machine's
+    cores with the control plane lowers its own priority, so the router's admission and
+    refusals are not queued behind denoising (``argus up`` passes it)."""
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="add N (0..19) to this process's nice value before it starts any thread",
+    )
+
+
+def lower_priority(niceness: int) -> None:
+    """Add ``niceness`` to this process's nice value. On Linux a nice value is per thread and
+    new threads inherit their creator's, so this runs before torch, gRPC or any pool starts a
+    thread; CLIError outside 0..19."""
+    if not 0 <= niceness <= 19:
+        raise CLIError(f"--nice: {niceness} outside 0..19")
+    if niceness:
+        os.nice(niceness)
+
+
 def config_error(err: ValueError, args: argparse.Namespace) -> CLIError:
     """A config's ValueError as the user's error: a message that starts with a field the
     command has a flag for (``period_s: ...``) names the flag instead (``--period-s: ...``).

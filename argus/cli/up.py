@@ -92,6 +92,13 @@ class UpCommand:
             help="NAME=DIR of a smaller model for the SM levels (repeatable; as argus worker)",
         )
         parser.add_argument("--no-controlnet", action="store_true", help="no ControlNet service")
+        parser.add_argument(
+            "--compute-nice",
+            type=int,
+            default=ClusterSpec.compute_nice,
+            help="nice value added to the workers and the ControlNet service, so the router "
+            "and the allocator on the same cores go first (0: none; default: %(default)s)",
+        )
         parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoints")
         parser.add_argument(
             "--period-s",
@@ -157,6 +164,7 @@ class UpCommand:
                 router_http_port=None if args.http_port == -1 else args.http_port,
                 metrics=not args.no_metrics,
                 default_steps=args.steps,
+                compute_nice=args.compute_nice,
                 period_s=args.period_s,
                 classifier=args.classifier,
                 auth_token_file=args.auth_token_file,

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING
 
 from argus import defaults
 from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
-from argus.cli.main import CLIError, config_error, passive_openmp
+from argus.cli.main import (
+    CLIError,
+    add_nice_argument,
+    config_error,
+    lower_priority,
+    passive_openmp,
+)
 from argus.quoting import quoted
 
 if TYPE_CHECKING:
@@ -99,9 +105,11 @@ class WorkerCommand:
             metavar="DEVICE",
             help="run the CFG branches on two devices: the peer's device (cpu, cuda:1)",
         )
+        add_nice_argument(parser)
         add_internal_tls_arguments(parser, "worker")
 
     def run(self, args: argparse.Namespace) -> int:
+        lower_priority(args.nice)  # before any thread starts
         passive_openmp()  # before torch loads
         from argus.worker.app import serve
 
