@@ -208,7 +208,7 @@ def test_default_gap_stays_within_tolerance_of_the_exact_optimum(switching):
 
 
 def _named_one_at_a_time(problem: Any, counts: Any) -> dict[str, str]:
-    """The naming :func:`argus.allocator.solver._assign_workers` must match: each worker in
+    """The naming :func:`argus.allocator.ilp.assign_workers` must match: each worker in
     id order takes the first level it fits with a slot of its class left (its own level,
     then its model's levels, then any level), spares the best level of the model they hold."""
     slots = dict(counts.workers)
@@ -246,20 +246,20 @@ def test_workers_are_named_as_one_at_a_time_would(
     classes and models, workers at a level or at none, more or fewer slots than workers)."""
     from collections import Counter
 
-    from argus.allocator import solver
-    from argus.allocator.solver import _assign_workers, _Counts, _Problem
+    from argus.allocator import ilp
+    from argus.allocator.ilp import Counts, Problem, assign_workers
 
-    monkeypatch.setattr(solver, "IN_TURN_UP_TO", in_turn_up_to)
+    monkeypatch.setattr(ilp, "IN_TURN_UP_TO", in_turn_up_to)
     rng = random.Random(seed)
     profiles, view, _ = random_instance(rng, max_workers=40, switching=True)
     live = view.alive()
     if not live:
         return
     levels = profiles.levels_for(Strategy.SM)
-    problem = _Problem(Strategy.SM, levels, profiles, live, 0.0, 0.0, 1.0, 60.0)
+    problem = Problem(Strategy.SM, levels, profiles, live, 0.0, 0.0, 1.0, 60.0)
     classes = sorted({w.worker_class for w in live})
-    counts = _Counts.empty()
+    counts = Counts.empty()
     counts.workers = Counter(
         {(c, v): rng.randint(0, 4) for c in classes for v in range(len(levels))}
     )
-    assert _assign_workers(problem, counts) == _named_one_at_a_time(problem, counts)
+    assert assign_workers(problem, counts) == _named_one_at_a_time(problem, counts)

@@ -19,7 +19,7 @@ from queueing (:mod:`argus.allocator.queueing`) and P_th the peak throughput. Th
 row by row: ``P(v | c) = x[c, v] / (H_c · W)``. With one row of Q for every class the program
 is Eq. 1 itself.
 
-The switching cost is :mod:`argus.allocator.solver`'s: a worker that must load a model it
+The switching cost is Eq. 1's (:mod:`argus.allocator.ilp`): a worker that must load a model it
 does not hold is charged the quality-weighted work it forgoes while loading.
 
 Solved with HiGHS through ``highspy`` directly (no modelling layer: the model is a handful of
@@ -57,13 +57,13 @@ import numpy as np
 import numpy.typing as npt
 
 from argus import defaults
-from argus.allocator.solver import (
+from argus.allocator.ilp import (
+    Counts,
     InfeasiblePlanError,
-    _chosen_levels,
-    _Counts,
-    _moved,
-    _Problem,
-    _rounded_switch_cost,
+    Problem,
+    chosen_levels,
+    moved_workers,
+    rounded_switch_cost,
 )
 from argus.types import Allocation, ClassQuality, ClusterView, Level, ProfileSet, ShiftMap, Strategy
 
@@ -156,7 +156,7 @@ class JointSolver:
         self._worker_classes = sorted(self._live_by_class)
         self._options = options or HighsOptions()
         # served_qpm is W at utilisation 1; each solve has its own W from its caps
-        self._problem = _Problem(
+        self._problem = Problem(
             strategy,
             _with_mean_quality(levels, class_quality, self._weights),
             profiles,
@@ -206,7 +206,7 @@ class JointSolver:
             return None
         counts, x = solved
         names = tuple(level.name for level in self._levels)
-        chosen = _chosen_levels(problem, counts)
+        chosen = chosen_levels(problem, counts)
         assignment = dict(
             zip(problem.worker_table.ids, [names[v] for v in chosen.tolist()], strict=True)
         )
@@ -229,7 +229,7 @@ class JointSolver:
             switch_cost=counts.switch_cost,
             served_qpm=served,
             shortfall_qpm=max(0.0, problem.load_qpm - served),
-            moved_workers=_moved(problem, chosen),
+            moved_workers=moved_workers(problem, chosen),
             solve_ms=(time.perf_counter() - started + self._setup_s) * 1000.0,
         )
         self._setup_s = 0.0
@@ -250,7 +250,7 @@ class JointSolver:
 
     def _solve(
         self, rate: Mapping[str, Sequence[float]], served: float, bound: float | None
-    ) -> tuple[_Counts, FloatArray] | None:
+    ) -> tuple[Counts, FloatArray] | None:
         """Solve the program for ``rate`` and W = ``served``; return integer worker counts
         and x[c, v], or None when the relaxation's objective is at most ``bound``."""
         program = self._program(rate, served)
@@ -261,11 +261,11 @@ class JointSolver:
         if values is None:
             return None
         workers = np.rint(values[:size]).astype(np.int64).reshape(shape)
-        counts = _Counts.empty()
+        counts = Counts.empty()
         for i, g in enumerate(self._worker_classes):
             for v, count in enumerate(workers[i].tolist()):
                 counts.workers[g, v] = count
-        counts.switch_cost = _rounded_switch_cost(self._problem, counts.workers)
+        counts.switch_cost = rounded_switch_cost(self._problem, counts.workers)
         n_levels = len(self._levels)
         loads = np.zeros((n_levels, n_levels))
         x = values[size : size + program.classes.size * n_levels]
@@ -371,7 +371,7 @@ class _Model:
 
     def __init__(
         self,
-        problem: _Problem,
+        problem: Problem,
         class_quality: ClassQuality,
         weights: FloatArray,
         totals: FloatArray,
@@ -440,7 +440,7 @@ class _Model:
         return _Program(lp, self.classes, self.totals, rate, served)
 
 
-def _switch_cost(problem: _Problem, first_column: int, first_row: int) -> _Block:
+def _switch_cost(problem: Problem, first_column: int, first_row: int) -> _Block:
     """Model loads: u[g, m] ≥ Σ_{v on m} n[g, v] − holding; up to the idle workers' number of
     loads per class go free (placing a worker that holds nothing is not moving it)."""
     block = _Builder(first_column, first_row)
@@ -867,7 +867,7 @@ def _shift_map(
     loads: FloatArray,
     weights: FloatArray,
     served: float,
-    counts: _Counts,
+    counts: Counts,
 ) -> ShiftMap:
     """Row c of the PASM: x[c, v] / (H_c · W). A class with no planned load (not seen lately,
     or no load at all) goes to its best level among those with planned load, else among those

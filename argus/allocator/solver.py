@@ -13,6 +13,9 @@ Two formulations reach the same optimum:
 * :func:`solve_per_worker` is the paper's literal per-worker binary program, kept as the
   reference the tests compare against.
 
+Both decide worker counts per (class, level); the problem they read, the counts and the
+naming of workers from counts are shared with the joint program (:mod:`argus.allocator.ilp`).
+
 Beyond the paper:
 
 * **Overload is not an error.** The solver serves min(W_t, capacity), where capacity is every
@@ -31,17 +34,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from functools import cached_property
+from dataclasses import replace
 
-import numpy as np
-import numpy.typing as npt
 import pulp
 
 from argus import defaults
-from argus.types import Allocation, ClusterView, Level, ProfileSet, Strategy, WorkerState
+from argus.allocator.ilp import (
+    Counts,
+    InfeasiblePlanError,
+    Problem,
+    assign_workers,
+    rounded_switch_cost,
+)
+from argus.types import Allocation, ClusterView, ProfileSet, Strategy, WorkerState
 
 SolverFactory = Callable[[], pulp.LpSolver]
 
@@ -61,68 +68,6 @@ def highs_solver(time_limit_s: float = 30.0, rel_gap: float = 1e-3) -> SolverFac
         gapRel=rel_gap,
         mip_heuristic_run_feasibility_jump=False,
     )
-
-
-class InfeasiblePlanError(RuntimeError):
-    """The backend found no solution (a bug or a backend limit: the program is always feasible)."""
-
-
-@dataclass(frozen=True)
-class _Problem:
-    """Inputs shared by both formulations, validated once."""
-
-    strategy: Strategy
-    levels: tuple[Level, ...]
-    profiles: ProfileSet
-    live: tuple[WorkerState, ...]
-    load_qpm: float
-    served_qpm: float
-    switch_cost_weight: float
-    period_s: float
-    caps: Mapping[tuple[str, str], float] = field(default_factory=dict)  # utilisation caps
-
-    def throughput(self, worker_class: str, level: Level) -> float:
-        """QPM one worker of ``worker_class`` may be planned for at ``level``: u · P_th."""
-        cap = self.caps.get((worker_class, level.name), 1.0)
-        return cap * self.profiles.profile(worker_class, level.name).throughput_qpm
-
-    def load_cost(self, worker_class: str, model: str) -> float:
-        """Objective charged for one worker of ``worker_class`` loading ``model``."""
-        if self.switch_cost_weight == 0.0:
-            return 0.0
-        cost = self._load_costs.get((worker_class, model))
-        if cost is None:
-            same_model = [level for level in self.levels if level.model == model]
-            load_time = max(
-                self.profiles.profile(worker_class, lv.name).load_time_s for lv in same_model
-            )
-            value = max(lv.quality * self.throughput(worker_class, lv) for lv in same_model)
-            cost = self.switch_cost_weight * load_time / self.period_s * value
-            self._load_costs[worker_class, model] = cost
-        return cost
-
-    @cached_property
-    def _load_costs(self) -> dict[tuple[str, str], float]:
-        """load_cost's answers so far: the program and the rounding ask for each again."""
-        return {}
-
-    @cached_property
-    def _model_of_level(self) -> dict[str, str]:
-        return {level.name: level.model for level in self.profiles.levels}
-
-    def current_model(self, worker: WorkerState) -> str | None:
-        """The model ``worker`` holds now (None: nothing loaded, or a level unknown here)."""
-        return self._model_of_level.get(worker.level or "")
-
-    @cached_property
-    def worker_table(self) -> _WorkerTable:
-        """The live workers as arrays, for naming them (built once per problem)."""
-        return _worker_table(self)
-
-    @cached_property
-    def holding(self) -> Counter[tuple[str, str | None]]:
-        """Live workers per (class, model held); the switching cost's starting point."""
-        return Counter((w.worker_class, self.current_model(w)) for w in self.live)
 
 
 def solve(
@@ -164,17 +109,17 @@ def solve_per_worker(
 
 
 def _solve_with(
-    formulation: Callable[[_Problem, SolverFactory], _Counts],
-    problem: _Problem,
+    formulation: Callable[[Problem, SolverFactory], Counts],
+    problem: Problem,
     backend: SolverFactory | None,
 ) -> Allocation:
     started = time.perf_counter()
     counts = formulation(problem, backend or highs_solver())
-    assignment = _assign_workers(problem, counts)
+    assignment = assign_workers(problem, counts)
     return _allocation(problem, counts, assignment, started)
 
 
-def _solve_counts_per_worker(problem: _Problem, backend: SolverFactory) -> _Counts:
+def _solve_counts_per_worker(problem: Problem, backend: SolverFactory) -> Counts:
     """The literal program: binaries x[w, v], loads y[w, v] <= P_th * x[w, v]."""
     prob = pulp.LpProblem("argus_eq1_per_worker", pulp.LpMaximize)
     x: dict[tuple[int, int], pulp.LpVariable] = {}
@@ -192,7 +137,7 @@ def _solve_counts_per_worker(problem: _Problem, backend: SolverFactory) -> _Coun
         for v in range(len(problem.levels))
     )
     _run(prob, backend)
-    counts = _Counts.empty()
+    counts = Counts.empty()
     for (w, v), var in x.items():
         if (var.value() or 0.0) > 0.5:
             worker = problem.live[w]
@@ -202,7 +147,7 @@ def _solve_counts_per_worker(problem: _Problem, backend: SolverFactory) -> _Coun
     return counts
 
 
-def _worker_load_cost(problem: _Problem, worker: WorkerState, v: int) -> float:
+def _worker_load_cost(problem: Problem, worker: WorkerState, v: int) -> float:
     model = problem.levels[v].model
     current = problem.current_model(worker)
     if current is None or current == model:
@@ -218,7 +163,7 @@ def _prepare(
     switch_cost_weight: float,
     period_s: float,
     caps: Mapping[tuple[str, str], float],
-) -> _Problem:
+) -> Problem:
     if not load_qpm >= 0.0 or load_qpm == float("inf"):
         raise ValueError(f"load_qpm: must be a finite number >= 0, got {load_qpm}")
     if not switch_cost_weight >= 0.0:
@@ -235,27 +180,14 @@ def _prepare(
                 f"worker {worker.worker_id!r}: unknown worker class {worker.worker_class!r}; "
                 f"the profiles know {', '.join(profiles.worker_classes)}"
             )
-    problem = _Problem(
+    problem = Problem(
         strategy, levels, profiles, live, load_qpm, 0.0, switch_cost_weight, period_s, caps
     )
     capacity = sum(max(problem.throughput(w.worker_class, lv) for lv in levels) for w in live)
     return replace(problem, served_qpm=min(load_qpm, capacity))
 
 
-@dataclass
-class _Counts:
-    """Solver output before workers are named: per (class, level index)."""
-
-    workers: Counter[tuple[str, int]]
-    load: defaultdict[tuple[str, int], float]
-    switch_cost: float = 0.0
-
-    @classmethod
-    def empty(cls) -> _Counts:
-        return cls(Counter(), defaultdict(float))
-
-
-def _solve_counts(problem: _Problem, backend: SolverFactory) -> _Counts:
+def _solve_counts(problem: Problem, backend: SolverFactory) -> Counts:
     """The aggregated ILP: integers n[c, v], loads f[c, v], model loads u[c, model].
 
     First the LP relaxation, then its rounding: when the rounded plan is within the backend's
@@ -284,7 +216,7 @@ def _solve_counts(problem: _Problem, backend: SolverFactory) -> _Counts:
     if rounded is not None:
         return rounded
     _run(prob, backend)
-    counts = _Counts.empty()
+    counts = Counts.empty()
     for key in n:
         counts.workers[key] = round(n[key].value() or 0.0)
         counts.load[key] = max(0.0, f[key].value() or 0.0)
@@ -293,12 +225,12 @@ def _solve_counts(problem: _Problem, backend: SolverFactory) -> _Counts:
 
 
 def _certified_rounding(
-    problem: _Problem,
+    problem: Problem,
     prob: pulp.LpProblem,
     n: Mapping[tuple[str, int], pulp.LpVariable],
     solver: pulp.LpSolver,
     live_by_class: Mapping[str, int],
-) -> _Counts | None:
+) -> Counts | None:
     """Round the LP relaxation; return it if within the solver's gap of the bound, else None.
 
     Only for backends that declare their gap as ``gapRel`` (PuLP's HiGHS does); any other
@@ -323,8 +255,8 @@ def _certified_rounding(
 
 
 def _place_leftovers(
-    problem: _Problem, workers: Counter[tuple[str, int]], live_by_class: Mapping[str, int]
-) -> _Counts | None:
+    problem: Problem, workers: Counter[tuple[str, int]], live_by_class: Mapping[str, int]
+) -> Counts | None:
     """Add the workers the floored relaxation left out, one at a time, where they gain most."""
     best = _evaluate(problem, workers)
     while True:
@@ -351,7 +283,7 @@ def _place_leftovers(
         best = score
     if best[0] < 0:
         return None
-    counts = _Counts.empty()
+    counts = Counts.empty()
     counts.workers.update(workers)
     counts.load.update(best[2])
     counts.switch_cost = best[3]
@@ -359,7 +291,7 @@ def _place_leftovers(
 
 
 def _evaluate(
-    problem: _Problem, workers: Counter[tuple[str, int]]
+    problem: Problem, workers: Counter[tuple[str, int]]
 ) -> tuple[int, float, dict[tuple[str, int], float], float]:
     """Score integer counts: (-1 if short of capacity else 0, objective, loads, switch cost).
 
@@ -376,36 +308,13 @@ def _evaluate(
         loads[c, v] = take
         value += level.quality * take
         remaining -= take
-    cost = _rounded_switch_cost(problem, workers)
+    cost = rounded_switch_cost(problem, workers)
     feasible = remaining <= 1e-9 * max(1.0, problem.served_qpm)
     return (0 if feasible else -1, value - cost, loads, cost)
 
 
-def _rounded_switch_cost(problem: _Problem, workers: Counter[tuple[str, int]]) -> float:
-    """The switching cost the ILP would charge for these counts (see _switch_cost_terms)."""
-    if problem.switch_cost_weight == 0.0:
-        return 0.0
-    holding = problem.holding
-    total = 0.0
-    for c in {c for c, _ in workers}:
-        on_model = Counter[str]()
-        for (wc, v), count in workers.items():
-            if wc == c:
-                on_model[problem.levels[v].model] += count
-        loads = sorted(
-            ((problem.load_cost(c, m), max(0, k - holding[c, m])) for m, k in on_model.items()),
-            reverse=True,
-        )
-        free = holding[c, None]
-        for cost, count in loads:
-            waived = min(free, count)
-            free -= waived
-            total += cost * (count - waived)
-    return total
-
-
 def _switch_cost_terms(
-    problem: _Problem,
+    problem: Problem,
     prob: pulp.LpProblem,
     n: Mapping[tuple[str, int], pulp.LpVariable],
     classes: Sequence[str],
@@ -441,175 +350,8 @@ def _run(prob: pulp.LpProblem, backend: SolverFactory) -> None:
         raise InfeasiblePlanError(f"ILP {prob.name}: backend ended {pulp.LpStatus[prob.status]}")
 
 
-def _assign_workers(problem: _Problem, counts: _Counts) -> dict[str, str]:
-    """Name the workers (see :func:`_chosen_levels`): worker id → level name."""
-    chosen = _chosen_levels(problem, counts)
-    names = [level.name for level in problem.levels]
-    table = problem.worker_table
-    return dict(zip(table.ids, [names[v] for v in chosen.tolist()], strict=True))
-
-
-@dataclass(frozen=True)
-class _WorkerTable:
-    """The live workers as arrays, in the order of their ids: what naming them reads."""
-
-    ids: tuple[str, ...]
-    classes: tuple[str, ...]  # the worker classes present, sorted
-    worker_class: npt.NDArray[np.int64]  # index into ``classes``
-    at_level: npt.NDArray[np.int64]  # index of its level among the strategy's, else -1
-    has_level: npt.NDArray[np.bool_]  # it reported a level (of any strategy)
-    holds: npt.NDArray[np.int64]  # index of its model among the strategy's models, else -1
-    level_model: npt.NDArray[np.int64]  # [v]: the model index of level v
-
-
-def _worker_table(problem: _Problem) -> _WorkerTable:
-    live = sorted(problem.live, key=lambda w: w.worker_id)
-    classes = tuple(sorted({w.worker_class for w in live}))
-    class_of = {name: i for i, name in enumerate(classes)}
-    level_of = {level.name: v for v, level in enumerate(problem.levels)}
-    model_of = {name: m for m, name in enumerate(sorted({lv.model for lv in problem.levels}))}
-    held = [problem.current_model(w) for w in live]
-    return _WorkerTable(
-        ids=tuple(w.worker_id for w in live),
-        classes=classes,
-        worker_class=np.array([class_of[w.worker_class] for w in live], dtype=np.int64),
-        at_level=np.array([level_of.get(w.level or "", -1) for w in live], dtype=np.int64),
-        has_level=np.array([w.level is not None for w in live], dtype=np.bool_),
-        holds=np.array([model_of.get(m, -1) if m else -1 for m in held], dtype=np.int64),
-        level_model=np.array([model_of[lv.model] for lv in problem.levels], dtype=np.int64),
-    )
-
-
-IN_TURN_UP_TO = 64  # workers up to which _chosen_levels names them one at a time
-
-
-def _chosen_levels(problem: _Problem, counts: _Counts) -> npt.NDArray[np.int64]:
-    """The level index of each live worker, in the order of their ids.
-
-    Workers take slots in the order of their ids, each pass as if one worker at a time took
-    the first level it fits with a slot of its class left: 1. a worker already at a level
-    with slots stays (no change at all); 2. one holding the model of a level with slots
-    changes only K (no reload); 3. anyone left fills the remaining slots, best level first;
-    4. spares carry no load and take the best level of the model they hold (headroom where
-    quality is highest, no reload), else the best level. Within a pass the workers that fit
-    the same levels fill them in turn, so each pass is a ranking in numpy, without a Python
-    step per worker (at 4,096 workers that step was most of a solve). Up to
-    ``IN_TURN_UP_TO`` workers the passes run one worker at a time instead
-    (:func:`_chosen_in_turn`, the same levels): there numpy's calls cost more than the steps.
-    """
-    table = problem.worker_table
-    n_levels = len(problem.levels)
-    size = len(table.ids)
-    class_of = {name: i for i, name in enumerate(table.classes)}
-    slots = np.zeros((len(table.classes), n_levels), dtype=np.int64)
-    for (name, v), count in counts.workers.items():
-        if name in class_of and count > 0:
-            slots[class_of[name], v] = count
-    if size <= IN_TURN_UP_TO:
-        return np.array(_chosen_in_turn(table, slots.tolist()), dtype=np.int64)
-    return _chosen_ranked(table, slots)
-
-
-def _chosen_ranked(table: _WorkerTable, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """:func:`_chosen_levels`'s passes as rankings in numpy; ``slots[class, level]`` are the
-    workers each takes (used up)."""
-    size, n_levels = len(table.ids), slots.shape[1]
-    chosen = np.full(size, -1, dtype=np.int64)
-    worker_class, at_level, holds = table.worker_class, table.at_level, table.holds
-    # 1. keep the level: the group is (class, level), one level to fill
-    _fill(chosen, slots, worker_class, at_level, at_level[:, None] == np.arange(n_levels))
-    # 2. keep the model: the group is (class, model), its levels in order
-    _fill(chosen, slots, worker_class, holds, holds[:, None] == table.level_model[None, :])
-    # 3. anywhere: the group is the class, every level in order
-    anywhere = np.zeros(size, dtype=np.int64)
-    _fill(chosen, slots, worker_class, anywhere, np.ones((size, n_levels), dtype=np.bool_))
-    # 4. spares: the best level of the model held, else the best level
-    models = int(table.level_model.max()) + 1 if n_levels else 0
-    first_on_model = np.array(
-        [int(np.flatnonzero(table.level_model == m)[0]) for m in range(models)], dtype=np.int64
-    )
-    spare = np.where(holds >= 0, first_on_model[np.maximum(holds, 0)], 0)
-    result: npt.NDArray[np.int64] = np.where(chosen >= 0, chosen, spare)
-    return result
-
-
-def _chosen_in_turn(table: _WorkerTable, slots: list[list[int]]) -> list[int]:
-    """:func:`_chosen_levels`'s passes as the docstring tells them, one worker at a time in
-    the order of their ids; ``slots[class][level]`` are the workers each takes (used up)."""
-    size = len(table.ids)
-    worker_class = table.worker_class.tolist()
-    at_level = table.at_level.tolist()
-    holds = table.holds.tolist()
-    level_model = table.level_model.tolist()
-    levels = range(len(level_model))
-    chosen = [-1] * size
-
-    def take(i: int, fits: Sequence[int]) -> None:
-        left = slots[worker_class[i]]
-        for v in fits:
-            if left[v] > 0:
-                left[v] -= 1
-                chosen[i] = v
-                return
-
-    models = range(max(level_model, default=-1) + 1)
-    on_model = [[v for v in levels if level_model[v] == m] for m in models]
-    for i in range(size):  # 1. keep the level
-        if at_level[i] >= 0:
-            take(i, (at_level[i],))
-    for i in range(size):  # 2. keep the model
-        if chosen[i] < 0 and holds[i] >= 0:
-            take(i, on_model[holds[i]])
-    for i in range(size):  # 3. anywhere
-        if chosen[i] < 0:
-            take(i, levels)
-    for i in range(size):  # 4. spares
-        if chosen[i] < 0:
-            chosen[i] = on_model[holds[i]][0] if holds[i] >= 0 else 0
-    return chosen
-
-
-def _moved(problem: _Problem, chosen: npt.NDArray[np.int64]) -> int:
-    """Workers that reported a level and are given another."""
-    table = problem.worker_table
-    return int((table.has_level & (table.at_level != chosen)).sum())
-
-
-def _fill(
-    chosen: npt.NDArray[np.int64],
-    slots: npt.NDArray[np.int64],
-    worker_class: npt.NDArray[np.int64],
-    group: npt.NDArray[np.int64],
-    fits: npt.NDArray[np.bool_],
-) -> None:
-    """One pass of :func:`_assign_workers`: the workers without a level yet (``chosen`` -1)
-    whose ``group`` is not -1 take, in their order, the levels ``fits`` marks for them, each
-    level's slots of their class in level order, until the slots run out. Workers of one
-    (class, group) fit the same levels, so the r-th of them takes the level whose run of
-    slots covers r. Updates ``chosen`` and ``slots`` in place."""
-    waiting = np.flatnonzero((chosen < 0) & (group >= 0))
-    if waiting.size == 0:
-        return
-    key = worker_class[waiting] * (int(group.max()) + 1) + group[waiting]
-    order = np.argsort(key, kind="stable")  # by group, the workers' own order inside
-    waiting, key = waiting[order], key[order]
-    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    starts = np.repeat(first, np.diff(np.r_[first, key.size]))
-    rank = np.arange(key.size) - starts  # place in its group's queue
-    leaders = waiting[first]  # one worker per group: the group's class and levels
-    runs = np.where(fits[leaders], slots[worker_class[leaders]], 0)  # [group, level]
-    ends = np.cumsum(runs, axis=1)
-    group_of = np.repeat(np.arange(first.size), np.diff(np.r_[first, key.size]))
-    level = (ends[group_of] <= rank[:, None]).sum(axis=1)  # first level whose run covers r
-    placed = level < runs.shape[1]
-    chosen[waiting[placed]] = level[placed]
-    taken = np.zeros_like(slots)
-    np.add.at(taken, (worker_class[waiting[placed]], level[placed]), 1)
-    slots -= taken
-
-
 def _allocation(
-    problem: _Problem, counts: _Counts, assignment: Mapping[str, str], started: float
+    problem: Problem, counts: Counts, assignment: Mapping[str, str], started: float
 ) -> Allocation:
     names = tuple(level.name for level in problem.levels)
     per_level = Counter(assignment.values())
