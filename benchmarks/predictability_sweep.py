@@ -77,18 +77,14 @@ from argus.prompt_split import PromptSet, prompt_set
 from argus.sim.classifiers import TrainedClassifier
 from argus.sim.evaluate import (
     ORACLE_POLICY,
-    Aggregate,
     EvaluationConfig,
-    Paired,
     RunRow,
-    aggregate,
-    cluster_capacity_qpm,
-    format_difference,
     gpu_counts_of,
-    paired,
-    planning_profiles,
     run_point,
 )
+from argus.sim.evaluation_report import format_difference
+from argus.sim.intervals import Aggregate, Paired, aggregate, paired
+from argus.sim.offered_load import cluster_capacity_qpm, planning_profiles
 from argus.sim.quality import SYNTHETIC_MODELS, SyntheticModel, synthetic_quality_table
 from argus.sim.workloads import load_prompt_file
 from argus.traces import PromptRecord, default_prompt_trace

@@ -18,24 +18,22 @@ from argus.prompt_split import PromptSet, prompt_set
 from argus.sim.adapters import AdapterModel, draw_adapters, with_adapter_costs
 from argus.sim.classifiers import OracleClassifier
 from argus.sim.evaluate import (
-    PAIRED_COLUMNS,
     EvaluationConfig,
-    EvaluationError,
     LoadPoint,
     RunRow,
-    aggregate,
-    aggregate_columns,
-    cluster_capacity_qpm,
     eval_prompts,
     gpu_counts_of,
-    mean_interval,
-    paired,
-    planning_profiles,
     quality_tables,
-    rescale_to_load,
     run_point,
     seeded_workload,
-    t_quantile_975,
+)
+from argus.sim.evaluation_report import PAIRED_COLUMNS, aggregate_columns
+from argus.sim.intervals import aggregate, mean_interval, paired, t_quantile_975
+from argus.sim.offered_load import (
+    EvaluationError,
+    cluster_capacity_qpm,
+    planning_profiles,
+    rescale_to_load,
     target_rates,
     whole_counts,
 )

@@ -98,12 +98,8 @@ class EvaluateCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.profiles import ProfileError
-        from argus.sim.evaluate import (
-            EvaluationConfig,
-            evaluate,
-            format_evaluation,
-            write_evaluation,
-        )
+        from argus.sim.evaluate import EvaluationConfig, evaluate
+        from argus.sim.evaluation_report import format_evaluation, write_evaluation
         from argus.sim.workloads import WorkloadError
 
         started = time.perf_counter()
