@@ -14,6 +14,19 @@ from __future__ import annotations
 LOOPBACK = "127.0.0.1"
 """Where services bind unless told otherwise: internal endpoints stay off the network."""
 
+# -- what the services and the simulator share ---------------------------------------------
+
+SLO_FACTOR = 3.0
+"""The latency objective is this × the best level's latency (Argus §5.1: 3 × SDXL's);
+:func:`argus.slo.default_slo_s` applies it."""
+
+DELTA = 0.9
+"""A level is optimal for a prompt when its quality is within this share of the best level's
+(Argus §3, following prior work); the classifiers' labels and drift checks use it."""
+
+HISTOGRAM_WINDOW = 1000
+"""Classified prompts the class histogram H looks back over (the paper: 1000)."""
+
 # -- allocator -----------------------------------------------------------------------------
 
 PLANNING_PERIOD_S = 60.0
@@ -46,11 +59,20 @@ DEFAULT_DEADLINE_MS = 30_000
 MAX_IN_FLIGHT = 256
 """Requests a router serves at once; more are refused as busy."""
 
+MAX_REQUEST_ID_CHARS = 128
+"""Characters of a client's request id at most (the router keeps answers by it for retries)."""
+
 MAX_ID_BYTES = 64 * 2**20
 """Bytes of answers a router keeps for retries by request id (oldest dropped first)."""
 
 REPORT_PERIOD_S = 1.0
 """How often a router sends its arrivals and classifications to the allocator, seconds."""
+
+# -- between the processes -----------------------------------------------------------------
+
+MAX_WIRE_ID_CHARS = 256
+"""Characters at most of a name in the internal messages: worker and router ids, addresses,
+GPU classes, levels, classifier keys (:mod:`argus.contracts.wire`)."""
 
 # -- worker --------------------------------------------------------------------------------
 
@@ -60,6 +82,12 @@ DEFAULT_SIZE = 64
 
 DEFAULT_STEPS = 50
 """Denoising steps of a request that sets none."""
+
+MAX_IMAGE_SIDE = 2048
+"""Widest or tallest image served, pixels (the router and the worker refuse larger)."""
+
+MAX_IMAGE_PIXELS = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
+"""Largest image served, pixels in all."""
 
 MAX_QUEUE = 64
 """Requests waiting or running on a worker at most; more are refused."""

@@ -5,8 +5,8 @@ replays to a router (``argus.v1.Router/Generate``), open loop: request ``i`` lea
 ``arrival_s[i] / speedup`` seconds after the start, whether or not earlier ones have answered.
 Each request carries a unique ``request_id`` (``<run id>-<i>``), the workload's prompt, the seed
 ``seed + i``, the default size and steps (unless :class:`LiveConfig` sets them), no adapters,
-and ``deadline_ms`` = the simulator's SLO (``SimConfig.slo_factor`` × the best level's latency on
-``SimConfig.worker_class``, 3 × 4.2 s = 12.6 s with the default profiles) minus how late the
+and ``deadline_ms`` = the simulator's SLO (:func:`argus.slo.default_slo_s` on the default
+:class:`SimConfig`'s GPU class, 3 × 4.2 s = 12.6 s with the default profiles) minus how late the
 request leaves.
 
 Memory stays bounded: at most ``max_outstanding`` calls are in flight (gRPC futures; their
@@ -73,8 +73,9 @@ import numpy as np
 from argus import rpc
 from argus.contracts.quality import QualityTable
 from argus.contracts.wire import STRATEGY_FROM_PB as _STRATEGY_FROM_PB
-from argus.sim.cluster import RunResult, SimConfig, Simulation
+from argus.sim.cluster import RunResult, SimConfig
 from argus.sim.workloads import Workload
+from argus.slo import default_slo_s
 from argus.types import ProfileSet, Strategy
 
 router_pb2: Any = rpc.load("router_pb2")
@@ -110,7 +111,7 @@ class LiveConfig:
     """Calls in flight at most; a request that finds them all taken is dropped."""
 
     slo_s: float | None = None
-    """Latency objective, seconds; None: the simulator's (SimConfig.slo_factor × best latency)."""
+    """Latency objective, seconds; None: the simulator's (:func:`simulator_slo_s`)."""
 
     max_lag_s: float | None = None
     """A request the sender reaches later than this after its time is dropped; None: the SLO."""
@@ -471,11 +472,10 @@ def _first_line(text: str) -> str:
 # -- records -> RunResult -------------------------------------------------------------------
 
 
-def simulator_slo_s(
-    profiles: ProfileSet, quality: Mapping[Strategy, QualityTable], workload: Workload
-) -> float:
-    """The SLO the simulator judges this workload by (``Simulation.slo_s``, default config)."""
-    return Simulation(profiles, quality, workload, SimConfig()).slo_s
+def simulator_slo_s(profiles: ProfileSet) -> float:
+    """The SLO the simulator judges a run on its default cluster by (``Simulation.slo_s``
+    with the default :class:`SimConfig`): the shared rule on that cluster's GPU classes."""
+    return default_slo_s(profiles, [name for name, _ in SimConfig().worker_counts()])
 
 
 def to_run_result(
@@ -609,9 +609,7 @@ def replay_live(
     policy: str = "live",
 ) -> LiveResult:
     """Replay ``workload`` through the router on ``channel`` (see :func:`open_channel`)."""
-    slo_s = (
-        config.slo_s if config.slo_s is not None else simulator_slo_s(profiles, quality, workload)
-    )
+    slo_s = config.slo_s if config.slo_s is not None else simulator_slo_s(profiles)
     stub = router_pb2_grpc.RouterStub(channel)
     generator = LoadGenerator(
         stub, workload, config, slo_s, clock=clock, sleep=sleep, progress=progress

@@ -13,6 +13,8 @@ import math
 from collections.abc import Sized
 from dataclasses import dataclass
 
+from argus import defaults
+
 MAX_PROMPT_CHARS = 64 * 1024  # the tokenizer keeps 77 tokens; more text is only a burden
 MAX_STEPS = 1000
 MAX_GUIDANCE = 50.0
@@ -35,10 +37,10 @@ class InvalidRequestError(ValueError):
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """Largest image a deployment serves."""
+    """Largest image a deployment serves (the router's and the workers' default alike)."""
 
-    max_side: int = 2048
-    max_pixels: int = 2048 * 2048
+    max_side: int = defaults.MAX_IMAGE_SIDE
+    max_pixels: int = defaults.MAX_IMAGE_PIXELS
 
 
 def check_prompts(prompt: object, negative_prompt: object) -> None:

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _machine import load_line, machine_line
 
-from argus.allocator.control import DEFAULT_SLO_FACTOR
 from argus.allocator.queueing import QueueModel
+from argus.defaults import SLO_FACTOR as DEFAULT_SLO_FACTOR
 from argus.profiles import default_profiles
 from argus.sim.evaluate import eval_prompts, quality_tables
 from argus.types import Strategy

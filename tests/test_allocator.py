@@ -1,8 +1,7 @@
 import pytest
 
-from argus.allocator.allocator import Allocator, AllocatorConfig
-from argus.allocator.planner import PlannerConfig
-from argus.allocator.predictor import LoadPredictorConfig
+from argus.allocator.allocator import Allocator
+from argus.allocator.config import ControlConfig
 from argus.profiles import default_profiles
 from argus.types import ClusterView, Strategy, WorkerState
 
@@ -25,7 +24,9 @@ def test_plans_follow_the_observed_load_and_affinity():
     assert light.forecast.qpm == pytest.approx(60.0, rel=0.02)
     assert light.histogram == pytest.approx((0.8, 0, 0, 0.2, 0, 0))
     assert light.allocation.workers_per_level[0] == 8
-    now = feed(allocator, 200.0, 2, start=now)
+    # the allocator's forecast is an EWMA (weight 0.5 on the newest period), so it is within
+    # 2% of a new steady rate after six periods
+    now = feed(allocator, 200.0, 6, start=now)
     heavy = allocator.plan(now, ClusterView.uniform(8), Strategy.AC)
     assert heavy.version == light.version + 1
     assert heavy.forecast.qpm == pytest.approx(200.0, rel=0.02)
@@ -50,7 +51,7 @@ def test_load_margin_overprovisions():
 
 
 def test_queued_backlog_is_planned_to_drain():
-    allocator = Allocator(default_profiles(), AllocatorConfig(backlog_drain_s=30.0))
+    allocator = Allocator(default_profiles(), ControlConfig(backlog_drain_s=30.0))
     now = feed(allocator, 60.0, 2)
     idle = allocator.plan(now, ClusterView.uniform(8), Strategy.AC)
     queued = ClusterView(tuple(WorkerState(f"w{i}", "a100", queue_length=5) for i in range(8)))
@@ -64,11 +65,17 @@ def test_queued_backlog_is_planned_to_drain():
     )
 
 
-def test_mismatched_periods_and_bad_values_are_rejected():
-    with pytest.raises(ValueError, match="period_s"):
-        AllocatorConfig(planner=PlannerConfig(period_s=30.0), forecast=LoadPredictorConfig())
+def test_bad_values_are_rejected():
     with pytest.raises(ValueError, match="backlog_drain_s"):
-        AllocatorConfig(backlog_drain_s=-1.0)
+        ControlConfig(backlog_drain_s=-1.0)
+    with pytest.raises(ValueError, match="histogram_window"):
+        ControlConfig(histogram_window=0)
+
+
+def test_the_planner_and_the_forecast_plan_for_the_one_period():
+    config = ControlConfig(period_s=30.0)
+    assert config.planner_config(default_profiles()).period_s == 30.0
+    assert config.forecast_config().period_s == 30.0
 
 
 def test_plan_best_picks_the_better_strategy_with_hysteresis():

@@ -1,26 +1,36 @@
 """Each default is written once: a command's flags, the process settings they fill, the
-configs those build, ``argus up``'s cluster spec and the Helm chart's values all agree.
+configs those build, ``argus up``'s cluster spec, the Helm chart's values and the simulator
+all agree, and each default ``argus.defaults`` holds is what every config that shares its
+concept defaults to.
 
 The flags' defaults are read from the real parsers (``argus.cli.main`` builds them the same
 way), with no ``--help``: whatever a flag defaults to must be what the settings field it maps
-to defaults to, so a default changed in one place and not the other fails here.
+to defaults to, so a default changed in one place and not the other fails here. The SLO rule's
+users are called with :data:`argus.defaults.SLO_FACTOR` patched to another factor and a profile
+whose classes differ, so a site that computes the SLO itself fails here.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from argus import defaults
 from argus.allocator.app import AllocatorSettings
-from argus.allocator.control import ControlConfig
+from argus.allocator.config import ControlConfig
 from argus.cli.main import COMMANDS, OneLineParser, config_error, load_command
 from argus.local_cluster import ClusterSpec
+from argus.profiles import default_profiles
 from argus.router.app import RouterSettings
 from argus.router.core import RouterServiceConfig
+from argus.slo import default_slo_s
+from argus.types import ProfileSet, Strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOCATOR = "127.0.0.1:50052"  # a required flag's value: not a default
@@ -59,12 +69,22 @@ def mismatches(
     return out
 
 
+def allocator_fields(settings: AllocatorSettings) -> dict[str, Any]:
+    """The allocator's settings with its control config's fields (and the retrieval config's,
+    as ``retrieval_<field>``) beside them, named as its flags name them."""
+    control = settings.control
+    retrieval = {f"retrieval_{k}": v for k, v in field_defaults(control.retrieval).items()}
+    return field_defaults(settings) | field_defaults(control) | retrieval
+
+
 def test_allocator_flags_default_to_the_settings_and_the_settings_to_the_control() -> None:
     flags = parser_defaults("allocator")
     settings = AllocatorSettings()
-    assert mismatches(flags, field_defaults(settings)) == []
+    assert mismatches(flags, allocator_fields(settings)) == []
     assert {"period_s", "heartbeat_s", "max_watchers", "retrieval_window_s"} <= set(flags)
-    assert settings.control_config() == ControlConfig()  # nothing the control defaults differently
+    # each flag has a field (--insecure-internal only confirms that no TLS dir is given)
+    assert set(flags) - {"insecure_internal"} <= set(allocator_fields(settings))
+    assert settings.control == ControlConfig()  # nothing the process defaults differently
 
 
 def test_router_flags_default_to_the_settings_and_the_settings_to_the_service() -> None:
@@ -121,9 +141,9 @@ def test_argus_up_defaults_to_the_cluster_spec_and_the_spec_to_the_services() ->
     own = frozenset({"port", "workdir"})
     assert mismatches(flags, field_defaults(spec), renamed, own) == []
     assert {"workers", "steps", "period_s", "http_port"} <= set(flags)
-    allocator = AllocatorSettings()
+    allocator = allocator_fields(AllocatorSettings())
     for name in ("period_s", "heartbeat_s", "retrieval_threshold_s", "retrieval_window_s"):
-        assert getattr(spec, name) == getattr(allocator, name), name
+        assert getattr(spec, name) == allocator[name], name
     from argus.worker.app import WorkerSettings
 
     assert spec.default_size == WorkerSettings().default_size
@@ -136,6 +156,160 @@ def test_argus_plan_plans_for_the_allocators_period() -> None:
     from argus.allocator.planner import PlannerConfig
 
     assert parser_defaults("plan")["period"] == PlannerConfig().period_s == ControlConfig().period_s
+
+
+def test_the_planning_period_reaches_the_planner_and_the_forecast_as_one_value() -> None:
+    from argus.allocator.predictor import LoadPredictorConfig
+    from argus.sim.cluster import SimConfig
+
+    control = ControlConfig()
+    assert control.period_s == defaults.PLANNING_PERIOD_S == LoadPredictorConfig().period_s
+    assert SimConfig().period_s == defaults.PLANNING_PERIOD_S
+    other = ControlConfig(period_s=17.0)  # given once, it is the planner's and the forecast's
+    assert other.planner_config(default_profiles()).period_s == 17.0
+    assert other.forecast_config().period_s == 17.0
+
+
+# -- the SLO rule --------------------------------------------------------------------------------
+
+
+def h100_first() -> ProfileSet:
+    """The default profiles with the faster class first and its speed not a round number: the
+    services' SLO (first class) and the simulator's (slowest class present) differ on it."""
+    profiles = default_profiles().with_speed({"h100": 1.3})
+    return replace(profiles, worker_classes=("h100", "a100"))
+
+
+@pytest.fixture
+def factor(monkeypatch: pytest.MonkeyPatch) -> float:
+    """:data:`argus.defaults.SLO_FACTOR` patched to 2.5: a site that multiplies by its own 3
+    (or reads another constant) now disagrees with the rule."""
+    monkeypatch.setattr(defaults, "SLO_FACTOR", 2.5)
+    return 2.5
+
+
+def test_the_slo_rule_is_the_factor_times_the_slowest_classes_best_latency(factor: float) -> None:
+    profiles = h100_first()
+    assert default_slo_s(profiles, ["h100"]) == pytest.approx(2.5 * 1.3 * 2.1)
+    assert default_slo_s(profiles, ["h100", "a100"]) == pytest.approx(2.5 * 4.2)
+    assert default_slo_s(profiles, ["a100"], factor=4.0) == pytest.approx(4.0 * 4.2)
+    with pytest.raises(ValueError, match="classes"):
+        default_slo_s(profiles, [])
+
+
+def test_the_allocator_and_the_router_default_to_the_rule_on_the_first_class(
+    factor: float,
+) -> None:
+    profiles = h100_first()
+    expected = default_slo_s(profiles, ["h100"])
+    assert ControlConfig().slo_for(profiles) == pytest.approx(expected)
+    assert RouterServiceConfig().slo_for(profiles) == pytest.approx(expected)
+    queue = ControlConfig().planner_config(profiles).queue
+    assert queue is not None and queue.slo_s == pytest.approx(expected)
+
+
+def test_argus_plan_plans_against_the_rule(
+    factor: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from argus.cli.main import main
+
+    assert main(["plan", "--load", "60"]) == 0
+    profiles = default_profiles()
+    expected = default_slo_s(profiles, profiles.worker_classes[:1])
+    assert json.loads(capsys.readouterr().out)["slo_s"] == pytest.approx(expected)
+    assert expected == pytest.approx(2.5 * 4.2)
+
+
+def test_the_live_replay_judges_by_the_simulators_slo(factor: float) -> None:
+    from argus.live import simulator_slo_s
+    from argus.sim.cluster import SimConfig
+
+    profiles = h100_first()
+    classes = [name for name, _ in SimConfig().worker_counts()]
+    assert simulator_slo_s(profiles) == pytest.approx(default_slo_s(profiles, classes))
+    assert simulator_slo_s(profiles) == pytest.approx(2.5 * 4.2)  # the default cluster: a100s
+
+
+def test_the_simulator_judges_by_the_rule_on_its_slowest_class() -> None:
+    from argus.sim.cluster import SimConfig, Simulation
+    from argus.sim.quality import synthetic_quality_table
+    from argus.sim.workloads import poisson
+
+    assert SimConfig().slo_factor == defaults.SLO_FACTOR
+    profiles = h100_first()
+    workload = poisson(60.0, 1.0, seed=0)
+    quality = {
+        s: synthetic_quality_table(workload.prompts, s, [v.name for v in profiles.levels_for(s)])
+        for s in (Strategy.AC, Strategy.SM)
+    }
+    config = SimConfig.with_classes({"h100": 2, "a100": 2}, slo_factor=2.5)
+    simulation = Simulation(profiles, quality, workload, config)
+    assert simulation.slo_s == pytest.approx(default_slo_s(profiles, ["h100", "a100"], 2.5))
+    assert simulation.slo_s == pytest.approx(2.5 * 4.2)
+
+
+# -- δ, the histogram window, image and id limits ------------------------------------------------
+
+
+def parameter_default(function: Any, name: str) -> Any:
+    return inspect.signature(function).parameters[name].default
+
+
+def test_every_delta_is_the_one_delta() -> None:
+    from argus.classifier.drift import ScoredPrompts
+    from argus.classifier.evaluate import evaluate
+    from argus.classifier.labels import labels_from_table
+    from argus.contracts.quality import DEFAULT_DELTA, QualityTable
+    from argus.router.drift import DriftSettings
+    from argus.sim.quality import calibration_report
+
+    assert DEFAULT_DELTA == defaults.DELTA
+    assert parameter_default(QualityTable.optimal_levels, "delta") == defaults.DELTA
+    assert parameter_default(ScoredPrompts.__init__, "delta") == defaults.DELTA
+    assert parameter_default(evaluate, "delta") == defaults.DELTA
+    assert parameter_default(labels_from_table, "delta") == defaults.DELTA
+    assert parameter_default(calibration_report, "delta") == defaults.DELTA
+    assert DriftSettings().delta == defaults.DELTA
+    assert parser_defaults("train-classifier")["delta"] == defaults.DELTA
+
+
+def test_every_class_histogram_looks_back_over_the_one_window() -> None:
+    from argus.allocator.predictor import AffinityHistogram, histogram_l2_error
+
+    assert ControlConfig().histogram_window == defaults.HISTOGRAM_WINDOW
+    assert parameter_default(AffinityHistogram.__init__, "window") == defaults.HISTOGRAM_WINDOW
+    assert parameter_default(histogram_l2_error, "window") == defaults.HISTOGRAM_WINDOW
+
+
+def test_the_router_and_the_worker_serve_the_same_largest_image() -> None:
+    from argus.request_limits import ImageLimits
+    from argus.worker.engine import WorkerConfig
+
+    limits = ImageLimits()
+    assert (limits.max_side, limits.max_pixels) == (
+        defaults.MAX_IMAGE_SIDE,
+        defaults.MAX_IMAGE_PIXELS,
+    )
+    worker = WorkerConfig()
+    assert (worker.max_side, worker.max_pixels) == (limits.max_side, limits.max_pixels)
+    assert RouterServiceConfig().limits == limits
+
+
+def test_id_limits_each_have_one_home() -> None:
+    from argus.contracts import wire
+    from argus.router import core, drift
+
+    assert core.MAX_ID_CHARS == defaults.MAX_REQUEST_ID_CHARS  # a client's request id
+    assert wire.MAX_ID_CHARS == defaults.MAX_WIRE_ID_CHARS  # names in internal messages
+    assert drift.MAX_KEY_CHARS == defaults.MAX_WIRE_ID_CHARS  # a report's classifier key
+
+
+def test_the_simulators_planned_policies_run_the_allocators_defaults() -> None:
+    from argus.sim.planned import PlannedConfig
+
+    assert PlannedConfig().control == ControlConfig()
 
 
 # -- the Helm chart ------------------------------------------------------------------------------

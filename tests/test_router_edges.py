@@ -177,8 +177,22 @@ def test_a_plan_with_an_unknown_worker_class_is_refused(cluster: Cluster) -> Non
 
 
 def test_slo_defaults_to_the_simulators_rule() -> None:
-    config = RouterServiceConfig()
-    assert config.slo_for(PROFILES) == pytest.approx(3 * 4.2)  # 3 × SDXL on the A100 class
+    from argus.sim.cluster import SimConfig, Simulation
+    from argus.sim.quality import synthetic_quality_table
+    from argus.sim.workloads import poisson
+
+    # the faster class first, at a speed no constant guesses: a router that took another
+    # class, or another factor than the simulator's, would differ from it here
+    profiles = replace(PROFILES.with_speed({"h100": 1.3}), worker_classes=("h100", "a100"))
+    workload = poisson(60.0, 1.0, seed=0)
+    quality = {
+        s: synthetic_quality_table(workload.prompts, s, [v.name for v in profiles.levels_for(s)])
+        for s in Strategy
+    }
+    cluster = SimConfig(worker_class=profiles.worker_classes[0], gpus=1)
+    simulated = Simulation(profiles, quality, workload, cluster).slo_s
+    assert RouterServiceConfig().slo_for(profiles) == pytest.approx(simulated)
+    assert RouterServiceConfig().slo_for(PROFILES) == pytest.approx(3 * 4.2)  # SDXL on A100
     assert RouterServiceConfig(slo_s=2.0).slo_for(PROFILES) == 2.0
     with pytest.raises(ValueError, match="slo_s"):
         RouterServiceConfig(slo_s=0.0)

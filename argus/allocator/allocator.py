@@ -9,43 +9,13 @@ touches a worker itself (decide, then act). Time is always the caller's.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from argus.allocator.planner import PlannerConfig, make_plan
-from argus.allocator.predictor import AffinityHistogram, LoadPredictor, LoadPredictorConfig
+from argus.allocator.config import ControlConfig
+from argus.allocator.planner import make_plan
+from argus.allocator.predictor import AffinityHistogram, LoadPredictor
 from argus.allocator.solver import SolverFactory
 from argus.types import ClassQuality, ClusterView, LoadForecast, Plan, ProfileSet, Strategy
-
-
-@dataclass(frozen=True)
-class AllocatorConfig:
-    """Everything the allocator needs besides profiles."""
-
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
-    """How a plan is solved: period, switching cost weight, load margin."""
-
-    forecast: LoadPredictorConfig = field(default_factory=LoadPredictorConfig)
-    """How W_t is forecast; its period must equal the planner's."""
-
-    histogram_window: int = 1000
-    """Classified prompts the affinity histogram H looks back over (the paper uses 1000)."""
-
-    backlog_drain_s: float = 60.0
-    """Requests waiting on the workers (not those in service) are planned to drain within
-    this many seconds, on top of the forecast (0: ignore the backlog). Without it a plan sized
-    to the arrival rate alone never catches up with a queue built before it. Headroom for
-    the queue that arrivals build comes from the planner's queue model, not from here."""
-
-    def __post_init__(self) -> None:
-        if not self.backlog_drain_s >= 0.0:
-            raise ValueError(f"backlog_drain_s: must be >= 0, got {self.backlog_drain_s}")
-        if self.forecast.period_s != self.planner.period_s:
-            raise ValueError(
-                f"forecast.period_s ({self.forecast.period_s}) must equal planner.period_s "
-                f"({self.planner.period_s}): the forecast is for the next planning period"
-            )
-        if self.histogram_window < 1:
-            raise ValueError(f"histogram_window: must be >= 1, got {self.histogram_window}")
 
 
 class Allocator:
@@ -54,19 +24,22 @@ class Allocator:
     def __init__(
         self,
         profiles: ProfileSet,
-        config: AllocatorConfig | None = None,
+        config: ControlConfig | None = None,
         *,
         start_s: float = 0.0,
         backend: SolverFactory | None = None,
         class_quality: Mapping[Strategy, ClassQuality] | None = None,
     ) -> None:
-        """``class_quality``: Q(v | c) per strategy for the joint planner (the classifier's
-        calibration); a strategy without one plans with the level averages (Eq. 1)."""
+        """``config``: the allocator's (its planner's and forecast's configs are made from it,
+        the SLO from ``profiles`` unless it gives one). ``class_quality``: Q(v | c) per
+        strategy for the joint planner (the classifier's calibration); a strategy without one
+        plans with the level averages (Eq. 1)."""
         self.profiles = profiles
-        self.config = config or AllocatorConfig()
+        self.config = config or ControlConfig()
+        self._planner = self.config.planner_config(profiles)
         self._backend = backend
         self.class_quality = dict(class_quality or {})
-        self._load = LoadPredictor(self.config.forecast, start_s=start_s)
+        self._load = LoadPredictor(self.config.forecast_config(), start_s=start_s)
         self._affinity = AffinityHistogram(
             {s: len(profiles.levels_for(s)) for s in Strategy if profiles.levels_for(s)},
             self.config.histogram_window,
@@ -143,7 +116,7 @@ class Allocator:
         self, forecast: LoadForecast, workers: ClusterView, strategy: Strategy, load_margin: float
     ) -> Plan:
         """A plan for ``strategy`` following the last one; does not change the allocator."""
-        planner = self.config.planner
+        planner = self._planner
         if load_margin != planner.load_margin:
             planner = replace(planner, load_margin=load_margin)
         return make_plan(

@@ -1,8 +1,10 @@
 """Assemble the allocator process from its settings: profile, classifier, control, gRPC
 server, loop.
 
-:class:`AllocatorSettings` is the allocator's one config type; every ``argus allocator`` flag
-(and every Helm value) maps to one field.
+:class:`AllocatorSettings` is the allocator process's one settings type: what the process
+binds, loads and exports, and the :class:`~argus.allocator.config.ControlConfig` it plans
+with (each planning setting is that config's field, not a copy here). Every ``argus
+allocator`` flag (and every Helm value) maps to one field of either.
 
 The joint planner prices each class the routers send with Q(v | c), so the allocator reads
 the routers' classifier too (``calibration.json`` only: no model, no torch), at start-up: a
@@ -17,12 +19,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from argus import defaults
-from argus.allocator.control import ControlConfig, ControlLoop
-from argus.allocator.strategy import StrategyConfig
+from argus.allocator.config import ControlConfig
+from argus.allocator.control import ControlLoop
 from argus.grpc_server import check_port, wait_for_shutdown
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet
@@ -40,12 +42,9 @@ class AllocatorSettings:
     host: str = defaults.LOOPBACK  # internal endpoint: loopback unless told otherwise
     port: int = 0  # 0: any free port, printed at start
     profile: str | None = None  # a profile file; None: the embedded default
-    period_s: float = defaults.PLANNING_PERIOD_S  # re-plan at least this often
-    heartbeat_s: float = defaults.HEARTBEAT_S  # workers' heartbeat interval
-    max_workers: int = defaults.MAX_WORKERS
+    control: ControlConfig = field(default_factory=ControlConfig)  # how it plans (it checks
+    # its own fields): period, heartbeats, workers tracked, retrieval switching, ...
     max_watchers: int = defaults.MAX_WATCHERS  # open WatchPlan streams
-    retrieval_threshold_s: float = defaults.RETRIEVAL_THRESHOLD_S  # p99 above this forces SM
-    retrieval_window_s: float = defaults.RETRIEVAL_WINDOW_S  # ... over this window
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None: off
     classifier: str | None = None  # the routers' classifier directory, whose Q(v | c) prices
     # their classes; None: the committed default (as the router's); "none": level averages
@@ -56,22 +55,6 @@ class AllocatorSettings:
         check_port(self.metrics_port, "metrics_port")
         if self.max_watchers < 1:
             raise ValueError(f"max_watchers: must be >= 1, got {self.max_watchers}")
-        self.control_config()  # the control checks its own fields
-
-    def control_config(self) -> ControlConfig:
-        """The control's config; ValueError names a bad field (as this class names it)."""
-        try:
-            retrieval = StrategyConfig(
-                threshold_s=self.retrieval_threshold_s, window_s=self.retrieval_window_s
-            )
-        except ValueError as err:  # "threshold_s: ..." is retrieval_threshold_s here
-            raise ValueError(f"retrieval_{err}") from None
-        return ControlConfig(
-            period_s=self.period_s,
-            heartbeat_s=self.heartbeat_s,
-            max_workers=self.max_workers,
-            retrieval=retrieval,
-        )
 
     def planning_classes(self, profiles: ProfileSet) -> PlanningClasses | None:
         """What :attr:`classifier` gives the planner, checked against ``profiles``; None for
@@ -125,7 +108,7 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     profiles = load_profiles(settings.profile) if settings.profile else default_profiles()
-    config = settings.control_config()
+    config = settings.control
     tls = None
     if settings.internal_tls_dir is not None:
         tls = InternalTLS.load(settings.internal_tls_dir, "allocator")

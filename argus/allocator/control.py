@@ -41,7 +41,6 @@ burst of N joins costs N solves, and each leaves a complete plan behind.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import threading
@@ -49,17 +48,14 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from argus import defaults
-from argus.allocator.allocator import Allocator, AllocatorConfig
+from argus.allocator.allocator import Allocator
+from argus.allocator.config import ControlConfig, StrategyChoice
 from argus.allocator.measured import MeasuredSpeeds
 from argus.allocator.membership import Change, Membership, NotOwnerError
-from argus.allocator.planner import PlannerConfig, PlannerMode
-from argus.allocator.predictor import LoadPredictorConfig
-from argus.allocator.queueing import QueueModel
 from argus.allocator.solver import SolverFactory
-from argus.allocator.strategy import StrategyConfig, StrategyMonitor
+from argus.allocator.strategy import StrategyMonitor
 from argus.contracts.plans import PlannedWorker, PublishedPlan, ReplanReason
 from argus.contracts.routers import RouterAnswer, RouterReport
 from argus.contracts.workers import HeartbeatAnswer, WorkerReport
@@ -68,145 +64,6 @@ from argus.types import ClassQuality, ProfileSet, Strategy
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-
-DEFAULT_SLO_FACTOR = 3.0  # the SLO is 3 × the best level's latency (Argus §5.1)
-
-
-class StrategyChoice(enum.StrEnum):
-    """Which strategy runs while retrieval is healthy."""
-
-    AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper, §4.6)
-    BEST = "best"  # plan every allowed strategy and keep the better objective
-
-
-@dataclass(frozen=True)
-class ControlConfig:
-    """How the allocator service plans; each ``argus allocator`` flag maps to one field."""
-
-    period_s: float = defaults.PLANNING_PERIOD_S
-    """Re-plan at least this often, seconds (the paper: every minute). Also the load
-    forecast's counting period."""
-
-    heartbeat_s: float = defaults.HEARTBEAT_S
-    """Interval workers are told to send heartbeats at, seconds."""
-
-    missed_heartbeats: int = 3
-    """A worker silent for this many intervals is dead and planned around."""
-
-    switch_margin: float = 1.5
-    """Load margin of the plans made within one period after a forced AC → SM switch (§4.6):
-    SDXL at K=0 serves while the small variants load, so plan for more than the forecast."""
-
-    switch_cost_weight: float = 1.0
-    """Weight of the model-load switching cost in the objective (as the simulator's Argus)."""
-
-    backlog_replan_per_worker: float = 2.0
-    """Queued requests per live worker above which a plan is made before the period ends."""
-
-    min_replan_interval_s: float = 10.0
-    """Backlog and surge re-plans (the workers' queues, a router's request, a jump in the
-    arrival rate) at most this often. Also how much of an open period must pass before its
-    arrival rate counts in the forecast."""
-
-    surge_factor: float = 1.2
-    """Re-plan before the period ends when the forecast, the open period's rate included,
-    exceeds the load the plan was made for by this factor."""
-
-    max_workers: int = defaults.MAX_WORKERS
-    """Workers tracked at most; further joins get RESOURCE_EXHAUSTED."""
-
-    max_routers: int = 1024
-    """Router ids whose last report sequence is remembered (oldest forgotten first)."""
-
-    strategies: tuple[Strategy, ...] = (Strategy.AC, Strategy.SM)
-    """Strategies plans may use (those the profile has levels for); the better one is run."""
-
-    retrieval: StrategyConfig = field(default_factory=StrategyConfig)
-    """When retrieval is too slow for AC and when it has recovered."""
-
-    histogram_window: int = 1000
-    """Classified prompts the class histogram H looks back over (the paper: 1000)."""
-
-    planner: PlannerMode = PlannerMode.JOINT
-    """``joint``: one program over (prompt class × level) with Q(v | c); ``paper``: Eq. 1
-    with level averages, then ODA (the ablation)."""
-
-    strategy_choice: StrategyChoice = StrategyChoice.AC_FIRST
-    """``ac-first``: AC while retrieval is healthy, SM on retrieval trouble (§4.6);
-    ``best``: the better objective of both each plan."""
-
-    slo_s: float | None = None
-    """The SLO the queue model plans against, seconds; None: 3 × the best level's latency on
-    the profile's first worker class (the router's default deadline)."""
-
-    queueing: bool = True
-    """Plan each level's utilisation so the expected wait fits in the SLO; False plans every
-    level up to its peak throughput."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "planner", PlannerMode(self.planner))
-        object.__setattr__(self, "strategy_choice", StrategyChoice(self.strategy_choice))
-        if self.slo_s is not None and not (math.isfinite(self.slo_s) and self.slo_s > 0.0):
-            raise ValueError(f"slo_s: must be a finite number > 0, got {self.slo_s}")
-        for name in ("period_s", "heartbeat_s", "backlog_replan_per_worker", "surge_factor"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0.0):
-                raise ValueError(f"{name}: must be a finite number > 0, got {value}")
-        if not (math.isfinite(self.min_replan_interval_s) and self.min_replan_interval_s >= 0):
-            raise ValueError(
-                f"min_replan_interval_s: must be a finite number >= 0, "
-                f"got {self.min_replan_interval_s}"
-            )
-        if not (math.isfinite(self.switch_margin) and self.switch_margin >= 1.0):
-            raise ValueError(f"switch_margin: must be >= 1, got {self.switch_margin}")
-        for name in ("missed_heartbeats", "max_workers", "max_routers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if not self.strategies:
-            raise ValueError("strategies: at least one strategy must be allowed")
-
-    @property
-    def dead_after_s(self) -> float:
-        """Silence after which a worker is dead."""
-        return self.missed_heartbeats * self.heartbeat_s
-
-    def forecast_config(self) -> LoadPredictorConfig:
-        """The load forecast the plans are made for: the expected rate, not a peak.
-
-        With queueing headroom in the planner, the forecast is an EWMA of the per-period
-        rates (weight 0.5 on the newest), raised to the open period's rate once
-        ``min_replan_interval_s`` of it has passed (so a re-plan in a burst sees the burst),
-        but only when that rate is above the EWMA by more than two Poisson standard
-        deviations: ten seconds of 110 QPM Poisson traffic read as 85–135 QPM, and the raw
-        rate, in a max, planned 25–50% above the offered load at random and set off surge
-        re-plans on noise. A real surge (60 → 180 QPM) still shows after ten seconds. No peak
-        term and no flat multiplier.
-        """
-        return LoadPredictorConfig(
-            self.period_s,
-            alpha=0.5,
-            peak_window=1,
-            peak_fraction=0.0,
-            partial_min_s=min(self.min_replan_interval_s, self.period_s),
-            partial_z=2.0,
-        )
-
-    def slo_for(self, profiles: ProfileSet) -> float:
-        """The SLO in seconds: ``slo_s``, or 3 × the best level's latency on the first class."""
-        if self.slo_s is not None:
-            return self.slo_s
-        return DEFAULT_SLO_FACTOR * profiles.best_latency_s(profiles.worker_classes[0])
-
-    def allocator_config(self, profiles: ProfileSet) -> AllocatorConfig:
-        """The Allocator's config for ``profiles`` (the SLO is theirs unless given)."""
-        queue = QueueModel(self.slo_for(profiles)) if self.queueing else None
-        return AllocatorConfig(
-            planner=PlannerConfig(
-                self.period_s, self.switch_cost_weight, mode=self.planner, queue=queue
-            ),
-            forecast=self.forecast_config(),
-            histogram_window=self.histogram_window,
-        )
 
 
 @dataclass(frozen=True)
@@ -257,7 +114,7 @@ class AllocatorControl:
         start = self._clock()
         self._allocator = Allocator(
             profiles,
-            self.config.allocator_config(profiles),
+            self.config,
             start_s=start,
             backend=backend,
             class_quality=class_quality,

@@ -346,7 +346,11 @@ class AffinityHistogram:
     so ``observe`` is O(1) and memory is O(window) per strategy.
     """
 
-    def __init__(self, num_levels_by_strategy: Mapping[Strategy, int], window: int = 1000) -> None:
+    def __init__(
+        self,
+        num_levels_by_strategy: Mapping[Strategy, int],
+        window: int = defaults.HISTOGRAM_WINDOW,
+    ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
         if not num_levels_by_strategy:
@@ -423,7 +427,7 @@ class HistogramErrors:
 
 
 def histogram_l2_error(
-    labels: Sequence[int], num_levels: int, window: int = 1000
+    labels: Sequence[int], num_levels: int, window: int = defaults.HISTOGRAM_WINDOW
 ) -> HistogramErrors:
     """Slide over ``labels`` in non-overlapping steps of ``window`` and score the predictor.
 

@@ -32,7 +32,8 @@ import grpc
 from grpc_health.v1 import health
 
 from argus import rpc
-from argus.allocator.control import AllocatorControl, Clock, ControlConfig, PlanListener, PlanStats
+from argus.allocator.config import ControlConfig
+from argus.allocator.control import AllocatorControl, Clock, PlanListener, PlanStats
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
 from argus.allocator.membership import MembershipFullError, NotOwnerError
 from argus.allocator.metrics import AllocatorMetrics

@@ -55,6 +55,7 @@ from typing import Protocol
 
 import numpy as np
 
+from argus import defaults
 from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import Backbone, LevelClassifier
 from argus.classifier.prompts import clean_prompt
@@ -156,7 +157,11 @@ class ScoredPrompts:
     """
 
     def __init__(
-        self, strategy: Strategy, levels: tuple[str, ...], capacity: int = 5000, delta: float = 0.9
+        self,
+        strategy: Strategy,
+        levels: tuple[str, ...],
+        capacity: int = 5000,
+        delta: float = defaults.DELTA,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from argus import defaults
+
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
@@ -112,7 +114,7 @@ def evaluate(
     n_levels: int,
     *,
     scores: FloatArray | None = None,
-    delta: float = 0.9,
+    delta: float = defaults.DELTA,
 ) -> Evaluation:
     """Label metrics, and downstream quality when ``scores`` ([prompts, levels]) are given."""
     truth = np.asarray(truth, dtype=np.int64)

@@ -14,10 +14,14 @@ stops it.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from argus import defaults
 from argus.cli.internal import add_internal_tls_arguments, internal_tls_dir
 from argus.cli.main import CLIError, config_error
+
+if TYPE_CHECKING:
+    from argus.allocator.strategy import StrategyConfig
 
 
 class AllocatorCommand:
@@ -73,20 +77,23 @@ class AllocatorCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.allocator.app import AllocatorSettings, serve
+        from argus.allocator.config import ControlConfig
         from argus.profiles import ProfileError
 
         tls_dir = internal_tls_dir(args, "allocator")
-        try:  # the settings check every value, before anything binds
+        try:  # the configs check every value, before anything binds
+            control = ControlConfig(
+                period_s=args.period_s,
+                heartbeat_s=args.heartbeat_s,
+                max_workers=args.max_workers,
+                retrieval=retrieval_config(args),
+            )
             settings = AllocatorSettings(
                 host=args.host,
                 port=args.port,
                 profile=args.profile,
-                period_s=args.period_s,
-                heartbeat_s=args.heartbeat_s,
-                max_workers=args.max_workers,
+                control=control,
                 max_watchers=args.max_watchers,
-                retrieval_threshold_s=args.retrieval_threshold_s,
-                retrieval_window_s=args.retrieval_window_s,
                 metrics_port=args.metrics_port,
                 classifier=args.classifier,
                 internal_tls_dir=tls_dir,
@@ -97,3 +104,16 @@ class AllocatorCommand:
             return serve(settings)  # a bad classifier fails before binding too
         except (ValueError, ProfileError, OSError) as err:
             raise CLIError(str(err)) from None
+
+
+def retrieval_config(args: argparse.Namespace) -> StrategyConfig:
+    """The AC↔SM switch's config from ``--retrieval-*``; its ValueError names the flag's
+    field (``threshold_s`` is ``retrieval_threshold_s`` here)."""
+    from argus.allocator.strategy import StrategyConfig
+
+    try:
+        return StrategyConfig(
+            threshold_s=args.retrieval_threshold_s, window_s=args.retrieval_window_s
+        )
+    except ValueError as err:
+        raise ValueError(f"retrieval_{err}") from None

@@ -75,19 +75,21 @@ class PlanCommand:
         parser.add_argument(
             "--slo",
             type=float,
-            help="SLO in seconds the queue model plans against (default 3 × the best level's "
-            "latency on the first class); 0 plans every level up to its peak throughput",
+            help="SLO in seconds the queue model plans against (default "
+            f"{defaults.SLO_FACTOR:g} × the best level's latency on the first class, as the "
+            "allocator's); 0 plans every level up to its peak throughput",
         )
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.allocator.planner import PlannerConfig, PlannerMode, make_plan
         from argus.allocator.queueing import QueueModel
         from argus.profiles import ProfileError, load_profiles
+        from argus.slo import default_slo_s
 
         try:
             strategy = Strategy.parse(args.strategy)
             profiles = load_profiles(args.profiles)
-            slo = 3.0 * profiles.best_latency_s(profiles.worker_classes[0])
+            slo = default_slo_s(profiles, profiles.worker_classes[:1])
             if args.slo is not None:
                 if not (math.isfinite(args.slo) and args.slo >= 0.0):
                     raise ValueError(f"--slo: must be a finite number >= 0, got {args.slo}")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from argus import defaults
 from argus.cli.main import CLIError
 
 
@@ -51,7 +52,9 @@ class TrainClassifierCommand:
         )
         parser.add_argument("--strategies", default="AC,SM", help="comma-separated (AC,SM)")
         parser.add_argument("--seed", type=int, default=0, help="split, shuffling and dropout")
-        parser.add_argument("--delta", type=float, default=0.9, help="δ of the optimal-level rule")
+        parser.add_argument(
+            "--delta", type=float, default=defaults.DELTA, help="δ of the optimal-level rule"
+        )
         parser.add_argument("--epochs", type=int, default=4, help="fine-tuning epochs")
         parser.add_argument("--batch-size", type=int, default=32, help="fine-tuning batch")
         parser.add_argument("--encoder-lr", type=float, default=3e-5)

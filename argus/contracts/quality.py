@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from argus import defaults
 from argus.types import Strategy
 
 FloatArray = npt.NDArray[np.float64]
@@ -51,7 +52,7 @@ IntArray = npt.NDArray[np.int64]
 
 FORMAT_MAGIC = "# argus-quality-table v1"
 PROMPT_COLUMN = "prompt"
-DEFAULT_DELTA = 0.9  # Argus §3, following prior work: within 90% of the best image
+DEFAULT_DELTA = defaults.DELTA  # Argus §3: within 90% of the best image (argus.defaults)
 
 
 @dataclass(frozen=True, eq=False)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from argus import defaults
 from argus.classifier.drift import (
     DriftConfig,
     DriftMonitor,
@@ -49,7 +50,7 @@ from argus.types import ClassQuality, ProfileSet, Strategy
 
 log = logging.getLogger(__name__)
 
-MAX_KEY_CHARS = 256  # RouterReport.classifier's bound
+MAX_KEY_CHARS = defaults.MAX_WIRE_ID_CHARS  # RouterReport.classifier's bound
 
 
 class Scored(Protocol):
@@ -81,7 +82,7 @@ class DriftSettings:
     capacity: int = 5000
     """Recent prompts whose scores are kept, per strategy."""
 
-    delta: float = 0.9
+    delta: float = defaults.DELTA
     """δ of the labelling rule (Argus §3)."""
 
     def __post_init__(self) -> None:

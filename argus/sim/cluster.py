@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from argus import defaults
 from argus.contracts.quality import QualityTable
 from argus.router.admission import AdmissionRule
 from argus.sim.adapters import (
@@ -78,6 +79,7 @@ from argus.sim.adapters import (
     with_adapter_costs,
 )
 from argus.sim.workloads import Workload
+from argus.slo import default_slo_s
 from argus.types import ClusterView, Level, ProfileSet, Strategy, WorkerState
 
 FloatArray = npt.NDArray[np.float64]
@@ -120,13 +122,13 @@ class SimConfig:
     A100s and w4-w7 H100s. Empty: ``gpus`` workers of ``worker_class``. Build it with
     :meth:`with_classes`, which sets ``gpus`` and ``worker_class`` to match."""
 
-    period_s: float = 60.0
+    period_s: float = defaults.PLANNING_PERIOD_S
     """How often policies re-plan, seconds of simulated time (the paper: every minute)."""
 
     jitter: float = 0.05
     """Standard deviation of the log-normal factor on every service time (0 = none)."""
 
-    slo_factor: float = 3.0
+    slo_factor: float = defaults.SLO_FACTOR
     """SLO = this × the best level's latency (the paper: 3 × SDXL latency)."""
 
     retrieval_s: float = 0.05
@@ -403,7 +405,7 @@ class Simulation:
                 f"{', '.join(profiles.worker_classes)}"
             )
         # the SLO's unit: the best level's latency on the slowest class present
-        self.slo_s = self.config.slo_factor * max(profiles.best_latency_s(c) for c in classes)
+        self.slo_s = default_slo_s(profiles, classes, self.config.slo_factor)
         model = self.config.adapters
         self.adapter_draws: AdapterDraws | None = None
         # what policies plan with: the profiles as measured with the requests' adapters

@@ -27,7 +27,8 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from argus.allocator.control import AllocatorControl, ControlConfig, StrategyChoice
+from argus.allocator.config import ControlConfig, StrategyChoice
+from argus.allocator.control import AllocatorControl
 from argus.allocator.planner import PlannerMode
 from argus.contracts.routers import RouterReport
 from argus.contracts.workers import RetrievalReport, WorkerReport
