@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from argus import rpc
+from argus import defaults, rpc
 from argus.types import ProfileSet, Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
 
-MAX_ID_CHARS = 256
+MAX_ID_CHARS = defaults.MAX_WIRE_ID_CHARS
 MAX_ARRIVALS = 100_000  # per router report: 1 s of 100k requests/s
 MAX_CLASSIFIED = 100_000  # level names per strategy per router report
 MAX_SAMPLES = 4096  # retrieval samples per heartbeat

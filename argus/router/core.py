@@ -82,6 +82,7 @@ from argus.router.values import (
     WorkerCall,
     WorkerReply,
 )
+from argus.slo import default_slo_s
 from argus.types import MeasuredLatency, ProfileSet, RouteDecision, Strategy
 
 if TYPE_CHECKING:  # its module reads plans from protobuf; the core only follows them
@@ -89,14 +90,13 @@ if TYPE_CHECKING:  # its module reads plans from protobuf; the core only follows
 
 log = logging.getLogger(__name__)
 
-MAX_ID_CHARS = 128
+MAX_ID_CHARS = defaults.MAX_REQUEST_ID_CHARS  # a client's request id
 # a refusal that blames the request, not the cluster: no SLO violation
 CALLER_ERRORS = frozenset(
     {Refusal.INVALID, Refusal.NOT_FOUND, Refusal.ANSWER_DROPPED, Refusal.CANCELLED}
 )
 ProgressSink = Callable[[Progress], None]
 DEFAULT_LIMITS = ImageLimits()
-SLO_FACTOR = 3.0  # SLO = 3 × the best level's latency (Argus §5; the simulator's default)
 
 
 BUSY_RETRY_AFTER_S = 0.1  # the retry hint of a refusal for too many requests in flight
@@ -262,11 +262,11 @@ class RouterServiceConfig:
             raise ValueError(f"slo_s: must be > 0, got {self.slo_s}")
 
     def slo_for(self, profiles: ProfileSet) -> float:
-        """The SLO in seconds: ``slo_s``, or 3 × the best level's latency on the profile's
-        first worker class (the simulator's rule, so live and simulated reports agree)."""
+        """The SLO in seconds: ``slo_s``, or the shared rule (:func:`argus.slo.default_slo_s`)
+        on the profile's first worker class, so live and simulated reports agree."""
         if self.slo_s is not None:
             return self.slo_s
-        return SLO_FACTOR * profiles.best_latency_s(profiles.worker_classes[0])
+        return default_slo_s(profiles, profiles.worker_classes[:1])
 
 
 @dataclass(frozen=True)

@@ -299,8 +299,8 @@ class WorkerConfig:
     default_width: int = defaults.DEFAULT_SIZE
     default_height: int = defaults.DEFAULT_SIZE
     default_steps: int = defaults.DEFAULT_STEPS
-    max_pixels: int = 2048 * 2048
-    max_side: int = 2048
+    max_pixels: int = defaults.MAX_IMAGE_PIXELS
+    max_side: int = defaults.MAX_IMAGE_SIDE
     max_queue: int = defaults.MAX_QUEUE
     pending_inserts: int = 32
     decode_seed_s_per_pixel: float = DECODE_SEED_S_PER_PIXEL
