@@ -35,9 +35,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from argus.contracts.generate import CacheOutcome, GenerateCall
 from argus.contracts.quality import QualityTable
 from argus.types import Level, Strategy
-from argus.worker.engine import CacheOutcome, GenerateCall, Worker
+from argus.worker.engine import Worker
 
 
 class PickScorer:

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from argus import rpc
 from argus.allocator.control import AllocatorControl, ControlConfig
+from argus.contracts.generate import GenerateCall, GenerateResult
 from argus.contracts.workers import WorkerReport
 from argus.grpc_server import InFlightLimit, bind, check_address, new_server
 from argus.router.app import (
@@ -31,7 +32,6 @@ from argus.router.app import (
 from argus.router.convert import RETRY_AFTER_KEY
 from argus.router.core import CallCancel, ProgressSink, RouterCore, RouterServiceConfig
 from argus.router.metrics import RouterMetrics
-from argus.router.values import WorkerCall, WorkerReply
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 
 router_pb2: Any = rpc.load("router_pb2")
@@ -54,15 +54,15 @@ class HeldWorkers:
     def generate(
         self,
         address: str,
-        call: WorkerCall,
+        call: GenerateCall,
         *,
         timeout_s: float,
         cancel: CallCancel,
         progress: ProgressSink | None,
-    ) -> WorkerReply:
+    ) -> GenerateResult:
         self.entered.release()
         self.release.wait(TIMEOUT_S)
-        return WorkerReply(request_id=call.request_id, png=PNG, level=call.level, worker_id="")
+        return GenerateResult(request_id=call.request_id, png=PNG, level=call.level, worker_id="")
 
     def keep_only(self, addresses: set[str]) -> None:
         pass

@@ -26,12 +26,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from argus.allocator.control import AllocatorControl, ControlConfig
+from argus.contracts.generate import GenerateCall, GenerateResult
 from argus.contracts.workers import WorkerReport
 from argus.router import http as router_http
 from argus.router.core import ProgressSink, RouterCore, RouterServiceConfig
 from argus.router.http import HttpServer, create_app
 from argus.router.metrics import RouterMetrics
-from argus.router.values import WorkerCall, WorkerReply
 from tests.router_cluster import PROFILES, TIMEOUT, FakeClock, StubClassifier
 from tests.test_router_core import FakeWorkers, served
 
@@ -271,8 +271,8 @@ def test_headers_that_do_not_arrive_in_time_are_408_and_a_silent_connection_is_c
 def test_an_answer_nobody_reads_is_cut_after_the_write_deadline(workers: FakeWorkers) -> None:
     big = b"\x89PNG" + bytes(32 * 1024 * 1024)  # 43 MiB of base64: more than socket buffers
 
-    def answer(call: WorkerCall, progress: ProgressSink | None) -> WorkerReply:
-        return WorkerReply(request_id=call.request_id, png=big, level=call.level, worker_id="")
+    def answer(call: GenerateCall, progress: ProgressSink | None) -> GenerateResult:
+        return GenerateResult(request_id=call.request_id, png=big, level=call.level, worker_id="")
 
     workers.answers["w0:1"] = answer
     options = {"write_timeout_s": 0.2}
@@ -388,7 +388,7 @@ def test_a_burst_beyond_the_core_bound_is_refused_429_while_the_admitted_are_hel
     while the burst arrives, as a busy loop would be, so that it reads all 300 in one turn."""
     hold = threading.Event()
 
-    def held(call: WorkerCall, progress: ProgressSink | None) -> WorkerReply:
+    def held(call: GenerateCall, progress: ProgressSink | None) -> GenerateResult:
         hold.wait(TIMEOUT)
         return served(call, progress)
 

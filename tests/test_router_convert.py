@@ -9,16 +9,11 @@ import grpc
 import pytest
 
 from argus import rpc
+from argus.contracts import generate
+from argus.contracts.generate import AdapterKind, Stage
 from argus.router import convert
 from argus.router.core import check_request
-from argus.router.values import (
-    AdapterKind,
-    Refusal,
-    RouterError,
-    RouterReply,
-    RouterTiming,
-    Stage,
-)
+from argus.router.values import Refusal, RouterError, RouterReply, RouterTiming
 from argus.types import Strategy
 
 common_pb2: Any = rpc.load("common_pb2")
@@ -171,14 +166,14 @@ def test_a_reply_with_every_field_set_round_trips() -> None:
             route_ms=0.25,
             forward_ms=30.0,
             total_ms=32.0,
-            worker=convert.timing_from_pb(message.timing.worker),
+            worker=generate.timing_from_pb(message.timing.worker),
             attempts=2,
         ),
-        worker_response=convert.worker_reply_from_pb(worker),
+        worker_response=generate.result_from_pb(worker),
     )
     assert typed.worker_response.scores[0].prompt == "a cat"
     assert convert.reply_to_pb(typed) == message
-    assert convert.worker_reply_to_pb(convert.worker_reply_from_pb(worker)) == worker
+    assert generate.result_to_pb(generate.result_from_pb(worker)) == worker
 
 
 def test_progress_events_round_trip_with_their_stage() -> None:
@@ -193,9 +188,9 @@ def test_progress_events_round_trip_with_their_stage() -> None:
             preview_png=b"preview",
             elapsed_ms=12.5,
         )
-        typed = convert.progress_from_pb(message)
+        typed = generate.progress_from_pb(message)
         assert typed.stage.value == stage.lower()  # the HTTP stream's stage names
-        assert convert.progress_to_pb(typed) == message
+        assert generate.progress_to_pb(typed) == message
     names = {name.lower() for name, _ in worker_pb2.Progress.Stage.items()}
     assert {s.value for s in Stage} == names
 

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from argus.allocator.control import AllocatorControl, ControlConfig
+from argus.contracts.generate import GenerateCall, GenerateResult, Progress, Stage
 from argus.contracts.workers import WorkerReport
 from argus.router.core import (
     CallCancel,
@@ -21,20 +22,12 @@ from argus.router.core import (
     WorkerError,
 )
 from argus.router.metrics import RouterMetrics
-from argus.router.values import (
-    Progress,
-    Refusal,
-    RouterError,
-    RouterRequest,
-    Stage,
-    WorkerCall,
-    WorkerReply,
-)
+from argus.router.values import Refusal, RouterError, RouterRequest
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 
 PNG = b"\x89PNG\r\n\x1a\nfake"
 
-Answer = Callable[[WorkerCall, ProgressSink | None], WorkerReply]
+Answer = Callable[[GenerateCall, ProgressSink | None], GenerateResult]
 
 
 def test_the_core_imports_neither_grpc_nor_protobuf_messages() -> None:
@@ -50,11 +43,11 @@ def test_the_core_imports_neither_grpc_nor_protobuf_messages() -> None:
     assert done.stdout.strip() == "", f"argus.router.core loaded {done.stdout.strip()}"
 
 
-def served(call: WorkerCall, progress: ProgressSink | None) -> WorkerReply:
+def served(call: GenerateCall, progress: ProgressSink | None) -> GenerateResult:
     if progress is not None:
         progress(Progress(Stage.QUEUED, queue_position=0))
         progress(Progress(Stage.STEP, step=1, total_steps=2, preview_png=b"p"))
-    return WorkerReply(request_id=call.request_id, png=PNG, level=call.level, worker_id="")
+    return GenerateResult(request_id=call.request_id, png=PNG, level=call.level, worker_id="")
 
 
 class FakeWorkers:
@@ -62,17 +55,17 @@ class FakeWorkers:
 
     def __init__(self) -> None:
         self.answers: dict[str, Answer] = {}
-        self.calls: list[tuple[str, WorkerCall]] = []
+        self.calls: list[tuple[str, GenerateCall]] = []
 
     def generate(
         self,
         address: str,
-        call: WorkerCall,
+        call: GenerateCall,
         *,
         timeout_s: float,
         cancel: CallCancel,
         progress: ProgressSink | None,
-    ) -> WorkerReply:
+    ) -> GenerateResult:
         assert timeout_s > 0.0
         self.calls.append((address, call))
         return self.answers.get(address, served)(call, progress)
@@ -85,7 +78,7 @@ class FakeWorkers:
 
 
 def fails(kind: Refusal, details: str) -> Answer:
-    def answer(call: WorkerCall, progress: ProgressSink | None) -> WorkerReply:
+    def answer(call: GenerateCall, progress: ProgressSink | None) -> GenerateResult:
         raise WorkerError(kind, details)
 
     return answer
@@ -193,7 +186,7 @@ def test_a_cancelled_client_is_told_so_not_blamed_on_the_worker() -> None:
     workers = FakeWorkers()
     cancel = CallCancel()
 
-    def cancelled(call: WorkerCall, progress: ProgressSink | None) -> WorkerReply:
+    def cancelled(call: GenerateCall, progress: ProgressSink | None) -> GenerateResult:
         cancel.cancel()  # the client goes away while the worker runs
         raise WorkerError(Refusal.CANCELLED, "call ended")
 

@@ -23,11 +23,11 @@ from prometheus_client import CollectorRegistry
 from argus import rpc
 from argus.classifier.prompts import InvalidPromptError
 from argus.classifier.serving import BatcherClosed
+from argus.contracts.generate import GenerateCall
 from argus.grpc_server import tls_credentials
 from argus.router.app import ServerSecurity
 from argus.router.core import CallCancel, RouterServiceConfig
 from argus.router.metrics import RouterMetrics
-from argus.router.values import WorkerCall
 from argus.router.worker_calls import GrpcWorkers, WorkerChannels
 from argus.types import Strategy
 from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster, StubWorker
@@ -285,7 +285,7 @@ def call_worker(workers: GrpcWorkers, address: str, calls: int) -> None:
     for i in range(calls):
         reply = workers.generate(
             address,
-            WorkerCall("a fox", "ac-k0", seed=i),
+            GenerateCall("a fox", "ac-k0", seed=i),
             timeout_s=TIMEOUT,
             cancel=CallCancel(),
             progress=None,

@@ -8,17 +8,11 @@ from collections import Counter
 import pytest
 
 from argus.allocator.control import AllocatorControl, ControlConfig
+from argus.contracts.generate import GenerateCall, GenerateResult, Timing
 from argus.contracts.workers import WorkerReport
 from argus.router.core import ProgressSink, RouterCore, RouterServiceConfig, WorkerError
 from argus.router.service_times import ServiceTimeConfig, ServiceTimes
-from argus.router.values import (
-    Refusal,
-    RouterError,
-    RouterRequest,
-    WorkerCall,
-    WorkerReply,
-    WorkerTiming,
-)
+from argus.router.values import Refusal, RouterError, RouterRequest
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 from tests.test_router_core import PNG, FakeWorkers
 
@@ -128,9 +122,9 @@ def timed(service_s: float, denoise_s: float | None = None):  # type: ignore[no-
     """A worker answer whose timings say it took ``service_s`` on the GPU slot."""
     denoise = service_s if denoise_s is None else denoise_s
 
-    def answer(call: WorkerCall, progress: ProgressSink | None) -> WorkerReply:
-        timing = WorkerTiming(queue_ms=5.0, denoise_ms=denoise * 1e3, total_ms=service_s * 1e3 + 5)
-        return WorkerReply(request_id=call.request_id, png=PNG, level=call.level, timing=timing)
+    def answer(call: GenerateCall, progress: ProgressSink | None) -> GenerateResult:
+        timing = Timing(queue_ms=5.0, denoise_ms=denoise * 1e3, total_ms=service_s * 1e3 + 5)
+        return GenerateResult(request_id=call.request_id, png=PNG, level=call.level, timing=timing)
 
     return answer
 
@@ -195,7 +189,7 @@ def test_a_worker_still_finishing_abandoned_work_is_counted_busy_for_a_step() ->
     core = core_on(workers, ("w1", "w2"), clock)
     request = RouterRequest(prompt="a fox", width=64, height=64, steps=10)
 
-    def expires(call: WorkerCall, progress: ProgressSink | None) -> WorkerReply:
+    def expires(call: GenerateCall, progress: ProgressSink | None) -> GenerateResult:
         raise WorkerError(Refusal.DEADLINE, "deadline passed: 3 steps run")
 
     workers.answers["w1:1"] = expires  # both idle: ties go to w1

@@ -14,21 +14,15 @@ import io
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 from PIL import Image
 
-from argus.worker.engine import (
-    DecodeSkipped,
-    DecodeTimes,
-    GenerateCall,
-    GenerateResult,
-    Progress,
-    Stage,
-    Worker,
-)
+from argus.contracts.generate import GenerateCall, GenerateResult, Progress, Stage
+from argus.worker.engine import DecodeSkipped, DecodeTimes, Worker
 from argus.worker.models import TINY_PREFIX, build_tiny_pipeline
 from argus.worker.pipelines import (
     CHECKPOINT_MODULES,
@@ -354,8 +348,8 @@ def test_a_large_request_past_its_deadline_stops_and_the_next_one_is_served() ->
         large_run = after.denoise_steps - before.denoise_steps - small.steps_run
         assert large_run == stop.steps_done
         assert after.decodes == before.decodes + 1  # the small request's alone
-        assert small.steps_run == 3 and small.image_size == (64, 64)
-        assert small.timing_ms["queue_ms"] > 0.0  # it waited behind the large one
+        assert small.steps_run == 3 and Image.open(io.BytesIO(small.png)).size == (64, 64)
+        assert small.timing.queue_ms > 0.0  # it waited behind the large one
         assert worker.queue_length == 0
     finally:
         remove()
@@ -397,13 +391,13 @@ def test_the_reply_total_covers_the_call_from_its_arrival_to_the_reply(
     from argus.worker.service import WorkerServicer, worker_pb2
 
     served = tiny_worker.generate(GenerateCall("a bus", steps=2))
-    served.timing_ms["total_ms"] = 0.0  # what the engine says no longer counts
+    served = replace(served, timing=replace(served.timing, total_ms=0.0))  # no longer counts
     slow = SlowWorker(served, busy_s=0.05)
     servicer = WorkerServicer(slow, health_servicer=None)  # type: ignore[arg-type]
     request = worker_pb2.GenerateRequest(prompt="a bus")
     reply = servicer.Generate(request, FakeContext())  # type: ignore[arg-type]
     assert reply.timing.total_ms >= slow.took_s * 1e3
-    assert reply.timing.queue_ms == served.timing_ms["queue_ms"]
+    assert reply.timing.queue_ms == served.timing.queue_ms
 
 
 def test_queue_ms_is_the_wait_for_the_slot_and_the_rest_is_service(tiny_worker: Worker) -> None:
@@ -425,8 +419,8 @@ def test_queue_ms_is_the_wait_for_the_slot_and_the_rest_is_service(tiny_worker: 
     second = tiny_worker.generate(GenerateCall("second", steps=2))
     thread.join(BOUND_S)
     (one,) = replies
-    t1, t2 = one.timing_ms, second.timing_ms
-    assert 0.0 < t2["queue_ms"] < t2["total_ms"]
+    t1, t2 = one.timing, second.timing
+    assert 0.0 < t2.queue_ms < t2.total_ms
     for t in (t1, t2):
-        phases = t["encode_ms"] + t["denoise_ms"] + t["decode_ms"]
-        assert t["total_ms"] - t["queue_ms"] >= phases
+        phases = t.encode_ms + t.denoise_ms + t.decode_ms
+        assert t.total_ms - t.queue_ms >= phases

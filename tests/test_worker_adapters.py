@@ -16,9 +16,9 @@ import torch
 from PIL import Image
 
 from argus import rpc
+from argus.contracts.generate import CacheOutcome, GenerateCall
 from argus.request_limits import InvalidRequestError
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
-from argus.worker.engine import CacheOutcome, GenerateCall
 from argus.worker.lora import LoraNotFoundError, write_tiny_lora, write_unfit_lora
 from argus.worker.service import create_server
 from tests.worker_factories import make_worker
@@ -100,7 +100,7 @@ def test_controlnets_run_beside_the_unet(worker: Any) -> None:
     two = generate(worker, controlnet("canny"), controlnet("depth", seed=2, scale=0.5))
     assert one.adapter_path == "controlnet"
     assert len({plain.png, one.png, two.png}) == 3
-    assert "controlnet_wait_ms" in one.timing_ms
+    assert one.timing.controlnet_wait_ms > 0.0
     both = generate(worker, controlnet("canny"), lora("ink"))
     assert both.adapter_path == "controlnet" and both.png != one.png
 

@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
+from argus.contracts.generate import CacheOutcome, GenerateCall
 from argus.embedding import PromptEmbedder
 from argus.worker.cache import ApproximateCache, EdgeVectorIndex, LatentStore
-from argus.worker.engine import CacheOutcome, GenerateCall
 from tests.worker_factories import STEPS, make_worker
 
 

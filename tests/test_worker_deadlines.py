@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from argus import rpc
-from argus.worker.engine import GenerateCall, Worker
+from argus.contracts.generate import GenerateCall
+from argus.worker.engine import Worker
 from argus.worker.pipelines import Cancelled, CancelToken
 from tests.worker_factories import spec, tiny_model
 

@@ -12,14 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
+from argus.contracts.generate import CacheOutcome, GenerateCall
 from argus.request_limits import InvalidRequestError
 from argus.types import Strategy
-from argus.worker.engine import (
-    CacheOutcome,
-    FifoSlot,
-    GenerateCall,
-    QueueFullError,
-)
+from argus.worker.engine import FifoSlot, QueueFullError
 from argus.worker.models import estimate_bytes
 from argus.worker.pipelines import CancelToken
 from argus.worker.registry import LoadState, MemoryGuardError, UnknownModelError

@@ -24,12 +24,13 @@ from argus import rpc
 from argus.allocator.control import ControlConfig
 from argus.allocator.service import AllocatorServicer, create_server
 from argus.cli.main import main
+from argus.contracts.generate import GenerateCall
 from argus.contracts.workers import HeartbeatAnswer, WorkerReport
 from argus.grpc_server import check_address
 from argus.profiles import default_profiles
 from argus.types import Strategy
 from argus.worker.cache import ApproximateCache, CacheStats, EdgeVectorIndex, LatentStore
-from argus.worker.engine import GenerateCall, Worker
+from argus.worker.engine import Worker
 from argus.worker.membership import (
     MAX_SAMPLES,
     HeartbeatChannel,

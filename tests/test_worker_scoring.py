@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from argus import rpc
+from argus.contracts.generate import CacheOutcome, GenerateResult
 from argus.types import Strategy
-from argus.worker.engine import CacheOutcome, GenerateResult
 from argus.worker.scoring import ScoreSampler, tiny_scorer
 from argus.worker.service import WorkerServicer
 

@@ -5,12 +5,16 @@ exchanges with the others from here and never another service's internals, so a 
 its heartbeat answer and a router reads a plan without loading the allocator's solver.
 
 * :mod:`argus.contracts.wire`: the checks every reader of a message applies
-  (:class:`~argus.contracts.wire.FieldError`, size limits) and the enums both sides map;
+  (:class:`~argus.contracts.wire.FieldError`, size limits) and the enums both sides map, each
+  by name to its generated protobuf enum (:func:`~argus.contracts.wire.pb_numbers`);
 * :mod:`argus.contracts.workers`: a worker's heartbeat (:class:`WorkerReport`,
   :class:`RetrievalReport`) and the allocator's answer (:class:`HeartbeatAnswer`);
 * :mod:`argus.contracts.routers`: a router's statistics (:class:`RouterReport`) and their
   acknowledgement (:class:`RouterAnswer`);
 * :mod:`argus.contracts.plans`: the plan as routers receive it (:class:`PublishedPlan`);
+* :mod:`argus.contracts.generate`: the Generate call between a router and a worker
+  (:class:`GenerateCall`, :class:`GenerateResult` with its :class:`Timing` and
+  :class:`QualityScore`, :class:`Progress`), the one definition both sides use;
 * :mod:`argus.contracts.allocator_client`: the allocator's API as its callers use it
   (:class:`AllocatorClient`, :class:`PlanWatcher`), typed values in and out;
 * :mod:`argus.contracts.quality`: per-prompt quality tables and the δ rule that defines a

@@ -17,7 +17,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from argus.contracts.wire import STRATEGY_TO_PB, FieldError, allocator_pb2, strategy_from_pb
+from argus.contracts.wire import (
+    STRATEGY_TO_PB,
+    FieldError,
+    allocator_pb2,
+    pb_numbers,
+    strategy_from_pb,
+)
 from argus.types import Allocation, LoadForecast, Plan, ShiftMap
 
 
@@ -34,16 +40,7 @@ class ReplanReason(enum.StrEnum):
     LOAD_SURGE = "load_surge"
 
 
-REASON_TO_PB = {
-    ReplanReason.STARTUP: 1,
-    ReplanReason.PERIODIC: 2,
-    ReplanReason.WORKER_JOINED: 3,
-    ReplanReason.WORKER_LEFT: 4,
-    ReplanReason.WORKER_DEAD: 5,
-    ReplanReason.STRATEGY_SWITCH: 6,
-    ReplanReason.BACKLOG: 7,
-    ReplanReason.LOAD_SURGE: 8,
-}
+REASON_TO_PB = pb_numbers(ReplanReason, allocator_pb2.PlanReason, lambda r: f"PLAN_REASON_{r.name}")
 REASON_FROM_PB = {v: k for k, v in REASON_TO_PB.items()}
 
 

@@ -4,17 +4,26 @@ A reader turns a message into a contract value or raises :class:`FieldError`, wh
 starts with the field's path (``"retrieval.samples_s[3]: must be ..."``); the allocator's
 servicer answers it with INVALID_ARGUMENT. Readers never fix input up. The limits bound what
 one message may make a process hold.
+
+A Python enum meets its protobuf enum through :func:`pb_numbers`, which looks each member up
+by name in the generated code: a member added on one side only fails at import, naming it,
+instead of going out under another member's number (as a hand-copied table let it).
 """
 
 from __future__ import annotations
 
+import enum
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from argus import defaults, rpc
 from argus.types import ProfileSet, Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
+common_pb2: Any = rpc.load("common_pb2")
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 MAX_ID_CHARS = defaults.MAX_WIRE_ID_CHARS
 MAX_ARRIVALS = 100_000  # per router report: 1 s of 100k requests/s
@@ -22,7 +31,21 @@ MAX_CLASSIFIED = 100_000  # level names per strategy per router report
 MAX_SAMPLES = 4096  # retrieval samples per heartbeat
 MAX_COUNT = 100_000  # retrievals (summarised or failed) per heartbeat
 
-STRATEGY_TO_PB = {Strategy.AC: 1, Strategy.SM: 2}  # argus.v1.Strategy; 0 is unspecified
+
+def pb_numbers(
+    members: type[_E], pb_enum: Any, pb_name: Callable[[_E], str] = lambda m: m.name
+) -> dict[_E, int]:
+    """Each member of ``members`` → the number of the value ``pb_name(member)`` (by default
+    the member's name) of the generated enum ``pb_enum`` (``common_pb2.Strategy``,
+    ``worker_pb2.Progress.Stage``, ...). Raises ValueError at import when a member has no
+    value of that name, or two members share one."""
+    numbers = {member: int(pb_enum.Value(pb_name(member))) for member in members}
+    if len(set(numbers.values())) != len(numbers):
+        raise ValueError(f"{members.__name__}: two members map to one protobuf value")
+    return numbers
+
+
+STRATEGY_TO_PB = pb_numbers(Strategy, common_pb2.Strategy)  # 0 (unspecified) is no strategy
 STRATEGY_FROM_PB = {v: k for k, v in STRATEGY_TO_PB.items()}
 
 

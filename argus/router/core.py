@@ -71,16 +71,15 @@ from argus.router.metrics import RouterMetrics
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.router.scheduler import NoLiveWorkerError, TimeOf
 from argus.router.service_times import ServiceTimeConfig, ServiceTimes
+from argus.contracts.generate import GenerateCall as WorkerCall
+from argus.contracts.generate import GenerateResult as WorkerReply
+from argus.contracts.generate import Progress, Stage
 from argus.router.values import (
-    Progress,
     Refusal,
     RouterError,
     RouterReply,
     RouterRequest,
     RouterTiming,
-    Stage,
-    WorkerCall,
-    WorkerReply,
 )
 from argus.slo import default_slo_s
 from argus.types import MeasuredLatency, ProfileSet, RouteDecision, Strategy

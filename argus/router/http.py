@@ -82,10 +82,8 @@ from uvicorn.server import ServerState
 
 from argus.request_limits import InvalidRequestError, check_image, parse_size
 from argus.router.core import CallCancel, ProgressSink, RouterCore
+from argus.contracts.generate import Adapter, AdapterKind, Progress
 from argus.router.values import (
-    Adapter,
-    AdapterKind,
-    Progress,
     Refusal,
     RouterError,
     RouterReply,

@@ -18,11 +18,13 @@ from typing import Any, NoReturn
 import grpc
 
 from argus import rpc
+from argus.contracts import generate
+from argus.contracts.generate import Progress
 from argus.contracts.plans import PublishedPlan
 from argus.grpc_server import set_serving
 from argus.router import convert
 from argus.router.core import CallCancel, RouterCore
-from argus.router.values import Progress, RouterError, RouterReply
+from argus.router.values import RouterError, RouterReply
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
@@ -73,7 +75,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
             if isinstance(event, BaseException):
                 raise event
             if isinstance(event, Progress):
-                yield router_pb2.RouterGenerateEvent(progress=convert.progress_to_pb(event))
+                yield router_pb2.RouterGenerateEvent(progress=generate.progress_to_pb(event))
             else:
                 yield router_pb2.RouterGenerateEvent(response=convert.reply_to_pb(event))
                 return

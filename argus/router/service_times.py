@@ -8,7 +8,7 @@ from the profile alone admits work it cannot finish (so requests time out at the
 instead of being refused at arrival) or refuses work it could serve.
 
 :class:`ServiceTimes` learns, per worker and level, what a request costs there from the
-timings every reply already carries (:class:`~argus.router.values.WorkerTiming`):
+timings every reply already carries (:class:`~argus.contracts.generate.Timing`):
 
 * the **service time** of a reply is ``total_ms - queue_ms`` (the worker's time from taking the
   GPU slot to the answer); its denoising part ``denoise_ms`` scales with the request's cost

@@ -3,8 +3,8 @@
 
 It keeps one channel per worker address (:class:`WorkerChannels`), each with the worker's
 health ``Watch`` stream held open (see there), converts the core's
-:class:`~argus.router.values.WorkerCall` to a ``GenerateRequest`` and the worker's answer and
-progress back (:mod:`argus.router.convert`), passes the call's cancel on to the gRPC call,
+:class:`~argus.contracts.generate.GenerateCall` to a ``GenerateRequest`` and the worker's answer
+and progress back (:mod:`argus.contracts.generate`), passes the call's cancel on to the gRPC call,
 turns a failed call's status into a :class:`~argus.router.core.WorkerError`, and refuses an
 image of another size than the call asked for (:func:`check_reply_size`).
 """
@@ -22,10 +22,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from argus import rpc
+from argus.contracts import generate
+from argus.contracts.generate import GenerateCall, GenerateResult
 from argus.grpc_server import reconnect_options
 from argus.router import convert
 from argus.router.core import CallCancel, ProgressSink, WorkerError
-from argus.router.values import Refusal, WorkerCall, WorkerReply
+from argus.router.values import Refusal
 
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
@@ -142,13 +144,13 @@ class GrpcWorkers:
     def generate(
         self,
         address: str,
-        call: WorkerCall,
+        call: GenerateCall,
         *,
         timeout_s: float,
         cancel: CallCancel,
         progress: ProgressSink | None,
-    ) -> WorkerReply:
-        message = convert.worker_call_to_pb(call)
+    ) -> GenerateResult:
+        message = generate.call_to_pb(call)
         stub = self.channels.stub(address)
         try:
             if progress is None:
@@ -165,7 +167,7 @@ class GrpcWorkers:
             raise WorkerError(Refusal.CANCELLED, "the client cancelled the request") from None
         finally:
             cancel.attach(None)
-        answer = convert.worker_reply_from_pb(reply)
+        answer = generate.result_from_pb(reply)
         check_reply_size(call, answer, address)
         return answer
 
@@ -181,11 +183,11 @@ def _stream_reply(events: Any, progress: ProgressSink) -> Any:
     for event in events:
         if event.WhichOneof("event") == "response":
             return event.response
-        progress(convert.progress_from_pb(event.progress))
+        progress(generate.progress_from_pb(event.progress))
     raise WorkerError(Refusal.FAILED, "its stream ended without an image")
 
 
-def check_reply_size(call: WorkerCall, reply: WorkerReply, address: str) -> None:
+def check_reply_size(call: GenerateCall, reply: GenerateResult, address: str) -> None:
     """WorkerError (FAILED) when the worker's PNG is not the width × height the call asked
     for: a faulty or rogue worker's bytes are not passed on. A size the call left to the
     worker's default is not checked."""

@@ -43,14 +43,15 @@ as soon as the stopped one's current block ends. They are counted by reason ("ca
 "expired") and stage ("queued": never got the GPU; "running": got it) in :meth:`Worker.stats`,
 skipped decodes also as ``decodes_skipped``.
 
-Timing (``GenerateResult.timing_ms``, the reply's ``Timing``): ``queue_ms`` is the wait for
-the GPU slot, from the request's admission to the queue until it took the slot; ``total_ms``
-is from the admission until :meth:`Worker.generate` returns (the gRPC servicer replaces it
-with the time from the call's arrival at its handler until its reply is ready). So
-``total_ms - queue_ms`` is the worker's service time of the request, which routers learn.
-Inside it: ``encode_ms`` (text encoding and the starting latents), ``denoise_ms`` (the
-denoising loop), ``decode_ms`` (the VAE decode and the PNG), and on AC levels ``embed_ms``,
-``search_ms``, ``fetch_ms`` (the cache lookup); adapters add their own.
+Timing (``GenerateResult.timing``, a :class:`~argus.contracts.generate.Timing`): ``queue_ms``
+is the wait for the GPU slot, from the request's admission to the queue until it took the
+slot; ``total_ms`` is from the admission until :meth:`Worker.generate` returns (the gRPC
+servicer replaces it with the time from the call's arrival at its handler until its reply is
+ready). So ``total_ms - queue_ms`` is the worker's service time of the request, which routers
+learn. Inside it: ``encode_ms`` (text encoding and the starting latents), ``denoise_ms`` (the
+denoising loop), ``decode_ms`` (the VAE decode and the PNG), and on AC levels ``search_ms``,
+``fetch_ms`` (the cache lookup); adapters add their waits (``lora_wait_ms``,
+``controlnet_wait_ms``).
 
 One thread computes: every pipeline run (the cache's prompt encoder, denoising, decoding)
 happens on the worker's *device thread*, whichever thread called :meth:`Worker.generate` (the
@@ -61,11 +62,14 @@ the gRPC server's handler threads, every pool thread that ever won the slot kept
 threads' worth, gathered one by one as concurrency peaks created pool threads, which was the
 soak's slow creep of a worker's memory. One device thread bounds it to one thread's worth.
 
+The request, its result and its progress are the Generate contract's values
+(:mod:`argus.contracts.generate`), the very ones the router sends and reads.
+
 Progress: a caller that passes ``progress`` to :meth:`Worker.generate` hears where the request
-stands (:class:`Progress`): queued with the requests ahead of it, running from its start step,
-each step done (with a low-resolution preview of the latent when the call asked for some),
-decoding. The sink runs on the denoising thread, so it must only hand the event over (the
-servicer puts it on a queue); the GPU slot is held while it runs.
+stands (:class:`~argus.contracts.generate.Progress`): queued with the requests ahead of it,
+running from its start step, each step done (with a low-resolution preview of the latent when
+the call asked for some), decoding. The sink runs on the denoising thread, so it must only
+hand the event over (the servicer puts it on a queue); the GPU slot is held while it runs.
 
 Adapters (LoRAs, ControlNets) are checked with the rest of the request and run through
 :class:`~argus.worker.adapters.WorkerAdapters` (see there for how they meet the cache: a
@@ -81,8 +85,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -90,6 +93,14 @@ import numpy.typing as npt
 import torch
 
 from argus import defaults
+from argus.contracts.generate import (
+    CacheOutcome,
+    GenerateCall,
+    GenerateResult,
+    Progress,
+    Stage,
+    Timing,
+)
 from argus.quoting import quoted
 from argus.request_limits import (
     ImageLimits,
@@ -283,12 +294,6 @@ class DecodeTimes:
         return weighted[-1][0]
 
 
-class CacheOutcome(Enum):
-    NOT_USED = "not-used"
-    HIT = "hit"
-    MISS = "miss"
-
-
 class PromptEncoder(Protocol):
     def embed_one(self, prompt: str) -> npt.NDArray[np.float32]: ...
 
@@ -308,66 +313,7 @@ class WorkerConfig:
     assumes decodes are free until measured (nothing is skipped for want of a measurement)."""
 
 
-@dataclass(frozen=True)
-class GenerateCall:
-    """A request as the transport hands it over; ``None`` means absent."""
-
-    prompt: str
-    negative_prompt: str = ""
-    seed: int = 0
-    width: int | None = None
-    height: int | None = None
-    steps: int | None = None
-    level: str = ""
-    guidance_scale: float | None = None
-    request_id: str = ""
-    adapters: tuple[Any, ...] = ()
-    previews: int = 0
-    """Low-resolution previews of the latent to report through ``progress`` (0: none)."""
-
-
-class Stage(Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    STEP = "step"
-    DECODING = "decoding"
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where one request stands. ``queue_position``: requests ahead of it (QUEUED); ``step`` of
-    ``total_steps``: the step it starts at (RUNNING, K on a cache hit) or the steps done (STEP);
-    ``preview_png``: on the STEP events the call asked previews for; ``elapsed_s``: since the
-    request arrived at the worker."""
-
-    stage: Stage
-    elapsed_s: float
-    queue_position: int = 0
-    step: int = 0
-    total_steps: int = 0
-    preview_png: bytes = b""
-
-
 ProgressSink = Callable[[Progress], None]
-
-
-@dataclass
-class GenerateResult:
-    request_id: str
-    png: bytes
-    level: str
-    strategy: Strategy
-    model: str
-    scheduler: str
-    steps_run: int
-    start_step: int
-    cache: CacheOutcome
-    cache_miss_reason: str = ""
-    similarity: float = 0.0
-    substituted: bool = False
-    timing_ms: dict[str, float] = field(default_factory=dict)
-    image_size: tuple[int, int] = (0, 0)
-    adapter_path: str = ""  # "", "plain" (LoRAs only), "controlnet" or "latent-parallel"
 
 
 @dataclass(frozen=True)
@@ -530,6 +476,11 @@ class Worker:
             steps=steps,
             guidance_scale=call.guidance_scale or 0.0,
         )
+        for i, adapter in enumerate(call.adapters):  # the adapters' plan reads known kinds only
+            if adapter.kind is None:
+                raise InvalidRequestError(
+                    f"adapters[{i}].kind", "unspecified or unknown, not LORA or CONTROLNET"
+                )
         plan = self.adapters.plan(call.adapters) if self.adapters is not None else NO_ADAPTERS
         return spec, level, plan
 
@@ -556,7 +507,11 @@ class Worker:
             ahead, finished = self._queued, self._finished
             self._queued += 1
         admitted = time.perf_counter()
-        report = None if progress is None else _Reporter(progress, admitted, call.previews)
+        report = (
+            None
+            if progress is None
+            else _Reporter(progress, admitted, call.previews, self.config.worker_id)
+        )
         stage = "queued"
         try:
             pixels = spec.width * spec.height
@@ -575,8 +530,12 @@ class Worker:
                 )
             finally:
                 self._slots.release()
-            result.timing_ms["queue_ms"] = (started - admitted) * 1e3
-            result.timing_ms["total_ms"] = (time.perf_counter() - admitted) * 1e3
+            timing = replace(
+                result.timing,
+                queue_ms=(started - admitted) * 1e3,
+                total_ms=(time.perf_counter() - admitted) * 1e3,
+            )
+            result = replace(result, timing=timing)
             with self._lock:
                 self._counts["completed"] += 1
                 self._counts["substituted"] += result.substituted
@@ -673,7 +632,8 @@ class Worker:
             model = self.registry.active()
             if model is None:
                 raise NoModelError("no model is loaded yet")
-        timing: dict[str, float] = {}
+        search_ms = fetch_ms = 0.0
+        adapter_ms: dict[str, float] = {}  # the adapters' own timings (WorkerAdapters.attach)
         outcome = CacheOutcome.NOT_USED
         miss_reason = ""
         similarity = 0.0
@@ -687,12 +647,9 @@ class Worker:
         if use_cache and plan.controls:  # the control's structure is set in the skipped steps
             outcome, miss_reason = CacheOutcome.MISS, "controlnet"
         elif use_cache and self.encoder is not None:
-            began = time.perf_counter()
             embedding = self.encoder.embed_one(spec.prompt)
-            timing["embed_ms"] = (time.perf_counter() - began) * 1e3
             found = self.cache.lookup(embedding, key, level.skip_steps)  # type: ignore[union-attr]
-            timing["search_ms"] = found.search_s * 1e3
-            timing["fetch_ms"] = found.fetch_s * 1e3
+            search_ms, fetch_ms = found.search_s * 1e3, found.fetch_s * 1e3
             if hasattr(found, "latent"):
                 outcome = CacheOutcome.HIT
                 start_latents = found.latent
@@ -718,19 +675,16 @@ class Worker:
         if report is not None:
             hooks = (report.running(start_step, spec.steps),)
         result, adapter_path = self._denoise(
-            model, spec, plan, request_id, start_latents, start_step, capture, timing, cancel,
+            model, spec, plan, request_id, start_latents, start_step, capture, adapter_ms, cancel,
             hooks,
         )  # fmt: skip
         cancel.check(result.steps_run)  # decoding a large image is worth skipping too
         self._check_decode_fits(spec, cancel, result.steps_run)
         if report is not None:
             report.decoding(spec.steps)
-        timing["encode_ms"] = result.encode_s * 1e3
-        timing["denoise_ms"] = result.denoise_s * 1e3
         began = time.perf_counter()
-        png, size = self._decode(model, result.latents, cancel, result.steps_run)
+        png = self._decode(model, result.latents, cancel, result.steps_run)
         decode_s = time.perf_counter() - began
-        timing["decode_ms"] = decode_s * 1e3
         self.decode_times.observe(spec.width * spec.height, decode_s)
         if feeds_cache and result.captured:
             self._insert_later(spec.prompt, embedding, key, result.captured)
@@ -746,9 +700,17 @@ class Worker:
             cache=outcome,
             cache_miss_reason=miss_reason,
             similarity=similarity,
+            timing=Timing(
+                search_ms=search_ms,
+                fetch_ms=fetch_ms,
+                encode_ms=result.encode_s * 1e3,
+                denoise_ms=result.denoise_s * 1e3,
+                decode_ms=decode_s * 1e3,
+                lora_wait_ms=adapter_ms.get("lora_wait_ms", 0.0),
+                controlnet_wait_ms=adapter_ms.get("controlnet_wait_ms", 0.0),
+            ),
+            worker_id=self.config.worker_id,
             substituted=substituted,
-            timing_ms=timing,
-            image_size=size,
             adapter_path=adapter_path,
         )
 
@@ -764,8 +726,8 @@ class Worker:
 
     def _decode(
         self, model: DiffusionModel, latents: torch.Tensor, cancel: CancelToken, steps: int
-    ) -> tuple[bytes, tuple[int, int]]:
-        """The PNG of ``latents`` and its size; raises :class:`Cancelled` (with ``steps`` run) when
+    ) -> bytes:
+        """The PNG of ``latents``; raises :class:`Cancelled` (with ``steps`` run) when
         ``cancel`` says stop during the decode or before the PNG is encoded (PIL's encoder
         cannot be interrupted: 0.5 s at 2048×2048 on this project's CPU, measured)."""
         try:
@@ -778,7 +740,7 @@ class Worker:
         image.save(png, format="PNG")
         with self._lock:
             self._counts["decodes"] += 1
-        return png.getvalue(), image.size
+        return png.getvalue()
 
     def _denoise(
         self,
@@ -789,12 +751,13 @@ class Worker:
         start_latents: torch.Tensor | None,
         start_step: int,
         capture: tuple[int, ...],
-        timing: dict[str, float],
+        adapter_ms: dict[str, float],
         cancel: CancelToken,
         hooks: tuple[StepHook, ...] = (),
     ) -> tuple[DenoiseResult, str]:
-        """Denoise with the request's adapters; returns the result and the adapter path.
-        ``hooks`` run after each step, after the adapters' own."""
+        """Denoise with the request's adapters; returns the result and the adapter path, and
+        puts the adapters' timings into ``adapter_ms``. ``hooks`` run after each step, after
+        the adapters' own."""
 
         def run(**extra: Any) -> DenoiseResult:
             step_hooks = (*extra.pop("hooks", ()), *hooks)
@@ -816,7 +779,7 @@ class Worker:
         try:
             with self.adapters.attach(model, spec, plan, request_id) as extras:
                 result = run(**extras.kwargs())
-            timing.update(extras.timing_ms)
+            adapter_ms.update(extras.timing_ms)
             return result, extras.path
         except PeerFailedError as err:  # the peer died: this request reruns on one device
             log.warning(
@@ -825,7 +788,7 @@ class Worker:
             self.adapters.note_peer_failure()
         with self.adapters.attach(model, spec, plan, request_id) as extras:
             result = run(**extras.kwargs())
-        timing.update(extras.timing_ms)
+        adapter_ms.update(extras.timing_ms)
         return result, extras.path
 
     # -- the cache -------------------------------------------------------------------------
@@ -927,14 +890,16 @@ class Worker:
 class _Reporter:
     """Turns one request's path through the worker into :class:`Progress` events."""
 
-    def __init__(self, sink: ProgressSink, arrived: float, previews: int) -> None:
+    def __init__(self, sink: ProgressSink, arrived: float, previews: int, worker_id: str) -> None:
         self._sink = sink
         self._arrived = arrived
         self._previews = previews
+        self._worker_id = worker_id
         self._position: int | None = None
 
     def _send(self, stage: Stage, **fields: Any) -> None:
-        self._sink(Progress(stage, time.perf_counter() - self._arrived, **fields))
+        elapsed_ms = (time.perf_counter() - self._arrived) * 1e3
+        self._sink(Progress(stage, worker_id=self._worker_id, elapsed_ms=elapsed_ms, **fields))
 
     def queued(self, position: int) -> None:
         if position != self._position:  # the wait polls; say only what changed

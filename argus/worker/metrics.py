@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from argus.worker.engine import GenerateResult
+from argus.contracts.generate import GenerateResult
 
 # latency buckets from 50 ms (tiny models on a CPU) to 2 min (SDXL at K = 0 on a slow GPU)
 LATENCY_BUCKETS = (
@@ -97,11 +97,10 @@ class WorkerMetrics:
         self.queue_length.set_function(length)
 
     def observe(self, result: GenerateResult) -> None:
-        t = result.timing_ms
-        self.latency.labels(result.level, result.strategy.value, result.cache.value).observe(
-            t.get("total_ms", 0.0) / 1e3
-        )
-        self.queue_wait.observe(t.get("queue_ms", 0.0) / 1e3)
+        strategy = "" if result.strategy is None else result.strategy.value
+        cache = "" if result.cache is None else result.cache.value
+        self.latency.labels(result.level, strategy, cache).observe(result.timing.total_ms / 1e3)
+        self.queue_wait.observe(result.timing.queue_ms / 1e3)
         if result.substituted:
             self.substituted.inc()
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from argus.contracts.generate import QualityScore
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SAMPLE = 0.05  # share of images scored by default (argus worker --score-sample)
@@ -49,16 +51,6 @@ class Scorer(Protocol):
     """What scores images (``PickScorer`` implements it)."""
 
     def score(self, prompt: str, images: Sequence[Any]) -> list[float]: ...
-
-
-@dataclass(frozen=True)
-class QualityScore:
-    """One sampled image's score."""
-
-    prompt: str
-    level: str  # the level that served it
-    score: float  # PickScore (about 20 for a good SD image with the real model)
-    request_id: str = ""
 
 
 @dataclass(frozen=True)

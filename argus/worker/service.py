@@ -1,7 +1,8 @@
 """The worker's gRPC service (``argus.v1.Worker``), standard health checking and reflection.
 
-The servicer only converts protobuf ↔ :mod:`argus.worker.engine` values and maps errors to
-status codes; the work is the engine's:
+The servicer only converts and delegates: Generate's messages convert in the contract both
+sides share (:mod:`argus.contracts.generate`), and the servicer maps errors to status codes;
+the work is the engine's:
 
 * :class:`~argus.request_limits.InvalidRequestError` → ``INVALID_ARGUMENT`` naming the field;
 * :class:`~argus.worker.engine.QueueFullError` → ``RESOURCE_EXHAUSTED``;
@@ -36,27 +37,30 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health
 
 from argus import rpc
-from argus.contracts.wire import STRATEGY_TO_PB as _STRATEGY_TO_PB
+from argus.contracts.generate import (
+    GenerateResult,
+    Progress,
+    call_from_pb,
+    progress_to_pb,
+    result_to_pb,
+)
+from argus.contracts.wire import STRATEGY_FROM_PB, STRATEGY_TO_PB, pb_numbers
 from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from argus.internal_tls import InternalTLS, server_security
 from argus.request_limits import InvalidRequestError
 from argus.types import Strategy
 from argus.worker.adapters import adapter_status
 from argus.worker.engine import (
-    CacheOutcome,
     DecodeSkipped,
-    GenerateCall,
-    GenerateResult,
     NoModelError,
-    Progress,
     QueueFullError,
-    Stage,
     Worker,
     WorkerStats,
 )
@@ -65,7 +69,6 @@ from argus.worker.pipelines import Cancelled, CancelToken
 from argus.worker.registry import LoadState, MemoryGuardError, ModelInfo, UnknownModelError
 from argus.worker.scoring import ScoreSampler
 
-common_pb2: Any = rpc.load("common_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 
@@ -73,73 +76,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "argus.v1.Worker"
 
-_CACHE_TO_PB = {CacheOutcome.NOT_USED: 1, CacheOutcome.HIT: 2, CacheOutcome.MISS: 3}
-_STATE_TO_PB = {LoadState.LOADING: 1, LoadState.READY: 2, LoadState.FAILED: 3}
+_STATE_TO_PB = pb_numbers(LoadState, worker_pb2.ModelState.State)
 
 
-# -- conversions ---------------------------------------------------------------------------
-
-
-def call_from_pb(request: Any) -> GenerateCall:
-    return GenerateCall(
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
-        seed=request.seed,
-        width=request.width if request.HasField("width") else None,
-        height=request.height if request.HasField("height") else None,
-        steps=request.steps if request.HasField("steps") else None,
-        level=request.level,
-        guidance_scale=request.guidance_scale if request.HasField("guidance_scale") else None,
-        request_id=request.request_id,
-        adapters=tuple(request.adapters),
-        previews=request.previews,
-    )
-
-
-_STAGE_TO_PB = {Stage.QUEUED: 2, Stage.RUNNING: 3, Stage.STEP: 4, Stage.DECODING: 5}
-
-
-def progress_to_pb(progress: Progress, worker_id: str) -> Any:
-    return worker_pb2.Progress(
-        stage=_STAGE_TO_PB[progress.stage],
-        queue_position=progress.queue_position,
-        step=progress.step,
-        total_steps=progress.total_steps,
-        worker_id=worker_id,
-        preview_png=progress.preview_png,
-        elapsed_ms=progress.elapsed_s * 1e3,
-    )
-
-
-def result_to_pb(result: GenerateResult, worker_id: str) -> Any:
-    t = result.timing_ms
-    return worker_pb2.GenerateResponse(
-        request_id=result.request_id,
-        png=result.png,
-        level=result.level,
-        strategy=_STRATEGY_TO_PB[result.strategy],
-        model=result.model,
-        steps_run=result.steps_run,
-        start_step=result.start_step,
-        cache=_CACHE_TO_PB[result.cache],
-        cache_miss_reason=result.cache_miss_reason,
-        similarity=result.similarity,
-        timing=worker_pb2.Timing(
-            queue_ms=t.get("queue_ms", 0.0),
-            search_ms=t.get("search_ms", 0.0),
-            fetch_ms=t.get("fetch_ms", 0.0),
-            encode_ms=t.get("encode_ms", 0.0),
-            denoise_ms=t.get("denoise_ms", 0.0),
-            decode_ms=t.get("decode_ms", 0.0),
-            total_ms=t.get("total_ms", 0.0),
-            lora_wait_ms=t.get("lora_wait_ms", 0.0),
-            controlnet_wait_ms=t.get("controlnet_wait_ms", 0.0),
-        ),
-        worker_id=worker_id,
-        substituted=result.substituted,
-        scheduler=result.scheduler,
-        adapter_path=result.adapter_path,
-    )
+# -- the Stats and Configure messages --------------------------------------------------------
 
 
 def model_to_pb(info: ModelInfo) -> Any:
@@ -158,7 +98,7 @@ def stats_to_pb(stats: WorkerStats) -> Any:
     cache = stats.cache
     message = worker_pb2.StatsResponse(
         worker_id=stats.worker_id,
-        strategy=_STRATEGY_TO_PB[stats.strategy],
+        strategy=STRATEGY_TO_PB[stats.strategy],
         level=stats.level,
         queue_length=stats.queue_length,
         completed=stats.completed,
@@ -186,7 +126,8 @@ def stats_to_pb(stats: WorkerStats) -> Any:
 
 
 def strategy_from_pb(value: int) -> Strategy | None:
-    return {1: Strategy.AC, 2: Strategy.SM}.get(value)
+    """A Configure call's strategy; unset or unknown is None (the level's applies)."""
+    return STRATEGY_FROM_PB.get(value)
 
 
 # -- the servicer --------------------------------------------------------------------------
@@ -283,11 +224,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
                 events.put(err)
 
         threading.Thread(target=run, name="grpc-stream", daemon=True).start()
-        worker_id = self.worker.config.worker_id
         while True:
             event = events.get()
             if isinstance(event, Progress):
-                yield worker_pb2.GenerateEvent(progress=progress_to_pb(event, worker_id))
+                yield worker_pb2.GenerateEvent(progress=progress_to_pb(event))
             elif isinstance(event, GenerateResult):
                 reply = self._answer(call.prompt, event, arrived)
                 yield worker_pb2.GenerateEvent(response=reply)
@@ -298,19 +238,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
     def _answer(self, prompt: str, result: GenerateResult, arrived: float) -> Any:
         """The reply to a served call that reached the handler at ``arrived``; its
         ``total_ms`` is set last, when the reply is ready."""
-        reply = result_to_pb(result, self.worker.config.worker_id)
         if self.scores is not None:  # earlier images' scores ride on this reply
             self.scores.offer(prompt, result.level, result.png, result.request_id)
-            reply.scores.extend(
-                worker_pb2.QualityScore(
-                    prompt=s.prompt, level=s.level, score=s.score, request_id=s.request_id
-                )
-                for s in self.scores.take()
-            )
-        result.timing_ms["total_ms"] = (time.perf_counter() - arrived) * 1e3
-        reply.timing.total_ms = result.timing_ms["total_ms"]
+            result = replace(result, scores=tuple(self.scores.take()))
+        reply = result_to_pb(result)
+        total_ms = (time.perf_counter() - arrived) * 1e3
+        reply.timing.total_ms = total_ms
         if self.metrics is not None:
-            self.metrics.observe(result)
+            self.metrics.observe(replace(result, timing=replace(result.timing, total_ms=total_ms)))
         return reply
 
     def _abort(self, err: BaseException, context: grpc.ServicerContext) -> NoReturn:
@@ -347,7 +282,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         self.update_health()
         stats = self.worker.stats()
         return worker_pb2.ConfigureResponse(
-            strategy=_STRATEGY_TO_PB[stats.strategy],
+            strategy=STRATEGY_TO_PB[stats.strategy],
             level=stats.level,
             models=[model_to_pb(m) for m in stats.models],
         )

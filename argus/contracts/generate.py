@@ -1,0 +1,390 @@
+"""The Generate call between a router and a worker (``argus.v1.Worker/Generate``,
+``GenerateStream``), as one set of typed values with both halves of its conversion.
+
+The router builds a :class:`GenerateCall`, the worker's engine serves it and answers a
+:class:`GenerateResult` (with its :class:`Timing` and the :class:`QualityScore` of earlier
+images) after :class:`Progress` events on a stream. Both sides import these values from here,
+so a field exists once: what the call will gain next (an input image, a mask and a strength
+for img2img and inpainting) goes on :class:`GenerateCall` and into :func:`call_to_pb` /
+:func:`call_from_pb`, and reaches the engine without another copy.
+
+Optional fields of the call are None where the message leaves them unset (the worker's
+default applies); enums the sender left unset, or that this reader does not know, are None
+(cache outcome, strategy, adapter kind) or :attr:`Stage.UNSPECIFIED`: reading never refuses,
+the checks stay with the engine (:meth:`~argus.worker.engine.Worker.validate`) and the
+router's core (:func:`~argus.router.core.check_request`). Durations are milliseconds, as the
+messages carry them, so a value converts to its message and back unchanged. Each enum's
+numbers come from the generated code by name (:func:`~argus.contracts.wire.pb_numbers`).
+
+The generated code loads with the first conversion (:func:`codec`), not with the values: the
+router's core serves on these values and loads no protobuf module (its messages are its
+transports' business).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from argus.types import Strategy
+
+
+class AdapterKind(enum.Enum):
+    """What an adapter is (``argus.v1.Adapter.Kind``); the values are the HTTP API's names."""
+
+    LORA = "lora"  # merged into the UNet
+    CONTROLNET = "controlnet"  # conditioned on ``control_image``
+
+    def __int__(self) -> int:
+        """Its ``argus.v1.Adapter.Kind`` number: the worker's adapter planning
+        (:meth:`~argus.worker.adapters.WorkerAdapters.plan`) reads a kind as a number, from
+        this value or from an ``argus.v1.Adapter`` alike."""
+        return codec().adapter_to_pb[self]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One adapter a request asks for (``argus.v1.Adapter``)."""
+
+    kind: AdapterKind | None  # None: unspecified or unknown on the wire (refused)
+    name: str
+    scale: float  # 0: unset, diffusers' default 1 applies
+    control_image: bytes = b""  # PNG, ControlNets only
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """What a router asks one worker for (``GenerateRequest``); None: absent, the worker's
+    default applies. The worker checks it (:meth:`~argus.worker.engine.Worker.validate`)."""
+
+    prompt: str
+    level: str = ""  # a level of the worker's profile; "": its configured level
+    negative_prompt: str = ""
+    seed: int = 0
+    width: int | None = None  # pixels
+    height: int | None = None
+    steps: int | None = None  # N
+    guidance_scale: float | None = None  # None: the model's default
+    adapters: tuple[Adapter, ...] = ()
+    request_id: str = ""
+    previews: int = 0  # low-resolution previews of the latent to stream (0: none)
+
+
+class Stage(enum.Enum):
+    """Where a request stands (``argus.v1.Progress.Stage``); the values are the protobuf
+    names in lower case, which the router's HTTP stream sends as they are."""
+
+    UNSPECIFIED = "stage_unspecified"  # an event without a stage
+    ROUTED = "routed"  # the router chose the level and the worker
+    QUEUED = "queued"  # waiting for the worker's GPU slot
+    RUNNING = "running"  # denoising starts at ``step``
+    STEP = "step"  # ``step`` of ``total_steps`` are done
+    DECODING = "decoding"  # the latent is being decoded
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One progress event of a streamed request: the router's ROUTED, then the worker's.
+    ``queue_position``: requests ahead of it (QUEUED); ``step`` of ``total_steps``: the step
+    it starts at (RUNNING, K on a cache hit) or the steps done (STEP)."""
+
+    stage: Stage
+    queue_position: int = 0
+    step: int = 0
+    total_steps: int = 0
+    level: str = ""  # ROUTED: the level chosen
+    worker_id: str = ""  # the worker chosen (ROUTED) or sending the event
+    preview_png: bytes = b""  # STEP events with a preview
+    elapsed_ms: float = 0.0  # since the request arrived at the process that sent the event
+
+
+class CacheOutcome(enum.Enum):
+    """Whether a request resumed from a cached latent (``argus.v1.CacheOutcome``); the values
+    label the worker's latency metric."""
+
+    NOT_USED = "not-used"  # a full generation by design (K = 0 or SM)
+    HIT = "hit"  # resumed from a cached latent at step K
+    MISS = "miss"  # wanted a cached latent, fell back to a full generation
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The worker's own breakdown of a request, milliseconds (``argus.v1.Timing``).
+
+    ``queue_ms`` is the wait for the GPU slot; ``total_ms`` runs from the call's arrival at
+    the worker until its reply is ready, so ``total_ms - queue_ms`` is the service time that
+    routers learn. Inside it: ``search_ms`` and ``fetch_ms`` (the cache lookup),
+    ``encode_ms`` (text encoding and the starting latents), ``denoise_ms``, ``decode_ms``
+    (VAE and PNG); ``lora_wait_ms`` and ``controlnet_wait_ms``: the adapters' waits."""
+
+    queue_ms: float = 0.0
+    search_ms: float = 0.0
+    fetch_ms: float = 0.0
+    encode_ms: float = 0.0
+    denoise_ms: float = 0.0
+    decode_ms: float = 0.0
+    total_ms: float = 0.0
+    lora_wait_ms: float = 0.0
+    controlnet_wait_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class QualityScore:
+    """An earlier image's score a worker sends on a reply (for the router's drift monitor)."""
+
+    prompt: str
+    level: str  # the level that served it
+    score: float  # PickScore (about 20 for a good SD image with the real model)
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """A worker's answer (``GenerateResponse``); enums the worker left unset are None."""
+
+    request_id: str = ""
+    png: bytes = b""
+    level: str = ""  # the level served
+    strategy: Strategy | None = None
+    model: str = ""
+    steps_run: int = 0  # N - K on a hit, N otherwise
+    start_step: int = 0  # K on a hit, 0 otherwise
+    cache: CacheOutcome | None = None
+    cache_miss_reason: str = ""
+    similarity: float = 0.0  # of the cached prompt, on a hit
+    timing: Timing = field(default_factory=Timing)
+    worker_id: str = ""
+    substituted: bool = False  # the worker's active model served in place of the level's
+    scheduler: str = ""
+    adapter_path: str = ""  # "", "plain" (LoRAs only), "controlnet" or "latent-parallel"
+    scores: tuple[QualityScore, ...] = ()  # earlier requests' scores
+
+
+@dataclass(frozen=True)
+class Codec:
+    """The generated modules and each enum's numbers, by name (:func:`codec`)."""
+
+    common_pb2: Any
+    worker_pb2: Any
+    adapter_to_pb: dict[AdapterKind, int]
+    stage_to_pb: dict[Stage, int]
+    cache_to_pb: dict[CacheOutcome, int]
+    strategy_to_pb: dict[Strategy, int]
+
+    @functools.cached_property
+    def adapter_from_pb(self) -> dict[int, AdapterKind]:
+        return {v: k for k, v in self.adapter_to_pb.items()}
+
+    @functools.cached_property
+    def stage_from_pb(self) -> dict[int, Stage]:
+        return {v: k for k, v in self.stage_to_pb.items()}
+
+    @functools.cached_property
+    def cache_from_pb(self) -> dict[int, CacheOutcome]:
+        return {v: k for k, v in self.cache_to_pb.items()}
+
+    @functools.cached_property
+    def strategy_from_pb(self) -> dict[int, Strategy]:
+        return {v: k for k, v in self.strategy_to_pb.items()}
+
+
+@functools.cache
+def codec() -> Codec:
+    """Loads the generated code on the first conversion; raises ValueError when an enum here
+    and its protobuf enum disagree on a name (see :func:`~argus.contracts.wire.pb_numbers`)."""
+    from argus import rpc
+    from argus.contracts.wire import STRATEGY_TO_PB, pb_numbers
+
+    common_pb2: Any = rpc.load("common_pb2")
+    worker_pb2: Any = rpc.load("worker_pb2")
+    return Codec(
+        common_pb2=common_pb2,
+        worker_pb2=worker_pb2,
+        adapter_to_pb=pb_numbers(AdapterKind, common_pb2.Adapter.Kind),
+        # a stage's value is its protobuf name in lower case (the HTTP stream's names)
+        stage_to_pb=pb_numbers(Stage, worker_pb2.Progress.Stage, lambda s: s.value.upper()),
+        cache_to_pb=pb_numbers(CacheOutcome, worker_pb2.CacheOutcome, lambda c: f"CACHE_{c.name}"),
+        strategy_to_pb=STRATEGY_TO_PB,
+    )
+
+
+_OPTIONAL = ("width", "height", "steps", "guidance_scale")  # the call's optional fields
+_TIMING = tuple(f.name for f in fields(Timing))
+
+
+# -- the call ------------------------------------------------------------------------------
+
+
+def adapters_to_pb(adapters: Iterable[Adapter]) -> list[Any]:
+    c = codec()
+    return [
+        c.common_pb2.Adapter(
+            kind=0 if a.kind is None else c.adapter_to_pb[a.kind],
+            name=a.name,
+            scale=a.scale,
+            control_image=a.control_image,
+        )
+        for a in adapters
+    ]
+
+
+def adapters_from_pb(messages: Iterable[Any]) -> tuple[Adapter, ...]:
+    """The adapters of a message; an unspecified or unknown kind is None."""
+    c = codec()
+    return tuple(
+        Adapter(
+            kind=c.adapter_from_pb.get(m.kind),
+            name=m.name,
+            scale=m.scale,
+            control_image=bytes(m.control_image),
+        )
+        for m in messages
+    )
+
+
+def given(message: Any, name: str) -> Any:
+    """An optional field's value, None when the message leaves it unset."""
+    return getattr(message, name) if message.HasField(name) else None
+
+
+def call_to_pb(call: GenerateCall) -> Any:
+    c = codec()
+    message = c.worker_pb2.GenerateRequest(
+        request_id=call.request_id,
+        prompt=call.prompt,
+        negative_prompt=call.negative_prompt,
+        seed=call.seed,
+        level=call.level,
+        adapters=adapters_to_pb(call.adapters),
+        previews=call.previews,
+    )
+    for name in _OPTIONAL:
+        if (value := getattr(call, name)) is not None:
+            setattr(message, name, value)
+    return message
+
+
+def call_from_pb(message: Any) -> GenerateCall:
+    """A router's ``GenerateRequest``, unchecked."""
+    return GenerateCall(
+        prompt=message.prompt,
+        level=message.level,
+        negative_prompt=message.negative_prompt,
+        seed=message.seed,
+        width=given(message, "width"),
+        height=given(message, "height"),
+        steps=given(message, "steps"),
+        guidance_scale=given(message, "guidance_scale"),
+        adapters=adapters_from_pb(message.adapters),
+        request_id=message.request_id,
+        previews=message.previews,
+    )
+
+
+# -- progress ------------------------------------------------------------------------------
+
+
+def progress_to_pb(progress: Progress) -> Any:
+    c = codec()
+    return c.worker_pb2.Progress(
+        stage=c.stage_to_pb[progress.stage],
+        queue_position=progress.queue_position,
+        step=progress.step,
+        total_steps=progress.total_steps,
+        level=progress.level,
+        worker_id=progress.worker_id,
+        preview_png=progress.preview_png,
+        elapsed_ms=progress.elapsed_ms,
+    )
+
+
+def progress_from_pb(message: Any) -> Progress:
+    """A progress event; a stage this reader does not know is UNSPECIFIED."""
+    c = codec()
+    return Progress(
+        stage=c.stage_from_pb.get(message.stage, Stage.UNSPECIFIED),
+        queue_position=message.queue_position,
+        step=message.step,
+        total_steps=message.total_steps,
+        level=message.level,
+        worker_id=message.worker_id,
+        preview_png=bytes(message.preview_png),
+        elapsed_ms=message.elapsed_ms,
+    )
+
+
+# -- the result ----------------------------------------------------------------------------
+
+
+def timing_to_pb(timing: Timing) -> Any:
+    c = codec()
+    return c.worker_pb2.Timing(**{name: getattr(timing, name) for name in _TIMING})
+
+
+def timing_from_pb(message: Any) -> Timing:
+    return Timing(**{name: getattr(message, name) for name in _TIMING})
+
+
+def score_to_pb(score: QualityScore) -> Any:
+    c = codec()
+    return c.worker_pb2.QualityScore(
+        prompt=score.prompt, level=score.level, score=score.score, request_id=score.request_id
+    )
+
+
+def score_from_pb(message: Any) -> QualityScore:
+    return QualityScore(
+        prompt=message.prompt,
+        level=message.level,
+        score=message.score,
+        request_id=message.request_id,
+    )
+
+
+def result_to_pb(result: GenerateResult) -> Any:
+    c = codec()
+    return c.worker_pb2.GenerateResponse(
+        request_id=result.request_id,
+        png=result.png,
+        level=result.level,
+        strategy=0 if result.strategy is None else c.strategy_to_pb[result.strategy],
+        model=result.model,
+        steps_run=result.steps_run,
+        start_step=result.start_step,
+        cache=0 if result.cache is None else c.cache_to_pb[result.cache],
+        cache_miss_reason=result.cache_miss_reason,
+        similarity=result.similarity,
+        timing=timing_to_pb(result.timing),
+        worker_id=result.worker_id,
+        substituted=result.substituted,
+        scheduler=result.scheduler,
+        adapter_path=result.adapter_path,
+        scores=[score_to_pb(s) for s in result.scores],
+    )
+
+
+def result_from_pb(message: Any) -> GenerateResult:
+    """A worker's ``GenerateResponse``; a strategy or cache outcome it left unset (or one
+    this reader does not know) is None."""
+    c = codec()
+    return GenerateResult(
+        request_id=message.request_id,
+        png=bytes(message.png),
+        level=message.level,
+        strategy=c.strategy_from_pb.get(message.strategy),
+        model=message.model,
+        steps_run=message.steps_run,
+        start_step=message.start_step,
+        cache=c.cache_from_pb.get(message.cache),
+        cache_miss_reason=message.cache_miss_reason,
+        similarity=message.similarity,
+        timing=timing_from_pb(message.timing),
+        worker_id=message.worker_id,
+        substituted=message.substituted,
+        scheduler=message.scheduler,
+        adapter_path=message.adapter_path,
+        scores=tuple(score_from_pb(s) for s in message.scores),
+    )
