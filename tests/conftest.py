@@ -12,6 +12,28 @@ import pytest
 
 from tests.tls_factories import TestCA
 
+TIERS = ("unit", "integration", "e2e")
+"""The tiers every test belongs to, exactly one each (registered in pyproject.toml): ``unit``
+runs in one process with no server; ``integration`` starts several services in process or
+talks to one over real sockets or as a subprocess; ``e2e`` runs whole clusters (``argus up``,
+LocalCluster)."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: every collected test is checked
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Refuse to run when a test has no tier marker, or more than one, naming the tests."""
+    wrong = [
+        item.nodeid
+        for item in items
+        if sum(item.get_closest_marker(tier) is not None for tier in TIERS) != 1
+    ]
+    if wrong:
+        shown = ", ".join(wrong[:10]) + (f" and {len(wrong) - 10} more" if len(wrong) > 10 else "")
+        raise pytest.UsageError(
+            f"every test needs exactly one tier marker of {', '.join(TIERS)} "
+            f"(a module's `pytestmark = pytest.mark.unit`, or one per test): {shown}"
+        )
+
 
 @pytest.fixture(scope="session")
 def cluster_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:

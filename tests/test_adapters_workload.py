@@ -36,6 +36,9 @@ from argus.sim.workloads import poisson
 from argus.types import Strategy
 from tests.package_helpers import sample_adapters
 
+pytestmark = pytest.mark.unit
+
+
 SAMPLE = 100_000
 
 

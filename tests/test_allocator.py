@@ -5,6 +5,8 @@ from argus.allocator.config import ControlConfig
 from argus.profiles import default_profiles
 from argus.types import ClusterView, Strategy, WorkerState
 
+pytestmark = pytest.mark.unit
+
 
 def feed(allocator: Allocator, qpm: float, minutes: int, start: float = 0.0) -> float:
     gap = 60.0 / qpm

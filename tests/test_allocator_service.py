@@ -48,6 +48,9 @@ from argus.types import ClassQuality, Plan, Strategy
 from tests.service_process import read_address, start_argus
 from tests.tls_factories import TestCA
 
+pytestmark = pytest.mark.integration
+
+
 allocator_pb2: Any = rpc.load("allocator_pb2")
 allocator_pb2_grpc: Any = rpc.load("allocator_pb2_grpc")
 

@@ -11,6 +11,9 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

@@ -43,6 +43,9 @@ from argus.worker.vector_index import (
     VectorIndex,
 )
 
+pytestmark = pytest.mark.unit
+
+
 DIM = 16
 KEY = CacheKey("sd-1.5", "euler", 64, 64, 30)
 STEPS = (5, 10, 15, 20, 25)

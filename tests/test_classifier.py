@@ -46,6 +46,9 @@ from argus.types import Strategy
 from tests.classifier_factories import AC_LEVELS, lexical_table, make_tiny_bert
 from tests.package_helpers import read_metrics
 
+pytestmark = pytest.mark.unit
+
+
 FAST = TrainConfig(max_tokens=64, c_grid=(0.3, 3.0, 30.0))
 
 

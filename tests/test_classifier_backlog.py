@@ -9,6 +9,9 @@ import pytest
 
 from argus.classifier.serving import BatcherFull, MicroBatcher
 
+pytestmark = pytest.mark.unit
+
+
 BOUND_S = 30.0
 
 

@@ -62,6 +62,9 @@ from tests.classifier_factories import (
     tolerance_classifier,
 )
 
+pytestmark = pytest.mark.unit
+
+
 FAST = TrainConfig(max_tokens=32, c_grid=(0.3, 3.0))
 
 

@@ -34,6 +34,8 @@ from tests.classifier_factories import (
     make_tiny_bert,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def reference_verdicts(scores: list[float], config: DriftConfig) -> list[bool]:
     """The rule written out: window medians against the mean of the earlier ones."""

@@ -30,6 +30,9 @@ from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
 from tests.classifier_factories import make_tiny_bert
 
+pytestmark = pytest.mark.unit
+
+
 PROMPTS = 60
 
 

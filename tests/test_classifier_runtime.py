@@ -40,6 +40,9 @@ from argus.embedding import PromptEmbedder, use_torch_threads
 from argus.types import Strategy
 from tests.classifier_factories import FakeEncoder, constant_classifier, make_tiny_bert
 
+pytestmark = pytest.mark.unit
+
+
 PROMPTS = [
     "a red bus",
     "a cat and a calligraphy and a mosaic",

@@ -27,6 +27,9 @@ from tests.classifier_factories import (
     make_tiny_bert,
 )
 
+pytestmark = pytest.mark.unit
+
+
 # ------------------------------------------------------------------------------ micro-batcher
 
 

@@ -32,6 +32,9 @@ from argus.embedding import PromptEmbedder
 from argus.types import Strategy
 from tests.classifier_factories import lexical_table, make_tiny_bert
 
+pytestmark = pytest.mark.unit
+
+
 PROMPTS = ["a cat on a hat", "calligraphy of a clockwork orchestra", "", "blue moon, red star"]
 FAST = TrainConfig(max_tokens=32, c_grid=(1.0,), layers=1)
 

@@ -9,6 +9,8 @@ import pytest
 
 from argus.cli.main import COMMANDS, OneLineParser, load_command, main
 
+pytestmark = pytest.mark.unit
+
 
 def run_plan(capsys, *args):
     code = main(["plan", *args])
@@ -118,9 +120,15 @@ def test_plan_does_not_import_torch():
 
 
 def test_unknown_command(capsys):
+    """Exit 2 with one line that quotes the unknown name and lists every known command."""
     with pytest.raises(SystemExit) as info:
         main(["bogus"])
     assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "unknown command 'bogus'; choose from " in err
+    known = err.split("choose from ", 1)[1].split(", ")
+    assert known == list(COMMANDS)
 
 
 # -- command-line hygiene --------------------------------------------------------------------

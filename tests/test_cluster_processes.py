@@ -32,6 +32,9 @@ from argus.profiles import default_profiles
 from argus.types import Strategy
 from tests.service_process import self_signed_certificate
 
+pytestmark = pytest.mark.e2e
+
+
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
 common_pb2: Any = rpc.load("common_pb2")

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.workers import HeartbeatAnswer, RetrievalReport, WorkerReport
 from argus.profiles import default_profiles
 from argus.types import Strategy
+
+pytestmark = pytest.mark.unit
+
 
 PROFILES = default_profiles()
 SM_LEVELS = {lv.name for lv in PROFILES.levels_for(Strategy.SM)}

@@ -10,6 +10,9 @@ import pytest
 
 from argus.worker.controlnet.cache import ModelCache, Policy
 
+pytestmark = pytest.mark.unit
+
+
 SIZES = {"a": 10, "b": 20, "c": 30, "d": 40, "e": 50}
 
 

@@ -34,6 +34,8 @@ from argus.worker.controlnet.models import (
 from argus.worker.controlnet.transport import tensor_from_pb, tensor_to_pb
 from tests.package_helpers import export_tiny_catalog
 
+pytestmark = pytest.mark.unit
+
 
 def png(seed: int = 0, size: tuple[int, int] = (64, 64), mode: str = "RGB") -> bytes:
     rng = np.random.default_rng(seed)

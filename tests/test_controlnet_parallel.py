@@ -33,6 +33,9 @@ from argus.worker.models import make_scheduler
 from argus.worker.pipelines import DiffusionModel
 from tests.worker_factories import spec, tiny_model
 
+pytestmark = pytest.mark.integration
+
+
 STEPS = 4
 FAMILY = {"sd-1.5": "sd15", "sdxl": "sdxl"}
 

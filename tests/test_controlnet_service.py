@@ -37,6 +37,9 @@ from tests.service_process import read_address, start_argus
 from tests.tls_factories import TestCA
 from tests.worker_factories import spec, tiny_model
 
+pytestmark = pytest.mark.integration
+
+
 common_pb2: Any = rpc.load("common_pb2")
 controlnet_pb2: Any = rpc.load("controlnet_pb2")
 controlnet_pb2_grpc: Any = rpc.load("controlnet_pb2_grpc")

@@ -32,6 +32,9 @@ from argus.router.core import RouterServiceConfig
 from argus.slo import default_slo_s
 from argus.types import ProfileSet, Strategy
 
+pytestmark = pytest.mark.unit
+
+
 ROOT = Path(__file__).resolve().parent.parent
 ALLOCATOR = "127.0.0.1:50052"  # a required flag's value: not a default
 

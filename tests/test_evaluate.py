@@ -42,6 +42,9 @@ from argus.sim.report import Summary
 from argus.sim.workloads import Workload, azure_trace, bursty, poisson
 from argus.types import Strategy
 
+pytestmark = pytest.mark.unit
+
+
 PROFILES = default_profiles()
 
 

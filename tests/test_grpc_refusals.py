@@ -34,6 +34,9 @@ from argus.router.core import CallCancel, ProgressSink, RouterCore, RouterServic
 from argus.router.metrics import RouterMetrics
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 
+pytestmark = pytest.mark.integration
+
+
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
 

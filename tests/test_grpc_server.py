@@ -12,6 +12,9 @@ import pytest
 
 from argus.grpc_server import bind, new_server
 
+pytestmark = pytest.mark.integration
+
+
 METHOD = "/test.Blocking/Call"
 
 

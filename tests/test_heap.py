@@ -12,6 +12,9 @@ import pytest
 
 from argus.heap import limit_malloc_arenas
 
+pytestmark = pytest.mark.unit
+
+
 # 12 threads each allocate and keep a few blocks; then glibc prints one "Arena N:" per arena
 PROGRAM = """
 import ctypes, sys, threading

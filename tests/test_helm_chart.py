@@ -31,6 +31,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+pytestmark = pytest.mark.unit
+
+
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "argus"
 VALUES_DIR = Path(__file__).resolve().parent / "helm_values"

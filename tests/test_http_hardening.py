@@ -35,6 +35,9 @@ from argus.router.metrics import RouterMetrics
 from tests.router_cluster import PROFILES, TIMEOUT, FakeClock, StubClassifier
 from tests.test_router_core import FakeWorkers, served
 
+pytestmark = pytest.mark.integration
+
+
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 GENERATIONS = "/v1/images/generations"

@@ -41,6 +41,9 @@ from tests.service_process import START_TIMEOUT_S
 from tests.tls_factories import TestCA
 from tests.worker_factories import make_worker
 
+pytestmark = pytest.mark.e2e
+
+
 allocator_pb2: Any = rpc.load("allocator_pb2")
 allocator_pb2_grpc: Any = rpc.load("allocator_pb2_grpc")
 controlnet_pb2: Any = rpc.load("controlnet_pb2")

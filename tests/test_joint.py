@@ -21,6 +21,9 @@ from argus.allocator.joint import (
 from argus.types import ClassQuality, ClusterView, ProfileSet, Strategy, WorkerState
 from tests.factories import make_profiles
 
+pytestmark = pytest.mark.unit
+
+
 EXACT = HighsOptions(rel_gap=1e-9, time_limit_s=30.0, shortcut_gap=0.0)
 NO_BRANCHING = HighsOptions(time_limit_s=0.0)  # the rounding and its local search alone
 

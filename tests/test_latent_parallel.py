@@ -30,6 +30,9 @@ from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, load_pipeline_
 from argus.worker.pipelines import Conditioning, DiffusionModel, GenerationSpec
 from tests.worker_factories import tiny_model
 
+pytestmark = pytest.mark.unit
+
+
 STEPS = 3
 FAMILY = {"sd-1.5": "sd15", "sdxl": "sdxl"}
 # one torch thread in both processes: how an op splits its sums across threads is part of

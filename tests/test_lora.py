@@ -51,6 +51,9 @@ from argus.worker.lora.patch import patch_targets, weight_of
 from argus.worker.models import build_tiny_pipeline
 from argus.worker.pipelines import DiffusionModel, GenerationSpec
 
+pytestmark = pytest.mark.unit
+
+
 STEPS = 4
 SIZE = 32
 # attention projections, the 1×1 proj_in convs and the 3×3 resnet convs: Linear and Conv2d

@@ -19,6 +19,9 @@ from tests.router_cluster import FakeClock
 from tests.test_router_core import FakeWorkers
 from tests.test_service_times import core_on, timed
 
+pytestmark = pytest.mark.unit
+
+
 PROFILES = default_profiles()
 CLASS = PROFILES.worker_classes[0]
 AC = [level.name for level in PROFILES.levels_for(Strategy.AC)]

@@ -14,6 +14,9 @@ from scipy.optimize import linprog
 from argus.allocator.oda import align, expected_degradation
 from argus.types import ShiftMap
 
+pytestmark = pytest.mark.unit
+
+
 Degradation = Callable[[int], float]
 
 

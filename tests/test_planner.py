@@ -11,6 +11,8 @@ from argus.profiles import default_profiles
 from argus.router.scheduler import PromptScheduler
 from argus.types import ClusterView, LoadForecast, Strategy
 
+pytestmark = pytest.mark.unit
+
 
 def forecast(qpm: float) -> LoadForecast:
     return LoadForecast(qpm, qpm, qpm, 0.0)

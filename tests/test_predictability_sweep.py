@@ -18,6 +18,9 @@ from argus.classifier.embedding_cache import CACHE_ENV
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
 
+pytestmark = pytest.mark.unit
+
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

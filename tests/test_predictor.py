@@ -27,6 +27,8 @@ from argus.traces import (
 )
 from argus.types import Strategy
 
+pytestmark = pytest.mark.unit
+
 
 def _uniform_arrivals(qpm: float, start_s: float, end_s: float) -> list[float]:
     """Evenly spaced arrivals at ``qpm``, half a gap after ``start_s``."""

@@ -13,6 +13,8 @@ from argus.profiler import PickScorer
 from argus.types import Strategy
 from tests.worker_factories import make_tiny_clip
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def scorer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -8,6 +8,8 @@ from argus.profiles import ProfileError, default_profiles, load_profiles, parse_
 from argus.types import Strategy
 from tests.factories import profile_document
 
+pytestmark = pytest.mark.unit
+
 
 def valid() -> dict:
     return profile_document({"a100": [10.0, 20.0, 30.0]}, [1.0, 0.95, 0.9])

@@ -27,6 +27,9 @@ from argus.sim.quality import (
 from argus.traces import PromptRecord, default_prompt_trace, load_prompts
 from argus.types import Strategy
 
+pytestmark = pytest.mark.unit
+
+
 LEVELS = ("l0", "l1", "l2", "l3")
 
 

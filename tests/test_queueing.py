@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from argus.allocator.queueing import UTILISATION_TOLERANCE, QueueModel, mmc_late_share
 
+pytestmark = pytest.mark.unit
+
 
 @settings(max_examples=300, deadline=None)
 @given(

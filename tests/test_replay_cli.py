@@ -4,6 +4,8 @@ import pytest
 
 from argus.cli.main import main
 
+pytestmark = pytest.mark.unit
+
 
 def replay(capsys, *args):
     code = main(["replay", "--quiet", *args])

@@ -37,6 +37,9 @@ from argus.sim.workloads import Workload, poisson
 from argus.types import Strategy
 from tests.router_cluster import PROFILES, Cluster
 
+pytestmark = pytest.mark.integration
+
+
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
 

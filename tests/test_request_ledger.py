@@ -50,6 +50,7 @@ def serve(ledger: RequestLedger[bytes], request_id: str, answer: bytes) -> None:
     assert future.result() == answer
 
 
+@pytest.mark.unit
 def test_answers_are_dropped_oldest_first_to_stay_within_the_budget() -> None:
     clock = FakeClock()
     ledger, evictions = make_ledger(clock, max_bytes=250)
@@ -65,6 +66,7 @@ def test_answers_are_dropped_oldest_first_to_stay_within_the_budget() -> None:
         ledger.claim("a", "same request")
 
 
+@pytest.mark.unit
 def test_an_answer_larger_than_the_budget_is_never_kept_but_reaches_its_joiners() -> None:
     clock = FakeClock()
     ledger, evictions = make_ledger(clock, max_bytes=50)
@@ -81,6 +83,7 @@ def test_an_answer_larger_than_the_budget_is_never_kept_but_reaches_its_joiners(
         ledger.claim("big", "same request")
 
 
+@pytest.mark.unit
 def test_a_dropped_id_still_conflicts_and_is_forgotten_after_the_window() -> None:
     clock = FakeClock()
     ledger, _ = make_ledger(clock, max_bytes=0, window_s=10.0)
@@ -93,6 +96,7 @@ def test_a_dropped_id_still_conflicts_and_is_forgotten_after_the_window() -> Non
     assert ledger.stats().dropped == 0
 
 
+@pytest.mark.unit
 def test_answers_past_the_window_give_their_bytes_back() -> None:
     clock = FakeClock()
     ledger, evictions = make_ledger(clock, max_bytes=100, window_s=10.0)
@@ -103,6 +107,7 @@ def test_answers_past_the_window_give_their_bytes_back() -> None:
     assert evictions == []
 
 
+@pytest.mark.unit
 def test_when_full_ids_without_an_answer_are_forgotten_first() -> None:
     clock = FakeClock()
     ledger, _ = make_ledger(clock, max_bytes=100, max_entries=3)
@@ -116,6 +121,7 @@ def test_when_full_ids_without_an_answer_are_forgotten_first() -> None:
     assert owner  # forgotten: it runs again
 
 
+@pytest.mark.unit
 def test_byte_budget_needs_a_size() -> None:
     with pytest.raises(ValueError, match="max_bytes"):
         RequestLedger(FakeClock(), window_s=1.0, max_entries=1, max_bytes=10)
@@ -130,6 +136,7 @@ def cluster() -> Iterator[Cluster]:
     made.close()
 
 
+@pytest.mark.integration
 def test_router_refuses_a_retry_whose_answer_was_dropped(cluster: Cluster) -> None:
     worker = cluster.add_worker("w1")
     registry = CollectorRegistry()
@@ -147,6 +154,7 @@ def test_router_refuses_a_retry_whose_answer_was_dropped(cluster: Cluster) -> No
     assert registry.get_sample_value("argus_router_id_answers_evicted_total") == 1
 
 
+@pytest.mark.unit
 def test_concurrent_claims_and_finishes_keep_the_byte_count() -> None:
     clock = FakeClock()
     ledger, evictions = make_ledger(clock, max_bytes=1000, max_entries=10_000)
@@ -166,6 +174,7 @@ def test_concurrent_claims_and_finishes_keep_the_byte_count() -> None:
     assert stats.evicted == stats.dropped == len(evictions)
 
 
+@pytest.mark.unit
 def test_router_command_refuses_a_negative_budget(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["router", "--insecure-internal", "--allocator", "127.0.0.1:1"]
     assert main([*argv, "--max-id-bytes", "-1"]) == 2

@@ -23,6 +23,9 @@ from argus.worker.adapters import AdapterPlan, AdapterSettings, WorkerAdapters, 
 from argus.worker.controlnet.errors import ControlImageError, UnknownControlNetError
 from tests.test_router_core import FakeWorkers, make_core
 
+pytestmark = pytest.mark.unit
+
+
 BLANK = ["", " ", "\t\n", "\u3000", " \u2003 "]  # the last two: Unicode spaces
 
 

@@ -23,6 +23,9 @@ from argus.router.core import RouterServiceConfig
 from argus.types import ReferenceRequest, Strategy
 from tests.router_cluster import PROFILES, TIMEOUT, Cluster, PngWorker, StubClassifier
 
+pytestmark = pytest.mark.integration
+
+
 router_pb2: Any = rpc.load("router_pb2")
 
 EXACT = AdmissionRule(service_scv=0.0)  # the mean alone: these tests are about the cost

@@ -16,6 +16,9 @@ from argus.router.core import check_request
 from argus.router.values import Refusal, RouterError, RouterReply, RouterTiming
 from argus.types import Strategy
 
+pytestmark = pytest.mark.unit
+
+
 common_pb2: Any = rpc.load("common_pb2")
 router_pb2: Any = rpc.load("router_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")

@@ -25,6 +25,9 @@ from argus.router.metrics import RouterMetrics
 from argus.router.values import Refusal, RouterError, RouterRequest
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 
+pytestmark = pytest.mark.unit
+
+
 PNG = b"\x89PNG\r\n\x1a\nfake"
 
 Answer = Callable[[GenerateCall, ProgressSink | None], GenerateResult]

@@ -26,6 +26,9 @@ from argus.types import ClassQuality, Strategy
 from tests.classifier_factories import AC_LEVELS, FakeEncoder, tolerance_classifier
 from tests.router_cluster import PROFILES, TIMEOUT, Cluster, StubWorker, router_pb2, worker_pb2
 
+pytestmark = pytest.mark.integration
+
+
 allocator_pb2: Any = rpc.load("allocator_pb2")
 
 HIGH, LOW = 20.0, 15.0  # the workers' scores before and after the drift

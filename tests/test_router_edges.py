@@ -33,6 +33,9 @@ from argus.types import Strategy
 from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster, StubWorker
 from tests.service_process import self_signed_certificate
 
+pytestmark = pytest.mark.integration
+
+
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
@@ -281,6 +284,32 @@ def worker_server(health_service: health.HealthServicer | None) -> Iterator[str]
         server.stop(grace=None)
 
 
+class WatchCalls(grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """The router's side of its health watches: how many it opened, and each one's end.
+
+    Counted where the router opens them, so a watch opened by mistake shows at once (the
+    server counts it only when the call reaches it)."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self._ended = threading.Semaphore(0)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        call = continuation(details, request)
+        if details.method.endswith("/Watch"):
+            self.opened += 1
+            call.add_done_callback(lambda _: self._ended.release())
+        return call
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A ``WorkerChannels`` factory: the worker's channel, through this interceptor."""
+        return grpc.intercept_channel(grpc.insecure_channel(address), self)
+
+    def wait_ended(self) -> None:
+        """Return once one more watch has ended on the router's side."""
+        assert self._ended.acquire(timeout=TIMEOUT), "the watch did not end"
+
+
 def call_worker(workers: GrpcWorkers, address: str, calls: int) -> None:
     for i in range(calls):
         reply = workers.generate(
@@ -320,12 +349,14 @@ def test_a_workers_channel_keeps_its_completion_thread_between_calls(
 
 def test_a_worker_without_health_is_called_and_not_watched_again() -> None:
     unimplemented = CountingHealth(end=grpc.StatusCode.UNIMPLEMENTED)
+    watches = WatchCalls()
     with worker_server(unimplemented) as address:
-        workers = GrpcWorkers(WorkerChannels(rewatch_s=0.0))
-        for _ in range(5):  # each call would open a watch again, were the answer not heeded
-            call_worker(workers, address, 1)
-            time.sleep(0.05)
+        workers = GrpcWorkers(WorkerChannels(watches.channel, rewatch_s=0.0))
+        call_worker(workers, address, 1)
+        watches.wait_ended()  # UNIMPLEMENTED reached the router
+        call_worker(workers, address, 4)  # each would open a watch again, were it not heeded
         workers.close()
+    assert watches.opened == 1
     assert unimplemented.watches == 1
     with worker_server(None) as address:  # no health service at all: calls still answered
         workers = GrpcWorkers(WorkerChannels(rewatch_s=0.0))
@@ -336,11 +367,14 @@ def test_a_worker_without_health_is_called_and_not_watched_again() -> None:
 def test_an_ended_watch_is_opened_again_after_rewatch_s() -> None:
     now = [0.0]
     ending = CountingHealth(end=grpc.StatusCode.UNAVAILABLE)
+    watches = WatchCalls()
     with worker_server(ending) as address:
-        workers = GrpcWorkers(WorkerChannels(rewatch_s=5.0, clock=lambda: now[0]))
+        channels = WorkerChannels(watches.channel, rewatch_s=5.0, clock=lambda: now[0])
+        workers = GrpcWorkers(channels)
         call_worker(workers, address, 1)
-        time.sleep(0.2)  # the watch has ended
+        watches.wait_ended()  # the watch has ended, as the router sees it
         call_worker(workers, address, 3)  # within rewatch_s of opening it: not opened again
+        assert watches.opened == 1
         assert ending.watches == 1
         now[0] = 6.0
         deadline = time.monotonic() + TIMEOUT

@@ -22,6 +22,9 @@ from argus.router.metrics import RouterMetrics
 from argus.router.worker_calls import GrpcWorkers
 from tests.router_cluster import PROFILES, TIMEOUT, Cluster, FakeClock, PngWorker, StubClassifier
 
+pytestmark = pytest.mark.integration
+
+
 TOKEN = "s3cret-token"
 
 

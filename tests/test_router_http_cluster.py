@@ -21,6 +21,9 @@ from PIL import Image
 from argus.local_cluster import ClusterSpec, LocalCluster, describe
 from tests.service_process import self_signed_certificate
 
+pytestmark = pytest.mark.e2e
+
+
 TOKEN = "http-token"
 
 

@@ -28,6 +28,9 @@ from tests.test_router_stream import LONG_S, PATIENT, RealWorkerCluster
 from tests.test_worker_deadlines import BOUND_S, LONG_STEPS, wait_until
 from tests.worker_factories import make_worker
 
+pytestmark = pytest.mark.integration
+
+
 TOKEN = "s3cret-token"
 
 

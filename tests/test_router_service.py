@@ -22,6 +22,9 @@ from argus.router.core import RouterServiceConfig
 from argus.router.ledger import RequestLedger
 from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster, FakeClock
 
+pytestmark = pytest.mark.integration
+
+
 common_pb2: Any = rpc.load("common_pb2")
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")

@@ -28,6 +28,9 @@ from tests.test_worker_deadlines import BOUND_S, LONG_STEPS, wait_until
 from tests.test_worker_stream import cancel_within_one_step
 from tests.worker_factories import make_worker
 
+pytestmark = pytest.mark.integration
+
+
 router_pb2: Any = rpc.load("router_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")
 Stage = worker_pb2.Progress.Stage

@@ -13,6 +13,9 @@ from argus.profiles import default_profiles
 from argus.router.routing import PlanRouter, RouterConfig
 from argus.types import ClusterView, LoadForecast, Plan, Strategy
 
+pytestmark = pytest.mark.unit
+
+
 PROFILES = default_profiles()
 VIEW = ClusterView.uniform(8)
 CLASSES = {w.worker_id: w.worker_class for w in VIEW.workers}

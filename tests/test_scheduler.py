@@ -6,6 +6,9 @@ import pytest
 from argus.router.scheduler import NoLiveWorkerError, PromptScheduler
 from argus.types import ShiftMap
 
+pytestmark = pytest.mark.unit
+
+
 LEVELS = ("k0", "k10", "k20")
 
 

@@ -16,6 +16,9 @@ from argus.router.values import Refusal, RouterError, RouterRequest
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 from tests.test_router_core import PNG, FakeWorkers
 
+pytestmark = pytest.mark.unit
+
+
 CLASS = PROFILES.worker_classes[0]
 EXACT = ServiceTimeConfig(headroom=0.0)  # figures as learned, without the admission's headroom
 LEVEL = PROFILES.levels[0].name

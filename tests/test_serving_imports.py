@@ -22,6 +22,9 @@ import pytest
 from argus import rpc
 from argus.local_cluster import ClusterSpec, LocalCluster
 
+pytestmark = pytest.mark.e2e
+
+
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
 

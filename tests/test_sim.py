@@ -20,6 +20,9 @@ from argus.sim.report import format_table, per_minute, summarise, write_reports
 from argus.sim.workloads import Workload, bursty, poisson
 from argus.types import ClusterView, Strategy, WorkerState
 
+pytestmark = pytest.mark.unit
+
+
 PROFILES = default_profiles()
 LEVEL_NAMES = [level.name for level in PROFILES.levels]
 

@@ -15,6 +15,9 @@ from argus.sim.quality import synthetic_quality_table
 from argus.sim.workloads import poisson
 from argus.types import Strategy
 
+pytestmark = pytest.mark.unit
+
+
 # sha256 (first 16 hex digits) of each policy's outcome below, taken before the speed-ups;
 # pac and proteus again after the joint solver's shortcut (HighsOptions.shortcut_gap), which
 # changes some of their plans on these 8 GPUs (with shortcut_gap=0 they are as before)

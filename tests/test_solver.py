@@ -9,6 +9,8 @@ from argus.profiles import default_profiles
 from argus.types import ClusterView, Strategy, WorkerState
 from tests.factories import make_profiles, random_instance
 
+pytestmark = pytest.mark.unit
+
 
 def check_feasible(allocation, profiles, workers):
     capacity = allocation.capacity_qpm(profiles, workers)

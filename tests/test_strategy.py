@@ -7,6 +7,9 @@ import pytest
 from argus.allocator.strategy import StrategyConfig, StrategyMonitor
 from argus.types import Strategy
 
+pytestmark = pytest.mark.unit
+
+
 CONFIG = StrategyConfig(threshold_s=0.5, window_s=30.0, min_samples=5, probe_interval_s=10.0)
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from argus.supervision import GaveUp, RestartPolicy, Supervisor
 
+pytestmark = pytest.mark.unit
+
 
 class FakeCluster:
     def __init__(self, names: Iterable[str]) -> None:

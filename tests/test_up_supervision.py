@@ -18,6 +18,9 @@ import pytest
 from argus.cli.up import GAVE_UP_EXIT
 from argus.client import Connection, RequestFailed, RouterClient
 
+pytestmark = pytest.mark.e2e
+
+
 BOUND_S = 240.0
 WHILE_REJOINING = ("UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")
 

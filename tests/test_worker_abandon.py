@@ -33,6 +33,9 @@ from argus.worker.pipelines import (
 )
 from tests.worker_factories import make_worker, spec
 
+pytestmark = pytest.mark.unit
+
+
 BOUND_S = 120.0  # the most a wait here takes on a loaded machine; never reached when green
 
 

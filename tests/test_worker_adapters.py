@@ -23,6 +23,9 @@ from argus.worker.lora import LoraNotFoundError, write_tiny_lora, write_unfit_lo
 from argus.worker.service import create_server
 from tests.worker_factories import make_worker
 
+pytestmark = pytest.mark.integration
+
+
 common_pb2: Any = rpc.load("common_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")

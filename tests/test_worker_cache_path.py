@@ -19,6 +19,8 @@ from argus.embedding import PromptEmbedder
 from argus.worker.cache import ApproximateCache, EdgeVectorIndex, LatentStore
 from tests.worker_factories import STEPS, make_worker
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def encoder() -> PromptEmbedder:

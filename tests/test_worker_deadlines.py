@@ -21,6 +21,9 @@ from argus.worker.engine import Worker
 from argus.worker.pipelines import Cancelled, CancelToken
 from tests.worker_factories import spec, tiny_model
 
+pytestmark = pytest.mark.integration
+
+
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 

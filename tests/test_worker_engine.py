@@ -21,6 +21,8 @@ from argus.worker.pipelines import CancelToken
 from argus.worker.registry import LoadState, MemoryGuardError, UnknownModelError
 from tests.worker_factories import STEPS, make_registry, make_worker
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def worker() -> Any:

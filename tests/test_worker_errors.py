@@ -14,6 +14,8 @@ from argus.worker.lora.library import LoraLibrary
 from argus.worker.pipelines import Cancelled
 from argus.worker.service import public_details, status_of
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_missing_lora_is_named_without_the_library_path(tmp_path: Path) -> None:
     with pytest.raises(LoraNotFoundError) as missing:

@@ -21,6 +21,9 @@ from argus.internal_tls import Identity
 from argus.profiles import default_profiles
 from tests.tls_factories import TestCA
 
+pytestmark = pytest.mark.integration
+
+
 PROFILES = default_profiles()
 CLASS = PROFILES.worker_classes[0]
 TIMEOUT = 10

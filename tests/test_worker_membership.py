@@ -42,6 +42,9 @@ from argus.worker.membership import (
 )
 from tests.worker_factories import make_worker
 
+pytestmark = pytest.mark.integration
+
+
 allocator_pb2: Any = rpc.load("allocator_pb2")
 allocator_pb2_grpc: Any = rpc.load("allocator_pb2_grpc")
 

@@ -19,6 +19,8 @@ from argus.worker.models import (
 from argus.worker.pipelines import DiffusionModel
 from tests.worker_factories import STEPS, spec, tiny_model
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("variant", ["sd-1.5", "sdxl"])
 def test_full_run_matches_the_diffusers_pipeline(variant: str) -> None:

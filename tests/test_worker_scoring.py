@@ -19,6 +19,9 @@ from argus.types import Strategy
 from argus.worker.scoring import ScoreSampler, tiny_scorer
 from argus.worker.service import WorkerServicer
 
+pytestmark = pytest.mark.unit
+
+
 worker_pb2: Any = rpc.load("worker_pb2")
 TIMEOUT = 10.0
 

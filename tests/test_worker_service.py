@@ -21,6 +21,9 @@ from tests.service_process import START_TIMEOUT_S, read_address, start_argus
 from tests.tls_factories import TestCA
 from tests.worker_factories import STEPS, make_worker
 
+pytestmark = pytest.mark.integration
+
+
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 

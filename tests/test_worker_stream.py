@@ -17,6 +17,9 @@ from argus import rpc
 from argus.worker.engine import Worker
 from tests.test_worker_deadlines import BOUND_S, LONG_STEPS, wait_until
 
+pytestmark = pytest.mark.integration
+
+
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 Stage = worker_pb2.Progress.Stage

@@ -33,6 +33,9 @@ from argus.traces import (
     load_prompts,
 )
 
+pytestmark = pytest.mark.unit
+
+
 AZURE_ARRIVALS = 19_366
 
 
