@@ -38,6 +38,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
@@ -45,6 +46,9 @@ from typing import TYPE_CHECKING, Protocol
 from argus import defaults
 from argus.classifier.prompts import InvalidPromptError
 from argus.classifier.serving import BatcherClosed, BatcherFull
+from argus.contracts.generate import GenerateCall as WorkerCall
+from argus.contracts.generate import GenerateResult as WorkerReply
+from argus.contracts.generate import Progress, Stage
 from argus.request_limits import (
     ImageLimits,
     InvalidRequestError,
@@ -53,13 +57,7 @@ from argus.request_limits import (
     check_prompts,
     check_sampling,
 )
-from argus.router.admission import (
-    AdmissionRule,
-    WorkerLoad,
-    admit,
-    earliest_completion_s,
-    request_cost,
-)
+from argus.router.admission import AdmissionRule
 from argus.router.drift import RouterDrift
 from argus.router.ledger import (
     AnswerDroppedError,
@@ -67,13 +65,16 @@ from argus.router.ledger import (
     LedgerFullError,
     RequestLedger,
 )
-from argus.router.metrics import RouterMetrics
-from argus.router.routing import PlanRouter, RouterConfig
-from argus.router.scheduler import NoLiveWorkerError, TimeOf
+from argus.router.policy import (
+    NO_PLAN,
+    PolicyConfig,
+    Refused,
+    RouterPolicy,
+    Snapshot,
+)
+from argus.router.routing import RouterConfig
 from argus.router.service_times import ServiceTimeConfig, ServiceTimes
-from argus.contracts.generate import GenerateCall as WorkerCall
-from argus.contracts.generate import GenerateResult as WorkerReply
-from argus.contracts.generate import Progress, Stage
+from argus.router.stats import NO_STATS, RouterStats, Served
 from argus.router.values import (
     Refusal,
     RouterError,
@@ -362,7 +363,7 @@ class RouterCore:
         workers: WorkerTransport,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-        metrics: RouterMetrics | None = None,
+        stats: RouterStats = NO_STATS,
         drift: RouterDrift | None = None,
     ) -> None:
         self.profiles = profiles
@@ -370,9 +371,20 @@ class RouterCore:
         self.drift = drift  # takes the quality scores workers send on their replies
         self.config = config
         self.slo_s = config.slo_for(profiles)
-        self.metrics = metrics
+        self.stats = stats  # hears every request, refusal and plan
         self._clock = clock
-        self._router = PlanRouter(profiles, rng or random.Random(0), config.routing)
+        self.policy = RouterPolicy(
+            profiles,
+            PolicyConfig(
+                admission=config.admission,
+                default_steps=config.default_steps,
+                default_size=config.default_size,
+                max_cost=config.max_cost,
+            ),
+            routing=config.routing,
+            rng=rng,
+        )
+        self._router = self.policy.router  # the plan and the backlog signal
         self._workers = workers
         self._lock = threading.Lock()  # router, queues, down, addresses, observations
         self._addresses: dict[str, str] = {}
@@ -390,18 +402,15 @@ class RouterCore:
             max_entries=config.max_ids,
             max_bytes=config.max_id_bytes,
             size_of=RouterReply.size_bytes,
-            on_evict=metrics.ids_evicted.inc if metrics is not None else None,
+            on_evict=stats.id_evicted,
         )
         self._arrivals: list[float] = []
         self._classified: list[Classified] = []
         self._serving = 0
-        self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
         self._worker_levels: dict[str, tuple[int, str]] = {}  # worker → (level index, class)
         self._classifying = 0  # requests admitted early and not yet routed
-        self._models = {level.name: level.model for level in profiles.levels}
         self.worker_calls = 0  # Generate calls sent to workers (tests, metrics)
-        if metrics is not None:
-            metrics.in_flight.set_function(lambda: self._serving)
+        stats.watch_in_flight(lambda: self._serving)
 
     def close(self) -> None:
         """Release the worker connections (after the server stopped)."""
@@ -452,8 +461,7 @@ class RouterCore:
             self._plan_version = published.version
             queues = dict(self._queues)
         self._workers.keep_only(set(self._addresses.values()))
-        if self.metrics is not None:
-            self.metrics.observe_plan(published.version, published.plan.strategy, queues)
+        self.stats.plan_installed(published.version, published.plan.strategy, queues)
         return True
 
     # statistics for the allocator ---------------------------------------------------------
@@ -496,10 +504,8 @@ class RouterCore:
         try:
             return self._generate(request, arrived, deadline_s, call)
         except RouterError as err:
-            if self.metrics is not None:
-                self.metrics.requests.labels(err.kind.status_name).inc()
-                if err.kind is Refusal.OVERLOADED:
-                    self.metrics.refusal.observe(self._clock() - arrived)
+            overloaded = err.kind is Refusal.OVERLOADED
+            self.stats.failed(err.kind, self._clock() - arrived if overloaded else None)
             raise
 
     def _generate(
@@ -519,7 +525,7 @@ class RouterCore:
         except AnswerDroppedError as err:
             raise RouterError(Refusal.ANSWER_DROPPED, str(err)) from None
         except LedgerFullError as err:
-            self._rejected("ids")
+            self.stats.rejected("ids")
             raise RouterError(Refusal.OVERLOADED, str(err), 1.0) from None
         if not owner:
             return self._join(future, deadline)
@@ -541,29 +547,16 @@ class RouterCore:
 
     def _price(self, request: RouterRequest) -> float:
         """The request's cost in reference requests; INVALID above ``max_cost``."""
-        ref = self.profiles.reference
-        size = self.config.default_size
-        cost = request_cost(
-            request.width or size,
-            request.height or size,
-            request.steps or self.config.default_steps,
-            ref,
-        )
-        cap = self.config.max_cost
-        if cap is not None and cost > cap:
-            raise RouterError(
-                Refusal.INVALID,
-                f"width, height, steps: {_size(request)} costs {cost:.3g} reference requests "
-                f"({ref.width}×{ref.height}, {ref.steps} steps); this deployment accepts at "
-                f"most {cap:.3g}",
-            )
+        cost = self.policy.price(request)
+        if isinstance(cost, Refused):
+            raise cost.error()
         return cost
 
     def _serve(
         self, request: RouterRequest, arrived: float, deadline: float, cost: float, call: _Call
     ) -> RouterReply:
         if not self._in_flight.acquire(blocking=False):
-            self._rejected("busy")
+            self.stats.rejected("busy")
             raise busy_refusal(self.config.max_in_flight)
         with self._lock:
             self._serving += 1
@@ -583,7 +576,7 @@ class RouterCore:
         except TimeoutError:
             raise RouterError(Refusal.DEADLINE, "deadline passed while classifying") from None
         except BatcherFull as err:
-            self._rejected("busy")
+            self.stats.rejected("busy")
             raise RouterError(Refusal.OVERLOADED, str(err), 0.1) from None
         except BatcherClosed:
             raise RouterError(Refusal.UNAVAILABLE, "router shutting down", 1.0) from None
@@ -592,59 +585,39 @@ class RouterCore:
         self, request: RouterRequest, arrived: float, deadline: float, cost: float
     ) -> None:
         """Refuse, before the classifier sees the prompt, a request that cannot finish by
-        ``deadline`` on any live worker at the cheapest level it may be served at; otherwise
-        count it among the requests being classified (the caller uncounts it)."""
+        ``deadline`` (:meth:`RouterPolicy.admit_early`); otherwise count it among the requests
+        being classified (the caller uncounts it)."""
         backlog = getattr(self.classifier, "backlog_s", None)
         classifier_s = backlog() if backlog is not None else 0.0
         with self._lock:
             self._arrivals.append(arrived)  # refused or not, it is load the allocator plans for
-            plan = self._router.plan
-            if plan is None:
-                raise RouterError(Refusal.UNAVAILABLE, "no plan yet", 1.0)
-            cap = self._level_cap(plan.strategy, request)
             now = self._clock()
-            loads = self._loads(cap, cost, now)
-            if not loads:
-                raise RouterError(Refusal.UNAVAILABLE, "no live worker left", 1.0)
-            loaded, idle = earliest_completion_s(self.config.admission, loads, self._classifying)
-            budget = deadline - now
-            if idle > budget:
-                self._rejected("deadline")
-                raise RouterError(
-                    Refusal.DEADLINE,
-                    f"width, height, steps, deadline_ms: {_size(request)} ({cost:.3g} reference "
-                    f"requests) takes {idle * 1e3:.0f} ms on an idle worker, more than the "
-                    f"{budget * 1e3:.0f} ms left",
-                )
-            verdict = admit(loaded + classifier_s, budget)
-            if not verdict.admitted:
-                self._rejected("deadline")
-                raise RouterError(
-                    Refusal.OVERLOADED,
-                    f"deadline: the earliest completion is {verdict.predicted_s * 1e3:.0f} ms "
-                    f"away (classifier backlog {classifier_s * 1e3:.0f} ms), more than the "
-                    f"{verdict.budget_s * 1e3:.0f} ms left",
-                    verdict.retry_after_s,
-                )
+            refused = self.policy.admit_early(
+                request,
+                cost,
+                self._snapshot(cost, now),
+                deadline - now,
+                classifying=self._classifying,
+                classifier_s=classifier_s,
+            )
+            if refused is not None:
+                raise self._refusal(refused)
             self._classifying += 1
 
-    def _loads(self, cap: int | None, cost: float, now: float) -> list[WorkerLoad]:
-        """The live workers that may serve a request capped at level ``cap``, each with the
-        request's service time at the cheapest level it can serve it at. Under the lock."""
-        down = self._down(now)
-        queues = self._queue_view(now)
-        loads = []
-        for worker, (index, _) in self._worker_levels.items():
-            if worker in down:
-                continue
-            if cap is not None and index > cap:
-                if self._model_of(index) != self._model_of(cap):
-                    continue
-                index = cap  # it runs the capped level on the same model (see _route_capped)
-            elapsed = now - self._head_started.get(worker, now)
-            t_proc = self._service_s(worker, index, cost, now)
-            loads.append(WorkerLoad(queues.get(worker, 0), t_proc, elapsed))
-        return loads
+    def _snapshot(self, cost: float, now: float, tried: AbstractSet[str] = frozenset()) -> Snapshot:
+        """The planned workers as a decision for a request of ``cost`` sees them now, the
+        workers in ``tried`` counted down. Under the lock."""
+        started = self._head_started
+
+        def elapsed_s(worker: str) -> float:
+            return now - started.get(worker, now)
+
+        def service_s(worker: str, index: int) -> float:
+            return self._service_s(worker, index, cost, now)
+
+        levels = {worker: index for worker, (index, _) in self._worker_levels.items()}
+        down = self._down(now) | tried
+        return Snapshot(levels, self._queue_view(now), down, elapsed_s, service_s)
 
     def _service_s(self, worker: str, index: int, cost: float, now: float) -> float:
         """A request of ``cost`` on ``worker`` at level ``index``: the service time learned
@@ -665,21 +638,6 @@ class RouterCore:
             view[worker] = view.get(worker, 0) + 1
         return view
 
-    def _level_cap(self, strategy: Strategy, request: RouterRequest) -> int | None:
-        """The highest level index ``request`` may be served at: its ``max_level_index`` and
-        the levels that skip fewer steps than it runs; None when any level may serve it."""
-        max_level = request.max_level_index
-        steps = request.steps if request.steps is not None else self.config.default_steps
-        if steps is None:  # neither the request nor the workers' default is known
-            return max_level
-        runnable = self._runnable[strategy](steps)
-        if runnable < 0:
-            raise RouterError(
-                Refusal.INVALID,
-                f"steps: {steps} leaves no level of {strategy.value} runnable",
-            )
-        return runnable if max_level is None else min(max_level, runnable)
-
     def _classify_route_forward(
         self, request: RouterRequest, arrived: float, deadline: float, cost: float, call: _Call
     ) -> RouterReply:
@@ -690,8 +648,7 @@ class RouterCore:
             with self._lock:
                 self._classifying -= 1
         classified_at = self._clock()
-        if self.metrics is not None:
-            self.metrics.classify.observe(classified_at - arrived)
+        self.stats.classified(classified_at - arrived)
         with self._lock:
             self._classified.append(Classified(classified_at, dict(levels)))
         tried: set[str] = set()
@@ -710,8 +667,7 @@ class RouterCore:
                     if attempt == self.config.max_attempts:
                         raise
                     tried.add(decision.worker_id)
-                    if self.metrics is not None:
-                        self.metrics.retries.inc()
+                    self.stats.retried()
                     continue
                 done = self._clock()
                 return self._response(
@@ -719,8 +675,8 @@ class RouterCore:
                     (arrived, classified_at, routed_at, done),
                 )  # fmt: skip
         except RouterError as err:
-            if admitted and err.kind not in CALLER_ERRORS and self.metrics is not None:
-                self.metrics.slo_violations.inc()  # admitted, then not served
+            if admitted and err.kind not in CALLER_ERRORS:
+                self.stats.admitted_unserved()
             raise
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -732,46 +688,27 @@ class RouterCore:
         request: RouterRequest,
         cost: float,
     ) -> tuple[RouteDecision, Strategy, str]:
-        """Route and admit under the lock; the chosen worker's queue counts this request.
-
-        Levels that skip as many steps as the request runs (K ≥ N) are never chosen; the
-        chosen level's latency is scaled by the request's ``cost``."""
+        """Route and admit under the lock (:meth:`RouterPolicy.route`); the chosen worker's
+        queue counts this request."""
         with self._lock:
             plan = self._router.plan
             if plan is None:
-                raise RouterError(Refusal.UNAVAILABLE, "no plan yet", 1.0)
-            max_level = self._level_cap(plan.strategy, request)
+                raise RouterError(Refusal.UNAVAILABLE, NO_PLAN, 1.0)
             now = self._clock()
-            down = self._down(now) | tried
-            queues = self._queue_view(now)
-
-            def t_proc_of(worker: str, index: int) -> float:
-                return self._service_s(worker, index, cost, now)
-
-            decision = self._route_capped(
-                levels.get(plan.strategy, 0), down, max_level, queues, t_proc_of
+            outcome = self.policy.route(
+                levels.get(plan.strategy, 0),
+                request,
+                self._snapshot(cost, now, tried),
+                deadline - now,
+                retry=bool(tried),
             )
-            if decision.worker_id in down:
-                raise RouterError(Refusal.UNAVAILABLE, "no live worker left", 1.0)
-            worker = decision.worker_id
-            queue = queues.get(worker, 0)
-            t_proc = t_proc_of(worker, decision.served_level)
-            elapsed = now - self._head_started.get(worker, now)
-            predicted = self.config.admission.completion_s(queue, t_proc, elapsed)
-            verdict = admit(predicted, deadline - now)
-            if not verdict.admitted:
-                if not tried:
-                    self._rejected("deadline")
-                raise RouterError(
-                    Refusal.OVERLOADED,
-                    f"deadline: predicted {verdict.predicted_s * 1e3:.0f} ms exceeds the "
-                    f"{verdict.budget_s * 1e3:.0f} ms left",
-                    verdict.retry_after_s,
-                )
+            if isinstance(outcome, Refused):
+                raise self._refusal(outcome)
+            worker = outcome.decision.worker_id
             if self._queues.get(worker, 0) == 0:
                 self._head_started[worker] = now
             self._queues[worker] = self._queues.get(worker, 0) + 1
-            return decision, plan.strategy, self._addresses[worker]
+            return outcome.decision, plan.strategy, self._addresses[worker]
 
     def _forward(
         self,
@@ -848,46 +785,14 @@ class RouterCore:
                 self._abandoned_until.get(worker, now), now + step_s
             )
 
-    def _route_capped(
-        self,
-        optimal: int,
-        down: set[str],
-        cap: int | None,
-        queues: Mapping[str, int],
-        t_proc: TimeOf,
-    ) -> RouteDecision:
-        """Route with no level above ``cap``. When no live worker serves such a level, a worker
-        whose model also runs the capped level serves it there (AC levels share one model:
-        an ac-k25 worker runs ac-k0 for a request of 4 steps); otherwise UNAVAILABLE."""
-        try:
-            return self._router.route(optimal, queues, down, cap, t_proc)
-        except NoLiveWorkerError as err:
-            if cap is None:
-                raise RouterError(Refusal.UNAVAILABLE, str(err), 1.0) from None
-            try:
-                decision = self._router.route(optimal, queues, down, t_proc=t_proc)
-            except NoLiveWorkerError:
-                raise RouterError(Refusal.UNAVAILABLE, str(err), 1.0) from None
-        if decision.served_level <= cap:
-            return decision
-        model = self._model_of
-        if model(decision.served_level) == model(cap):
-            return replace(decision, served_level=cap, fallback=True)
-        raise RouterError(
-            Refusal.UNAVAILABLE,
-            f"no live worker can serve level index {cap} or slower now",
-            1.0,
-        )
-
-    def _model_of(self, index: int) -> str:
-        return self._models[self._router.level_name(index)]
-
     def _down(self, now: float) -> set[str]:
         return {w for w, until in self._down_until.items() if until > now}
 
-    def _rejected(self, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.rejected.labels(reason).inc()
+    def _refusal(self, refused: Refused) -> RouterError:
+        """The policy's refusal as the error the caller gets, counted by its reason."""
+        if refused.reason:
+            self.stats.rejected(refused.reason)
+        return refused.error()
 
     def _response(
         self,
@@ -903,8 +808,8 @@ class RouterCore:
         if self.drift is not None and reply.scores:
             self.drift.observe(reply.scores)
         level = reply.level or names(decision.served_level)
-        if self.metrics is not None:
-            self.metrics.observe_served(
+        self.stats.served(
+            Served(
                 level,
                 strategy,
                 names(decision.optimal_level),
@@ -912,6 +817,7 @@ class RouterCore:
                 reply.timing.total_ms / 1e3,
                 late=done - arrived > self.slo_s,
             )
+        )
         return RouterReply(
             request_id=request.request_id,
             png=reply.png,
@@ -954,24 +860,3 @@ class _Call:
                     elapsed_ms=elapsed_s * 1e3,
                 )
             )
-
-
-def _size(request: RouterRequest) -> str:
-    """The request's size for messages, "W×H, N steps" ("default" for a field it left to the
-    worker)."""
-
-    def shown(value: int | None) -> str:
-        return "default" if value is None else str(value)
-
-    return f"{shown(request.width)}×{shown(request.height)}, {shown(request.steps)} steps"
-
-
-def _runnable_levels(profiles: ProfileSet, strategy: Strategy) -> Callable[[int], int]:
-    """For N steps, the highest index of ``strategy``'s levels that skips fewer than N (K < N);
-    -1 when none does. Levels are slowest first, so K grows with the index."""
-    skips = [level.skip_steps for level in profiles.levels_for(strategy)]
-
-    def highest(steps: int) -> int:
-        return max((i for i, k in enumerate(skips) if k < steps), default=-1)
-
-    return highest

@@ -1,0 +1,328 @@
+"""The router's decision, apart from what carries it out: :class:`RouterPolicy`.
+
+For one request the policy prices it, refuses it early when no live worker can finish it in
+time, caps the levels it may be served at, routes it on the installed plan (PASM sample, Eq. 3
+worker selection, the capped-level fallback) and admits it on the chosen worker. It answers
+with an :class:`Admitted` route or a :class:`Refused`; it takes no lock, calls no worker,
+counts no metric and reads no clock. What it knows of the cluster comes in a
+:class:`Snapshot`: each planned worker's level, queue and how long its current request has
+run, the workers that are down, and the request's service time on each worker at each level.
+
+Two data planes run it. The live router (:class:`argus.router.core.RouterCore`) takes the
+snapshot under its lock, with service times learned from the workers' replies, and around the
+decision keeps the request ledger, forwards to the worker and retries. The simulator's planned
+policies (:mod:`argus.sim.planned`) route every request through it with the profile's
+latencies; the simulator admits the baselines' choices with :func:`admit_on`, the same check.
+So early refusals, caps and fallbacks are simulated as they are served.
+
+It imports neither grpc, protobuf nor prometheus_client.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, replace
+
+from argus.router.admission import (
+    AdmissionRule,
+    WorkerLoad,
+    admit,
+    earliest_completion_s,
+    request_cost,
+)
+from argus.router.routing import PlanRouter, RouterConfig
+from argus.router.scheduler import NoLiveWorkerError
+from argus.router.values import Refusal, RouterError, RouterRequest
+from argus.types import Plan, ProfileSet, RouteDecision, Strategy
+
+NO_PLAN = "no plan yet"
+NO_LIVE_WORKER = "no live worker left"
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request the policy will not serve, and why, in the words the caller sees."""
+
+    kind: Refusal
+    details: str
+    retry_after_s: float | None = None
+    reason: str = ""
+    """What the router's ``rejected`` counter calls it ("deadline"); "" when not counted."""
+
+    def error(self) -> RouterError:
+        return RouterError(self.kind, self.details, self.retry_after_s)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A routed and admitted request: where it goes and when it should finish there."""
+
+    decision: RouteDecision
+    predicted_s: float  # predicted completion on the chosen worker, seconds from now
+
+
+ServiceTime = Callable[[str, int], float]
+"""The request's service time on a worker at a level index, seconds (already × its cost)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The cluster at the moment of one decision. The simulator builds one per request, so
+    what costs a pass over the workers is a function, asked only for the workers a decision
+    looks at."""
+
+    levels: Mapping[str, int]  # each worker of the installed plan → its level index there
+    queues: Mapping[str, int]  # requests sent and not answered (+1 while it drops abandoned work)
+    down: AbstractSet[str]  # down, or already tried for this request
+    elapsed_s: Callable[[str], float]  # how long the request a worker is serving has run
+    service_s: ServiceTime
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What the decision needs besides the plan."""
+
+    admission: AdmissionRule = field(default_factory=AdmissionRule)
+    default_steps: int | None = None  # the workers' default steps (None: unknown)
+    default_size: int | None = None  # the workers' default side (None: the reference's)
+    max_cost: float | None = None  # the most a request may cost, in reference requests
+
+
+def admit_on(
+    rule: AdmissionRule,
+    queue: int,
+    elapsed_s: float,
+    t_proc_s: float,
+    budget_s: float,
+    *,
+    count: bool = True,
+) -> float | Refused:
+    """Admit a request whose service takes ``t_proc_s`` on a worker with ``queue`` requests
+    (the first running for ``elapsed_s``) if ``rule`` predicts it finishes within
+    ``budget_s``: the predicted completion, seconds from now; else OVERLOADED with the
+    predicted excess as the retry hint (a "deadline" rejection when ``count``; a retry's
+    refusal is not counted)."""
+    verdict = admit(rule.completion_s(queue, t_proc_s, elapsed_s), budget_s)
+    if verdict.admitted:
+        return verdict.predicted_s
+    return Refused(
+        Refusal.OVERLOADED,
+        f"deadline: predicted {verdict.predicted_s * 1e3:.0f} ms exceeds the "
+        f"{verdict.budget_s * 1e3:.0f} ms left",
+        verdict.retry_after_s,
+        "deadline" if count else "",
+    )
+
+
+class RouterPolicy:
+    """Decides for one request at a time on the installed plan. Not thread-safe: the live
+    router calls it under its lock."""
+
+    def __init__(
+        self,
+        profiles: ProfileSet,
+        config: PolicyConfig,
+        *,
+        routing: RouterConfig | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.profiles = profiles
+        self.config = config
+        self.router = PlanRouter(profiles, rng or random.Random(0), routing or RouterConfig())
+        self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
+        self._models = {level.name: level.model for level in profiles.levels}
+        self.decisions = 0  # route calls, admitted or not (the simulator's test counts them)
+
+    # the plan ----------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.router.plan
+
+    def install(self, plan: Plan, worker_classes: Mapping[str, str], now_s: float) -> None:
+        """Route on ``plan`` from now on; KeyError for a worker class the profile lacks."""
+        self.router.install(plan, worker_classes, now_s)
+
+    def level_name(self, index: int) -> str:
+        return self.router.level_name(index)
+
+    # the decision ------------------------------------------------------------------------
+
+    def price(self, request: RouterRequest) -> float | Refused:
+        """The request's cost in reference requests; INVALID above ``max_cost``."""
+        ref = self.profiles.reference
+        size = self.config.default_size
+        steps = request.steps or self.config.default_steps
+        cost = request_cost(request.width or size, request.height or size, steps, ref)
+        cap = self.config.max_cost
+        if cap is not None and cost > cap:
+            return Refused(
+                Refusal.INVALID,
+                f"width, height, steps: {describe_size(request)} costs {cost:.3g} reference "
+                f"requests ({ref.width}×{ref.height}, {ref.steps} steps); this deployment "
+                f"accepts at most {cap:.3g}",
+            )
+        return cost
+
+    def level_cap(self, strategy: Strategy, request: RouterRequest) -> int | Refused | None:
+        """The highest level index ``request`` may be served at: its ``max_level_index`` and
+        the levels that skip fewer steps than it runs; None when any level may serve it."""
+        max_level = request.max_level_index
+        steps = request.steps if request.steps is not None else self.config.default_steps
+        if steps is None:  # neither the request nor the workers' default is known
+            return max_level
+        runnable = self._runnable[strategy](steps)
+        if runnable < 0:
+            return Refused(
+                Refusal.INVALID, f"steps: {steps} leaves no level of {strategy.value} runnable"
+            )
+        return runnable if max_level is None else min(max_level, runnable)
+
+    def admit_early(
+        self,
+        request: RouterRequest,
+        cost: float,
+        snapshot: Snapshot,
+        budget_s: float,
+        *,
+        classifying: int = 0,
+        classifier_s: float = 0.0,
+    ) -> Refused | None:
+        """Refuse, before the classifier sees the prompt, a request that cannot finish within
+        ``budget_s`` on any live worker at the cheapest level it may be served at:
+        DEADLINE when not even an idle worker could (naming the fields that make it so),
+        OVERLOADED with a retry hint when the queues are the reason. ``classifying``
+        requests passed this check ahead of it; the classifier's backlog is
+        ``classifier_s``."""
+        plan = self.router.plan
+        if plan is None:
+            return Refused(Refusal.UNAVAILABLE, NO_PLAN, 1.0)
+        cap = self.level_cap(plan.strategy, request)
+        if isinstance(cap, Refused):
+            return cap
+        loads = self._loads(cap, snapshot)
+        if not loads:
+            return Refused(Refusal.UNAVAILABLE, NO_LIVE_WORKER, 1.0)
+        loaded, idle = earliest_completion_s(self.config.admission, loads, classifying)
+        if idle > budget_s:
+            return Refused(
+                Refusal.DEADLINE,
+                f"width, height, steps, deadline_ms: {describe_size(request)} ({cost:.3g} "
+                f"reference requests) takes {idle * 1e3:.0f} ms on an idle worker, more than "
+                f"the {budget_s * 1e3:.0f} ms left",
+                reason="deadline",
+            )
+        verdict = admit(loaded + classifier_s, budget_s)
+        if not verdict.admitted:
+            return Refused(
+                Refusal.OVERLOADED,
+                f"deadline: the earliest completion is {verdict.predicted_s * 1e3:.0f} ms "
+                f"away (classifier backlog {classifier_s * 1e3:.0f} ms), more than the "
+                f"{verdict.budget_s * 1e3:.0f} ms left",
+                verdict.retry_after_s,
+                "deadline",
+            )
+        return None
+
+    def route(
+        self,
+        optimal: int,
+        request: RouterRequest,
+        snapshot: Snapshot,
+        budget_s: float,
+        *,
+        retry: bool = False,
+    ) -> Admitted | Refused:
+        """Route a prompt whose classified level for the plan's strategy is ``optimal``, no
+        level above its cap, and admit it on the chosen worker (a ``retry``'s refusal is not
+        counted as a rejection). Levels that skip as many steps as the request runs (K ≥ N)
+        are never chosen."""
+        self.decisions += 1
+        plan = self.router.plan
+        if plan is None:
+            return Refused(Refusal.UNAVAILABLE, NO_PLAN, 1.0)
+        cap = self.level_cap(plan.strategy, request)
+        if isinstance(cap, Refused):
+            return cap
+        decision = self._route_capped(optimal, snapshot, cap)
+        if isinstance(decision, Refused):
+            return decision
+        worker = decision.worker_id
+        if worker in snapshot.down:
+            return Refused(Refusal.UNAVAILABLE, NO_LIVE_WORKER, 1.0)
+        t_proc = snapshot.service_s(worker, decision.served_level)
+        queue, elapsed = snapshot.queues.get(worker, 0), snapshot.elapsed_s(worker)
+        predicted = admit_on(
+            self.config.admission, queue, elapsed, t_proc, budget_s, count=not retry
+        )
+        if isinstance(predicted, Refused):
+            return predicted
+        return Admitted(decision, predicted)
+
+    # the parts ---------------------------------------------------------------------------
+
+    def _loads(self, cap: int | None, snapshot: Snapshot) -> list[WorkerLoad]:
+        """The live workers that may serve a request capped at level ``cap``, each with the
+        request's service time at the cheapest level it can serve it at."""
+        loads = []
+        for worker, index in snapshot.levels.items():
+            if worker in snapshot.down:
+                continue
+            if cap is not None and index > cap:
+                if self._model_of(index) != self._model_of(cap):
+                    continue
+                index = cap  # it runs the capped level on the same model (see _route_capped)
+            t_proc = snapshot.service_s(worker, index)
+            queue = snapshot.queues.get(worker, 0)
+            loads.append(WorkerLoad(queue, t_proc, snapshot.elapsed_s(worker)))
+        return loads
+
+    def _route_capped(
+        self, optimal: int, snapshot: Snapshot, cap: int | None
+    ) -> RouteDecision | Refused:
+        """Route with no level above ``cap``. When no live worker serves such a level, a worker
+        whose model also runs the capped level serves it there (AC levels share one model:
+        an ac-k25 worker runs ac-k0 for a request of 4 steps); otherwise UNAVAILABLE."""
+        queues, down, t_proc = snapshot.queues, snapshot.down, snapshot.service_s
+        try:
+            return self.router.route(optimal, queues, down, cap, t_proc)
+        except NoLiveWorkerError as err:
+            if cap is None:
+                return Refused(Refusal.UNAVAILABLE, str(err), 1.0)
+            try:
+                decision = self.router.route(optimal, queues, down, t_proc=t_proc)
+            except NoLiveWorkerError:
+                return Refused(Refusal.UNAVAILABLE, str(err), 1.0)
+        if decision.served_level <= cap:
+            return decision
+        if self._model_of(decision.served_level) == self._model_of(cap):
+            return replace(decision, served_level=cap, fallback=True)
+        return Refused(
+            Refusal.UNAVAILABLE, f"no live worker can serve level index {cap} or slower now", 1.0
+        )
+
+    def _model_of(self, index: int) -> str:
+        return self._models[self.router.level_name(index)]
+
+
+def describe_size(request: RouterRequest) -> str:
+    """The request's size for messages, "W×H, N steps" ("default" for a field it left to the
+    worker)."""
+
+    def shown(value: int | None) -> str:
+        return "default" if value is None else str(value)
+
+    return f"{shown(request.width)}×{shown(request.height)}, {shown(request.steps)} steps"
+
+
+def _runnable_levels(profiles: ProfileSet, strategy: Strategy) -> Callable[[int], int]:
+    """For N steps, the highest index of ``strategy``'s levels that skips fewer than N (K < N);
+    -1 when none does. Levels are slowest first, so K grows with the index."""
+    skips = [level.skip_steps for level in profiles.levels_for(strategy)]
+
+    def highest(steps: int) -> int:
+        return max((i for i, k in enumerate(skips) if k < steps), default=-1)
+
+    return highest

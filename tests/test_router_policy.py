@@ -1,0 +1,157 @@
+"""The router's decision on its own (argus/router/policy.py): typed answers from a snapshot,
+with no lock, clock, worker or metric behind it. RouterCore's tests cover it as served."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from argus.allocator.config import ControlConfig
+from argus.allocator.control import AllocatorControl
+from argus.contracts.workers import WorkerReport
+from argus.router.admission import AdmissionRule
+from argus.router.policy import (
+    Admitted,
+    PolicyConfig,
+    Refused,
+    RouterPolicy,
+    Snapshot,
+    admit_on,
+)
+from argus.router.values import Refusal, RouterRequest
+from argus.types import Strategy
+from tests.router_cluster import PROFILES, FakeClock
+
+pytestmark = pytest.mark.unit
+
+CLASS = PROFILES.worker_classes[0]
+REQUEST = RouterRequest(prompt="a fox")
+
+
+def policy(ids: tuple[str, ...] = ("w1", "w2"), **config: object) -> RouterPolicy:
+    """A policy on the plan an allocator control makes for workers ``ids``."""
+    control = AllocatorControl(
+        PROFILES, ControlConfig(period_s=60.0, heartbeat_s=1.0), clock=FakeClock(), epoch="t"
+    )
+    for worker_id in ids:
+        control.heartbeat(WorkerReport(worker_id, f"{worker_id}:1", CLASS))
+    decider = RouterPolicy(PROFILES, PolicyConfig(**config))  # type: ignore[arg-type]
+    published = control.current
+    decider.install(published.plan, published.worker_classes(), 0.0)
+    return decider
+
+
+def snapshot(
+    decider: RouterPolicy,
+    queues: dict[str, int] | None = None,
+    down: frozenset[str] = frozenset(),
+    t_proc_s: float = 1.0,
+) -> Snapshot:
+    assert decider.plan is not None
+    levels = decider.plan.allocation.levels
+    plan_levels = {w: levels.index(v) for w, v in decider.plan.allocation.assignment.items()}
+    return Snapshot(
+        plan_levels,
+        queues or {w: 0 for w in plan_levels},
+        down,
+        lambda _worker: 0.0,
+        lambda _worker, _index: t_proc_s,
+    )
+
+
+def test_an_idle_cluster_admits_and_predicts_the_rules_completion() -> None:
+    decider = policy()
+    rule = decider.config.admission
+    view = snapshot(decider, t_proc_s=2.0)
+    assert decider.admit_early(REQUEST, 1.0, view, 10.0) is None
+    outcome = decider.route(0, REQUEST, view, 10.0)
+    assert isinstance(outcome, Admitted)
+    assert outcome.decision.worker_id in ("w1", "w2")
+    assert outcome.predicted_s == pytest.approx(rule.completion_s(0, 2.0, 0.0))
+
+
+def test_what_no_idle_worker_can_finish_is_deadline_naming_the_fields() -> None:
+    decider = policy()
+    refused = decider.admit_early(REQUEST, 1.0, snapshot(decider, t_proc_s=5.0), 1.0)
+    assert isinstance(refused, Refused) and refused.kind is Refusal.DEADLINE
+    assert refused.details.startswith("width, height, steps, deadline_ms")
+    assert refused.reason == "deadline" and refused.retry_after_s is None
+
+
+def test_full_queues_are_overloaded_with_the_predicted_excess_as_hint() -> None:
+    decider = policy()
+    busy = snapshot(decider, {"w1": 9, "w2": 9}, t_proc_s=1.0)
+    refused = decider.admit_early(REQUEST, 1.0, busy, 3.0)
+    assert isinstance(refused, Refused) and refused.kind is Refusal.OVERLOADED
+    assert refused.retry_after_s is not None and refused.retry_after_s > 5.0
+    routed = decider.route(0, REQUEST, busy, 3.0)
+    assert isinstance(routed, Refused) and routed.kind is Refusal.OVERLOADED
+    assert routed.reason == "deadline"
+    retried = decider.route(0, REQUEST, busy, 3.0, retry=True)
+    assert isinstance(retried, Refused) and retried.reason == ""  # a retry is not counted
+
+
+def test_down_workers_are_never_chosen_and_none_left_is_unavailable() -> None:
+    decider = policy()
+    half = decider.route(0, REQUEST, snapshot(decider, down=frozenset({"w1"})), 10.0)
+    assert isinstance(half, Admitted) and half.decision.worker_id == "w2"
+    none = snapshot(decider, down=frozenset({"w1", "w2"}))
+    early = decider.admit_early(REQUEST, 1.0, none, 10.0)
+    assert isinstance(early, Refused) and early.kind is Refusal.UNAVAILABLE
+
+
+def test_price_and_caps_refuse_what_the_deployment_cannot_run() -> None:
+    decider = policy(max_cost=4.0, default_steps=30)
+    assert decider.price(RouterRequest(prompt="x", width=1024, height=1024)) == pytest.approx(
+        30 / 50
+    )
+    too_big = decider.price(RouterRequest(prompt="x", width=2048, height=2048, steps=100))
+    assert isinstance(too_big, Refused) and too_big.kind is Refusal.INVALID
+    assert too_big.details.startswith("width, height, steps")
+    # 3 steps: only the levels that skip fewer than 3 (K = 0) may serve it
+    assert decider.level_cap(Strategy.AC, RouterRequest(prompt="x", steps=3)) == 0
+    assert decider.level_cap(Strategy.AC, RouterRequest(prompt="x")) == 5  # K 25 < 30
+    nothing = PolicyConfig(default_steps=None)
+    assert RouterPolicy(PROFILES, nothing).level_cap(Strategy.AC, REQUEST) is None
+
+
+def test_a_capped_request_falls_back_to_a_worker_of_the_same_model() -> None:
+    """The only worker serves ac-k25; a request of 3 steps may only run K = 0, which the
+    same model runs: it goes there at level 0, marked a fallback. A request of the default
+    30 steps is served at ac-k25 as planned."""
+    decider = policy(("w1",), default_steps=30)
+    assert decider.plan is not None
+    plan, levels = decider.plan, decider.plan.allocation.levels
+    allocation = replace(
+        plan.allocation,
+        assignment={"w1": "ac-k25"},
+        workers_per_level=tuple(int(v == "ac-k25") for v in levels),
+        load_share_qpm=tuple(10.0 * (v == "ac-k25") for v in levels),
+    )
+    decider.install(replace(plan, allocation=allocation), {"w1": CLASS}, 0.0)
+    short = decider.route(0, RouterRequest(prompt="x", steps=3), snapshot(decider), 60.0)
+    assert isinstance(short, Admitted)
+    assert short.decision.fallback and short.decision.served_level == 0
+    plain = decider.route(0, REQUEST, snapshot(decider), 60.0)
+    assert isinstance(plain, Admitted) and plain.decision.served_level == levels.index("ac-k25")
+
+
+def test_without_a_plan_every_decision_is_unavailable() -> None:
+    decider = RouterPolicy(PROFILES, PolicyConfig())
+    empty = Snapshot({}, {}, frozenset(), lambda _w: 0.0, lambda _w, _i: 1.0)
+    for outcome in (
+        decider.admit_early(REQUEST, 1.0, empty, 1.0),
+        decider.route(0, REQUEST, empty, 1.0),
+    ):
+        assert isinstance(outcome, Refused) and outcome.kind is Refusal.UNAVAILABLE
+
+
+def test_admit_on_is_the_rule_against_the_budget() -> None:
+    rule = AdmissionRule()
+    predicted = rule.completion_s(2, 1.0, 0.5)
+    assert admit_on(rule, 2, 0.5, 1.0, predicted + 1e-9) == pytest.approx(predicted)
+    late = admit_on(rule, 2, 0.5, 1.0, predicted - 0.5)
+    assert isinstance(late, Refused) and late.retry_after_s == pytest.approx(0.5)
+    assert isinstance(admit_on(rule, 0, 0.0, math.nan, 10.0), Refused)
