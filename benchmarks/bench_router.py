@@ -286,9 +286,10 @@ def start_router(
     config = RouterServiceConfig(router_id="bench-router", max_in_flight=MAX_IN_FLIGHT)
     extra: dict[str, Any] = {}
     if with_metrics:
+        from argus.router.app import PrometheusStats
         from argus.router.metrics import RouterMetrics
 
-        extra["metrics"] = RouterMetrics(profiles)
+        extra["stats"] = PrometheusStats(RouterMetrics(profiles))
     core = RouterCore(profiles, classifier, config, workers=GrpcWorkers(), **extra)
     core.install(published)
     router_port, stop_router = serve_router(core, threads)

@@ -22,8 +22,9 @@ from argus.allocator.service import create_server as create_allocator
 from argus.contracts.allocator_client import AllocatorClient
 from argus.contracts.workers import WorkerReport
 from argus.profiles import default_profiles
-from argus.router.app import ServerSecurity, create_server
+from argus.router.app import PrometheusStats, ServerSecurity, create_server
 from argus.router.core import RouterCore, RouterServiceConfig
+from argus.router.stats import NO_STATS
 from argus.router.worker_calls import GrpcWorkers
 from argus.types import Strategy
 
@@ -150,7 +151,7 @@ class Cluster:
             config or RouterServiceConfig(),
             workers=GrpcWorkers(),
             clock=self.clock,
-            metrics=metrics,
+            stats=NO_STATS if metrics is None else PrometheusStats(metrics),
             drift=drift,
         )
         self.core.install(self.client.get_plan())

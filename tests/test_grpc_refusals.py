@@ -26,6 +26,7 @@ from argus.router.app import (
     MIN_REFUSAL_THREADS,
     REFUSAL_BACKLOG,
     REFUSAL_THREADS,
+    PrometheusStats,
     create_server,
     grpc_sizes,
 )
@@ -95,7 +96,12 @@ def router() -> Iterator[Router]:
     config = RouterServiceConfig(max_in_flight=MAX_IN_FLIGHT)
     metrics = RouterMetrics(PROFILES, CollectorRegistry())
     core = RouterCore(
-        PROFILES, StubClassifier(), config, workers=workers, clock=clock, metrics=metrics
+        PROFILES,
+        StubClassifier(),
+        config,
+        workers=workers,
+        clock=clock,
+        stats=PrometheusStats(metrics),
     )
     assert core.install(control.current)
     server, port, _ = create_server(core)

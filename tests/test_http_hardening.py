@@ -29,9 +29,11 @@ from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult
 from argus.contracts.workers import WorkerReport
 from argus.router import http as router_http
+from argus.router.app import PrometheusStats
 from argus.router.core import ProgressSink, RouterCore, RouterServiceConfig
 from argus.router.http import HttpServer, create_app
 from argus.router.metrics import RouterMetrics
+from argus.router.stats import NO_STATS
 from tests.router_cluster import PROFILES, TIMEOUT, FakeClock, StubClassifier
 from tests.test_router_core import FakeWorkers, served
 
@@ -58,7 +60,7 @@ def make_core(
         config or RouterServiceConfig(),
         workers=workers,
         clock=clock,
-        metrics=metrics,
+        stats=NO_STATS if metrics is None else PrometheusStats(metrics),
     )
     assert core.install(control.current)
     return core

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult, Progress, Stage
 from argus.contracts.workers import WorkerReport
+from argus.router.app import PrometheusStats
 from argus.router.core import (
     CallCancel,
     ProgressSink,
@@ -22,6 +23,7 @@ from argus.router.core import (
     WorkerError,
 )
 from argus.router.metrics import RouterMetrics
+from argus.router.stats import NO_STATS
 from argus.router.values import Refusal, RouterError, RouterRequest
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 
@@ -33,17 +35,19 @@ PNG = b"\x89PNG\r\n\x1a\nfake"
 Answer = Callable[[GenerateCall, ProgressSink | None], GenerateResult]
 
 
-def test_the_core_imports_neither_grpc_nor_protobuf_messages() -> None:
+@pytest.mark.parametrize("module", ["argus.router.core", "argus.router.policy"])
+def test_the_core_imports_neither_grpc_protobuf_nor_prometheus(module: str) -> None:
     code = (
-        "import sys, argus.router.core\n"
-        "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.')"
+        f"import sys, {module}\n"
+        "bad = sorted(m for m in sys.modules if m.partition('.')[0] in"
+        " ('grpc', 'prometheus_client') or m.startswith('google.protobuf')"
         " or m.endswith('_pb2') or m.endswith('_pb2_grpc'))\n"
         "print(','.join(bad))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
-    assert done.stdout.strip() == "", f"argus.router.core loaded {done.stdout.strip()}"
+    assert done.stdout.strip() == "", f"{module} loaded {done.stdout.strip()}"
 
 
 def served(call: GenerateCall, progress: ProgressSink | None) -> GenerateResult:
@@ -103,7 +107,7 @@ def make_core(
         RouterServiceConfig(),
         workers=workers,
         clock=clock,
-        metrics=metrics,
+        stats=NO_STATS if metrics is None else PrometheusStats(metrics),
     )
     assert core.install(control.current)
     return core

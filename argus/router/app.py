@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -38,6 +38,7 @@ from argus.router.core import RouterCore, RouterServiceConfig, busy_refusal
 from argus.router.drift import DriftSettings, RouterDrift
 from argus.router.metrics import RouterMetrics
 from argus.router.service import SERVICE_NAME, RouterServicer, router_pb2_grpc
+from argus.router.stats import NO_STATS, RouterStats, Served
 from argus.router.values import Refusal
 from argus.types import ClassQuality, ProfileSet, Strategy
 
@@ -123,16 +124,61 @@ def router_server(
     )
 
 
-def busy_limit(in_flight: int, metrics: RouterMetrics | None = None) -> InFlightLimit:
+class PrometheusStats(RouterStats):
+    """The core's events as the ``argus_router_*`` series of ``metrics``."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def watch_in_flight(self, read: Callable[[], int]) -> None:
+        self.metrics.in_flight.set_function(read)
+
+    def plan_installed(self, version: int, strategy: Strategy, queues: Mapping[str, int]) -> None:
+        self.metrics.observe_plan(version, strategy, queues)
+
+    def served(self, served: Served) -> None:
+        self.metrics.observe_served(
+            served.level,
+            served.strategy,
+            served.classified,
+            served.total_s,
+            served.worker_s,
+            late=served.late,
+        )
+
+    def failed(self, kind: Refusal, refusal_s: float | None) -> None:
+        self.metrics.requests.labels(kind.status_name).inc()
+        if refusal_s is not None:
+            self.metrics.refusal.observe(refusal_s)
+
+    def rejected(self, reason: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+
+    def classified(self, seconds: float) -> None:
+        self.metrics.classify.observe(seconds)
+
+    def retried(self) -> None:
+        self.metrics.retries.inc()
+
+    def admitted_unserved(self) -> None:
+        self.metrics.slo_violations.inc()
+
+    def id_evicted(self) -> None:
+        self.metrics.ids_evicted.inc()
+
+    def http_answered(self, route: str, status: int) -> None:
+        self.metrics.observe_http(route, status)
+
+
+def busy_limit(in_flight: int, stats: RouterStats = NO_STATS) -> InFlightLimit:
     """The router's in-flight bound on Generate and GenerateStream, refusing in the core's
     words for the same refusal (RESOURCE_EXHAUSTED with a ``retry-after-ms`` trailer), and
-    counted in ``metrics`` as the core counts it (a RESOURCE_EXHAUSTED answer, rejected as
-    "busy")."""
+    told to ``stats`` as the core tells it (a RESOURCE_EXHAUSTED answer, rejected as
+    "busy"; not the core's own refusal, so not timed as one)."""
 
     def count() -> None:
-        if metrics is not None:
-            metrics.requests.labels(Refusal.OVERLOADED.status_name).inc()
-            metrics.rejected.labels("busy").inc()
+        stats.failed(Refusal.OVERLOADED, None)
+        stats.rejected("busy")
 
     refusal = busy_refusal(in_flight)
     assert refusal.retry_after_s is not None
@@ -168,7 +214,7 @@ def create_server(
     interceptors: list[grpc.ServerInterceptor] = []
     if security.token is not None:  # an unauthenticated call is refused as such, not as busy
         interceptors.append(BearerTokenInterceptor(security.token))
-    interceptors.append(busy_limit(sizes.in_flight, core.metrics))
+    interceptors.append(busy_limit(sizes.in_flight, core.stats))
     server = router_server(sizes.threads, interceptors)
     health_servicer = health.HealthServicer()
     servicer = RouterServicer(core, health_servicer)
@@ -369,7 +415,14 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     channels = WorkerChannels(lambda address: channel(address, tls, reconnect_options()))
     drift = build_drift(settings.drift, classifier.classifiers, profiles, metrics)
     workers = GrpcWorkers(channels)
-    core = RouterCore(profiles, classifier, config, workers=workers, metrics=metrics, drift=drift)
+    core = RouterCore(
+        profiles,
+        classifier,
+        config,
+        workers=workers,
+        stats=PrometheusStats(metrics),
+        drift=drift,
+    )
     server, port, servicer = create_server(
         core,
         f"{settings.host}:{settings.port}",

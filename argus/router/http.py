@@ -80,9 +80,9 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from argus.contracts.generate import Adapter, AdapterKind, Progress
 from argus.request_limits import InvalidRequestError, check_image, parse_size
 from argus.router.core import CallCancel, ProgressSink, RouterCore
-from argus.contracts.generate import Adapter, AdapterKind, Progress
 from argus.router.values import (
     Refusal,
     RouterError,
@@ -629,8 +629,8 @@ def create_app(
         },
     )
     app.add_middleware(_Admission, limit=max_requests)
-    if core.metrics is not None:  # added last, so outermost: it counts the bound's refusals
-        app.add_middleware(_CountMiddleware, observe=core.metrics.observe_http)
+    # added last, so outermost: it counts the bound's refusals
+    app.add_middleware(_CountMiddleware, observe=core.stats.http_answered)
     return app
 
 

@@ -1,0 +1,67 @@
+"""What the router's core tells about the requests it serves: :class:`RouterStats`.
+
+:class:`~argus.router.core.RouterCore` hands each event to one listener as typed values and
+never touches a metric itself; the listener decides what to keep. This base class keeps
+nothing (tests, benchmarks and the simulator-like harnesses run without metrics); the router
+process listens with :class:`argus.router.app.PrometheusStats`, which turns each event into
+the ``argus_router_*`` series. Pure Python: the core imports this module and stays free of
+prometheus_client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from argus.router.values import Refusal
+from argus.types import Strategy
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request the router served."""
+
+    level: str  # the level that served it
+    strategy: Strategy
+    classified: str  # the classifier's optimal level for its prompt
+    total_s: float  # arrival until the answer
+    worker_s: float  # the worker's own total
+    late: bool  # later than the SLO
+
+
+class RouterStats:
+    """A listener that keeps nothing; subclasses override what they count."""
+
+    def watch_in_flight(self, read: Callable[[], int]) -> None:
+        """``read()`` is the number of requests being served, whenever the listener asks."""
+
+    def plan_installed(self, version: int, strategy: Strategy, queues: Mapping[str, int]) -> None:
+        """The router follows plan ``version`` now; its queue per worker of the plan."""
+
+    def served(self, served: Served) -> None:
+        """A request was answered with an image."""
+
+    def failed(self, kind: Refusal, refusal_s: float | None) -> None:
+        """A request was answered with ``kind``; ``refusal_s``: the core's own time on an
+        overload refusal (None when the refusal was not the core's, or not timed)."""
+
+    def rejected(self, reason: str) -> None:
+        """A request was turned away before a worker saw it: "busy", "deadline", "ids"."""
+
+    def classified(self, seconds: float) -> None:
+        """A prompt was classified ``seconds`` after its request arrived."""
+
+    def retried(self) -> None:
+        """A request was routed again after its worker became unavailable."""
+
+    def admitted_unserved(self) -> None:
+        """An admitted request ended without its image for a reason not its caller's."""
+
+    def id_evicted(self) -> None:
+        """The request-id ledger dropped a kept answer to stay within its byte budget."""
+
+    def http_answered(self, route: str, status: int) -> None:
+        """The HTTP API answered ``route`` (one of its paths, or "other") with ``status``."""
+
+
+NO_STATS = RouterStats()
