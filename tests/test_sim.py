@@ -11,8 +11,16 @@ import pytest
 from argus.contracts.plans import ReplanReason
 from argus.profiles import default_profiles
 from argus.router.admission import AdmissionRule, admit, predicted_completion_s
+from argus.router.policy import Refused
 from argus.sim.adapters import AdapterModel
-from argus.sim.cluster import GpuFailure, Policy, RetrievalFault, SimConfig, Simulation
+from argus.sim.cluster import (
+    Dispatch,
+    GpuFailure,
+    Policy,
+    RetrievalFault,
+    SimConfig,
+    Simulation,
+)
 from argus.sim.planned import PlannedPolicy
 from argus.sim.policies import PLANNED, POLICIES, NoisyOracleClassifier, make_policy
 from argus.sim.quality import synthetic_quality_table
@@ -101,12 +109,11 @@ class RecordingPolicy(PlannedPolicy):
         super().__init__("argus", PLANNED["argus"])
         self.routes: list[tuple[int, float, str, frozenset[str]]] = []
 
-    def route(
-        self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
-    ) -> tuple[str, str]:
-        worker_id, level = super().route(request, now_s, queues, down)
-        self.routes.append((request, now_s, worker_id, down))
-        return worker_id, level
+    def decide(self, request: int, now_s: float, dispatch: Dispatch) -> tuple[str, str] | Refused:
+        outcome = super().decide(request, now_s, dispatch)
+        worker_id = "" if isinstance(outcome, Refused) else outcome[0]  # "": refused
+        self.routes.append((request, now_s, worker_id, dispatch.down))
+        return outcome
 
 
 def test_failed_gpus_serve_nothing_while_down_and_requests_are_retried(heavy):
@@ -558,10 +565,12 @@ def test_admission_on_a_quantile_keeps_admitted_requests_on_time_under_overload(
 
 def test_the_simulation_runs_the_allocators_and_the_routers_own_code(monkeypatch, light):
     """Not a copy: the planned policies call the allocator's control, planner and queue model
-    and the router's routing and admission, so changing any of them changes the run."""
+    and the router's decision (early admission, routing, admission), so changing any of them
+    changes the run."""
     import argus.allocator.allocator as allocator_module
     from argus.allocator.control import AllocatorControl
     from argus.allocator.queueing import QueueModel
+    from argus.router.policy import RouterPolicy
     from argus.router.routing import PlanRouter
 
     calls: dict[str, int] = {}
@@ -570,7 +579,8 @@ def test_the_simulation_runs_the_allocators_and_the_routers_own_code(monkeypatch
         original = getattr(owner, name)
 
         def wrapper(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
+            key = f"{getattr(owner, '__name__', '')}.{name}"
+            calls[key] = calls.get(key, 0) + 1
             return original(*args, **kwargs)
 
         monkeypatch.setattr(owner, name, wrapper)
@@ -582,11 +592,23 @@ def test_the_simulation_runs_the_allocators_and_the_routers_own_code(monkeypatch
         (allocator_module, "make_plan"),
         (PlanRouter, "route"),
         (PlanRouter, "install"),
+        (RouterPolicy, "admit_early"),
+        (RouterPolicy, "route"),
     ):
         counted(owner, name)
     before = summarise(simulate(light, "argus"))
-    assert set(calls) == {"heartbeat", "report_router", "tick", "make_plan", "route", "install"}
-    assert calls["route"] == before.requests
+    assert {key.rpartition(".")[2] for key in calls} == {
+        "heartbeat",
+        "report_router",
+        "tick",
+        "make_plan",
+        "route",
+        "install",
+        "admit_early",
+    }
+    assert calls["RouterPolicy.admit_early"] == before.requests  # every request, first
+    assert calls["RouterPolicy.route"] == before.requests - before.refused_early
+    assert calls["PlanRouter.route"] == calls["RouterPolicy.route"]
 
     monkeypatch.setattr(QueueModel, "max_utilisation", lambda self, service_s, servers: 0.25)
     squeezed = summarise(simulate(light, "argus"))  # caps a quarter: faster levels planned
@@ -642,3 +664,13 @@ def test_planned_heartbeats_carry_each_workers_latest_state() -> None:
         assert member is not None
         assert (member.report.queue_length, member.report.level) == (queue, level)
         assert member.last_seen_s == now
+
+
+def test_the_routers_early_refusals_are_simulated_and_counted():
+    """Beyond what the fastest levels can serve, the planned policies refuse part of the
+    overload before classifying it, as the live router does; the counts say how many."""
+    overload = poisson(mean_qpm=400.0, duration_min=4, seed=5)
+    argus = summarise(simulate(overload, "argus"))
+    assert 0 < argus.refused_early <= argus.refused
+    baseline = summarise(simulate(overload, "clipper-ha"))  # not planned: admitted when routed
+    assert baseline.refused > 0 and baseline.refused_early == 0

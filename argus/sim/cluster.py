@@ -70,6 +70,7 @@ import numpy.typing as npt
 from argus import defaults
 from argus.contracts.quality import QualityTable
 from argus.router.admission import AdmissionRule
+from argus.router.policy import Refused, admit_on
 from argus.sim.adapters import (
     AdapterCost,
     AdapterDraws,
@@ -224,6 +225,7 @@ class SimContext:
     slo_s: float  # the latency objective requests are judged by
     # worker id -> GPU class; empty: every worker is of ``worker_class`` (filled in)
     worker_classes: Mapping[str, str] = field(default_factory=dict)
+    admission_rule: AdmissionRule = field(default_factory=AdmissionRule)  # the router's
 
     def optimal_level(self, strategy: Strategy, request: int) -> int:
         """The oracle's level index for a request (see :mod:`argus.sim.policies`)."""
@@ -233,6 +235,18 @@ class SimContext:
         self._optimal = {s: table.optimal_levels() for s, table in self.quality.items()}
         if not self.worker_classes:
             self.worker_classes = {worker_id: self.worker_class for worker_id in self.worker_ids}
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """The cluster as the router sees it when one request is dispatched."""
+
+    queues: Mapping[str, int]
+    down: frozenset[str]
+    elapsed_s: Callable[[str], float]  # how long the request a worker is serving has run
+    latency_s: Callable[[str, str], float]  # (worker, level) → the router's t_proc there
+    admission: AdmissionRule | None  # None: everything is queued (the ablation)
+    budget_s: float  # what is left of the request's SLO
 
 
 class Policy(ABC):
@@ -260,6 +274,23 @@ class Policy(ABC):
         self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
     ) -> tuple[str, str]:
         """(worker_id, level name to serve at) for ``request``."""
+
+    def decide(self, request: int, now_s: float, dispatch: Dispatch) -> tuple[str, str] | Refused:
+        """Route ``request`` and admit it as the router admits a routed request
+        (:func:`argus.router.policy.admit_on`, the check the live router runs); the planned
+        policies decide with the router's whole :class:`~argus.router.policy.RouterPolicy`
+        instead."""
+        worker_id, level_name = self.route(request, now_s, dispatch.queues, dispatch.down)
+        if dispatch.admission is None:
+            return worker_id, level_name
+        predicted = admit_on(
+            dispatch.admission,
+            dispatch.queues.get(worker_id, 0),
+            dispatch.elapsed_s(worker_id),
+            dispatch.latency_s(worker_id, level_name),
+            dispatch.budget_s,
+        )
+        return predicted if isinstance(predicted, Refused) else (worker_id, level_name)
 
     def observe_arrival(self, now_s: float) -> None:  # noqa: B027 (optional hook)
         """A request arrived (before it is routed)."""
@@ -298,6 +329,8 @@ class RunResult:
     # True for the requests admission refused (never served); left out: none refused
     refused: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
     worker_classes: tuple[str, ...] = ()  # GPU class of each worker index; () when unknown
+    refused_early: int = 0  # of the refused: before classification (the router's early check)
+    fallbacks: int = 0  # routed to a worker of another level than the PASM's target
 
     def __post_init__(self) -> None:
         if len(self.refused) != len(self.arrivals_s):
@@ -505,6 +538,7 @@ class _Run:
             self._probe,
             sim.slo_s,
             {w.worker_id: w.worker_class for w in self.workers},
+            sim.admission_rule,
         )
         self._latency_cache: dict[tuple[str, str], float] = {}
         self._adapter_costs: dict[tuple[str, str], AdapterCost] = {}
@@ -638,19 +672,30 @@ class _Run:
 
     def _dispatch(self, i: int, now: float) -> None:
         self._finish_due(now)
-        queues = self._queues
-        worker_id, level_name = self.policy.route(i, now, self._queue_view, self._down)
-        worker = self.by_id[worker_id]
-        if self.cfg.admission:
-            t_proc = self._plan_latency(worker.worker_class, level_name)
-            head = worker.finishes[0][2] if worker.finishes else now
-            predicted = self.sim.admission_rule.completion_s(queues[worker_id], t_proc, now - head)
-            budget = self.sim.slo_s - (now - self._arrival_list[i])
-            if not predicted <= budget:  # admit(predicted, budget).admitted, minus its record
-                self._refuse(i)
-                return
+        by_id = self.by_id
+
+        def elapsed_s(worker_id: str) -> float:
+            finishes = by_id[worker_id].finishes
+            return now - finishes[0][2] if finishes else 0.0
+
+        def latency_s(worker_id: str, level_name: str) -> float:
+            return self._plan_latency(by_id[worker_id].worker_class, level_name)
+
+        dispatch = Dispatch(
+            self._queue_view,
+            self._down,
+            elapsed_s,
+            latency_s,
+            self.sim.admission_rule if self.cfg.admission else None,
+            self.sim.slo_s - (now - self._arrival_list[i]),
+        )
+        outcome = self.policy.decide(i, now, dispatch)
+        if isinstance(outcome, Refused):
+            self._refuse(i)
+            return
+        worker_id, level_name = outcome
         self.refused[i] = False  # a request routed again after a failure may be admitted now
-        self._serve(i, now, worker, level_name)
+        self._serve(i, now, by_id[worker_id], level_name)
 
     def _finish_due(self, now: float) -> None:
         """Take off the workers' queues what has finished by ``now``: only the workers with an
@@ -819,6 +864,8 @@ class _Run:
             adapter_s=self.adapter_s,
             refused=refused,
             worker_classes=tuple(w.worker_class for w in self.workers),
+            refused_early=int(getattr(self.policy, "early_refusals", 0)),
+            fallbacks=int(getattr(self.policy, "fallbacks", 0)),
         )
 
 

@@ -35,6 +35,8 @@ METRICS = (
     "goodput_qpm",
     "slo_violation_ratio_admitted",
     "slo_violation_ratio",
+    "refused_early",
+    "fallbacks",
 )
 
 # t(0.975, df) for df = 1 … 30 (Student's t, two-sided 95 %)

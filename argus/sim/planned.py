@@ -6,16 +6,18 @@ A :class:`PlannedPolicy` owns what the live cluster runs, unchanged:
 * the allocator's :class:`~argus.allocator.control.AllocatorControl` (membership from
   heartbeats, re-plan triggers, the AC↔SM switch and its margin, the planner), with the
   simulator's clock as its clock;
-* the router's :class:`~argus.router.routing.PlanRouter` (PASM sampling, Eq. 3 worker
-  selection, spill, the backlog signal).
+* the router's decision, :class:`~argus.router.policy.RouterPolicy` (early admission before
+  the classifier, level caps and the capped-level fallback, PASM sampling, Eq. 3 worker
+  selection, spill, admission on the chosen worker) and its plan's backlog signal.
 
 and plays the parts of the processes around them the way they talk live: every
 ``heartbeat_s`` of simulated time each live worker sends its heartbeat (queue length, level,
 the retrievals it saw, probes while the allocator asks for them) and the router sends its
 report (arrivals, classifications, whether queues are building up); then the control's
 ``tick`` runs. A dead GPU simply stops sending heartbeats and is planned around once the
-allocator notices, as live. Admission is the simulator's, with the router's own rule
-(:func:`argus.router.admission.admit`), for every policy alike.
+allocator notices, as live. The router's service times are the profile's latencies (the
+simulated workers run them); the baselines that do not plan are admitted by the same check
+(:func:`argus.router.policy.admit_on`) with the same rule.
 
 The policies differ only by a :class:`PlannedConfig`: which planner and strategies the
 control runs, whether routing looks at the prompt, and which classifier.
@@ -23,6 +25,7 @@ control runs, whether routing looks at the prompt, and which classifier.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -32,13 +35,17 @@ from argus.allocator.control import AllocatorControl
 from argus.allocator.planner import PlannerMode
 from argus.contracts.routers import RouterReport
 from argus.contracts.workers import RetrievalReport, WorkerReport
-from argus.router.routing import PlanRouter, RouterConfig
+from argus.router.policy import PolicyConfig, Refused, RouterPolicy, Snapshot
+from argus.router.routing import RouterConfig
+from argus.router.values import Refusal, RouterRequest
 from argus.sim.classifiers import Classifier, OracleClassifier
-from argus.sim.cluster import Policy, SimContext
+from argus.sim.cluster import Dispatch, Policy, SimContext
 from argus.types import ClusterView, Strategy, WorkerState
 
 SIM_ADDRESS = "sim"  # simulated workers have no address; the membership only stores it
 NO_RETRIEVALS = RetrievalReport()  # what every heartbeat but an interval's first carries
+# every simulated request is the profile's reference request: default size and steps, cost 1
+SIM_REQUEST = RouterRequest(prompt="(simulated)")
 
 
 @dataclass(frozen=True)
@@ -95,16 +102,21 @@ class PlannedPolicy(Policy):
             ctx.profiles, control, clock=self._clock, epoch="sim", class_quality=quality
         )
         spill = self.config.spill_fraction_of_slo
-        self.router = PlanRouter(
+        self.decider = RouterPolicy(
             ctx.profiles,
-            random.Random(self._seed),
-            RouterConfig(
+            PolicyConfig(admission=ctx.admission_rule),
+            routing=RouterConfig(
                 prompt_aware=self.config.prompt_aware,
                 spill_after_s=spill * ctx.slo_s if spill else None,
                 backlog_replan_per_worker=control.backlog_replan_per_worker,
                 min_replan_interval_s=control.min_replan_interval_s,
             ),
+            rng=random.Random(self._seed),
         )
+        self.router = self.decider.router  # the installed plan and its backlog signal
+        self._plan_levels: dict[str, int] = {}  # worker → its level index in the plan
+        self.early_refusals = 0
+        self.fallbacks = 0
         self._installed = -1
         self._next_beat = 0.0
         self._next_probe = 0.0
@@ -150,9 +162,48 @@ class PlannedPolicy(Policy):
         self._next_beat = now_s + self.control.config.heartbeat_s
         return self.control.current.plan.allocation.assignment
 
+    def decide(self, request: int, now_s: float, dispatch: Dispatch) -> tuple[str, str] | Refused:
+        """As the live router: refuse early what no worker can finish in time, else classify
+        the prompt, then route and admit it through :class:`RouterPolicy`."""
+        decider = self.decider
+
+        def service_s(worker: str, index: int) -> float:
+            return dispatch.latency_s(worker, decider.level_name(index))
+
+        snapshot = Snapshot(
+            self._plan_levels, dispatch.queues, dispatch.down, dispatch.elapsed_s, service_s
+        )
+        budget = dispatch.budget_s if dispatch.admission is not None else math.inf
+        refused = decider.admit_early(SIM_REQUEST, 1.0, snapshot, budget)
+        if refused is not None:
+            self.early_refusals += refused.kind is not Refusal.UNAVAILABLE
+            return refused
+        outcome = decider.route(self._optimal(request), SIM_REQUEST, snapshot, budget)
+        if isinstance(outcome, Refused):
+            return outcome
+        decision = outcome.decision
+        self.fallbacks += decision.fallback
+        return decision.worker_id, decider.level_name(decision.served_level)
+
     def route(
         self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
     ) -> tuple[str, str]:
+        """Route with nothing refused: :meth:`decide` with no admission, at the profile's
+        latencies (the simulator calls :meth:`decide`)."""
+        profiles, classes = self.ctx.profiles, self.ctx.worker_classes
+
+        def latency_s(worker: str, level: str) -> float:
+            return profiles.profile(classes[worker], level).latency_s
+
+        dispatch = Dispatch(queues, down, lambda _: 0.0, latency_s, None, math.inf)
+        outcome = self.decide(request, now_s, dispatch)
+        if isinstance(outcome, Refused):  # only UNAVAILABLE can be: no live worker
+            raise RuntimeError(outcome.details)
+        return outcome
+
+    def _optimal(self, request: int) -> int:
+        """The prompt's level for the plan's strategy; its classes for both strategies go to
+        the allocator's statistics."""
         optimal = 0
         if self.config.prompt_aware:
             strategy = self.router.plan.strategy if self.router.plan else Strategy.AC
@@ -161,8 +212,7 @@ class PlannedPolicy(Policy):
                 self._classified[s].append(c)
                 if s is strategy:
                     optimal = c
-        decision = self.router.route(optimal, queues, down)
-        return decision.worker_id, self.router.level_name(decision.served_level)
+        return optimal
 
     # -- the processes around the control plane ----------------------------------------------
 
@@ -239,7 +289,11 @@ class PlannedPolicy(Policy):
             self._switches += 1
         self._installed = published.version
         classes = {w.worker_id: w.worker_class for w in view.workers}
-        self.router.install(published.plan, classes, self._now)
+        self.decider.install(published.plan, classes, self._now)
+        levels = published.plan.allocation.levels
+        self._plan_levels = {
+            w: levels.index(level) for w, level in published.plan.allocation.assignment.items()
+        }
 
 
 def planned_policies() -> dict[str, PlannedConfig]:

@@ -64,6 +64,8 @@ class Summary:
     strategy_switches: int
     utilisation: float
     adapter_s_mean: float = 0.0
+    refused_early: int = 0  # of the refused: by the router's check before classification
+    fallbacks: int = 0  # served by a worker of another level than the PASM's target
 
 
 def summarise(result: RunResult) -> Summary:
@@ -96,6 +98,8 @@ def summarise(result: RunResult) -> Summary:
         strategy_switches=result.strategy_switches,
         utilisation=min(1.0, result.busy_s / result.gpu_seconds) if result.gpu_seconds else 0.0,
         adapter_s_mean=result.adapter_s / n if n else 0.0,
+        refused_early=result.refused_early,
+        fallbacks=result.fallbacks,
     )
 
 
@@ -234,6 +238,11 @@ def write_reports(
 DEFINITIONS = {
     "requests": "offered requests (= admitted + refused)",
     "refused": "refused by admission: predicted to miss the deadline, never served",
+    "refused_early": "of the refused, by the router's check before classification: no live "
+    "worker could finish the request in time at the cheapest level it may be served at "
+    "(planned policies; the baselines are admitted after routing only)",
+    "fallbacks": "requests the router sent to a worker of another level than the PASM's "
+    "target (none of the target's workers was live, or the request's cap forced it)",
     "goodput": "requests served within the SLO",
     "slo_violation_ratio": "(late + refused) / offered",
     "slo_violation_ratio_admitted": "late / admitted",
