@@ -86,7 +86,8 @@ def start_router(
     """The router's gRPC server and HTTP API on one core, on the plan an allocator made for
     ``workers``; returns their ports, the gRPC sizes and a closer."""
     from argus.router.app import create_server, grpc_sizes
-    from argus.router.core import RouterCore, RouterServiceConfig
+    from argus.router.config import RouterServiceConfig
+    from argus.router.core import RouterCore
     from argus.router.http import HttpServer, create_app
     from argus.router.worker_calls import GrpcWorkers
 

@@ -127,7 +127,8 @@ def start_router(
 ) -> tuple[dict[str, Any], Callable[[], None]]:
     """A router on the plan an allocator made for ``workers``; returns its port, the plan's
     service times per worker and a closer."""
-    from argus.router.core import RouterCore, RouterServiceConfig
+    from argus.router.config import RouterServiceConfig
+    from argus.router.core import RouterCore
     from argus.router.worker_calls import GrpcWorkers
 
     profiles = scaled_profiles(time_scale)

@@ -276,7 +276,8 @@ def start_router(
     """A router serving on a plan the allocator made for ``workers``; returns its port, the
     plan's summary and a closer. ``gc_freeze``: move every object made so far out of the
     collector's reach (``gc.freeze``), as ``argus router`` does after loading its classifier."""
-    from argus.router.core import RouterCore, RouterServiceConfig
+    from argus.router.config import RouterServiceConfig
+    from argus.router.core import RouterCore
     from argus.router.worker_calls import GrpcWorkers
 
     profiles = scaled_profiles(time_scale)

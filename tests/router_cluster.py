@@ -23,7 +23,8 @@ from argus.contracts.allocator_client import AllocatorClient
 from argus.contracts.workers import WorkerReport
 from argus.profiles import default_profiles
 from argus.router.app import PrometheusStats, ServerSecurity, create_server
-from argus.router.core import RouterCore, RouterServiceConfig
+from argus.router.config import RouterServiceConfig
+from argus.router.core import RouterCore
 from argus.router.stats import NO_STATS
 from argus.router.worker_calls import GrpcWorkers
 from argus.types import Strategy

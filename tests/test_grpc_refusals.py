@@ -30,8 +30,9 @@ from argus.router.app import (
     create_server,
     grpc_sizes,
 )
+from argus.router.config import RouterServiceConfig
 from argus.router.convert import RETRY_AFTER_KEY
-from argus.router.core import CallCancel, ProgressSink, RouterCore, RouterServiceConfig
+from argus.router.core import CallCancel, ProgressSink, RouterCore
 from argus.router.metrics import RouterMetrics
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 

@@ -30,7 +30,8 @@ from argus.contracts.generate import GenerateCall, GenerateResult
 from argus.contracts.workers import WorkerReport
 from argus.router import http as router_http
 from argus.router.app import PrometheusStats
-from argus.router.core import ProgressSink, RouterCore, RouterServiceConfig
+from argus.router.config import RouterServiceConfig
+from argus.router.core import ProgressSink, RouterCore
 from argus.router.http import HttpServer, create_app
 from argus.router.metrics import RouterMetrics
 from argus.router.stats import NO_STATS

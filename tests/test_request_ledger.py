@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from argus import rpc
 from argus.cli.main import main
-from argus.router.core import RouterServiceConfig
+from argus.router.config import RouterServiceConfig
 from argus.router.ledger import (
     AnswerDroppedError,
     IdConflictError,

@@ -18,8 +18,8 @@ import pytest
 
 from argus import rpc
 from argus.router.admission import AdmissionRule, WorkerLoad, earliest_completion_s, request_cost
+from argus.router.config import RouterServiceConfig
 from argus.router.convert import RETRY_AFTER_KEY
-from argus.router.core import RouterServiceConfig
 from argus.types import ReferenceRequest, Strategy
 from tests.router_cluster import PROFILES, TIMEOUT, Cluster, PngWorker, StubClassifier
 

@@ -15,11 +15,11 @@ from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult, Progress, Stage
 from argus.contracts.workers import WorkerReport
 from argus.router.app import PrometheusStats
+from argus.router.config import RouterServiceConfig
 from argus.router.core import (
     CallCancel,
     ProgressSink,
     RouterCore,
-    RouterServiceConfig,
     WorkerError,
 )
 from argus.router.metrics import RouterMetrics

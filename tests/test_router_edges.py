@@ -26,7 +26,8 @@ from argus.classifier.serving import BatcherClosed
 from argus.contracts.generate import GenerateCall
 from argus.grpc_server import tls_credentials
 from argus.router.app import ServerSecurity
-from argus.router.core import CallCancel, RouterServiceConfig
+from argus.router.config import RouterServiceConfig
+from argus.router.core import CallCancel
 from argus.router.metrics import RouterMetrics
 from argus.router.worker_calls import GrpcWorkers, WorkerChannels
 from argus.types import Strategy

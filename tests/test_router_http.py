@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from argus.router.core import RouterCore, RouterServiceConfig
+from argus.router.config import RouterServiceConfig
+from argus.router.core import RouterCore
 from argus.router.http import HttpServer, create_app
 from argus.router.metrics import RouterMetrics
 from argus.router.worker_calls import GrpcWorkers

@@ -12,9 +12,9 @@ from argus.allocator.config import ControlConfig
 from argus.allocator.control import AllocatorControl
 from argus.contracts.workers import WorkerReport
 from argus.router.admission import AdmissionRule
+from argus.router.config import RouterServiceConfig
 from argus.router.policy import (
     Admitted,
-    PolicyConfig,
     Refused,
     RouterPolicy,
     Snapshot,
@@ -37,7 +37,7 @@ def policy(ids: tuple[str, ...] = ("w1", "w2"), **config: object) -> RouterPolic
     )
     for worker_id in ids:
         control.heartbeat(WorkerReport(worker_id, f"{worker_id}:1", CLASS))
-    decider = RouterPolicy(PROFILES, PolicyConfig(**config))  # type: ignore[arg-type]
+    decider = RouterPolicy(PROFILES, RouterServiceConfig(**config))  # type: ignore[arg-type]
     published = control.current
     decider.install(published.plan, published.worker_classes(), 0.0)
     return decider
@@ -113,7 +113,7 @@ def test_price_and_caps_refuse_what_the_deployment_cannot_run() -> None:
     # 3 steps: only the levels that skip fewer than 3 (K = 0) may serve it
     assert decider.level_cap(Strategy.AC, RouterRequest(prompt="x", steps=3)) == 0
     assert decider.level_cap(Strategy.AC, RouterRequest(prompt="x")) == 5  # K 25 < 30
-    nothing = PolicyConfig(default_steps=None)
+    nothing = RouterServiceConfig(default_steps=None)
     assert RouterPolicy(PROFILES, nothing).level_cap(Strategy.AC, REQUEST) is None
 
 
@@ -139,7 +139,7 @@ def test_a_capped_request_falls_back_to_a_worker_of_the_same_model() -> None:
 
 
 def test_without_a_plan_every_decision_is_unavailable() -> None:
-    decider = RouterPolicy(PROFILES, PolicyConfig())
+    decider = RouterPolicy(PROFILES, RouterServiceConfig())
     empty = Snapshot({}, {}, frozenset(), lambda _w: 0.0, lambda _w, _i: 1.0)
     for outcome in (
         decider.admit_early(REQUEST, 1.0, empty, 1.0),

@@ -17,8 +17,8 @@ import pytest
 from argus import rpc
 from argus.router.admission import AdmissionRule, admit
 from argus.router.app import StatsReporter
+from argus.router.config import RouterServiceConfig
 from argus.router.convert import RETRY_AFTER_KEY
-from argus.router.core import RouterServiceConfig
 from argus.router.ledger import RequestLedger
 from tests.router_cluster import PNG, PROFILES, TIMEOUT, Cluster, FakeClock
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from argus import rpc
 from argus.allocator.membership import WorkerReport
-from argus.router.core import RouterServiceConfig
+from argus.router.config import RouterServiceConfig
 from argus.router.metrics import RouterMetrics
 from argus.worker.engine import Worker
 from argus.worker.service import create_server as create_worker

@@ -10,7 +10,8 @@ import pytest
 
 from argus.allocator.planner import make_plan
 from argus.profiles import default_profiles
-from argus.router.routing import PlanRouter, RouterConfig
+from argus.router.config import RoutingConfig
+from argus.router.routing import PlanRouter
 from argus.types import ClusterView, LoadForecast, Plan, Strategy
 
 pytestmark = pytest.mark.unit
@@ -26,7 +27,7 @@ def plan(histogram: Sequence[float], qpm: float = 150.0) -> Plan:
 
 
 def router(**config: Any) -> PlanRouter:
-    return PlanRouter(PROFILES, random.Random(3), RouterConfig(**config))
+    return PlanRouter(PROFILES, random.Random(3), RoutingConfig(**config))
 
 
 def distance(a: Sequence[float], b: Sequence[float]) -> float:
@@ -87,4 +88,4 @@ def test_route_before_install_and_bad_config() -> None:
     with pytest.raises(RuntimeError, match="install"):
         router().route(0, {}, frozenset())
     with pytest.raises(ValueError, match="backlog_replan_per_worker"):
-        RouterConfig(backlog_replan_per_worker=0.0)
+        RoutingConfig(backlog_replan_per_worker=0.0)

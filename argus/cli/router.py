@@ -139,14 +139,23 @@ class RouterCommand:
     def run(self, args: argparse.Namespace) -> int:
         from argus.profiles import ProfileError
         from argus.router.app import RouterSettings, serve
+        from argus.router.config import RouterServiceConfig
 
         tls_dir = internal_tls_dir(args, "router")
         try:  # the settings check every value, before anything loads
+            service = RouterServiceConfig(
+                router_id=args.router_id,
+                default_deadline_ms=args.default_deadline_ms,
+                max_in_flight=args.max_in_flight,
+                max_id_bytes=args.max_id_bytes,
+                max_cost=args.max_cost,
+                default_steps=args.default_steps,
+                default_size=args.default_size,
+            )
             settings = RouterSettings(
                 allocator=args.allocator,
                 host=args.host,
                 port=args.port,
-                router_id=args.router_id,
                 profile=args.profile,
                 classifier=args.classifier,
                 metrics_port=args.metrics_port,
@@ -155,12 +164,7 @@ class RouterCommand:
                 tls_key=args.tls_key,
                 auth_token_file=args.auth_token_file,
                 report_period_s=args.report_period_s,
-                default_deadline_ms=args.default_deadline_ms,
-                max_in_flight=args.max_in_flight,
-                max_id_bytes=args.max_id_bytes,
-                max_cost=args.max_cost,
-                default_steps=args.default_steps,
-                default_size=args.default_size,
+                service=service,
                 http_port=args.http_port,
                 http_host=args.http_host,
                 internal_tls_dir=tls_dir,

@@ -13,7 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health
@@ -33,8 +33,9 @@ from argus.grpc_server import (
     new_server,
     set_serving,
 )
+from argus.router.config import RouterServiceConfig
 from argus.router.convert import retry_after_metadata
-from argus.router.core import RouterCore, RouterServiceConfig, busy_refusal
+from argus.router.core import RouterCore, busy_refusal
 from argus.router.drift import DriftSettings, RouterDrift
 from argus.router.metrics import RouterMetrics
 from argus.router.service import SERVICE_NAME, RouterServicer, router_pb2_grpc
@@ -299,7 +300,6 @@ class RouterSettings:
     allocator: str  # HOST:PORT of the allocator whose plans the router follows
     host: str = defaults.LOOPBACK  # public endpoint; a deployment binds 0.0.0.0 behind TLS and auth
     port: int = 0  # 0: any free port, printed at start
-    router_id: str = defaults.ROUTER_ID
     profile: str | None = None  # a profile file; None: the embedded default
     classifier: str | None = None  # classifier directory; None: the committed default
     metrics_port: int | None = None  # Prometheus /metrics; None: off
@@ -309,13 +309,9 @@ class RouterSettings:
     auth_token_file: str | None = None
     internal_tls_dir: str | None = None  # ca.crt, router.crt/.key for internal calls; None: plain
     report_period_s: float = defaults.REPORT_PERIOD_S
-    default_deadline_ms: int = defaults.DEFAULT_DEADLINE_MS
-    max_in_flight: int = defaults.MAX_IN_FLIGHT
-    max_id_bytes: int = defaults.MAX_ID_BYTES  # answers kept for request-id retries, bytes
     threads: int | None = None  # gRPC handler threads; None: max_in_flight + REFUSAL_THREADS
-    max_cost: float | None = None  # largest request, in the profile's reference requests
-    default_steps: int | None = None  # the workers' default steps; None: levels not capped
-    default_size: int | None = None  # the workers' default image side; None: the profile's
+    # how requests are served: deadlines, in-flight bound, ledger, pricing, routing
+    service: RouterServiceConfig = field(default_factory=RouterServiceConfig)
     http_port: int | None = None  # OpenAI-compatible HTTP API; 0: any free port; None: off
     http_host: str = defaults.LOOPBACK  # public like ``host``
     # drift retraining on the workers' quality scores (argus.router.drift); None: off
@@ -329,21 +325,6 @@ class RouterSettings:
         for name in ("port", "metrics_port", "http_port"):
             check_port(getattr(self, name), name)
         check_address(self.allocator, "allocator")
-        self.service_config()  # the service's config checks its own fields
-
-    def service_config(self) -> RouterServiceConfig:
-        """How the router serves, from these settings; ValueError names a bad field."""
-        if self.default_steps is not None and self.default_steps < 1:
-            raise ValueError(f"default_steps: must be >= 1, got {self.default_steps}")
-        return RouterServiceConfig(
-            router_id=self.router_id,
-            default_deadline_ms=self.default_deadline_ms,
-            max_in_flight=self.max_in_flight,
-            max_id_bytes=self.max_id_bytes,
-            max_cost=self.max_cost,
-            default_steps=self.default_steps,
-            default_size=self.default_size,
-        )
 
     def security(self) -> ServerSecurity:
         """TLS and token read from their files; OSError names a missing or bad file."""
@@ -399,7 +380,7 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     profiles = load_profiles(settings.profile) if settings.profile else default_profiles()
-    config = settings.service_config()
+    config = settings.service
     security = settings.security()
     tls = None
     if settings.internal_tls_dir is not None:
@@ -443,7 +424,7 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     watcher = PlanWatcher(
         settings.allocator,
         on_plan=servicer.plan_installed,
-        watcher_id=settings.router_id,
+        watcher_id=config.router_id,
         tls=tls,
     )
     client = AllocatorClient(settings.allocator, tls=tls)

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from argus import defaults
@@ -57,7 +56,7 @@ from argus.request_limits import (
     check_prompts,
     check_sampling,
 )
-from argus.router.admission import AdmissionRule
+from argus.router.config import RouterServiceConfig
 from argus.router.drift import RouterDrift
 from argus.router.ledger import (
     AnswerDroppedError,
@@ -67,13 +66,11 @@ from argus.router.ledger import (
 )
 from argus.router.policy import (
     NO_PLAN,
-    PolicyConfig,
     Refused,
     RouterPolicy,
     Snapshot,
 )
-from argus.router.routing import RouterConfig
-from argus.router.service_times import ServiceTimeConfig, ServiceTimes
+from argus.router.service_times import ServiceTimes
 from argus.router.stats import NO_STATS, RouterStats, Served
 from argus.router.values import (
     Refusal,
@@ -82,7 +79,6 @@ from argus.router.values import (
     RouterRequest,
     RouterTiming,
 )
-from argus.slo import default_slo_s
 from argus.types import MeasuredLatency, ProfileSet, RouteDecision, Strategy
 
 if TYPE_CHECKING:  # its module reads plans from protobuf; the core only follows them
@@ -189,87 +185,6 @@ class PromptLevels(Protocol):
 
 
 @dataclass(frozen=True)
-class RouterServiceConfig:
-    """How one router process serves requests."""
-
-    router_id: str = defaults.ROUTER_ID
-    """Stable id in the allocator's reports."""
-
-    default_deadline_ms: int = defaults.DEFAULT_DEADLINE_MS
-    """Deadline of requests that set none, milliseconds."""
-
-    max_in_flight: int = defaults.MAX_IN_FLIGHT
-    """Requests served at once; more are refused as OVERLOADED (bounded memory)."""
-
-    id_window_s: float = 300.0
-    """Seconds a finished request id is remembered for retries."""
-
-    max_ids: int = 4096
-    """Request ids remembered at most (finished ones are dropped oldest first)."""
-
-    max_id_bytes: int = defaults.MAX_ID_BYTES
-    """Bytes of finished answers kept for retries (about their serialized size), oldest
-    dropped first; a retry whose answer was dropped is ANSWER_DROPPED naming its id, never run
-    twice."""
-
-    down_for_s: float = 5.0
-    """Seconds a worker that failed with UNAVAILABLE is routed around."""
-
-    max_attempts: int = 3
-    """Workers tried per request."""
-
-    slo_s: float | None = None
-    """Latency objective of the SLO-violation count; None: 3 × the best level's latency."""
-
-    limits: ImageLimits = field(default_factory=ImageLimits)
-    """Largest image accepted (the workers' limits)."""
-
-    routing: RouterConfig = field(default_factory=RouterConfig)
-
-    admission: AdmissionRule = field(default_factory=AdmissionRule)
-    """How sure the predicted completion must be to admit a request (the simulator's rule)."""
-
-    max_cost: float | None = None
-    """Largest request accepted, in reference requests of the profile (pixels × steps over the
-    reference's; 80 for 2048 × 2048 at 1000 steps against 1024 × 1024 at 50); None: no cap."""
-
-    default_steps: int | None = None
-    """The workers' default steps (``argus worker --default-steps``): a request without
-    ``steps`` runs that many, so no level may skip as many, and is priced at that many. None:
-    not known, not capped, priced at the profile's reference steps."""
-
-    default_size: int | None = None
-    """The workers' default image side (``argus worker --default-size``): a request without
-    ``width`` or ``height`` is priced at it. None: priced at the profile's reference size."""
-
-    service_times: ServiceTimeConfig = field(default_factory=ServiceTimeConfig)
-    """How the workers' service times are learned from their replies (admission and worker
-    selection read them, not the profile's latencies, once a worker has answered)."""
-
-    def __post_init__(self) -> None:
-        if self.max_cost is not None and not (math.isfinite(self.max_cost) and self.max_cost > 0):
-            raise ValueError(f"max_cost: must be a finite number > 0, got {self.max_cost}")
-        for name in ("default_deadline_ms", "max_in_flight", "max_ids", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.id_window_s < 0.0 or self.down_for_s < 0.0:
-            raise ValueError("id_window_s, down_for_s: must be >= 0")
-        if self.default_size is not None and self.default_size < 1:
-            raise ValueError(f"default_size: must be >= 1, got {self.default_size}")
-        if self.max_id_bytes < 0:
-            raise ValueError(f"max_id_bytes: must be >= 0, got {self.max_id_bytes}")
-        if self.slo_s is not None and not self.slo_s > 0.0:
-            raise ValueError(f"slo_s: must be > 0, got {self.slo_s}")
-
-    def slo_for(self, profiles: ProfileSet) -> float:
-        """The SLO in seconds: ``slo_s``, or the shared rule (:func:`argus.slo.default_slo_s`)
-        on the profile's first worker class, so live and simulated reports agree."""
-        if self.slo_s is not None:
-            return self.slo_s
-        return default_slo_s(profiles, profiles.worker_classes[:1])
-
-
-@dataclass(frozen=True)
 class Classified:
     """A prompt's levels per strategy, for the allocator's affinity histogram H."""
 
@@ -373,17 +288,7 @@ class RouterCore:
         self.slo_s = config.slo_for(profiles)
         self.stats = stats  # hears every request, refusal and plan
         self._clock = clock
-        self.policy = RouterPolicy(
-            profiles,
-            PolicyConfig(
-                admission=config.admission,
-                default_steps=config.default_steps,
-                default_size=config.default_size,
-                max_cost=config.max_cost,
-            ),
-            routing=config.routing,
-            rng=rng,
-        )
+        self.policy = RouterPolicy(profiles, config, rng)
         self._router = self.policy.router  # the plan and the backlog signal
         self._workers = workers
         self._lock = threading.Lock()  # router, queues, down, addresses, observations

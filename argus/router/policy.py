@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from argus.router.admission import (
     AdmissionRule,
@@ -32,7 +32,8 @@ from argus.router.admission import (
     earliest_completion_s,
     request_cost,
 )
-from argus.router.routing import PlanRouter, RouterConfig
+from argus.router.config import RouterServiceConfig
+from argus.router.routing import PlanRouter
 from argus.router.scheduler import NoLiveWorkerError
 from argus.router.values import Refusal, RouterError, RouterRequest
 from argus.types import Plan, ProfileSet, RouteDecision, Strategy
@@ -80,16 +81,6 @@ class Snapshot:
     service_s: ServiceTime
 
 
-@dataclass(frozen=True)
-class PolicyConfig:
-    """What the decision needs besides the plan."""
-
-    admission: AdmissionRule = field(default_factory=AdmissionRule)
-    default_steps: int | None = None  # the workers' default steps (None: unknown)
-    default_size: int | None = None  # the workers' default side (None: the reference's)
-    max_cost: float | None = None  # the most a request may cost, in reference requests
-
-
 def admit_on(
     rule: AdmissionRule,
     queue: int,
@@ -123,14 +114,12 @@ class RouterPolicy:
     def __init__(
         self,
         profiles: ProfileSet,
-        config: PolicyConfig,
-        *,
-        routing: RouterConfig | None = None,
+        config: RouterServiceConfig,
         rng: random.Random | None = None,
     ) -> None:
         self.profiles = profiles
-        self.config = config
-        self.router = PlanRouter(profiles, rng or random.Random(0), routing or RouterConfig())
+        self.config = config  # reads admission, default_steps, default_size, max_cost, routing
+        self.router = PlanRouter(profiles, rng or random.Random(0), config.routing)
         self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
         self._models = {level.name: level.model for level in profiles.levels}
         self.decisions = 0  # route calls, admitted or not (the simulator's test counts them)

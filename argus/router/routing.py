@@ -27,43 +27,17 @@ import math
 import random
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from argus.router.config import RoutingConfig
 from argus.router.scheduler import PromptScheduler, TimeOf
 from argus.types import Plan, ProfileSet, RouteDecision, ShiftMap
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """How the router routes between plans."""
-
-    prompt_aware: bool = True
-    """Route by the classifier's level through the PASM; False: by the load shares F alone."""
-
-    spill_after_s: float | None = None
-    """Spill budget of the scheduler (see ``PromptScheduler``); None turns spilling off."""
-
-    backlog_replan_per_worker: float = 2.0
-    """Queued requests per live worker above which an early re-plan is wanted."""
-
-    min_replan_interval_s: float = 10.0
-    """Early re-plans are wanted at most this often, seconds."""
-
-    def __post_init__(self) -> None:
-        if not self.backlog_replan_per_worker > 0.0:
-            raise ValueError(
-                f"backlog_replan_per_worker: must be > 0, got {self.backlog_replan_per_worker}"
-            )
-        if not self.min_replan_interval_s >= 0.0:
-            raise ValueError(
-                f"min_replan_interval_s: must be >= 0, got {self.min_replan_interval_s}"
-            )
 
 
 class PlanRouter:
     """Routes prompts on the installed plan; one per router process."""
 
-    def __init__(self, profiles: ProfileSet, rng: random.Random, config: RouterConfig) -> None:
+    def __init__(self, profiles: ProfileSet, rng: random.Random, config: RoutingConfig) -> None:
         self.profiles = profiles
         self.config = config
         self._rng = rng

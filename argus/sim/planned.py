@@ -35,8 +35,8 @@ from argus.allocator.control import AllocatorControl
 from argus.allocator.planner import PlannerMode
 from argus.contracts.routers import RouterReport
 from argus.contracts.workers import RetrievalReport, WorkerReport
-from argus.router.policy import PolicyConfig, Refused, RouterPolicy, Snapshot
-from argus.router.routing import RouterConfig
+from argus.router.config import RouterServiceConfig, RoutingConfig
+from argus.router.policy import Refused, RouterPolicy, Snapshot
 from argus.router.values import Refusal, RouterRequest
 from argus.sim.classifiers import Classifier, OracleClassifier
 from argus.sim.cluster import Dispatch, Policy, SimContext
@@ -102,16 +102,16 @@ class PlannedPolicy(Policy):
             ctx.profiles, control, clock=self._clock, epoch="sim", class_quality=quality
         )
         spill = self.config.spill_fraction_of_slo
+        routing = RoutingConfig(
+            prompt_aware=self.config.prompt_aware,
+            spill_after_s=spill * ctx.slo_s if spill else None,
+            backlog_replan_per_worker=control.backlog_replan_per_worker,
+            min_replan_interval_s=control.min_replan_interval_s,
+        )
         self.decider = RouterPolicy(
             ctx.profiles,
-            PolicyConfig(admission=ctx.admission_rule),
-            routing=RouterConfig(
-                prompt_aware=self.config.prompt_aware,
-                spill_after_s=spill * ctx.slo_s if spill else None,
-                backlog_replan_per_worker=control.backlog_replan_per_worker,
-                min_replan_interval_s=control.min_replan_interval_s,
-            ),
-            rng=random.Random(self._seed),
+            RouterServiceConfig(routing=routing, admission=ctx.admission_rule),
+            random.Random(self._seed),
         )
         self.router = self.decider.router  # the installed plan and its backlog signal
         self._plan_levels: dict[str, int] = {}  # worker → its level index in the plan

@@ -1,0 +1,132 @@
+"""The router's configuration, one home for each of its fields.
+
+:class:`RouterServiceConfig` is how a router serves (admission, pricing, the request ledger,
+retries, routing): :class:`~argus.router.core.RouterCore` and the decision it runs,
+:class:`~argus.router.policy.RouterPolicy`, read it, and the simulator builds one for its
+planned policies. :class:`RoutingConfig` is the part that shapes routing between plans. The
+router process's settings (:class:`argus.router.app.RouterSettings`: ports, TLS, files) hold
+a :class:`RouterServiceConfig` rather than copies of its fields.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from argus import defaults
+from argus.request_limits import ImageLimits
+from argus.router.admission import AdmissionRule
+from argus.router.service_times import ServiceTimeConfig
+from argus.slo import default_slo_s
+from argus.types import ProfileSet
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How the router routes between plans."""
+
+    prompt_aware: bool = True
+    """Route by the classifier's level through the PASM; False: by the load shares F alone."""
+
+    spill_after_s: float | None = None
+    """Spill budget of the scheduler (see ``PromptScheduler``); None turns spilling off."""
+
+    backlog_replan_per_worker: float = 2.0
+    """Queued requests per live worker above which an early re-plan is wanted."""
+
+    min_replan_interval_s: float = 10.0
+    """Early re-plans are wanted at most this often, seconds."""
+
+    def __post_init__(self) -> None:
+        if not self.backlog_replan_per_worker > 0.0:
+            raise ValueError(
+                f"backlog_replan_per_worker: must be > 0, got {self.backlog_replan_per_worker}"
+            )
+        if not self.min_replan_interval_s >= 0.0:
+            raise ValueError(
+                f"min_replan_interval_s: must be >= 0, got {self.min_replan_interval_s}"
+            )
+
+
+@dataclass(frozen=True)
+class RouterServiceConfig:
+    """How one router process serves requests."""
+
+    router_id: str = defaults.ROUTER_ID
+    """Stable id in the allocator's reports."""
+
+    default_deadline_ms: int = defaults.DEFAULT_DEADLINE_MS
+    """Deadline of requests that set none, milliseconds."""
+
+    max_in_flight: int = defaults.MAX_IN_FLIGHT
+    """Requests served at once; more are refused as OVERLOADED (bounded memory)."""
+
+    id_window_s: float = 300.0
+    """Seconds a finished request id is remembered for retries."""
+
+    max_ids: int = 4096
+    """Request ids remembered at most (finished ones are dropped oldest first)."""
+
+    max_id_bytes: int = defaults.MAX_ID_BYTES
+    """Bytes of finished answers kept for retries (about their serialized size), oldest
+    dropped first; a retry whose answer was dropped is ANSWER_DROPPED naming its id, never run
+    twice."""
+
+    down_for_s: float = 5.0
+    """Seconds a worker that failed with UNAVAILABLE is routed around."""
+
+    max_attempts: int = 3
+    """Workers tried per request."""
+
+    slo_s: float | None = None
+    """Latency objective of the SLO-violation count; None: 3 × the best level's latency."""
+
+    limits: ImageLimits = field(default_factory=ImageLimits)
+    """Largest image accepted (the workers' limits)."""
+
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    """How the router routes between plans."""
+
+    admission: AdmissionRule = field(default_factory=AdmissionRule)
+    """How sure the predicted completion must be to admit a request (the simulator's rule)."""
+
+    max_cost: float | None = None
+    """Largest request accepted, in reference requests of the profile (pixels × steps over the
+    reference's; 80 for 2048 × 2048 at 1000 steps against 1024 × 1024 at 50); None: no cap."""
+
+    default_steps: int | None = None
+    """The workers' default steps (``argus worker --default-steps``): a request without
+    ``steps`` runs that many, so no level may skip as many, and is priced at that many. None:
+    not known, not capped, priced at the profile's reference steps."""
+
+    default_size: int | None = None
+    """The workers' default image side (``argus worker --default-size``): a request without
+    ``width`` or ``height`` is priced at it. None: priced at the profile's reference size."""
+
+    service_times: ServiceTimeConfig = field(default_factory=ServiceTimeConfig)
+    """How the workers' service times are learned from their replies (admission and worker
+    selection read them, not the profile's latencies, once a worker has answered)."""
+
+    def __post_init__(self) -> None:
+        if self.max_cost is not None and not (math.isfinite(self.max_cost) and self.max_cost > 0):
+            raise ValueError(f"max_cost: must be a finite number > 0, got {self.max_cost}")
+        for name in ("default_deadline_ms", "max_in_flight", "max_ids", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.id_window_s < 0.0 or self.down_for_s < 0.0:
+            raise ValueError("id_window_s, down_for_s: must be >= 0")
+        if self.default_steps is not None and self.default_steps < 1:
+            raise ValueError(f"default_steps: must be >= 1, got {self.default_steps}")
+        if self.default_size is not None and self.default_size < 1:
+            raise ValueError(f"default_size: must be >= 1, got {self.default_size}")
+        if self.max_id_bytes < 0:
+            raise ValueError(f"max_id_bytes: must be >= 0, got {self.max_id_bytes}")
+        if self.slo_s is not None and not self.slo_s > 0.0:
+            raise ValueError(f"slo_s: must be > 0, got {self.slo_s}")
+
+    def slo_for(self, profiles: ProfileSet) -> float:
+        """The SLO in seconds: ``slo_s``, or the shared rule (:func:`argus.slo.default_slo_s`)
+        on the profile's first worker class, so live and simulated reports agree."""
+        if self.slo_s is not None:
+            return self.slo_s
+        return default_slo_s(profiles, profiles.worker_classes[:1])
