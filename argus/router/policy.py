@@ -185,10 +185,7 @@ class RouterPolicy:
         OVERLOADED with a retry hint when the queues are the reason. ``classifying``
         requests passed this check ahead of it; the classifier's backlog is
         ``classifier_s``."""
-        plan = self.router.plan
-        if plan is None:
-            return Refused(Refusal.UNAVAILABLE, NO_PLAN, 1.0)
-        cap = self.level_cap(plan.strategy, request)
+        cap = self._plan_cap(request)
         if isinstance(cap, Refused):
             return cap
         loads = self._loads(cap, snapshot)
@@ -229,10 +226,7 @@ class RouterPolicy:
         counted as a rejection). Levels that skip as many steps as the request runs (K ≥ N)
         are never chosen."""
         self.decisions += 1
-        plan = self.router.plan
-        if plan is None:
-            return Refused(Refusal.UNAVAILABLE, NO_PLAN, 1.0)
-        cap = self.level_cap(plan.strategy, request)
+        cap = self._plan_cap(request)
         if isinstance(cap, Refused):
             return cap
         decision = self._route_capped(optimal, snapshot, cap)
@@ -251,6 +245,14 @@ class RouterPolicy:
         return Admitted(decision, predicted)
 
     # the parts ---------------------------------------------------------------------------
+
+    def _plan_cap(self, request: RouterRequest) -> int | Refused | None:
+        """The request's level cap on the installed plan's strategy; UNAVAILABLE without a
+        plan."""
+        plan = self.router.plan
+        if plan is None:
+            return Refused(Refusal.UNAVAILABLE, NO_PLAN, 1.0)
+        return self.level_cap(plan.strategy, request)
 
     def _loads(self, cap: int | None, snapshot: Snapshot) -> list[WorkerLoad]:
         """The live workers that may serve a request capped at level ``cap``, each with the
