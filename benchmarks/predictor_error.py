@@ -100,8 +100,10 @@ def synthetic_labels(
     return labels
 
 
-def _forecast_row(label: str, config: LoadPredictorConfig, arrivals: list[float]) -> str:
-    e = forecast_errors(arrivals, config)
+def _forecast_row(
+    label: str, config: LoadPredictorConfig, arrivals: list[float], period_s: float
+) -> str:
+    e = forecast_errors(arrivals, config, period_s=period_s)
     knobs = f"{config.alpha:4.2f} {config.peak_window:3d} {config.peak_fraction:4.2f}"
     return (
         f"{label:<22} {knobs}  {e.mape_pct:5.1f} {e.p95_ape_pct:6.1f} {e.mae_qpm:6.1f}"
@@ -133,13 +135,7 @@ def main() -> None:
         for label, config in _GRID:
             if period_s != 60.0 and label not in ("default", "last period", "peak window 5"):
                 continue
-            config = LoadPredictorConfig(
-                period_s=period_s,
-                alpha=config.alpha,
-                peak_window=config.peak_window,
-                peak_fraction=config.peak_fraction,
-            )
-            print(_forecast_row(label, config, arrivals))
+            print(_forecast_row(label, config, arrivals, period_s))
 
     prompts = load_prompts(default_prompt_trace())
     length = len(arrivals)

@@ -74,10 +74,12 @@ def test_bad_values_are_rejected():
         ControlConfig(histogram_window=0)
 
 
-def test_the_planner_and_the_forecast_plan_for_the_one_period():
-    config = ControlConfig(period_s=30.0)
-    assert config.planner_config(default_profiles()).period_s == 30.0
-    assert config.forecast_config().period_s == 30.0
+def test_the_forecast_counts_in_the_allocators_period():
+    allocator = Allocator(default_profiles(), ControlConfig(period_s=30.0))
+    for i in range(30):  # 30 arrivals in the first 15 s
+        allocator.observe_arrival(i / 2)
+    # periods of 30 s: the first, closed, counted 60 QPM; one open 60 s period would read 40
+    assert allocator.forecast(45.0).qpm == pytest.approx(60.0)
 
 
 def test_plan_best_picks_the_better_strategy_with_hysteresis():
@@ -92,7 +94,8 @@ def test_plan_best_picks_the_better_strategy_with_hysteresis():
         now, view, (Strategy.AC, Strategy.SM), prefer=worse, hysteresis=0.0
     )
     assert chosen.strategy is better
-    assert allocator.last_plan is chosen
+    # the chosen plan is the one the next follows (its previous: version, switching cost)
+    assert allocator.plan(now, view, better).version == chosen.version + 1
     sticky = allocator.plan_best(
         now, view, (Strategy.AC, Strategy.SM), prefer=worse, hysteresis=1.0
     )

@@ -156,21 +156,79 @@ def test_argus_up_defaults_to_the_cluster_spec_and_the_spec_to_the_services() ->
 
 
 def test_argus_plan_plans_for_the_allocators_period() -> None:
-    from argus.allocator.planner import PlannerConfig
-
-    assert parser_defaults("plan")["period"] == PlannerConfig().period_s == ControlConfig().period_s
+    assert parser_defaults("plan")["period"] == ControlConfig().period_s
 
 
-def test_the_planning_period_reaches_the_planner_and_the_forecast_as_one_value() -> None:
-    from argus.allocator.predictor import LoadPredictorConfig
+def allocator_config_fields() -> dict[str, set[str]]:
+    """Every config or settings dataclass of ``argus/allocator/*.py`` (by its qualified name)
+    → its field names."""
+    import importlib
+    import pkgutil
+    from dataclasses import fields, is_dataclass
+
+    import argus.allocator
+
+    found: dict[str, set[str]] = {}
+    for info in pkgutil.iter_modules(argus.allocator.__path__, "argus.allocator."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if (
+                inspect.isclass(value)
+                and is_dataclass(value)
+                and value.__module__ == module.__name__
+                and name.endswith(("Config", "Settings"))
+            ):
+                found[f"{module.__name__}.{name}"] = {f.name for f in fields(value)}
+    return found
+
+
+def test_the_planning_period_is_one_field() -> None:
+    """Only the allocator's ControlConfig holds ``period_s``: a second config field could
+    disagree with it, and the planner and the forecast would count different periods."""
+    configs = allocator_config_fields()
+    assert {
+        "argus.allocator.config.ControlConfig",
+        "argus.allocator.planner.PlannerConfig",
+        "argus.allocator.predictor.LoadPredictorConfig",
+        "argus.allocator.app.AllocatorSettings",
+    } <= set(configs)  # the scan sees the configs
+    holders = sorted(name for name, names in configs.items() if "period_s" in names)
+    assert holders == ["argus.allocator.config.ControlConfig"]
+
+
+def test_the_planning_period_reaches_the_forecast_and_the_planner() -> None:
+    from argus.allocator.allocator import Allocator
+    from argus.allocator.planner import make_plan
     from argus.sim.cluster import SimConfig
+    from argus.types import ClusterView, WorkerState
 
-    control = ControlConfig()
-    assert control.period_s == defaults.PLANNING_PERIOD_S == LoadPredictorConfig().period_s
-    assert SimConfig().period_s == defaults.PLANNING_PERIOD_S
-    other = ControlConfig(period_s=17.0)  # given once, it is the planner's and the forecast's
-    assert other.planner_config(default_profiles()).period_s == 17.0
-    assert other.forecast_config().period_s == 17.0
+    assert ControlConfig().period_s == defaults.PLANNING_PERIOD_S == SimConfig().period_s
+    profiles = default_profiles()
+    control = ControlConfig(period_s=17.0, backlog_drain_s=0.0)
+    allocator = Allocator(profiles, control)
+    for i in range(17):  # 17 arrivals in the first 8.5 s
+        allocator.observe_arrival(0.5 * i)
+    # periods of 17 s: the first one, closed, counted 60 QPM; in periods of 60 s the open
+    # one's 17 arrivals over 25.5 s would read as 40 QPM
+    assert allocator.forecast(25.5).qpm == pytest.approx(60.0)
+    # the plan amortises its switching cost over the same 17 s: the workers hold SDXL, and
+    # each one that loads another model costs weight × load time / period
+    sdxl = profiles.levels_for(Strategy.SM)[0].name
+    view = ClusterView(
+        tuple(WorkerState(f"w{i}", profiles.worker_classes[0], level=sdxl) for i in range(4))
+    )
+    plan = allocator.plan(25.5, view, Strategy.SM)
+    histogram = (1.0,) * len(profiles.levels_for(Strategy.SM))  # nothing classified: uniform
+    config = control.planner_config(profiles)
+
+    def objective(period_s: float) -> float:
+        again = make_plan(
+            profiles, Strategy.SM, view, plan.forecast, histogram, config=config, period_s=period_s
+        )
+        return again.allocation.objective
+
+    assert plan.allocation.objective == pytest.approx(objective(17.0))
+    assert objective(17.0) != pytest.approx(objective(defaults.PLANNING_PERIOD_S))
 
 
 # -- the SLO rule --------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from functools import partial
 
 import pytest
 
+from argus.allocator.config import ControlConfig
 from argus.allocator.planner import PlannerConfig, make_plan
 from argus.allocator.queueing import QueueModel
 from argus.classifier.serving import read_planning_classes
@@ -96,7 +97,6 @@ def test_load_margin_plans_for_more_load():
 @pytest.mark.parametrize(
     ("field", "kwargs"),
     [
-        ("period_s", {"period_s": 0}),
         ("switch_cost_weight", {"switch_cost_weight": -1}),
         ("load_margin", {"load_margin": 0.5}),
     ],
@@ -104,6 +104,22 @@ def test_load_margin_plans_for_more_load():
 def test_config_validation_quotes_the_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
         PlannerConfig(**kwargs)
+
+
+def test_a_bad_planning_period_is_refused_naming_period_s():
+    """The period is the allocator's one field; a plan made without it is checked too."""
+    with pytest.raises(ValueError, match="period_s"):
+        ControlConfig(period_s=0)
+    histogram = (1.0,) * 6
+    with pytest.raises(ValueError, match="period_s"):
+        make_plan(
+            default_profiles(),
+            Strategy.AC,
+            ClusterView.uniform(2),
+            forecast(60.0),
+            histogram,
+            period_s=0.0,
+        )
 
 
 def test_plan_does_not_depend_on_the_mix_it_starts_from():

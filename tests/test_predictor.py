@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from argus.allocator.config import ControlConfig
 from argus.allocator.predictor import (
     AffinityHistogram,
     LoadPredictor,
@@ -53,7 +54,7 @@ def test_constant_rate_is_forecast_exactly() -> None:
 def test_constant_rate_aligned_to_first_arrival() -> None:
     predictor = LoadPredictor()  # no start_s: periods start at the first arrival
     predictor.observe_many([1000.0 + 0.5 * i for i in range(1200)])  # 120 QPM for 10 minutes
-    assert predictor.origin_s == 1000.0
+    assert predictor.period_start(0) == 1000.0
     assert predictor.forecast(1600.0).qpm == pytest.approx(120.0)
 
 
@@ -90,7 +91,7 @@ def test_gaps_count_as_zero_rate_periods() -> None:
     assert forecast.qpm == pytest.approx(7.5)
     # The same after an arrival closes the gap, and the next period counts normally.
     predictor.observe(330.0)
-    assert predictor.completed_periods == 5
+    assert predictor.forecast(330.0).ewma_qpm == pytest.approx(7.5)  # 330 s is in the open one
     assert predictor.forecast(360.0).peak_qpm == pytest.approx(1.0)
     assert predictor.forecast(360.0).ewma_qpm == pytest.approx(0.5 * 1.0 + 0.5 * 7.5)
 
@@ -101,7 +102,8 @@ def test_quiet_start_counts_when_start_is_given() -> None:
     assert predictor.forecast(600.0).qpm == 0.0  # ten empty periods: 0 QPM, not "unknown"
     unstarted = LoadPredictor()
     assert unstarted.forecast(123.0).qpm == 0.0
-    assert unstarted.origin_s is None
+    with pytest.raises(ValueError, match="no origin yet"):
+        unstarted.period_start(0)
 
 
 def test_partial_first_period_is_extrapolated() -> None:
@@ -109,7 +111,7 @@ def test_partial_first_period_is_extrapolated() -> None:
     predictor.observe_many([3.0 * i for i in range(10)])  # 10 arrivals in the first 30 s
     forecast = predictor.forecast(30.0)
     assert forecast.qpm == pytest.approx(20.0)
-    assert predictor.completed_periods == 0
+    assert forecast.ewma_qpm == forecast.peak_qpm == forecast.qpm  # no period completed yet
     # One arrival "just now" reads as 60 QPM (elapsed floored at 1 s), not as infinity.
     fresh = LoadPredictor()
     fresh.observe(50.0)
@@ -147,15 +149,13 @@ def test_memory_does_not_grow_with_arrivals() -> None:
     late = sizes()
     assert late == early
     assert all(size <= config.peak_window for size in late.values())
-    assert predictor.completed_periods > 160_000
+    gap = predictor.forecast(10_000_000.0)  # every period of the gap was counted, as 0 QPM
+    assert gap.ewma_qpm == pytest.approx(0.0) and gap.peak_qpm == 0.0
 
 
 @pytest.mark.parametrize(
     ("kwargs", "quoted"),
     [
-        ({"period_s": 0.0}, "0.0"),
-        ({"period_s": -5.0}, "-5.0"),
-        ({"period_s": math.inf}, "inf"),
         ({"alpha": 0.0}, "0.0"),
         ({"alpha": 1.5}, "1.5"),
         ({"alpha": math.nan}, "nan"),
@@ -170,6 +170,16 @@ def test_config_validation_quotes_the_value(kwargs: dict[str, float], quoted: st
     with pytest.raises(ValueError, match=name) as info:
         LoadPredictorConfig(**kwargs)  # type: ignore[arg-type]
     assert quoted in str(info.value)
+
+
+@pytest.mark.parametrize(("period_s", "quoted"), [(0.0, "0.0"), (-5.0, "-5.0"), (math.inf, "inf")])
+def test_a_bad_period_is_refused_naming_period_s(period_s: float, quoted: str) -> None:
+    """The counting period is the allocator's planning period, one field of ControlConfig;
+    a predictor given one directly checks it too."""
+    for make in (ControlConfig, LoadPredictor):
+        with pytest.raises(ValueError, match="period_s") as info:
+            make(period_s=period_s)
+        assert quoted in str(info.value)
 
 
 def test_bad_times_are_rejected() -> None:

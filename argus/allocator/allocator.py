@@ -39,7 +39,9 @@ class Allocator:
         self._planner = self.config.planner_config(profiles)
         self._backend = backend
         self.class_quality = dict(class_quality or {})
-        self._load = LoadPredictor(self.config.forecast_config(), start_s=start_s)
+        self._load = LoadPredictor(
+            self.config.forecast_config(), start_s=start_s, period_s=self.config.period_s
+        )
         self._affinity = AffinityHistogram(
             {s: len(profiles.levels_for(s)) for s in Strategy if profiles.levels_for(s)},
             self.config.histogram_window,
@@ -50,10 +52,6 @@ class Allocator:
         """Plan with ``profiles`` from now on: the same levels and classes at another speed
         (the workers' measured one, :mod:`argus.allocator.measured`)."""
         self.profiles = profiles
-
-    @property
-    def last_plan(self) -> Plan | None:
-        return self._last
 
     def forecast(self, now_s: float) -> LoadForecast:
         """The load forecast at ``now_s`` (arrivals only, no backlog)."""
@@ -126,6 +124,7 @@ class Allocator:
             forecast,
             self._affinity.histogram(strategy),
             config=planner,
+            period_s=self.config.period_s,
             previous=self._last,
             backend=self._backend,
             class_quality=self.class_quality.get(strategy),

@@ -6,8 +6,9 @@ planned policies run with (:mod:`argus.sim.planned`), and what
 :class:`~argus.allocator.control.AllocatorControl` and the
 :class:`~argus.allocator.allocator.Allocator` it owns read. The components' own configs
 (:class:`~argus.allocator.planner.PlannerConfig`,
-:class:`~argus.allocator.predictor.LoadPredictorConfig`) are made from it, so the planning
-period, say, is given once and reaches the planner and the forecast as the same value.
+:class:`~argus.allocator.predictor.LoadPredictorConfig`) are made from it. The planning period
+is in neither: it is :attr:`ControlConfig.period_s` alone, which the allocator passes to the
+planner and the forecast, so they cannot count different periods.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class StrategyChoice(enum.StrEnum):
 class ControlConfig:
     """How the allocator plans; each ``argus allocator`` flag maps to one field (the
     retrieval flags to :attr:`retrieval`'s). The planner's and the forecast's configs are
-    made from it (:meth:`planner_config`, :meth:`forecast_config`), so none of their
-    shared fields has a second default to drift."""
+    made from it (:meth:`planner_config`, :meth:`forecast_config`), and :attr:`period_s`,
+    which both read, is passed to them, so no shared setting has a second field to drift."""
 
     period_s: float = defaults.PLANNING_PERIOD_S
     """Re-plan at least this often, seconds (the paper: every minute). Also the load
@@ -148,7 +149,6 @@ class ControlConfig:
         term and no flat multiplier.
         """
         return LoadPredictorConfig(
-            self.period_s,
             alpha=0.5,
             peak_window=1,
             peak_fraction=0.0,
@@ -163,6 +163,7 @@ class ControlConfig:
         return default_slo_s(profiles, profiles.worker_classes[:1])
 
     def planner_config(self, profiles: ProfileSet) -> PlannerConfig:
-        """How each plan is solved for ``profiles`` (the SLO is theirs unless given)."""
+        """How each plan is solved for ``profiles`` (the SLO is theirs unless given); the
+        period it amortises switching over is :attr:`period_s`, given to each plan."""
         queue = QueueModel(self.slo_for(profiles)) if self.queueing else None
-        return PlannerConfig(self.period_s, self.switch_cost_weight, mode=self.planner, queue=queue)
+        return PlannerConfig(self.switch_cost_weight, mode=self.planner, queue=queue)

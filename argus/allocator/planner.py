@@ -62,10 +62,9 @@ class PlannerMode(enum.StrEnum):
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """How a plan is made from a forecast."""
-
-    period_s: float = defaults.PLANNING_PERIOD_S
-    """Planning period in seconds (the paper re-plans every minute); amortises switching cost."""
+    """How a plan is made from a forecast. The planning period is not here: it is the
+    allocator's (:attr:`~argus.allocator.config.ControlConfig.period_s`), passed to
+    :func:`make_plan`, so the planner and the forecast cannot count different periods."""
 
     switch_cost_weight: float = 1.0
     """Weight of the model-load switching cost in the objective; 0 turns it off."""
@@ -81,8 +80,6 @@ class PlannerConfig:
     the SLO; None plans every level up to its peak throughput."""
 
     def __post_init__(self) -> None:
-        if not self.period_s > 0.0:
-            raise ValueError(f"period_s: must be > 0, got {self.period_s}")
         if not self.switch_cost_weight >= 0.0:
             raise ValueError(f"switch_cost_weight: must be >= 0, got {self.switch_cost_weight}")
         if not self.load_margin >= 1.0:
@@ -97,6 +94,7 @@ def make_plan(
     histogram: Sequence[float],
     *,
     config: PlannerConfig | None = None,
+    period_s: float = defaults.PLANNING_PERIOD_S,
     previous: Plan | None = None,
     backend: SolverFactory | None = None,
     class_quality: ClassQuality | None = None,
@@ -106,7 +104,11 @@ def make_plan(
     The histogram has one non-negative entry per class (as many as ``strategy`` has levels);
     an all-zero one (nothing classified yet) is taken as uniform. ``class_quality`` is
     Q(v | c) for the joint planner; without it every class sees the level averages (Eq. 1).
+    ``period_s`` is the planning period the switching cost is amortised over (the
+    allocator's, :attr:`~argus.allocator.config.ControlConfig.period_s`).
     """
+    if not period_s > 0.0:
+        raise ValueError(f"period_s: must be > 0, got {period_s}")
     config = config or PlannerConfig()
     levels = profiles.levels_for(strategy)
     weights = _normalised_histogram(histogram, len(levels))
@@ -122,7 +124,7 @@ def make_plan(
             class_quality or ClassQuality.from_levels(levels),
             weights,
             switch_cost_weight=config.switch_cost_weight,
-            period_s=config.period_s,
+            period_s=period_s,
             options=HighsOptions(),
         )
 
@@ -135,7 +137,16 @@ def make_plan(
             found = joint.solve_to_beat(caps_of(pools), beat.served_qpm, beat.objective)
             return None if found is None else _joint_answer(found, weights, profiles, workers)
         return _solve(
-            profiles, strategy, workers, load, weights, config, caps_of(pools), backend, joint
+            profiles,
+            strategy,
+            workers,
+            load,
+            weights,
+            config,
+            period_s,
+            caps_of(pools),
+            backend,
+            joint,
         )
 
     def settled(
@@ -186,6 +197,7 @@ def _solve(
     load: float,
     weights: tuple[float, ...],
     config: PlannerConfig,
+    period_s: float,
     caps: Mapping[tuple[str, str], float],
     backend: SolverFactory | None,
     joint: JointSolver | None,
@@ -200,7 +212,7 @@ def _solve(
         workers,
         load,
         switch_cost_weight=config.switch_cost_weight,
-        period_s=config.period_s,
+        period_s=period_s,
         backend=backend,
         caps=caps,
     )

@@ -77,12 +77,19 @@ def _finite(name: str, value: float) -> float:
     return result
 
 
+def _period(period_s: float) -> float:
+    value = _finite("period_s", period_s)
+    if value <= 0.0:
+        raise ValueError(f"period_s must be > 0 seconds, got {period_s!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class LoadPredictorConfig:
     """Parameters of :class:`LoadPredictor`; see the module docstring for how the defaults were
-    chosen."""
+    chosen. The counting period is not here: it is the planning period, the allocator's
+    (:attr:`~argus.allocator.config.ControlConfig.period_s`), given to the predictor."""
 
-    period_s: float = defaults.PLANNING_PERIOD_S  # one counting/planning period, seconds (> 0)
     alpha: float = 0.3  # EWMA weight of the newest completed period, in (0, 1]; 1 = last period
     peak_window: int = 2  # completed periods the peak term looks back over (>= 1)
     peak_fraction: float = 1.0  # share of that peak the forecast never drops below, in [0, 1]
@@ -94,9 +101,6 @@ class LoadPredictorConfig:
     # upward blip (0: always)
 
     def __post_init__(self) -> None:
-        period_s = _finite("period_s", self.period_s)
-        if period_s <= 0.0:
-            raise ValueError(f"period_s must be > 0 seconds, got {self.period_s!r}")
         alpha = _finite("alpha", self.alpha)
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha!r}")
@@ -139,9 +143,15 @@ class LoadPredictor:
     """
 
     def __init__(
-        self, config: LoadPredictorConfig | None = None, start_s: float | None = None
+        self,
+        config: LoadPredictorConfig | None = None,
+        start_s: float | None = None,
+        *,
+        period_s: float = defaults.PLANNING_PERIOD_S,
     ) -> None:
+        """``period_s``: the counting period, seconds (> 0): the planning period."""
         self.config = config if config is not None else LoadPredictorConfig()
+        self._period_s = _period(period_s)
         self._origin: float | None = None if start_s is None else _finite("start_s", start_s)
         self._period: int = 0  # index of the current (open) period
         self._count: int = 0  # arrivals counted in the current period
@@ -154,7 +164,7 @@ class LoadPredictor:
     # -- time -> period ------------------------------------------------------------------------
     def _period_of(self, t: float) -> int:
         assert self._origin is not None
-        period_s = self.config.period_s
+        period_s = self._period_s
         index = math.floor((t - self._origin) / period_s)
         # Keep the index consistent with period_start() despite rounding of the division.
         if self._origin + (index + 1) * period_s <= t:
@@ -167,21 +177,11 @@ class LoadPredictor:
         """Start time (s) of period ``index``; the origin must be known."""
         if self._origin is None:
             raise ValueError("no origin yet: give start_s or observe an arrival first")
-        return self._origin + index * self.config.period_s
-
-    @property
-    def origin_s(self) -> float | None:
-        """Start of period 0, or None before the first arrival when no start_s was given."""
-        return self._origin
-
-    @property
-    def completed_periods(self) -> int:
-        """Periods folded into the estimate so far (changes only on ``observe``)."""
-        return self._completed
+        return self._origin + index * self._period_s
 
     # -- rates ---------------------------------------------------------------------------------
     def _rate(self, count: int) -> float:
-        return count * 60.0 / self.config.period_s
+        return count * 60.0 / self._period_s
 
     def _closed(self, upto: int) -> tuple[float | None, list[float], int]:
         """(ewma, recent rates newest last, completed) after closing every period < ``upto``."""
@@ -243,7 +243,7 @@ class LoadPredictor:
         ewma, recent, completed = self._closed(upto)
         if completed == 0 or ewma is None:
             elapsed = now - self.period_start(self._period)
-            elapsed = max(elapsed, min(_MIN_ELAPSED_S, self.config.period_s))
+            elapsed = max(elapsed, min(_MIN_ELAPSED_S, self._period_s))
             rate = self._count * 60.0 / elapsed
             return LoadForecast(qpm=rate, ewma_qpm=rate, peak_qpm=rate, at_s=now)
         peak = max(recent)
@@ -286,7 +286,10 @@ class ForecastErrors:
 
 
 def forecast_errors(
-    arrivals_s: Sequence[float], config: LoadPredictorConfig | None = None
+    arrivals_s: Sequence[float],
+    config: LoadPredictorConfig | None = None,
+    *,
+    period_s: float = defaults.PLANNING_PERIOD_S,
 ) -> ForecastErrors:
     """Replay ``arrivals_s`` through a :class:`LoadPredictor` and score its forecasts.
 
@@ -300,14 +303,14 @@ def forecast_errors(
     if times.size == 0 or not np.all(np.isfinite(times)):
         raise ValueError("forecast_errors needs a non-empty sequence of finite arrival times")
     origin = float(times[0])
-    period_s = config.period_s
+    period_s = _period(period_s)
     complete = math.floor((float(times[-1]) - origin) / period_s)  # periods fully covered
     if complete < 2:
         raise ValueError(
             f"forecast_errors needs at least 2 complete periods of {period_s} s; the trace spans "
             f"{float(times[-1]) - origin:.3f} s"
         )
-    predictor = LoadPredictor(config, start_s=origin)
+    predictor = LoadPredictor(config, start_s=origin, period_s=period_s)
     # Period boundaries computed the way the predictor computes them.
     bounds = [predictor.period_start(k) for k in range(complete + 1)]
     cuts = np.searchsorted(times, bounds, side="left")

@@ -95,7 +95,6 @@ class PlanCommand:
                     raise ValueError(f"--slo: must be a finite number >= 0, got {args.slo}")
                 slo = args.slo
             config = PlannerConfig(
-                period_s=args.period,
                 switch_cost_weight=args.switch_cost,
                 mode=PlannerMode.parse(args.planner),
                 queue=QueueModel(slo) if slo > 0.0 else None,
@@ -115,7 +114,15 @@ class PlanCommand:
             workers = with_current_levels(workers, read_current_plan(args.current_plan))
         forecast = LoadForecast(args.load, args.load, args.load, 0.0)
         try:
-            plan = make_plan(profiles, strategy, workers, forecast, histogram, config=config)
+            plan = make_plan(
+                profiles,
+                strategy,
+                workers,
+                forecast,
+                histogram,
+                config=config,
+                period_s=args.period,
+            )
         except ValueError as exc:
             raise CLIError(str(exc)) from None
         document = plan_to_json(plan, profiles)
