@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from argus import defaults
+
 STUDENT_FILE = "student.safetensors"
 STUDENT_FORMAT = "argus-student-layers v1"
 PINNED_FILE = "pinned.json"  # a few prompts' classes, checked by the tests against a reload
@@ -253,8 +255,9 @@ def save_student(result: DistillResult, config: DistillConfig, path: Path) -> Pa
 
 
 def _labelled(max_tokens: int) -> dict[Any, Any]:
-    """The default SYNTHETIC labels of ``argus train-classifier`` (seed 0, δ 0.9, the
-    PartiPrompts and the default profile's levels), per strategy."""
+    """The default SYNTHETIC labels of ``argus train-classifier`` (seed 0, δ
+    :data:`argus.defaults.DELTA`, the PartiPrompts and the default profile's levels), per
+    strategy."""
     from argus.classifier.labels import labels_from_table
     from argus.classifier.prompts import max_chars_for
     from argus.profiles import default_profiles
@@ -268,7 +271,9 @@ def _labelled(max_tokens: int) -> dict[Any, Any]:
     for strategy in (Strategy.AC, Strategy.SM):
         levels = [lv.name for lv in profiles.levels_for(strategy)]
         table = synthetic_quality_table(records, strategy, levels, seed=0)
-        out[strategy] = labels_from_table(table, 0.9, max_chars=max_chars_for(max_tokens))
+        out[strategy] = labels_from_table(
+            table, defaults.DELTA, max_chars=max_chars_for(max_tokens)
+        )
     return out
 
 
