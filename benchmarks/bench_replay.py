@@ -2,7 +2,7 @@
 
 The workload is the real Azure trace's shape (``--trace azure``), stretched in time to
 ``--requests`` arrivals and mapped minute by minute to ``--load`` × the cluster's capacity
-(as ``argus evaluate --target-load`` does: :func:`argus.sim.evaluate.rescale_to_load`; the
+(as ``argus evaluate --target-load`` does: :func:`argus.sim.offered_load.rescale_to_load`; the
 capacity is every GPU at the fastest AC level, adapters' mean seconds included). Everything
 else is ``argus replay``'s defaults: 8 A100s, the trained classifier
 (``classifiers/minilm-logistic``), Katz's adapter mix served as Argus serves it, admission
