@@ -13,13 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
+from argus.contracts.controlnet import ControlUnit
 from argus.worker.controlnet.client import RemoteControlNetExecutor
 from argus.worker.controlnet.errors import InvalidControlNetRequest
-from argus.worker.controlnet.executor import (
-    ControlNetExecutor,
-    ControlUnit,
-    LocalControlNetExecutor,
-)
+from argus.worker.controlnet.executor import ControlNetExecutor, LocalControlNetExecutor
 from argus.worker.controlnet.models import ControlNetCatalog, build_controlnet
 from argus.worker.controlnet.predictor import ControlNetMode, ControlNetPredictor
 from argus.worker.controlnet.service import create_server

@@ -20,6 +20,7 @@ from PIL import Image
 from prometheus_client import CollectorRegistry, generate_latest
 
 from argus import rpc
+from argus.contracts.controlnet import ControlUnit
 from argus.worker.controlnet.client import RemoteControlNetExecutor
 from argus.worker.controlnet.errors import (
     ControlNetBusyError,
@@ -27,7 +28,7 @@ from argus.worker.controlnet.errors import (
     InvalidControlNetRequest,
     UnknownControlNetError,
 )
-from argus.worker.controlnet.executor import ControlUnit, LocalControlNetExecutor, SessionSpec
+from argus.worker.controlnet.executor import LocalControlNetExecutor, SessionSpec
 from argus.worker.controlnet.metrics import ControlNetMetrics
 from argus.worker.controlnet.models import ControlNetCatalog
 from argus.worker.controlnet.predictor import ControlNetPredictor

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import re
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +180,6 @@ def test_the_maps_back_from_protobuf_invert_them() -> None:
         (REASON_TO_PB, REASON_FROM_PB),
     ):
         assert {from_pb[number] for number in to_pb.values()} == set(to_pb)
-    assert {int(kind) for kind in AdapterKind} == set(c.adapter_to_pb.values())
 
 
 def test_a_member_without_a_protobuf_value_fails_naming_it() -> None:
@@ -194,13 +194,18 @@ def test_a_member_without_a_protobuf_value_fails_naming_it() -> None:
 # -- (c) one definition, no hand-copied numbers --------------------------------------------------
 
 
-def sources() -> dict[str, ast.Module]:
-    """Every module of the package, parsed (the generated protobuf code excluded)."""
+def texts() -> dict[str, str]:
+    """Every module of the package, as text (the generated protobuf code excluded)."""
     return {
-        str(path.relative_to(PACKAGE.parent)): ast.parse(path.read_text(), str(path))
+        str(path.relative_to(PACKAGE.parent)): path.read_text()
         for path in sorted(PACKAGE.rglob("*.py"))
         if "v1" not in path.relative_to(PACKAGE).parts
     }
+
+
+def sources() -> dict[str, ast.Module]:
+    """Every module of the package, parsed."""
+    return {name: ast.parse(text, name) for name, text in texts().items()}
 
 
 def contract_class_homes(modules: dict[str, ast.Module]) -> dict[str, list[str]]:
@@ -235,6 +240,33 @@ def hand_copied_numbers(modules: dict[str, ast.Module]) -> list[str]:
     return found
 
 
+# a name that says it holds a protobuf enum's number: KIND_LORA, ADAPTER_KIND_CONTROLNET, X_PB
+_PB_NAME = re.compile(r"^_?(ADAPTER_)?KIND_|_PB$")
+
+
+def hand_copied_constants(modules: dict[str, str]) -> list[str]:
+    """Module-level ``NAME = <int>`` constants that hold a protobuf enum's number: named as
+    one (:data:`_PB_NAME`) or commented with the enum (``# argus.v1.Adapter.Kind``). The
+    generated enum, or the contract's enum mapped by name, says the same without a copy."""
+    found = []
+    for name, text in modules.items():
+        lines = text.splitlines()
+        for node in ast.parse(text, name).body:
+            if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            value = node.value
+            if not (isinstance(value, ast.Constant) and type(value.value) is int):
+                continue
+            comment = lines[node.lineno - 1].partition("#")[2]
+            for target in targets:
+                if isinstance(target, ast.Name) and (
+                    _PB_NAME.search(target.id) or "argus.v1." in comment
+                ):
+                    found.append(f"{name}:{node.lineno}")
+    return found
+
+
 def test_each_contract_class_is_defined_in_one_module() -> None:
     homes = contract_class_homes(sources())
     twice = {name: where for name, where in homes.items() if len(where) > 1}
@@ -244,6 +276,7 @@ def test_each_contract_class_is_defined_in_one_module() -> None:
 
 def test_no_module_copies_enum_numbers_by_hand() -> None:
     assert hand_copied_numbers(sources()) == []
+    assert hand_copied_constants(texts()) == []
 
 
 def test_the_scans_find_what_they_look_for() -> None:
@@ -261,3 +294,20 @@ def test_the_scans_find_what_they_look_for() -> None:
         "argus/copy.py",
     ]
     assert hand_copied_numbers(modules) == ["argus/copy.py:4"]
+    constants = {
+        **texts(),
+        "argus/kinds.py": (
+            "KIND_LORA = 1  # argus.v1.Adapter.Kind\n"
+            "KIND_CONTROLNET = 2\n"
+            "LORA: int = 1  # argus.v1.Adapter.Kind.LORA\n"
+            "STATE_PB = 3\n"
+            "MAX_KINDS = 2  # not a protobuf number\n"
+            "def f() -> None:\n    KIND_LOCAL = 1\n"
+        ),
+    }
+    assert hand_copied_constants(constants) == [
+        "argus/kinds.py:1",
+        "argus/kinds.py:2",
+        "argus/kinds.py:3",
+        "argus/kinds.py:4",
+    ]

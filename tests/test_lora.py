@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from argus.cli.main import main as argus_main
+from argus.contracts.generate import Adapter, AdapterKind
 from argus.worker.lora import (
     LoadedLora,
     LoraBusyError,
@@ -646,15 +647,10 @@ def test_lora_config_rejects_bad_values(bad: dict[str, Any]) -> None:
 
 
 def test_requests_from_adapters_keeps_loras_and_their_fields() -> None:
-    from types import SimpleNamespace
-
-    from argus.v1 import common_pb2
-
-    kinds = common_pb2.Adapter
     adapters = [
-        kinds(kind=kinds.CONTROLNET, name="canny", scale=0.5),
-        kinds(kind=kinds.LORA, name="papercut", scale=0.0),
-        SimpleNamespace(kind=kinds.LORA, name="film", scale=0.6),
+        Adapter(AdapterKind.CONTROLNET, "canny", 0.5, b"png"),
+        Adapter(AdapterKind.LORA, "papercut", 0.0),
+        Adapter(AdapterKind.LORA, "film", 0.6),
     ]
     assert requests_from_adapters(adapters) == (
         LoraRequest("papercut", 1.0, field="adapters[1]"),

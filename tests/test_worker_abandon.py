@@ -123,7 +123,8 @@ def cancel_at_block(model: DiffusionModel, token: CancelToken, at: int) -> tuple
 def test_the_controlnet_path_stops_inside_a_step() -> None:
     """ControlNet's split UNet runs the same blocks, so their checkpoints stop it too, and the
     session ends."""
-    from argus.worker.controlnet.executor import ControlUnit, LocalControlNetExecutor
+    from argus.contracts.controlnet import ControlUnit
+    from argus.worker.controlnet.executor import LocalControlNetExecutor
     from argus.worker.controlnet.models import ControlNetCatalog
     from argus.worker.controlnet.predictor import ControlNetPredictor
 

@@ -16,7 +16,13 @@ import torch
 from PIL import Image
 
 from argus import rpc
-from argus.contracts.generate import CacheOutcome, GenerateCall
+from argus.contracts.generate import (
+    Adapter,
+    AdapterKind,
+    CacheOutcome,
+    GenerateCall,
+    adapters_to_pb,
+)
 from argus.request_limits import InvalidRequestError
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
 from argus.worker.lora import LoraNotFoundError, write_tiny_lora, write_unfit_lora
@@ -26,10 +32,8 @@ from tests.worker_factories import make_worker
 pytestmark = pytest.mark.integration
 
 
-common_pb2: Any = rpc.load("common_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")
 worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
-KIND = common_pb2.Adapter.Kind
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 STEPS = 4
 
@@ -42,12 +46,12 @@ def png(seed: int, size: int = 64) -> bytes:
     return buffer.getvalue()
 
 
-def lora(name: str, scale: float = 1.0) -> Any:
-    return common_pb2.Adapter(kind=KIND.LORA, name=name, scale=scale)
+def lora(name: str, scale: float = 1.0) -> Adapter:
+    return Adapter(AdapterKind.LORA, name, scale)
 
 
-def controlnet(name: str, seed: int = 1, scale: float = 1.0) -> Any:
-    return common_pb2.Adapter(kind=KIND.CONTROLNET, name=name, scale=scale, control_image=png(seed))
+def controlnet(name: str, seed: int = 1, scale: float = 1.0) -> Adapter:
+    return Adapter(AdapterKind.CONTROLNET, name, scale, png(seed))
 
 
 def unet_digest(worker: Any) -> str:
@@ -110,10 +114,10 @@ def test_controlnets_run_beside_the_unet(worker: Any) -> None:
 
 def test_bad_adapters_name_the_field(worker: Any) -> None:
     cases = [
-        (common_pb2.Adapter(kind=KIND.KIND_UNSPECIFIED, name="x"), "adapters[0].kind"),
-        (common_pb2.Adapter(kind=KIND.LORA, name=" "), "adapters[0].name"),
-        (common_pb2.Adapter(kind=KIND.CONTROLNET, name="canny"), "adapters[0].control_image"),
-        (common_pb2.Adapter(kind=KIND.LORA, name="ink", control_image=b"x"), "control_image"),
+        (Adapter(None, "x", 0.0), "adapters[0].kind"),
+        (Adapter(AdapterKind.LORA, " ", 0.0), "adapters[0].name"),
+        (Adapter(AdapterKind.CONTROLNET, "canny", 0.0), "adapters[0].control_image"),
+        (Adapter(AdapterKind.LORA, "ink", 0.0, b"x"), "control_image"),
     ]
     for adapter, field in cases:
         with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
@@ -183,14 +187,16 @@ def test_status_codes_over_grpc(worker: Any, lora_dir: Path) -> None:
                 "adapters[1].name: unknown",
             ),
             (
-                [common_pb2.Adapter(kind=KIND.CONTROLNET, name="canny", control_image=b"\x89PNG")],
+                [Adapter(AdapterKind.CONTROLNET, "canny", 0.0, b"\x89PNG")],
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "adapters[0].control_image",
             ),
         ]
         cases.append(([lora("ink")] * 10_000, INVALID, "adapters: 10000 adapters; at most 16"))
         for adapters, code, needle in cases:
-            request = worker_pb2.GenerateRequest(prompt="a cat", seed=1, adapters=adapters)
+            request = worker_pb2.GenerateRequest(
+                prompt="a cat", seed=1, adapters=adapters_to_pb(adapters)
+            )
             with pytest.raises(grpc.RpcError) as err:
                 stub.Generate(request, timeout=60)
             assert err.value.code() == code, err.value.details()
@@ -201,7 +207,9 @@ def test_status_codes_over_grpc(worker: Any, lora_dir: Path) -> None:
         assert err.value.code() == INVALID
         assert err.value.details().startswith("prompt: empty")
         ok = stub.Generate(
-            worker_pb2.GenerateRequest(prompt="a cat", seed=1, adapters=[controlnet("canny")]),
+            worker_pb2.GenerateRequest(
+                prompt="a cat", seed=1, adapters=adapters_to_pb([controlnet("canny")])
+            ),
             timeout=60,
         )
         assert ok.png and ok.adapter_path == "controlnet"

@@ -38,12 +38,6 @@ class AdapterKind(enum.Enum):
     LORA = "lora"  # merged into the UNet
     CONTROLNET = "controlnet"  # conditioned on ``control_image``
 
-    def __int__(self) -> int:
-        """Its ``argus.v1.Adapter.Kind`` number: the worker's adapter planning
-        (:meth:`~argus.worker.adapters.WorkerAdapters.plan`) reads a kind as a number, from
-        this value or from an ``argus.v1.Adapter`` alike."""
-        return codec().adapter_to_pb[self]
-
 
 @dataclass(frozen=True)
 class Adapter:

@@ -1,6 +1,7 @@
 """A request's adapters on a worker: Katz's three designs behind one small interface.
 
-The engine hands a request's ``adapters`` (``argus.v1.Adapter`` messages or alike) to
+The engine hands a request's ``adapters`` (the Generate contract's
+:class:`~argus.contracts.generate.Adapter` values) to
 :meth:`WorkerAdapters.plan`, which checks them and splits them into LoRAs and ControlNets, and
 then runs the denoising loop inside :meth:`WorkerAdapters.attach`, which yields the extra
 arguments of :meth:`~argus.worker.pipelines.DiffusionModel.denoise`:
@@ -51,6 +52,7 @@ from typing import Any
 
 import torch
 
+from argus.contracts.generate import Adapter, AdapterKind
 from argus.request_limits import check_adapters
 from argus.worker.controlnet.errors import ControlNetError
 from argus.worker.pipelines import (
@@ -63,8 +65,6 @@ from argus.worker.pipelines import (
 
 log = logging.getLogger(__name__)
 
-KIND_LORA = 1  # argus.v1.Adapter.Kind
-KIND_CONTROLNET = 2
 _CONTROLNET_FIELD = re.compile(r"controlnets\[(\d+)\]")
 
 
@@ -111,7 +111,7 @@ class AdapterPlan:
     """A request's adapters, checked: LoRA requests and ControlNet units, in request order."""
 
     loras: tuple[Any, ...] = ()  # argus.worker.lora.LoraRequest
-    controls: tuple[Any, ...] = ()  # argus.worker.controlnet.executor.ControlUnit
+    controls: tuple[Any, ...] = ()  # argus.contracts.controlnet.ControlUnit
     control_fields: tuple[str, ...] = ()  # each control's request field, "adapters[i]"
 
     def __bool__(self) -> bool:
@@ -223,8 +223,9 @@ class WorkerAdapters:
 
     # -- requests --------------------------------------------------------------------------
 
-    def plan(self, adapters: Sequence[Any]) -> AdapterPlan:
-        """Check a request's adapters; raises AdapterRequestError or a LoRA/ControlNet error."""
+    def plan(self, adapters: Sequence[Adapter]) -> AdapterPlan:
+        """Check a request's adapters; raises AdapterRequestError (an unspecified or unknown
+        kind among them) or a LoRA/ControlNet error."""
         if not adapters:
             return NO_ADAPTERS
         check_adapters(adapters)  # the router's words: InvalidRequestError on "adapters"
@@ -233,37 +234,38 @@ class WorkerAdapters:
         control_fields: list[str] = []
         for i, adapter in enumerate(adapters):
             where = f"adapters[{i}]"
-            kind = int(adapter.kind)
-            name = str(adapter.name)
+            name = adapter.name
             if not name.strip():
                 raise AdapterRequestError(f"{where}.name", "missing")
-            if kind == KIND_LORA:
+            if adapter.kind is AdapterKind.LORA:
                 if self.loras is None:
                     raise AdapterRequestError(where, "this worker serves no LoRAs (no --lora-dir)")
                 if adapter.control_image:
                     raise AdapterRequestError(f"{where}.control_image", "only ControlNets take one")
                 from argus.worker.lora import LoraRequest
 
-                request = LoraRequest(name, float(adapter.scale) or 1.0, field=where)
+                request = LoraRequest(name, adapter.scale or 1.0, field=where)
                 request.check()
                 self.loras.library.path(name, field=where)  # NOT_FOUND now, before anything runs
                 loras.append(request)
-            elif kind == KIND_CONTROLNET:
+            elif adapter.kind is AdapterKind.CONTROLNET:
                 if self.controlnets is None and self.peer is None:
                     raise AdapterRequestError(
                         where, "this worker serves no ControlNets (no --controlnet)"
                     )
                 if not adapter.control_image:
                     raise AdapterRequestError(f"{where}.control_image", "a ControlNet needs a PNG")
-                from argus.worker.controlnet.executor import ControlUnit
+                from argus.contracts.controlnet import ControlUnit
 
-                scale = float(adapter.scale) or 1.0
+                scale = adapter.scale or 1.0
                 if not torch.isfinite(torch.tensor(scale)):
                     raise AdapterRequestError(f"{where}.scale", f"{scale} is not finite")
-                controls.append(ControlUnit(name, scale, bytes(adapter.control_image)))
+                controls.append(ControlUnit(name, scale, adapter.control_image))
                 control_fields.append(where)
             else:
-                raise AdapterRequestError(f"{where}.kind", f"{kind} is not LORA or CONTROLNET")
+                raise AdapterRequestError(
+                    f"{where}.kind", "unspecified or unknown, not LORA or CONTROLNET"
+                )
         return AdapterPlan(tuple(loras), tuple(controls), tuple(control_fields))
 
     def bound(self, steps: int) -> int:

@@ -476,11 +476,6 @@ class Worker:
             steps=steps,
             guidance_scale=call.guidance_scale or 0.0,
         )
-        for i, adapter in enumerate(call.adapters):  # the adapters' plan reads known kinds only
-            if adapter.kind is None:
-                raise InvalidRequestError(
-                    f"adapters[{i}].kind", "unspecified or unknown, not LORA or CONTROLNET"
-                )
         plan = self.adapters.plan(call.adapters) if self.adapters is not None else NO_ADAPTERS
         return spec, level, plan
 

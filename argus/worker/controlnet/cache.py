@@ -21,7 +21,8 @@ calls) and a small LRU or LFU cache enough to remove nearly all loads; §5 has t
   the error and the next request tries again.
 
 The lock is held only for bookkeeping, never while a model loads. Counters are a
-:class:`CacheStats` value; Prometheus reads it through
+:class:`~argus.contracts.controlnet.CacheStats` value (the contract the service reports it
+in); Prometheus reads it through
 :mod:`argus.worker.controlnet.metrics`.
 """
 
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
 
+from argus.contracts.controlnet import CacheStats
+
 V = TypeVar("V")
 
 
@@ -49,22 +52,6 @@ class Policy(Enum):
             return cls(text.lower())
         except ValueError:
             raise ValueError(f"cache policy {text!r}: expected lru or lfu") from None
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """Counters since the cache started, and what is resident now."""
-
-    policy: str
-    hits: int  # acquires that found the key resident
-    misses: int  # acquires that did not (including those that joined a load in flight)
-    loads: int  # loads started (one per cold key and burst of requests for it)
-    load_failures: int
-    evictions: int
-    load_seconds: float  # total time spent in loads
-    resident: tuple[str, ...]  # keys, most recently used last
-    resident_bytes: int
-    leased: int  # resident entries in use by a request now
 
 
 @dataclass

@@ -28,6 +28,7 @@ import grpc
 import torch
 
 from argus import rpc
+from argus.contracts.controlnet import ExecutorStats, OpenInfo, opened_from_pb, stats_from_pb
 from argus.internal_tls import InternalTLS, channel
 from argus.worker.controlnet.errors import (
     ControlNetBusyError,
@@ -36,19 +37,12 @@ from argus.worker.controlnet.errors import (
     InvalidControlNetRequest,
     UnknownControlNetError,
 )
-from argus.worker.controlnet.executor import (
-    ExecutorStats,
-    LocalControlNetExecutor,
-    OpenInfo,
-    SessionSpec,
-)
+from argus.worker.controlnet.executor import LocalControlNetExecutor, SessionSpec
 from argus.worker.controlnet.models import ControlNetCatalog
 from argus.worker.controlnet.service import DEFAULT_MAX_MESSAGE_BYTES
 from argus.worker.controlnet.transport import (
     open_to_pb,
-    opened_from_pb,
     residuals_from_pb,
-    stats_from_pb,
     step_to_pb,
 )
 from argus.worker.controlnet.unet_split import Residuals

@@ -38,7 +38,8 @@ from typing import Any, Protocol
 
 import torch
 
-from argus.worker.controlnet.cache import CacheStats, Lease, ModelCache, Policy
+from argus.contracts.controlnet import ControlUnit, ExecutorStats, OpenInfo
+from argus.worker.controlnet.cache import Lease, ModelCache, Policy
 from argus.worker.controlnet.errors import (
     ControlNetBusyError,
     ControlNetError,
@@ -56,17 +57,6 @@ from argus.worker.controlnet.models import (
 from argus.worker.controlnet.unet_split import Residuals, sum_residuals
 
 MAX_CONTROLNETS = 8  # per request; production requests use 1–3 (Katz Table 1)
-ADAPTER_KIND_CONTROLNET = 2  # argus.v1.Adapter.Kind.CONTROLNET
-ADAPTER_KIND_UNSPECIFIED = 0
-
-
-@dataclass(frozen=True)
-class ControlUnit:
-    """One ControlNet of a request: its name, conditioning scale and control image (PNG)."""
-
-    name: str
-    scale: float = 1.0
-    image: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -81,22 +71,6 @@ class SessionSpec:
     text_embeds: torch.Tensor | None = None  # SDXL: (batch, pooled dim)
     time_ids: torch.Tensor | None = None  # SDXL: (batch, 6)
     request_id: str = ""
-
-
-@dataclass(frozen=True)
-class OpenInfo:
-    """What opening a session cost: which ControlNets were resident, how long loads took."""
-
-    cache_hits: tuple[bool, ...]
-    load_s: float
-
-
-@dataclass(frozen=True)
-class ExecutorStats:
-    cache: CacheStats
-    sessions_open: int
-    sessions_total: int
-    steps_total: int
 
 
 class ControlNetSession(Protocol):

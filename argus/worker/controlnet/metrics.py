@@ -3,8 +3,9 @@ prometheus_client.
 
 Names carry the ``argus_controlnet_`` prefix and base units. Request-path metrics (sessions
 by status code, step and session latency) are observed by the servicer; the cache's counters
-are not double-booked here but read from :class:`~.cache.CacheStats` when Prometheus scrapes
-(:class:`CacheCollector`), so the ``Stats`` RPC and ``/metrics`` can never disagree.
+are not double-booked here but read from :class:`~argus.contracts.controlnet.CacheStats` when
+Prometheus scrapes (:class:`CacheCollector`), so the ``Stats`` RPC and ``/metrics`` can never
+disagree.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from argus.worker.controlnet.executor import ExecutorStats
+from argus.contracts.controlnet import ExecutorStats
 
 # a tiny ControlNet step on a CPU takes ~2 ms, an SDXL one on a slow GPU ~100 ms
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -38,13 +38,9 @@ from typing import Any
 
 import torch
 
+from argus.contracts.controlnet import ControlUnit
 from argus.worker.controlnet.errors import InvalidControlNetRequest
-from argus.worker.controlnet.executor import (
-    ControlNetExecutor,
-    ControlNetSession,
-    ControlUnit,
-    SessionSpec,
-)
+from argus.worker.controlnet.executor import ControlNetExecutor, ControlNetSession, SessionSpec
 from argus.worker.controlnet.models import base_family
 from argus.worker.controlnet.unet_split import Residuals, SplitUNet
 from argus.worker.pipelines import Conditioning, DiffusionModel

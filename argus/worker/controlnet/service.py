@@ -1,8 +1,9 @@
 """The ControlNet service (``argus.v1.ControlNet``): gRPC in front of a local executor.
 
-The servicer converts messages (:mod:`.transport`) and maps errors to status codes; the
-work, validation included, is :class:`~argus.worker.controlnet.executor.LocalControlNetExecutor`'s,
-the same code a worker runs when it keeps its ControlNets in process.
+The servicer converts messages (the contract :mod:`argus.contracts.controlnet`, the tensor
+codec :mod:`.transport`) and maps errors to status codes; the work, validation included, is
+:class:`~argus.worker.controlnet.executor.LocalControlNetExecutor`'s, the same code a worker
+runs when it keeps its ControlNets in process.
 
 ``Run`` is one request's stream: an ``open``, then one ``step`` per denoising step, each
 answered in order. A step is computed on the stream's gRPC thread, so the number of requests
@@ -34,6 +35,7 @@ import grpc
 from grpc_health.v1 import health
 
 from argus import rpc
+from argus.contracts.controlnet import opened_to_pb, stats_to_pb
 from argus.grpc_server import (
     InvalidMessageError,
     add_health_and_reflection,
@@ -51,13 +53,7 @@ from argus.worker.controlnet.errors import (
 )
 from argus.worker.controlnet.executor import LocalControlNetExecutor, LocalSession
 from argus.worker.controlnet.metrics import ControlNetMetrics
-from argus.worker.controlnet.transport import (
-    open_from_pb,
-    opened_to_pb,
-    residuals_to_pb,
-    stats_to_pb,
-    step_from_pb,
-)
+from argus.worker.controlnet.transport import open_from_pb, residuals_to_pb, step_from_pb
 
 controlnet_pb2: Any = rpc.load("controlnet_pb2")
 controlnet_pb2_grpc: Any = rpc.load("controlnet_pb2_grpc")

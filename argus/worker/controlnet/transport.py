@@ -26,33 +26,27 @@ host's order, which is little-endian on every platform Argus runs on (x86-64, aa
 Decoding checks dtype, rank, and that the byte count is numel × itemsize before touching the
 bytes, and names the field when it does not add up.
 
-The rest of this module converts between the ``argus.v1.ControlNet*`` messages and the
-executor's dataclasses, in both directions, for the service and the client alike.
+The rest of this module converts the ``argus.v1.ControlNet*`` messages that carry tensors
+(opening a session, a step, its residuals), in both directions, for the service and the client
+alike; their plain parts, and the messages without a tensor, convert in the contract
+:mod:`argus.contracts.controlnet`, which imports no torch.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from argus import rpc
-from argus.worker.controlnet.cache import CacheStats
+from argus.contracts.controlnet import units_from_pb, units_to_pb
+from argus.contracts.wire import FieldError
 from argus.worker.controlnet.errors import InvalidControlNetRequest, TensorCodecError
-from argus.worker.controlnet.executor import (
-    ADAPTER_KIND_CONTROLNET,
-    ADAPTER_KIND_UNSPECIFIED,
-    ControlUnit,
-    ExecutorStats,
-    OpenInfo,
-    SessionSpec,
-)
+from argus.worker.controlnet.executor import SessionSpec
 from argus.worker.controlnet.unet_split import Residuals
 
-common_pb2: Any = rpc.load("common_pb2")
 controlnet_pb2: Any = rpc.load("controlnet_pb2")
 
 if sys.byteorder != "little":  # pragma: no cover - no such host in the fleet
@@ -127,12 +121,7 @@ def open_to_pb(spec: SessionSpec) -> Any:
         base_family=spec.family,
         height=spec.height,
         width=spec.width,
-        controlnets=[
-            common_pb2.Adapter(
-                kind=ADAPTER_KIND_CONTROLNET, name=u.name, scale=u.scale, control_image=u.image
-            )
-            for u in spec.units
-        ],
+        controlnets=units_to_pb(spec.units),
         encoder_hidden_states=tensor_to_pb(spec.encoder_hidden_states),
     )
     if spec.text_embeds is not None:
@@ -142,27 +131,20 @@ def open_to_pb(spec: SessionSpec) -> Any:
     return controlnet_pb2.ControlNetRequest(open=message)
 
 
-def units_from_pb(adapters: Sequence[Any]) -> tuple[ControlUnit, ...]:
-    units = []
-    for i, adapter in enumerate(adapters):
-        if adapter.kind not in (ADAPTER_KIND_CONTROLNET, ADAPTER_KIND_UNSPECIFIED):
-            raise InvalidControlNetRequest(
-                f"controlnets[{i}].kind", "not a ControlNet (this service runs ControlNets only)"
-            )
-        # proto3 cannot tell an unset scale from 0; unset means diffusers' default, 1
-        units.append(ControlUnit(adapter.name, float(adapter.scale) or 1.0, adapter.control_image))
-    return tuple(units)
-
-
 def open_from_pb(message: Any) -> SessionSpec:
     """The session a ``ControlNetOpen`` asks for; missing or malformed fields raise naming them."""
     if not message.base_family:
         raise InvalidControlNetRequest("base_family", "missing (sd15 or sdxl)")
+    try:
+        units = units_from_pb(message.controlnets)
+    except FieldError as err:  # its message starts with the field's path
+        field, _, problem = str(err).partition(": ")
+        raise InvalidControlNetRequest(field, problem) from None
     return SessionSpec(
         family=message.base_family,
         height=message.height,
         width=message.width,
-        units=units_from_pb(message.controlnets),
+        units=units,
         encoder_hidden_states=_required(message, "encoder_hidden_states", "encoder_hidden_states"),
         text_embeds=_optional(message, "text_embeds", "text_embeds"),
         time_ids=_optional(message, "time_ids", "time_ids"),
@@ -184,18 +166,6 @@ def step_from_pb(message: Any) -> tuple[int, torch.Tensor, torch.Tensor]:
     return message.step, sample, timestep
 
 
-def opened_to_pb(info: OpenInfo) -> Any:
-    return controlnet_pb2.ControlNetReply(
-        opened=controlnet_pb2.ControlNetOpened(
-            cache_hits=list(info.cache_hits), load_ms=info.load_s * 1e3
-        )
-    )
-
-
-def opened_from_pb(message: Any) -> OpenInfo:
-    return OpenInfo(tuple(message.cache_hits), message.load_ms / 1e3)
-
-
 def residuals_to_pb(step: int, residuals: Residuals, compute_s: float) -> Any:
     return controlnet_pb2.ControlNetReply(
         residuals=controlnet_pb2.ControlNetResiduals(
@@ -213,37 +183,3 @@ def residuals_from_pb(message: Any, *, device: torch.device | str | None = None)
     )
     mid = tensor_from_pb(message.mid, "residuals.mid", device=device)
     return Residuals(down, mid)
-
-
-def stats_to_pb(stats: ExecutorStats) -> Any:
-    cache = stats.cache
-    return controlnet_pb2.ControlNetStatsResponse(
-        policy=cache.policy,
-        resident=list(cache.resident),
-        resident_bytes=cache.resident_bytes,
-        hits=cache.hits,
-        misses=cache.misses,
-        loads=cache.loads,
-        load_failures=cache.load_failures,
-        evictions=cache.evictions,
-        sessions_open=stats.sessions_open,
-        sessions_total=stats.sessions_total,
-        steps_total=stats.steps_total,
-        load_seconds_total=cache.load_seconds,
-    )
-
-
-def stats_from_pb(message: Any) -> ExecutorStats:
-    cache = CacheStats(
-        policy=message.policy,
-        hits=message.hits,
-        misses=message.misses,
-        loads=message.loads,
-        load_failures=message.load_failures,
-        evictions=message.evictions,
-        load_seconds=message.load_seconds_total,
-        resident=tuple(message.resident),
-        resident_bytes=message.resident_bytes,
-        leased=0,  # not reported over the wire
-    )
-    return ExecutorStats(cache, message.sessions_open, message.sessions_total, message.steps_total)

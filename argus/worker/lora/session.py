@@ -41,10 +41,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 import torch
 
+from argus.contracts.generate import Adapter, AdapterKind
 from argus.worker.lora.errors import LoraError, LoraInvalidError, LoraLoadError
 from argus.worker.lora.patch import LoadedLora, WeightBackup, merge
 
@@ -63,20 +63,17 @@ class LoraRequest:
             raise LoraInvalidError(self.name, f"scale {self.scale} is not finite", field=self.field)
 
 
-ADAPTER_KIND_LORA = 1  # argus.v1.Adapter.Kind.LORA
-
-
-def requests_from_adapters(adapters: Sequence[Any]) -> tuple[LoraRequest, ...]:
-    """The LoRA requests among a request's adapters (``argus.v1.Adapter`` or alike).
+def requests_from_adapters(adapters: Sequence[Adapter]) -> tuple[LoraRequest, ...]:
+    """The LoRA requests among a request's adapters (the Generate contract's values).
 
     Other kinds are skipped (ControlNets are the ControlNet executor's). Each request names its
     field as ``adapters[i]``, ``i`` the index in the full list. An unset scale (proto3's 0)
     means 1.0, diffusers' default, as for ControlNets; "no effect" is leaving the LoRA out.
     """
     return tuple(
-        LoraRequest(str(adapter.name), float(adapter.scale) or 1.0, field=f"adapters[{index}]")
+        LoraRequest(adapter.name, adapter.scale or 1.0, field=f"adapters[{index}]")
         for index, adapter in enumerate(adapters)
-        if int(adapter.kind) == ADAPTER_KIND_LORA
+        if adapter.kind is AdapterKind.LORA
     )
 
 
