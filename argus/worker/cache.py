@@ -194,11 +194,6 @@ class CacheStats:
     fetch_p99_s: float
     window: int  # searches the percentiles cover
 
-    @property
-    def hit_rate(self) -> float:
-        lookups = self.hits + sum(self.misses.values())
-        return self.hits / lookups if lookups else 0.0
-
 
 class CacheMetrics:
     """The Prometheus adapter of one cache; the only part of it that touches

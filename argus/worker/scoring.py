@@ -138,7 +138,11 @@ class ScoreSampler:
             )
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until every queued image is scored (tests); True when it is."""
+        """Wait until every queued image is scored; True when it is, False on timeout.
+
+        Scoring runs on the scorer's own thread, so this is the synchronisation point that
+        tests and callers use to read :meth:`stats` or the scores after the work queued so far
+        is done (it waits for the queue, not for the thread to stop: :meth:`close` does that)."""
         done = threading.Event()
 
         def join() -> None:

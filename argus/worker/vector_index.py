@@ -445,7 +445,11 @@ class EdgeVectorIndex:
             return changed
 
     def wait_for_rebuild(self, timeout_s: float | None = None) -> bool:
-        """Wait for a background rebuild to finish; returns False on timeout."""
+        """Wait for a background rebuild to finish; returns False on timeout.
+
+        Rebuilds run on their own thread while searches go on against the old graph, so this
+        is the synchronisation point that tests and callers use before reading what a
+        rebuild changed (the graph, its size); True at once when none is running."""
         thread = self._rebuild
         if thread is not None:
             thread.join(timeout_s)
