@@ -55,18 +55,18 @@ class _Counter:
 
     def __init__(self) -> None:
         self.solves = self.branched = 0
-        solve, branch = joint._Highs.relaxation, joint._Highs.branch_and_bound
+        solve, branch = joint.HighsSession.relaxation, joint.HighsSession.branch_and_bound
 
-        def counted_solve(highs: joint._Highs) -> Any:
+        def counted_solve(highs: joint.HighsSession) -> Any:
             self.solves += 1
             return solve(highs)
 
-        def counted_branch(highs: joint._Highs, *args: Any) -> Any:
+        def counted_branch(highs: joint.HighsSession, *args: Any) -> Any:
             self.branched += 1
             return branch(highs, *args)
 
-        joint._Highs.relaxation = counted_solve  # type: ignore[method-assign,assignment]
-        joint._Highs.branch_and_bound = counted_branch  # type: ignore[method-assign,assignment]
+        joint.HighsSession.relaxation = counted_solve  # type: ignore[method-assign,assignment]
+        joint.HighsSession.branch_and_bound = counted_branch  # type: ignore[method-assign,assignment]
 
     def reset(self) -> None:
         self.solves = self.branched = 0

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 from argus.allocator.joint import (
     HighsOptions,
+    HighsSession,
     JointPlan,
     JointSolver,
     _Ceiling,
-    _Highs,
-    _rounded,
     _Solution,
+    rounded_counts,
 )
 from argus.types import ClassQuality, ClusterView, ProfileSet, Strategy, WorkerState
 from tests.factories import make_profiles
@@ -250,7 +250,7 @@ def test_rounded_counts_keep_the_relaxed_capacity(
     relaxed, rate, spare = (np.array(part, dtype=np.float64) for part in drawn)
     totals = np.ceil(relaxed.sum(axis=1)) + spare
     served = float((relaxed * rate).sum())
-    counts = _rounded(relaxed, totals, rate, served)
+    counts = rounded_counts(relaxed, totals, rate, served)
     assert np.all(counts == np.round(counts)) and np.all(counts >= 0.0)
     assert np.all(counts.sum(axis=1) <= totals)
     assert float((counts * rate).sum()) >= served - 1e-9 * max(1.0, served)
@@ -258,14 +258,14 @@ def test_rounded_counts_keep_the_relaxed_capacity(
 
 def _valued_counts(instance: Instance, rng: random.Random) -> list[_Solution]:
     """The relaxation of ``instance``'s program and the LPs of random counts near its
-    rounding, all solved on one ``_Highs`` as a solve's are."""
+    rounding, all solved on one ``HighsSession`` as a solve's are."""
     solver = instance.solver()
     rate = solver._rates(instance.caps)
     program = solver._program(rate, min(instance.load, solver._capacity(rate)))
-    highs = _Highs(program, None)
+    highs = HighsSession(program, None)
     relaxed = highs.relaxation()
     assert relaxed is not None
-    start = _rounded(relaxed.counts, program.totals, program.rate, program.served)
+    start = rounded_counts(relaxed.counts, program.totals, program.rate, program.served)
     solutions = [relaxed]
     for _ in range(16):
         counts = start.copy()
@@ -309,13 +309,13 @@ def test_local_search_skips_only_counts_that_could_not_gain(
     """On random small clusters the search values fewer counts with the ceiling than without
     it, and every plan is worth the same: a skipped candidate would not have gained."""
     valued = [0]
-    with_counts = _Highs.with_counts
+    with_counts = HighsSession.with_counts
 
-    def counted(highs: _Highs, counts: np.ndarray) -> _Solution | None:
+    def counted(highs: HighsSession, counts: np.ndarray) -> _Solution | None:
         valued[0] += 1
         return with_counts(highs, counts)
 
-    monkeypatch.setattr(_Highs, "with_counts", counted)
+    monkeypatch.setattr(HighsSession, "with_counts", counted)
     instances = [Instance(random.Random(82000 + seed), 2, 12) for seed in range(80)]
     skipping = [instance.solve(NO_BRANCHING).allocation for instance in instances]
     valued_skipping, valued[0] = valued[0], 0

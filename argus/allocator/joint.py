@@ -28,7 +28,7 @@ numpy arrays), on one HiGHS instance per thread, cleared for each solve, to a re
 
 1. the LP relaxation (presolve off: the program has a few hundred columns at most), from
    the last one's optimal basis when a :class:`JointSolver` solves again under other caps;
-2. its worker counts rounded, then repaired until they serve W again (``_rounded``);
+2. its worker counts rounded, then repaired until they serve W again (``rounded_counts``);
 3. the loads for those counts: the same LP with n fixed, warm from step 1's basis;
 4. while that is short of step 1's bound by more than a tenth of the gap, local search:
    add, remove or move one worker, as the reduced costs suggest, each valued as in step 3
@@ -255,7 +255,7 @@ class JointSolver:
         and x[c, v], or None when the relaxation's objective is at most ``bound``."""
         program = self._program(rate, served)
         size, shape = program.rate.size, program.rate.shape
-        highs = _Highs(program, self._basis)
+        highs = HighsSession(program, self._basis)
         values = _round_then_certify(highs, program, self._options, bound)
         self._basis = highs.relaxed_basis
         if values is None:
@@ -500,7 +500,7 @@ class _Builder:
 
 
 def _round_then_certify(
-    highs: _Highs, program: _Program, options: HighsOptions, bound: float | None = None
+    highs: HighsSession, program: _Program, options: HighsOptions, bound: float | None = None
 ) -> FloatArray | None:
     """Solve the LP relaxation, round its worker counts, improve them by local search, and
     keep the result when it is within ``rel_gap`` or ``shortcut_gap`` of the relaxation's
@@ -522,7 +522,7 @@ def _round_then_certify(
     gap = options.rel_gap * scale
     target = relaxed.objective - max(gap, options.shortcut_gap * scale)
     start = highs.with_counts(
-        _rounded(relaxed.counts, program.totals, program.rate, program.served)
+        rounded_counts(relaxed.counts, program.totals, program.rate, program.served)
     )
     aim = relaxed.objective - SEARCH_AIM * gap
     best = _improved(highs, start, program, aim, target) if start is not None else None
@@ -551,9 +551,12 @@ PRIMAL_SIMPLEX = 4  # HiGHS's simplex_strategy values
 DUAL_SIMPLEX = 1
 
 
-class _Highs:
+class HighsSession:
     """One HiGHS instance through a solve: the relaxation, then fixed counts warm from its
-    basis, then (when those fall short) branch and bound.
+    basis, then (when those fall short) branch and bound. Public because the search's
+    correctness rests on what it returns (each LP's duals give a plane over the value of
+    counts, which tests/test_joint.py checks) and ``benchmarks/bench_joint.py`` counts its
+    solves.
 
     Presolve is off but for branch and bound: on a program this small it costs more than it
     saves. The relaxation runs primal simplex, which takes a quarter to a third fewer
@@ -700,7 +703,7 @@ SEARCH_AIM = 0.1  # the search goes on until this share of the gap from the boun
 
 
 def _improved(
-    highs: _Highs, start: _Solution, program: _Program, aim: float, short_of: float
+    highs: HighsSession, start: _Solution, program: _Program, aim: float, short_of: float
 ) -> _Solution:
     """Local search from ``start`` until it reaches ``aim``: add, remove or move one
     worker, the candidates the reduced costs rate best valued first, the first that gains
@@ -727,7 +730,7 @@ CEILING_SLACK = 1e-6  # a candidate is skipped when its ceiling is this share be
 
 
 def _first_gain(
-    highs: _Highs, best: _Solution, candidates: Sequence[FloatArray]
+    highs: HighsSession, best: _Solution, candidates: Sequence[FloatArray]
 ) -> _Solution | None:
     """The first of ``candidates`` (worker counts) whose loads value above ``best``; those
     the LPs solved so far show cannot are not solved."""
@@ -824,10 +827,12 @@ def _pair_neighbours(best: _Solution, program: _Program, count: int) -> list[Flo
     return result
 
 
-def _rounded(
+def rounded_counts(
     relaxed: FloatArray, totals: FloatArray, rate: FloatArray, served: float
 ) -> FloatArray:
-    """Integer worker counts [g, v] near the relaxed ones that still serve the load.
+    """Integer worker counts [g, v] near the relaxed ones that still serve the load (public:
+    the guarantee below is what the search's start rests on, and tests check it on any
+    relaxed counts).
 
     Per worker class, every level keeps the floor of its relaxed count and the workers left
     over go to the levels with the largest fractional parts. That can lose capacity the
