@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import enum
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -311,3 +313,17 @@ def test_the_scans_find_what_they_look_for() -> None:
         "argus/kinds.py:3",
         "argus/kinds.py:4",
     ]
+
+
+def test_the_service_contracts_load_neither_torch_nor_a_service_package() -> None:
+    """A servicer's conversions live in argus.contracts (its docstring's rule), which a fresh
+    process imports without torch or any service package."""
+    code = (
+        "import sys\n"
+        "import argus.contracts.controlnet, argus.contracts.generate\n"
+        "import argus.contracts.worker_control\n"
+        "services = ('argus.worker', 'argus.router', 'argus.allocator', 'argus.sim')\n"
+        "print([m for m in sys.modules if m == 'torch' or m.startswith(services)])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -13,12 +13,13 @@ import torch
 from PIL import Image
 
 from argus.contracts.generate import CacheOutcome, GenerateCall
+from argus.contracts.worker_control import LoadState
 from argus.request_limits import InvalidRequestError
 from argus.types import Strategy
 from argus.worker.engine import FifoSlot, QueueFullError
 from argus.worker.models import estimate_bytes
 from argus.worker.pipelines import CancelToken
-from argus.worker.registry import LoadState, MemoryGuardError, UnknownModelError
+from argus.worker.registry import MemoryGuardError, UnknownModelError
 from tests.worker_factories import STEPS, make_registry, make_worker
 
 pytestmark = pytest.mark.unit

@@ -14,17 +14,32 @@ its heartbeat answer and a router reads a plan without loading the allocator's s
 * :mod:`argus.contracts.plans`: the plan as routers receive it (:class:`PublishedPlan`);
 * :mod:`argus.contracts.generate`: the Generate call between a router and a worker
   (:class:`GenerateCall`, :class:`GenerateResult` with its :class:`Timing` and
-  :class:`QualityScore`, :class:`Progress`), the one definition both sides use;
+  :class:`QualityScore`, :class:`Progress`, :class:`Adapter` and its :class:`AdapterKind`),
+  the one definition both sides use;
+* :mod:`argus.contracts.worker_control`: a worker's Stats and Configure calls
+  (:class:`WorkerStats`, :class:`ConfigureCall`, :class:`ModelInfo`);
+* :mod:`argus.contracts.controlnet`: what a worker and the ControlNet service exchange without
+  a tensor (:class:`ControlUnit`, :class:`OpenInfo`, :class:`ExecutorStats`);
 * :mod:`argus.contracts.allocator_client`: the allocator's API as its callers use it
   (:class:`AllocatorClient`, :class:`PlanWatcher`), typed values in and out;
 * :mod:`argus.contracts.quality`: per-prompt quality tables and the δ rule that defines a
   prompt's optimal level, shared by the profiler, the classifier, live replay and the
   simulator.
 
-Each module holds a value type and both halves of its conversion (``*_to_pb``,
-``*_from_pb``); the readers only raise :class:`~argus.contracts.wire.FieldError`, which the
-allocator's servicer maps to INVALID_ARGUMENT. The basic values these are made of (levels,
-profiles, :class:`~argus.types.Plan`, the PASM) live in :mod:`argus.types`, which imports
-nothing of Argus. Nothing here imports a service package (``argus.allocator``,
-``argus.router``, ``argus.worker``, ``argus.sim``).
+**One layout for every service.** A message family's values and both halves of their
+conversion (``*_to_pb``, ``*_from_pb``) live together in one module here; a servicer (the
+allocator's, a worker's, the ControlNet service's) and a client only call them, and map errors
+to status codes. So a field is added in one module and both sides see it. Readers only raise
+:class:`~argus.contracts.wire.FieldError` (or read an unknown enum as None where the contract
+says so); the servicer maps it to INVALID_ARGUMENT. Two things stay outside, each said where
+it lives: tensors (torch) cross in the ControlNet package's codec,
+:mod:`argus.worker.controlnet.transport`, which builds its messages around
+:mod:`argus.contracts.controlnet`'s conversions, since nothing here imports torch; and the
+router's own client API (``RouterGenerateRequest``, spoken by clients, not by another Argus
+process) keeps its values and conversions in :mod:`argus.router.values` and
+:mod:`argus.router.convert`, which reuse :mod:`argus.contracts.generate`'s halves.
+
+The basic values these are made of (levels, profiles, :class:`~argus.types.Plan`, the PASM)
+live in :mod:`argus.types`, which imports nothing of Argus. Nothing here imports a service
+package (``argus.allocator``, ``argus.router``, ``argus.worker``, ``argus.sim``) or torch.
 """

@@ -85,7 +85,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -101,6 +101,7 @@ from argus.contracts.generate import (
     Stage,
     Timing,
 )
+from argus.contracts.worker_control import WorkerStats
 from argus.quoting import quoted
 from argus.request_limits import (
     ImageLimits,
@@ -120,7 +121,7 @@ from argus.worker.pipelines import (
     GenerationSpec,
     StepHook,
 )
-from argus.worker.registry import ModelInfo, ModelRegistry
+from argus.worker.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -314,39 +315,6 @@ class WorkerConfig:
 
 
 ProgressSink = Callable[[Progress], None]
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    worker_id: str
-    strategy: Strategy
-    level: str
-    queue_length: int
-    completed: int
-    failed: int
-    substituted: int
-    models: list[ModelInfo]
-    cache: Any  # the cache's own stats object, or None without a cache
-    memory_budget_bytes: int
-    memory_used_bytes: int
-    dropped_inserts: int
-    # requests stopped by their token: reason ("cancelled", "expired") → stage → count, where
-    # "queued" ones never ran and "running" ones stopped at a step boundary
-    stopped: dict[str, dict[str, int]] = field(default_factory=dict)
-    denoise_runs: int = 0  # denoising loops started (warm-up included)
-    denoise_steps: int = 0  # denoising steps run (warm-up included)
-    decodes: int = 0  # images decoded (warm-up included)
-    # requests stopped because their decode could not finish before their deadline (on
-    # arrival, in the queue, or after denoising); also counted in stopped
-    decodes_skipped: int = 0
-
-    @property
-    def cancelled(self) -> int:
-        return sum(self.stopped.get("cancelled", {}).values())
-
-    @property
-    def expired(self) -> int:
-        return sum(self.stopped.get("expired", {}).values())
 
 
 class Worker:

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from argus.contracts.wire import MAX_SAMPLES  # retrieval samples per heartbeat, at most
+from argus.contracts.worker_control import LoadState
 from argus.contracts.workers import (
     HeartbeatAnswer,
     RetrievalReport,
@@ -61,7 +62,6 @@ from argus.contracts.workers import (
 from argus.grpc_server import check_address
 from argus.types import Strategy
 from argus.worker.engine import Worker
-from argus.worker.registry import LoadState
 
 if TYPE_CHECKING:
     from argus.internal_tls import InternalTLS

@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import torch
 
+from argus.contracts.worker_control import LoadState, ModelInfo
 from argus.worker.models import (
     build_tiny_pipeline,
     estimate_bytes,
@@ -47,23 +47,6 @@ class UnknownModelError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-class LoadState(Enum):
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    source: str
-    state: LoadState
-    load_s: float
-    bytes: int
-    active: bool
-    error: str = ""
 
 
 def resolve_device(device: str) -> str:

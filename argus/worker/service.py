@@ -1,8 +1,9 @@
 """The worker's gRPC service (``argus.v1.Worker``), standard health checking and reflection.
 
-The servicer only converts and delegates: Generate's messages convert in the contract both
-sides share (:mod:`argus.contracts.generate`), and the servicer maps errors to status codes;
-the work is the engine's:
+The servicer only converts and delegates: every message converts in a contract,
+Generate's in the one both sides share (:mod:`argus.contracts.generate`), Stats' and
+Configure's in :mod:`argus.contracts.worker_control`; the servicer maps errors to status
+codes, and the work is the engine's:
 
 * :class:`~argus.request_limits.InvalidRequestError` → ``INVALID_ARGUMENT`` naming the field;
 * :class:`~argus.worker.engine.QueueFullError` → ``RESOURCE_EXHAUSTED``;
@@ -51,22 +52,15 @@ from argus.contracts.generate import (
     progress_to_pb,
     result_to_pb,
 )
-from argus.contracts.wire import STRATEGY_FROM_PB, STRATEGY_TO_PB, pb_numbers
+from argus.contracts.worker_control import configure_from_pb, configured_to_pb, stats_to_pb
 from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from argus.internal_tls import InternalTLS, server_security
 from argus.request_limits import InvalidRequestError
-from argus.types import Strategy
 from argus.worker.adapters import adapter_status
-from argus.worker.engine import (
-    DecodeSkipped,
-    NoModelError,
-    QueueFullError,
-    Worker,
-    WorkerStats,
-)
+from argus.worker.engine import DecodeSkipped, NoModelError, QueueFullError, Worker
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.pipelines import Cancelled, CancelToken
-from argus.worker.registry import LoadState, MemoryGuardError, ModelInfo, UnknownModelError
+from argus.worker.registry import MemoryGuardError, UnknownModelError
 from argus.worker.scoring import ScoreSampler
 
 worker_pb2: Any = rpc.load("worker_pb2")
@@ -75,62 +69,6 @@ worker_pb2_grpc: Any = rpc.load("worker_pb2_grpc")
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "argus.v1.Worker"
-
-_STATE_TO_PB = pb_numbers(LoadState, worker_pb2.ModelState.State)
-
-
-# -- the Stats and Configure messages --------------------------------------------------------
-
-
-def model_to_pb(info: ModelInfo) -> Any:
-    return worker_pb2.ModelState(
-        name=info.name,
-        source=info.source,
-        state=_STATE_TO_PB[info.state],
-        load_s=info.load_s,
-        bytes=info.bytes,
-        active=info.active,
-        error=info.error,
-    )
-
-
-def stats_to_pb(stats: WorkerStats) -> Any:
-    cache = stats.cache
-    message = worker_pb2.StatsResponse(
-        worker_id=stats.worker_id,
-        strategy=STRATEGY_TO_PB[stats.strategy],
-        level=stats.level,
-        queue_length=stats.queue_length,
-        completed=stats.completed,
-        failed=stats.failed,
-        substituted=stats.substituted,
-        models=[model_to_pb(m) for m in stats.models],
-        memory_budget_bytes=stats.memory_budget_bytes,
-        memory_used_bytes=stats.memory_used_bytes,
-        cancelled_queued=stats.stopped.get("cancelled", {}).get("queued", 0),
-        cancelled_running=stats.stopped.get("cancelled", {}).get("running", 0),
-        expired_queued=stats.stopped.get("expired", {}).get("queued", 0),
-        expired_running=stats.stopped.get("expired", {}).get("running", 0),
-        denoise_steps=stats.denoise_steps,
-    )
-    if cache is not None:
-        message.search_p50_ms = cache.search_p50_s * 1e3
-        message.search_p99_ms = cache.search_p99_s * 1e3
-        message.fetch_p50_ms = cache.fetch_p50_s * 1e3
-        message.fetch_p99_ms = cache.fetch_p99_s * 1e3
-        message.cache_entries = cache.entries
-        message.cache_bytes = cache.bytes
-        message.cache_hits = cache.hits
-        message.cache_misses = sum(cache.misses.values())
-    return message
-
-
-def strategy_from_pb(value: int) -> Strategy | None:
-    """A Configure call's strategy; unset or unknown is None (the level's applies)."""
-    return STRATEGY_FROM_PB.get(value)
-
-
-# -- the servicer --------------------------------------------------------------------------
 
 
 # an absolute POSIX path: a '/' not preceded by a word character, ':' (URLs), '/' or '.'
@@ -261,12 +199,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         context.abort(code, details)
 
     def Configure(self, request: Any, context: grpc.ServicerContext) -> Any:
+        call = configure_from_pb(request)
         try:
             future = self.worker.configure(
-                strategy=strategy_from_pb(request.strategy),
-                level=request.level,
-                variant=request.variant,
-                wait=request.wait,
+                strategy=call.strategy, level=call.level, variant=call.variant, wait=call.wait
             )
         except InvalidRequestError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -275,17 +211,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         except MemoryGuardError as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         except Exception as err:  # a failed load reported through wait
-            log.error("variant %s: load failed", request.variant, exc_info=err)
+            log.error("variant %s: load failed", call.variant, exc_info=err)
             details = public_details(f"variant: load failed: {err}")
             context.abort(grpc.StatusCode.INTERNAL, details)
         future.add_done_callback(lambda _: self.update_health())
         self.update_health()
-        stats = self.worker.stats()
-        return worker_pb2.ConfigureResponse(
-            strategy=STRATEGY_TO_PB[stats.strategy],
-            level=stats.level,
-            models=[model_to_pb(m) for m in stats.models],
-        )
+        return configured_to_pb(self.worker.stats())
 
     def Stats(self, request: Any, context: grpc.ServicerContext) -> Any:
         return stats_to_pb(self.worker.stats())
