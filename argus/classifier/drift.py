@@ -402,10 +402,11 @@ class DriftRetraining:
         self.retrainer = retrainer
         self.triggered = 0  # drifting windows that started a retrain
 
-    def observe_quality(self, score: float) -> WindowVerdict | None:
-        """One served image's quality score; on drift, starts a retrain."""
+    def observe_quality(self, score: float, *, retrain: bool = True) -> WindowVerdict | None:
+        """One served image's quality score; on drift, starts a retrain (unless ``retrain``
+        is off: the router's ``--no-drift-retrain`` only watches)."""
         verdict = self.monitor.observe(score)
-        if verdict is not None and verdict.drift and self.retrainer.trigger():
+        if retrain and verdict is not None and verdict.drift and self.retrainer.trigger():
             self.triggered += 1
         return verdict
 

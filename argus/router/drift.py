@@ -166,8 +166,9 @@ class RouterDrift:
                 strategy, index = found
                 self._scores += 1
                 self._scored[strategy].observe(item.prompt, index, value)
-                loop = self._loops[strategy]
-                verdict = loop.monitor.observe(value)
+                verdict = self._loops[strategy].observe_quality(
+                    value, retrain=self.settings.retrain
+                )
                 if verdict is not None and verdict.drift:
                     log.info(
                         "%s quality drifted: window %d median %.3f below the moving average %.3f",
@@ -176,8 +177,6 @@ class RouterDrift:
                         verdict.median,
                         verdict.baseline or 0.0,
                     )
-                    if self.settings.retrain and loop.retrainer.trigger():
-                        loop.triggered += 1
 
     # the allocator's view ------------------------------------------------------------------
 
