@@ -317,6 +317,42 @@ class WorkerConfig:
 ProgressSink = Callable[[Progress], None]
 
 
+@dataclass(frozen=True)
+class CacheLookup:
+    """What the approximate cache gave a request (step 2 of :meth:`Worker._run`): a HIT
+    resumes ``latent`` at ``start_step`` (the level's K); a MISS (``miss_reason`` says why)
+    and NOT_USED (by design: SM, K = 0, no cache) start from noise at step 0."""
+
+    outcome: CacheOutcome
+    start_step: int = 0  # K on a hit
+    latent: torch.Tensor | None = None  # the cached latent after K steps (hit)
+    similarity: float = 0.0  # cosine similarity of the cached prompt (hit)
+    miss_reason: str = ""  # one of argus.worker.cache.MISS_REASONS, "controlnet", "no-encoder"
+    search_ms: float = 0.0  # in the vector index (0 when no search ran)
+    fetch_ms: float = 0.0  # reading the latent (0 when none was read)
+    # the prompt's embedding when the lookup made one; a run that feeds the cache reuses it
+    embedding: npt.NDArray[np.float32] | None = None
+
+    @classmethod
+    def miss(
+        cls,
+        reason: str,
+        search_ms: float = 0.0,
+        fetch_ms: float = 0.0,
+        embedding: npt.NDArray[np.float32] | None = None,
+    ) -> CacheLookup:
+        return cls(
+            CacheOutcome.MISS,
+            miss_reason=reason,
+            search_ms=search_ms,
+            fetch_ms=fetch_ms,
+            embedding=embedding,
+        )
+
+
+NOT_LOOKED_UP = CacheLookup(CacheOutcome.NOT_USED)
+
+
 class Worker:
     """Serves generation requests at the levels of ``profiles`` on the models in ``registry``."""
 
@@ -589,69 +625,23 @@ class Worker:
         cancel: CancelToken = NEVER_CANCELLED,
         report: _Reporter | None = None,
     ) -> GenerateResult:
-        model = self.registry.get(level.model)
-        substituted = model is None
-        if model is None:
-            model = self.registry.active()
-            if model is None:
-                raise NoModelError("no model is loaded yet")
-        search_ms = fetch_ms = 0.0
-        adapter_ms: dict[str, float] = {}  # the adapters' own timings (WorkerAdapters.attach)
-        outcome = CacheOutcome.NOT_USED
-        miss_reason = ""
-        similarity = 0.0
-        start_latents: torch.Tensor | None = None
-        start_step = 0
-        embedding: npt.NDArray[np.float32] | None = None
+        """Serve one checked request on the device thread (the GPU slot is held), in the
+        numbered steps of diffusers' ``__call__``: 1. pick the model; 2. look the prompt up in
+        the cache (a :class:`CacheLookup`); 3. decide whether the run feeds the cache; 4.
+        denoise from where the lookup says; 5. decode; 6. feed the cache, off the request
+        path; 7. answer. ``feed_cache``: False for the warm-up."""
+        model, substituted = self._pick_model(level)  # 1
         key = self._cache_key(model, spec) if self.cache is not None else None
-        use_cache = (
-            level.strategy is Strategy.AC and level.skip_steps > 0 and self.cache is not None
+        lookup = self._look_up(spec, level, plan, key)  # 2
+        feeds = feed_cache and self._feeds_cache(model, level, plan, lookup)  # 3
+        capture = self._cache_steps(spec.steps) if feeds else ()
+        result, path, adapter_ms = self._denoise(  # 4
+            model, spec, plan, request_id, lookup, capture, cancel, report
         )
-        if use_cache and plan.controls:  # the control's structure is set in the skipped steps
-            outcome, miss_reason = CacheOutcome.MISS, "controlnet"
-        elif use_cache and self.encoder is not None:
-            embedding = self.encoder.embed_one(spec.prompt)
-            found = self.cache.lookup(embedding, key, level.skip_steps)  # type: ignore[union-attr]
-            search_ms, fetch_ms = found.search_s * 1e3, found.fetch_s * 1e3
-            if hasattr(found, "latent"):
-                outcome = CacheOutcome.HIT
-                start_latents = found.latent
-                start_step = level.skip_steps
-                similarity = float(found.similarity)
-            else:
-                outcome = CacheOutcome.MISS
-                miss_reason = str(found.reason)
-        elif use_cache:
-            outcome, miss_reason = CacheOutcome.MISS, "no-encoder"
-        feeds_cache = (
-            feed_cache
-            and start_step == 0
-            and self.cache is not None
-            and model.name == self.base_model
-            and level.strategy is Strategy.AC
-            and not plan  # the cache holds the base model's latents alone
-        )
-        capture = self._cache_steps(spec.steps) if feeds_cache else ()
-        with self._lock:
-            self._counts["denoise_runs"] += 1
-        hooks: tuple[StepHook, ...] = ()
-        if report is not None:
-            hooks = (report.running(start_step, spec.steps),)
-        result, adapter_path = self._denoise(
-            model, spec, plan, request_id, start_latents, start_step, capture, adapter_ms, cancel,
-            hooks,
-        )  # fmt: skip
-        cancel.check(result.steps_run)  # decoding a large image is worth skipping too
-        self._check_decode_fits(spec, cancel, result.steps_run)
-        if report is not None:
-            report.decoding(spec.steps)
-        began = time.perf_counter()
-        png = self._decode(model, result.latents, cancel, result.steps_run)
-        decode_s = time.perf_counter() - began
-        self.decode_times.observe(spec.width * spec.height, decode_s)
-        if feeds_cache and result.captured:
-            self._insert_later(spec.prompt, embedding, key, result.captured)
-        return GenerateResult(
+        png, decode_s = self._decode_in_time(model, spec, result, cancel, report)  # 5
+        if feeds and result.captured:  # 6
+            self._insert_later(spec.prompt, lookup.embedding, key, result.captured)
+        return GenerateResult(  # 7
             request_id=request_id,
             png=png,
             level=level.name,
@@ -659,13 +649,13 @@ class Worker:
             model=model.name,
             scheduler=model.scheduler_name,
             steps_run=result.steps_run,
-            start_step=start_step,
-            cache=outcome,
-            cache_miss_reason=miss_reason,
-            similarity=similarity,
+            start_step=lookup.start_step,
+            cache=lookup.outcome,
+            cache_miss_reason=lookup.miss_reason,
+            similarity=lookup.similarity,
             timing=Timing(
-                search_ms=search_ms,
-                fetch_ms=fetch_ms,
+                search_ms=lookup.search_ms,
+                fetch_ms=lookup.fetch_ms,
                 encode_ms=result.encode_s * 1e3,
                 denoise_ms=result.denoise_s * 1e3,
                 decode_ms=decode_s * 1e3,
@@ -674,8 +664,83 @@ class Worker:
             ),
             worker_id=self.config.worker_id,
             substituted=substituted,
-            adapter_path=adapter_path,
+            adapter_path=path,
         )
+
+    def _pick_model(self, level: Level) -> tuple[DiffusionModel, bool]:
+        """Step 1: the level's model, or the active one in its place (True: substituted);
+        raises :class:`NoModelError` before any model is loaded."""
+        model = self.registry.get(level.model)
+        if model is not None:
+            return model, False
+        active = self.registry.active()
+        if active is None:
+            raise NoModelError("no model is loaded yet")
+        return active, True
+
+    def _look_up(
+        self, spec: GenerationSpec, level: Level, plan: AdapterPlan, key: Any
+    ) -> CacheLookup:
+        """Step 2: where the run starts. An AC level with K > 0 looks the prompt up in the
+        cache (embedding it); a request with ControlNets, or a worker without an encoder,
+        misses without a search; every other request does not use the cache."""
+        if level.strategy is not Strategy.AC or level.skip_steps == 0 or self.cache is None:
+            return NOT_LOOKED_UP
+        if plan.controls:  # the control's structure is set in the steps a hit would skip
+            return CacheLookup.miss("controlnet")
+        if self.encoder is None:
+            return CacheLookup.miss("no-encoder")
+        from argus.worker.cache import CacheHit
+
+        embedding = self.encoder.embed_one(spec.prompt)
+        found = self.cache.lookup(embedding, key, level.skip_steps)
+        if isinstance(found, CacheHit):
+            return CacheLookup(
+                CacheOutcome.HIT,
+                start_step=level.skip_steps,
+                latent=found.latent,
+                similarity=float(found.similarity),
+                search_ms=found.search_s * 1e3,
+                fetch_ms=found.fetch_s * 1e3,
+                embedding=embedding,
+            )
+        return CacheLookup.miss(
+            str(found.reason), found.search_s * 1e3, found.fetch_s * 1e3, embedding
+        )
+
+    def _feeds_cache(
+        self, model: DiffusionModel, level: Level, plan: AdapterPlan, lookup: CacheLookup
+    ) -> bool:
+        """Step 3: whether the run's latents at the cache's steps are stored: a full run of
+        an AC level on the base model, without adapters (the cache holds the base model's
+        latents alone)."""
+        return (
+            lookup.start_step == 0
+            and self.cache is not None
+            and model.name == self.base_model
+            and level.strategy is Strategy.AC
+            and not plan
+        )
+
+    def _decode_in_time(
+        self,
+        model: DiffusionModel,
+        spec: GenerationSpec,
+        result: DenoiseResult,
+        cancel: CancelToken,
+        report: _Reporter | None,
+    ) -> tuple[bytes, float]:
+        """Step 5: the PNG and the seconds it took, unless the request was stopped or its
+        decode cannot finish before its deadline (then it raises without decoding)."""
+        cancel.check(result.steps_run)  # decoding a large image is worth skipping too
+        self._check_decode_fits(spec, cancel, result.steps_run)
+        if report is not None:
+            report.decoding(spec.steps)
+        began = time.perf_counter()
+        png = self._decode(model, result.latents, cancel, result.steps_run)
+        decode_s = time.perf_counter() - began
+        self.decode_times.observe(spec.width * spec.height, decode_s)
+        return png, decode_s
 
     def _check_decode_fits(self, spec: GenerationSpec, cancel: CancelToken, steps: int) -> None:
         """Raise :class:`DecodeSkipped` when the image's predicted decode takes longer than
@@ -711,23 +776,24 @@ class Worker:
         spec: GenerationSpec,
         plan: AdapterPlan,
         request_id: str,
-        start_latents: torch.Tensor | None,
-        start_step: int,
+        lookup: CacheLookup,
         capture: tuple[int, ...],
-        adapter_ms: dict[str, float],
         cancel: CancelToken,
-        hooks: tuple[StepHook, ...] = (),
-    ) -> tuple[DenoiseResult, str]:
-        """Denoise with the request's adapters; returns the result and the adapter path, and
-        puts the adapters' timings into ``adapter_ms``. ``hooks`` run after each step, after
-        the adapters' own."""
+        report: _Reporter | None,
+    ) -> tuple[DenoiseResult, str, dict[str, float]]:
+        """Step 4: denoise from the lookup's start with the request's adapters; returns the
+        result, the adapter path and the adapters' timings. The progress report's step hook
+        runs after the adapters' own."""
+        with self._lock:
+            self._counts["denoise_runs"] += 1
+        hooks = () if report is None else (report.running(lookup.start_step, spec.steps),)
 
         def run(**extra: Any) -> DenoiseResult:
             step_hooks = (*extra.pop("hooks", ()), *hooks)
             return model.denoise(
                 spec,
-                start_latents=start_latents,
-                start_step=start_step,
+                start_latents=lookup.latent,
+                start_step=lookup.start_step,
                 capture=capture,
                 cancel=cancel,
                 on_step=self._count_step,
@@ -736,14 +802,13 @@ class Worker:
             )
 
         if self.adapters is None or (not plan and self.adapters.peer is None):
-            return run(), ""
+            return run(), "", {}
         from argus.worker.latent_parallel import PeerFailedError
 
         try:
             with self.adapters.attach(model, spec, plan, request_id) as extras:
                 result = run(**extras.kwargs())
-            adapter_ms.update(extras.timing_ms)
-            return result, extras.path
+            return result, extras.path, extras.timing_ms
         except PeerFailedError as err:  # the peer died: this request reruns on one device
             log.warning(
                 "latent-parallel peer failed (%s); running %s on one device", err, request_id
@@ -751,8 +816,7 @@ class Worker:
             self.adapters.note_peer_failure()
         with self.adapters.attach(model, spec, plan, request_id) as extras:
             result = run(**extras.kwargs())
-        adapter_ms.update(extras.timing_ms)
-        return result, extras.path
+        return result, extras.path, extras.timing_ms
 
     # -- the cache -------------------------------------------------------------------------
 
@@ -778,6 +842,8 @@ class Worker:
         key: Any,
         latents: dict[int, torch.Tensor],
     ) -> None:
+        """Step 6: hand a run's captured latents to the cache's writer thread, off the request
+        path; a full backlog drops them, counted (``dropped_inserts``)."""
         with self._lock:
             self._pending = {f for f in self._pending if not f.done()}
             if len(self._pending) >= self.config.pending_inserts:
