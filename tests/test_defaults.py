@@ -28,7 +28,7 @@ from argus.cli.main import COMMANDS, OneLineParser, config_error, load_command
 from argus.local_cluster import ClusterSpec
 from argus.profiles import default_profiles
 from argus.router.app import RouterSettings
-from argus.router.core import RouterServiceConfig
+from argus.router.config import RouterServiceConfig
 from argus.slo import default_slo_s
 from argus.types import ProfileSet, Strategy
 
@@ -93,9 +93,10 @@ def test_allocator_flags_default_to_the_settings_and_the_settings_to_the_control
 def test_router_flags_default_to_the_settings_and_the_settings_to_the_service() -> None:
     flags = parser_defaults("router")
     settings = RouterSettings(allocator=ALLOCATOR)
-    assert mismatches(flags, field_defaults(settings), own=frozenset({"allocator"})) == []
+    fields = field_defaults(settings) | field_defaults(settings.service)
+    assert mismatches(flags, fields, own=frozenset({"allocator"})) == []
     assert {"report_period_s", "default_deadline_ms", "max_in_flight"} <= set(flags)
-    assert settings.service_config() == RouterServiceConfig()
+    assert settings.service == RouterServiceConfig()
 
 
 def test_router_drift_flags_default_to_the_drift_configs() -> None:
@@ -439,3 +440,18 @@ def test_helm_values_nested_worker_defaults_match_too() -> None:
 def test_config_errors_name_the_flag(message: str, expected: str) -> None:
     args = argparse.Namespace(period_s=60.0, max_watchers=64, tls_cert=None)
     assert str(config_error(ValueError(message), args)) == expected
+
+
+def test_the_router_settings_hold_the_service_config_and_copy_none_of_its_fields() -> None:
+    """One config per component: the process settings nest the service's config, and a
+    field of the service (or of its routing) never appears a second time above it."""
+    from dataclasses import fields
+
+    from argus.router.app import RouterSettings
+    from argus.router.config import RoutingConfig
+
+    process = {f.name for f in fields(RouterSettings)}
+    service = {f.name for f in fields(RouterServiceConfig)}
+    routing = {f.name for f in fields(RoutingConfig)}
+    assert "service" in process and "routing" in service
+    assert process & service == set() and (process | service) & routing == set()
