@@ -538,12 +538,6 @@ class MicroBatcher(Generic[T, R]):
             future.cancel()
             raise
 
-    @property
-    def batch_s(self) -> float:
-        """Moving average of one batch's run time, seconds (0 before the first batch)."""
-        with self._close_lock:
-            return self._batch_s
-
     def backlog_s(self) -> float:
         """Seconds a prompt submitted now would wait for its answer, estimated from the
         prompts waiting and the recent batches' run time (0 before the first batch): the
