@@ -1,5 +1,5 @@
 from argus.cli.main import main
-from argus.heap import limit_malloc_arenas
+from argus.plumbing.heap import limit_malloc_arenas
 
-limit_malloc_arenas()  # before any thread starts (argus/heap.py)
+limit_malloc_arenas()  # before any thread starts (argus/plumbing/heap.py)
 raise SystemExit(main())

@@ -57,7 +57,7 @@ from _machine import load_line, machine_line
 from _plan import allocator_plan, scaled_profiles
 from bench_overload import load_classifier, stub_cluster
 
-from argus import rpc
+from argus.plumbing import rpc
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")

@@ -297,7 +297,7 @@ def main() -> None:
     executors: dict[str, ControlNetExecutor] = {"local": local}
     process = None
     if not args.no_service:
-        from argus.internal_tls import Identity, InternalTLS, generate_ca, issue
+        from argus.plumbing.internal_tls import Identity, InternalTLS, generate_ca, issue
         from argus.worker.controlnet.client import RemoteControlNetExecutor
 
         tls, tls_dir = None, None

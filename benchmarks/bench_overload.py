@@ -62,7 +62,7 @@ from _machine import machine_line
 from _plan import allocator_plan, scaled_profiles, serve_router
 from bench_router import PNG, Child, StubClassifier, arrivals, load_average
 
-from argus import rpc
+from argus.plumbing import rpc
 from argus.traces import default_prompt_trace, load_prompts
 
 router_pb2: Any = rpc.load("router_pb2")

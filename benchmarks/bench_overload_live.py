@@ -57,9 +57,9 @@ from typing import Any
 import grpc
 from _machine import load_line, machine_line
 
-from argus import rpc
-from argus.client import generate_request, retry_after
-from argus.local_cluster import ClusterSpec, LocalCluster
+from argus.plumbing import rpc
+from argus.tools.client import generate_request, retry_after
+from argus.tools.local_cluster import ClusterSpec, LocalCluster
 from argus.traces import default_prompt_trace, load_prompts
 
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")

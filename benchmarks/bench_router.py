@@ -99,7 +99,8 @@ from _machine import machine_line
 from _plan import allocator_plan, scaled_profiles, serve_router
 from grpc_health.v1 import health, health_pb2_grpc
 
-from argus import defaults, rpc
+from argus import defaults
+from argus.plumbing import rpc
 from argus.router.app import grpc_sizes
 from argus.traces import default_prompt_trace, load_prompts
 

@@ -1,7 +1,7 @@
 """Soak: a local cluster (`argus up`'s processes) under overload for minutes, with the memory
 of every process sampled as it runs.
 
-Starts a :class:`~argus.local_cluster.LocalCluster` on the embedded defaults, measures its
+Starts a :class:`~argus.tools.local_cluster.LocalCluster` on the embedded defaults, measures its
 capacity closed-loop (four callers per worker, so no worker waits for work, for
 ``--capacity-s``; the allocator re-plans to faster levels as the queues build, so capacity is
 the throughput over the last third of that time, once the plan has adapted), then offers
@@ -22,7 +22,7 @@ what glibc's malloc has handed out and holds free, Python's live blocks and obje
 object types that grew since mid-run; the soak prints a summary per process. Growth of live
 objects is a leak; RSS that grows while the live memory does not is the allocator's retention.
 ``--malloc-arena-max N`` sets ``MALLOC_ARENA_MAX`` for the cluster (the processes cap their
-arenas at 2 themselves, :mod:`argus.heap`, unless it is set).
+arenas at 2 themselves, :mod:`argus.plumbing.heap`, unless it is set).
 
 The workers' approximate cache keeps every generated latent up to ``--cache-max-entries``
 (the product's default is 100,000, many hours of this load): until it is full a worker's memory
@@ -51,8 +51,8 @@ import numpy as np
 from _machine import machine_line
 
 from argus import defaults
-from argus.client import Connection, RequestFailed, RouterClient
-from argus.local_cluster import ClusterSpec, LocalCluster
+from argus.tools.client import Connection, RequestFailed, RouterClient
+from argus.tools.local_cluster import ClusterSpec, LocalCluster
 
 FLAT_MB_PER_MIN = 0.2  # see main's --flat-mb-per-min and the README's soak paragraph
 

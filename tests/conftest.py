@@ -56,7 +56,7 @@ def tiny_worker_stub(tiny_worker: Any) -> Iterator[Any]:
     """A WorkerStub on ``tiny_worker`` behind its real gRPC server on loopback."""
     import grpc
 
-    from argus import rpc
+    from argus.plumbing import rpc
     from argus.worker.service import create_server
 
     server, port, _ = create_server(tiny_worker)

@@ -16,11 +16,11 @@ from typing import Any
 import grpc
 from PIL import Image
 
-from argus import rpc
 from argus.allocator.control import ControlConfig
 from argus.allocator.service import create_server as create_allocator
 from argus.contracts.allocator_client import AllocatorClient
 from argus.contracts.workers import WorkerReport
+from argus.plumbing import rpc
 from argus.profiles import default_profiles
 from argus.router.app import PrometheusStats, ServerSecurity, create_server
 from argus.router.config import RouterServiceConfig

@@ -27,7 +27,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from argus import rpc
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
 from argus.allocator.metrics import AllocatorMetrics
@@ -43,6 +42,7 @@ from argus.contracts.allocator_client import AllocatorClient, PlanWatcher
 from argus.contracts.plans import ReplanReason, plan_from_pb, plan_to_pb
 from argus.contracts.routers import class_quality_to_pb
 from argus.contracts.workers import RetrievalReport, WorkerReport
+from argus.plumbing import rpc
 from argus.profiles import default_profiles
 from argus.types import ClassQuality, Plan, Strategy
 from tests.service_process import read_address, start_argus

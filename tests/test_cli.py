@@ -182,7 +182,7 @@ def test_client_lines_quote_long_prompts_cut_short(tmp_path, capsys):
     import grpc
 
     from argus.cli.client import send_prompts
-    from argus.client import RequestFailed
+    from argus.tools.client import RequestFailed
 
     class Refusing:
         def generate(self, prompt, **options):
@@ -225,10 +225,10 @@ class FakeCluster:
 def fake_cluster(monkeypatch, tmp_path):
     import tempfile
 
-    import argus.local_cluster
+    import argus.tools.local_cluster
 
-    monkeypatch.setattr(argus.local_cluster, "LocalCluster", FakeCluster)
-    monkeypatch.setattr(argus.local_cluster, "describe", lambda cluster: [])
+    monkeypatch.setattr(argus.tools.local_cluster, "LocalCluster", FakeCluster)
+    monkeypatch.setattr(argus.tools.local_cluster, "describe", lambda cluster: [])
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     FakeCluster.workdirs = []
@@ -279,7 +279,7 @@ def test_a_client_with_retries_follows_the_routers_hint_and_says_how_many_it_too
     import grpc
 
     from argus.cli.client import send_prompts
-    from argus.client import RequestFailed
+    from argus.tools.client import RequestFailed
 
     class Response:
         png = b"png"
@@ -296,9 +296,9 @@ def test_a_client_with_retries_follows_the_routers_hint_and_says_how_many_it_too
                 raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed", None)
             return Response()
 
-    import argus.client
+    import argus.tools.client
 
-    monkeypatch.setattr(argus.client, "summary", lambda response, path: {"out": str(path)})
+    monkeypatch.setattr(argus.tools.client, "summary", lambda response, path: {"out": str(path)})
     pauses = []
     client = BusyTwice()
     failed = send_prompts(
@@ -314,7 +314,7 @@ def test_a_client_without_retries_reports_the_refusal_and_does_not_send_again(tm
     import grpc
 
     from argus.cli.client import send_prompts
-    from argus.client import RequestFailed
+    from argus.tools.client import RequestFailed
 
     class Busy:
         calls = 0

@@ -1,4 +1,4 @@
-"""The cluster as real processes (``argus.local_cluster``): the public API under garbage and
+"""The cluster as real processes (``argus.tools.local_cluster``): the public API under garbage and
 wrong credentials, ``argus client``, ``argus up --classifier`` reaching the router and the
 allocator alike, a worker killed under load, and a vector database outage that sends the
 cluster to SM and back.
@@ -22,13 +22,13 @@ from typing import Any
 import grpc
 import pytest
 
-from argus import rpc
 from argus.classifier.serving import classifier_key, default_classifier_dir
 from argus.cli.main import main as argus_main
-from argus.client import Connection, RequestFailed, RouterClient
 from argus.contracts.allocator_client import AllocatorClient
-from argus.local_cluster import ClusterSpec, LocalCluster
+from argus.plumbing import rpc
 from argus.profiles import default_profiles
+from argus.tools.client import Connection, RequestFailed, RouterClient
+from argus.tools.local_cluster import ClusterSpec, LocalCluster
 from argus.types import Strategy
 from tests.service_process import self_signed_certificate
 

@@ -19,8 +19,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import Image
 from prometheus_client import CollectorRegistry, generate_latest
 
-from argus import rpc
 from argus.contracts.controlnet import ControlUnit
+from argus.plumbing import rpc
 from argus.worker.controlnet.client import RemoteControlNetExecutor
 from argus.worker.controlnet.errors import (
     ControlNetBusyError,

@@ -1,6 +1,6 @@
 """Every Grafana dashboard panel's PromQL, run through a real Prometheus scraping a live cluster.
 
-A :class:`~argus.local_cluster.LocalCluster` (allocator, ControlNet service, a worker and a
+A :class:`~argus.tools.local_cluster.LocalCluster` (allocator, ControlNet service, a worker and a
 router, each a real process serving ``/metrics``) takes load while Debian's ``prometheus``
 scrapes every part each second. Then every ``expr`` of every panel in
 ``helm/argus/dashboards/*.json`` goes through ``GET /api/v1/query``: each must succeed and
@@ -51,10 +51,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from argus import rpc
-from argus.client import Connection, RequestFailed, RouterClient
-from argus.internal_tls import Identity
-from argus.local_cluster import ClusterSpec, LocalCluster, free_port
+from argus.plumbing import rpc
+from argus.plumbing.internal_tls import Identity
+from argus.tools.client import Connection, RequestFailed, RouterClient
+from argus.tools.local_cluster import ClusterSpec, LocalCluster, free_port
 
 common_pb2: Any = rpc.load("common_pb2")
 router_pb2: Any = rpc.load("router_pb2")

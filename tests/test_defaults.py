@@ -25,11 +25,11 @@ from argus import defaults
 from argus.allocator.app import AllocatorSettings
 from argus.allocator.config import ControlConfig
 from argus.cli.main import COMMANDS, OneLineParser, config_error, load_command
-from argus.local_cluster import ClusterSpec
 from argus.profiles import default_profiles
 from argus.router.app import RouterSettings
 from argus.router.config import RouterServiceConfig
 from argus.slo import default_slo_s
+from argus.tools.local_cluster import ClusterSpec
 from argus.types import ProfileSet, Strategy
 
 pytestmark = pytest.mark.unit
@@ -151,7 +151,7 @@ def test_argus_up_defaults_to_the_cluster_spec_and_the_spec_to_the_services() ->
     from argus.worker.app import WorkerSettings
 
     assert spec.default_size == WorkerSettings().default_size
-    from argus.supervision import RestartPolicy
+    from argus.plumbing.supervision import RestartPolicy
 
     assert flags["max_restarts"] == RestartPolicy().max_deaths
 
@@ -285,8 +285,8 @@ def test_argus_plan_plans_against_the_rule(
 
 
 def test_the_live_replay_judges_by_the_simulators_slo(factor: float) -> None:
-    from argus.live import simulator_slo_s
     from argus.sim.cluster import SimConfig
+    from argus.tools.live import simulator_slo_s
 
     profiles = h100_first()
     classes = [name for name, _ in SimConfig().worker_counts()]

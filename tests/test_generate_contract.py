@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 import argus
-from argus import rpc
 from argus.contracts import generate
 from argus.contracts.generate import (
     Adapter,
@@ -30,6 +29,7 @@ from argus.contracts.generate import (
 )
 from argus.contracts.plans import REASON_FROM_PB, REASON_TO_PB, ReplanReason
 from argus.contracts.wire import STRATEGY_FROM_PB, STRATEGY_TO_PB, pb_numbers
+from argus.plumbing import rpc
 from argus.types import Strategy
 
 common_pb2: Any = rpc.load("common_pb2")

@@ -2,7 +2,7 @@
 its message and a ``retry-after-ms`` trailer, from the in-flight bound that
 ``argus.router.app.create_server`` puts below gRPC's ``maximum_concurrent_rpcs`` (never gRPC's
 "Concurrent RPC limit exceeded!"), for unary and streaming calls alike; and the sizes behind
-it (``grpc_sizes``) and the generic bound (``argus.grpc_server.InFlightLimit``)."""
+it (``grpc_sizes``) and the generic bound (``argus.plumbing.grpc_server.InFlightLimit``)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from argus import rpc
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult
 from argus.contracts.workers import WorkerReport
-from argus.grpc_server import InFlightLimit, bind, check_address, new_server
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import InFlightLimit, bind, check_address, new_server
 from argus.router.app import (
     MIN_REFUSAL_THREADS,
     REFUSAL_BACKLOG,

@@ -1,5 +1,5 @@
-"""What every Argus server shares (argus/grpc_server.py): calls beyond the concurrency bound
-are refused at once instead of queued in front of the thread pool."""
+"""What every Argus server shares (argus/plumbing/grpc_server.py): calls beyond the concurrency
+bound are refused at once instead of queued in front of the thread pool."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from argus.grpc_server import bind, new_server
+from argus.plumbing.grpc_server import bind, new_server
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from argus.heap import limit_malloc_arenas
+from argus.plumbing.heap import limit_malloc_arenas
 
 pytestmark = pytest.mark.unit
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 # 12 threads each allocate and keep a few blocks; then glibc prints one "Arena N:" per arena
 PROGRAM = """
 import ctypes, sys, threading
-from argus.heap import limit_malloc_arenas
+from argus.plumbing.heap import limit_malloc_arenas
 print(limit_malloc_arenas() if sys.argv[1] == "capped" else "uncapped", flush=True)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -1052,7 +1052,7 @@ def test_dockerfile_matches_the_chart() -> None:
     (torch_pin,) = re.findall(r'"(torch==[^"]+)"', pyproject)
     assert f'"{torch_pin}"' in text
     # the generated gRPC code is built into the package, never at run time
-    assert "python -m argus.rpc" in text
+    assert "python -m argus.plumbing.rpc" in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert "argus/v1/" in ignored
     # every COPY from the build context exists and is let through by .dockerignore

@@ -19,7 +19,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
-from argus import rpc
 from argus.allocator.control import ControlConfig
 from argus.allocator.membership import Membership, NotOwnerError
 from argus.allocator.service import AllocatorServicer
@@ -27,11 +26,12 @@ from argus.allocator.service import create_server as create_allocator
 from argus.cli.main import main
 from argus.contracts.allocator_client import AllocatorClient
 from argus.contracts.workers import WorkerReport
-from argus.grpc_server import bind, new_server
-from argus.internal_tls import Identity, InternalTLS, channel
-from argus.local_cluster import ClusterSpec, LocalCluster
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import bind, new_server
+from argus.plumbing.internal_tls import Identity, InternalTLS, channel
 from argus.profiles import default_profiles
 from argus.router.app import ServerSecurity
+from argus.tools.local_cluster import ClusterSpec, LocalCluster
 from argus.worker.controlnet.executor import LocalControlNetExecutor
 from argus.worker.controlnet.models import ControlNetCatalog
 from argus.worker.controlnet.service import create_server as create_controlnet

@@ -9,7 +9,7 @@ import pytest
 
 from argus.cli.main import main
 from argus.contracts.quality import load_quality_table
-from argus.profiler import PickScorer
+from argus.tools.profiler import PickScorer
 from argus.types import Strategy
 from tests.worker_factories import make_tiny_clip
 

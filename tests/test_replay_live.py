@@ -19,9 +19,12 @@ import grpc
 import numpy as np
 import pytest
 
-from argus import rpc
 from argus.cli.main import main
-from argus.live import (
+from argus.plumbing import rpc
+from argus.sim.quality import synthetic_quality_table
+from argus.sim.report import summarise, write_reports
+from argus.sim.workloads import Workload, poisson
+from argus.tools.live import (
     NOT_SENT,
     LiveConfig,
     LiveError,
@@ -31,9 +34,6 @@ from argus.live import (
     to_run_result,
     write_requests,
 )
-from argus.sim.quality import synthetic_quality_table
-from argus.sim.report import summarise, write_reports
-from argus.sim.workloads import Workload, poisson
 from argus.types import Strategy
 from tests.router_cluster import PROFILES, Cluster
 

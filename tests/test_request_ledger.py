@@ -12,8 +12,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from argus import rpc
 from argus.cli.main import main
+from argus.plumbing import rpc
 from argus.router.config import RouterServiceConfig
 from argus.router.ledger import (
     AnswerDroppedError,

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from argus import rpc
+from argus.plumbing import rpc
 from argus.router.admission import AdmissionRule, WorkerLoad, earliest_completion_s, request_cost
 from argus.router.config import RouterServiceConfig
 from argus.router.convert import RETRY_AFTER_KEY

@@ -8,9 +8,9 @@ from typing import Any
 import grpc
 import pytest
 
-from argus import rpc
 from argus.contracts import generate
 from argus.contracts.generate import AdapterKind, Stage
+from argus.plumbing import rpc
 from argus.router import convert
 from argus.router.core import check_request
 from argus.router.values import Refusal, RouterError, RouterReply, RouterTiming

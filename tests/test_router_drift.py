@@ -12,13 +12,13 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from argus import rpc
 from argus.classifier.drift import DriftConfig
 from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import LevelClassifier
 from argus.classifier.serving import ClassifierSet, PromptClassifier
 from argus.contracts.routers import class_quality_to_pb, router_report_from_pb
 from argus.contracts.wire import FieldError
+from argus.plumbing import rpc
 from argus.router.app import StatsReporter, build_drift
 from argus.router.drift import DriftSettings, RouterDrift
 from argus.router.metrics import RouterMetrics

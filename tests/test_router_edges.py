@@ -20,11 +20,11 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from argus import rpc
 from argus.classifier.prompts import InvalidPromptError
 from argus.classifier.serving import BatcherClosed
 from argus.contracts.generate import GenerateCall
-from argus.grpc_server import tls_credentials
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import tls_credentials
 from argus.router.app import ServerSecurity
 from argus.router.config import RouterServiceConfig
 from argus.router.core import CallCancel

@@ -18,7 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
-from argus.local_cluster import ClusterSpec, LocalCluster, describe
+from argus.tools.local_cluster import ClusterSpec, LocalCluster, describe
 from tests.service_process import self_signed_certificate
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from argus import rpc
+from argus.plumbing import rpc
 from argus.router.admission import AdmissionRule, admit
 from argus.router.app import StatsReporter
 from argus.router.config import RouterServiceConfig

@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from argus import rpc
 from argus.allocator.membership import WorkerReport
+from argus.plumbing import rpc
 from argus.router.config import RouterServiceConfig
 from argus.router.metrics import RouterMetrics
 from argus.worker.engine import Worker
@@ -147,7 +147,7 @@ class Terminal(io.StringIO):
 
 def test_the_client_command_draws_a_progress_bar(worker: Worker, tmp_path: Any) -> None:
     from argus.cli.client import send_prompts
-    from argus.client import Connection, RouterClient
+    from argus.tools.client import Connection, RouterClient
 
     cluster = RealWorkerCluster()
     try:

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from argus import rpc
-from argus.local_cluster import ClusterSpec, LocalCluster
+from argus.plumbing import rpc
+from argus.tools.local_cluster import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from argus.supervision import GaveUp, RestartPolicy, Supervisor
+from argus.plumbing.supervision import GaveUp, RestartPolicy, Supervisor
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from argus.cli.up import GAVE_UP_EXIT
-from argus.client import Connection, RequestFailed, RouterClient
+from argus.tools.client import Connection, RequestFailed, RouterClient
 
 pytestmark = pytest.mark.e2e
 

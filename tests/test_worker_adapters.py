@@ -15,7 +15,6 @@ import pytest
 import torch
 from PIL import Image
 
-from argus import rpc
 from argus.contracts.generate import (
     Adapter,
     AdapterKind,
@@ -23,6 +22,7 @@ from argus.contracts.generate import (
     GenerateCall,
     adapters_to_pb,
 )
+from argus.plumbing import rpc
 from argus.request_limits import InvalidRequestError
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
 from argus.worker.lora import LoraNotFoundError, write_tiny_lora, write_unfit_lora

@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import pytest
 
-from argus import rpc
 from argus.contracts.generate import GenerateCall
+from argus.plumbing import rpc
 from argus.worker.engine import Worker
 from argus.worker.pipelines import Cancelled, CancelToken
 from tests.worker_factories import spec, tiny_model

@@ -17,7 +17,7 @@ from argus.allocator.service import AllocatorServicer, check_worker_identity
 from argus.allocator.service import create_server as create_allocator
 from argus.contracts.allocator_client import AllocatorClient
 from argus.contracts.workers import WorkerReport
-from argus.internal_tls import Identity
+from argus.plumbing.internal_tls import Identity
 from argus.profiles import default_profiles
 from tests.tls_factories import TestCA
 

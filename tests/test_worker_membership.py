@@ -20,13 +20,13 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from argus import rpc
 from argus.allocator.control import ControlConfig
 from argus.allocator.service import AllocatorServicer, create_server
 from argus.cli.main import main
 from argus.contracts.generate import GenerateCall
 from argus.contracts.workers import HeartbeatAnswer, WorkerReport
-from argus.grpc_server import check_address
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import check_address
 from argus.profiles import default_profiles
 from argus.types import Strategy
 from argus.worker.cache import ApproximateCache, CacheStats, EdgeVectorIndex, LatentStore

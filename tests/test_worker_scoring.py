@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from argus import rpc
 from argus.contracts.generate import CacheOutcome, GenerateResult
+from argus.plumbing import rpc
 from argus.types import Strategy
 from argus.worker.scoring import ScoreSampler, tiny_scorer
 from argus.worker.service import WorkerServicer

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import Image
 
-from argus import rpc
+from argus.plumbing import rpc
 from argus.worker.service import create_server
 from tests.service_process import START_TIMEOUT_S, read_address, start_argus
 from tests.tls_factories import TestCA

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from PIL import Image
 
-from argus import rpc
+from argus.plumbing import rpc
 from argus.worker.engine import Worker
 from tests.test_worker_deadlines import BOUND_S, LONG_STEPS, wait_until
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from argus.internal_tls import Identity, InternalTLS, channel, generate_ca, issue
+from argus.plumbing.internal_tls import Identity, InternalTLS, channel, generate_ca, issue
 
 
 class TestCA:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from argus import defaults
 from argus.allocator.config import ControlConfig
 from argus.allocator.control import ControlLoop
-from argus.grpc_server import check_port, wait_for_shutdown
+from argus.plumbing.grpc_server import check_port, wait_for_shutdown
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet
 
@@ -102,8 +102,8 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
     """Run the allocator until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
     from argus.allocator.metrics import AllocatorMetrics
     from argus.allocator.service import create_server
-    from argus.grpc_server import start_metrics
-    from argus.internal_tls import InternalTLS
+    from argus.plumbing.grpc_server import start_metrics
+    from argus.plumbing.internal_tls import InternalTLS
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -6,15 +6,15 @@ removed and planned around; should it come back, its next heartbeat is a join li
 A worker that says it is leaving is removed at once. Only live workers are kept, so memory is
 bounded by ``max_workers``.
 
-A worker id is bound to the identity (its certificate's, see :mod:`argus.internal_tls`) whose
-heartbeat first registered it: another identity cannot heartbeat for it, leave for it or move
-it (:class:`NotOwnerError`). The binding outlives the member (a dead worker's id cannot be
-taken over by another identity while it restarts); the oldest bindings of ids no longer live
-are dropped beyond ``2 × max_workers``. On a plaintext plane every caller is ``""``, so the
-binding holds nothing back. On the mutual-TLS plane the service checks more before a
-heartbeat reaches this: the id must be the certificate's own name
-(:func:`argus.allocator.service.check_worker_identity`), so a worker certificate cannot
-register made-up ids either, and the binding is a second line of defence.
+A worker id is bound to the identity (its certificate's, see
+:mod:`argus.plumbing.internal_tls`) whose heartbeat first registered it: another identity
+cannot heartbeat for it, leave for it or move it (:class:`NotOwnerError`). The binding
+outlives the member (a dead worker's id cannot be taken over by another identity while it
+restarts); the oldest bindings of ids no longer live are dropped beyond ``2 × max_workers``.
+On a plaintext plane every caller is ``""``, so the binding holds nothing back. On the
+mutual-TLS plane the service checks more before a heartbeat reaches this: the id must be the
+certificate's own name (:func:`argus.allocator.service.check_worker_identity`), so a worker
+certificate cannot register made-up ids either, and the binding is a second line of defence.
 
 Pure bookkeeping: times are the caller's clock, nothing here locks (the allocator's control
 holds one lock around every call) and nothing talks to a network.

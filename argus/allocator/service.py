@@ -17,9 +17,10 @@ Plans reach watchers through a :class:`~argus.allocator.feed.LatestFeed` of read
 stream holds one thread of the synchronous server, so the pool has ``max_watchers`` threads
 plus :data:`SPARE_THREADS` that heartbeats, reports and health checks always find free.
 
-With ``tls`` (:class:`~argus.internal_tls.InternalTLS`) the server takes only callers with a
-certificate of the cluster, and each method only the roles :data:`argus.internal_tls.POLICY`
-names: heartbeats from workers, reports from routers, plans to routers (and operators).
+With ``tls`` (:class:`~argus.plumbing.internal_tls.InternalTLS`) the server takes only callers
+with a certificate of the cluster, and each method only the roles
+:data:`argus.plumbing.internal_tls.POLICY` names: heartbeats from workers, reports from
+routers, plans to routers (and operators).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health
 
-from argus import rpc
 from argus.allocator.config import ControlConfig
 from argus.allocator.control import AllocatorControl, Clock, PlanListener, PlanStats
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
@@ -42,8 +42,9 @@ from argus.contracts.plans import PublishedPlan, plan_to_pb
 from argus.contracts.routers import router_answer_to_pb, router_report_from_pb
 from argus.contracts.wire import FieldError
 from argus.contracts.workers import heartbeat_answer_to_pb, heartbeat_from_pb
-from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
-from argus.internal_tls import Identity, InternalTLS, caller, server_security
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from argus.plumbing.internal_tls import Identity, InternalTLS, caller, server_security
 from argus.types import ClassQuality, ProfileSet, Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")

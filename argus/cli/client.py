@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from argus.cli.main import CLIError
-from argus.quoting import shorten
+from argus.plumbing.quoting import shorten
 
 
 def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
@@ -46,8 +46,8 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_connection(address: str, args: argparse.Namespace) -> Any:
-    from argus.client import Connection
-    from argus.grpc_server import check_address, read_token
+    from argus.plumbing.grpc_server import check_address, read_token
+    from argus.tools.client import Connection
 
     try:
         check_address(address, "--router")
@@ -96,7 +96,7 @@ def send_prompts(
     overloaded, no plan yet) or that ran out of its deadline is sent again, up to this many
     times, after the hint (or :data:`RETRY_PAUSE_S` without one, at most
     :data:`MAX_RETRY_PAUSE_S`); its line says how many retries it took."""
-    from argus.client import RequestFailed, summary
+    from argus.tools.client import RequestFailed, summary
 
     out.mkdir(parents=True, exist_ok=True)
     if stream is not None:
@@ -159,7 +159,7 @@ class ProgressBar:
         self._stage = ""
 
     def update(self, progress: Any) -> None:
-        from argus.client import worker_pb2
+        from argus.tools.client import worker_pb2
 
         stage = worker_pb2.Progress.Stage.Name(progress.stage).lower()
         if stage == "routed":
@@ -221,7 +221,7 @@ class ClientCommand:
         add_connection_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from argus.client import RouterClient
+        from argus.tools.client import RouterClient
 
         prompts = read_prompts(args.prompt, args.prompts_file)
         count = len(prompts) if args.count is None else args.count

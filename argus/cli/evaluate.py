@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from argus.cli.main import CLIError
-from argus.quoting import quoted
+from argus.plumbing.quoting import quoted
 
 DEFAULT_LOADS = "0.3,0.5,0.7,0.9,1.1,1.3,1.5"
 DEFAULT_POLICIES = "argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from argus.cli.main import CLIError
-from argus.quoting import quoted
+from argus.plumbing.quoting import quoted
 
 
 def parse_lora(text: str) -> tuple[str, float]:
@@ -62,7 +62,7 @@ class GenerateCommand:
     def run(self, args: argparse.Namespace) -> int:
         import grpc
 
-        from argus import rpc
+        from argus.plumbing import rpc
 
         common_pb2 = rpc.load("common_pb2")
         worker_pb2 = rpc.load("worker_pb2")
@@ -88,7 +88,7 @@ class GenerateCommand:
             request.adapters.add(kind=kind.CONTROLNET, name=name, scale=scale, control_image=png)
         for name, scale in map(parse_lora, args.lora):
             request.adapters.add(kind=kind.LORA, name=name, scale=scale)
-        from argus.internal_tls import InternalTLS, channel
+        from argus.plumbing.internal_tls import InternalTLS, channel
 
         try:
             tls = None

@@ -31,7 +31,7 @@ class HealthCommand:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        from argus.internal_tls import InternalTLS, channel
+        from argus.plumbing.internal_tls import InternalTLS, channel
 
         try:
             tls = (

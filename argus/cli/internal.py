@@ -1,6 +1,6 @@
 """The internal-plane flags every service command takes (``argus allocator|router|worker|
 controlnet``): ``--internal-tls-dir DIR`` (``ca.crt`` and the component's own certificate and
-key, see :mod:`argus.internal_tls`) or, explicitly, ``--insecure-internal``."""
+key, see :mod:`argus.plumbing.internal_tls`) or, explicitly, ``--insecure-internal``."""
 
 from __future__ import annotations
 

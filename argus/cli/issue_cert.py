@@ -28,7 +28,7 @@ class IssueCertCommand:
         parser.add_argument("--out", type=Path, help="the component's certificate directory")
 
     def run(self, args: argparse.Namespace) -> int:
-        from argus.internal_tls import Identity, generate_ca, issue
+        from argus.plumbing.internal_tls import Identity, generate_ca, issue
 
         if args.new_ca:
             if args.identity is not None or args.out is not None:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, Protocol
 
-from argus.quoting import LIMIT, quoted, shorten
+from argus.plumbing.quoting import LIMIT, quoted, shorten
 
 
 def passive_openmp() -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from argus import defaults
 from argus.cli.main import CLIError
-from argus.quoting import quoted
+from argus.plumbing.quoting import quoted
 
 if TYPE_CHECKING:
     from argus.allocator.queueing import QueueModel

@@ -46,7 +46,7 @@ class ProfileCommand:
         if not prompts:
             raise CLIError("--prompts: no prompts to profile")
         from argus.contracts.quality import save_quality_table
-        from argus.profiler import (
+        from argus.tools.profiler import (
             PickScorer,
             ProfileReport,
             ProfileSettings,

@@ -1,5 +1,5 @@
 """``argus replay``: replay a workload through several policies on a simulated cluster, or with
-``--live ADDRESS`` through a running cluster's router (:mod:`argus.live`).
+``--live ADDRESS`` through a running cluster's router (:mod:`argus.tools.live`).
 
 Writes ``summary.json``, ``per_minute.csv`` and ``timeseries.png`` into ``--out`` and prints
 the summary table (a live replay also writes ``requests.csv``, one row per request). Bad input
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from argus.cli.main import CLIError
-from argus.quoting import quoted
+from argus.plumbing.quoting import quoted
 
 DEFAULT_POLICIES = "argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana"
 SIM_DEFAULTS: dict[str, Any] = {
@@ -245,7 +245,11 @@ def _refuse(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
 
 def run_live(args: argparse.Namespace) -> int:
     """``argus replay --live``: the workload through a running router, the simulator's reports."""
-    from argus.live import (
+    from argus.profiles import ProfileError, load_profiles
+    from argus.sim.quality import synthetic_quality_table
+    from argus.sim.report import format_table, is_synthetic, write_reports
+    from argus.sim.workloads import WorkloadError, workload_by_name
+    from argus.tools.live import (
         NOT_SENT,
         LiveConfig,
         LiveError,
@@ -254,10 +258,6 @@ def run_live(args: argparse.Namespace) -> int:
         selected_count,
         write_requests,
     )
-    from argus.profiles import ProfileError, load_profiles
-    from argus.sim.quality import synthetic_quality_table
-    from argus.sim.report import format_table, is_synthetic, write_reports
-    from argus.sim.workloads import WorkloadError, workload_by_name
     from argus.types import Strategy
 
     if ":" not in args.live:

@@ -9,7 +9,7 @@ saves the images in ``--out``. Ctrl-C (or
 SIGTERM) stops the parts in order: router, workers, ControlNet, allocator.
 
 The parts talk mutual TLS with certificates of a CA made for the run (in ``WORKDIR/tls``; see
-:mod:`argus.local_cluster`). A router ``--port`` another process holds stops ``argus up``
+:mod:`argus.tools.local_cluster`). A router ``--port`` another process holds stops ``argus up``
 before anything starts, naming the port. The router also serves the OpenAI-compatible images
 API over HTTP on ``--http-port`` (default 0: any free port; -1: off) and ``argus up`` prints
 its base URL ``http://HOST:PORT/v1``.
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from argus.cli.main import CLIError
 
 if TYPE_CHECKING:
-    from argus.local_cluster import LocalCluster
+    from argus.tools.local_cluster import LocalCluster
 
 
 def demo_prompts(count: int) -> list[str]:
@@ -59,8 +59,8 @@ class UpCommand:
     help = "Run a whole cluster (allocator, ControlNet, workers, router) as local processes."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        from argus.local_cluster import ClusterSpec  # what --help's defaults come from
-        from argus.supervision import RestartPolicy
+        from argus.plumbing.supervision import RestartPolicy
+        from argus.tools.local_cluster import ClusterSpec  # what --help's defaults come from
 
         parser.add_argument("--workers", type=int, default=ClusterSpec.workers)
         parser.add_argument("--port", type=int, default=50051, help="router port (0: any)")
@@ -151,9 +151,9 @@ class UpCommand:
 
     def _serve(self, args: argparse.Namespace, workdir: Path) -> int:
         """Start the cluster in ``workdir``, run the demo, serve until asked to stop."""
-        from argus.grpc_server import shutdown_signals
-        from argus.local_cluster import ClusterError, ClusterSpec, LocalCluster, describe
-        from argus.supervision import RestartPolicy, Supervisor
+        from argus.plumbing.grpc_server import shutdown_signals
+        from argus.plumbing.supervision import RestartPolicy, Supervisor
+        from argus.tools.local_cluster import ClusterError, ClusterSpec, LocalCluster, describe
 
         try:
             spec = ClusterSpec(
@@ -210,8 +210,8 @@ class UpCommand:
 
     def _demo(self, cluster: LocalCluster, args: argparse.Namespace) -> int:
         from argus.cli.client import send_prompts
-        from argus.client import Connection, RouterClient
-        from argus.grpc_server import read_token
+        from argus.plumbing.grpc_server import read_token
+        from argus.tools.client import Connection, RouterClient
 
         token = None if args.auth_token_file is None else read_token(args.auth_token_file)
         connection = Connection(cluster.router, token=token, tls_ca=args.tls_cert)

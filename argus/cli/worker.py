@@ -25,7 +25,7 @@ from argus.cli.main import (
     lower_priority,
     passive_openmp,
 )
-from argus.quoting import quoted
+from argus.plumbing.quoting import quoted
 
 if TYPE_CHECKING:
     from argus.worker.app import WorkerSettings

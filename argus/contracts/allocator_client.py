@@ -22,7 +22,6 @@ from typing import Any
 
 import grpc
 
-from argus import rpc
 from argus.contracts.plans import PublishedPlan, plan_from_pb
 from argus.contracts.routers import (
     RouterAnswer,
@@ -38,8 +37,9 @@ from argus.contracts.workers import (
     heartbeat_answer_from_pb,
     heartbeat_to_pb,
 )
-from argus.grpc_server import reconnect_options
-from argus.internal_tls import InternalTLS, channel
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import reconnect_options
+from argus.plumbing.internal_tls import InternalTLS, channel
 from argus.types import ClassQuality, MeasuredLatency, Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")

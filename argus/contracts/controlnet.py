@@ -23,8 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from argus import rpc
 from argus.contracts.wire import FieldError
+from argus.plumbing import rpc
 
 common_pb2: Any = rpc.load("common_pb2")
 controlnet_pb2: Any = rpc.load("controlnet_pb2")

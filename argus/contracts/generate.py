@@ -189,8 +189,8 @@ class Codec:
 def codec() -> Codec:
     """Loads the generated code on the first conversion; raises ValueError when an enum here
     and its protobuf enum disagree on a name (see :func:`~argus.contracts.wire.pb_numbers`)."""
-    from argus import rpc
     from argus.contracts.wire import STRATEGY_TO_PB, pb_numbers
+    from argus.plumbing import rpc
 
     common_pb2: Any = rpc.load("common_pb2")
     worker_pb2: Any = rpc.load("worker_pb2")

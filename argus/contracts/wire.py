@@ -17,7 +17,8 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from argus import defaults, rpc
+from argus import defaults
+from argus.plumbing import rpc
 from argus.types import ProfileSet, Strategy
 
 allocator_pb2: Any = rpc.load("allocator_pb2")

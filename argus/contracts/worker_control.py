@@ -18,8 +18,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from argus import rpc
 from argus.contracts.wire import STRATEGY_FROM_PB, STRATEGY_TO_PB, pb_numbers
+from argus.plumbing import rpc
 from argus.types import Strategy
 
 worker_pb2: Any = rpc.load("worker_pb2")

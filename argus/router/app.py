@@ -23,7 +23,7 @@ from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import LevelClassifier
 from argus.classifier.serving import ClassifierSet
 from argus.contracts.allocator_client import AllocatorClient
-from argus.grpc_server import (
+from argus.plumbing.grpc_server import (
     BearerTokenInterceptor,
     InFlightLimit,
     add_health_and_reflection,
@@ -328,7 +328,7 @@ class RouterSettings:
 
     def security(self) -> ServerSecurity:
         """TLS and token read from their files; OSError names a missing or bad file."""
-        from argus.grpc_server import read_token, tls_credentials
+        from argus.plumbing.grpc_server import read_token, tls_credentials
 
         credentials = None
         if self.tls_cert is not None and self.tls_key is not None:
@@ -372,8 +372,8 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
         load_prompt_classifier,
     )
     from argus.contracts.allocator_client import PlanWatcher
-    from argus.grpc_server import reconnect_options, start_metrics, wait_for_shutdown
-    from argus.internal_tls import InternalTLS, channel
+    from argus.plumbing.grpc_server import reconnect_options, start_metrics, wait_for_shutdown
+    from argus.plumbing.internal_tls import InternalTLS, channel
     from argus.profiles import default_profiles, load_profiles
     from argus.router.worker_calls import GrpcWorkers, WorkerChannels
 

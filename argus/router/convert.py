@@ -16,7 +16,6 @@ from typing import Any
 
 import grpc
 
-from argus import rpc
 from argus.contracts.generate import (
     adapters_from_pb,
     adapters_to_pb,
@@ -25,6 +24,7 @@ from argus.contracts.generate import (
     timing_to_pb,
 )
 from argus.contracts.wire import STRATEGY_TO_PB
+from argus.plumbing import rpc
 from argus.router.values import Refusal, RouterReply, RouterRequest
 
 router_pb2: Any = rpc.load("router_pb2")

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from argus.quoting import quoted
+from argus.plumbing.quoting import quoted
 
 R = TypeVar("R")
 

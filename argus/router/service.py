@@ -17,11 +17,11 @@ from typing import Any, NoReturn
 
 import grpc
 
-from argus import rpc
 from argus.contracts import generate
 from argus.contracts.generate import Progress
 from argus.contracts.plans import PublishedPlan
-from argus.grpc_server import set_serving
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import set_serving
 from argus.router import convert
 from argus.router.core import CallCancel, RouterCore
 from argus.router.values import RouterError, RouterReply

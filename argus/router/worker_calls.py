@@ -21,10 +21,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from argus import rpc
 from argus.contracts import generate
 from argus.contracts.generate import GenerateCall, GenerateResult
-from argus.grpc_server import reconnect_options
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import reconnect_options
 from argus.router import convert
 from argus.router.core import CallCancel, ProgressSink, WorkerError
 from argus.router.values import Refusal

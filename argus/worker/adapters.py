@@ -153,7 +153,8 @@ class WorkerAdapters:
         self, settings: AdapterSettings, *, device: str, dtype: torch.dtype, tls: Any = None
     ) -> None:
         self.settings = settings
-        self.tls = tls  # argus.internal_tls.InternalTLS for the ControlNet service; None: plain
+        # argus.plumbing.internal_tls.InternalTLS for the ControlNet service; None: plain
+        self.tls = tls
         self.device = device
         self.dtype = dtype
         self.loras: Any = None  # argus.worker.lora.LoraLoader

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from argus import defaults
-from argus.grpc_server import check_address, check_port, wait_for_shutdown
-from argus.internal_tls import InternalTLS
+from argus.plumbing.grpc_server import check_address, check_port, wait_for_shutdown
+from argus.plumbing.internal_tls import InternalTLS
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet, Strategy
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
@@ -305,7 +305,7 @@ def serve(settings: WorkerSettings, *, ready: threading.Event | None = None) -> 
     SERVING from then on. With ``settings.allocator`` the worker joins the cluster then, and
     follows the plan; on a signal it leaves the allocator first, then stops the server.
     """
-    from argus.grpc_server import start_metrics
+    from argus.plumbing.grpc_server import start_metrics
     from argus.worker.service import create_server
 
     profiles = load_settings_profiles(settings)

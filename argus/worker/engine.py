@@ -102,7 +102,7 @@ from argus.contracts.generate import (
     Timing,
 )
 from argus.contracts.worker_control import WorkerStats
-from argus.quoting import quoted
+from argus.plumbing.quoting import quoted
 from argus.request_limits import (
     ImageLimits,
     InvalidRequestError,

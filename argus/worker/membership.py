@@ -59,12 +59,12 @@ from argus.contracts.workers import (
     heartbeat_answer_from_pb,
     heartbeat_to_pb,
 )
-from argus.grpc_server import check_address
+from argus.plumbing.grpc_server import check_address
 from argus.types import Strategy
 from argus.worker.engine import Worker
 
 if TYPE_CHECKING:
-    from argus.internal_tls import InternalTLS
+    from argus.plumbing.internal_tls import InternalTLS
     from argus.worker.cache import CacheStats
 
 log = logging.getLogger(__name__)
@@ -153,9 +153,9 @@ class HeartbeatChannel:
         max_reconnect_s: float = 10.0,
         tls: InternalTLS | None = None,
     ):
-        from argus import rpc
-        from argus.grpc_server import reconnect_options
-        from argus.internal_tls import channel
+        from argus.plumbing import rpc
+        from argus.plumbing.grpc_server import reconnect_options
+        from argus.plumbing.internal_tls import channel
 
         options = reconnect_options(max_reconnect_s)
         self.address = address

@@ -1,7 +1,7 @@
 """Quality scores of a sample of the worker's images, for the router's drift monitor (§5.5).
 
 A worker scores a random share (``argus worker --score-sample``, 0: off) of the images it
-serves with PickScore (:class:`argus.profiler.PickScorer`), off the request path:
+serves with PickScore (:class:`argus.tools.profiler.PickScorer`), off the request path:
 :meth:`ScoreSampler.offer` is called after an image is made and only draws the sample and
 queues the PNG; one background thread decodes and scores it. The queue is bounded: when it is
 full the image is dropped and counted (``dropped``), so scoring never holds a request up or
@@ -241,9 +241,9 @@ def write_tiny_clip(directory: str | Path, seed: int = 0) -> str | Path:
 
 
 def tiny_scorer(seed: int = 0) -> Any:
-    """A :class:`~argus.profiler.PickScorer` on :func:`write_tiny_clip`'s model: the default
+    """A :class:`~argus.tools.profiler.PickScorer` on :func:`write_tiny_clip`'s model: the default
     when no PickScore directory is given."""
-    from argus.profiler import PickScorer
+    from argus.tools.profiler import PickScorer
 
     # PickScorer loads from a directory (as it loads real PickScore); write one and read it back
     with tempfile.TemporaryDirectory(prefix="argus-tiny-clip-") as directory:
@@ -255,6 +255,6 @@ def load_scorer(directory: str | None, device: str = "cpu") -> Any:
     :func:`tiny_scorer` (on the CPU)."""
     if directory is None:
         return tiny_scorer()
-    from argus.profiler import PickScorer
+    from argus.tools.profiler import PickScorer
 
     return PickScorer(directory, device)

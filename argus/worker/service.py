@@ -44,7 +44,6 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health
 
-from argus import rpc
 from argus.contracts.generate import (
     GenerateResult,
     Progress,
@@ -53,8 +52,9 @@ from argus.contracts.generate import (
     result_to_pb,
 )
 from argus.contracts.worker_control import configure_from_pb, configured_to_pb, stats_to_pb
-from argus.grpc_server import add_health_and_reflection, bind, new_server, set_serving
-from argus.internal_tls import InternalTLS, server_security
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from argus.plumbing.internal_tls import InternalTLS, server_security
 from argus.request_limits import InvalidRequestError
 from argus.worker.adapters import adapter_status
 from argus.worker.engine import DecodeSkipped, NoModelError, QueueFullError, Worker
@@ -237,7 +237,7 @@ def create_server(
 ) -> tuple[grpc.Server, int, WorkerServicer]:
     """A started-later gRPC server bound to ``address``; returns it with the bound port.
     ``tls``: mutual TLS, Generate from routers only, Configure from the allocator only (see
-    :data:`argus.internal_tls.POLICY`); None serves plaintext to anyone."""
+    :data:`argus.plumbing.internal_tls.POLICY`); None serves plaintext to anyone."""
     credentials, interceptors = server_security(tls)
     server = new_server(
         threads=threads,

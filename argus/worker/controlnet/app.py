@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from argus.grpc_server import check_port, shutdown_signals
+from argus.plumbing.grpc_server import check_port, shutdown_signals
 from argus.worker.controlnet.cache import Policy
 from argus.worker.controlnet.executor import LocalControlNetExecutor
 from argus.worker.controlnet.metrics import ControlNetMetrics
@@ -78,8 +78,8 @@ def preload_keys(settings: ControlNetSettings, catalog: ControlNetCatalog) -> li
 
 def serve(settings: ControlNetSettings, *, ready: threading.Event | None = None) -> int:
     """Run the service until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound."""
-    from argus.grpc_server import start_metrics
-    from argus.internal_tls import InternalTLS
+    from argus.plumbing.grpc_server import start_metrics
+    from argus.plumbing.internal_tls import InternalTLS
     from argus.worker.controlnet.service import create_server
 
     tls = None

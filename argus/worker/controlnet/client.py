@@ -27,9 +27,9 @@ from typing import Any
 import grpc
 import torch
 
-from argus import rpc
 from argus.contracts.controlnet import ExecutorStats, OpenInfo, opened_from_pb, stats_from_pb
-from argus.internal_tls import InternalTLS, channel
+from argus.plumbing import rpc
+from argus.plumbing.internal_tls import InternalTLS, channel
 from argus.worker.controlnet.errors import (
     ControlNetBusyError,
     ControlNetError,

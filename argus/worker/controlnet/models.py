@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from argus.quoting import quoted
+from argus.plumbing.quoting import quoted
 from argus.worker.controlnet.errors import (
     ControlImageError,
     ControlNetLoadError,

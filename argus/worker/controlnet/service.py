@@ -22,7 +22,7 @@ Health (``grpc.health.v1``) is answered by the thread pool, never behind a Contr
 process reports ``SERVING`` once its preloads (if any) are resident.
 
 With ``tls`` the service takes only workers of the cluster (mutual TLS, then the role check of
-:data:`argus.internal_tls.POLICY`).
+:data:`argus.plumbing.internal_tls.POLICY`).
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health
 
-from argus import rpc
 from argus.contracts.controlnet import opened_to_pb, stats_to_pb
-from argus.grpc_server import (
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import (
     InvalidMessageError,
     add_health_and_reflection,
     bind,
     new_server,
     set_serving,
 )
-from argus.internal_tls import InternalTLS, server_security
+from argus.plumbing.internal_tls import InternalTLS, server_security
 from argus.worker.controlnet.errors import (
     ControlNetBusyError,
     ControlNetError,

@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from argus import rpc
 from argus.contracts.controlnet import units_from_pb, units_to_pb
 from argus.contracts.wire import FieldError
+from argus.plumbing import rpc
 from argus.worker.controlnet.errors import InvalidControlNetRequest, TensorCodecError
 from argus.worker.controlnet.executor import SessionSpec
 from argus.worker.controlnet.unet_split import Residuals

@@ -21,7 +21,7 @@ class                      gRPC status           meaning
 
 from __future__ import annotations
 
-from argus.quoting import quoted
+from argus.plumbing.quoting import quoted
 
 
 class LoraError(Exception):

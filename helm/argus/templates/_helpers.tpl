@@ -383,7 +383,7 @@ topologySpreadConstraints:
 {{- end }}
 {{- end }}
 
-{{/* The internal plane's mutual TLS (argus/internal_tls.py). An init container issues this pod's
+{{/* The internal plane's mutual TLS (argus/plumbing/internal_tls.py). An init container issues this pod's
 certificate (argus://ROLE/POD_NAME) from the cluster CA, which comes from the Secret
 internalTls.secretName (keys ca.crt, ca.key) and is mounted in the init container only, into an
 in-memory emptyDir; the serving container mounts that emptyDir read-only: ca.crt, ROLE.crt,

@@ -1,7 +1,7 @@
 """Keeping a set of processes up: restart a part that died, with backoff, and give up on one
 that keeps dying.
 
-``argus up`` runs a :class:`Supervisor` over its :class:`~argus.local_cluster.LocalCluster`.
+``argus up`` runs a :class:`Supervisor` over its :class:`~argus.tools.local_cluster.LocalCluster`.
 The policy is the usual one of process supervisors (systemd's ``Restart=on-failure`` with
 ``StartLimitBurst``, Kubernetes' crash-loop backoff): the first restart comes after
 ``initial_s``, each further one waits ``factor`` times longer up to ``max_s``, and a part that

@@ -70,9 +70,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from argus import rpc
 from argus.contracts.quality import QualityTable
 from argus.contracts.wire import STRATEGY_FROM_PB as _STRATEGY_FROM_PB
+from argus.plumbing import rpc
 from argus.sim.cluster import RunResult, SimConfig
 from argus.sim.workloads import Workload
 from argus.slo import default_slo_s

@@ -3,7 +3,7 @@ checking, server reflection, requests parsed so that malformed bytes are the cal
 (INVALID_ARGUMENT), a bind that fails loudly (no port sharing), and a clean stop on
 SIGINT/SIGTERM; and what the public endpoint adds: TLS and bearer-token authentication. Clients
 take their reconnect options from here. (The internal plane's mutual TLS and per-method roles
-are :mod:`argus.internal_tls`.)
+are :mod:`argus.plumbing.internal_tls`.)
 
 The worker, ControlNet, allocator and router services build on these, so a probe, ``grpcurl``
 or a Kubernetes gRPC health check sees the same things on each.

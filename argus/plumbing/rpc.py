@@ -4,7 +4,7 @@
 ``argus/v1/`` (ignored by git), so the generated modules import as ``argus.v1.worker_pb2``.
 :func:`ensure_generated` rebuilds them when a ``.proto`` file is newer than its output or the
 output is missing; a lock file makes concurrent first imports (several worker processes, test
-workers) safe. ``python -m argus.rpc`` builds them ahead of time (CI, container images).
+workers) safe. ``python -m argus.plumbing.rpc`` builds them ahead of time (CI, container images).
 
 Import the modules through :func:`load`, which guarantees they exist first.
 """
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-PACKAGE_ROOT = Path(__file__).resolve().parent  # .../argus
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # .../argus, above argus/plumbing
 REPO_ROOT = PACKAGE_ROOT.parent
 PROTO_ROOT = REPO_ROOT / "proto"
 OUT_DIR = PACKAGE_ROOT / "v1"
@@ -79,7 +79,9 @@ def ensure_generated() -> None:
             raise ProtoBuildError(f"protoc failed on {', '.join(p.name for p in protos)}")
         init = OUT_DIR / "__init__.py"
         if not init.exists():
-            init.write_text('"""Generated from proto/argus/v1 by argus.rpc; do not edit."""\n')
+            init.write_text(
+                '"""Generated from proto/argus/v1 by argus.plumbing.rpc; do not edit."""\n'
+            )
 
 
 def load(name: str) -> ModuleType:

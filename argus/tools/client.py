@@ -16,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from argus import rpc
-from argus.grpc_server import reconnect_options
+from argus.plumbing import rpc
+from argus.plumbing.grpc_server import reconnect_options
 from argus.router.convert import RETRY_AFTER_KEY, request_to_pb
 from argus.router.values import RouterRequest
 

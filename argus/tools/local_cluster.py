@@ -38,7 +38,7 @@ from typing import IO, Any
 import grpc
 
 from argus import defaults
-from argus.internal_tls import CA_KEY, Identity, InternalTLS, channel, generate_ca, issue
+from argus.plumbing.internal_tls import CA_KEY, Identity, InternalTLS, channel, generate_ca, issue
 
 LISTENING = re.compile(r"listening on (\S+)")
 HTTP_ON = re.compile(r"argus router http on (\S+)")  # the router's OpenAI-compatible API
