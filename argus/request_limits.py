@@ -5,13 +5,22 @@ runs it (a worker can be called directly); both raise :class:`InvalidRequestErro
 field, which their servicers turn into INVALID_ARGUMENT. Absent fields (``None``) are the
 serving side's defaults and are not checked here. Numbers that arrive as text (the HTTP API's
 ``size``) are read by :func:`parse_int` and :func:`parse_size`, which take ASCII digits only.
+
+An edit's image and mask are decoded by :func:`check_edit` on both sides too (the router to
+refuse bad input before routing it and to price it by the image's size, the worker to run
+it), into an :class:`EditInput`: the template's RGB pixels and the region to edit.
 """
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sized
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from argus import defaults
 
@@ -25,6 +34,15 @@ request, so 16 is several times what real requests use; each adapter costs a LoR
 merge or a ControlNet run at every step, so the bound keeps one request from buying many
 requests' worth of work (or a 10,000-entry list from being walked at all)."""
 MAX_INT_DIGITS = 9  # text numbers: sizes and counts are far below 10^9, so more is not one
+MAX_EDIT_IMAGE_BYTES = 3 * 1024 * 1024
+"""An edit's image, and its mask, each at most this many bytes encoded: both together with the
+prompts fit the 8 MiB a router's gRPC and HTTP endpoints take in one request. Their pixels are
+bounded as a generation's size is (:class:`ImageLimits`), checked on the header before the
+pixels are decoded, so a small file that declares a huge image is refused unread."""
+EDIT_FORMATS = ("PNG", "JPEG", "WEBP")  # the image's; the mask is a PNG (OpenAI's formats)
+LATENT_FACTOR = 8
+"""An edit's sides must be multiples of this: the SD and SDXL VAEs (and the tiny ones) encode
+8×8 pixels into one latent pixel, and an image that does not divide would be cropped."""
 
 
 class InvalidRequestError(ValueError):
@@ -111,3 +129,155 @@ def parse_size(text: str, field: str = "size") -> tuple[int, int]:
     if not sep:
         raise InvalidRequestError(field, f"{text[:32]!r}: expected WIDTHxHEIGHT, e.g. 1024x1024")
     return parse_int(width, field), parse_int(height, field)
+
+
+# -- edits ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class EditInput:
+    """A checked edit (:func:`check_edit`): what the worker's denoising loop starts from.
+
+    ``rgb`` is the template's pixels (height × width × 3, uint8; an alpha channel dropped);
+    ``region`` is True where the image is edited (inpainting), None for img2img, which
+    changes the whole image by ``strength``. Compared by identity (it holds arrays)."""
+
+    rgb: npt.NDArray[np.uint8]
+    region: npt.NDArray[np.bool_] | None
+    strength: float  # 1 for inpainting: its region starts from the seed's noise
+
+    @property
+    def width(self) -> int:
+        return int(self.rgb.shape[1])
+
+    @property
+    def height(self) -> int:
+        return int(self.rgb.shape[0])
+
+    @property
+    def mask_ratio(self) -> float:
+        """The share of pixels edited (1 for img2img)."""
+        return 1.0 if self.region is None else float(self.region.mean())
+
+    def start_step(self, steps: int) -> int:
+        """The step an edit of ``steps`` starts at: img2img denoises the last
+        :func:`img2img_steps`, inpainting all of them (its strength is 1)."""
+        return steps - img2img_steps(steps, self.strength)
+
+
+def img2img_steps(steps: int, strength: float) -> int:
+    """The steps an img2img edit of ``steps`` at ``strength`` runs: ``floor(steps ×
+    strength)`` as diffusers counts them, at least one (a strength too small for one step
+    still asks for a change), all of them at strength 1."""
+    return max(1, min(steps, int(steps * strength)))
+
+
+def check_strength(strength: float | None, has_mask: bool) -> None:
+    """``strength`` (img2img) in (0, 1], and never with a mask: an edit with a mask
+    (inpainting) regenerates its region in full and keeps the rest exactly."""
+    if strength is None:
+        return
+    if has_mask:
+        raise InvalidRequestError(
+            "strength", "img2img only: an edit with a mask regenerates the masked region in full"
+        )
+    if not (math.isfinite(strength) and 0.0 < strength <= 1.0):
+        raise InvalidRequestError("strength", f"{strength} outside (0, 1]")
+
+
+def check_edit(
+    image: bytes, mask: bytes, strength: float | None, limits: ImageLimits
+) -> EditInput | None:
+    """The edit a request asks for, checked; None for a generation (no image). Raises
+    :class:`InvalidRequestError` naming ``image``, ``mask`` or ``strength``.
+
+    The region to edit is the mask's fully transparent pixels; without a mask, the image's own
+    (unless ``strength`` asks for img2img). A mask or strength without an image, an image
+    that is not a PNG, JPEG or WebP (or a mask that is not a PNG) of at most
+    :data:`MAX_EDIT_IMAGE_BYTES`, sides not multiples of :data:`LATENT_FACTOR` or beyond
+    ``limits``, a mask of another size, without an alpha channel, or with no fully
+    transparent pixel (nothing to edit: OpenAI's edits have no meaning without a region, so
+    the request is refused rather than answered with its template) are refused."""
+    if not image:
+        if mask:
+            raise InvalidRequestError("image", "required with a mask")
+        if strength is not None:
+            raise InvalidRequestError("image", "required with a strength")
+        return None
+    check_strength(strength, bool(mask))
+    template = _open("image", image, EDIT_FORMATS, limits)
+    rgb = np.asarray(template.convert("RGB"), dtype=np.uint8)
+    if strength is not None:
+        return EditInput(rgb, None, strength)
+    if mask:
+        shape = _open("mask", mask, ("PNG",), limits)
+        if shape.size != template.size:
+            raise InvalidRequestError(
+                "mask", f"{_dims(shape.size)} differs from the image's {_dims(template.size)}"
+            )
+        region = _transparent("mask", shape)
+    else:
+        region = _transparent("image", template)
+    return EditInput(rgb, region, 1.0)
+
+
+def check_edit_size(edit: EditInput, width: int | None, height: int | None) -> None:
+    """An edit's image sets its size: a width or height given beside it must be the image's
+    (an edit is not resized: its unmasked pixels come back exactly as sent)."""
+    for name, given, own in (("width", width, edit.width), ("height", height, edit.height)):
+        if given is not None and given != own:
+            raise InvalidRequestError(
+                name,
+                f"{given} differs from the image's {edit.width}×{edit.height}; "
+                "an edit keeps its image's size",
+            )
+
+
+def _open(field: str, data: bytes, formats: tuple[str, ...], limits: ImageLimits) -> Any:
+    """``data`` decoded as an image of one of ``formats`` within ``limits``; the size is
+    checked on the header, before the pixels are decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > MAX_EDIT_IMAGE_BYTES:
+        raise InvalidRequestError(field, f"{len(data)} bytes; at most {MAX_EDIT_IMAGE_BYTES}")
+    wanted = " or ".join(formats)
+    try:
+        opened = Image.open(io.BytesIO(data), formats=list(formats))
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        raise InvalidRequestError(field, f"not an image ({wanted} expected)") from None
+    width, height = opened.size
+    if width % LATENT_FACTOR or height % LATENT_FACTOR:
+        raise InvalidRequestError(
+            field, f"{_dims(opened.size)}: each side must be a multiple of {LATENT_FACTOR}"
+        )
+    if max(width, height) > limits.max_side or width * height > limits.max_pixels:
+        raise InvalidRequestError(
+            field,
+            f"{_dims(opened.size)} exceeds this deployment's {limits.max_side} pixels a side "
+            f"or {limits.max_pixels} pixels",
+        )
+    try:
+        opened.load()
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise InvalidRequestError(field, f"a damaged {opened.format} image") from None
+    return opened
+
+
+def _transparent(field: str, image: Any) -> npt.NDArray[np.bool_]:
+    """Where ``image``'s alpha is 0 (a palette's transparent entry included); refused when it
+    has no alpha channel or no such pixel."""
+    if image.mode not in ("RGBA", "LA", "PA") and "transparency" not in image.info:
+        raise InvalidRequestError(
+            field,
+            f"no alpha channel ({image.mode}); fully transparent pixels mark the region to "
+            "edit (send a mask, or a strength for img2img)",
+        )
+    alpha = np.asarray(image.convert("RGBA"), dtype=np.uint8)[:, :, 3]
+    region: npt.NDArray[np.bool_] = alpha == 0
+    if not region.any():
+        raise InvalidRequestError(field, "no fully transparent pixel: nothing to edit")
+    return region
+
+
+def _dims(size: tuple[int, int]) -> str:
+    return f"{size[0]}×{size[1]}"

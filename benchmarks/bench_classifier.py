@@ -83,7 +83,7 @@ from argus.classifier.serving import (
 from argus.classifier.train import TrainConfig, split_prompts, train_classifier
 from argus.embedding import use_torch_threads
 from argus.profiles import default_profiles
-from argus.sim.quality import synthetic_quality_table
+from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.traces import PromptRecord, default_prompt_trace, load_prompts
 from argus.types import Strategy
 

@@ -42,12 +42,12 @@ from _machine import load_line, machine_line
 
 from argus.cli.replay import DEFAULT_POLICIES
 from argus.profiles import default_profiles
+from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.sim.adapters import adapter_model_by_name
 from argus.sim.classifiers import make_classifier
 from argus.sim.cluster import SimConfig, Simulation
 from argus.sim.offered_load import cluster_capacity_qpm, planning_profiles, rescale_to_load
 from argus.sim.policies import PLANNED, make_policy
-from argus.sim.quality import synthetic_quality_table
 from argus.sim.workloads import Workload, workload_by_name
 from argus.types import Strategy
 

@@ -1,11 +1,11 @@
 """How predictable the SYNTHETIC labels are from text at all: a reference for the classifier.
 
-The synthetic quality model (argus/sim/quality.py) draws each prompt's latent difficulty as
-``0.7 × text feature + 0.71 × noise``, so no text classifier can recover the optimal level
-exactly. This fits a logistic regression on the model's *own* text feature
-(``prompt_difficulty``) on the TRAIN prompts of the fixed split (``argus.prompt_split``)
-that ``argus train-classifier`` uses, and prints its accuracy and downstream quality on the
-EVAL prompts beside the committed classifier's ``metrics.json``.
+The synthetic quality model (argus/profiles/synthetic_quality.py) draws each prompt's latent
+difficulty as ``0.7 × text feature + 0.71 × noise``, so no text classifier can recover the
+optimal level exactly. This fits a logistic regression on the model's *own* text feature
+(``prompt_difficulty``) on the TRAIN prompts of the fixed split (``argus.prompt_split``) that
+``argus train-classifier`` uses, and prints its accuracy and downstream quality on the EVAL
+prompts beside the committed classifier's ``metrics.json``.
 
     python benchmarks/classifier_ceiling.py
 """
@@ -22,8 +22,8 @@ from argus.classifier.labels import labels_from_table
 from argus.classifier.serving import default_classifier_dir
 from argus.classifier.train import fit_logistic_head
 from argus.profiles import default_profiles
+from argus.profiles.synthetic_quality import prompt_difficulty, synthetic_quality_table
 from argus.prompt_split import PromptSet
-from argus.sim.quality import prompt_difficulty, synthetic_quality_table
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
 

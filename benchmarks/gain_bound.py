@@ -127,7 +127,7 @@ def main() -> None:
     profiles = default_profiles()
     tables = quality_tables(profiles, eval_prompts(None), args.seed)
     print(
-        f"quality: SYNTHETIC (argus/sim/quality.py, seed {args.seed}), "
+        f"quality: SYNTHETIC (argus/profiles/synthetic_quality.py, seed {args.seed}), "
         f"{len(next(iter(tables.values())))} EVAL prompts; {args.gpus} × {GPU}"
     )
     print(

@@ -2,15 +2,15 @@
 
 Argus claims that per-prompt, quality-aware planning (policy ``argus``) serves better images
 than prompt-agnostic approximation (``pac``) at the same deadline misses. Per prompt, it can
-only do better than PAC as far as its classifier can read from the text how much
-approximation the prompt tolerates. In the simulator that tolerance is SYNTHETIC
-(:func:`argus.sim.quality.synthetic_quality_table`): a latent difficulty
+only do better than PAC as far as its classifier can read from the text how much approximation
+the prompt tolerates. In the simulator that tolerance is SYNTHETIC
+(:func:`argus.profiles.synthetic_quality.synthetic_quality_table`): a latent difficulty
 ``ρ·f + √(1-ρ²)·ν``, where ``f`` comes from the prompt (its words and its PartiPrompts
-challenge label, :func:`argus.sim.quality.prompt_difficulty`) and ``ν`` is noise nothing in
-the prompt reveals. ``ρ`` is the text share (``SyntheticModel.feature_share``); the calibrated
-``SYNTHETIC_MODELS`` have ρ = 1, the case most favourable to Argus (and still not fully
-readable: the encoder sees the words, not the label). This script shows what the gain is at
-smaller ρ. For each ρ of ``--rhos``:
+challenge label, :func:`argus.profiles.synthetic_quality.prompt_difficulty`) and ``ν`` is
+noise nothing in the prompt reveals. ``ρ`` is the text share
+(``SyntheticModel.feature_share``); the calibrated ``SYNTHETIC_MODELS`` have ρ = 1, the case
+most favourable to Argus (and still not fully readable: the encoder sees the words, not the
+label). This script shows what the gain is at smaller ρ. For each ρ of ``--rhos``:
 
 1. **Quality model**: each strategy's entry of ``SYNTHETIC_MODELS`` with its text share set
    to ρ, nothing else changed.
@@ -73,6 +73,11 @@ from argus.cli.evaluate import parse_loads
 from argus.cli.main import CLIError
 from argus.contracts.quality import DEFAULT_DELTA
 from argus.profiles import load_profiles
+from argus.profiles.synthetic_quality import (
+    SYNTHETIC_MODELS,
+    SyntheticModel,
+    synthetic_quality_table,
+)
 from argus.prompt_split import PromptSet, prompt_set
 from argus.sim.classifiers import TrainedClassifier
 from argus.sim.evaluate import (
@@ -85,7 +90,6 @@ from argus.sim.evaluate import (
 from argus.sim.evaluation_report import format_difference
 from argus.sim.intervals import Aggregate, Paired, aggregate, paired
 from argus.sim.offered_load import cluster_capacity_qpm, planning_profiles
-from argus.sim.quality import SYNTHETIC_MODELS, SyntheticModel, synthetic_quality_table
 from argus.sim.workloads import load_prompt_file
 from argus.traces import PromptRecord, default_prompt_trace
 from argus.types import Strategy
@@ -245,7 +249,7 @@ def print_header(
     print(machine_line())
     print(
         "Argus vs PAC against the text share ρ of the SYNTHETIC quality model "
-        "(argus/sim/quality.py)"
+        "(argus/profiles/synthetic_quality.py)"
     )
     print(
         f"prompts: {config.prompts_path or 'PartiPrompts'} ({len(records)}; "

@@ -1,9 +1,9 @@
 """Calibration of the SYNTHETIC quality model against the Argus paper's published figures.
 
 The quality tables used by trace replay are SYNTHETIC until ``argus profile`` scores real
-images: :func:`argus.sim.quality.synthetic_quality_table` derives PickScore-like scores from
-text features of the PartiPrompts prompts (Google Research, Apache-2.0) and seeded noise. This
-script prints, for PartiPrompts, δ = 0.9 and the default profile's levels:
+images: :func:`argus.profiles.synthetic_quality.synthetic_quality_table` derives PickScore-like
+scores from text features of the PartiPrompts prompts (Google Research, Apache-2.0) and seeded
+noise. This script prints, for PartiPrompts, δ = 0.9 and the default profile's levels:
 
 1. the whole-table aggregates next to the paper's figures (``PAPER_TARGETS``: §3.2 Obs. 2 /
    Fig. 9, §5.5 with an oracle in place of the classifier), on the tables of ``--seed``;
@@ -30,7 +30,7 @@ plus the embedding):
     ``MAX_PREDICTED_SHARE`` of the prompts to one level;
 (c) the coordinate search of (a) again at the chosen w and ρ, with that collapse guard.
 
-Its result is what ``SYNTHETIC_MODELS`` in ``argus/sim/quality.py`` holds.
+Its result is what ``SYNTHETIC_MODELS`` in ``argus/profiles/synthetic_quality.py`` holds.
 
 Run from the repository root::
 
@@ -65,8 +65,7 @@ from argus.classifier.model import (
 from argus.classifier.train import TrainConfig, fit_logistic_head, log_loss
 from argus.contracts.quality import DEFAULT_DELTA, QualityTable
 from argus.profiles import default_profiles
-from argus.prompt_split import PromptSet, indices
-from argus.sim.quality import (
+from argus.profiles.synthetic_quality import (
     CLASSIFIER_TARGETS,
     GRADUAL_MAX_STEP_SHARE,
     PAPER_TARGETS,
@@ -81,6 +80,7 @@ from argus.sim.quality import (
     nearest_latency_pairs,
     synthetic_scores,
 )
+from argus.prompt_split import PromptSet, indices
 from argus.traces import PromptRecord, default_prompt_trace, load_prompts
 from argus.types import Strategy
 

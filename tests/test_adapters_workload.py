@@ -12,6 +12,7 @@ import pytest
 
 from argus.cli.main import main
 from argus.profiles import default_profiles
+from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.sim.adapters import (
     CONTROLNET,
     CONTROLNET_NAMES,
@@ -30,7 +31,6 @@ from argus.sim.adapters import (
 )
 from argus.sim.cluster import SimConfig, Simulation
 from argus.sim.policies import make_policy
-from argus.sim.quality import synthetic_quality_table
 from argus.sim.report import summarise
 from argus.sim.workloads import poisson
 from argus.types import Strategy

@@ -40,7 +40,7 @@ from argus.classifier.train import (
     train_classifier,
 )
 from argus.contracts.quality import QualityTable
-from argus.sim.quality import synthetic_quality_table
+from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
 from tests.classifier_factories import AC_LEVELS, lexical_table, make_tiny_bert

@@ -50,8 +50,8 @@ from argus.classifier.serving import (
 )
 from argus.classifier.train import TrainConfig, save_trained, train_classifier
 from argus.contracts.quality import QualityTable
+from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.prompt_split import PromptSet, prompt_set
-from argus.sim.quality import synthetic_quality_table
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import ClassQuality, Strategy
 from tests.classifier_factories import (

@@ -14,6 +14,7 @@ from argus.classifier.serving import default_classifier_dir, load_classifier_set
 from argus.classifier.train import TrainConfig, save_trained, train_classifier
 from argus.cli.main import main
 from argus.profiles import default_profiles
+from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.sim import classifiers
 from argus.sim.cluster import SimConfig, Simulation
 from argus.sim.policies import (
@@ -23,7 +24,6 @@ from argus.sim.policies import (
     make_classifier,
     make_policy,
 )
-from argus.sim.quality import synthetic_quality_table
 from argus.sim.report import summarise
 from argus.sim.workloads import poisson
 from argus.traces import default_prompt_trace, load_prompts

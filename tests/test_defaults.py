@@ -295,8 +295,8 @@ def test_the_live_replay_judges_by_the_simulators_slo(factor: float) -> None:
 
 
 def test_the_simulator_judges_by_the_rule_on_its_slowest_class() -> None:
+    from argus.profiles.synthetic_quality import synthetic_quality_table
     from argus.sim.cluster import SimConfig, Simulation
-    from argus.sim.quality import synthetic_quality_table
     from argus.sim.workloads import poisson
 
     assert SimConfig().slo_factor == defaults.SLO_FACTOR
@@ -324,8 +324,8 @@ def test_every_delta_is_the_one_delta() -> None:
     from argus.classifier.evaluate import evaluate
     from argus.classifier.labels import labels_from_table
     from argus.contracts.quality import DEFAULT_DELTA, QualityTable
+    from argus.profiles.synthetic_quality import calibration_report
     from argus.router.drift import DriftSettings
-    from argus.sim.quality import calibration_report
 
     assert DEFAULT_DELTA == defaults.DELTA
     assert parameter_default(QualityTable.optimal_levels, "delta") == defaults.DELTA

@@ -14,6 +14,7 @@ from scipy import stats
 
 from argus.cli.main import main
 from argus.profiles import default_profiles
+from argus.profiles.synthetic_quality import SYNTHETIC_MODELS
 from argus.prompt_split import PromptSet, prompt_set
 from argus.sim.adapters import AdapterModel, draw_adapters, with_adapter_costs
 from argus.sim.classifiers import OracleClassifier
@@ -37,7 +38,6 @@ from argus.sim.offered_load import (
     target_rates,
     whole_counts,
 )
-from argus.sim.quality import SYNTHETIC_MODELS
 from argus.sim.report import Summary
 from argus.sim.workloads import Workload, azure_trace, bursty, poisson
 from argus.types import Strategy

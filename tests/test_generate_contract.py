@@ -68,6 +68,9 @@ CALL = GenerateCall(
     ),
     request_id="r-1",
     previews=3,
+    image=b"\x89PNG template",
+    mask=b"\x89PNG mask",
+    strength=0.5,
 )
 RESULT = GenerateResult(
     request_id="r-1",

@@ -9,8 +9,8 @@ import pytest
 
 from argus.cli.main import main
 from argus.contracts.quality import load_quality_table
-from argus.tools.profiler import PickScorer
 from argus.types import Strategy
+from argus.worker.scoring import PickScorer
 from tests.worker_factories import make_tiny_clip
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ import pytest
 
 from argus.contracts.quality import QualityTable, load_quality_table, save_quality_table
 from argus.profiles import default_profiles
-from argus.sim.quality import (
+from argus.profiles.synthetic_quality import (
     GRADUAL_MAX_STEP_SHARE,
     LEVEL_POSITIONS,
     PAPER_TARGETS,

@@ -21,7 +21,7 @@ import pytest
 
 from argus.cli.main import main
 from argus.plumbing import rpc
-from argus.sim.quality import synthetic_quality_table
+from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.sim.report import summarise, write_reports
 from argus.sim.workloads import Workload, poisson
 from argus.tools.live import (

@@ -10,6 +10,7 @@ import pytest
 
 from argus.contracts.plans import ReplanReason
 from argus.profiles import default_profiles
+from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.router.admission import AdmissionRule, admit, predicted_completion_s
 from argus.router.policy import Refused
 from argus.sim.adapters import AdapterModel
@@ -23,7 +24,6 @@ from argus.sim.cluster import (
 )
 from argus.sim.planned import PlannedPolicy
 from argus.sim.policies import PLANNED, POLICIES, NoisyOracleClassifier, make_policy
-from argus.sim.quality import synthetic_quality_table
 from argus.sim.report import format_table, per_minute, summarise, write_reports
 from argus.sim.workloads import Workload, bursty, poisson
 from argus.types import ClusterView, Strategy, WorkerState

@@ -261,7 +261,7 @@ def _labelled(max_tokens: int) -> dict[Any, Any]:
     from argus.classifier.labels import labels_from_table
     from argus.classifier.prompts import max_chars_for
     from argus.profiles import default_profiles
-    from argus.sim.quality import synthetic_quality_table
+    from argus.profiles.synthetic_quality import synthetic_quality_table
     from argus.traces import default_prompt_trace, load_prompts
     from argus.types import Strategy
 

@@ -132,7 +132,7 @@ class EvaluateCommand:
             f"{config.seeds} seeds, {config.duration_min:g} min each) in "
             f"{time.perf_counter() - started:.1f} s; capacity {evaluation.capacity_qpm:.1f} QPM "
             f"on {_describe(evaluation.gpu_counts)}; SLO {evaluation.slo_s:g} s; quality model: "
-            f"SYNTHETIC (argus/sim/quality.py); files in {args.out}/"
+            f"SYNTHETIC (argus/profiles/synthetic_quality.py); files in {args.out}/"
         )
         return 0
 

@@ -46,15 +46,10 @@ class ProfileCommand:
         if not prompts:
             raise CLIError("--prompts: no prompts to profile")
         from argus.contracts.quality import save_quality_table
-        from argus.tools.profiler import (
-            PickScorer,
-            ProfileReport,
-            ProfileSettings,
-            profile_ac,
-            profile_sm,
-        )
+        from argus.tools.profiler import ProfileReport, ProfileSettings, profile_ac, profile_sm
         from argus.types import Strategy
         from argus.worker.app import WorkerSettings, build_worker
+        from argus.worker.scoring import PickScorer
 
         try:
             scorer = PickScorer(args.scorer)

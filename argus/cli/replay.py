@@ -158,11 +158,11 @@ class ReplayCommand:
 
     def _simulate(self, args: argparse.Namespace) -> int:
         from argus.profiles import ProfileError, load_profiles
+        from argus.profiles.synthetic_quality import synthetic_quality_table
         from argus.sim.adapters import adapter_model_by_name
         from argus.sim.classifiers import make_classifier
         from argus.sim.cluster import SimConfig, Simulation
         from argus.sim.policies import make_policy
-        from argus.sim.quality import synthetic_quality_table
         from argus.sim.report import format_table, is_synthetic, write_reports
         from argus.sim.workloads import WorkloadError, workload_by_name
         from argus.types import Strategy
@@ -246,7 +246,7 @@ def _refuse(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
 def run_live(args: argparse.Namespace) -> int:
     """``argus replay --live``: the workload through a running router, the simulator's reports."""
     from argus.profiles import ProfileError, load_profiles
-    from argus.sim.quality import synthetic_quality_table
+    from argus.profiles.synthetic_quality import synthetic_quality_table
     from argus.sim.report import format_table, is_synthetic, write_reports
     from argus.sim.workloads import WorkloadError, workload_by_name
     from argus.tools.live import (
@@ -446,7 +446,7 @@ def _description(
 def _short(description: dict[str, str]) -> str:
     """The quality model in a few words (summary.json has the full description)."""
     if description["quality"].startswith("synthetic"):
-        return "SYNTHETIC (argus/sim/quality.py)"
+        return "SYNTHETIC (argus/profiles/synthetic_quality.py)"
     return description["quality"]
 
 

@@ -117,7 +117,7 @@ def _tables(args: argparse.Namespace, strategies: list[Any]) -> dict[Any, Any]:
     """The quality table of each strategy: the files given, else synthetic ones."""
     from argus.contracts.quality import load_quality_table
     from argus.profiles import ProfileError, load_profiles
-    from argus.sim.quality import synthetic_quality_table
+    from argus.profiles.synthetic_quality import synthetic_quality_table
     from argus.sim.workloads import WorkloadError, load_prompt_file
     from argus.traces import default_prompt_trace
 

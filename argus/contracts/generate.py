@@ -4,9 +4,9 @@
 The router builds a :class:`GenerateCall`, the worker's engine serves it and answers a
 :class:`GenerateResult` (with its :class:`Timing` and the :class:`QualityScore` of earlier
 images) after :class:`Progress` events on a stream. Both sides import these values from here,
-so a field exists once: what the call will gain next (an input image, a mask and a strength
-for img2img and inpainting) goes on :class:`GenerateCall` and into :func:`call_to_pb` /
-:func:`call_from_pb`, and reaches the engine without another copy.
+so a field exists once: an edit's image, mask and strength (img2img and inpainting) are
+:class:`GenerateCall`'s, converted by :func:`call_to_pb` / :func:`call_from_pb`, and reach
+the engine without another copy.
 
 Optional fields of the call are None where the message leaves them unset (the worker's
 default applies); enums the sender left unset, or that this reader does not know, are None
@@ -65,6 +65,10 @@ class GenerateCall:
     adapters: tuple[Adapter, ...] = ()
     request_id: str = ""
     previews: int = 0  # low-resolution previews of the latent to stream (0: none)
+    # an edit (argus.request_limits.check_edit says what is accepted); b"": a generation
+    image: bytes = b""  # the template: PNG, JPEG or WebP, of the size generated
+    mask: bytes = b""  # PNG, fully transparent pixels edited; b"": the image's own alpha
+    strength: float | None = None  # img2img (no mask), in (0, 1]
 
 
 class Stage(enum.Enum):
@@ -205,7 +209,8 @@ def codec() -> Codec:
     )
 
 
-_OPTIONAL = ("width", "height", "steps", "guidance_scale")  # the call's optional fields
+# the call's optional fields
+_OPTIONAL = ("width", "height", "steps", "guidance_scale", "strength")
 _TIMING = tuple(f.name for f in fields(Timing))
 
 
@@ -254,6 +259,8 @@ def call_to_pb(call: GenerateCall) -> Any:
         level=call.level,
         adapters=adapters_to_pb(call.adapters),
         previews=call.previews,
+        image=call.image,
+        mask=call.mask,
     )
     for name in _OPTIONAL:
         if (value := getattr(call, name)) is not None:
@@ -275,6 +282,9 @@ def call_from_pb(message: Any) -> GenerateCall:
         adapters=adapters_from_pb(message.adapters),
         request_id=message.request_id,
         previews=message.previews,
+        image=bytes(message.image),
+        mask=bytes(message.mask),
+        strength=given(message, "strength"),
     )
 
 

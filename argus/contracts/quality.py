@@ -6,11 +6,12 @@ least ``delta`` times the best score the prompt gets at any level of the strateg
 image. Levels are ordered slowest first (see :mod:`argus.types`), so the optimal level is the
 highest index whose score passes the threshold.
 
-A :class:`QualityTable` covers one strategy. Real tables come from ``argus profile``
-(every prompt generated at every level and scored with PickScore); the simulator's
-:func:`argus.sim.quality.synthetic_quality_table` makes SYNTHETIC tables of the same shape and
-format. The profiler writes them, the classifier's training and calibration read them, and
-live replay and the simulator score what they served with them: one definition for all.
+A :class:`QualityTable` covers one strategy. Real tables come from ``argus profile`` (every
+prompt generated at every level and scored with PickScore); the simulator's
+:func:`argus.profiles.synthetic_quality.synthetic_quality_table` makes SYNTHETIC tables of the
+same shape and format. The profiler writes them, the classifier's training and calibration read
+them, and live replay and the simulator score what they served with them: one definition for
+all.
 
 File format (``save_quality_table`` / ``load_quality_table``), UTF-8 CSV as written by Python's
 ``csv`` module (RFC 4180 quoting, so prompts may hold commas, quotes and newlines)::

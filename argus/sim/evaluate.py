@@ -10,10 +10,10 @@ files, plots and printed table, :mod:`argus.sim.evaluation_report`.
 
 Seeds. Seed ``s`` (0 … seeds − 1) sets the arrival process and the thinning, the order of the
 prompts, the service-time jitter, the adapters drawn and the policies' random streams; the
-quality tables are SYNTHETIC (:func:`argus.sim.quality.synthetic_quality_table`) drawn with
-seed ``1000 + s``, never seed 0, on which the committed classifier was trained. All policies of
-one (load, seed) see the same workload, tables and cluster, so differences between them are
-paired. Prompts come only from the evaluation set of :mod:`argus.prompt_split`.
+quality tables are SYNTHETIC (:func:`argus.profiles.synthetic_quality.synthetic_quality_table`)
+drawn with seed ``1000 + s``, never seed 0, on which the committed classifier was trained. All
+policies of one (load, seed) see the same workload, tables and cluster, so differences between
+them are paired. Prompts come only from the evaluation set of :mod:`argus.prompt_split`.
 
 Policies run through :func:`argus.sim.policies.make_policy` and the trained or oracle
 classifier of :func:`argus.sim.policies.make_classifier`, on :class:`~argus.sim.cluster.
@@ -50,8 +50,8 @@ from argus.types import ProfileSet, Strategy
 
 if TYPE_CHECKING:
     from argus.contracts.quality import QualityTable
+    from argus.profiles.synthetic_quality import SyntheticModel
     from argus.sim.classifiers import Classifier
-    from argus.sim.quality import SyntheticModel
 
 DEFAULT_LOADS = (0.3, 0.5, 0.7, 0.9, 1.1, 1.3, 1.5)
 DEFAULT_POLICIES = ("argus", "pac", "proteus", "clipper-ha", "clipper-ht", "sommelier", "nirvana")
@@ -201,7 +201,7 @@ def quality_tables(
 ) -> dict[Strategy, QualityTable]:
     """SYNTHETIC quality tables of seed ``seed``'s evaluation (drawn with 1000 + seed), of
     the synthetic model ``models[strategy]`` (default: the calibrated ``SYNTHETIC_MODELS``)."""
-    from argus.sim.quality import synthetic_quality_table
+    from argus.profiles.synthetic_quality import synthetic_quality_table
 
     return {
         s: synthetic_quality_table(
@@ -394,7 +394,10 @@ def evaluate(
         rows=tuple(rows),
         wall_s=time.perf_counter() - started,
         classifier_label=label,
-        quality_source=(f"SYNTHETIC: argus/sim/quality.py, tables of seed {QUALITY_SEED_BASE} + s"),
+        quality_source=(
+            "SYNTHETIC: argus/profiles/synthetic_quality.py, "
+            f"tables of seed {QUALITY_SEED_BASE} + s"
+        ),
         slo_s=default_slo_s(profiles, [c for c, _ in counts]),  # the runs' SimConfig default
         gpu_counts=counts,
     )

@@ -196,7 +196,11 @@ def format_table(summaries: Sequence[Summary], *, synthetic_quality: bool = True
             f"{_mean(s.relative_quality, s.quality_n, 3):>6} {s.quality_n:>7,} "
             f"{s.model_switches:>8d} {s.utilisation:>5.0%}"
         )
-    source = "SYNTHETIC scores, argus/sim/quality.py" if synthetic_quality else "measured scores"
+    source = (
+        "SYNTHETIC scores, argus/profiles/synthetic_quality.py"
+        if synthetic_quality
+        else "measured scores"
+    )
     rows.append(
         f"quality ({source}), rel.q: means over the 'over n' requests served within the SLO"
     )

@@ -44,7 +44,8 @@ trace's load level in less time, thin it as well (``--scale 1/speedup``).
 
 Quality is looked up as the simulator does: the served level's column of the quality table of
 the served strategy, at row ``i % len(prompts)``; with ``argus replay`` the tables are the
-SYNTHETIC model's (:func:`argus.sim.quality.synthetic_quality_table`), not images scored.
+SYNTHETIC model's (:func:`argus.profiles.synthetic_quality.synthetic_quality_table`), not
+images scored.
 
 What the client cannot see is estimated from the answers: workers = the workers that answered;
 busy time = each answer's worker time less its queue time, scaled by ``speedup`` onto the

@@ -24,55 +24,19 @@ DIR``).
 from __future__ import annotations
 
 import io
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from argus.contracts.generate import CacheOutcome, GenerateCall
 from argus.contracts.quality import QualityTable
 from argus.types import Level, Strategy
 from argus.worker.engine import Worker
-
-
-class PickScorer:
-    """PickScore (or any CLIP) from a local directory: ``score(prompt, images) -> scores``."""
-
-    def __init__(self, model_dir: str | Path, device: str = "cpu") -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
-
-        self.model_dir = Path(model_dir)
-        if not (self.model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"scorer directory {self.model_dir} has no config.json")
-        model: Any = CLIPModel.from_pretrained(
-            self.model_dir, local_files_only=True, use_safetensors=True
-        )
-        self.model = model.to(device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
-        self.images = AutoImageProcessor.from_pretrained(self.model_dir, local_files_only=True)
-        self.device = device
-        self.max_tokens = int(self.model.config.text_config.max_position_embeddings)
-
-    def score(self, prompt: str, images: Sequence[Image.Image]) -> list[float]:
-        text = self.tokenizer(
-            [prompt], padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
-        ).to(self.device)
-        pixels = self.images(images=list(images), return_tensors="pt")["pixel_values"]
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=text["input_ids"],
-                attention_mask=text["attention_mask"],
-                pixel_values=pixels.to(self.device),
-            )
-        logits: torch.Tensor = out.logits_per_image[:, 0]
-        return [float(v) for v in logits.cpu()]
+from argus.worker.scoring import PickScorer
 
 
 @dataclass

@@ -71,6 +71,17 @@ running from its start step, each step done (with a low-resolution preview of th
 the call asked for some), decoding. The sink runs on the denoising thread, so it must only
 hand the event over (the servicer puts it on a queue); the GPU slot is held while it runs.
 
+Edits (a call with an ``image``): the image and mask are checked and decoded with the rest of
+the request (:func:`~argus.request_limits.check_edit`) and ride on the spec; the model's
+denoising loop runs img2img or inpainting (:meth:`DiffusionModel.start_edit`) on whichever
+level's model the request names, AC base or SM variant, with the same queue, progress,
+cancellation and deadlines as a generation; after the decode the pixels outside the edited
+region are pasted back from the template. An edit never uses the approximate cache
+(:attr:`CacheOutcome.NOT_USED`): the cache holds latents of other prompts generated from
+noise, and resuming one at step K would replace the template by another image, while the
+template's own steps are what an edit keeps; nor does an edit feed it, since its latents
+carry its template into any prompt that would resume from them.
+
 Adapters (LoRAs, ControlNets) are checked with the rest of the request and run through
 :class:`~argus.worker.adapters.WorkerAdapters` (see there for how they meet the cache: a
 request with ControlNets never resumes from a cached latent, and no adapter request feeds it).
@@ -104,8 +115,11 @@ from argus.contracts.generate import (
 from argus.contracts.worker_control import WorkerStats
 from argus.plumbing.quoting import quoted
 from argus.request_limits import (
+    EditInput,
     ImageLimits,
     InvalidRequestError,
+    check_edit,
+    check_edit_size,
     check_image,
     check_prompts,
     check_sampling,
@@ -120,6 +134,7 @@ from argus.worker.pipelines import (
     DiffusionModel,
     GenerationSpec,
     StepHook,
+    paste_unmasked,
 )
 from argus.worker.registry import ModelRegistry
 
@@ -321,7 +336,8 @@ ProgressSink = Callable[[Progress], None]
 class CacheLookup:
     """What the approximate cache gave a request (step 2 of :meth:`Worker._run`): a HIT
     resumes ``latent`` at ``start_step`` (the level's K); a MISS (``miss_reason`` says why)
-    and NOT_USED (by design: SM, K = 0, no cache) start from noise at step 0."""
+    and NOT_USED (by design: SM, K = 0, no cache) start from noise at step 0, except an edit
+    (NOT_USED), which starts at its own step from its image (:attr:`GenerationSpec.start_step`)."""
 
     outcome: CacheOutcome
     start_step: int = 0  # K on a hit
@@ -456,10 +472,17 @@ class Worker:
 
     def validate(self, call: GenerateCall) -> tuple[GenerationSpec, Level, AdapterPlan]:
         cfg = self.config
+        limits = ImageLimits(cfg.max_side, cfg.max_pixels)
         check_prompts(call.prompt, call.negative_prompt)
-        width = cfg.default_width if call.width is None else call.width
-        height = cfg.default_height if call.height is None else call.height
-        check_image(width, height, ImageLimits(cfg.max_side, cfg.max_pixels))
+        check_image(call.width, call.height, limits)
+        edit = check_edit(call.image, call.mask, call.strength, limits)
+        if edit is not None:
+            check_edit_size(edit, call.width, call.height)
+            width, height = edit.width, edit.height
+        else:
+            width = cfg.default_width if call.width is None else call.width
+            height = cfg.default_height if call.height is None else call.height
+            check_image(width, height, limits)
         steps = cfg.default_steps if call.steps is None else call.steps
         check_sampling(steps, call.guidance_scale, call.seed)
         if call.adapters and self.adapters is None:
@@ -479,6 +502,7 @@ class Worker:
             width=width,
             steps=steps,
             guidance_scale=call.guidance_scale or 0.0,
+            edit=edit,
         )
         plan = self.adapters.plan(call.adapters) if self.adapters is not None else NO_ADAPTERS
         return spec, level, plan
@@ -633,8 +657,8 @@ class Worker:
         model, substituted = self._pick_model(level)  # 1
         key = self._cache_key(model, spec) if self.cache is not None else None
         lookup = self._look_up(spec, level, plan, key)  # 2
-        feeds = feed_cache and self._feeds_cache(model, level, plan, lookup)  # 3
-        capture = self._cache_steps(spec.steps) if feeds else ()
+        feeds = feed_cache and spec.edit is None and self._feeds_cache(model, level, plan, lookup)
+        capture = self._cache_steps(spec.steps) if feeds else ()  # 3
         result, path, adapter_ms = self._denoise(  # 4
             model, spec, plan, request_id, lookup, capture, cancel, report
         )
@@ -681,9 +705,12 @@ class Worker:
     def _look_up(
         self, spec: GenerationSpec, level: Level, plan: AdapterPlan, key: Any
     ) -> CacheLookup:
-        """Step 2: where the run starts. An AC level with K > 0 looks the prompt up in the
+        """Step 2: where the run starts. An edit starts where its strength says, without the
+        cache (see the module's docstring). An AC level with K > 0 looks the prompt up in the
         cache (embedding it); a request with ControlNets, or a worker without an encoder,
         misses without a search; every other request does not use the cache."""
+        if spec.edit is not None:
+            return CacheLookup(CacheOutcome.NOT_USED, start_step=spec.start_step)
         if level.strategy is not Strategy.AC or level.skip_steps == 0 or self.cache is None:
             return NOT_LOOKED_UP
         if plan.controls:  # the control's structure is set in the steps a hit would skip
@@ -737,7 +764,7 @@ class Worker:
         if report is not None:
             report.decoding(spec.steps)
         began = time.perf_counter()
-        png = self._decode(model, result.latents, cancel, result.steps_run)
+        png = self._decode(model, result.latents, cancel, result.steps_run, spec.edit)
         decode_s = time.perf_counter() - began
         self.decode_times.observe(spec.width * spec.height, decode_s)
         return png, decode_s
@@ -753,16 +780,24 @@ class Worker:
             raise DecodeSkipped(steps, predicted, left)
 
     def _decode(
-        self, model: DiffusionModel, latents: torch.Tensor, cancel: CancelToken, steps: int
+        self,
+        model: DiffusionModel,
+        latents: torch.Tensor,
+        cancel: CancelToken,
+        steps: int,
+        edit: EditInput | None = None,
     ) -> bytes:
-        """The PNG of ``latents``; raises :class:`Cancelled` (with ``steps`` run) when
-        ``cancel`` says stop during the decode or before the PNG is encoded (PIL's encoder
-        cannot be interrupted: 0.5 s at 2048×2048 on this project's CPU, measured)."""
+        """The PNG of ``latents`` (an inpainting edit's pixels outside its region pasted back
+        from its template); raises :class:`Cancelled` (with ``steps`` run) when ``cancel``
+        says stop during the decode or before the PNG is encoded (PIL's encoder cannot be
+        interrupted: 0.5 s at 2048×2048 on this project's CPU, measured)."""
         try:
             image = model.decode(latents, cancel)
         except Cancelled as stop:
             stop.steps_done = steps
             raise
+        if edit is not None:
+            image = paste_unmasked(image, edit)
         cancel.check(steps)
         png = io.BytesIO()
         image.save(png, format="PNG")

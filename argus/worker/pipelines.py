@@ -11,6 +11,11 @@ stock call does not give:
 * **capture** the latents after K steps, for every K the cache keeps, during a full run;
 * **step hooks**, the seam the adapter workflows (LoRA patching at step boundaries,
   ControlNet residuals) attach to;
+* **edits** (:class:`~argus.request_limits.EditInput` on the spec): img2img starts at the step
+  its strength implies from the template's latent noised to that step, the resume-at-step-K
+  path above with a latent made from an image instead of fetched from the cache; inpainting
+  starts from the seed's noise and, after every step, puts back the template's latent noised
+  to the next step outside the region (:class:`EditStart`);
 * **cancellation** inside steps and decodes: a :class:`CancelToken` whose client went away
   or whose deadline passed stops the run with :class:`Cancelled` at its next *checkpoint*.
   The loop checks it before every step; and every attention and ResNet block of the UNet and
@@ -50,9 +55,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from PIL import Image
 
+from argus.request_limits import EditInput
 from argus.worker.models import make_scheduler, scheduler_name
 
 
@@ -184,6 +191,54 @@ class GenerationSpec:
     width: int = 64
     steps: int = 50
     guidance_scale: float = 0.0
+    edit: EditInput | None = None  # img2img or inpainting of a template; None: from noise
+
+    @property
+    def start_step(self) -> int:
+        """The step a run of this spec starts at without the cache: an img2img edit's by its
+        strength, else 0."""
+        return 0 if self.edit is None else self.edit.start_step(self.steps)
+
+
+@dataclass(frozen=True)
+class EditStart:
+    """Where an edit's denoising starts (:meth:`DiffusionModel.start_edit`), and for
+    inpainting how every step keeps the template outside the region.
+
+    ``template`` is the image's latent (VAE-encoded, scaled to the scheduler's space);
+    ``region`` is the edited region at latent resolution, 1 where edited (a latent pixel is
+    edited when any of its 8×8 pixels is, so every edited pixel is generated, not
+    reconstructed from the template's latent); None for img2img. This is the seam InstGenIE's
+    mask-aware activation cache slots into: the tokens outside ``region`` are the same in
+    every edit of one template, so a :class:`NoisePredictor` given ``region`` can compute
+    attention and feed-forward for the edited tokens only and take the rest from the
+    template's recorded run."""
+
+    latents: torch.Tensor  # the input of the edit's first step
+    template: torch.Tensor
+    noise: torch.Tensor  # the seed's noise, unscaled (the template is noised with it)
+    region: torch.Tensor | None
+    scheduler: Any  # a scheduler of the run's timesteps, used only to noise the template
+
+    def blend(self, steps: int) -> StepHook:
+        """The step hook of inpainting: after step ``done`` the latent outside the region is
+        the template noised to the next step's level (the template itself after the last),
+        as diffusers' inpainting pipeline does for a UNet with 4 input channels."""
+        region = self.region
+        assert region is not None
+        keep = 1.0 - region
+        order = int(getattr(self.scheduler, "order", 1))
+        timesteps = self.scheduler.timesteps
+
+        def kept(done: int, latents: torch.Tensor) -> torch.Tensor:
+            known = self.template
+            if done < steps:
+                t = timesteps[done * order : done * order + 1]
+                known = self.scheduler.add_noise(self.template, self.noise, t)
+            blended: torch.Tensor = keep * known + region * latents
+            return blended
+
+        return kept
 
 
 @dataclass
@@ -243,11 +298,68 @@ class DiffusionModel:
 
     def initial_noise(self, spec: GenerationSpec, scheduler: Any) -> torch.Tensor:
         """The seeded starting noise, drawn on the CPU so a seed means the same on any device."""
+        scaled: torch.Tensor = self.seed_noise(spec) * scheduler.init_noise_sigma
+        return scaled.to(self.device, self.dtype)
+
+    def seed_noise(self, spec: GenerationSpec) -> torch.Tensor:
+        """The seed's standard normal noise of the latent's shape (float32, on the CPU)."""
         generator = torch.Generator("cpu").manual_seed(spec.seed)
         shape = self.latent_shape(spec.height, spec.width)
-        noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-        scaled: torch.Tensor = noise * scheduler.init_noise_sigma
-        return scaled.to(self.device, self.dtype)
+        return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+    def encode_image(self, rgb: Any) -> torch.Tensor:
+        """An RGB image (height × width × 3, uint8) as a latent in the scheduler's space: the
+        VAE's mode (deterministic: an edit of a template starts from one latent), scaled as
+        :meth:`decode` unscales it. Called under the model's lock."""
+        vae = self.pipeline.vae
+        config = vae.config
+        upcast = vae.dtype == torch.float16 and getattr(config, "force_upcast", False)
+        encoder = vae.to(torch.float32) if upcast else vae
+        try:
+            pixels = torch.from_numpy(np.array(rgb)).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
+            x = (pixels / 127.5 - 1.0).to(self.device, encoder.dtype)
+            z = encoder.encode(x).latent_dist.mode()
+        finally:
+            if upcast:
+                vae.to(torch.float16)
+        mean = getattr(config, "latents_mean", None)
+        std = getattr(config, "latents_std", None)
+        if mean is not None and std is not None:
+            channels = z.shape[1]
+            m = torch.tensor(mean).view(1, channels, 1, 1).to(z)
+            s = torch.tensor(std).view(1, channels, 1, 1).to(z)
+            z = (z - m) * config.scaling_factor / s
+        else:
+            z = z * config.scaling_factor
+        latent: torch.Tensor = z.to(self.device, self.dtype)
+        return latent
+
+    def start_edit(self, spec: GenerationSpec) -> EditStart:
+        """Step 3 of an edit (prepare the latents), under the model's lock: the template's
+        latent, and the first step's input. Inpainting and img2img at strength 1 start from
+        the seed's noise exactly as a generation does (diffusers' inpainting pipeline at
+        strength 1; its img2img pipeline noises the image to the first timestep instead, which
+        leaves a trace of it in an image asked to be made anew); img2img below 1 starts from
+        the template noised to its start step."""
+        edit = spec.edit
+        assert edit is not None
+        scheduler = self.new_scheduler()
+        scheduler.set_timesteps(spec.steps, device=self.device)
+        template = self.encode_image(edit.rgb)
+        noise = self.seed_noise(spec).to(self.device, self.dtype)
+        start = spec.start_step
+        if start == 0:
+            latents = self.initial_noise(spec, scheduler)
+        else:
+            order = int(getattr(scheduler, "order", 1))
+            t = scheduler.timesteps[start * order : start * order + 1]
+            latents = scheduler.add_noise(template, noise, t)
+        region = None
+        if edit.region is not None:
+            f = self.vae_scale_factor
+            pixels = torch.from_numpy(np.array(edit.region)).to(torch.float32)[None, None]
+            region = torch.nn.functional.max_pool2d(pixels, f).to(self.device, self.dtype)
+        return EditStart(latents, template, noise, region, scheduler)
 
     def encode(self, spec: GenerationSpec) -> Conditioning:
         scale = spec.guidance_scale or self.default_guidance
@@ -348,10 +460,17 @@ class DiffusionModel:
         still runs).
         ``on_step`` is called with the index of each step after it ran (the worker counts
         steps with it).
+
+        An edit (``spec.edit``) starts at ``spec.start_step`` from latents it makes itself
+        (:meth:`start_edit`; ``start_latents`` must be None), and inpainting's blend runs as
+        the first step hook, so the other hooks (adapters, progress previews) see the latent
+        with the template put back.
         """
         if not 0 <= start_step < spec.steps:
             raise ValueError(f"start_step {start_step} outside [0, {spec.steps})")
-        if start_step > 0 and start_latents is None:
+        if spec.edit is not None and (start_latents is not None or start_step != spec.start_step):
+            raise ValueError(f"an edit starts at its own step {spec.start_step}, from its image")
+        if spec.edit is None and start_step > 0 and start_latents is None:
             raise ValueError("resuming at a step > 0 needs start_latents")
         wanted = {k for k in capture if start_step < k < spec.steps}
         hooks = tuple(hooks)
@@ -368,7 +487,12 @@ class DiffusionModel:
                 timesteps = scheduler.timesteps[start_step * order :]
                 if hasattr(scheduler, "set_begin_index"):
                     scheduler.set_begin_index(start_step * order)
-                if start_latents is None:
+                if spec.edit is not None:
+                    edit = self.start_edit(spec)
+                    latents = edit.latents
+                    if edit.region is not None:
+                        hooks = (edit.blend(spec.steps), *hooks)
+                elif start_latents is None:
                     latents = self.initial_noise(spec, scheduler)
                 else:
                     latents = start_latents.to(self.device, self.dtype)
@@ -495,3 +619,14 @@ def decode_tiled(
             out_row.append(part[:, :, :keep, :keep])
         out_rows.append(torch.cat(out_row, dim=3))
     return torch.cat(out_rows, dim=2)
+
+
+def paste_unmasked(image: Image.Image, edit: EditInput) -> Image.Image:
+    """The decoded ``image`` with the pixels outside the edit's region taken from the template,
+    so that they come back exactly as sent (the VAE's round trip alone changes them); an
+    img2img edit (no region) is returned as decoded."""
+    if edit.region is None:
+        return image
+    pixels = np.array(image.convert("RGB"), dtype=np.uint8)
+    pixels[~edit.region] = edit.rgb[~edit.region]
+    return Image.fromarray(pixels, mode="RGB")

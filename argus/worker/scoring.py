@@ -1,7 +1,7 @@
 """Quality scores of a sample of the worker's images, for the router's drift monitor (§5.5).
 
 A worker scores a random share (``argus worker --score-sample``, 0: off) of the images it
-serves with PickScore (:class:`argus.tools.profiler.PickScorer`), off the request path:
+serves with PickScore (:class:`PickScorer`), off the request path:
 :meth:`ScoreSampler.offer` is called after an image is made and only draws the sample and
 queues the PNG; one background thread decodes and scores it. The queue is bounded: when it is
 full the image is dropped and counted (``dropped``), so scoring never holds a request up or
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import queue
 import random
 import tempfile
@@ -38,13 +39,56 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from argus.contracts.generate import QualityScore
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SAMPLE = 0.05  # share of images scored by default (argus worker --score-sample)
+
+
+class PickScorer:
+    """PickScore (or any CLIP) from a local directory: ``score(prompt, images) -> scores``.
+
+    The worker's drift sample scores with it and so does ``argus profile``
+    (:mod:`argus.tools.profiler`); torch and transformers load when one is made, so importing
+    this module costs neither."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu") -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"scorer directory {self.model_dir} has no config.json")
+        model: Any = CLIPModel.from_pretrained(
+            self.model_dir, local_files_only=True, use_safetensors=True
+        )
+        self.model = model.to(device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        self.images = AutoImageProcessor.from_pretrained(self.model_dir, local_files_only=True)
+        self.device = device
+        self.max_tokens = int(self.model.config.text_config.max_position_embeddings)
+
+    def score(self, prompt: str, images: Sequence[Image.Image]) -> list[float]:
+        import torch
+
+        text = self.tokenizer(
+            [prompt], padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
+        ).to(self.device)
+        pixels = self.images(images=list(images), return_tensors="pt")["pixel_values"]
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=text["input_ids"],
+                attention_mask=text["attention_mask"],
+                pixel_values=pixels.to(self.device),
+            )
+        logits: torch.Tensor = out.logits_per_image[:, 0]
+        return [float(v) for v in logits.cpu()]
 
 
 class Scorer(Protocol):
@@ -240,21 +284,17 @@ def write_tiny_clip(directory: str | Path, seed: int = 0) -> str | Path:
     return directory
 
 
-def tiny_scorer(seed: int = 0) -> Any:
-    """A :class:`~argus.tools.profiler.PickScorer` on :func:`write_tiny_clip`'s model: the default
-    when no PickScore directory is given."""
-    from argus.tools.profiler import PickScorer
-
+def tiny_scorer(seed: int = 0) -> PickScorer:
+    """A :class:`PickScorer` on :func:`write_tiny_clip`'s model: the default when no PickScore
+    directory is given."""
     # PickScorer loads from a directory (as it loads real PickScore); write one and read it back
     with tempfile.TemporaryDirectory(prefix="argus-tiny-clip-") as directory:
         return PickScorer(write_tiny_clip(directory, seed))
 
 
-def load_scorer(directory: str | None, device: str = "cpu") -> Any:
+def load_scorer(directory: str | None, device: str = "cpu") -> PickScorer:
     """The worker's scorer: PickScore (any CLIP) from ``directory`` on ``device``, else
     :func:`tiny_scorer` (on the CPU)."""
     if directory is None:
         return tiny_scorer()
-    from argus.tools.profiler import PickScorer
-
     return PickScorer(directory, device)

@@ -10,6 +10,11 @@ The synthetic model is described at :func:`synthetic_quality_table`; its paramet
 calibrated once against the paper's published figures (PickScore aggregates, the trained
 classifier's routing of §5.5, the shape of Fig. 13) by
 ``benchmarks/quality_calibration.py --search`` and are hard-coded in :data:`SYNTHETIC_MODELS`.
+
+It sits beside the latency profiles, on the classifier's floor below the services and the
+simulator (``tests/test_layers.py``): the profiles say what each level costs, this what it
+gives each prompt, and both the simulator and the classifier's default training
+(:mod:`argus.classifier.distill`, ``argus train-classifier``) read it.
 """
 
 from __future__ import annotations
