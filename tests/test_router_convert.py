@@ -58,6 +58,9 @@ def full_request() -> Any:
         deadline_ms=1234,
         max_level_index=2,
         previews=3,
+        image=b"\x89PNG template",
+        mask=b"\x89PNG mask",
+        strength=0.5,
     )
 
 

@@ -7,6 +7,11 @@ timing). A failed request prints a JSON line with its status and retry hint; the
 1 if any failed. ``--retries N`` sends a request the router refused for now (with a retry
 hint) or that ran out of its deadline again, after the hint, up to N times.
 
+``--image FILE`` makes each request an edit of that image (PNG, JPEG or WebP; the size is
+the image's): inpainting where ``--mask FILE`` (a PNG of its size) is fully transparent, or
+where the image's own alpha is when no mask is given, or img2img at ``--strength S`` in
+(0, 1]. The router checks them and answers a bad one naming the field.
+
 ``--stream`` sends the requests one at a time through GenerateStream and draws each one's
 progress on stderr: the level and worker chosen, its place in the worker's queue, then a bar
 of the denoising steps (redrawn in place on a terminal, one line per stage otherwise).
@@ -217,6 +222,18 @@ class ClientCommand:
             action="store_true",
             help="one request at a time through GenerateStream, with a progress bar on stderr",
         )
+        parser.add_argument(
+            "--image", type=Path, help="edit this image (PNG, JPEG or WebP) instead of generating"
+        )
+        parser.add_argument(
+            "--mask",
+            type=Path,
+            help="with --image: a PNG of its size, fully transparent where to edit "
+            "(default: the image's own alpha)",
+        )
+        parser.add_argument(
+            "--strength", type=float, help="with --image and no mask: img2img strength in (0, 1]"
+        )
         parser.add_argument("--out", type=Path, default=Path("images"), help="directory")
         add_connection_arguments(parser)
 
@@ -232,6 +249,7 @@ class ClientCommand:
             raise CLIError(f"--retries: {args.retries} must be >= 0")
         if args.max_level_index is not None and args.max_level_index < 0:
             raise CLIError(f"--max-level-index: {args.max_level_index} must be >= 0")
+        edit = read_edit(args.image, args.mask, args.strength)
         connection = read_connection(args.router, args)
         with RouterClient(connection) as client:
             failed = send_prompts(
@@ -246,5 +264,27 @@ class ClientCommand:
                 steps=args.steps,
                 deadline_ms=args.deadline_ms,
                 max_level_index=args.max_level_index,
+                **edit,
             )
         return 1 if failed else 0
+
+
+def read_edit(image: Path | None, mask: Path | None, strength: float | None) -> dict[str, Any]:
+    """The edit fields of the requests (none without ``--image``); the files' bytes are sent
+    as they are, for the router to check."""
+    if image is None:
+        for flag, value in (("--mask", mask), ("--strength", strength)):
+            if value is not None:
+                raise CLIError(f"{flag}: needs --image (the image to edit)")
+        return {}
+    fields: dict[str, Any] = {"image": _read_file(image, "--image"), "strength": strength}
+    if mask is not None:
+        fields["mask"] = _read_file(mask, "--mask")
+    return fields
+
+
+def _read_file(path: Path, flag: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise CLIError(f"{flag}: cannot read {path} ({err.strerror})") from None

@@ -46,7 +46,15 @@ STATUS_CODES: dict[Refusal, grpc.StatusCode] = {
 }
 _REFUSALS = {code: refusal for refusal, code in STATUS_CODES.items()}
 
-_OPTIONAL = ("width", "height", "steps", "guidance_scale", "deadline_ms", "max_level_index")
+_OPTIONAL = (
+    "width",
+    "height",
+    "steps",
+    "guidance_scale",
+    "deadline_ms",
+    "max_level_index",
+    "strength",
+)
 
 
 # -- refusals ------------------------------------------------------------------------------
@@ -86,6 +94,9 @@ def request_from_pb(message: Any) -> RouterRequest:
         deadline_ms=given(message, "deadline_ms"),
         max_level_index=given(message, "max_level_index"),
         previews=message.previews,
+        image=bytes(message.image),
+        mask=bytes(message.mask),
+        strength=given(message, "strength"),
     )
 
 
@@ -97,6 +108,8 @@ def request_to_pb(request: RouterRequest) -> Any:
         seed=request.seed,
         adapters=adapters_to_pb(request.adapters),
         previews=request.previews,
+        image=request.image,
+        mask=request.mask,
     )
     for name in _OPTIONAL:
         if (value := getattr(request, name)) is not None:

@@ -2,9 +2,11 @@
 
 :class:`RouterCore` serves one :class:`~argus.router.values.RouterRequest`, top to bottom:
 
-1. check the request (:func:`check_request`, INVALID naming the field) and price it
+1. check the request (:func:`check_request`, INVALID naming the field; an edit's image and
+   mask are decoded and its size set from the image) and price it
    (:func:`~argus.router.admission.request_cost`: pixels × steps over the profile's reference
-   request); a cost above ``max_cost`` is INVALID naming width, height and steps;
+   request, img2img × its strength); a cost above ``max_cost`` is INVALID naming width,
+   height and steps;
 2. claim its request id (a retry joins or returns the first call);
 3. take an in-flight slot (OVERLOADED when the router holds its maximum);
 4. admit early, before the classifier: the earliest completion over the live workers, each at
@@ -52,6 +54,8 @@ from argus.request_limits import (
     ImageLimits,
     InvalidRequestError,
     check_adapters,
+    check_edit,
+    check_edit_size,
     check_image,
     check_prompts,
     check_sampling,
@@ -195,11 +199,14 @@ class Classified:
 # -- checks --------------------------------------------------------------------------------
 
 
-def check_request(request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS) -> None:
-    """Raise RouterError(INVALID) naming the first bad field; return otherwise.
+def check_request(request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS) -> RouterRequest:
+    """Raise RouterError(INVALID) naming the first bad field; return the request as served
+    otherwise: an edit's width and height are its image's (so that it is priced and admitted
+    at its size), every other request is returned as it is.
 
-    Prompts, image size and sampling are checked by the rules the workers apply
-    (:mod:`argus.request_limits`); a worker's defaults fill absent (None) fields.
+    Prompts, image size, sampling and an edit's image and mask are checked by the rules the
+    workers apply (:mod:`argus.request_limits`); a worker's defaults fill absent (None)
+    fields.
     """
     try:
         if len(request.request_id) > MAX_ID_CHARS:
@@ -219,6 +226,11 @@ def check_request(request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS) 
         for i, adapter in enumerate(request.adapters):
             if adapter.kind is None or not adapter.name:
                 raise InvalidRequestError(f"adapters[{i}]", "needs a kind and a name")
+        edit = check_edit(request.image, request.mask, request.strength, limits)
+        if edit is None:
+            return request
+        check_edit_size(edit, request.width, request.height)
+        return replace(request, width=edit.width, height=edit.height)
     except InvalidRequestError as err:
         raise RouterError(Refusal.INVALID, str(err)) from None
 
@@ -238,7 +250,8 @@ def fingerprint(request: RouterRequest) -> bytes:
 def _identity(request: RouterRequest) -> Iterator[object]:
     r = request
     yield from (r.request_id, r.prompt, r.negative_prompt, r.seed, r.width, r.height, r.steps)
-    yield from (r.guidance_scale, r.max_level_index, r.previews, len(r.adapters))
+    yield from (r.guidance_scale, r.max_level_index, r.previews, r.image, r.mask, r.strength)
+    yield len(r.adapters)
     for adapter in r.adapters:
         kind = None if adapter.kind is None else adapter.kind.value
         yield from (kind, adapter.name, adapter.scale, adapter.control_image)
@@ -259,6 +272,9 @@ def worker_call(request: RouterRequest, level: str, *, previews: bool) -> Worker
         adapters=request.adapters,
         request_id=request.request_id,
         previews=request.previews if previews else 0,
+        image=request.image,
+        mask=request.mask,
+        strength=request.strength,
     )
 
 
@@ -416,7 +432,7 @@ class RouterCore:
     def _generate(
         self, request: RouterRequest, arrived: float, deadline_s: float | None, call: _Call
     ) -> RouterReply:
-        check_request(request, self.config.limits)
+        request = check_request(request, self.config.limits)
         cost = self._price(request)
         deadline = arrived + (request.deadline_ms or self.config.default_deadline_ms) / 1e3
         if deadline_s is not None:

@@ -1,5 +1,6 @@
-"""The router's OpenAI-compatible HTTP endpoint (``/v1/images/generations``, ``/v1/models``,
-``/healthz``, ``/readyz``), served by uvicorn beside the gRPC port of the same process.
+"""The router's OpenAI-compatible HTTP endpoint (``/v1/images/generations``,
+``/v1/images/edits``, ``/v1/models``, ``/healthz``, ``/readyz``), served by uvicorn beside the
+gRPC port of the same process.
 
 Requests go to the same :class:`~argus.router.core.RouterCore` as gRPC calls, from a thread
 pool bounded by the core's ``max_in_flight``, so both share admission, the classifier and
@@ -20,6 +21,16 @@ latent previews asked for, and last ``image_generation.completed`` with the imag
 shapes of OpenAI's image stream events (Argus's fields added). A request refused before it
 is routed gets the same status and error JSON as without ``stream``; a failure after that
 ends the stream with an ``error`` event holding the error JSON.
+
+``/v1/images/edits`` takes OpenAI's multipart form: ``image`` (PNG, JPEG or WebP), ``mask``
+(a PNG of its size whose fully transparent pixels are edited; without it, the image's own
+alpha), ``prompt`` and the generation's other fields as form values, plus ``strength``
+(img2img, without a mask); no adapters. The body is bounded as the JSON body is, in bytes
+before it is parsed (:func:`parse_form`), and each edit is served as a generation is (the
+same ``n``, stream and errors), its stream's events named ``image_edit.partial_image`` and
+``image_edit.completed`` as OpenAI names them. The image and mask are checked by the core
+(:func:`~argus.request_limits.check_edit`), so a bad one is a 400 naming ``image``, ``mask``
+or ``strength``, as over gRPC.
 
 A client that disconnects cancels its requests: the worker stops denoising at its next
 step, and the router counts a CANCELLED request. An answer not yet begun (never sent) is
@@ -73,7 +84,9 @@ import anyio.to_thread
 import h11
 import uvicorn
 from starlette.applications import Starlette
+from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -81,7 +94,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from argus.contracts.generate import Adapter, AdapterKind, Progress
-from argus.request_limits import InvalidRequestError, check_image, parse_size
+from argus.request_limits import InvalidRequestError, check_image, parse_int, parse_size
 from argus.router.core import CallCancel, ProgressSink, RouterCore
 from argus.router.values import (
     Refusal,
@@ -165,8 +178,16 @@ _FIELDS = frozenset(
         "partial_images",
     }
 )
+# an edit's form: the generation's fields less adapters (a JSON list has no form value), plus
+# the template, its mask and img2img's strength
+_EDIT_FIELDS = (_FIELDS - {"adapters"}) | {"image", "mask", "strength"}
+_FILES = frozenset({"image", "mask"})
+# form values read as numbers or a flag, to check them as the JSON body's are
+_FORM_INTS = frozenset({"n", "seed", "steps", "deadline_ms", "max_level_index", "partial_images"})
+_FORM_FLOATS = frozenset({"guidance_scale", "strength"})
+MAX_FORM_FIELDS = 32  # an edit has 17 fields; each is given once
 MAX_PREVIEWS = 1000  # one per step at most (steps are at most 1000)
-_ROUTES = ("/v1/images/generations", "/v1/models", "/healthz", "/readyz")
+_ROUTES = ("/v1/images/generations", "/v1/images/edits", "/v1/models", "/healthz", "/readyz")
 
 
 class ApiError(Exception):
@@ -257,7 +278,7 @@ def _param_of(details: str) -> str | None:
         return "size"
     if head.startswith("adapters"):
         return "adapters"
-    return head if head in _FIELDS else None
+    return head if head in _FIELDS | _EDIT_FIELDS else None
 
 
 # -- request body ---------------------------------------------------------------------------
@@ -349,14 +370,17 @@ class ImagesRequest:
         return [replace(self.template, seed=(seed + i) % 2**64) for i in range(self.n)]
 
 
-def parse_images_request(body: Any, model_id: str, core: RouterCore) -> ImagesRequest:
-    """Check a decoded JSON body; ApiError(400) names the first bad field."""
+def parse_images_request(
+    body: Any, model_id: str, core: RouterCore, fields: frozenset[str] = _FIELDS
+) -> ImagesRequest:
+    """Check a decoded JSON body (or an edit's form, as :func:`parse_edit_request` reads it);
+    ApiError(400) names the first bad field. ``fields``: the names the body may have."""
     if not isinstance(body, dict):
         raise invalid("body", f"must be a JSON object, got {type(body).__name__}")
     for name in body:
-        if name not in _FIELDS:
+        if name not in fields:
             shown = name[:64]  # a client's key, echoed back: bounded
-            raise invalid(shown, f"unknown field; supported: {', '.join(sorted(_FIELDS))}")
+            raise invalid(shown, f"unknown field; supported: {', '.join(sorted(fields))}")
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise invalid("prompt", "required, a string")
@@ -403,6 +427,81 @@ def parse_images_request(body: Any, model_id: str, core: RouterCore) -> ImagesRe
         previews=previews or 0,
     )
     return ImagesRequest(template, n or 1, user, stream)
+
+
+def parse_edit_request(
+    form: Mapping[str, str | bytes], model_id: str, core: RouterCore
+) -> ImagesRequest:
+    """Check an edit's form (:func:`parse_form`): its text values read as the JSON body's
+    types, then checked as a generation's body is, with the image, mask and strength added
+    (the core checks those). ApiError(400) names the first bad field."""
+    body: dict[str, Any] = {}
+    for name, value in form.items():
+        if name not in _EDIT_FIELDS:
+            shown = name[:64]
+            supported = ", ".join(sorted(_EDIT_FIELDS))
+            raise invalid(shown, f"unknown field; supported: {supported}")
+        if (name in _FILES) is not isinstance(value, bytes):
+            kind = "a file" if name in _FILES else "a text value, not a file"
+            raise invalid(name, f"must be {kind}")
+        body[name] = value if isinstance(value, bytes) else _form_value(name, value)
+    image, mask = body.pop("image", b""), body.pop("mask", b"")
+    strength = body.pop("strength", None)
+    if not image:
+        raise invalid("image", "required: the image to edit (PNG, JPEG or WebP)")
+    parsed = parse_images_request(body, model_id, core, _EDIT_FIELDS)
+    template = replace(parsed.template, image=image, mask=mask, strength=strength)
+    return replace(parsed, template=template)
+
+
+def _form_value(name: str, text: str) -> Any:
+    """A form's text value as the JSON body would carry it: a number, a flag or the text."""
+    try:
+        if name in _FORM_INTS:
+            return parse_int(text, name)
+        if name in _FORM_FLOATS:
+            number = float(text)
+            if not math.isfinite(number):
+                raise invalid(name, f"{text[:32]!r} is not a finite number")
+            return number
+    except ValueError as err:
+        if isinstance(err, InvalidRequestError):
+            raise invalid(name, str(err).removeprefix(f"{name}: ")) from None
+        raise invalid(name, f"{text[:32]!r} is not a number") from None
+    if name == "stream":
+        if text not in ("true", "false"):
+            raise invalid(name, f"{text[:32]!r}: 'true' or 'false'")
+        return text == "true"
+    return text
+
+
+async def parse_form(body: bytes, headers: Headers) -> dict[str, str | bytes]:
+    """A ``multipart/form-data`` body, already read (and so bounded in bytes), as its fields:
+    text values as text, files as their bytes. 400 naming body when it is not such a form or
+    has more than :data:`MAX_FORM_FIELDS` fields or more than two files, and naming a field
+    given twice (``image[]``, as OpenAI's client names a list of images, is ``image``)."""
+    if not headers.get("content-type", "").startswith("multipart/form-data"):
+        raise invalid("body", "an edit is a multipart/form-data form (image, mask, prompt, ...)")
+
+    async def stream() -> Any:
+        yield body
+        yield b""
+
+    parser = MultiPartParser(headers, stream(), max_files=len(_FILES), max_fields=MAX_FORM_FIELDS)
+    try:
+        form = await parser.parse()
+    except MultiPartException as err:
+        raise invalid("body", f"not a form this endpoint reads ({err.message})") from None
+    fields: dict[str, str | bytes] = {}
+    try:
+        for name, value in form.multi_items():
+            name = name.removesuffix("[]")
+            if name in fields:
+                raise invalid(name[:64], "given more than once (one image and one mask an edit)")
+            fields[name] = await value.read() if isinstance(value, UploadFile) else value
+    finally:
+        await form.close()
+    return fields
 
 
 def _optional(body: dict[str, Any], name: str, kind: Any) -> Any:
@@ -560,11 +659,26 @@ def create_app(
         authorize(request)
         parsed = parse_images_request(await read_json(request), model_id, core)
         log.info("http images: n=%d user=%r stream=%s", parsed.n, parsed.user, parsed.stream)
+        return await answer(request, parsed, "image_generation")
+
+    async def edits(request: Request) -> Response:
+        authorize(request)
+        body = await read_body(request, max_body_bytes, body_timeout_s)
+        parsed = parse_edit_request(await parse_form(body, request.headers), model_id, core)
+        log.info("http edits: n=%d user=%r stream=%s", parsed.n, parsed.user, parsed.stream)
+        return await answer(request, parsed, "image_edit")
+
+    async def answer(request: Request, parsed: ImagesRequest, events: str) -> Response:
+        """Serve ``parsed``'s images: a stream whose events are named ``events``.*, or one
+        JSON answer."""
         requests = parsed.requests()
         cancels = [CallCancel() for _ in requests]
         if parsed.stream:
             return _ImageStream(
-                functools.partial(generate_one, requests[0], cancels[0]), cancels[0], requests[0]
+                functools.partial(generate_one, requests[0], cancels[0]),
+                cancels[0],
+                requests[0],
+                events,
             )
         results: list[Any] = [None] * len(requests)
 
@@ -618,6 +732,7 @@ def create_app(
     app = Starlette(
         routes=[
             Route("/v1/images/generations", generations, methods=["POST"]),
+            Route("/v1/images/edits", edits, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
@@ -736,18 +851,21 @@ class _ImageStream(Response):
 
     The status waits for the first event: a request refused before it was routed is answered
     as without a stream (its status and error JSON, ``Retry-After`` on 429); once routed the
-    answer is 200 and events follow until ``image_generation.completed`` or an ``error``
-    event. A disconnect cancels the request (see the module's docstring)."""
+    answer is 200 and events follow until ``<events>.completed`` or an ``error`` event
+    (``events``: ``image_generation``, or ``image_edit`` for an edit, as OpenAI names each
+    stream's events). A disconnect cancels the request (see the module's docstring)."""
 
     def __init__(
         self,
         start: Callable[[ProgressSink], Awaitable[RouterReply]],
         cancel: CallCancel,
         request: RouterRequest,
+        events: str = "image_generation",
     ) -> None:
         super().__init__(media_type="text/event-stream")
         self._start = start
         self._cancel = cancel
+        self._events = events
         size = "auto" if request.width is None else f"{request.width}x{request.height}"
         self._shape = {"size": size, "output_format": "png", "background": "auto"}
         self._shape["quality"] = "auto"
@@ -816,10 +934,9 @@ class _ImageStream(Response):
             entry.pop("revised_prompt")
             usage: dict[str, Any] = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
             usage["input_tokens_details"] = {"image_tokens": 0, "text_tokens": 0}
-            completed = {"type": "image_generation.completed", "created_at": created}
-            return _sse_event(
-                "image_generation.completed", {**completed, **self._shape, **entry, "usage": usage}
-            )
+            name = f"{self._events}.completed"
+            completed = {"type": name, "created_at": created}
+            return _sse_event(name, {**completed, **self._shape, **entry, "usage": usage})
         progress = {
             "type": "argus.progress",
             "stage": event.stage.value,
@@ -832,8 +949,9 @@ class _ImageStream(Response):
         }
         out = _sse_event("argus.progress", progress)
         if event.preview_png:
+            name = f"{self._events}.partial_image"
             partial = {
-                "type": "image_generation.partial_image",
+                "type": name,
                 "created_at": created,
                 "b64_json": base64.b64encode(event.preview_png).decode("ascii"),
                 "partial_image_index": self._previews,
@@ -842,7 +960,7 @@ class _ImageStream(Response):
                 "total_steps": event.total_steps,
             }
             self._previews += 1
-            out += _sse_event("image_generation.partial_image", partial)
+            out += _sse_event(name, partial)
         return out
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
+from argus.request_limits import img2img_steps
 from argus.router.admission import (
     AdmissionRule,
     WorkerLoad,
@@ -140,11 +141,19 @@ class RouterPolicy:
     # the decision ------------------------------------------------------------------------
 
     def price(self, request: RouterRequest) -> float | Refused:
-        """The request's cost in reference requests; INVALID above ``max_cost``."""
+        """The request's cost in reference requests; INVALID above ``max_cost``.
+
+        An edit costs as a generation of its size (the core has set it from the image) and
+        steps: inpainting runs every step over the whole latent, so its mask does not make it
+        cheaper (the mask-aware activation cache would); img2img runs the last ``strength`` of
+        the steps (:func:`~argus.request_limits.img2img_steps`)."""
         ref = self.profiles.reference
         size = self.config.default_size
         steps = request.steps or self.config.default_steps
         cost = request_cost(request.width or size, request.height or size, steps, ref)
+        if request.image and request.strength is not None:  # img2img
+            n = steps or ref.steps
+            cost *= img2img_steps(n, request.strength) / n
         cap = self.config.max_cost
         if cap is not None and cost > cap:
             return Refused(

@@ -84,6 +84,10 @@ class RouterRequest:
     deadline_ms: int | None = None  # from arrival; None: the router's default
     max_level_index: int | None = None  # fastest level index accepted; None: any
     previews: int = 0  # latent previews to stream (GenerateStream only)
+    # an edit, as on the Generate contract (argus.request_limits.check_edit); b"": none
+    image: bytes = b""  # the template: PNG, JPEG or WebP; it sets width and height
+    mask: bytes = b""  # PNG, fully transparent pixels edited; b"": the image's own alpha
+    strength: float | None = None  # img2img (no mask), in (0, 1]
 
 
 @dataclass(frozen=True)

@@ -144,9 +144,14 @@ def generate_request(
     deadline_ms: int | None = None,
     max_level_index: int | None = None,
     request_id: str | None = None,
+    image: bytes = b"",
+    mask: bytes = b"",
+    strength: float | None = None,
 ) -> Any:
     """A RouterGenerateRequest; a fresh request id unless one is given (a retry with the
-    same id joins the first call instead of running again)."""
+    same id joins the first call instead of running again). ``image``: an edit of it (see
+    ``RouterGenerateRequest``), inpainting where ``mask`` (or the image's own alpha) is
+    transparent, or img2img at ``strength``."""
     typed = RouterRequest(
         prompt=prompt,
         request_id=request_id or uuid.uuid4().hex,
@@ -157,6 +162,9 @@ def generate_request(
         steps=steps,
         deadline_ms=deadline_ms,
         max_level_index=max_level_index,
+        image=image,
+        mask=mask,
+        strength=strength,
     )
     return request_to_pb(typed)
 
