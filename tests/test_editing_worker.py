@@ -17,15 +17,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from argus.contracts.generate import CacheOutcome, GenerateCall, Progress, Stage
 from argus.embedding import PromptEmbedder
 from argus.profiles import default_profiles
-from argus.request_limits import InvalidRequestError
+from argus.request_limits import ImageLimits, InvalidRequestError, check_edit
 from argus.worker.cache import ApproximateCache, EdgeVectorIndex, LatentStore
 from argus.worker.engine import Worker
-from argus.worker.pipelines import Cancelled, CancelToken
+from argus.worker.pipelines import Cancelled, CancelToken, GenerationSpec
 from tests.editing_factories import (
     SIZE,
     STEPS,
@@ -36,11 +37,12 @@ from tests.editing_factories import (
     template_rgb,
     with_alpha,
 )
-from tests.worker_factories import make_worker
+from tests.worker_factories import make_worker, tiny_model
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "a red boat on a lake"
+LIMITS = ImageLimits()
 LEVELS = default_profiles().levels
 # one level per model: the AC base (sdxl) and every SM variant
 ONE_LEVEL_PER_MODEL = [
@@ -85,6 +87,32 @@ def test_inpainting_keeps_every_unmasked_pixel_on_every_model(worker: Worker, le
     assert result.level == level and not result.substituted
     assert np.array_equal(out[~region], rgb[~region])
     assert (out[region] != rgb[region]).mean() > 0.9  # the region was generated anew
+
+
+def test_every_step_puts_the_templates_noised_latent_back_outside_the_region() -> None:
+    model = tiny_model("sd-1.5")
+    region = region_of(0.5)
+    spec = GenerationSpec(
+        PROMPT,
+        seed=2,
+        steps=STEPS,
+        edit=check_edit(encode(template_rgb()), mask_png(region), None, LIMITS),
+    )
+    seen: dict[int, torch.Tensor] = {}
+    result = model.denoise(spec, hooks=[lambda step, latents: seen.setdefault(step, latents)])
+    with model.lock, torch.inference_mode():
+        start = model.start_edit(spec)
+    assert start.region is not None
+    keep = start.region == 0
+    assert keep.any() and (~keep).any()
+    for step in range(1, STEPS):  # outside the region: the template at the next step's noise
+        t = start.scheduler.timesteps[step : step + 1]
+        known = start.scheduler.add_noise(start.template, start.noise, t)
+        assert torch.equal(seen[step][keep.expand_as(known)], known[keep.expand_as(known)])
+    final = result.latents
+    assert torch.equal(final[keep.expand_as(final)], start.template[keep.expand_as(final)])
+    plain = model.denoise(replace(spec, edit=None)).latents  # inside: not the generation's
+    assert not torch.equal(final[~keep.expand_as(final)], plain[~keep.expand_as(final)])
 
 
 def test_the_images_own_alpha_is_the_mask_when_none_is_sent(worker: Worker) -> None:
