@@ -33,6 +33,14 @@ PLANNING_PERIOD_S = 60.0
 """The allocator re-plans at least this often, seconds (the paper: every minute); also the
 load forecast's counting period."""
 
+PLANNERS = ("joint", "paper")
+"""How a plan is made (``argus.allocator.planner.PlannerMode``): one program over (prompt
+class × level), or the paper's Eq. 1 with level averages then ODA; the first is the default."""
+
+STRATEGY_CHOICES = ("ac-first", "best")
+"""Which strategy runs while retrieval is healthy (``argus.allocator.config.StrategyChoice``):
+AC first as the paper (§4.6), or the better plan of AC and SM; the first is the default."""
+
 HEARTBEAT_S = 1.0
 """Interval of the workers' heartbeats, seconds; a worker that misses 3 is dead."""
 

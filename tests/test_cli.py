@@ -368,3 +368,11 @@ def test_torch_processes_let_openmp_threads_sleep_unless_told_otherwise(command,
 def test_compute_commands_refuse_a_nice_value_outside_0_to_19(command, nice, capsys):
     assert main([command, "--nice", nice]) == 2
     assert f"--nice: {nice} outside 0..19" in capsys.readouterr().err
+
+
+def test_the_allocators_planner_flags_are_checked_and_named(capsys):
+    assert main(["allocator", "--insecure-internal", "--slo-s", "-1"]) == 2
+    assert "--slo-s: must be a finite number > 0, got -1.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["allocator", "--planner", "greedy"])
+    assert exited.value.code == 2 and "--planner" in capsys.readouterr().err

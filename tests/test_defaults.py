@@ -385,6 +385,8 @@ HELM_FLAGS = {
     ("allocator", "retrievalWindowSeconds"): ("allocator", "retrieval_window_s"),
     ("allocator", "maxWorkers"): ("allocator", "max_workers"),
     ("allocator", "maxWatchers"): ("allocator", "max_watchers"),
+    ("allocator", "planner"): ("allocator", "planner"),
+    ("allocator", "strategyChoice"): ("allocator", "strategy_choice"),
     ("router", "defaultDeadlineMs"): ("router", "default_deadline_ms"),
     ("router", "maxInFlight"): ("router", "max_in_flight"),
     ("router", "reportPeriodSeconds"): ("router", "report_period_s"),
@@ -455,3 +457,15 @@ def test_the_router_settings_hold_the_service_config_and_copy_none_of_its_fields
     routing = {f.name for f in fields(RoutingConfig)}
     assert "service" in process and "routing" in service
     assert process & service == set() and (process | service) & routing == set()
+
+
+def test_the_allocators_planner_and_strategy_choices_are_the_enums() -> None:
+    """The parser offers ``defaults.PLANNERS`` and ``STRATEGY_CHOICES`` without loading the
+    solver; they must be the enums' values, the first the control config's default."""
+    from argus.allocator.config import StrategyChoice
+    from argus.allocator.planner import PlannerMode
+
+    assert tuple(mode.value for mode in PlannerMode) == defaults.PLANNERS
+    assert tuple(choice.value for choice in StrategyChoice) == defaults.STRATEGY_CHOICES
+    assert ControlConfig().planner == defaults.PLANNERS[0]
+    assert ControlConfig().strategy_choice == defaults.STRATEGY_CHOICES[0]

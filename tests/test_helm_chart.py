@@ -933,6 +933,24 @@ def test_every_flag_the_chart_can_pass_parses() -> None:
     assert router.default_deadline_ms == 2_000_000  # not 2e+06: Helm's float64 integers
 
 
+def test_the_allocators_planner_strategy_choice_and_slo_are_values() -> None:
+    """The chart passes the planner and the strategy choice always, and the SLO only when set
+    (the allocator's own rule otherwise); the schema refuses a planner it does not know."""
+    args = main_container(workloads(render({}))["allocator"])["args"]
+    assert arg_value(args, "--planner") == "joint"
+    assert arg_value(args, "--strategy-choice") == "ac-first"
+    assert "--slo-s" not in args
+    chosen = {"allocator": {"planner": "paper", "strategyChoice": "best", "sloSeconds": 9.5}}
+    args = main_container(workloads(render(chosen))["allocator"])["args"]
+    assert [arg_value(args, f) for f in ("--planner", "--strategy-choice", "--slo-s")] == [
+        "paper",
+        "best",
+        "9.5",
+    ]
+    with pytest.raises(helm.HelmValuesError, match="planner"):
+        render({"allocator": {"planner": "greedy"}})
+
+
 def test_router_and_allocator_reach_each_other_by_service_name() -> None:
     docs = rendered("default")
     w = workloads(docs)

@@ -72,12 +72,34 @@ class AllocatorCommand:
             help="window of that p99, and of the healthy probes that switch back "
             "(default: %(default)s)",
         )
+        parser.add_argument(
+            "--planner",
+            default=defaults.PLANNERS[0],
+            choices=defaults.PLANNERS,
+            help="joint: one program over (class × level); paper: Eq. 1 with level averages, "
+            "then ODA (default: %(default)s)",
+        )
+        parser.add_argument(
+            "--strategy-choice",
+            default=defaults.STRATEGY_CHOICES[0],
+            choices=defaults.STRATEGY_CHOICES,
+            help="ac-first: AC while retrieval is healthy (§4.6); best: plan AC and SM each "
+            "period and keep the better (default: %(default)s)",
+        )
+        parser.add_argument(
+            "--slo-s",
+            type=float,
+            default=None,
+            help="the SLO the queueing caps plan against, seconds (default: 3 × the best "
+            "level's latency on the profile's first GPU class, the routers' rule)",
+        )
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
         add_internal_tls_arguments(parser, "allocator")
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.allocator.app import AllocatorSettings, serve
-        from argus.allocator.config import ControlConfig
+        from argus.allocator.config import ControlConfig, StrategyChoice
+        from argus.allocator.planner import PlannerMode
         from argus.profiles import ProfileError
 
         tls_dir = internal_tls_dir(args, "allocator")
@@ -87,6 +109,9 @@ class AllocatorCommand:
                 heartbeat_s=args.heartbeat_s,
                 max_workers=args.max_workers,
                 retrieval=retrieval_config(args),
+                planner=PlannerMode(args.planner),
+                strategy_choice=StrategyChoice(args.strategy_choice),
+                slo_s=args.slo_s,
             )
             settings = AllocatorSettings(
                 host=args.host,
