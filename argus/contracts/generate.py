@@ -249,43 +249,38 @@ def given(message: Any, name: str) -> Any:
     return getattr(message, name) if message.HasField(name) else None
 
 
-def call_to_pb(call: GenerateCall) -> Any:
-    c = codec()
-    message = c.worker_pb2.GenerateRequest(
-        request_id=call.request_id,
-        prompt=call.prompt,
-        negative_prompt=call.negative_prompt,
-        seed=call.seed,
-        level=call.level,
-        adapters=adapters_to_pb(call.adapters),
-        previews=call.previews,
-        image=call.image,
-        mask=call.mask,
-    )
-    for name in _OPTIONAL:
-        if (value := getattr(call, name)) is not None:
-            setattr(message, name, value)
+# what a client's request to the router and the router's call to a worker carry alike
+_SHARED = ("prompt", "negative_prompt", "seed", "request_id", "previews", "image", "mask")
+
+
+def request_to_message(value: Any, message: Any, optional: tuple[str, ...]) -> Any:
+    """``message`` with the fields a Generate call and a router request share copied from
+    ``value``, and each of its ``optional`` fields that is not None."""
+    for name in _SHARED:
+        setattr(message, name, getattr(value, name))
+    message.adapters.extend(adapters_to_pb(value.adapters))
+    for name in optional:
+        if (field_value := getattr(value, name)) is not None:
+            setattr(message, name, field_value)
     return message
+
+
+def request_from_message(message: Any, optional: tuple[str, ...]) -> dict[str, Any]:
+    """The shared fields of a Generate call or a router request read from ``message`` (the
+    ``optional`` ones None when unset), as keyword arguments for its value type."""
+    read = {name: getattr(message, name) for name in _SHARED}
+    read["image"], read["mask"] = bytes(message.image), bytes(message.mask)
+    read["adapters"] = adapters_from_pb(message.adapters)
+    return read | {name: given(message, name) for name in optional}
+
+
+def call_to_pb(call: GenerateCall) -> Any:
+    return request_to_message(call, codec().worker_pb2.GenerateRequest(level=call.level), _OPTIONAL)
 
 
 def call_from_pb(message: Any) -> GenerateCall:
     """A router's ``GenerateRequest``, unchecked."""
-    return GenerateCall(
-        prompt=message.prompt,
-        level=message.level,
-        negative_prompt=message.negative_prompt,
-        seed=message.seed,
-        width=given(message, "width"),
-        height=given(message, "height"),
-        steps=given(message, "steps"),
-        guidance_scale=given(message, "guidance_scale"),
-        adapters=adapters_from_pb(message.adapters),
-        request_id=message.request_id,
-        previews=message.previews,
-        image=bytes(message.image),
-        mask=bytes(message.mask),
-        strength=given(message, "strength"),
-    )
+    return GenerateCall(level=message.level, **request_from_message(message, _OPTIONAL))
 
 
 # -- progress ------------------------------------------------------------------------------

@@ -17,9 +17,8 @@ from typing import Any
 import grpc
 
 from argus.contracts.generate import (
-    adapters_from_pb,
-    adapters_to_pb,
-    given,
+    request_from_message,
+    request_to_message,
     result_to_pb,
     timing_to_pb,
 )
@@ -81,40 +80,11 @@ def retry_after_metadata(retry_after_s: float) -> tuple[tuple[str, str], ...]:
 
 def request_from_pb(message: Any) -> RouterRequest:
     """A client's ``RouterGenerateRequest``, unchecked."""
-    return RouterRequest(
-        prompt=message.prompt,
-        negative_prompt=message.negative_prompt,
-        seed=message.seed,
-        width=given(message, "width"),
-        height=given(message, "height"),
-        steps=given(message, "steps"),
-        guidance_scale=given(message, "guidance_scale"),
-        adapters=adapters_from_pb(message.adapters),
-        request_id=message.request_id,
-        deadline_ms=given(message, "deadline_ms"),
-        max_level_index=given(message, "max_level_index"),
-        previews=message.previews,
-        image=bytes(message.image),
-        mask=bytes(message.mask),
-        strength=given(message, "strength"),
-    )
+    return RouterRequest(**request_from_message(message, _OPTIONAL))
 
 
 def request_to_pb(request: RouterRequest) -> Any:
-    message = router_pb2.RouterGenerateRequest(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
-        seed=request.seed,
-        adapters=adapters_to_pb(request.adapters),
-        previews=request.previews,
-        image=request.image,
-        mask=request.mask,
-    )
-    for name in _OPTIONAL:
-        if (value := getattr(request, name)) is not None:
-            setattr(message, name, value)
-    return message
+    return request_to_message(request, router_pb2.RouterGenerateRequest(), _OPTIONAL)
 
 
 def reply_to_pb(reply: RouterReply) -> Any:
