@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from argus.contracts.router_api import RouterRequest
 from argus.profiles import default_profiles
 from argus.request_limits import (
     ImageLimits,
@@ -20,7 +21,7 @@ from argus.request_limits import (
 from argus.router.config import RouterServiceConfig
 from argus.router.core import check_request, fingerprint
 from argus.router.policy import RouterPolicy
-from argus.router.values import Refusal, RouterError, RouterRequest
+from argus.router.values import Refusal, RouterError
 from tests.editing_factories import encode, mask_png, region_of, template_rgb, with_alpha
 
 pytestmark = pytest.mark.unit

@@ -8,12 +8,12 @@ import pytest
 
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.allocator.measured import MeasuredSpeeds
+from argus.contracts.router_api import RouterRequest
 from argus.contracts.routers import RouterReport, router_report_from_pb, router_report_to_pb
 from argus.contracts.wire import FieldError
 from argus.contracts.workers import WorkerReport
 from argus.profiles import default_profiles
 from argus.router.app import StatsReporter
-from argus.router.values import RouterRequest
 from argus.types import MeasuredLatency, Strategy
 from tests.router_cluster import FakeClock
 from tests.test_router_core import FakeWorkers

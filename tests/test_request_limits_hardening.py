@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from argus.contracts.router_api import RouterRequest
 from argus.request_limits import (
     MAX_ADAPTERS,
     InvalidRequestError,
@@ -18,7 +19,7 @@ from argus.request_limits import (
     parse_int,
     parse_size,
 )
-from argus.router.values import Refusal, RouterError, RouterRequest
+from argus.router.values import Refusal, RouterError
 from argus.worker.adapters import AdapterPlan, AdapterSettings, WorkerAdapters, at_request_field
 from argus.worker.controlnet.errors import ControlImageError, UnknownControlNetError
 from tests.test_router_core import FakeWorkers, make_core

@@ -8,12 +8,13 @@ from typing import Any
 import grpc
 import pytest
 
-from argus.contracts import generate
+from argus.contracts import generate, router_api
 from argus.contracts.generate import AdapterKind, Stage
+from argus.contracts.router_api import RouterReply, RouterTiming
 from argus.plumbing import rpc
 from argus.router import convert
 from argus.router.core import check_request
-from argus.router.values import Refusal, RouterError, RouterReply, RouterTiming
+from argus.router.values import Refusal, RouterError
 from argus.types import Strategy
 
 pytestmark = pytest.mark.unit
@@ -103,29 +104,29 @@ def set_fields(message: Any) -> set[str]:
 def test_a_request_with_every_field_set_round_trips() -> None:
     message = full_request()
     assert set_fields(message) == set(message.DESCRIPTOR.fields_by_name)
-    typed = convert.request_from_pb(message)
+    typed = router_api.request_from_pb(message)
     assert typed.width == 512 and typed.deadline_ms == 1234 and typed.max_level_index == 2
     assert [a.kind for a in typed.adapters] == [AdapterKind.LORA, AdapterKind.CONTROLNET]
-    assert convert.request_to_pb(typed) == message
-    assert convert.request_from_pb(convert.request_to_pb(typed)) == typed
+    assert router_api.request_to_pb(typed) == message
+    assert router_api.request_from_pb(router_api.request_to_pb(typed)) == typed
 
 
 def test_unset_optional_fields_are_none_and_stay_unset() -> None:
     message = router_pb2.RouterGenerateRequest(prompt="x")
-    typed = convert.request_from_pb(message)
+    typed = router_api.request_from_pb(message)
     optional = ("width", "height", "steps", "guidance_scale", "deadline_ms", "max_level_index")
     assert all(getattr(typed, name) is None for name in optional)
-    again = convert.request_to_pb(typed)
+    again = router_api.request_to_pb(typed)
     assert not any(again.HasField(name) for name in optional)
     # zero is a value, not an absence: a width of 0 reaches the check that names it
-    zero = convert.request_from_pb(router_pb2.RouterGenerateRequest(prompt="x", width=0))
-    assert zero.width == 0 and convert.request_to_pb(zero).HasField("width")
+    zero = router_api.request_from_pb(router_pb2.RouterGenerateRequest(prompt="x", width=0))
+    assert zero.width == 0 and router_api.request_to_pb(zero).HasField("width")
 
 
 def test_an_unknown_adapter_kind_is_refused_by_the_core_naming_the_adapter() -> None:
     message = router_pb2.RouterGenerateRequest(prompt="x")
     message.adapters.add(kind=7, name="ink", scale=1.0)
-    typed = convert.request_from_pb(message)
+    typed = router_api.request_from_pb(message)
     assert typed.adapters[0].kind is None
     with pytest.raises(RouterError) as caught:
         check_request(typed)
@@ -178,7 +179,7 @@ def test_a_reply_with_every_field_set_round_trips() -> None:
         worker_response=generate.result_from_pb(worker),
     )
     assert typed.worker_response.scores[0].prompt == "a cat"
-    assert convert.reply_to_pb(typed) == message
+    assert router_api.reply_to_pb(typed) == message
     assert generate.result_to_pb(generate.result_from_pb(worker)) == worker
 
 

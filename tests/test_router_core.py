@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult, Progress, Stage
+from argus.contracts.router_api import RouterRequest
 from argus.contracts.workers import WorkerReport
 from argus.router.app import PrometheusStats
 from argus.router.config import RouterServiceConfig
@@ -24,7 +25,7 @@ from argus.router.core import (
 )
 from argus.router.metrics import RouterMetrics
 from argus.router.stats import NO_STATS
-from argus.router.values import Refusal, RouterError, RouterRequest
+from argus.router.values import Refusal, RouterError
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 
 pytestmark = pytest.mark.unit

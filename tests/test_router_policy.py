@@ -10,6 +10,7 @@ import pytest
 
 from argus.allocator.config import ControlConfig
 from argus.allocator.control import AllocatorControl
+from argus.contracts.router_api import RouterRequest
 from argus.contracts.workers import WorkerReport
 from argus.router.admission import AdmissionRule
 from argus.router.config import RouterServiceConfig
@@ -20,7 +21,7 @@ from argus.router.policy import (
     Snapshot,
     admit_on,
 )
-from argus.router.values import Refusal, RouterRequest
+from argus.router.values import Refusal
 from argus.types import Strategy
 from tests.router_cluster import PROFILES, FakeClock
 

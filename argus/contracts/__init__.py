@@ -34,10 +34,11 @@ to status codes. So a field is added in one module and both sides see it. Reader
 says so); the servicer maps it to INVALID_ARGUMENT. Two things stay outside, each said where
 it lives: tensors (torch) cross in the ControlNet package's codec,
 :mod:`argus.worker.controlnet.transport`, which builds its messages around
-:mod:`argus.contracts.controlnet`'s conversions, since nothing here imports torch; and the
-router's own client API (``RouterGenerateRequest``, spoken by clients, not by another Argus
-process) keeps its values and conversions in :mod:`argus.router.values` and
-:mod:`argus.router.convert`, which reuse :mod:`argus.contracts.generate`'s halves.
+:mod:`argus.contracts.controlnet`'s conversions, since nothing here imports torch; and a
+refusal's gRPC status and retry trailer, which only the router's gRPC side speaks
+(:mod:`argus.router.convert`). The router's client API (``RouterGenerateRequest``,
+``RouterGenerateResponse``) is :mod:`argus.contracts.router_api`, reusing the Generate
+contract's field copies.
 
 The basic values these are made of (levels, profiles, :class:`~argus.types.Plan`, the PASM)
 live in :mod:`argus.types`, which imports nothing of Argus. Nothing here imports a service

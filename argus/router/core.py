@@ -1,6 +1,6 @@
 """The router's request path on typed values: :class:`RouterCore`.
 
-:class:`RouterCore` serves one :class:`~argus.router.values.RouterRequest`, top to bottom:
+:class:`RouterCore` serves one :class:`~argus.contracts.router_api.RouterRequest`, top to bottom:
 
 1. check the request (:func:`check_request`, INVALID naming the field; an edit's image and
    mask are decoded and its size set from the image) and price it
@@ -27,7 +27,7 @@ Refusals are :class:`~argus.router.values.RouterError` with a
 :class:`~argus.router.values.Refusal`; the gRPC servicer (:mod:`argus.router.service`) and
 the HTTP API (:mod:`argus.router.http`) each answer them in their protocol's words. The core
 imports neither grpc nor protobuf: the gRPC worker calls are :mod:`argus.router.worker_calls`'s,
-the message conversions :mod:`argus.router.convert`'s. Plans come from ``install`` (wired to
+the message conversions :mod:`argus.contracts.router_api`'s. Plans come from ``install`` (wired to
 ``PlanWatcher``'s ``on_plan``). The clock is passed in.
 """
 
@@ -50,6 +50,7 @@ from argus.classifier.serving import BatcherClosed, BatcherFull
 from argus.contracts.generate import GenerateCall as WorkerCall
 from argus.contracts.generate import GenerateResult as WorkerReply
 from argus.contracts.generate import Progress, Stage
+from argus.contracts.router_api import RouterReply, RouterRequest, RouterTiming
 from argus.request_limits import (
     ImageLimits,
     InvalidRequestError,
@@ -76,13 +77,7 @@ from argus.router.policy import (
 )
 from argus.router.service_times import ServiceTimes
 from argus.router.stats import NO_STATS, RouterStats, Served
-from argus.router.values import (
-    Refusal,
-    RouterError,
-    RouterReply,
-    RouterRequest,
-    RouterTiming,
-)
+from argus.router.values import Refusal, RouterError
 from argus.types import MeasuredLatency, ProfileSet, RouteDecision, Strategy
 
 if TYPE_CHECKING:  # its module reads plans from protobuf; the core only follows them

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
+from argus.contracts.router_api import RouterRequest
 from argus.request_limits import img2img_steps
 from argus.router.admission import (
     AdmissionRule,
@@ -36,7 +37,7 @@ from argus.router.admission import (
 from argus.router.config import RouterServiceConfig
 from argus.router.routing import PlanRouter
 from argus.router.scheduler import NoLiveWorkerError
-from argus.router.values import Refusal, RouterError, RouterRequest
+from argus.router.values import Refusal, RouterError
 from argus.types import Plan, ProfileSet, RouteDecision, Strategy
 
 NO_PLAN = "no plan yet"

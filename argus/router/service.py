@@ -1,7 +1,7 @@
 """The router's gRPC servicer (``argus.v1.Router``): converts and delegates.
 
-Each call's request becomes a :class:`~argus.router.values.RouterRequest`
-(:mod:`argus.router.convert`), :class:`~argus.router.core.RouterCore` serves it, and its reply
+Each call's request becomes a :class:`~argus.contracts.router_api.RouterRequest`
+(:mod:`argus.contracts.router_api`), :class:`~argus.router.core.RouterCore` serves it, and its reply
 or progress events become messages again; a :class:`~argus.router.values.RouterError` becomes
 the refusal's status, with the ``retry-after-ms`` trailer when it carries a hint. The call's
 gRPC deadline is the core's ``deadline_s`` and its ending early (a client that cancels or goes
@@ -17,14 +17,15 @@ from typing import Any, NoReturn
 
 import grpc
 
-from argus.contracts import generate
+from argus.contracts import generate, router_api
 from argus.contracts.generate import Progress
 from argus.contracts.plans import PublishedPlan
+from argus.contracts.router_api import RouterReply
 from argus.plumbing import rpc
 from argus.plumbing.grpc_server import set_serving
 from argus.router import convert
 from argus.router.core import CallCancel, RouterCore
-from argus.router.values import RouterError, RouterReply
+from argus.router.values import RouterError
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
@@ -47,10 +48,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
         deadline, cancel = self._call(context)
         try:
-            reply = self.core.generate(convert.request_from_pb(request), deadline, cancel=cancel)
+            reply = self.core.generate(router_api.request_from_pb(request), deadline, cancel=cancel)
         except RouterError as err:
             _abort(err, context)
-        return convert.reply_to_pb(reply)
+        return router_api.reply_to_pb(reply)
 
     def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         """The core runs on a thread of its own and this call's thread streams its progress
@@ -58,7 +59,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
         bound (:func:`argus.router.app.busy_limit`) bounds those threads too, and the core's
         ``max_in_flight`` bounds them after their call was cancelled."""
         deadline, cancel = self._call(context)
-        typed = convert.request_from_pb(request)
+        typed = router_api.request_from_pb(request)
         events: queue.SimpleQueue[Progress | RouterReply | BaseException] = queue.SimpleQueue()
 
         def run() -> None:
@@ -77,7 +78,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):  # type: ignore[misc]
             if isinstance(event, Progress):
                 yield router_pb2.RouterGenerateEvent(progress=generate.progress_to_pb(event))
             else:
-                yield router_pb2.RouterGenerateEvent(response=convert.reply_to_pb(event))
+                yield router_pb2.RouterGenerateEvent(response=router_api.reply_to_pb(event))
                 return
 
     def _call(self, context: grpc.ServicerContext) -> tuple[float | None, CallCancel]:

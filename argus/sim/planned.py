@@ -33,11 +33,12 @@ from dataclasses import dataclass, field, replace
 from argus.allocator.config import ControlConfig, StrategyChoice
 from argus.allocator.control import AllocatorControl
 from argus.allocator.planner import PlannerMode
+from argus.contracts.router_api import RouterRequest
 from argus.contracts.routers import RouterReport
 from argus.contracts.workers import RetrievalReport, WorkerReport
 from argus.router.config import RouterServiceConfig, RoutingConfig
 from argus.router.policy import Refused, RouterPolicy, Snapshot
-from argus.router.values import Refusal, RouterRequest
+from argus.router.values import Refusal
 from argus.sim.classifiers import Classifier, OracleClassifier
 from argus.sim.cluster import Dispatch, Policy, SimContext
 from argus.types import ClusterView, Strategy, WorkerState

@@ -16,10 +16,10 @@ from typing import Any
 
 import grpc
 
+from argus.contracts.router_api import RouterRequest, request_to_pb
 from argus.plumbing import rpc
 from argus.plumbing.grpc_server import reconnect_options
-from argus.router.convert import RETRY_AFTER_KEY, request_to_pb
-from argus.router.values import RouterRequest
+from argus.router.convert import RETRY_AFTER_KEY
 
 common_pb2: Any = rpc.load("common_pb2")
 worker_pb2: Any = rpc.load("worker_pb2")
