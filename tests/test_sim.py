@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from argus.allocator.config import StrategyChoice
 from argus.contracts.plans import ReplanReason
 from argus.profiles import default_profiles
 from argus.profiles.synthetic_quality import synthetic_quality_table
@@ -323,6 +324,62 @@ def test_background_loads_keep_the_old_model_serving():
     assert fg.model_switches == bg.model_switches
 
 
+class _Scripted(Policy):
+    """One worker: SDXL, then at each scripted time the next level, with background loads."""
+
+    name = "scripted"
+    background_loads = True
+
+    def __init__(self, script: list[tuple[float, str]]) -> None:
+        self.script = script
+
+    def reset(self, ctx):
+        self.ctx, self.todo, self.level = ctx, list(self.script), "sm-sd-xl"
+
+    def next_timer(self):
+        return self.todo[0][0] if self.todo else None
+
+    def replan(self, now_s, view):
+        while self.todo and self.todo[0][0] <= now_s:
+            self.level = self.todo.pop(0)[1]
+        return {w.worker_id: self.level for w in view.alive()}
+
+    def route(self, request, now_s, queues, down):
+        return "w0", self.level
+
+
+def test_a_background_load_begun_again_serves_only_after_its_own_load_time():
+    """Tiny-SD is asked for at 20 s, given up at 21 s and asked for again at 22 s: the first
+    load's event (at 22.91 s) must not cut the second short (ready at 24.91 s)."""
+    load = PROFILES.profile("a100", "sm-tiny-sd").load_time_s
+    assert 21.0 < 20.0 + load < 22.0 + load - 1.0
+    script = [(20.0, "sm-tiny-sd"), (21.0, "sm-sd-xl"), (22.0, "sm-tiny-sd")]
+    between, after = 20.0 + load + 0.5, 22.0 + load + 0.5
+    workload = Workload(
+        "reload", np.array([between, after]), poisson(60.0, 1.0, seed=0).prompts, "test"
+    )
+    result = simulate(workload, _Scripted(script), gpus=1, jitter=0.0, period_s=600.0)
+    served = [PROFILES.levels[i].name for i in result.level]
+    assert served == ["sm-sd-xl", "sm-tiny-sd"]
+    assert result.loads == 2  # SDXL at start, Tiny-SD once; the cancelled load completed none
+    assert result.load_s == pytest.approx(PROFILES.profile("a100", "sm-sd-xl").load_time_s + load)
+
+
+def test_every_policy_pays_the_profiles_load_time_for_each_model_it_loads():
+    """One physics for every policy: each load it completes costs the level's load_time_s, the
+    first loads and the reloads after a GPU failure included (Clipper's and NIRVANA's only
+    ones); a policy that stops while loading counts the load as busy GPU time."""
+    workload = poisson(mean_qpm=150.0, duration_min=4, seed=5)
+    times = {p.load_time_s for p in PROFILES.table.values()}
+    for name in POLICIES:
+        policy = make_policy(name)
+        result = simulate(workload, policy, faults=(GpuFailure(60.0, 120.0, 2),))
+        assert result.loads >= 8 + 2, name  # 8 first loads, 2 after the failure
+        assert min(times) * result.loads <= result.load_s <= max(times) * result.loads, name
+        if not policy.background_loads:
+            assert result.busy_s >= result.load_s, name
+
+
 # -- admission ------------------------------------------------------------------------------
 
 
@@ -550,12 +607,21 @@ def test_admission_predicts_with_the_chosen_workers_class():
 def test_admission_on_a_quantile_keeps_admitted_requests_on_time_under_overload():
     """Katz's adapters spread service times; admitting on the mean let about a tenth of the
     admitted requests in late at 1.5 × capacity, the quantile keeps it to a few percent and
-    the workers as busy."""
+    the workers as busy. Argus runs AC here (``ac-first``): with the choice of strategy it
+    takes SM at this load, whose Tiny-SD adapter tail the rule's normal model does not cover
+    (8.9% of admitted late; the README's load sweep says so), which is not this test's point."""
     wave = poisson(mean_qpm=230.0, duration_min=6, seed=3)
     katz = AdapterModel("katz")
-    quantile = simulate(wave, "argus", adapters=katz)
+    argus = PLANNED["argus"]
+    ac_first = replace(
+        argus, control=replace(argus.control, strategy_choice=StrategyChoice.AC_FIRST)
+    )
+    quantile = simulate(wave, PlannedPolicy("argus", ac_first), adapters=katz)
     on_mean = simulate(
-        wave, "argus", adapters=katz, admission_rule=AdmissionRule(service_scv=0.0, confidence=0.5)
+        wave,
+        PlannedPolicy("argus", ac_first),
+        adapters=katz,
+        admission_rule=AdmissionRule(service_scv=0.0, confidence=0.5),
     )
     late_share = summarise(quantile).slo_violation_ratio_admitted
     assert late_share < 0.03

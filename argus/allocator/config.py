@@ -27,10 +27,10 @@ from argus.types import ProfileSet, Strategy
 
 
 class StrategyChoice(enum.StrEnum):
-    """Which strategy runs while retrieval is healthy."""
+    """Which strategy runs while retrieval is healthy (the first is the default)."""
 
-    AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper, §4.6)
-    BEST = "best"  # plan every allowed strategy and keep the better objective
+    BEST = "best"  # plan AC and SM each period, keep the better objective (switching counted)
+    AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper's ablation)
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,11 @@ class ControlConfig:
     """``joint``: one program over (prompt class × level) with Q(v | c); ``paper``: Eq. 1
     with level averages, then ODA (the ablation)."""
 
-    strategy_choice: StrategyChoice = StrategyChoice.AC_FIRST
-    """``ac-first``: AC while retrieval is healthy, SM on retrieval trouble (§4.6);
-    ``best``: the better objective of both each plan."""
+    strategy_choice: StrategyChoice = StrategyChoice.BEST
+    """``best``: each plan solves AC and SM and keeps the better objective, the switching
+    cost of leaving the strategy in force included (§4.6: Argus serves whichever strategy is
+    better); ``ac-first``: AC while retrieval is healthy, as the paper's prototype. Either
+    way retrieval trouble leaves SM alone."""
 
     slo_s: float | None = None
     """The SLO the queue model plans against, seconds; None: the shared rule

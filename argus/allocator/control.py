@@ -8,11 +8,13 @@ simulator wires it (``argus.sim.planned.PlannedPolicy``):
   the plan (the joint program over class × level, or the paper's Eq. 1 + ODA), with
   headroom from queueing against the SLO;
 * :class:`~argus.allocator.strategy.StrategyMonitor`: AC↔SM from the workers' retrieval
-  reports (§4.6). AC is the default and runs while retrieval is healthy (``strategy_choice``
-  ``ac-first``; ``best`` instead plans both and keeps the better objective); while retrieval
-  is slow or down only SM is allowed, and the plans of the first period after leaving AC are
-  made with a 1.5× load margin (``switch_margin``; the Allocator's ``load_margin``) to cover
-  the models still loading. When the probes of a whole window are healthy AC comes back;
+  reports (§4.6). While retrieval is healthy each plan solves AC and SM and keeps the better
+  objective, the switching cost of leaving the strategy in force counted (``strategy_choice``
+  ``best``, the default; ``ac-first`` plans AC alone, as the paper's prototype); while
+  retrieval is slow or down only SM is allowed, and the plans of the first period after
+  leaving AC are made with a 1.5× load margin (``switch_margin``; the Allocator's
+  ``load_margin``) to cover the models still loading. When the probes of a whole window
+  are healthy AC comes back;
 * :class:`~argus.allocator.membership.Membership`: who is alive.
 
 The allocator is the PASM's one owner: the shift map is part of every plan it publishes, made

@@ -15,8 +15,12 @@ and policies see every worker's class in the :class:`~argus.types.ClusterView` a
 ``SimContext.worker_classes``. The SLO is ``slo_factor`` × the best level's latency on the
 *slowest* class present (the class whose best level takes longest), so a request the cluster
 serves at full quality on any of its GPUs can meet it. Changing a worker to
-a level whose model it does not hold makes it load that model first (``load_time_s``), during
-which it serves nothing; a change of K on the loaded model is free.
+a level whose model it does not hold makes it load that model first (``load_time_s`` of the
+level on the worker's class), during which it serves nothing; a change of K on the loaded
+model is free. This holds for every policy alike: a policy with ``background_loads`` (Argus,
+§4.6) keeps serving its old model while the new one loads, and the new level serves only once
+the load time has passed. :class:`RunResult` counts the loads completed and their seconds
+(``loads``, ``load_s``).
 
 AC levels with K > 0 fetch a cached latent: the profiles' latency includes a nominal retrieval
 time (``SimConfig.retrieval_s``); during a retrieval fault the extra latency is added, and
@@ -331,6 +335,8 @@ class RunResult:
     worker_classes: tuple[str, ...] = ()  # GPU class of each worker index; () when unknown
     refused_early: int = 0  # of the refused: before classification (the router's early check)
     fallbacks: int = 0  # routed to a worker of another level than the PASM's target
+    loads: int = 0  # model loads completed (a background load cancelled before it ends: none)
+    load_s: float = 0.0  # their seconds, each the profile's load_time_s on the worker's class
 
     def __post_init__(self) -> None:
         if len(self.refused) != len(self.arrivals_s):
@@ -520,6 +526,8 @@ class _Run:
         self._due: list[tuple[float, int]] = []
         self._plan_latency_cache: dict[tuple[str, str], float] = {}
         self.model_switches = 0
+        self.loads = 0
+        self.load_s = 0.0
         self.plan_changes = 0
         self.busy_s = 0.0
         self.switch_times: list[float] = []
@@ -601,7 +609,7 @@ class _Run:
     def _event(self, now: float, kind: str, payload: Fault | int) -> None:
         if kind == "ready":
             assert isinstance(payload, int)
-            self._model_ready(self.workers[payload])
+            self._model_ready(self.workers[payload], now)
             return
         fault = payload
         if isinstance(fault, GpuFailure):
@@ -650,12 +658,13 @@ class _Run:
         load = self.sim.profiles.profile(worker.worker_class, level_name).load_time_s
         self.model_switches += 1
         if background and worker.model is not None:
-            if worker.pending is None or worker.pending[0] != level_name:
+            if worker.pending is None or worker.pending[1] != level.model:
                 worker.pending = (level_name, level.model, now + load)
                 self.switch_times.append(now)
                 self._push(now + load, "ready", self.worker_index[worker.worker_id])
-            else:
-                self.model_switches -= 1  # already loading it
+            else:  # already loading its model: another K of it is ready at the same time
+                worker.pending = (level_name, level.model, worker.pending[2])
+                self.model_switches -= 1
             return
         start = max(worker.free_at, now)
         worker.free_at = start + load
@@ -663,12 +672,23 @@ class _Run:
         worker.level, worker.model, worker.pending = level_name, level.model, None
         self.switch_times.append(start)
         self._add_busy(start, worker.free_at)
+        self._count_load(load)
 
-    def _model_ready(self, worker: _Worker) -> None:
-        """A background load finished: the worker now serves its new level."""
-        if worker.pending is not None and worker.alive:
-            worker.level, worker.model, _ = worker.pending
+    def _model_ready(self, worker: _Worker, now: float) -> None:
+        """A background load's time is up: the worker now serves its new level. The event of
+        a load that was cancelled (the plan moved the worker back) and begun again later is
+        stale: it must not cut the new load short, so only a load due by ``now`` completes."""
+        pending = worker.pending
+        if pending is None or pending[2] > now:
+            return
+        if worker.alive:
+            worker.level, worker.model, _ = pending
+            self._count_load(self.sim.profiles.profile(worker.worker_class, pending[0]).load_time_s)
         worker.pending = None
+
+    def _count_load(self, load_s: float) -> None:
+        self.loads += 1
+        self.load_s += load_s
 
     def _dispatch(self, i: int, now: float) -> None:
         self._finish_due(now)
@@ -866,6 +886,8 @@ class _Run:
             worker_classes=tuple(w.worker_class for w in self.workers),
             refused_early=int(getattr(self.policy, "early_refusals", 0)),
             fallbacks=int(getattr(self.policy, "fallbacks", 0)),
+            loads=self.loads,
+            load_s=self.load_s,
         )
 
 

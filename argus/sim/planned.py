@@ -301,18 +301,23 @@ def planned_policies() -> dict[str, PlannedConfig]:
     """The planned policies by name; each differs from Argus only by what its config says.
 
     * ``argus``: the joint program over (classifier class × level) with Q(v | c) from the
-      classifier's calibration; AC, SM on retrieval trouble (§4.6);
-    * ``argus-paper``: the paper's Eq. 1 with level averages, then ODA on the predicted
-      optimal levels (the ablation the joint program improves on);
-    * ``pac``: prompt-agnostic Argus: the same control loop, planning with level averages and
-      routing by the load shares alone;
+      classifier's calibration; each period it plans AC and SM and serves the better, the
+      switching cost counted, SM alone on retrieval trouble (§4.6; ``StrategyChoice.BEST``);
+    * ``argus-paper``: the paper's prototype as an ablation: Eq. 1 with level averages, then
+      ODA on the predicted optimal levels, AC while retrieval is healthy (``AC_FIRST``);
+    * ``pac``: prompt-agnostic Argus: the same control loop and strategy choice, planning with
+      level averages and routing by the load shares alone;
     * ``proteus``: SM only, prompt-agnostic accuracy scaling with the same solver, without
-      switching cost (Proteus has none) and without background model loads.
+      switching cost in its planner (Proteus has none) and without background model loads;
+      its model loads cost it the profile's load time as every policy's do.
     """
     argus = PlannedConfig()
+    paper = replace(
+        argus.control, planner=PlannerMode.PAPER, strategy_choice=StrategyChoice.AC_FIRST
+    )
     return {
         "argus": argus,
-        "argus-paper": replace(argus, control=replace(argus.control, planner=PlannerMode.PAPER)),
+        "argus-paper": replace(argus, control=paper),
         "pac": replace(argus, prompt_aware=False),
         "proteus": PlannedConfig(
             control=ControlConfig(
