@@ -47,6 +47,21 @@ class ModelInfo:
     bytes: int  # its parameters' bytes: estimated while it loads, measured once loaded
     active: bool  # the model that serves the worker's level
     error: str = ""  # why its load failed (FAILED)
+    # the parts its load loaded, and the load time of each (seconds); the parts it shares with
+    # a model already resident are not among them
+    loaded_parts: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ComponentInfo:
+    """One part resident on a worker (a text encoder, tokenizer, UNet or VAE), shared by every
+    model whose part has the same weights (``argus.worker.components``)."""
+
+    digest: str  # SHA-256 of its weights (a tokenizer's: of its vocabulary)
+    part: str  # the part name it was first loaded as
+    bytes: int  # its parameters' bytes, counted once however many models use it
+    load_s: float  # how long its load took
+    models: tuple[str, ...]  # the models that use it
 
 
 class CacheCounters(Protocol):
@@ -96,6 +111,7 @@ class WorkerStats:
     # requests stopped because their decode could not finish before their deadline (on
     # arrival, in the queue, or after denoising); also counted in stopped
     decodes_skipped: int = 0
+    components: list[ComponentInfo] = field(default_factory=list)  # resident parts
 
     @property
     def cancelled(self) -> int:

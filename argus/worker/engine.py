@@ -939,6 +939,7 @@ class Worker:
             denoise_steps=counts.get("denoise_steps", 0),
             decodes=counts.get("decodes", 0),
             decodes_skipped=counts.get("decodes_skipped", 0),
+            components=self.registry.components(),
         )
 
     def close(self) -> None:

@@ -151,15 +151,16 @@ class _Watch:
             self.token, self.steps_done = NEVER_CANCELLED, 0
 
 
-def install_checkpoints(root: torch.nn.Module, hook: Callable[..., None]) -> int:
+def install_checkpoints(
+    root: torch.nn.Module, hook: Callable[..., None]
+) -> list[torch.utils.hooks.RemovableHandle]:
     """Register ``hook`` as a forward pre-hook on every module of ``root`` whose class is in
-    :data:`CHECKPOINT_MODULES`; returns how many."""
-    count = 0
-    for module in root.modules():
-        if type(module).__name__ in CHECKPOINT_MODULES:
-            module.register_forward_pre_hook(hook)
-            count += 1
-    return count
+    :data:`CHECKPOINT_MODULES`; returns the hooks' handles."""
+    return [
+        module.register_forward_pre_hook(hook)
+        for module in root.modules()
+        if type(module).__name__ in CHECKPOINT_MODULES
+    ]
 
 
 # called after every step with (steps done, latents); may return replacement latents
@@ -282,10 +283,11 @@ class DiffusionModel:
         self.lock = threading.Lock()
         pipeline.set_progress_bar_config(disable=True)
         self._watch = _Watch()
-        self.checkpoints = install_checkpoints(pipeline.unet, self._watch.checkpoint)
+        self._hooks = install_checkpoints(pipeline.unet, self._watch.checkpoint)
         vae_decoder = getattr(pipeline.vae, "decoder", None)
         if isinstance(vae_decoder, torch.nn.Module):
-            self.checkpoints += install_checkpoints(vae_decoder, self._watch.checkpoint)
+            self._hooks += install_checkpoints(vae_decoder, self._watch.checkpoint)
+        self.checkpoints = len(self._hooks)
 
     # -- parts -----------------------------------------------------------------------------
 
@@ -577,6 +579,15 @@ class DiffusionModel:
             if isinstance(part, torch.nn.Module):
                 total += sum(p.numel() * p.element_size() for p in part.parameters())
         return total
+
+    def release(self) -> None:
+        """Remove this model's checkpoints from its modules, which may be shared with models
+        that stay resident (the worker's component registry): without this, every unloaded
+        model would leave a hook behind on a shared VAE. A request still running on a
+        released model keeps its step-boundary checks."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def to(self, device: str) -> None:
         self.pipeline.to(device)

@@ -4,16 +4,26 @@ A worker knows a set of *sources* (model name → ``tiny:<variant>`` or a diffus
 and holds some of them in device memory. Exactly one loaded model is *active*: it serves
 requests whose level's model is not loaded (a substitution, counted by the worker).
 
-Switching (Argus §4.6, and what a level change needs): :meth:`ModelRegistry.activate` starts
-loading the new model in a background thread while the current one keeps serving; once the
-new one is ready it becomes active and the others are unloaded, so at most two models are
-resident during a switch. Requests already running on an unloaded model finish on it: they
-hold a reference, and its memory is released when the last one drops it.
+Models are assembled from shared parts (:mod:`argus.worker.components`): a part whose
+weights' digest is already resident (the text encoder and VAE SD-1.5 shares with SD-1.4 and
+the small and tiny variants) is reused, never loaded twice, so a switch within a family loads
+only the UNet. Each model's load reports the parts it loaded and the time of each.
 
-The memory guard refuses a load (:class:`MemoryGuardError`) when the weights of the models
-loaded or loading plus the new one would exceed the budget. The budget is the device's memory
-× ``memory_fraction`` on CUDA, and ``MemAvailable`` at start-up × ``memory_fraction`` on the
-CPU, unless set explicitly.
+Switching (Argus §4.6, and what a level change needs): :meth:`ModelRegistry.activate` starts
+loading the new model's missing parts in a background thread while the current one keeps
+serving; once the new one is ready it becomes active. Up to ``max_resident`` ready models stay
+resident (1, the default, unloads the others as soon as the new one is ready; a switch then
+holds two models at most); beyond that, and whenever a load would not fit, the least recently
+used models other than the active one are unloaded first, so a switch back to a model still
+resident loads nothing. Requests already running on an unloaded model finish on it: they hold
+a reference, and its memory is released when the last one drops it.
+
+The memory guard refuses a load (:class:`MemoryGuardError`) when the resident parts (each
+counted once however many models share it), the parts being loaded, and the new model's
+missing parts would exceed the budget even after unloading every evictable model. Before a
+source's digests are known (its first load computes them) all its parts count as missing. The
+budget is the device's memory × ``memory_fraction`` on CUDA, and ``MemAvailable`` at start-up ×
+``memory_fraction`` on the CPU, unless set explicitly.
 """
 
 from __future__ import annotations
@@ -23,17 +33,23 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from argus.contracts.worker_control import LoadState, ModelInfo
+from argus.contracts.worker_control import ComponentInfo, LoadState, ModelInfo
+from argus.worker.components import Component, ComponentStore, part_bytes, source_digests
 from argus.worker.models import (
-    build_tiny_pipeline,
-    estimate_bytes,
+    assemble_pipeline_dir,
+    assemble_tiny_pipeline,
+    build_tiny_part,
+    estimate_part_bytes,
     is_tiny,
-    load_pipeline_dir,
+    load_pipeline_dir_part,
+    tiny_spec,
+    tiny_tokenizer,
 )
 from argus.worker.pipelines import DiffusionModel
 
@@ -86,15 +102,18 @@ def default_memory_budget(device: str, fraction: float) -> int:
 class _Entry:
     source: str
     state: LoadState
-    bytes: int
+    bytes: int  # the model's own weights (shared parts included): estimated, then measured
+    pending: int = 0  # bytes of the parts its load adds, while it loads
     model: DiffusionModel | None = None
     load_s: float = 0.0
     error: str = ""
     future: Future[DiffusionModel] | None = None
+    loaded_parts: dict[str, float] = field(default_factory=dict)  # part -> load seconds
+    used_at: int = 0  # a use counter's value at its last activation or use (LRU order)
 
 
 class ModelRegistry:
-    """Loaded models by name; thread-safe."""
+    """Loaded models by name, assembled from shared parts; thread-safe."""
 
     def __init__(
         self,
@@ -105,10 +124,13 @@ class ModelRegistry:
         scheduler: str = "euler",
         memory_budget_bytes: int | None = None,
         memory_fraction: float = 0.9,
+        max_resident: int = 1,
         on_load: Callable[[str, float], None] | None = None,
     ) -> None:
         if not sources:
             raise ValueError("sources: at least one model is needed")
+        if max_resident < 1:
+            raise ValueError(f"max_resident {max_resident}: at least 1")
         self.sources = dict(sources)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -118,10 +140,14 @@ class ModelRegistry:
             if memory_budget_bytes is not None
             else default_memory_budget(self.device, memory_fraction)
         )
+        self.max_resident = max_resident
         self._on_load = on_load
         self._entries: dict[str, _Entry] = {}
+        self._parts = ComponentStore()
+        self._digests: dict[str, dict[str, str]] = {}  # source -> part -> digest, once known
         self._active: str | None = None
         self._target: str | None = None  # the model the last activate() asked for
+        self._uses = 0  # the LRU clock: bumped by every activation and use
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
 
@@ -132,10 +158,13 @@ class ModelRegistry:
         return self._active
 
     def get(self, name: str) -> DiffusionModel | None:
-        """The model if it is loaded and ready, else None."""
+        """The model if it is loaded and ready, else None; a use for the LRU order."""
         with self._lock:
             entry = self._entries.get(name)
-            return entry.model if entry is not None and entry.state is LoadState.READY else None
+            if entry is None or entry.state is not LoadState.READY:
+                return None
+            self._touch(entry)
+            return entry.model
 
     def active(self) -> DiffusionModel | None:
         with self._lock:
@@ -148,7 +177,9 @@ class ModelRegistry:
             return self._resident_bytes()
 
     def _resident_bytes(self) -> int:
-        return sum(e.bytes for e in self._entries.values() if e.state is not LoadState.FAILED)
+        """Resident parts, each once, plus the parts being loaded (lock held)."""
+        loading = sum(e.pending for e in self._entries.values() if e.state is LoadState.LOADING)
+        return self._parts.bytes() + loading
 
     def infos(self) -> list[ModelInfo]:
         with self._lock:
@@ -161,14 +192,33 @@ class ModelRegistry:
                     bytes=e.bytes,
                     active=name == self._active,
                     error=e.error,
+                    loaded_parts=dict(e.loaded_parts),
                 )
                 for name, e in sorted(self._entries.items())
             ]
 
+    def components(self) -> list[ComponentInfo]:
+        """The resident parts, each with the models that share it."""
+        with self._lock:
+            return self._parts.infos()
+
     # -- loading ---------------------------------------------------------------------------
 
+    def index(self) -> Future[None]:
+        """Compute every source's part digests in the background (once per process), so that
+        the memory guard knows which parts of a model never loaded here are already resident
+        and counts only the missing ones; without it a source's first load counts them all."""
+
+        def learn() -> None:
+            for source in self.sources.values():
+                digests = source_digests(source)
+                with self._lock:
+                    self._digests[source] = digests
+
+        return self._loader.submit(learn)
+
     def activate(self, name: str) -> Future[DiffusionModel]:
-        """Load ``name`` if needed (in the background), then make it active and unload the rest.
+        """Load ``name``'s missing parts if needed (in the background), then make it active.
 
         Raises :class:`UnknownModelError` or :class:`MemoryGuardError` at once; a failure
         during the load itself is reported by the future and in :meth:`infos`.
@@ -188,16 +238,27 @@ class ModelRegistry:
             if entry is not None and entry.state is LoadState.LOADING:
                 assert entry.future is not None
                 return entry.future
+            if entry is not None:  # a failed load: try again
+                del self._entries[name]
             source = self.sources[name]
-            need = estimate_bytes(source, self.dtype)
-            held = self._resident_bytes() - (entry.bytes if entry is not None else 0)
+            estimates = estimate_part_bytes(source, self.dtype)
+            digests = self._digests.get(source)
+            need = (
+                sum(estimates.values())
+                if digests is None
+                else self._parts.missing_bytes(digests, estimates)
+            )
+            self._evict_until(lambda: self._resident_bytes() + need <= self.budget)
+            held = self._resident_bytes()
             if held + need > self.budget:
                 raise MemoryGuardError(
                     f"variant {name!r}: needs {need / 2**20:.1f} MiB but "
                     f"{(self.budget - held) / 2**20:.1f} MiB of the "
                     f"{self.budget / 2**20:.1f} MiB budget is free"
                 )
-            entry = _Entry(source=source, state=LoadState.LOADING, bytes=need)
+            entry = _Entry(
+                source=source, state=LoadState.LOADING, bytes=sum(estimates.values()), pending=need
+            )
             self._entries[name] = entry
             entry.future = self._loader.submit(self._load, name, entry)
             return entry.future
@@ -205,42 +266,111 @@ class ModelRegistry:
     def _load(self, name: str, entry: _Entry) -> DiffusionModel:
         began = time.perf_counter()
         try:
-            if is_tiny(entry.source):
-                pipeline = build_tiny_pipeline(entry.source, self.scheduler)
-                pipeline.to(self.device, self.dtype)
-            else:
-                pipeline = load_pipeline_dir(entry.source, self.dtype)
-                pipeline.to(self.device)
-            model = DiffusionModel(name, pipeline, device=self.device, source=entry.source)
+            digests = source_digests(entry.source)
+            with self._lock:
+                self._digests[entry.source] = digests
+            parts: dict[str, Any] = {}
+            for part, digest in digests.items():
+                # resident, or loaded earlier in this load (SDXL's two tokenizers may be one)
+                with self._lock:
+                    if self._parts.get(digest) is not None:
+                        parts[part] = self._parts.use(digest, name)
+                        continue
+                loaded_at = time.perf_counter()
+                value = self._load_part(entry.source, part)
+                seconds = time.perf_counter() - loaded_at
+                entry.loaded_parts[part] = seconds
+                component = Component(digest, part, value, part_bytes(value), seconds, users={name})
+                with self._lock:
+                    self._parts.add(component)
+                parts[part] = value
+            model = DiffusionModel(
+                name, self._assemble(entry.source, parts), device=self.device, source=entry.source
+            )
         except Exception as err:
             with self._lock:
                 entry.state = LoadState.FAILED
                 entry.error = f"{type(err).__name__}: {err}"
+                entry.pending = 0
+                self._parts.release(name)
             raise
         elapsed = time.perf_counter() - began
         with self._lock:
             entry.model = model
             entry.bytes = model.parameter_bytes()
+            entry.pending = 0
             entry.load_s = elapsed
             entry.state = LoadState.READY
+            self._touch(entry)
             if self._target == name or self._active is None:
                 self._make_active(name)
-            else:  # superseded by a later activate(): do not keep it resident
-                del self._entries[name]
+            else:  # superseded by a later activate(): resident, first to leave
+                entry.used_at = 0
+                self._trim()
         if self._on_load is not None:
             self._on_load(name, elapsed)
         return model
 
+    def _load_part(self, source: str, part: str) -> Any:
+        """One part of ``source`` on this registry's device and dtype."""
+        if is_tiny(source):
+            value = build_tiny_part(tiny_spec(source), part, tiny_tokenizer())
+            if isinstance(value, torch.nn.Module):
+                value.to(self.device, self.dtype).eval()
+            return value
+        value = load_pipeline_dir_part(Path(source), part, self.dtype)
+        if isinstance(value, torch.nn.Module):
+            value.to(self.device).eval()
+        return value
+
+    def _assemble(self, source: str, parts: dict[str, Any]) -> Any:
+        if is_tiny(source):
+            return assemble_tiny_pipeline(tiny_spec(source), parts, self.scheduler)
+        pipeline = assemble_pipeline_dir(Path(source), parts, self.dtype)
+        pipeline.to(self.device)
+        return pipeline
+
+    # -- residency -------------------------------------------------------------------------
+
+    def _touch(self, entry: _Entry) -> None:
+        self._uses += 1
+        entry.used_at = self._uses
+
     def _make_active(self, name: str) -> None:
-        """Make ``name`` active and drop every other ready or failed model (lock held)."""
+        """Make ``name`` active, then unload failed models and the least recently used ready
+        ones beyond ``max_resident`` (lock held)."""
         self._active = name
-        dropped = [
-            other
-            for other, e in self._entries.items()
-            if other != name and e.state is not LoadState.LOADING
-        ]
-        for other in dropped:
+        self._touch(self._entries[name])
+        failed = [n for n, e in self._entries.items() if e.state is LoadState.FAILED]
+        for other in failed:
             del self._entries[other]
+        self._trim()
+
+    def _trim(self) -> None:
+        """Unload least recently used models until at most ``max_resident`` are ready."""
+        self._evict_until(
+            lambda: (
+                sum(e.state is LoadState.READY for e in self._entries.values()) <= self.max_resident
+            )
+        )
+
+    def _evict_until(self, enough: Callable[[], bool]) -> None:
+        """Unload ready models other than the active one and the last one asked for, least
+        recently used first, until ``enough()`` holds or none is left to unload (lock held)."""
+        evictable = sorted(
+            (e.used_at, n)
+            for n, e in self._entries.items()
+            if e.state is LoadState.READY and n not in (self._active, self._target)
+        )
+        dropped = False
+        for _, other in evictable:
+            if enough():
+                break
+            entry = self._entries.pop(other)
+            if entry.model is not None:
+                entry.model.release()
+            self._parts.release(other)
+            dropped = True
         if dropped:
             gc.collect()
             if self.device.startswith("cuda"):
