@@ -328,21 +328,26 @@ def safetensors_numel(path: Path) -> int:
     return total
 
 
+@functools.cache
+def _tiny_part_numel(source: str) -> dict[str, int]:
+    """Parameters of each part of a tiny variant, from a meta-device build: once per process,
+    as that build costs more than the UNet-only switch it would be sizing. Callers copy."""
+    spec = tiny_spec(source)
+    with torch.device("meta"):
+        parts = _build_tiny_components(spec, tiny_tokenizer())
+    return {
+        name: sum(p.numel() for p in part.parameters()) if isinstance(part, torch.nn.Module) else 0
+        for name, part in parts.items()
+    }
+
+
 def estimate_part_bytes(source: str, dtype: torch.dtype) -> dict[str, int]:
     """Bytes of weights each part of ``source`` will place on the device when loaded in
     ``dtype`` (0 for a tokenizer), by part name: from a meta-device build for a tiny variant,
     from the safetensors headers of each part's folder for a directory."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     if is_tiny(source):
-        spec = tiny_spec(source)
-        with torch.device("meta"):
-            parts = _build_tiny_components(spec, tiny_tokenizer())
-        return {
-            name: sum(p.numel() for p in part.parameters()) * itemsize
-            if isinstance(part, torch.nn.Module)
-            else 0
-            for name, part in parts.items()
-        }
+        return {name: numel * itemsize for name, numel in _tiny_part_numel(source).items()}
     root = Path(source)
     check_pipeline_dir(root)
     return {
