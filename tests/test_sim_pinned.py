@@ -24,13 +24,13 @@ pytestmark = pytest.mark.unit
 # four planned policies again once they decide through the router's RouterPolicy, whose early
 # admission refuses a request before it is classified (it then draws no PASM sample, so later
 # draws shift): with the early check skipped, all four gave their earlier fingerprints;
-# argus and pac again once they choose AC or SM each period (StrategyChoice.BEST, issue 30);
-# argus-paper again once a K change of the model a worker is loading in the background keeps
-# that load's ready time instead of starting it over (one physics for every policy, issue 30:
-# a load costs the profile's load time, no more), 27 model switches here before, 25 after
+# argus and argus-paper again once a K change of the model a worker is loading in the
+# background keeps that load's ready time instead of starting it over (one physics for every
+# policy, issue 30: a load costs the profile's load time, no more; argus-paper 27 model
+# switches here before, 25 after); pac is as it was
 PINNED = {
-    "argus": "f5c97bc358962d97",
-    "pac": "fafc3c76252e1daa",
+    "argus": "cbf566fa93abb941",
+    "pac": "1b90a6604c5fa879",
     "proteus": "39489b5e1b889eda",
     "clipper-ha": "48c7cd24b03a241d",
     "clipper-ht": "f2f45ce88aa7e8f9",
