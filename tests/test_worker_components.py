@@ -5,12 +5,13 @@ model loads nothing, and the byte budget unloads the least recently used model f
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from argus.worker.components import part_bytes, source_digests
-from argus.worker.models import estimate_part_bytes
+from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, estimate_part_bytes
 from argus.worker.registry import ModelRegistry
 from tests.worker_factories import make_registry
 
@@ -103,5 +104,26 @@ def test_the_budget_unloads_the_least_recently_used_model_first() -> None:
         registry.activate("tiny-sd").result(timeout=60)
         assert [m.name for m in registry.infos()] == ["sd-1.5", "small-sd", "tiny-sd"]
         assert registry.used_bytes() <= budget
+    finally:
+        registry.close()
+
+
+def test_diffusers_directories_share_parts_by_their_files(tmp_path: Path) -> None:
+    # two checkpoints on disk under unrelated names: sharing comes from the parts' files
+    sources = {"first": tmp_path / "a", "second": tmp_path / "b"}
+    for variant, path in zip(("sd-1.5", "sd-1.4"), sources.values(), strict=True):
+        build_tiny_pipeline(TINY_PREFIX + variant).save_pretrained(path, safe_serialization=True)
+    registry = ModelRegistry(
+        {name: str(path) for name, path in sources.items()}, device="cpu", max_resident=2
+    )
+    try:
+        registry.activate("first").result(timeout=60)
+        registry.activate("second").result(timeout=60)
+        loaded = {m.name: sorted(m.loaded_parts) for m in registry.infos()}
+        assert loaded == {"first": ["text_encoder", "tokenizer", "unet", "vae"], "second": ["unet"]}
+        first, second = registry.get("first"), registry.get("second")
+        assert first is not None and second is not None
+        assert first.pipeline.vae is second.pipeline.vae
+        assert first.pipeline.text_encoder is second.pipeline.text_encoder
     finally:
         registry.close()
