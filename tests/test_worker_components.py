@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from argus.worker.components import part_bytes, source_digests
+from argus.worker.metrics import WorkerMetrics
 from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, estimate_part_bytes
 from argus.worker.registry import ModelRegistry
 from tests.worker_factories import make_registry
@@ -127,3 +129,19 @@ def test_diffusers_directories_share_parts_by_their_files(tmp_path: Path) -> Non
         assert first.pipeline.text_encoder is second.pipeline.text_encoder
     finally:
         registry.close()
+
+
+def test_each_part_a_load_loads_is_observed_in_the_metrics() -> None:
+    prom = CollectorRegistry()
+    registry = make_registry(max_resident=2, on_load=WorkerMetrics(prom).observe_load)
+    try:
+        registry.activate("sd-1.5").result(timeout=60)
+        registry.activate("sd-1.4").result(timeout=60)
+    finally:
+        registry.close()
+
+    def loads(part: str) -> float | None:
+        return prom.get_sample_value("argus_worker_part_load_seconds_count", {"part": part})
+
+    assert (loads("unet"), loads("vae"), loads("text_encoder")) == (2, 1, 1)
+    assert prom.get_sample_value("argus_worker_model_loads_total", {"model": "sd-1.4"}) == 1

@@ -7,7 +7,7 @@ Names carry the ``argus_worker_`` prefix and base units; label sets are fixed an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -92,6 +92,15 @@ class WorkerMetrics:
             buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 40, 80, 160),
             registry=reg,
         )
+        # a model's load loads only its parts that are not resident (argus/worker/components.py)
+        self.part_load_seconds = Histogram(
+            "argus_worker_part_load_seconds",
+            "Time to load one part of a model (text encoder, tokenizer, UNet, VAE), by part; a "
+            "part shared with a resident model is not loaded again",
+            ["part"],
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 20, 40, 80, 160),
+            registry=reg,
+        )
 
     def watch_queue(self, length: Callable[[], float]) -> None:
         self.queue_length.set_function(length)
@@ -113,6 +122,9 @@ class WorkerMetrics:
     def observe_decode_skipped(self) -> None:
         self.decodes_skipped.inc()
 
-    def observe_load(self, model: str, seconds: float) -> None:
+    def observe_load(self, model: str, seconds: float, parts: Mapping[str, float]) -> None:
+        """A model's load: its time in all, and each part it loaded (part → seconds)."""
         self.model_loads.labels(model).inc()
         self.model_load_seconds.labels(model).observe(seconds)
+        for part, part_s in parts.items():
+            self.part_load_seconds.labels(part).observe(part_s)

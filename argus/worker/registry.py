@@ -125,7 +125,7 @@ class ModelRegistry:
         memory_budget_bytes: int | None = None,
         memory_fraction: float = 0.9,
         max_resident: int = 1,
-        on_load: Callable[[str, float], None] | None = None,
+        on_load: Callable[[str, float, Mapping[str, float]], None] | None = None,
     ) -> None:
         if not sources:
             raise ValueError("sources: at least one model is needed")
@@ -308,7 +308,7 @@ class ModelRegistry:
                 entry.used_at = 0
                 self._trim()
         if self._on_load is not None:
-            self._on_load(name, elapsed)
+            self._on_load(name, elapsed, dict(entry.loaded_parts))
         return model
 
     def _load_part(self, source: str, part: str) -> Any:
