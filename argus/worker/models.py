@@ -275,19 +275,7 @@ def load_pipeline_dir(path: str | Path, dtype: torch.dtype) -> Any:
     root = Path(path)
     check_pipeline_dir(root)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from diffusers import DiffusionPipeline
-
-    kwargs: dict[str, Any] = {
-        "dtype": dtype,
-        "use_safetensors": True,
-        "local_files_only": True,
-    }
-    if (root / "safety_checker").exists():
-        kwargs.update(safety_checker=None, requires_safety_checker=False)
-    try:
-        return DiffusionPipeline.from_pretrained(str(root), **kwargs)
-    except (OSError, ValueError) as err:
-        raise ModelSourceError(f"{root}: cannot load diffusers pipeline: {err}") from err
+    return _from_pretrained(root, dtype, {}, "load")
 
 
 def check_pipeline_dir(root: Path) -> None:
@@ -403,6 +391,13 @@ def assemble_pipeline_dir(root: Path, parts: dict[str, Any], dtype: torch.dtype)
     """A directory's diffusers pipeline around ``parts`` (every part of
     :func:`pipeline_dir_parts`, loaded or shared): diffusers loads only the rest, the
     scheduler's config."""
+    return _from_pretrained(root, dtype, parts, "assemble")
+
+
+def _from_pretrained(root: Path, dtype: torch.dtype, parts: dict[str, Any], verb: str) -> Any:
+    """diffusers' pipeline of ``root`` with ``parts`` given (the rest loaded from the
+    directory: safetensors only, nothing fetched, no safety checker); ModelSourceError saying
+    what could not be ``verb``-ed."""
     from diffusers import DiffusionPipeline
 
     kwargs: dict[str, Any] = {
@@ -416,4 +411,4 @@ def assemble_pipeline_dir(root: Path, parts: dict[str, Any], dtype: torch.dtype)
     try:
         return DiffusionPipeline.from_pretrained(str(root), **kwargs)
     except (OSError, ValueError) as err:
-        raise ModelSourceError(f"{root}: cannot assemble diffusers pipeline: {err}") from err
+        raise ModelSourceError(f"{root}: cannot {verb} diffusers pipeline: {err}") from err
