@@ -195,6 +195,11 @@ class Allocation:
     moved_workers: int  # live workers whose level differs from their current one
     solve_ms: float  # wall time of the solve, milliseconds
 
+    def level_indices(self) -> dict[str, int]:
+        """Each assigned worker's level as its index in ``levels`` (what routers and their
+        decisions speak)."""
+        return {worker: self.levels.index(level) for worker, level in self.assignment.items()}
+
     @property
     def saturated(self) -> bool:
         """True when load exceeds capacity: the signal to scale out (Argus §5.3)."""

@@ -51,8 +51,7 @@ def snapshot(
     t_proc_s: float = 1.0,
 ) -> Snapshot:
     assert decider.plan is not None
-    levels = decider.plan.allocation.levels
-    plan_levels = {w: levels.index(v) for w, v in decider.plan.allocation.assignment.items()}
+    plan_levels = decider.plan.allocation.level_indices()
     return Snapshot(
         plan_levels,
         queues or {w: 0 for w in plan_levels},

@@ -323,7 +323,9 @@ class RouterCore:
         self._arrivals: list[float] = []
         self._classified: list[Classified] = []
         self._serving = 0
-        self._worker_levels: dict[str, tuple[int, str]] = {}  # worker → (level index, class)
+        # the plan's workers: level index and GPU class, set at install (read per decision)
+        self._plan_levels: dict[str, int] = {}
+        self._classes: dict[str, str] = {}
         self._classifying = 0  # requests admitted early and not yet routed
         self.worker_calls = 0  # Generate calls sent to workers (tests, metrics)
         stats.watch_in_flight(lambda: self._serving)
@@ -359,12 +361,9 @@ class RouterCore:
                 log.error("plan %d refused: %s", published.version, err)
                 return False
             self._addresses = {w.worker_id: w.address for w in published.workers}
-            levels = published.plan.allocation.levels
+            self._plan_levels = published.plan.allocation.level_indices()
             classes = published.worker_classes()
-            self._worker_levels = {
-                w: (levels.index(level), classes[w])
-                for w, level in published.plan.allocation.assignment.items()
-            }
+            self._classes = {w: classes[w] for w in self._plan_levels}
             self._queues = {w: self._queues.get(w, 0) for w in self._addresses}
             self._head_started = {
                 w: t for w, t in self._head_started.items() if w in self._addresses
@@ -531,16 +530,14 @@ class RouterCore:
         def service_s(worker: str, index: int) -> float:
             return self._service_s(worker, index, cost, now)
 
-        levels = {worker: index for worker, (index, _) in self._worker_levels.items()}
         down = self._down(now) | tried
-        return Snapshot(levels, self._queue_view(now), down, elapsed_s, service_s)
+        return Snapshot(self._plan_levels, self._queue_view(now), down, elapsed_s, service_s)
 
     def _service_s(self, worker: str, index: int, cost: float, now: float) -> float:
         """A request of ``cost`` on ``worker`` at level ``index``: the service time learned
         from the worker's replies (its seed until it has answered). Under the lock."""
-        worker_class = self._worker_levels[worker][1]
         level = self._router.level_name(index)
-        return self._times.predict_s(worker, worker_class, level, cost, now)
+        return self._times.predict_s(worker, self._classes[worker], level, cost, now)
 
     def _queue_view(self, now: float) -> Mapping[str, int]:
         """The router's queue per worker, one more on a worker still finishing a request whose
@@ -675,11 +672,11 @@ class RouterCore:
         """Learn the worker's service time at ``level`` from its reply's timings."""
         timing = reply.timing
         with self._lock:
-            if worker not in self._worker_levels:
+            if worker not in self._classes:
                 return  # it left the plan while serving
             self._times.observe(
                 worker,
-                self._worker_levels[worker][1],
+                self._classes[worker],
                 level,
                 cost,
                 (timing.total_ms - timing.queue_ms) / 1e3,
@@ -692,11 +689,10 @@ class RouterCore:
         at its next denoising step, so count it busy for one step's time more."""
         steps = request.steps or self.config.default_steps or self.profiles.reference.steps
         with self._lock:
-            if worker not in self._worker_levels:
+            if worker not in self._classes:
                 return
             now = self._clock()
-            worker_class = self._worker_levels[worker][1]
-            step_s = self._times.step_s(worker, worker_class, level, cost, steps, now)
+            step_s = self._times.step_s(worker, self._classes[worker], level, cost, steps, now)
             self._abandoned_until[worker] = max(
                 self._abandoned_until.get(worker, now), now + step_s
             )

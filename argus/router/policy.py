@@ -124,7 +124,6 @@ class RouterPolicy:
         self.router = PlanRouter(profiles, rng or random.Random(0), config.routing)
         self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
         self._models = {level.name: level.model for level in profiles.levels}
-        self.decisions = 0  # route calls, admitted or not (the simulator's test counts them)
 
     # the plan ----------------------------------------------------------------------------
 
@@ -235,7 +234,6 @@ class RouterPolicy:
         level above its cap, and admit it on the chosen worker (a ``retry``'s refusal is not
         counted as a rejection). Levels that skip as many steps as the request runs (K ≥ N)
         are never chosen."""
-        self.decisions += 1
         cap = self._plan_cap(request)
         if isinstance(cap, Refused):
             return cap

@@ -291,10 +291,7 @@ class PlannedPolicy(Policy):
         self._installed = published.version
         classes = {w.worker_id: w.worker_class for w in view.workers}
         self.decider.install(published.plan, classes, self._now)
-        levels = published.plan.allocation.levels
-        self._plan_levels = {
-            w: levels.index(level) for w, level in published.plan.allocation.assignment.items()
-        }
+        self._plan_levels = published.plan.allocation.level_indices()
 
 
 def planned_policies() -> dict[str, PlannedConfig]:
