@@ -13,10 +13,12 @@ it), into an :class:`EditInput`: the template's RGB pixels and the region to edi
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 from collections.abc import Sized
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -158,6 +160,21 @@ class EditInput:
     def mask_ratio(self) -> float:
         """The share of pixels edited (1 for img2img)."""
         return 1.0 if self.region is None else float(self.region.mean())
+
+    @cached_property
+    def template_digest(self) -> str:
+        """SHA-256 of the template's pixels and shape: what names the template (its noise
+        outside the region, its recorded activations) whatever file format carried it."""
+        digest = hashlib.sha256(repr(self.rgb.shape).encode())
+        digest.update(np.ascontiguousarray(self.rgb).tobytes())
+        return digest.hexdigest()
+
+    @property
+    def template_seed(self) -> int:
+        """The seed of the template's own noise: inpainting noises the unmasked region with
+        it, so every edit of one template sees the same latents there at every step (what
+        lets the mask-aware activation cache reuse them), whatever the request's seed."""
+        return int(self.template_digest[:15], 16)
 
     def start_step(self, steps: int) -> int:
         """The step an edit of ``steps`` starts at: img2img denoises the last

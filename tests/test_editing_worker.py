@@ -115,6 +115,38 @@ def test_every_step_puts_the_templates_noised_latent_back_outside_the_region() -
     assert not torch.equal(final[~keep.expand_as(final)], plain[~keep.expand_as(final)])
 
 
+def test_every_edit_of_a_template_sees_the_same_unmasked_latents_whatever_its_seed() -> None:
+    """The unmasked region is noised with the template's own seed, the region with the
+    request's: two seeds agree outside the region at every step (from the first step's
+    input on) and differ inside it, which is what lets edits share recorded activations."""
+    model = tiny_model("sd-1.5")
+    edit_input = check_edit(encode(template_rgb()), mask_png(region_of(0.5)), None, LIMITS)
+    inputs: dict[int, list[torch.Tensor]] = {3: [], 4: []}
+    for seed, seen in inputs.items():
+        spec = GenerationSpec(PROMPT, seed=seed, steps=STEPS, edit=edit_input)
+
+        def predictor(
+            latents: torch.Tensor,
+            t: Any,
+            cond: Any,
+            scheduler: Any,
+            step: int,
+            seen: list[torch.Tensor] = seen,
+        ) -> Any:
+            seen.append(latents.clone())
+            return model.predict_noise(latents, t, cond, scheduler, step)
+
+        model.denoise(spec, predictor=predictor)
+    with model.lock, torch.inference_mode():
+        start = model.start_edit(GenerationSpec(PROMPT, seed=3, steps=STEPS, edit=edit_input))
+    assert start.region is not None
+    keep = (start.region == 0).expand_as(inputs[3][0])
+    assert len(inputs[3]) == len(inputs[4]) == STEPS
+    for one, other in zip(inputs[3], inputs[4], strict=True):
+        assert torch.equal(one[keep], other[keep])
+        assert not torch.equal(one[~keep], other[~keep])
+
+
 def test_the_images_own_alpha_is_the_mask_when_none_is_sent(worker: Worker) -> None:
     rgb, region = template_rgb(seed=3), region_of(0.5)
     own = worker.generate(edit(image=with_alpha(rgb, region)))

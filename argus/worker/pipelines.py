@@ -52,7 +52,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -342,25 +342,35 @@ class DiffusionModel:
         the seed's noise exactly as a generation does (diffusers' inpainting pipeline at
         strength 1; its img2img pipeline noises the image to the first timestep instead, which
         leaves a trace of it in an image asked to be made anew); img2img below 1 starts from
-        the template noised to its start step."""
+        the template noised to its start step.
+
+        Inpainting's noise is the request's seed inside the region and the template's own
+        (:attr:`~argus.request_limits.EditInput.template_seed`) outside it: the unmasked
+        latents of every edit of one template are then the same at every step, whatever the
+        seed, which is what the mask-aware activation cache reuses; the region itself, all an
+        edit shows, varies with the seed as a generation does."""
         edit = spec.edit
         assert edit is not None
         scheduler = self.new_scheduler()
         scheduler.set_timesteps(spec.steps, device=self.device)
         template = self.encode_image(edit.rgb)
-        noise = self.seed_noise(spec).to(self.device, self.dtype)
-        start = spec.start_step
-        if start == 0:
-            latents = self.initial_noise(spec, scheduler)
-        else:
-            order = int(getattr(scheduler, "order", 1))
-            t = scheduler.timesteps[start * order : start * order + 1]
-            latents = scheduler.add_noise(template, noise, t)
+        noise = self.seed_noise(spec)
         region = None
         if edit.region is not None:
             f = self.vae_scale_factor
             pixels = torch.from_numpy(np.array(edit.region)).to(torch.float32)[None, None]
-            region = torch.nn.functional.max_pool2d(pixels, f).to(self.device, self.dtype)
+            region = torch.nn.functional.max_pool2d(pixels, f)
+            own = self.seed_noise(replace(spec, seed=edit.template_seed))
+            noise = region * noise + (1.0 - region) * own
+            region = region.to(self.device, self.dtype)
+        noise = noise.to(self.device, self.dtype)
+        start = spec.start_step
+        if start == 0:
+            latents = (noise * scheduler.init_noise_sigma).to(self.device, self.dtype)
+        else:
+            order = int(getattr(scheduler, "order", 1))
+            t = scheduler.timesteps[start * order : start * order + 1]
+            latents = scheduler.add_noise(template, noise, t)
         return EditStart(latents, template, noise, region, scheduler)
 
     def encode(self, spec: GenerationSpec) -> Conditioning:
