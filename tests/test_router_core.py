@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -26,6 +27,7 @@ from argus.router.core import (
 from argus.router.metrics import RouterMetrics
 from argus.router.stats import NO_STATS
 from argus.router.values import Refusal, RouterError
+from argus.types import Strategy
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 
 pytestmark = pytest.mark.unit
@@ -206,3 +208,17 @@ def test_a_cancelled_client_is_told_so_not_blamed_on_the_worker() -> None:
         Refusal.CANCELLED,
         "the client cancelled the request",
     )
+
+
+def test_the_cores_service_times_price_an_edit_at_the_steps_it_runs() -> None:
+    """What admission sees of a worker at ac-k20 (50 steps): an edit's service time is 50/30
+    of a generation's of the same cost, since the worker runs an edit's every step."""
+    core = make_core(FakeWorkers(), ("w1",))
+    index = next(i for i, lv in enumerate(PROFILES.levels_for(Strategy.AC)) if lv.skip_steps == 20)
+    generation = RouterRequest(prompt="a fox", steps=50)
+    edit = replace(generation, image=b"png")
+    now = core._clock()
+    with core._lock:
+        plain = core._snapshot(generation, 1.0, now).service_s("w1", index)
+        edited = core._snapshot(edit, 1.0, now).service_s("w1", index)
+    assert edited == pytest.approx(plain * 50 / 30)

@@ -155,3 +155,18 @@ def test_admit_on_is_the_rule_against_the_budget() -> None:
     late = admit_on(rule, 2, 0.5, 1.0, predicted - 0.5)
     assert isinstance(late, Refused) and late.retry_after_s == pytest.approx(0.5)
     assert isinstance(admit_on(rule, 0, 0.0, math.nan, 10.0), Refused)
+
+
+def test_an_edit_on_an_ac_level_costs_its_full_steps_not_the_levels_resumed_ones() -> None:
+    """An AC level's times are of runs resuming at its K; an edit runs its own steps from its
+    image, so on ac-k20 (of 50 steps) it costs 50/30 of its price, on K = 0 and SM levels its
+    price, and a generation its price everywhere."""
+    decider = policy()
+    edit = RouterRequest(prompt="a fox", image=b"png", steps=50)
+    assert decider.level_cost(edit, 2.0, "ac-k20") == pytest.approx(2.0 * 50 / 30)
+    assert decider.level_cost(replace(edit, steps=40), 2.0, "ac-k25") == pytest.approx(
+        2.0 * 40 / 15
+    )
+    assert decider.level_cost(edit, 2.0, "ac-k0") == 2.0
+    assert decider.level_cost(edit, 2.0, "sm-tiny-sd") == 2.0
+    assert decider.level_cost(replace(edit, image=b""), 2.0, "ac-k20") == 2.0

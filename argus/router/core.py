@@ -510,7 +510,7 @@ class RouterCore:
             refused = self.policy.admit_early(
                 request,
                 cost,
-                self._snapshot(cost, now),
+                self._snapshot(request, cost, now),
                 deadline - now,
                 classifying=self._classifying,
                 classifier_s=classifier_s,
@@ -519,24 +519,31 @@ class RouterCore:
                 raise self._refusal(refused)
             self._classifying += 1
 
-    def _snapshot(self, cost: float, now: float, tried: AbstractSet[str] = frozenset()) -> Snapshot:
-        """The planned workers as a decision for a request of ``cost`` sees them now, the
-        workers in ``tried`` counted down. Under the lock."""
+    def _snapshot(
+        self,
+        request: RouterRequest,
+        cost: float,
+        now: float,
+        tried: AbstractSet[str] = frozenset(),
+    ) -> Snapshot:
+        """The planned workers as a decision for ``request`` of ``cost`` sees them now (its
+        cost at each level by :meth:`RouterPolicy.level_cost`), the workers in ``tried``
+        counted down. Under the lock."""
         started = self._head_started
 
         def elapsed_s(worker: str) -> float:
             return now - started.get(worker, now)
 
         def service_s(worker: str, index: int) -> float:
-            return self._service_s(worker, index, cost, now)
+            level = self._router.level_name(index)
+            return self._service_s(worker, level, self.policy.level_cost(request, cost, level), now)
 
         down = self._down(now) | tried
         return Snapshot(self._plan_levels, self._queue_view(now), down, elapsed_s, service_s)
 
-    def _service_s(self, worker: str, index: int, cost: float, now: float) -> float:
-        """A request of ``cost`` on ``worker`` at level ``index``: the service time learned
-        from the worker's replies (its seed until it has answered). Under the lock."""
-        level = self._router.level_name(index)
+    def _service_s(self, worker: str, level: str, cost: float, now: float) -> float:
+        """A request of ``cost`` on ``worker`` at ``level``: the service time learned from the
+        worker's replies (its seed until it has answered). Under the lock."""
         return self._times.predict_s(worker, self._classes[worker], level, cost, now)
 
     def _queue_view(self, now: float) -> Mapping[str, int]:
@@ -611,7 +618,7 @@ class RouterCore:
             outcome = self.policy.route(
                 levels.get(plan.strategy, 0),
                 request,
-                self._snapshot(cost, now, tried),
+                self._snapshot(request, cost, now, tried),
                 deadline - now,
                 retry=bool(tried),
             )
@@ -645,14 +652,18 @@ class RouterCore:
                 cancel=call.cancel,
                 progress=call.progress,
             )
-            self._learn(decision.worker_id, reply.level or level, cost, reply)
+            served = reply.level or level
+            self._learn(
+                decision.worker_id, served, self.policy.level_cost(request, cost, served), reply
+            )
             return reply
         except WorkerError as err:
             if err.kind is Refusal.UNAVAILABLE:
                 with self._lock:
                     self._down_until[decision.worker_id] = self._clock() + self.config.down_for_s
             if err.kind in (Refusal.DEADLINE, Refusal.CANCELLED):
-                self._abandoned(decision.worker_id, level, cost, request)
+                at_level = self.policy.level_cost(request, cost, level)
+                self._abandoned(decision.worker_id, level, at_level, request)
             if err.kind is Refusal.CANCELLED and call.cancel.cancelled:
                 raise RouterError(err.kind, "the client cancelled the request") from None
             if err.kind in (Refusal.INVALID, Refusal.NOT_FOUND):  # the field first, as ours

@@ -124,6 +124,7 @@ class RouterPolicy:
         self.router = PlanRouter(profiles, rng or random.Random(0), config.routing)
         self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
         self._models = {level.name: level.model for level in profiles.levels}
+        self._skips = {level.name: level.skip_steps for level in profiles.levels}
 
     # the plan ----------------------------------------------------------------------------
 
@@ -163,6 +164,19 @@ class RouterPolicy:
                 f"accepts at most {cap:.3g}",
             )
         return cost
+
+    def level_cost(self, request: RouterRequest, cost: float, level: str) -> float:
+        """``cost`` (:meth:`price`) as ``level``'s service times count it. A level's times are
+        of runs that resume at its K; an edit never resumes from the cache (it starts from
+        its own image), so on an AC level skipping K of its N steps it runs N/(N−K) times
+        the level's work per unit of cost. A generation, and any request on a level with
+        K = 0, costs what it was priced at. The router learns from an edit's reply at the
+        same cost, so edits and generations teach a level one rate."""
+        skip = self._skips.get(level, 0)
+        if not request.image or skip == 0:
+            return cost
+        steps = request.steps or self.config.default_steps or self.profiles.reference.steps
+        return cost * steps / (steps - skip) if steps > skip else cost
 
     def level_cap(self, strategy: Strategy, request: RouterRequest) -> int | Refused | None:
         """The highest level index ``request`` may be served at: its ``max_level_index`` and
