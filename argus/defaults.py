@@ -101,6 +101,10 @@ MAX_IMAGE_PIXELS = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
 MAX_QUEUE = 64
 """Requests waiting or running on a worker at most; more are refused."""
 
+MAX_RESIDENT_MODELS = 1
+"""Ready models a worker keeps resident at most (1: a switch unloads the previous model once
+the new one is ready); more keep several UNets beside shared parts, so a switch back is free."""
+
 CACHE_MAX_ENTRIES = 100_000
 """Prompts the approximate cache keeps at most."""
 

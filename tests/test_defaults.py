@@ -394,6 +394,7 @@ HELM_FLAGS = {
     ("worker", "dtype"): ("worker", "dtype"),
     ("worker", "scheduler"): ("worker", "scheduler"),
     ("worker", "maxQueue"): ("worker", "max_queue"),
+    ("worker", "maxResidentModels"): ("worker", "max_resident"),
     ("worker", "defaultSize"): ("worker", "default_size"),
     ("worker", "defaultSteps"): ("worker", "default_steps"),
     ("worker", "controlnetMode"): ("worker", "controlnet_mode"),

@@ -951,6 +951,18 @@ def test_the_allocators_planner_strategy_choice_and_slo_are_values() -> None:
         render({"allocator": {"planner": "greedy"}})
 
 
+def test_the_workers_resident_models_are_a_value() -> None:
+    """worker.maxResidentModels reaches every worker as --max-resident (default 1); the schema
+    refuses fewer than one."""
+    args = main_container(workloads(render({}))["worker"])["args"]
+    assert arg_value(args, "--max-resident") == "1"
+    args = main_container(workloads(render({"worker": {"maxResidentModels": 3}}))["worker"])["args"]
+    assert arg_value(args, "--max-resident") == "3"
+    assert cli_parser("worker").parse_args(["--max-resident", "3"]).max_resident == 3
+    with pytest.raises(helm.HelmValuesError, match="maxResidentModels"):
+        render({"worker": {"maxResidentModels": 0}})
+
+
 def test_router_and_allocator_reach_each_other_by_service_name() -> None:
     docs = rendered("default")
     w = workloads(docs)

@@ -145,3 +145,31 @@ def test_each_part_a_load_loads_is_observed_in_the_metrics() -> None:
 
     assert (loads("unet"), loads("vae"), loads("text_encoder")) == (2, 1, 1)
     assert prom.get_sample_value("argus_worker_model_loads_total", {"model": "sd-1.4"}) == 1
+
+
+def test_the_max_resident_flag_reaches_the_registry() -> None:
+    """``argus worker --max-resident 2`` gives the worker's registry room for two ready models:
+    after a switch the previous one stays resident."""
+    import argparse
+
+    from argus.cli.main import OneLineParser
+    from argus.cli.worker import WorkerCommand
+    from argus.worker.app import build_worker
+    from argus.worker.registry import LoadState
+
+    command = WorkerCommand()
+    parser = OneLineParser(prog="argus worker")
+    command.add_arguments(parser)
+    args = parser.parse_args(
+        ["--max-resident", "2", "--no-cache", "--device", "cpu", "--level", "sm-sd-1.5"]
+    )
+    assert isinstance(args, argparse.Namespace)
+    worker = build_worker(command._settings(args, None))
+    try:
+        registry = worker.registry
+        assert registry.max_resident == 2
+        registry.activate("sd-1.4").result(timeout=60)
+        ready = {m.name for m in registry.infos() if m.state is LoadState.READY}
+        assert ready == {"sd-1.5", "sd-1.4"}
+    finally:
+        worker.close()

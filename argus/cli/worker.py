@@ -56,6 +56,13 @@ class WorkerCommand:
         parser.add_argument("--dtype", default="auto", help="auto, fp32, fp16 or bf16")
         parser.add_argument("--scheduler", default="euler", help="euler, ddim or dpm++")
         parser.add_argument("--memory-budget-gib", type=float, help="model memory budget")
+        parser.add_argument(
+            "--max-resident",
+            type=int,
+            default=defaults.MAX_RESIDENT_MODELS,
+            help="ready models kept resident at most, least recently used leaving first "
+            "(shared parts held once; default 1)",
+        )
         parser.add_argument("--no-cache", action="store_true", help="serve without AC caching")
         parser.add_argument("--cache-dir", help="latent store and Qdrant Edge directory")
         parser.add_argument("--qdrant-url", help="Qdrant server URL (default: Qdrant Edge)")
@@ -148,6 +155,7 @@ class WorkerCommand:
             dtype=args.dtype,
             scheduler=args.scheduler,
             memory_budget_gib=args.memory_budget_gib,
+            max_resident=args.max_resident,
             cache=not args.no_cache,
             cache_dir=args.cache_dir,
             qdrant_url=args.qdrant_url,

@@ -49,6 +49,8 @@ class WorkerSettings:
     dtype: str = "auto"
     scheduler: str = "euler"
     memory_budget_gib: float | None = None
+    # ready models kept resident at most (their shared parts once); 1: one model at a time
+    max_resident: int = defaults.MAX_RESIDENT_MODELS
     # approximate cache
     cache: bool = True
     cache_dir: str | None = None  # latent store and Qdrant Edge shard; None: a temp dir
@@ -84,6 +86,8 @@ class WorkerSettings:
             value = getattr(self, name)
             if value is not None:
                 check_address(value, name)
+        if self.max_resident < 1:
+            raise ValueError(f"max_resident: must be >= 1, got {self.max_resident}")
         if not 0.0 <= self.score_sample <= 1.0:
             raise ValueError(f"score_sample: must be in [0, 1], got {self.score_sample}")
 
@@ -216,6 +220,7 @@ def build_worker(
         dtype=settings.dtype,
         scheduler=settings.scheduler,
         memory_budget_bytes=budget,
+        max_resident=settings.max_resident,
         on_load=metrics.observe_load if metrics is not None else None,
     )
     cache = encoder = None
