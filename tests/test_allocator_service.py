@@ -513,6 +513,16 @@ BAD_INPUTS = [
         heartbeat(retrieval=allocator_pb2.RetrievalReport(samples_s=[0.0] * 4097)),
         "retrieval.samples_s: at most 4096",
     ),
+    (
+        "Heartbeat",
+        heartbeat(last_load_parts=[allocator_pb2.PartLoad(part="unet", seconds=-1.0)]),
+        "last_load_parts[0].seconds: must be a finite number >= 0, got -1.0",
+    ),
+    (
+        "Heartbeat",
+        heartbeat(resident_parts=[allocator_pb2.ResidentPart(digest="", part="vae")]),
+        "resident_parts[0].digest: must not be empty",
+    ),
     ("ReportRouter", router(router_id=""), "router_id: must not be empty"),
     ("ReportRouter", router(arrivals=10**6), "arrivals: at most 100000"),
     (

@@ -429,3 +429,28 @@ def test_check_address_accepts_hosts_and_ipv6() -> None:
     assert check_address("[::1]:50052", "x") == "[::1]:50052"
     with pytest.raises(ValueError, match="x: expected HOST:PORT without spaces"):
         check_address("a b:1", "x")
+
+
+def test_the_last_loads_parts_and_the_resident_parts_reach_the_allocator(
+    allocator: Callable[..., Allocator], join: Callable[..., Membership]
+) -> None:
+    """A switch within the SD-1.x family loads only the UNet; the heartbeat carries that part
+    and its seconds, and the parts resident, through the proto to the allocator, which keeps
+    them with the worker."""
+    shared = make_worker(worker_id="w-parts", level="sm-sd-1.5", warm=True)
+    try:
+        shared.registry.activate("sd-1.4").result(timeout=60)
+        alloc = allocator()
+        membership = join(shared, alloc.address)
+        assert membership.beat_once() is not None
+        kept = alloc.servicer.control.worker_report("w-parts")
+        assert kept is not None
+        assert kept.last_load_model == "sd-1.4"
+        assert [part for part, _ in kept.last_load_parts] == ["unet"]
+        assert all(s > 0.0 for _, s in kept.last_load_parts)
+        resident = {(c.part, c.models) for c in kept.resident_parts}
+        assert ("unet", ("sd-1.4",)) in resident
+        assert ("vae", ("sd-1.4",)) in resident  # the VAE sd-1.5 loaded, now sd-1.4's
+        assert set(kept.resident_parts) == set(shared.registry.components())
+    finally:
+        shared.close()

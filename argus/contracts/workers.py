@@ -20,13 +20,19 @@ from argus.contracts.wire import (
     address,
     allocator_pb2,
     at_most,
+    at_most_chars,
     identifier,
     level_name,
     optional_strategy_from_pb,
     seconds,
     strategy_from_pb,
 )
+from argus.contracts.worker_control import ComponentInfo
 from argus.types import ProfileSet, Strategy
+
+MAX_PART_LOADS = 64  # parts of one load at most (SDXL has seven)
+MAX_RESIDENT_PARTS = 256  # parts resident on one worker at most
+MAX_PART_USERS = 64  # models sharing one part at most
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,11 @@ class WorkerReport:
     loaded_models: tuple[str, ...] = ()  # informational
     retrieval: RetrievalReport = field(default_factory=RetrievalReport)
     leaving: bool = False  # shutting down: remove now
+    # the last model load: its model ("": none yet) and each part it loaded with its seconds
+    # (a switch within a family loads the UNet only); informational, kept by the allocator
+    last_load_model: str = ""
+    last_load_parts: tuple[tuple[str, float], ...] = ()
+    resident_parts: tuple[ComponentInfo, ...] = ()  # the parts in memory, each once
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,37 @@ def retrieval_from_pb(message: Any, where: str = "retrieval") -> RetrievalReport
     )
 
 
+def part_loads_from_pb(messages: Any, where: str) -> tuple[tuple[str, float], ...]:
+    at_most(len(messages), MAX_PART_LOADS, where)
+    return tuple(
+        (
+            identifier(m.part, f"{where}[{i}].part"),
+            seconds(m.seconds, f"{where}[{i}].seconds"),
+        )
+        for i, m in enumerate(messages)
+    )
+
+
+def resident_parts_from_pb(messages: Any, where: str) -> tuple[ComponentInfo, ...]:
+    at_most(len(messages), MAX_RESIDENT_PARTS, where)
+    parts = []
+    for i, m in enumerate(messages):
+        at = f"{where}[{i}]"
+        at_most(len(m.models), MAX_PART_USERS, f"{at}.models")
+        parts.append(
+            ComponentInfo(
+                digest=identifier(m.digest, f"{at}.digest"),
+                part=identifier(m.part, f"{at}.part"),
+                bytes=m.bytes,
+                load_s=seconds(m.load_s, f"{at}.load_s"),
+                models=tuple(
+                    identifier(name, f"{at}.models[{j}]") for j, name in enumerate(m.models)
+                ),
+            )
+        )
+    return tuple(parts)
+
+
 def heartbeat_from_pb(message: Any, profiles: ProfileSet) -> WorkerReport:
     """A validated heartbeat; an empty ``worker_class`` is the profile's first class."""
     worker_id = identifier(message.worker_id, "worker_id")
@@ -123,6 +165,9 @@ def heartbeat_from_pb(message: Any, profiles: ProfileSet) -> WorkerReport:
         loaded_models=tuple(message.loaded_models),
         retrieval=retrieval_from_pb(message.retrieval),
         leaving=False,
+        last_load_model=at_most_chars(message.last_load_model, "last_load_model"),
+        last_load_parts=part_loads_from_pb(message.last_load_parts, "last_load_parts"),
+        resident_parts=resident_parts_from_pb(message.resident_parts, "resident_parts"),
     )
 
 
@@ -161,6 +206,16 @@ def heartbeat_to_pb(report: WorkerReport) -> Any:
             failures=r.failures,
         ),
         leaving=report.leaving,
+        last_load_model=report.last_load_model,
+        last_load_parts=[
+            allocator_pb2.PartLoad(part=part, seconds=s) for part, s in report.last_load_parts
+        ],
+        resident_parts=[
+            allocator_pb2.ResidentPart(
+                digest=c.digest, part=c.part, bytes=c.bytes, load_s=c.load_s, models=c.models
+            )
+            for c in report.resident_parts
+        ],
     )
 
 

@@ -2,8 +2,9 @@
 
 :class:`Membership` runs one daemon thread per worker process. Every heartbeat interval (the
 allocator's reply says how long) it sends a ``WorkerHeartbeat`` with the worker's id,
-advertised address, class, queue length, current strategy, level and model, the loaded models
-and the cache retrievals since the last accepted heartbeat; then it acts on the reply:
+advertised address, class, queue length, current strategy, level and model, the loaded models,
+the parts its last model load loaded with their seconds and the parts resident (issue 35), and
+the cache retrievals since the last accepted heartbeat; then it acts on the reply:
 
 1. **Follow the plan.** When the assigned level (or the plan's strategy) differs from what the
    worker serves, call ``Worker.configure(..., wait=False)``: the new model loads in the
@@ -365,6 +366,7 @@ class Membership:
         worker = self.worker
         level = worker.level
         loaded = tuple(m.name for m in worker.registry.infos() if m.state is LoadState.READY)
+        last_model, last_parts = worker.registry.last_load()
         return WorkerReport(
             worker_id=self.worker_id,
             address=self.advertise,
@@ -375,6 +377,9 @@ class Membership:
             model=worker.registry.active_name or "",
             loaded_models=loaded,
             retrieval=retrieval,
+            last_load_model=last_model,
+            last_load_parts=tuple(sorted(last_parts.items())),
+            resident_parts=tuple(worker.registry.components()),
         )
 
     def _failed(self, err: Exception) -> None:

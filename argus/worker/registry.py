@@ -147,6 +147,7 @@ class ModelRegistry:
         self._digests: dict[str, dict[str, str]] = {}  # source -> part -> digest, once known
         self._active: str | None = None
         self._target: str | None = None  # the model the last activate() asked for
+        self._last_load: tuple[str, dict[str, float]] = ("", {})  # model, part -> seconds
         self._uses = 0  # the LRU clock: bumped by every activation and use
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
@@ -196,6 +197,13 @@ class ModelRegistry:
                 )
                 for name, e in sorted(self._entries.items())
             ]
+
+    def last_load(self) -> tuple[str, dict[str, float]]:
+        """The model the last finished load made ready ("" before any) and the parts that load
+        loaded, each with its seconds (none when every part was resident already)."""
+        with self._lock:
+            name, parts = self._last_load
+            return name, dict(parts)
 
     def components(self) -> list[ComponentInfo]:
         """The resident parts, each with the models that share it."""
@@ -301,6 +309,7 @@ class ModelRegistry:
             entry.pending = 0
             entry.load_s = elapsed
             entry.state = LoadState.READY
+            self._last_load = (name, dict(entry.loaded_parts))
             self._touch(entry)
             if self._target == name or self._active is None:
                 self._make_active(name)
