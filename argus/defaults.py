@@ -27,6 +27,11 @@ DELTA = 0.9
 HISTOGRAM_WINDOW = 1000
 """Classified prompts the class histogram H looks back over (the paper: 1000)."""
 
+QUALITY_WORLDS = ("synthetic", "uniform", "genai-bench")
+"""Which per-prompt quality the simulator scores with (``argus evaluate``/``argus replay
+--quality``; ``argus.profiles.quality_worlds.QualityWorld``): the SYNTHETIC model, the same
+with every prompt degrading alike, or GenAI-Bench's human ratings; the first is the default."""
+
 # -- allocator -----------------------------------------------------------------------------
 
 PLANNING_PERIOD_S = 60.0

@@ -10,6 +10,8 @@ seeds and writes, into ``--out``:
 * ``paired.csv``: argus − pac per load, paired by seed, and the share of the oracle's quality
   gain over PAC that the trained classifier keeps;
 * ``summary.json``: the settings, the capacity and how the workloads were made;
+* ``quality_world.txt`` (genai-bench world only): the classifier's predictability on
+  held-out raters, as printed;
 * ``quality_vs_load.png``, ``goodput_vs_load.png``, ``slo_violations_vs_load.png``.
 
 and prints the compact table. The method is in :mod:`argus.sim.evaluate`. Bad input exits with
@@ -24,11 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from argus import defaults
 from argus.cli.main import CLIError
 from argus.plumbing.quoting import quoted
 
 DEFAULT_LOADS = "0.3,0.5,0.7,0.9,1.1,1.3,1.5"
 DEFAULT_POLICIES = "argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana"
+AC_ONLY = ("nirvana",)  # left out of the default policies in the genai-bench world (SM only)
 
 
 class EvaluateCommand:
@@ -54,7 +58,11 @@ class EvaluateCommand:
             ),
         )
         parser.add_argument(
-            "--policies", default=DEFAULT_POLICIES, help="comma-separated policy names"
+            "--policies",
+            help=(
+                f"comma-separated policy names (default {DEFAULT_POLICIES}; without nirvana, "
+                "AC only, in the genai-bench world)"
+            ),
         )
         parser.add_argument("--seeds", type=int, default=5, help="paired seeds (default 5)")
         parser.add_argument(
@@ -92,31 +100,39 @@ class EvaluateCommand:
             action="store_true",
             help="queue every request instead of refusing what would miss its deadline",
         )
+        add_quality_argument(parser)
         parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
         parser.add_argument("--out", type=Path, default=Path("evaluate-out"))
         parser.add_argument("--quiet", action="store_true", help="no progress line")
 
     def run(self, args: argparse.Namespace) -> int:
         from argus.profiles import ProfileError
+        from argus.profiles.quality_worlds import world_label
         from argus.sim.evaluate import EvaluationConfig, evaluate
         from argus.sim.evaluation_report import format_evaluation, write_evaluation
         from argus.sim.workloads import WorkloadError
 
         started = time.perf_counter()
+        policies = args.policies
+        if policies is None:
+            policies = DEFAULT_POLICIES
+            if args.quality == "genai-bench":
+                policies = ",".join(p for p in _names(policies) if p not in AC_ONLY)
         try:
             config = EvaluationConfig(
                 loads=parse_loads(args.loads, args.target_load),
-                policies=tuple(_names(args.policies)),
+                policies=tuple(_names(policies)),
                 seeds=args.seeds,
                 duration_min=args.duration,
                 trace=args.trace,
                 prompts_path=args.prompts,
-                gpu_counts=_gpu_counts(args.gpus, args.profiles),
+                gpu_counts=_gpu_counts(args.gpus, args.profiles, args.quality),
                 profiles=args.profiles,
                 adapters=args.adapters,
                 classifier=args.classifier,
                 admission=not args.no_admission,
                 jobs=args.jobs,
+                quality=args.quality,
             )
             progress = None if args.quiet else _Progress().update
             evaluation = evaluate(config, progress)
@@ -126,13 +142,17 @@ class EvaluateCommand:
             sys.stderr.write("\n")
         write_evaluation(evaluation, args.out)
         print(format_evaluation(evaluation))
+        if evaluation.quality_notes:
+            notes = "\n".join(evaluation.quality_notes)
+            print(f"\n{notes}")
+            (args.out / "quality_world.txt").write_text(notes + "\n", encoding="utf-8")
         runs = len(evaluation.rows)
         print(
             f"\n{runs} runs ({len(config.loads)} loads × {len(config.run_names())} policies × "
             f"{config.seeds} seeds, {config.duration_min:g} min each) in "
             f"{time.perf_counter() - started:.1f} s; capacity {evaluation.capacity_qpm:.1f} QPM "
             f"on {_describe(evaluation.gpu_counts)}; SLO {evaluation.slo_s:g} s; quality model: "
-            f"SYNTHETIC (argus/profiles/synthetic_quality.py); files in {args.out}/"
+            f"{world_label(config.quality)}; files in {args.out}/"
         )
         return 0
 
@@ -177,12 +197,29 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def _gpu_counts(text: str, profiles: str) -> tuple[tuple[str, int], ...]:
+def _gpu_counts(text: str, profiles: str, quality: str) -> tuple[tuple[str, int], ...]:
     from argus.cli.replay import parse_gpus
-    from argus.profiles import load_profiles
+    from argus.profiles.quality_worlds import world_profiles
 
-    known = load_profiles(profiles).worker_classes
+    known = world_profiles(quality, profiles).worker_classes
     return tuple(parse_gpus(text, known).items())
+
+
+def add_quality_argument(parser: argparse.ArgumentParser) -> None:
+    """``--quality WORLD`` (``argus evaluate`` and ``argus replay``); an unknown world is
+    argparse's usage error, naming the choices."""
+    parser.add_argument(
+        "--quality",
+        choices=defaults.QUALITY_WORLDS,
+        default=defaults.QUALITY_WORLDS[0],
+        metavar="WORLD",
+        help=(
+            "quality world: synthetic (the SYNTHETIC model; default), uniform (the same with "
+            "every prompt degrading alike: no per-prompt signal) or genai-bench (GenAI-Bench "
+            "human ratings on an SM ladder SDXL-Base > SD-2.1 > SDXL-Turbo, 1-5 scale; "
+            "its own EVAL prompts and profiles)"
+        ),
+    )
 
 
 def _describe(counts: tuple[tuple[str, int], ...]) -> str:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from argus.cli.evaluate import AC_ONLY, add_quality_argument
 from argus.cli.main import CLIError
 from argus.plumbing.quoting import quoted
 
@@ -112,6 +113,7 @@ class ReplayCommand:
                 "router does, a request predicted to miss its deadline"
             ),
         )
+        add_quality_argument(parser)
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--out", type=Path, default=Path("replay-out"))
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -154,32 +156,40 @@ class ReplayCommand:
         for name, value in SIM_DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
+                if name == "policies" and args.quality == "genai-bench":
+                    args.policies = ",".join(
+                        p for p in value.split(",") if p.strip() not in AC_ONLY
+                    )
         return self._simulate(args)
 
     def _simulate(self, args: argparse.Namespace) -> int:
-        from argus.profiles import ProfileError, load_profiles
-        from argus.profiles.synthetic_quality import synthetic_quality_table
+        from argus.profiles import ProfileError
+        from argus.profiles.quality_worlds import world_profiles
         from argus.sim.adapters import adapter_model_by_name
         from argus.sim.classifiers import make_classifier
         from argus.sim.cluster import SimConfig, Simulation
         from argus.sim.policies import make_policy
         from argus.sim.report import format_table, is_synthetic, write_reports
-        from argus.sim.workloads import WorkloadError, workload_by_name
-        from argus.types import Strategy
+        from argus.sim.workloads import WorkloadError
 
+        genai = args.quality == "genai-bench"
         try:
-            profiles = load_profiles(args.profiles)
-            workload = workload_by_name(
-                args.trace,
-                duration_min=args.duration,
-                scale=args.scale,
-                seed=args.seed,
-                prompts_path=args.prompts,
-            )
+            profiles = world_profiles(args.quality, args.profiles)
+            workload = _workload(args)
             names = [name.strip() for name in args.policies.split(",") if name.strip()]
             if not names:
                 raise CLIError("--policies: no policy named")
-            classifier = make_classifier(args.classifier)
+            if genai and any(name in AC_ONLY for name in names):
+                raise CLIError(
+                    "--policies: nirvana serves AC levels only, and the genai-bench world "
+                    "has none (SM only)"
+                )
+            if genai and args.classifier.strip() == "default":
+                from argus.sim.evaluate import genai_classifier
+
+                classifier = genai_classifier().classifier
+            else:
+                classifier = make_classifier(args.classifier)
             policies = [make_policy(n, classifier=classifier, seed=args.seed) for n in names]
             faults = parse_faults(args.gpu_failure, args.retrieval_fault)
             adapters = adapter_model_by_name(args.adapters)
@@ -193,12 +203,7 @@ class ReplayCommand:
             )
         except (ProfileError, WorkloadError, ValueError) as exc:
             raise CLIError(str(exc)) from None
-        quality = {
-            s: synthetic_quality_table(
-                workload.prompts, s, [lv.name for lv in profiles.levels_for(s)], seed=args.seed
-            )
-            for s in Strategy
-        }
+        quality = _quality(args.quality, profiles, workload.prompts, args.seed)
         if not args.quiet and hasattr(classifier, "progress"):
             classifier.progress = _EmbeddingProgress()
         prepare = getattr(classifier, "prepare", None)
@@ -227,6 +232,10 @@ class ReplayCommand:
         )
         summaries = write_reports(results, args.out, description=description)
         print(format_table(summaries, synthetic_quality=is_synthetic(description["quality"])))
+        if genai and args.classifier.strip() == "default":
+            from argus.sim.evaluate import genai_classifier
+
+            print("\n" + "\n".join(genai_classifier().predictability.lines()))
         print(
             f"\n{len(workload):,} requests × {len(policies)} policies in "
             f"{time.perf_counter() - started:.1f} s; quality model: {_short(description)}; "
@@ -234,6 +243,53 @@ class ReplayCommand:
             f"reports in {args.out}/"
         )
         return 0
+
+
+def _workload(args: argparse.Namespace) -> Any:
+    """The trace with its prompts; in the genai-bench world the prompts are GenAI-Bench's
+    EVAL prompts in seed ``args.seed``'s order (``--prompts`` does not apply)."""
+    import numpy as np
+
+    from argus.sim.workloads import Workload, workload_by_name
+
+    if args.quality == "genai-bench" and args.prompts is not None:
+        raise CLIError("--prompts: the genai-bench world serves GenAI-Bench's own EVAL prompts")
+    workload = workload_by_name(
+        args.trace,
+        duration_min=args.duration,
+        scale=args.scale,
+        seed=args.seed,
+        prompts_path=args.prompts,
+    )
+    if args.quality != "genai-bench":
+        return workload
+    from argus.profiles.quality_worlds import genai_eval_records
+
+    prompts = genai_eval_records()
+    order = np.random.default_rng([args.seed, 2]).permutation(len(prompts))
+    return Workload(
+        workload.name,
+        workload.arrivals_s,
+        tuple(prompts[i] for i in order),
+        f"{workload.source}; GenAI-Bench EVAL prompts in seed {args.seed}'s order",
+        horizon_s=workload.horizon_s,
+    )
+
+
+def _quality(world: str, profiles: Any, prompts: Any, seed: int) -> dict[Any, Any]:
+    """The quality tables of ``world`` for the workload's prompts, drawn with ``seed``."""
+    from argus.profiles.quality_worlds import world_quality_tables
+    from argus.profiles.synthetic_quality import synthetic_quality_table
+    from argus.types import Strategy
+
+    if world != "synthetic":
+        return world_quality_tables(world, profiles, prompts, seed)
+    return {
+        s: synthetic_quality_table(
+            prompts, s, [lv.name for lv in profiles.levels_for(s)], seed=seed
+        )
+        for s in Strategy
+    }
 
 
 def _refuse(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
@@ -246,7 +302,6 @@ def _refuse(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
 def run_live(args: argparse.Namespace) -> int:
     """``argus replay --live``: the workload through a running router, the simulator's reports."""
     from argus.profiles import ProfileError, load_profiles
-    from argus.profiles.synthetic_quality import synthetic_quality_table
     from argus.sim.report import format_table, is_synthetic, write_reports
     from argus.sim.workloads import WorkloadError, workload_by_name
     from argus.tools.live import (
@@ -258,8 +313,12 @@ def run_live(args: argparse.Namespace) -> int:
         selected_count,
         write_requests,
     )
-    from argus.types import Strategy
 
+    if args.quality == "genai-bench":
+        raise CLIError(
+            "--quality genai-bench does not apply with --live: the cluster serves its own "
+            "levels, not GenAI-Bench's rated models"
+        )
     if ":" not in args.live:
         raise CLIError(f"--live: expected HOST:PORT, got {quoted(args.live)}")
     try:
@@ -286,12 +345,7 @@ def run_live(args: argparse.Namespace) -> int:
     count = selected_count(workload, config.limit, config.window_s)
     if count == 0:
         raise CLIError(f"workload {workload.name!r} has no requests to send")
-    quality = {
-        s: synthetic_quality_table(
-            workload.prompts, s, [lv.name for lv in profiles.levels_for(s)], seed=args.seed
-        )
-        for s in Strategy
-    }
+    quality = _quality(args.quality, profiles, workload.prompts, args.seed)
     try:
         channel = open_channel(args.live, tls_ca=tls_ca, connect_timeout_s=CONNECT_TIMEOUT_S)
     except LiveError as exc:
@@ -309,10 +363,11 @@ def run_live(args: argparse.Namespace) -> int:
     description = {
         "title": (
             f"{workload.name} (rate x{args.scale:g}) live against {args.live} at "
-            f"{config.speedup:g}x: {count:,} requests, synthetic quality"
+            f"{config.speedup:g}x: {count:,} requests, {args.quality} quality"
         ),
         "trace": workload.source,
         "quality": "; ".join(sources),
+        "quality_world": args.quality,
         "classifier": "the router's",
         "seed": str(args.seed),
         **result.describe(),
@@ -433,10 +488,11 @@ def _description(
     return {
         "title": (
             f"{workload.name} (rate x{args.scale:g}): {len(workload):,} requests on "
-            f"{describe_gpus(gpu_counts)}, synthetic quality"
+            f"{describe_gpus(gpu_counts)}, {args.quality} quality"
         ),
         "trace": workload.source,
         "quality": "; ".join(sources),
+        "quality_world": args.quality,
         "classifier": classifier.label,
         "gpus": ",".join(f"{name}={count}" for name, count in gpu_counts.items()),
         "seed": str(args.seed),
@@ -445,6 +501,11 @@ def _description(
 
 def _short(description: dict[str, str]) -> str:
     """The quality model in a few words (summary.json has the full description)."""
+    from argus.profiles.quality_worlds import world_label
+
+    world = description.get("quality_world")
+    if world is not None:
+        return world_label(world)
     if description["quality"].startswith("synthetic"):
         return "SYNTHETIC (argus/profiles/synthetic_quality.py)"
     return description["quality"]

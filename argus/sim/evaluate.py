@@ -15,6 +15,15 @@ drawn with seed ``1000 + s``, never seed 0, on which the committed classifier wa
 policies of one (load, seed) see the same workload, tables and cluster, so differences between
 them are paired. Prompts come only from the evaluation set of :mod:`argus.prompt_split`.
 
+Quality worlds (``quality``, :mod:`argus.profiles.quality_worlds`). ``synthetic`` is the above.
+``uniform`` scores with the same tables after giving every prompt its level's mean drop (no
+prompt carries a signal of its tolerance). ``genai-bench`` is SM-only: GenAI-Bench's human
+ratings (1–5, mean of three raters) on the profile ``argus/profiles/genai_bench.toml``
+(SDXL-Base, SD-2.1, SDXL-Turbo); the capacity is then the fastest SM level's; the workloads
+draw the EVAL GenAI-Bench prompts; the classifier ``default`` there is trained in the process
+on the TRAIN and CALIBRATION GenAI-Bench prompts (:mod:`argus.sim.genai_classifier`) and its
+predictability on the EVAL prompts is part of the results; ``nirvana`` (AC only) cannot run.
+
 Policies run through :func:`argus.sim.policies.make_policy` and the trained or oracle
 classifier of :func:`argus.sim.policies.make_classifier`, on :class:`~argus.sim.cluster.
 Simulation`, exactly as ``argus replay`` runs them. When both ``argus`` and ``pac`` run, an
@@ -36,6 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from argus.profiles.quality_worlds import (
+    QualityWorld,
+    parse_world,
+    world_label,
+    world_profiles,
+    world_quality_tables,
+)
 from argus.prompt_split import PromptSet, select
 from argus.sim.offered_load import (
     EvaluationError,
@@ -55,6 +71,7 @@ if TYPE_CHECKING:
 
 DEFAULT_LOADS = (0.3, 0.5, 0.7, 0.9, 1.1, 1.3, 1.5)
 DEFAULT_POLICIES = ("argus", "pac", "proteus", "clipper-ha", "clipper-ht", "sommelier", "nirvana")
+AC_ONLY_POLICIES = ("nirvana",)  # cannot run in a world without AC levels (genai-bench)
 ORACLE_POLICY = "argus-oracle"  # argus with make_classifier("oracle"), run beside argus and pac
 QUALITY_SEED_BASE = 1000  # quality tables of seed s are drawn with 1000 + s
 SYNTHETIC_SHAPES = ("poisson", "gamma", "bursty", "ramp")
@@ -120,7 +137,27 @@ class EvaluationConfig:
     jobs: int = 1
     """Worker processes; each runs whole (load, seed) points (``--jobs``)."""
 
+    quality: str = QualityWorld.SYNTHETIC.value
+    """The quality world (``--quality``): synthetic, uniform or genai-bench."""
+
     def __post_init__(self) -> None:
+        try:
+            world = parse_world(self.quality)
+        except ValueError as exc:
+            raise EvaluationError(f"quality: {exc}") from None
+        object.__setattr__(self, "quality", world.value)
+        if world is QualityWorld.GENAI_BENCH:
+            ac_only = [p for p in self.policies if p in AC_ONLY_POLICIES]
+            if ac_only:
+                raise EvaluationError(
+                    f"policies: {ac_only[0]!r} serves AC levels only, and the genai-bench "
+                    "world has none (SM only)"
+                )
+            if self.prompts_path is not None:
+                raise EvaluationError(
+                    "prompts: the genai-bench world serves GenAI-Bench's own EVAL prompts; "
+                    "--prompts does not apply"
+                )
         if not self.loads:
             raise EvaluationError("loads: no load given")
         if not self.policies:
@@ -151,11 +188,18 @@ class EvaluationConfig:
 # -- one seed's inputs --------------------------------------------------------------------------
 
 
-def eval_prompts(prompts_path: str | None) -> tuple[PromptRecord, ...]:
-    """The evaluation-set prompts of the prompt file (PartiPrompts when None); each seed
-    permutes them, so their order here does not matter."""
+def eval_prompts(
+    prompts_path: str | None, quality: str = QualityWorld.SYNTHETIC.value
+) -> tuple[PromptRecord, ...]:
+    """The evaluation-set prompts of the prompt file (PartiPrompts when None), or of
+    GenAI-Bench in the genai-bench world; each seed permutes them, so their order here does
+    not matter."""
     from argus.sim.workloads import _default_prompts, load_prompt_file
 
+    if parse_world(quality) is QualityWorld.GENAI_BENCH:
+        from argus.profiles.quality_worlds import genai_eval_records
+
+        return genai_eval_records()
     records = _default_prompts() if prompts_path is None else load_prompt_file(prompts_path)
     chosen = select(records, PromptSet.EVAL)
     if not chosen:
@@ -198,11 +242,16 @@ def quality_tables(
     prompts: Sequence[PromptRecord],
     seed: int,
     models: Mapping[Strategy, SyntheticModel] | None = None,
+    quality: str = QualityWorld.SYNTHETIC.value,
 ) -> dict[Strategy, QualityTable]:
     """SYNTHETIC quality tables of seed ``seed``'s evaluation (drawn with 1000 + seed), of
-    the synthetic model ``models[strategy]`` (default: the calibrated ``SYNTHETIC_MODELS``)."""
+    the synthetic model ``models[strategy]`` (default: the calibrated ``SYNTHETIC_MODELS``);
+    in another ``quality`` world, that world's tables
+    (:func:`argus.profiles.quality_worlds.world_quality_tables`, the same seed)."""
     from argus.profiles.synthetic_quality import synthetic_quality_table
 
+    if parse_world(quality) is not QualityWorld.SYNTHETIC:
+        return world_quality_tables(quality, profiles, prompts, QUALITY_SEED_BASE + seed, models)
     return {
         s: synthetic_quality_table(
             prompts,
@@ -245,14 +294,29 @@ class RunRow:
 
 
 _CLASSIFIERS: dict[str, Any] = {}  # make_classifier(spec) per process: load a model once
+_GENAI: dict[str, Any] = {}  # the genai-bench world's trained classifier, once per process
 
 
-def _classifier(spec: str) -> Any:
+def _classifier(spec: str, quality: str = QualityWorld.SYNTHETIC.value) -> Any:
+    """``make_classifier(spec)``; in the genai-bench world ``default`` is the classifier
+    trained on GenAI-Bench's TRAIN prompts (:func:`genai_classifier`)."""
     from argus.sim.classifiers import make_classifier
 
+    if spec.strip() == "default" and parse_world(quality) is QualityWorld.GENAI_BENCH:
+        return genai_classifier().classifier
     if spec not in _CLASSIFIERS:
         _CLASSIFIERS[spec] = make_classifier(spec)
     return _CLASSIFIERS[spec]
+
+
+def genai_classifier() -> Any:
+    """The genai-bench world's :class:`~argus.sim.genai_classifier.GenaiClassifier`, trained
+    once per process (a few seconds; the embeddings are cached on disk)."""
+    from argus.sim.genai_classifier import train_genai_classifier
+
+    if "default" not in _GENAI:
+        _GENAI["default"] = train_genai_classifier()
+    return _GENAI["default"]
 
 
 def gpu_counts_of(config: EvaluationConfig, profiles: ProfileSet) -> tuple[tuple[str, int], ...]:
@@ -274,15 +338,14 @@ def run_point(
     ``classifier`` stands in for ``config.classifier`` (argus and nirvana), for a caller that
     trained one in memory; ``models`` are the synthetic quality model of each strategy
     (:func:`quality_tables`)."""
-    from argus.profiles import load_profiles
     from argus.sim.adapters import adapter_model_by_name
     from argus.sim.cluster import SimConfig, Simulation
     from argus.sim.policies import make_policy
 
-    profiles = load_profiles(config.profiles)
-    prompts = eval_prompts(config.prompts_path)
+    profiles = world_profiles(config.quality, config.profiles)
+    prompts = eval_prompts(config.prompts_path, config.quality)
     workload = seeded_workload(config, point, capacity_qpm, seed, prompts)
-    tables = quality_tables(profiles, workload.prompts, seed, models)
+    tables = quality_tables(profiles, workload.prompts, seed, models, config.quality)
     sim_config = SimConfig.with_classes(
         dict(gpu_counts_of(config, profiles)),
         seed=seed,
@@ -291,7 +354,7 @@ def run_point(
     )
     sim = Simulation(profiles, tables, workload, sim_config)
     if classifier is None:
-        classifier = _classifier(config.classifier)
+        classifier = _classifier(config.classifier, config.quality)
     rows = []
     for name in config.run_names():
         if name == ORACLE_POLICY:
@@ -331,15 +394,54 @@ class Evaluation:
     quality_source: str
     slo_s: float
     gpu_counts: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+    quality_notes: tuple[str, ...] = ()
+    """What the quality world adds to the results (genai-bench: the classifier's
+    predictability on held-out raters)."""
+
+
+def capacity_strategy(profiles: ProfileSet) -> Strategy:
+    """The strategy whose fastest level sets the capacity: AC, or SM when the profiles have
+    no AC level (the genai-bench world)."""
+    return Strategy.AC if profiles.levels_for(Strategy.AC) else Strategy.SM
+
+
+def quality_source(config: EvaluationConfig) -> str:
+    """The quality model of the results, named."""
+    world = parse_world(config.quality)
+    if world is QualityWorld.SYNTHETIC:
+        return (
+            "SYNTHETIC: argus/profiles/synthetic_quality.py, "
+            f"tables of seed {QUALITY_SEED_BASE} + s"
+        )
+    if world is QualityWorld.UNIFORM:
+        return f"{world_label(world)}, tables of seed {QUALITY_SEED_BASE} + s"
+    return (
+        f"{world_label(world)}: mean of 3 raters per prompt and model on their 1-5 scale, "
+        "SM ladder SDXL-Base > SD-2.1 > SDXL-Turbo (argus/profiles/genai_bench.toml), EVAL "
+        "prompts of GenAI-Bench; GenAI-Bench, Li, Lin et al., 2024"
+    )
+
+
+def quality_notes(config: EvaluationConfig) -> tuple[str, ...]:
+    """Lines the quality world adds to the results."""
+    if parse_world(config.quality) is not QualityWorld.GENAI_BENCH:
+        return ()
+    if config.classifier.strip() != "default":
+        return (f"classifier {config.classifier!r} given: no predictability measured",)
+    found = genai_classifier()
+    return (
+        f"classifier trained on {len(found.trained_on)} TRAIN and CALIBRATION GenAI-Bench "
+        "prompts, none of the EVAL prompts served",
+        *found.predictability.lines(),
+    )
 
 
 def check_inputs(config: EvaluationConfig) -> tuple[ProfileSet, float, str]:
     """Load what the runs need once, failing early: (profiles, capacity QPM, classifier
     label). Raises EvaluationError, WorkloadError, ProfileError or ValueError."""
-    from argus.profiles import load_profiles
     from argus.sim.policies import make_policy
 
-    profiles = load_profiles(config.profiles)
+    profiles = world_profiles(config.quality, config.profiles)
     counts = gpu_counts_of(config, profiles)
     for worker_class, _ in counts:
         if worker_class not in profiles.worker_classes:
@@ -349,13 +451,14 @@ def check_inputs(config: EvaluationConfig) -> tuple[ProfileSet, float, str]:
             )
     for name in config.policies:
         make_policy(name)  # unknown names fail here, quoted
-    classifier = _classifier(config.classifier)
+    classifier = _classifier(config.classifier, config.quality)
     plan = planning_profiles(profiles, config.adapters)
-    capacity = cluster_capacity_qpm(plan, counts)
-    prompts = eval_prompts(config.prompts_path)
+    capacity = cluster_capacity_qpm(plan, counts, capacity_strategy(profiles))
+    prompts = eval_prompts(config.prompts_path, config.quality)
     prepare = getattr(classifier, "prepare", None)
     if prepare is not None and {"argus", "nirvana"} & set(config.policies):
-        prepare(quality_tables(profiles, prompts, 0))  # labels match, models load: one line
+        # labels match, models load: one line
+        prepare(quality_tables(profiles, prompts, 0, quality=config.quality))
     seeded_workload(config, config.loads[0], capacity, 0, prompts)  # the trace reads
     return profiles, capacity, str(classifier.label)
 
@@ -394,10 +497,8 @@ def evaluate(
         rows=tuple(rows),
         wall_s=time.perf_counter() - started,
         classifier_label=label,
-        quality_source=(
-            "SYNTHETIC: argus/profiles/synthetic_quality.py, "
-            f"tables of seed {QUALITY_SEED_BASE} + s"
-        ),
+        quality_source=quality_source(config),
         slo_s=default_slo_s(profiles, [c for c, _ in counts]),  # the runs' SimConfig default
         gpu_counts=counts,
+        quality_notes=quality_notes(config),
     )

@@ -180,8 +180,9 @@ def format_evaluation(evaluation: Evaluation) -> str:
             f"{_pm(m['slo_violation_ratio'], 1, 100):>14}"
         )
     config = evaluation.config
+    named = "SYNTHETIC" if is_synthetic(evaluation.quality_source) else evaluation.quality_source
     lines.append(
-        f"means over {config.seeds} seeds ± 95% t-interval half-width; quality: SYNTHETIC, "
+        f"means over {config.seeds} seeds ± 95% t-interval half-width; quality: {named}, "
         "mean over the 'over n' requests served within the SLO (per run); late/adm and "
         "viol/all in %"
     )
