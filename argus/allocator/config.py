@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from argus import defaults
 from argus.allocator.planner import PlannerConfig, PlannerMode
 from argus.allocator.predictor import LoadPredictorConfig
-from argus.allocator.queueing import QueueModel
+from argus.allocator.queueing import CapSource, QueueModel, ServiceSpread
 from argus.allocator.strategy import StrategyConfig
 from argus.slo import default_slo_s
 from argus.types import ProfileSet, Strategy
@@ -110,9 +110,20 @@ class ControlConfig:
     """Plan each level's utilisation so the expected wait fits in the SLO; False plans every
     level up to its peak throughput."""
 
+    caps: CapSource = CapSource.ANALYTIC
+    """Where the queue model's utilisation caps come from: ``analytic`` (Allen–Cunneen over
+    Erlang C) or ``measured`` (the simulated queue with :attr:`service_spread`'s service
+    times, :func:`argus.allocator.queueing.measured_caps`; ``benchmarks/queueing_caps.py``
+    prints both tables)."""
+
+    service_spread: ServiceSpread | None = field(default=None, compare=False)
+    """The service-time distribution measured caps simulate (the simulator gives its own);
+    ``caps="measured"`` without one fails when a plan is made."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "planner", PlannerMode(self.planner))
         object.__setattr__(self, "strategy_choice", StrategyChoice(self.strategy_choice))
+        object.__setattr__(self, "caps", CapSource(self.caps))
         if self.slo_s is not None and not (math.isfinite(self.slo_s) and self.slo_s > 0.0):
             raise ValueError(f"slo_s: must be a finite number > 0, got {self.slo_s}")
         for name in ("period_s", "heartbeat_s", "backlog_replan_per_worker", "surge_factor"):
@@ -168,5 +179,7 @@ class ControlConfig:
     def planner_config(self, profiles: ProfileSet) -> PlannerConfig:
         """How each plan is solved for ``profiles`` (the SLO is theirs unless given); the
         period it amortises switching over is :attr:`period_s`, given to each plan."""
-        queue = QueueModel(self.slo_for(profiles)) if self.queueing else None
+        queue = None
+        if self.queueing:
+            queue = QueueModel(self.slo_for(profiles), caps=self.caps, spread=self.service_spread)
         return PlannerConfig(self.switch_cost_weight, mode=self.planner, queue=queue)

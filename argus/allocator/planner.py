@@ -245,19 +245,22 @@ class UtilisationCaps:
         queue: QueueModel | None,
     ) -> None:
         self._queue = queue
-        classes = sorted({w.worker_class for w in workers.alive()}) if queue else []
+        alive = workers.alive()
+        classes = sorted({w.worker_class for w in alive}) if queue else []
         self._latency = [
             (g, level.name, profiles.profile(g, level.name).latency_s)
             for g in classes
             for level in profiles.levels_for(strategy)
         ]
+        if queue is not None and alive:  # measured caps: every cell in one run
+            queue.prepare([(g, level) for g, level, _ in self._latency], len(alive))
 
     def __call__(self, pools: Mapping[str, int]) -> dict[tuple[str, str], float]:
         queue = self._queue
         if queue is None:
             return {}
         return {
-            (g, level): queue.max_utilisation(latency_s, max(1, pools.get(level, 1)))
+            (g, level): queue.cap(g, level, latency_s, max(1, pools.get(level, 1)))
             for g, level, latency_s in self._latency
         }
 

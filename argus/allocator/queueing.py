@@ -19,13 +19,73 @@ little, so c_s² is small, and bursts within a minute make c_a² ≥ 1).
 
 Pure functions; results are cached, since plans ask for the same few (c, s, budget) again and
 again.
+
+**Measured caps** (:attr:`QueueModel.caps` = ``measured``, :func:`measured_caps`). Allen–Cunneen
+sees a service time through its mean and one SCV, and its exponential tail is an
+approximation of an approximation; what the router refuses is the real tail. The measured
+variant finds each cap by simulating the queue itself: a first-come-first-served c-server
+queue with Poisson arrivals whose service times are drawn from a :class:`ServiceSpread` (in
+simulation, the simulator's own distribution: jitter, and adapters' seconds, the LoRA fetch
+hidden by the request's own wait), and takes the largest utilisation at which at most
+``late_share`` of the requests wait and are served past the SLO. Every (level, pool size,
+utilisation) of a table runs at once, as one vectorised pass over the requests (common random
+numbers: one arrival sequence, one draw of service times per level), first on a grid of step
+0.05, then on a grid of step 0.005 within the bracket found. With
+:data:`MEASURED_REQUESTS` requests a table of 12 levels × 8 pool sizes takes about 3 s on two
+shared vCPUs, and the cap of one cell moves by about 0.02 (one standard deviation) from one
+seed to another (``benchmarks/queueing_caps.py`` measures both). Tables are cached by the
+distribution, the SLO and the share, so a process computes each once.
 """
 
 from __future__ import annotations
 
+import enum
 import math
-from dataclasses import dataclass
+import zlib
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+
+
+class CapSource(enum.StrEnum):
+    """Where the utilisation caps come from (the first is the default)."""
+
+    ANALYTIC = "analytic"  # Allen–Cunneen over Erlang C (a bound)
+    MEASURED = "measured"  # the simulated queue with the service-time spread
+
+
+@dataclass(frozen=True, eq=False)
+class ServiceDraws:
+    """Draws of one level's service time on one worker class: request ``i``, having waited
+    ``w`` seconds in the queue, is served in ``factor[i] × (fixed_s[i] + max(hideable_s[i] −
+    w, 0))`` seconds (what a wait can hide: a LoRA fetch started at arrival)."""
+
+    fixed_s: FloatArray
+    hideable_s: FloatArray
+    factor: FloatArray
+
+    def at_no_wait(self) -> FloatArray:
+        """Each draw's service seconds after no wait (the widest case)."""
+        seconds: FloatArray = self.factor * (self.fixed_s + self.hideable_s)
+        return seconds
+
+
+class ServiceSpread(Protocol):
+    """How service times of each (worker class, level) are distributed."""
+
+    def key(self, worker_class: str, level: str) -> Hashable:
+        """Equal keys: the same distribution (what measured tables are cached by)."""
+        ...
+
+    def draws(self, worker_class: str, level: str, count: int, seed: int) -> ServiceDraws:
+        """``count`` seeded draws (the same seed, the same draws)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +106,17 @@ class QueueModel:
     router refuses a request whose predicted completion misses its deadline, so planning
     only the *mean* wait into the budget (a share of a half) leaves too many to refusal."""
 
+    caps: CapSource = CapSource.ANALYTIC
+    """``analytic``: Allen–Cunneen with :attr:`service_scv`; ``measured``: the simulated queue
+    with :attr:`spread`'s service times (:func:`measured_caps`)."""
+
+    spread: ServiceSpread | None = field(default=None, compare=False)
+    """The service-time distribution the measured caps simulate; required by them."""
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "caps", CapSource(self.caps))
+        if self.caps is CapSource.MEASURED and self.spread is None:
+            raise ValueError("caps: 'measured' needs the service-time spread (spread=None)")
         if not (math.isfinite(self.slo_s) and self.slo_s > 0.0):
             raise ValueError(f"slo_s: must be a finite number > 0, got {self.slo_s}")
         for name in ("arrival_scv", "service_scv"):
@@ -65,6 +135,25 @@ class QueueModel:
         return _cap(
             self.slo_s, self.arrival_scv + self.service_scv, self.late_share, service_s, servers
         )
+
+    def cap(self, worker_class: str, level: str, service_s: float, servers: int) -> float:
+        """The utilisation cap of ``servers`` workers of ``worker_class`` at ``level``, whose
+        mean service time is ``service_s``: measured from :attr:`spread` when :attr:`caps` says
+        so, else :meth:`max_utilisation`."""
+        if self.caps is CapSource.ANALYTIC or self.spread is None:
+            return self.max_utilisation(service_s, servers)
+        if servers < 1:
+            raise ValueError(f"servers: must be >= 1, got {servers}")
+        table = measured_caps(
+            self.spread, [(worker_class, level)], servers, self.slo_s, self.late_share
+        )
+        return table[worker_class, level][servers - 1]
+
+    def prepare(self, cells: Iterable[tuple[str, str]], servers: int) -> None:
+        """Measure at once the caps of every (worker class, level) in ``cells`` for pools of 1
+        to ``servers`` (one vectorised run instead of one per cell; nothing when analytic)."""
+        if self.caps is CapSource.MEASURED and self.spread is not None:
+            measured_caps(self.spread, list(cells), servers, self.slo_s, self.late_share)
 
     def expected_wait_s(self, service_s: float, servers: int, utilisation: float) -> float:
         """Expected wait in queue (seconds) at ``utilisation`` (inf at 1 or above)."""
@@ -161,3 +250,143 @@ def _max_utilisation(
                 low_excess /= 2.0
             kept = 1
     return low
+
+
+# -- measured caps ---------------------------------------------------------------------------
+
+MEASURED_REQUESTS = 20_000
+"""Requests per simulated queue (the first tenth is warm-up and not counted)."""
+
+MEASURED_SEED = 0
+"""Seed of the arrivals and of the service draws of the measured caps."""
+
+COARSE_GRID = tuple(round(0.04 + 0.05 * i, 2) for i in range(20))  # 0.04 … 0.99
+FINE_STEPS = 10  # the fine grid's points inside one coarse step
+
+_TABLES: dict[tuple[Hashable, float, float, int, int], tuple[float, ...]] = {}
+
+
+def measured_caps(
+    spread: ServiceSpread,
+    cells: Iterable[tuple[str, str]],
+    servers: int,
+    slo_s: float,
+    late_share: float,
+    *,
+    requests: int = MEASURED_REQUESTS,
+    seed: int = MEASURED_SEED,
+) -> dict[tuple[str, str], tuple[float, ...]]:
+    """(worker class, level) → the measured cap of pools of 1 … ``servers`` workers (at
+    least; a cached table may be longer): the largest utilisation, to 0.005, at which at most
+    ``late_share`` of the requests of a simulated FCFS queue are late (wait + service >
+    ``slo_s``). Utilisation is the arrival rate × the mean service time after no wait, over
+    the pool. Below the first grid point that fails: a cap of 0 when even 0.004 fails."""
+    cells = list(dict.fromkeys(cells))
+    keys = {cell: spread.key(*cell) for cell in cells}
+    missing = [
+        cell
+        for cell in cells
+        if len(_TABLES.get((keys[cell], slo_s, late_share, requests, seed), ())) < servers
+    ]
+    unique = list({keys[cell]: cell for cell in missing}.values())
+    if unique:
+        draws = [spread.draws(g, level, requests, seed) for g, level in unique]
+        arrivals = _unit_arrivals(requests, seed)
+        pools = list(range(1, servers + 1))
+        coarse = np.asarray(COARSE_GRID)
+        shares = _late_shares(draws, arrivals, pools, coarse, slo_s)
+        low = np.array([[_last_fitting(coarse, row, late_share) for row in d] for d in shares])
+        step = float(coarse[1] - coarse[0])
+        fine: FloatArray = np.arange(1, FINE_STEPS + 1, dtype=np.float64) * (step / FINE_STEPS)
+        fine_shares = _late_shares(draws, arrivals, pools, fine, slo_s, offsets=low)
+        for index, cell in enumerate(unique):
+            caps = []
+            for c in range(servers):
+                base = float(low[index, c])
+                if base >= coarse[-1]:
+                    caps.append(base)
+                    continue
+                fits = _last_fitting(base + fine, fine_shares[index, c], late_share, base)
+                caps.append(round(fits, 6))
+            _TABLES[keys[cell], slo_s, late_share, requests, seed] = tuple(caps)
+    return {cell: _TABLES[keys[cell], slo_s, late_share, requests, seed] for cell in cells}
+
+
+def simulated_late_share(
+    draws: ServiceDraws,
+    servers: int,
+    utilisation: float,
+    slo_s: float,
+    *,
+    seed: int = MEASURED_SEED,
+) -> float:
+    """The share of requests late (wait + service > ``slo_s``) in the FCFS queue of
+    ``servers`` workers with ``draws``' service times at ``utilisation``, arrivals by ``seed``
+    (the check of a measured cap with other draws)."""
+    arrivals = _unit_arrivals(draws.fixed_s.size, seed)
+    shares = _late_shares([draws], arrivals, [servers], np.asarray([utilisation]), slo_s)
+    return float(shares[0, 0, 0])
+
+
+def _unit_arrivals(count: int, seed: int) -> FloatArray:
+    """Poisson arrival times at rate 1 (scaled per queue to its rate)."""
+    rng = np.random.default_rng([seed, zlib.crc32(b"arrivals")])
+    times: FloatArray = np.cumsum(rng.exponential(1.0, count))
+    return times
+
+
+def _last_fitting(
+    grid: FloatArray, shares: FloatArray, late_share: float, below: float = 0.0
+) -> float:
+    """The grid point before the first whose late share exceeds ``late_share`` (``below``
+    when the first does): noise above a failing point is not trusted."""
+    fitting = below
+    for point, share in zip(grid.tolist(), shares.tolist(), strict=True):
+        if share > late_share:
+            break
+        fitting = point
+    return fitting
+
+
+def _late_shares(
+    draws: list[ServiceDraws],
+    arrivals: FloatArray,
+    pools: list[int],
+    grid: FloatArray,
+    slo_s: float,
+    *,
+    offsets: npt.NDArray[np.float64] | None = None,
+) -> npt.NDArray[np.float64]:
+    """Late shares, shaped (distribution, pool, grid point), of FCFS queues with every
+    combination run together: each queue is a row of a (rows × largest pool) array of the
+    times its workers come free, and each request one step over all rows. ``offsets[d, p]``
+    is added to the grid of that distribution and pool (the fine pass)."""
+    count = arrivals.size
+    shape = (len(draws), len(pools), grid.size)
+    which = np.repeat(np.arange(len(draws)), len(pools) * grid.size)
+    servers = np.tile(np.repeat(np.asarray(pools), grid.size), len(draws))
+    utilisation = np.tile(grid, len(draws) * len(pools))
+    if offsets is not None:
+        utilisation = utilisation + np.repeat(offsets.reshape(-1), grid.size)
+    utilisation = np.clip(utilisation, 1e-3, None)
+    means = np.array([d.at_no_wait().mean() for d in draws])
+    scale = means[which] / (utilisation * servers)  # seconds per unit of arrival time
+    rows = np.arange(which.size)
+    free = np.zeros((which.size, max(pools)))
+    free[np.arange(max(pools))[None, :] >= servers[:, None]] = np.inf
+    fixed = np.stack([d.fixed_s for d in draws], axis=1)  # (request, distribution)
+    hideable = np.stack([d.hideable_s for d in draws], axis=1)
+    factor = np.stack([d.factor for d in draws], axis=1)
+    late = np.zeros(which.size)
+    warm_up = count // 10
+    for i in range(count):
+        arrive = arrivals[i] * scale
+        worker = free.argmin(axis=1)
+        start = np.maximum(arrive, free[rows, worker])
+        wait = start - arrive
+        service = factor[i][which] * (fixed[i][which] + np.maximum(hideable[i][which] - wait, 0.0))
+        free[rows, worker] = start + service
+        if i >= warm_up:
+            late += wait + service > slo_s
+    result: npt.NDArray[np.float64] = (late / (count - warm_up)).reshape(shape)
+    return result

@@ -83,6 +83,7 @@ from argus.sim.adapters import (
     draw_adapters,
     with_adapter_costs,
 )
+from argus.sim.service_times import SimServiceSpread
 from argus.sim.workloads import Workload
 from argus.slo import default_slo_s
 from argus.types import ClusterView, Level, ProfileSet, Strategy, WorkerState
@@ -230,6 +231,8 @@ class SimContext:
     # worker id -> GPU class; empty: every worker is of ``worker_class`` (filled in)
     worker_classes: Mapping[str, str] = field(default_factory=dict)
     admission_rule: AdmissionRule = field(default_factory=AdmissionRule)  # the router's
+    # the simulated service times, for measured queueing caps (None: not known)
+    service_spread: SimServiceSpread | None = None
 
     def optimal_level(self, strategy: Strategy, request: int) -> int:
         """The oracle's level index for a request (see :mod:`argus.sim.policies`)."""
@@ -547,6 +550,7 @@ class _Run:
             sim.slo_s,
             {w.worker_id: w.worker_class for w in self.workers},
             sim.admission_rule,
+            SimServiceSpread.of(sim.profiles, self.cfg.jitter, self.cfg.adapters),
         )
         self._latency_cache: dict[tuple[str, str], float] = {}
         self._adapter_costs: dict[tuple[str, str], AdapterCost] = {}

@@ -93,7 +93,7 @@ class PlannedPolicy(Policy):
     def reset(self, ctx: SimContext) -> None:
         self.ctx = ctx
         self._now = 0.0
-        control = replace(self.config.control, slo_s=ctx.slo_s)
+        control = replace(self.config.control, slo_s=ctx.slo_s, service_spread=ctx.service_spread)
         quality = None
         if self.config.prompt_aware:
             self.classifier.reset(ctx)
