@@ -47,6 +47,11 @@ STRATEGY_CHOICES = ("ac-first", "best")
 AC first as the paper's prototype (§4.6), or the better plan of AC and SM each period; the
 first is the default."""
 
+CAPS = ("analytic", "measured")
+"""Where the planner's utilisation caps come from (``argus.allocator.queueing.CapSource``):
+Allen–Cunneen over Erlang C, or the simulated queue with the service-time spread; the first
+is the default."""
+
 HEARTBEAT_S = 1.0
 """Interval of the workers' heartbeats, seconds; a worker that misses 3 is dead."""
 

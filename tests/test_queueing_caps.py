@@ -218,3 +218,22 @@ def test_a_measured_config_without_a_spread_fails_when_planning():
     config = ControlConfig(caps="measured", slo_s=SLO_S)
     with pytest.raises(ValueError, match="spread"):
         config.planner_config(PROFILES)
+
+
+def test_the_choices_are_the_enums_and_make_policy_sets_them():
+    from argus import defaults
+    from argus.allocator.config import StrategyChoice
+    from argus.sim.policies import make_policy
+
+    assert tuple(c.value for c in CapSource) == defaults.CAPS
+    assert defaults.CAPS[0] == ControlConfig().caps
+    argus = make_policy("argus", caps="measured", strategy_choice="best")
+    assert isinstance(argus, PlannedPolicy)
+    assert argus.config.control.caps is CapSource.MEASURED
+    assert argus.config.control.strategy_choice is StrategyChoice.BEST
+    paper = make_policy("argus-paper", caps="measured", strategy_choice="best")
+    assert isinstance(paper, PlannedPolicy)  # the paper's prototype stays AC-first
+    assert paper.config.control.strategy_choice is StrategyChoice.AC_FIRST
+    assert paper.config.control.caps is CapSource.MEASURED
+    own = make_policy("pac")
+    assert isinstance(own, PlannedPolicy) and own.config.control == PLANNED["pac"].control

@@ -101,6 +101,16 @@ class EvaluateCommand:
             help="queue every request instead of refusing what would miss its deadline",
         )
         add_quality_argument(parser)
+        parser.add_argument(
+            "--caps",
+            choices=defaults.CAPS,
+            help="queueing caps of the planned policies (default: analytic)",
+        )
+        parser.add_argument(
+            "--strategy-choice",
+            choices=defaults.STRATEGY_CHOICES,
+            help="strategy choice of argus and pac (default: theirs)",
+        )
         parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
         parser.add_argument("--out", type=Path, default=Path("evaluate-out"))
         parser.add_argument("--quiet", action="store_true", help="no progress line")
@@ -133,6 +143,8 @@ class EvaluateCommand:
                 admission=not args.no_admission,
                 jobs=args.jobs,
                 quality=args.quality,
+                caps=args.caps,
+                strategy_choice=args.strategy_choice,
             )
             progress = None if args.quiet else _Progress().update
             evaluation = evaluate(config, progress)

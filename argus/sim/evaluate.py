@@ -140,6 +140,13 @@ class EvaluationConfig:
     quality: str = QualityWorld.SYNTHETIC.value
     """The quality world (``--quality``): synthetic, uniform or genai-bench."""
 
+    caps: str | None = None
+    """Queueing caps of the planned policies (``--caps``): analytic or measured; None: theirs."""
+
+    strategy_choice: str | None = None
+    """Strategy choice of the joint planner's policies, argus and pac (``--strategy-choice``):
+    ac-first or best; None: theirs."""
+
     def __post_init__(self) -> None:
         try:
             world = parse_world(self.quality)
@@ -358,9 +365,21 @@ def run_point(
     rows = []
     for name in config.run_names():
         if name == ORACLE_POLICY:
-            policy = make_policy("argus", classifier=_classifier("oracle"), seed=seed)
+            policy = make_policy(
+                "argus",
+                classifier=_classifier("oracle"),
+                seed=seed,
+                caps=config.caps,
+                strategy_choice=config.strategy_choice,
+            )
         else:
-            policy = make_policy(name, classifier=classifier, seed=seed)
+            policy = make_policy(
+                name,
+                classifier=classifier,
+                seed=seed,
+                caps=config.caps,
+                strategy_choice=config.strategy_choice,
+            )
         started = time.perf_counter()
         result = sim.run(policy)
         wall = time.perf_counter() - started

@@ -21,8 +21,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
+from dataclasses import replace
 
+from argus.allocator.config import StrategyChoice
+from argus.allocator.planner import PlannerMode
 from argus.allocator.predictor import LoadPredictor
+from argus.allocator.queueing import CapSource
 from argus.sim.classifiers import (  # noqa: F401  (re-exported)
     Classifier,
     NoisyOracleClassifier,
@@ -166,15 +170,33 @@ POLICIES: tuple[str, ...] = ("argus", "pac", "proteus", *BASELINES, "argus-paper
 """Every policy name; ``argus replay`` runs all but ``argus-paper`` by default."""
 
 
-def make_policy(name: str, *, classifier: Classifier | None = None, seed: int = 0) -> Policy:
+def make_policy(
+    name: str,
+    *,
+    classifier: Classifier | None = None,
+    seed: int = 0,
+    caps: str | None = None,
+    strategy_choice: str | None = None,
+) -> Policy:
     """Build a policy by name; unknown names raise ValueError quoting them.
 
     The planned policies (``argus``, ``argus-paper``, ``pac``, ``proteus``) are one class
     configured by :func:`argus.sim.planned.planned_policies`; the classifier matters to those
-    that look at the prompt (Argus and NIRVANA).
+    that look at the prompt (Argus and NIRVANA). ``caps`` (``analytic`` or ``measured``) sets
+    every planned policy's queueing caps, ``strategy_choice`` (``ac-first`` or ``best``) that
+    of the joint planner's policies that may run both strategies (argus and pac); None
+    leaves a policy's own.
     """
     if name in PLANNED:
-        return PlannedPolicy(name, PLANNED[name], classifier=classifier, seed=seed)
+        config = PLANNED[name]
+        control = config.control
+        if caps is not None:
+            control = replace(control, caps=CapSource(caps))
+        both = set(control.strategies) == {Strategy.AC, Strategy.SM}
+        if strategy_choice is not None and both and control.planner is PlannerMode.JOINT:
+            control = replace(control, strategy_choice=StrategyChoice(strategy_choice))
+        config = replace(config, control=control)
+        return PlannedPolicy(name, config, classifier=classifier, seed=seed)
     cls = BASELINES.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
