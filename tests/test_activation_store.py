@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from argus.worker import activation_store as store_module
 from argus.worker.activation_store import (
@@ -166,6 +167,38 @@ def test_record_changed_while_its_file_is_written(
     assert store.disk_bytes_used == sum(p.stat().st_size for p in files_in(store.disk_dir))
 
 
+def test_disk_round_trip_keeps_dtypes_shapes_and_views(make_store: Any) -> None:
+    store = make_store(host_records=0, disk_records=64)
+    buffer = torch.arange(48, dtype=torch.float16)
+    record = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "f32": torch.randn(7),
+        "i64": torch.tensor([1, -2, 3]),
+        "flag": torch.tensor([True, False]),
+        "scalar": torch.tensor(2.5, dtype=torch.float16),
+        "empty": torch.empty(0, 4, dtype=torch.float16),
+        "view.a": buffer[:16].view(4, 4),  # disjoint views of one buffer
+        "view.b": buffer[16:],
+        "view.t": buffer[:16].view(4, 4).t(),  # overlaps view.a: cloned for the file
+    }
+    store.put("mixed", record)
+    loaded = store.get("mixed")
+    assert loaded is not None and set(loaded) == set(record)
+    for name, tensor in record.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_a_disk_hit_is_read_into_memory_not_mapped(make_store: Any) -> None:
+    store = make_store(host_records=0, disk_records=4)
+    store.put("a", make_record(1))
+    [path] = files_in(store.disk_dir)
+    loaded = store.get("a")
+    with open(path, "r+b") as handle:  # the same inode, zeroed after the read
+        handle.seek(path.stat().st_size - RECORD_BYTES)
+        handle.write(bytes(RECORD_BYTES))
+    assert value_of(loaded) == 1  # a memory map would now read 0
+
+
 def test_record_bigger_than_host_bound(make_store: Any) -> None:
     store = make_store(host_records=1, disk_records=4)
     store.put("huge", make_record(4, elems=2 * ELEMS))
@@ -201,14 +234,14 @@ def test_prefetch_then_get_loads_once(make_store: Any, monkeypatch: pytest.Monke
     store.put("b", make_record(2))  # a on disk
     opened: list[str] = []
     release = threading.Event()
-    real_open = store_module.safe_open
+    real_read = store_module.read_record
 
-    def slow_open(path: str, **kwargs: Any) -> Any:
-        opened.append(path)
+    def slow_read(path: Path) -> Any:
+        opened.append(path.name)
         release.wait(5)
-        return real_open(path, **kwargs)
+        return real_read(path)
 
-    monkeypatch.setattr(store_module, "safe_open", slow_open)
+    monkeypatch.setattr(store_module, "read_record", slow_read)
     assert store.prefetch("a") is True
     assert store.prefetch("a") is True  # already loading: nothing new started
     got: list[Any] = []
@@ -291,7 +324,7 @@ def test_restart_indexes_files_by_their_header(make_store: Any) -> None:
 
 
 def _key_of(path: Path) -> str:
-    with store_module.safe_open(str(path), framework="pt") as handle:
+    with safe_open(str(path), framework="pt") as handle:
         return str((handle.metadata() or {})["key"])
 
 
