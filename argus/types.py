@@ -78,6 +78,15 @@ class ReferenceRequest:
 
 
 @dataclass(frozen=True)
+class ModelPart:
+    """One part of a model (a UNet, text encoder or VAE) as the profile prices its load."""
+
+    name: str  # its place in the model: "unet", "text_encoder", "vae", ...
+    id: str  # which weights: two models listing one id share the part (one copy, one load)
+    share: float  # its fraction of the model's load time and memory (the model's sum to 1)
+
+
+@dataclass(frozen=True)
 class ProfileSet:
     """All levels of all strategies and their numbers on each worker class.
 
@@ -90,6 +99,8 @@ class ProfileSet:
     table: Mapping[tuple[str, str], LevelProfile]
     source: str = "<memory>"  # file or "default", for reports
     reference: ReferenceRequest = ReferenceRequest()  # what the latencies were measured on
+    # model → its parts (issue 35); a model left out, or every model when empty, loads whole
+    parts: Mapping[str, tuple[ModelPart, ...]] = field(default_factory=dict)
 
     def levels_for(self, strategy: Strategy) -> tuple[Level, ...]:
         """Levels of one strategy, slowest first."""
@@ -121,6 +132,48 @@ class ProfileSet:
             for (worker_class, level), entry in self.table.items()
         }
         return replace(self, table=table)
+
+    def monolithic(self) -> ProfileSet:
+        """These profiles with every model loaded whole: no part shared, whatever is held
+        (the cost a worker built of monolithic pipelines pays)."""
+        return replace(self, parts={})
+
+    def load_share(self, model: str, held: str | None) -> float:
+        """The fraction of ``model``'s load a worker holding ``held`` (None: nothing) pays:
+        the shares of its parts whose weights ``held`` lacks. 0 for the same model, 1 for a
+        model without parts or one sharing nothing with ``held``."""
+        if model == held:
+            return 0.0
+        parts = self.parts.get(model)
+        if not parts or held is None:
+            return 1.0
+        resident = {part.id for part in self.parts.get(held, ())}
+        return sum(part.share for part in parts if part.id not in resident)
+
+    def switch_load_s(self, worker_class: str, level: str, held: str | None) -> float:
+        """Seconds a worker of ``worker_class`` holding model ``held`` spends loading what
+        ``level``'s model needs: the level's ``load_time_s`` × :meth:`load_share`."""
+        model = self._model_of(level)
+        load = self.profile(worker_class, level).load_time_s
+        return load * self.load_share(model, held)
+
+    def family(self, model: str) -> frozenset[str]:
+        """The models linked to ``model`` by shared parts, itself included (a family: SD-1.4,
+        SD-1.5 and their distilled small and tiny variants share a text encoder and VAE)."""
+        members = {model}
+        grew = True
+        while grew:
+            ids = {part.id for m in members for part in self.parts.get(m, ())}
+            more = {m for m, parts in self.parts.items() if any(p.id in ids for p in parts)}
+            grew = not more <= members
+            members |= more
+        return frozenset(members)
+
+    def _model_of(self, level: str) -> str:
+        for candidate in self.levels:
+            if candidate.name == level:
+                return candidate.model
+        raise KeyError(f"no level {level!r} in the profiles")
 
     def profile(self, worker_class: str, level: str) -> LevelProfile:
         """Numbers of ``level`` on ``worker_class``; ``KeyError`` names both when missing."""

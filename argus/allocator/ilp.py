@@ -63,6 +63,34 @@ class Problem:
             self._load_costs[worker_class, model] = cost
         return cost
 
+    def family_load_cost(self, worker_class: str, model: str) -> float:
+        """Objective charged for one worker of ``worker_class`` moving to ``model`` from
+        another model of its family (:meth:`ProfileSet.family`): :meth:`load_cost` × the share
+        of ``model``'s load it does not share with them (its UNet, within the SD-1.x family),
+        the largest over the family's other models. :meth:`load_cost` without a family."""
+        full = self.load_cost(worker_class, model)
+        others = self.families.get(model, frozenset()) - {model}
+        if not others:
+            return full
+        return full * max(self.profiles.load_share(model, other) for other in others)
+
+    def move_cost(self, worker_class: str, model: str, held: str | None) -> float:
+        """Objective charged for one worker holding ``held`` (None: nothing, a placement) that
+        is given ``model``: nothing for its own model or a placement, the family's price
+        within its family, else the whole load."""
+        if held is None or held == model:
+            return 0.0
+        if held in self.families.get(model, frozenset()):
+            return self.family_load_cost(worker_class, model)
+        return self.load_cost(worker_class, model)
+
+    @cached_property
+    def families(self) -> dict[str, frozenset[str]]:
+        """Each of the strategy's models → the strategy's models that share parts with it
+        (itself included); a model sharing none is alone."""
+        models = {level.model for level in self.levels}
+        return {m: self.profiles.family(m) & models for m in models}
+
     @cached_property
     def _load_costs(self) -> dict[tuple[str, str], float]:
         """load_cost's answers so far: the program and the rounding ask for each again."""
@@ -101,28 +129,69 @@ class Counts:
 
 
 def rounded_switch_cost(problem: Problem, workers: Counter[tuple[str, int]]) -> float:
-    """The switching cost the aggregated ILP would charge for these counts (its model-load
-    terms in :mod:`argus.allocator.solver`); the joint program charges its rounded counts
-    the same."""
+    """The switching cost the aggregated programs would charge for these counts (their
+    model-load terms in :mod:`argus.allocator.solver` and :mod:`argus.allocator.joint`).
+
+    Per class: each model needs ``max(0, on it − holding it)`` loads. Within a family (models
+    sharing parts) a load may come from a worker leaving another member, at the family's
+    price; the family's growth, ``max(0, Σ on − Σ holding)`` over its members, must be whole
+    loads. Workers holding nothing are placed free, up to their number, each where it saves
+    most (one at a time)."""
     if problem.switch_cost_weight == 0.0:
         return 0.0
-    holding = problem.holding
     total = 0.0
     for c in {c for c, _ in workers}:
         on_model = Counter[str]()
         for (wc, v), count in workers.items():
             if wc == c:
                 on_model[problem.levels[v].model] += count
-        loads = sorted(
-            ((problem.load_cost(c, m), max(0, k - holding[c, m])) for m, k in on_model.items()),
-            reverse=True,
-        )
-        free = holding[c, None]
-        for cost, count in loads:
-            waived = min(free, count)
-            free -= waived
-            total += cost * (count - waived)
+        total += _class_switch_cost(problem, c, on_model)
     return total
+
+
+def _class_switch_cost(problem: Problem, c: str, on_model: Counter[str]) -> float:
+    holding = problem.holding
+    loads = {m: max(0, k - holding[c, m]) for m, k in on_model.items()}
+    loads = {m: n for m, n in loads.items() if n > 0}
+    free = holding[c, None]
+    if not loads or free >= sum(loads.values()):
+        return 0.0
+    families: dict[frozenset[str], int] = {}  # family → whole loads its growth needs
+    for m in loads:
+        family = problem.families.get(m, frozenset({m}))
+        if family not in families:
+            growth = sum(on_model[x] - holding[c, x] for x in family)
+            families[family] = max(0, growth)
+    full = {m: problem.load_cost(c, m) for m in loads}
+    part = {m: problem.family_load_cost(c, m) for m in loads}
+
+    def cost(waived: Counter[str]) -> float:
+        value = 0.0
+        for family, growth in families.items():
+            members = [m for m in loads if m in family]
+            left = {m: loads[m] - waived[m] for m in members}
+            whole = max(0, growth - sum(waived[m] for m in members))
+            value += sum(part[m] * n for m, n in left.items())
+            for m in sorted(members, key=lambda m: full[m] - part[m]):
+                take = min(whole, left[m])
+                value += (full[m] - part[m]) * take
+                whole -= take
+        return value
+
+    waived = Counter[str]()
+    best = cost(waived)
+    for _ in range(free):
+        trials = []
+        for m in loads:
+            if waived[m] < loads[m]:
+                waived[m] += 1
+                trials.append((cost(waived), m))
+                waived[m] -= 1
+        if not trials:
+            break
+        best, m = min(trials)
+        waived[m] += 1
+    return best
 
 
 def assign_workers(problem: Problem, counts: Counts) -> dict[str, str]:

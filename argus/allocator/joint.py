@@ -441,8 +441,11 @@ class _Model:
 
 
 def _switch_cost(problem: Problem, first_column: int, first_row: int) -> _Block:
-    """Model loads: u[g, m] ≥ Σ_{v on m} n[g, v] − holding; up to the idle workers' number of
-    loads per class go free (placing a worker that holds nothing is not moving it)."""
+    """Model loads: u[g, m] + p[g, m] ≥ Σ_{v on m} n[g, v] − holding, where p are loads from
+    another model of m's family at the family's price (:meth:`Problem.family_load_cost`) and u
+    whole loads, of which a family's members need at least its growth (Σ on − Σ holding);
+    up to the idle workers' number of whole loads per class go free (placing a worker that
+    holds nothing is not moving it)."""
     block = _Builder(first_column, first_row)
     if problem.switch_cost_weight == 0.0:
         return block.done()
@@ -451,6 +454,7 @@ def _switch_cost(problem: Problem, first_column: int, first_row: int) -> _Block:
     models = sorted({level.model for level in problem.levels})
     for i, g in enumerate(sorted({w.worker_class for w in problem.live})):
         frees = []
+        whole_of: dict[str, int] = {}
         for model in models:
             cost = problem.load_cost(g, model)
             u = block.column(-cost)
@@ -458,9 +462,25 @@ def _switch_cost(problem: Problem, first_column: int, first_row: int) -> _Block:
             on_model = [
                 i * n_levels + v for v, lv in enumerate(problem.levels) if lv.model == model
             ]
-            block.row([*((n, 1.0) for n in on_model), (u, -1.0)], holding[g, model])
+            moved = [(u, -1.0)]
+            part_cost = problem.family_load_cost(g, model)
+            if part_cost < cost:
+                moved.append((block.column(-part_cost), -1.0))
+            block.row([*((n, 1.0) for n in on_model), *moved], holding[g, model])
             block.row([(free, 1.0), (u, -1.0)], 0.0)
             frees.append(free)
+            whole_of[model] = u
+        for family in sorted(
+            {problem.families[m] for m in models if len(problem.families[m]) > 1}, key=sorted
+        ):
+            members = sorted(family)
+            on_family = [
+                i * n_levels + v for v, lv in enumerate(problem.levels) if lv.model in family
+            ]
+            block.row(
+                [*((n, 1.0) for n in on_family), *((whole_of[m], -1.0) for m in members)],
+                float(sum(holding[g, m] for m in members)),
+            )
         block.row([(free, 1.0) for free in frees], float(holding[g, None]))
     return block.done()
 

@@ -148,11 +148,9 @@ def _solve_counts_per_worker(problem: Problem, backend: SolverFactory) -> Counts
 
 
 def _worker_load_cost(problem: Problem, worker: WorkerState, v: int) -> float:
+    """What moving ``worker`` to level ``v`` costs given the model it holds."""
     model = problem.levels[v].model
-    current = problem.current_model(worker)
-    if current is None or current == model:
-        return 0.0
-    return problem.load_cost(worker.worker_class, model)
+    return problem.move_cost(worker.worker_class, model, problem.current_model(worker))
 
 
 def _prepare(
@@ -321,25 +319,45 @@ def _switch_cost_terms(
 ) -> pulp.LpAffineExpression:
     """Add the model-load variables and return the switching cost to subtract.
 
-    ``u[c, m]`` counts workers of class c that must load model m (those on m minus those
-    already holding it). Workers holding nothing yet are being placed, not moved: up to their
-    number of loads per class go uncharged (``free``), the costliest first by optimality.
+    ``u[c, m]`` counts workers of class c that load model m whole, ``p[c, m]`` those that come
+    from another model of m's family and load only what it does not share (its UNet within
+    the SD-1.x family, :meth:`Problem.family_load_cost`): together at least those on m minus
+    those already holding it, and a family's growth (Σ on − Σ holding over its members) must
+    be whole loads. Workers holding nothing yet are being placed, not moved: up to their
+    number of whole loads per class go uncharged (``free``), the costliest first by
+    optimality.
     """
     if problem.switch_cost_weight == 0.0:
         return pulp.LpAffineExpression()
     holding = problem.holding
     models = sorted({level.model for level in problem.levels})
+    families = sorted(
+        {problem.families[m] for m in models if len(problem.families[m]) > 1}, key=sorted
+    )
     terms = []
     for c in classes:
         free_loads = []
+        whole = {}
         for model in models:
             u = prob.add_variable(f"u_{c}_{model}", lowBound=0.0)
             free = prob.add_variable(f"free_{c}_{model}", lowBound=0.0)
             on_model = [v for v, level in enumerate(problem.levels) if level.model == model]
-            prob += u >= pulp.lpSum(n[c, v] for v in on_model) - holding[c, model]
+            moved = u
+            part_cost = problem.family_load_cost(c, model)
+            if part_cost < problem.load_cost(c, model):
+                p = prob.add_variable(f"p_{c}_{model}", lowBound=0.0)
+                moved = u + p
+                terms.append(part_cost * p)
+            prob += moved >= pulp.lpSum(n[c, v] for v in on_model) - holding[c, model]
             prob += free <= u
             free_loads.append(free)
+            whole[model] = u
             terms.append(problem.load_cost(c, model) * (u - free))
+        for family in families:
+            on_family = [v for v, level in enumerate(problem.levels) if level.model in family]
+            prob += pulp.lpSum(whole[m] for m in family) >= pulp.lpSum(
+                n[c, v] for v in on_family
+            ) - sum(holding[c, m] for m in family)
         prob += pulp.lpSum(free_loads) <= holding[c, None]
     return pulp.lpSum(terms)
 

@@ -7,6 +7,10 @@ with ``name``, ``strategy`` (AC or SM), ``model``, ``skip_steps`` (AC only), ``q
 slowest first; see ``default.toml`` for the shipped set and its sources. An optional
 ``reference`` table (``width``, ``height``, ``steps``) says what request the latencies were
 measured on (default 1024 × 1024, 50 steps); the router prices requests relative to it.
+An optional ``models`` table gives a model's parts (``models.<model>.parts.<part> = { id,
+share }``): ``id`` names the weights (two models listing one id share that part, so a worker
+holding one loads only the other's remaining parts) and ``share`` the part's fraction of the
+model's load time and memory; a model's shares sum to 1. A model without parts loads whole.
 
 Every error is a :class:`ProfileError` whose message starts with the path of the bad field,
 for example ``levels[3].profiles.a100.throughput_qpm: must be > 0, got -1``.
@@ -18,12 +22,20 @@ import itertools
 import math
 import tomllib
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from argus.types import Level, LevelProfile, ProfileSet, ReferenceRequest, Strategy
+from argus.types import (
+    Level,
+    LevelProfile,
+    ModelPart,
+    ProfileSet,
+    ReferenceRequest,
+    Strategy,
+)
 
 DEFAULT_PROFILE_PATH = Path(__file__).with_name("default.toml")
 
@@ -32,11 +44,21 @@ class ProfileError(ValueError):
     """A profile file that cannot be used; the message names the field."""
 
 
+MONOLITHIC_SUFFIX = ":monolithic"
+"""Appended to a profile source (``default:monolithic``): the same profiles with every model
+loaded whole, no part shared (:meth:`ProfileSet.monolithic`), to compare against."""
+
+
 def load_profiles(source: str | Path) -> ProfileSet:
-    """Load ``default`` or a ``.toml``/``.yaml``/``.yml`` file; raise ProfileError if invalid."""
-    if str(source) == "default":
+    """Load ``default`` or a ``.toml``/``.yaml``/``.yml`` file, either followed by
+    ``:monolithic`` for its models loaded whole; raise ProfileError if invalid."""
+    text = str(source)
+    if text.endswith(MONOLITHIC_SUFFIX):
+        whole = load_profiles(text.removesuffix(MONOLITHIC_SUFFIX)).monolithic()
+        return replace(whole, source=text)
+    if text == "default":
         return parse_profiles(_read(DEFAULT_PROFILE_PATH), source="default")
-    return parse_profiles(_read(Path(source)), source=str(source))
+    return parse_profiles(_read(Path(source)), source=text)
 
 
 def default_profiles() -> ProfileSet:
@@ -75,7 +97,39 @@ def parse_profiles(data: Any, source: str = "<memory>") -> ProfileSet:
         levels.append(level)
         table.update(_class_profiles(_mapping(raw, where).get("profiles"), classes, level, where))
     _check_speed_order(levels, classes, table)
-    return ProfileSet(tuple(levels), classes, table, source, _reference(root.get("reference")))
+    parts = _model_parts(root.get("models"), {level.model for level in levels})
+    return ProfileSet(
+        tuple(levels), classes, table, source, _reference(root.get("reference")), parts
+    )
+
+
+SHARE_TOLERANCE = 1e-3  # a model's part shares must sum to 1 within this
+
+
+def _model_parts(value: Any, models: set[str]) -> dict[str, tuple[ModelPart, ...]]:
+    if value is None:
+        return {}
+    out = {}
+    for model, raw in _mapping(value, "models").items():
+        where = f"models.{model}"
+        if model not in models:
+            raise ProfileError(f"{where}: {model!r} is not the model of any level")
+        raw_parts = _mapping(_mapping(raw, where).get("parts"), f"{where}.parts")
+        if not raw_parts:
+            raise ProfileError(f"{where}.parts: must name at least one part")
+        parts = []
+        for name, entry in raw_parts.items():
+            at = f"{where}.parts.{name}"
+            table = _mapping(entry, at)
+            share = _number(table, "share", at)
+            if not 0.0 < share <= 1.0:
+                raise ProfileError(f"{at}.share: must be in (0, 1], got {share}")
+            parts.append(ModelPart(name, _string(table, "id", at), share))
+        total = sum(part.share for part in parts)
+        if abs(total - 1.0) > SHARE_TOLERANCE:
+            raise ProfileError(f"{where}.parts: the shares must sum to 1, got {total:.4f}")
+        out[model] = tuple(parts)
+    return out
 
 
 def _reference(value: Any) -> ReferenceRequest:

@@ -16,11 +16,14 @@ and policies see every worker's class in the :class:`~argus.types.ClusterView` a
 *slowest* class present (the class whose best level takes longest), so a request the cluster
 serves at full quality on any of its GPUs can meet it. Changing a worker to
 a level whose model it does not hold makes it load that model first (``load_time_s`` of the
-level on the worker's class), during which it serves nothing; a change of K on the loaded
-model is free. This holds for every policy alike: a policy with ``background_loads`` (Argus,
-§4.6) keeps serving its old model while the new one loads, and the new level serves only once
-the load time has passed. :class:`RunResult` counts the loads completed and their seconds
-(``loads``, ``load_s``).
+level on the worker's class, × the share of the model's parts the worker's current model does
+not share: within the SD-1.x family only the UNet, ``ProfileSet.switch_load_s``; profiles
+without parts, or ``ProfileSet.monolithic()``, charge the whole), during which it serves
+nothing; a change of K on the loaded model is free. This holds for every policy alike: a
+policy with ``background_loads`` (Argus, §4.6) keeps serving its old model while the new one
+loads, and the new level serves only once the load time has passed. :class:`RunResult` counts
+the loads completed and their seconds (``loads``, ``load_s``), and marks the requests queued
+behind a load on their worker (``load_waits``).
 
 AC levels with K > 0 fetch a cached latent: the profiles' latency includes a nominal retrieval
 time (``SimConfig.retrieval_s``); during a retrieval fault the extra latency is added, and
@@ -339,7 +342,9 @@ class RunResult:
     refused_early: int = 0  # of the refused: before classification (the router's early check)
     fallbacks: int = 0  # routed to a worker of another level than the PASM's target
     loads: int = 0  # model loads completed (a background load cancelled before it ends: none)
-    load_s: float = 0.0  # their seconds, each the profile's load_time_s on the worker's class
+    load_s: float = 0.0  # their seconds: the profile's load time of what each switch loaded
+    # True for the requests that waited on a model load: queued behind one on their worker
+    load_waits: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
 
     def __post_init__(self) -> None:
         if len(self.refused) != len(self.arrivals_s):
@@ -348,6 +353,8 @@ class RunResult:
                     f"refused: {len(self.refused)} flags for {len(self.arrivals_s)} requests"
                 )
             self.refused = np.zeros(len(self.arrivals_s), dtype=np.bool_)
+        if len(self.load_waits) != len(self.arrivals_s):
+            self.load_waits = np.zeros(len(self.arrivals_s), dtype=np.bool_)
 
     @property
     def admitted(self) -> npt.NDArray[np.bool_]:
@@ -377,6 +384,7 @@ class _Worker:
         "finishes",
         "free_at",
         "level",
+        "load_until",
         "model",
         "pending",
         "state",
@@ -391,6 +399,7 @@ class _Worker:
         self.level: str | None = None
         self.model: str | None = None
         self.free_at = 0.0
+        self.load_until = 0.0  # the end of the last model load it stops serving for
         # (finish time, request or -1 for a model load, start time), in the order served
         self.finishes: deque[tuple[float, int, float]] = deque()
         self.pending: tuple[str, str, float] | None = None  # (level, model, ready) loading now
@@ -516,6 +525,7 @@ class _Run:
         self.score: list[float] = [0.0] * n
         self.relative: list[float] = [0.0] * n
         self.refused: list[bool] = [False] * n
+        self.load_waits: list[bool] = [False] * n
         self._arrival_list: list[float] = self.arrivals.tolist()
         self._jitter_list: list[float] = self.jitter.tolist()
         self._row_list: list[int] = self.prompt_rows.tolist()
@@ -659,7 +669,7 @@ class _Run:
         if worker.model == level.model:
             worker.level, worker.pending = level_name, None  # a K change: nothing to load
             return
-        load = self.sim.profiles.profile(worker.worker_class, level_name).load_time_s
+        load = self.sim.profiles.switch_load_s(worker.worker_class, level_name, worker.model)
         self.model_switches += 1
         if background and worker.model is not None:
             if worker.pending is None or worker.pending[1] != level.model:
@@ -671,7 +681,7 @@ class _Run:
                 self.model_switches -= 1
             return
         start = max(worker.free_at, now)
-        worker.free_at = start + load
+        worker.free_at = worker.load_until = start + load
         self._enqueue(worker, -1, start)
         worker.level, worker.model, worker.pending = level_name, level.model, None
         self.switch_times.append(start)
@@ -686,8 +696,9 @@ class _Run:
         if pending is None or pending[2] > now:
             return
         if worker.alive:
+            load = self.sim.profiles.switch_load_s(worker.worker_class, pending[0], worker.model)
             worker.level, worker.model, _ = pending
-            self._count_load(self.sim.profiles.profile(worker.worker_class, pending[0]).load_time_s)
+            self._count_load(load)
         worker.pending = None
 
     def _count_load(self, load_s: float) -> None:
@@ -766,6 +777,7 @@ class _Run:
             else:  # a policy may route to a level the worker lacks: it loads it first
                 self._set_level(worker, level_name, now)
         service, served = self._service_time(worker.worker_class, level, now)
+        self.load_waits[i] = worker.load_until > now  # queued behind a model load
         start = max(worker.free_at, now)
         service += self._adapter_time(worker.worker_class, served, i, start - now)
         service *= self._jitter_list[i]
@@ -844,7 +856,7 @@ class _Run:
                     orphans.append(request)
             worker.finishes.clear()
             self._queues[worker.worker_id] = 0
-            worker.free_at = now
+            worker.free_at = worker.load_until = now
             worker.level = None
             worker.model = None
             worker.pending = None
@@ -892,6 +904,7 @@ class _Run:
             fallbacks=int(getattr(self.policy, "fallbacks", 0)),
             loads=self.loads,
             load_s=self.load_s,
+            load_waits=np.array(self.load_waits, dtype=np.bool_) & ~refused,
         )
 
 

@@ -37,6 +37,7 @@ METRICS = (
     "slo_violation_ratio",
     "refused_early",
     "fallbacks",
+    "load_wait_ratio",
 )
 
 # t(0.975, df) for df = 1 … 30 (Student's t, two-sided 95 %)

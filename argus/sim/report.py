@@ -66,6 +66,8 @@ class Summary:
     adapter_s_mean: float = 0.0
     refused_early: int = 0  # of the refused: by the router's check before classification
     fallbacks: int = 0  # served by a worker of another level than the PASM's target
+    # of the admitted requests, the share queued behind a model load on their worker
+    load_wait_ratio: float = 0.0
 
 
 def summarise(result: RunResult) -> Summary:
@@ -100,6 +102,9 @@ def summarise(result: RunResult) -> Summary:
         adapter_s_mean=result.adapter_s / n if n else 0.0,
         refused_early=result.refused_early,
         fallbacks=result.fallbacks,
+        load_wait_ratio=(
+            int(np.count_nonzero(result.load_waits)) / n_admitted if n_admitted else 0.0
+        ),
     )
 
 
