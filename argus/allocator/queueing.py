@@ -31,9 +31,12 @@ hidden by the request's own wait), and takes the largest utilisation at which at
 utilisation) of a table runs at once, as one vectorised pass over the requests (common random
 numbers: one arrival sequence, one draw of service times per level), first on a grid of step
 0.05, then on a grid of step 0.005 within the bracket found. With
-:data:`MEASURED_REQUESTS` requests a table of 12 levels × 8 pool sizes takes about 3 s on two
-shared vCPUs, and the cap of one cell moves by about 0.02 (one standard deviation) from one
-seed to another (``benchmarks/queueing_caps.py`` measures both). Tables are cached by the
+:data:`MEASURED_REQUESTS` requests a table of the default profile's 12 levels × 8 pool sizes
+(11 distinct distributions) takes 2.4 s on two idle vCPUs (9.7 s at a load average of 5), and
+a cap moves by 0.009 on average, at most 0.02, one standard deviation over five seeds
+(``benchmarks/queueing_caps.py``). Near a utilisation of 1 the late share is steep: at a
+fast level's 8-worker cap of 0.95–0.975, 0.01 more utilisation doubles it, so other draws
+at the same cap show 0.5–7% late where the table's own show 2%. Tables are cached by the
 distribution, the SLO and the share, so a process computes each once.
 """
 
@@ -323,9 +326,26 @@ def simulated_late_share(
     """The share of requests late (wait + service > ``slo_s``) in the FCFS queue of
     ``servers`` workers with ``draws``' service times at ``utilisation``, arrivals by ``seed``
     (the check of a measured cap with other draws)."""
-    arrivals = _unit_arrivals(draws.fixed_s.size, seed)
-    shares = _late_shares([draws], arrivals, [servers], np.asarray([utilisation]), slo_s)
-    return float(shares[0, 0, 0])
+    table = late_shares_at([draws], [servers], np.asarray([[utilisation]]), slo_s, seed=seed)
+    return float(table[0, 0])
+
+
+def late_shares_at(
+    draws: list[ServiceDraws],
+    pools: list[int],
+    utilisation: FloatArray,
+    slo_s: float,
+    *,
+    seed: int = MEASURED_SEED,
+) -> FloatArray:
+    """Late shares, shaped (distribution, pool) like ``utilisation``, of the FCFS queues of
+    ``pools[p]`` workers with ``draws[d]``' service times at ``utilisation[d, p]``, all run
+    together (arrivals by ``seed``; as many requests as the draws)."""
+    arrivals = _unit_arrivals(draws[0].fixed_s.size, seed)
+    offsets = np.asarray(utilisation, dtype=np.float64)
+    shares = _late_shares(draws, arrivals, pools, np.zeros(1), slo_s, offsets=offsets)
+    result: FloatArray = shares[:, :, 0]
+    return result
 
 
 def _unit_arrivals(count: int, seed: int) -> FloatArray:
