@@ -115,6 +115,13 @@ MAX_RESIDENT_MODELS = 1
 """Ready models a worker keeps resident at most (1: a switch unloads the previous model once
 the new one is ready); more keep several UNets beside shared parts, so a switch back is free."""
 
+EDIT_CACHE_HOST_BYTES = 2**30
+"""Host memory a worker gives the mask-aware activation cache of edits (templates' recorded
+transformer-block outputs, :mod:`argus.worker.edit_cache`); 0: no cache."""
+
+EDIT_CACHE_DISK_BYTES = 16 * 2**30
+"""The activation cache's disk tier, bytes, when it has a directory."""
+
 CACHE_MAX_ENTRIES = 100_000
 """Prompts the approximate cache keeps at most."""
 

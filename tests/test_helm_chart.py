@@ -963,6 +963,34 @@ def test_the_workers_resident_models_are_a_value() -> None:
         render({"worker": {"maxResidentModels": 0}})
 
 
+def test_the_workers_edit_cache_is_a_value_with_an_optional_disk_tier() -> None:
+    """worker.editCache reaches every worker as --edit-cache-bytes (the binary's default by
+    default, host memory only); its disk tier mounts a node-local emptyDir at the directory it
+    passes; the schema refuses a negative bound."""
+    parser = cli_parser("worker")
+    worker = workloads(render({}))["worker"]
+    args = main_container(worker)["args"]
+    assert arg_value(args, "--edit-cache-bytes") == str(parser.parse_args([]).edit_cache_bytes)
+    assert "--edit-cache-dir" not in args
+    disk = {"enabled": True, "bytes": 2**31, "sizeLimit": "3Gi"}
+    worker = workloads(render({"worker": {"editCache": {"hostBytes": 0, "disk": disk}}}))["worker"]
+    container = main_container(worker)
+    args = container["args"]
+    assert arg_value(args, "--edit-cache-bytes") == "0"
+    assert arg_value(args, "--edit-cache-disk-bytes") == str(2**31)
+    directory = arg_value(args, "--edit-cache-dir")
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "edit-cache"]
+    assert mount["mountPath"] == directory
+    (volume,) = [
+        v for v in worker["spec"]["template"]["spec"]["volumes"] if v["name"] == "edit-cache"
+    ]
+    assert volume["emptyDir"] == {"sizeLimit": "3Gi"}
+    parsed = parser.parse_args(["--edit-cache-dir", directory, "--edit-cache-disk-bytes", "9"])
+    assert (parsed.edit_cache_dir, parsed.edit_cache_disk_bytes) == (directory, 9)
+    with pytest.raises(helm.HelmValuesError, match="hostBytes"):
+        render({"worker": {"editCache": {"hostBytes": -1}}})
+
+
 def test_router_and_allocator_reach_each_other_by_service_name() -> None:
     docs = rendered("default")
     w = workloads(docs)

@@ -45,6 +45,7 @@ def make_worker(
     load: bool = True,
     warm: bool = False,
     adapters: Any = None,
+    edit_cache: Any = None,
     **config: Any,
 ) -> Worker:
     config.setdefault("default_steps", STEPS)
@@ -56,6 +57,7 @@ def make_worker(
         config=WorkerConfig(**config),
         level=level,
         adapters=adapters,
+        edit_cache=edit_cache,
     )
     if load:
         worker.configure(wait=True)

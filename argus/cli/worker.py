@@ -74,6 +74,18 @@ class WorkerCommand:
         parser.add_argument("--cache-max-bytes", type=int)
         parser.add_argument("--min-similarity", type=float, default=0.0)
         parser.add_argument(
+            "--edit-cache-bytes",
+            type=int,
+            default=defaults.EDIT_CACHE_HOST_BYTES,
+            help="host memory for templates' recorded activations (mask-aware edit cache; 0: off)",
+        )
+        parser.add_argument(
+            "--edit-cache-dir", help="the edit cache's disk tier (default: host memory only)"
+        )
+        parser.add_argument(
+            "--edit-cache-disk-bytes", type=int, default=defaults.EDIT_CACHE_DISK_BYTES
+        )
+        parser.add_argument(
             "--default-size", type=int, default=defaults.DEFAULT_SIZE, help="pixels (tiny: 64)"
         )
         parser.add_argument("--default-steps", type=int, default=defaults.DEFAULT_STEPS)
@@ -163,6 +175,9 @@ class WorkerCommand:
             cache_max_entries=args.cache_max_entries,
             cache_max_bytes=args.cache_max_bytes,
             min_similarity=args.min_similarity,
+            edit_cache_bytes=args.edit_cache_bytes,
+            edit_cache_dir=args.edit_cache_dir,
+            edit_cache_disk_bytes=args.edit_cache_disk_bytes,
             default_size=args.default_size,
             default_steps=args.default_steps,
             max_queue=args.max_queue,

@@ -21,6 +21,7 @@ from argus.plumbing.internal_tls import InternalTLS
 from argus.profiles import default_profiles, load_profiles
 from argus.types import ProfileSet, Strategy
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
+from argus.worker.edit_cache import EditCache
 from argus.worker.engine import Worker, WorkerConfig
 from argus.worker.membership import (
     HeartbeatChannel,
@@ -61,6 +62,10 @@ class WorkerSettings:
     cache_max_bytes: int | None = None
     min_similarity: float = 0.0
     encoder_dir: str | None = None  # BERT directory for prompt embeddings; None: MiniLM
+    # the mask-aware activation cache of edits: host bytes (0: off), then a disk tier
+    edit_cache_bytes: int = defaults.EDIT_CACHE_HOST_BYTES
+    edit_cache_dir: str | None = None  # None: host memory only
+    edit_cache_disk_bytes: int = defaults.EDIT_CACHE_DISK_BYTES
     # request path
     default_size: int = defaults.DEFAULT_SIZE
     default_steps: int = defaults.DEFAULT_STEPS
@@ -88,6 +93,13 @@ class WorkerSettings:
                 check_address(value, name)
         if self.max_resident < 1:
             raise ValueError(f"max_resident: must be >= 1, got {self.max_resident}")
+        if self.edit_cache_bytes < 0:
+            raise ValueError(f"edit_cache_bytes: must be >= 0, got {self.edit_cache_bytes}")
+        if self.edit_cache_dir is not None and self.edit_cache_disk_bytes <= 0:
+            raise ValueError(
+                f"edit_cache_disk_bytes: must be > 0 with a directory, got "
+                f"{self.edit_cache_disk_bytes}"
+            )
         if not 0.0 <= self.score_sample <= 1.0:
             raise ValueError(f"score_sample: must be in [0, 1], got {self.score_sample}")
 
@@ -236,6 +248,7 @@ def build_worker(
         default_steps=settings.default_steps,
         max_queue=settings.max_queue,
     )
+    edit_cache = build_edit_cache(settings, metrics)
     adapters = None
     if settings.adapters.enabled:
         adapters = WorkerAdapters(
@@ -250,12 +263,29 @@ def build_worker(
         config=config,
         level=settings.level,
         adapters=adapters,
+        edit_cache=edit_cache,
     )
     worker.configure(wait=wait_for_model)
     active = registry.active()
     if adapters is not None and active is not None:
         adapters.model_loaded(active)
     return worker
+
+
+def build_edit_cache(settings: WorkerSettings, metrics: WorkerMetrics | None) -> EditCache | None:
+    """The activation cache of edits (None with ``edit_cache_bytes`` 0 and no directory)."""
+    if settings.edit_cache_bytes == 0 and settings.edit_cache_dir is None:
+        return None
+    from argus.worker.activation_store import ActivationStore
+
+    listener = metrics.edit_cache if metrics is not None else None
+    store = ActivationStore(
+        settings.edit_cache_bytes,
+        settings.edit_cache_dir,
+        settings.edit_cache_disk_bytes if settings.edit_cache_dir is not None else 0,
+        listener=listener,
+    )
+    return EditCache(store, listener)
 
 
 def build_score_sampler(settings: WorkerSettings, device: str) -> ScoreSampler | None:

@@ -80,7 +80,10 @@ region are pasted back from the template. An edit never uses the approximate cac
 (:attr:`CacheOutcome.NOT_USED`): the cache holds latents of other prompts generated from
 noise, and resuming one at step K would replace the template by another image, while the
 template's own steps are what an edit keeps; nor does an edit feed it, since its latents
-carry its template into any prompt that would resume from them.
+carry its template into any prompt that would resume from them. An inpainting edit uses the
+mask-aware activation cache instead (:mod:`argus.worker.edit_cache`): the first edit of a
+template records its transformer blocks' outputs, later ones compute their region's tokens
+only; a record on disk is read into memory while the edit waits in the queue.
 
 Adapters (LoRAs, ControlNets) are checked with the rest of the request and run through
 :class:`~argus.worker.adapters.WorkerAdapters` (see there for how they meet the cache: a
@@ -126,6 +129,7 @@ from argus.request_limits import (
 )
 from argus.types import Level, ProfileSet, Strategy
 from argus.worker.adapters import NO_ADAPTERS, AdapterPlan, WorkerAdapters
+from argus.worker.edit_cache import EditCache
 from argus.worker.pipelines import (
     NEVER_CANCELLED,
     Cancelled,
@@ -382,12 +386,17 @@ class Worker:
         config: WorkerConfig | None = None,
         level: str | None = None,
         adapters: WorkerAdapters | None = None,
+        edit_cache: EditCache | None = None,
     ) -> None:
         self.profiles = profiles
         self.registry = registry
         self.cache = cache
         self.encoder = encoder
         self.adapters = adapters
+        self.edit_cache = edit_cache
+        if edit_cache is not None and registry.device == "cpu":  # its host tier is this memory
+            store = edit_cache.store
+            registry.count_outside(lambda: store.host_bytes_used)
         self.config = config or WorkerConfig()
         self._levels = {lv.name: lv for lv in profiles.levels}
         ac_models = {lv.model for lv in profiles.levels if lv.strategy is Strategy.AC}
@@ -521,6 +530,7 @@ class Worker:
         the GPU slot is free when it raises. ``progress`` hears each :class:`Progress` event
         (see the module's docstring)."""
         spec, level, plan = self.validate(call)
+        queued_edit = self._edit_queued(spec, level, plan)
         with self._lock:
             if self._queued >= self.config.max_queue:
                 self._counts["rejected"] += 1
@@ -549,7 +559,14 @@ class Worker:
                 stage = "running"
                 started = time.perf_counter()
                 result = self._on_device(
-                    self._run, spec, level, plan, call.request_id, cancel=cancel, report=report
+                    self._run,
+                    spec,
+                    level,
+                    plan,
+                    call.request_id,
+                    cancel=cancel,
+                    report=report,
+                    queued_edit=queued_edit,
                 )
             finally:
                 self._slots.release()
@@ -648,19 +665,22 @@ class Worker:
         feed_cache: bool = True,
         cancel: CancelToken = NEVER_CANCELLED,
         report: _Reporter | None = None,
+        queued_edit: tuple[str, bool] | None = None,
     ) -> GenerateResult:
         """Serve one checked request on the device thread (the GPU slot is held), in the
         numbered steps of diffusers' ``__call__``: 1. pick the model; 2. look the prompt up in
         the cache (a :class:`CacheLookup`); 3. decide whether the run feeds the cache; 4.
         denoise from where the lookup says; 5. decode; 6. feed the cache, off the request
-        path; 7. answer. ``feed_cache``: False for the warm-up."""
+        path; 7. answer. ``feed_cache``: False for the warm-up. ``queued_edit``: the
+        activation cache's key of an inpainting edit when it was queued, and whether a record
+        was there then (:meth:`_edit_queued`)."""
         model, substituted = self._pick_model(level)  # 1
         key = self._cache_key(model, spec) if self.cache is not None else None
         lookup = self._look_up(spec, level, plan, key)  # 2
         feeds = feed_cache and spec.edit is None and self._feeds_cache(model, level, plan, lookup)
         capture = self._cache_steps(spec.steps) if feeds else ()  # 3
         result, path, adapter_ms = self._denoise(  # 4
-            model, spec, plan, request_id, lookup, capture, cancel, report
+            model, spec, plan, request_id, lookup, capture, cancel, report, queued_edit
         )
         png, decode_s = self._decode_in_time(model, spec, result, cancel, report)  # 5
         if feeds and result.captured:  # 6
@@ -815,10 +835,12 @@ class Worker:
         capture: tuple[int, ...],
         cancel: CancelToken,
         report: _Reporter | None,
+        queued_edit: tuple[str, bool] | None = None,
     ) -> tuple[DenoiseResult, str, dict[str, float]]:
         """Step 4: denoise from the lookup's start with the request's adapters; returns the
         result, the adapter path and the adapters' timings. The progress report's step hook
-        runs after the adapters' own."""
+        runs after the adapters' own. An inpainting edit without adapters replays its
+        template's recorded activations, or records them (:mod:`argus.worker.edit_cache`)."""
         with self._lock:
             self._counts["denoise_runs"] += 1
         hooks = () if report is None else (report.running(lookup.start_step, spec.steps),)
@@ -837,7 +859,15 @@ class Worker:
             )
 
         if self.adapters is None or (not plan and self.adapters.peer is None):
-            return run(), "", {}
+            key = self._edit_key(model, spec, plan)
+            if key is None or self.edit_cache is None:
+                return run(), "", {}
+            was_present = queued_edit is not None and queued_edit == (key, True)
+            use = self.edit_cache.begin(model, spec, key, was_present=was_present)
+            result = run(predictor=use.predictor)
+            with self._lock:  # a recording reaches the store off the request path
+                self._pending.add(self._writer.submit(self._finish_edit, use.finish))
+            return result, "", {}
         from argus.worker.latent_parallel import PeerFailedError
 
         try:
@@ -852,6 +882,41 @@ class Worker:
         with self.adapters.attach(model, spec, plan, request_id) as extras:
             result = run(**extras.kwargs())
         return result, extras.path, extras.timing_ms
+
+    # -- the activation cache of edits -----------------------------------------------------
+
+    def _edit_key(
+        self, model: DiffusionModel, spec: GenerationSpec, plan: AdapterPlan
+    ) -> str | None:
+        """The activation cache's key of ``spec`` on ``model``; None when it cannot use it
+        (no cache, not inpainting, adapters or a latent-parallel peer)."""
+        if self.edit_cache is None or spec.edit is None or spec.edit.region is None:
+            return None
+        peer = self.adapters is not None and self.adapters.peer is not None
+        return self.edit_cache.key(model, spec, adapters=bool(plan) or peer)
+
+    def _finish_edit(self, finish: Callable[[], None]) -> None:
+        try:
+            finish()
+        except Exception:
+            log.exception("storing an edit's recorded activations failed")
+            with self._lock:
+                self._counts["failed_edit_records"] += 1
+
+    def _edit_queued(
+        self, spec: GenerationSpec, level: Level, plan: AdapterPlan
+    ) -> tuple[str, bool] | None:
+        """An inpainting edit joins the queue: start loading its template's record into host
+        memory while it waits (InstGenIE §4.2). Returns its key and whether a record was
+        there (a record gone by the run is counted ``evicted``); None when it cannot use the
+        cache or no model is loaded yet."""
+        if self.edit_cache is None or spec.edit is None or spec.edit.region is None:
+            return None
+        model = self.registry.get(level.model) or self.registry.active()
+        if model is None:
+            return None
+        key = self._edit_key(model, spec, plan)
+        return None if key is None else (key, self.edit_cache.queued(key))
 
     # -- the cache -------------------------------------------------------------------------
 
@@ -945,6 +1010,8 @@ class Worker:
     def close(self) -> None:
         self._device.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        if self.edit_cache is not None:
+            self.edit_cache.store.close()
         if self.adapters is not None:
             self.adapters.close()
         self.registry.close()

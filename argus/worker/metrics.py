@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from argus.contracts.generate import GenerateResult
+from argus.worker.activation_store import StoreListener, Tier
+from argus.worker.edit_cache import EditCacheEvents
 
 # latency buckets from 50 ms (tiny models on a CPU) to 2 min (SDXL at K = 0 on a slow GPU)
 LATENCY_BUCKETS = (
@@ -102,6 +104,8 @@ class WorkerMetrics:
             registry=reg,
         )
 
+        self.edit_cache = EditCacheMetrics(reg)
+
     def watch_queue(self, length: Callable[[], float]) -> None:
         self.queue_length.set_function(length)
 
@@ -128,3 +132,79 @@ class WorkerMetrics:
         self.model_load_seconds.labels(model).observe(seconds)
         for part, part_s in parts.items():
             self.part_load_seconds.labels(part).observe(part_s)
+
+
+class EditCacheMetrics(StoreListener, EditCacheEvents):
+    """The mask-aware activation cache's metrics (argus/worker/edit_cache.py): the store's
+    events (it calls these under its lock; each only touches a metric) and the cache's."""
+
+    def __init__(self, reg: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "argus_worker_edit_cache_requests",
+            "Inpainting edits that could use the activation cache, by outcome (hit: replayed "
+            "their template's record; miss: none, the run recorded one; evicted: a record was "
+            "there when the edit was queued and gone when it ran, so it ran in full)",
+            ["outcome"],
+            registry=reg,
+        )
+        self.lookups = Counter(
+            "argus_worker_edit_cache_lookups",
+            "Record lookups by the tier that answered (host, disk) or miss",
+            ["tier"],
+            registry=reg,
+        )
+        self.evictions = Counter(
+            "argus_worker_edit_cache_evictions",
+            "Records pushed out of a tier by its byte bound (host: demoted to disk or dropped; "
+            "disk: deleted)",
+            ["tier"],
+            registry=reg,
+        )
+        self.bytes = Gauge(
+            "argus_worker_edit_cache_bytes",
+            "Bytes of records held, by tier",
+            ["tier"],
+            registry=reg,
+        )
+        self.load_seconds = Histogram(
+            "argus_worker_edit_cache_load_seconds",
+            "Time to read one template's record from a tier into host memory",
+            ["tier"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+            registry=reg,
+        )
+        self.record_bytes = Histogram(
+            "argus_worker_edit_cache_record_bytes",
+            "Bytes of one template's recorded activations",
+            buckets=tuple(2.0**k for k in range(16, 36, 2)),  # 64 KiB to 16 GiB
+            registry=reg,
+        )
+        self.dropped = Counter(
+            "argus_worker_edit_cache_dropped",
+            "Records kept in no tier (larger than both bounds, or a failed disk write)",
+            registry=reg,
+        )
+
+    def on_outcome(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def on_record(self, nbytes: int) -> None:
+        self.record_bytes.observe(nbytes)
+
+    def on_hit(self, tier: Tier, nbytes: int) -> None:
+        self.lookups.labels(tier).inc()
+
+    def on_miss(self) -> None:
+        self.lookups.labels("miss").inc()
+
+    def on_evict(self, tier: Tier, nbytes: int) -> None:
+        self.evictions.labels(tier).inc()
+
+    def on_load(self, tier: Tier, seconds: float, nbytes: int) -> None:
+        self.load_seconds.labels(tier).observe(seconds)
+
+    def on_bytes(self, tier: Tier, nbytes: int) -> None:
+        self.bytes.labels(tier).set(nbytes)
+
+    def on_drop(self, nbytes: int) -> None:
+        self.dropped.inc()

@@ -355,11 +355,8 @@ class DiffusionModel:
         scheduler.set_timesteps(spec.steps, device=self.device)
         template = self.encode_image(edit.rgb)
         noise = self.seed_noise(spec)
-        region = None
-        if edit.region is not None:
-            f = self.vae_scale_factor
-            pixels = torch.from_numpy(np.array(edit.region)).to(torch.float32)[None, None]
-            region = torch.nn.functional.max_pool2d(pixels, f)
+        region = self.edit_region(spec)
+        if region is not None:
             own = self.seed_noise(replace(spec, seed=edit.template_seed))
             noise = region * noise + (1.0 - region) * own
             region = region.to(self.device, self.dtype)
@@ -372,6 +369,16 @@ class DiffusionModel:
             t = scheduler.timesteps[start * order : start * order + 1]
             latents = scheduler.add_noise(template, noise, t)
         return EditStart(latents, template, noise, region, scheduler)
+
+    def edit_region(self, spec: GenerationSpec) -> torch.Tensor | None:
+        """An inpainting edit's region at latent resolution (1×1×h×w, float32 on the CPU, 1
+        where edited): a latent pixel is edited when any of its pixels is. None for img2img
+        and generations."""
+        if spec.edit is None or spec.edit.region is None:
+            return None
+        f = self.vae_scale_factor
+        pixels = torch.from_numpy(np.array(spec.edit.region)).to(torch.float32)[None, None]
+        return torch.nn.functional.max_pool2d(pixels, f)
 
     def encode(self, spec: GenerationSpec) -> Conditioning:
         scale = spec.guidance_scale or self.default_guidance

@@ -149,6 +149,7 @@ class ModelRegistry:
         self._target: str | None = None  # the model the last activate() asked for
         self._last_load: tuple[str, dict[str, float]] = ("", {})  # model, part -> seconds
         self._uses = 0  # the LRU clock: bumped by every activation and use
+        self._outside: Callable[[], int] = lambda: 0  # bytes held beside the models
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
 
@@ -177,10 +178,18 @@ class ModelRegistry:
         with self._lock:
             return self._resident_bytes()
 
+    def count_outside(self, held: Callable[[], int]) -> None:
+        """Count ``held()`` bytes, which the worker keeps outside its models in the memory
+        this budget guards (the edit activation cache's host tier on a CPU device), as used:
+        a load must fit beside them, and :meth:`used_bytes` reports them."""
+        with self._lock:
+            self._outside = held
+
     def _resident_bytes(self) -> int:
-        """Resident parts, each once, plus the parts being loaded (lock held)."""
+        """Resident parts, each once, plus the parts being loaded and the bytes held outside
+        the models (lock held)."""
         loading = sum(e.pending for e in self._entries.values() if e.state is LoadState.LOADING)
-        return self._parts.bytes() + loading
+        return self._parts.bytes() + loading + self._outside()
 
     def infos(self) -> list[ModelInfo]:
         with self._lock:
