@@ -23,10 +23,10 @@ from prometheus_client import CollectorRegistry
 from argus.contracts.generate import CacheOutcome, GenerateCall, Progress, Stage
 from argus.embedding import PromptEmbedder
 from argus.profiles import default_profiles
-from argus.request_limits import ImageLimits, InvalidRequestError, check_edit
+from argus.request_limits import EditInput, ImageLimits, InvalidRequestError, check_edit
 from argus.worker.cache import ApproximateCache, EdgeVectorIndex, LatentStore
 from argus.worker.engine import Worker
-from argus.worker.pipelines import Cancelled, CancelToken, GenerationSpec
+from argus.worker.pipelines import Cancelled, CancelToken, GenerationSpec, paste_unmasked
 from tests.editing_factories import (
     SIZE,
     STEPS,
@@ -145,6 +145,21 @@ def test_every_edit_of_a_template_sees_the_same_unmasked_latents_whatever_its_se
     for one, other in zip(inputs[3], inputs[4], strict=True):
         assert torch.equal(one[keep], other[keep])
         assert not torch.equal(one[~keep], other[~keep])
+
+
+def test_a_mask_over_nothing_gives_the_template_back() -> None:
+    """Mask ratio 0 (the API refuses it as nothing to edit; the model path still holds): every
+    step puts the template back, so the last latent is the template's and the answer its
+    pixels."""
+    model = tiny_model("sd-1.5")
+    edit_input = EditInput(template_rgb(), np.zeros((SIZE, SIZE), dtype=bool), 1.0)
+    spec = GenerationSpec(PROMPT, seed=2, steps=STEPS, edit=edit_input)
+    result = model.denoise(spec)
+    with model.lock, torch.inference_mode():
+        start = model.start_edit(spec)
+    assert torch.equal(result.latents, start.template)
+    image = paste_unmasked(model.decode(result.latents), edit_input)
+    assert np.array_equal(np.asarray(image.convert("RGB")), template_rgb())
 
 
 def test_the_images_own_alpha_is_the_mask_when_none_is_sent(worker: Worker) -> None:
