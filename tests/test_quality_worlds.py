@@ -247,6 +247,8 @@ def test_evaluate_in_the_uniform_world(capsys, tmp_path):
     assert "quality model: SYNTHETIC uniform" in out
     document = json.loads((tmp_path / "summary.json").read_text())
     assert "uniform" in document["quality"] and "SYNTHETIC" in document["quality"]
+    assert document["quality_world"] == "uniform" and document["quality_notes"] == []
+    assert "(PartiPrompts)" in document["prompts"] and "fastest AC level" in document["capacity"]
     with (tmp_path / "runs.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 2 * 3  # seeds x (argus, pac, argus-oracle)
 
@@ -266,6 +268,9 @@ def test_evaluate_in_the_genai_bench_world(capsys, tmp_path):
     document = json.loads((tmp_path / "summary.json").read_text())
     assert document["capacity_qpm"] == pytest.approx(2 * turbo)  # the fastest SM level
     assert GENAI_LABEL in document["quality"] and "1-5 scale" in document["quality"]
+    assert document["quality_world"] == "genai-bench"
+    assert "(GenAI-Bench)" in document["prompts"] and "fastest SM level" in document["capacity"]
+    assert document["quality_notes"] == ["classifier 'oracle' given: no predictability measured"]
     assert (tmp_path / "quality_world.txt").is_file()
 
 

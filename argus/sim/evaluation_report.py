@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from argus.sim.evaluate import Evaluation, RunRow
+from argus.sim.evaluate import Evaluation, EvaluationConfig, RunRow
 from argus.sim.evaluation_plots import plot_metric
 from argus.sim.intervals import METRICS, Aggregate, Interval, Paired, aggregate, paired
 from argus.sim.report import is_synthetic
@@ -61,7 +61,8 @@ def describe(evaluation: Evaluation) -> dict[str, Any]:
         "title": "argus evaluate: load sweep (Argus §5.3, Fig. 17)",
         "capacity_qpm": evaluation.capacity_qpm,
         "capacity": (
-            "sum over workers of the fastest AC level's throughput on the worker's class, "
+            f"sum over workers of the fastest {_capacity_strategy(config)} level's throughput on "
+            "the worker's class, "
             "planning profiles" + ("" if config.adapters == "none" else " with adapters")
         ),
         "gpus": ",".join(f"{c}={n}" for c, n in evaluation.gpu_counts),
@@ -77,8 +78,10 @@ def describe(evaluation: Evaluation) -> dict[str, Any]:
             "running sum; each minute thinned to a random subset or filled with copies placed "
             "between an arrival and the next (seeded)"
         ),
-        "prompts": f"eval set of argus.prompt_split ({config.prompts_path or 'PartiPrompts'})",
+        "prompts": f"eval set of argus.prompt_split ({_prompt_source(config)})",
+        "quality_world": config.quality,
         "quality": evaluation.quality_source,
+        "quality_notes": list(evaluation.quality_notes),
         "classifier": evaluation.classifier_label,
         "adapters": config.adapters,
         "admission": config.admission,
@@ -155,6 +158,16 @@ def _write_paired(comparisons: Sequence[Paired], path: Path) -> None:
 
 def _num(value: float) -> str:
     return "" if not math.isfinite(value) else f"{value:.6g}"
+
+
+def _capacity_strategy(config: EvaluationConfig) -> str:
+    return "SM" if config.quality == "genai-bench" else "AC"  # genai-bench has no AC level
+
+
+def _prompt_source(config: EvaluationConfig) -> str:
+    if config.quality == "genai-bench":
+        return "GenAI-Bench"
+    return str(config.prompts_path or "PartiPrompts")
 
 
 def format_evaluation(evaluation: Evaluation) -> str:
