@@ -166,10 +166,10 @@ def _class_switch_cost(problem: Problem, c: str, on_model: Counter[str]) -> floa
     part = {m: problem.family_load_cost(c, m) for m in loads}
     if all(part[m] >= full[m] for m in loads):  # no cheaper move: waive the costliest loads
         total = 0.0
-        for cost, count in sorted(((full[m], n) for m, n in loads.items()), reverse=True):
-            waived = min(free, count)
-            free -= waived
-            total += cost * (count - waived)
+        for price, count in sorted(((full[m], n) for m, n in loads.items()), reverse=True):
+            spared = min(free, count)
+            free -= spared
+            total += price * (count - spared)
         return total
 
     def cost(waived: Counter[str]) -> float:
