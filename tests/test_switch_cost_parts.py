@@ -85,15 +85,23 @@ def test_the_rounded_switching_cost_charges_the_unet_within_a_family() -> None:
         priced.family_load_cost("a100", "sd-1.4") + priced.load_cost("a100", "tiny-sd"),
     )
     assert rounded_switch_cost(problem(PROFILES, live), grown) == pytest.approx(expected)
+    # an idle worker is placed free, as the family's whole load; the other move is a UNet
+    live = (*on("sm-sd-1.5"), WorkerState("idle", "a100"))
+    both = counts("sm-sd-1.4", "sm-sd-1.4")
+    placed = problem(PROFILES, live)
+    assert rounded_switch_cost(placed, both) == pytest.approx(
+        placed.family_load_cost("a100", "sd-1.4")
+    )
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_the_counting_program_prices_moves_as_the_per_worker_program(seed: int) -> None:
     """Eq. 1 counting workers (with the family rows) and the literal per-worker program (each
     worker priced by what it holds) reach the same optimum on the parted default profile."""
     rng = random.Random(3500 + seed)
     names = [lv.name for lv in SM]
-    live = tuple(WorkerState(f"w{i}", "a100", True, rng.choice(names)) for i in range(7))
+    held = [*names, None]  # None: an idle worker, placed free
+    live = tuple(WorkerState(f"w{i}", "a100", True, rng.choice(held)) for i in range(7))
     view = ClusterView(live)
     load = rng.uniform(0.3, 1.3) * 7 * 60.0 / 2.18
     weight = rng.uniform(2.0, 20.0)
