@@ -366,11 +366,19 @@ def test_a_background_load_begun_again_serves_only_after_its_own_load_time():
 
 
 def test_every_policy_pays_the_profiles_load_time_for_each_model_it_loads():
-    """One physics for every policy: each load it completes costs the level's load_time_s, the
-    first loads and the reloads after a GPU failure included (Clipper's and NIRVANA's only
-    ones); a policy that stops while loading counts the load as busy GPU time."""
+    """One physics for every policy: each load it completes costs the profile's time for what
+    it loads (the level's load_time_s, or within a family its UNet's share of it), the first
+    loads and the reloads after a GPU failure included (Clipper's and NIRVANA's only ones); a
+    policy that stops while loading counts the load as busy GPU time."""
     workload = poisson(mean_qpm=150.0, duration_min=4, seed=5)
-    times = {p.load_time_s for p in PROFILES.table.values()}
+    models = [None, *{lv.model for lv in PROFILES.levels}]
+    times = {
+        PROFILES.switch_load_s(c, lv.name, held)
+        for c in PROFILES.worker_classes
+        for lv in PROFILES.levels
+        for held in models
+        if held != lv.model
+    }
     for name in POLICIES:
         policy = make_policy(name)
         result = simulate(workload, policy, faults=(GpuFailure(60.0, 120.0, 2),))
