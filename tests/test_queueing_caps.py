@@ -235,5 +235,8 @@ def test_the_choices_are_the_enums_and_make_policy_sets_them():
     assert isinstance(paper, PlannedPolicy)  # the paper's prototype stays AC-first
     assert paper.config.control.strategy_choice is StrategyChoice.AC_FIRST
     assert paper.config.control.caps is CapSource.MEASURED
+    # the simulated policies plan with measured caps, the live allocator's default is analytic
+    assert {c.control.caps for c in PLANNED.values()} == {CapSource.MEASURED}
+    assert ControlConfig().caps is CapSource.ANALYTIC
     own = make_policy("pac")
     assert isinstance(own, PlannedPolicy) and own.config.control == PLANNED["pac"].control

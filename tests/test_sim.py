@@ -684,7 +684,7 @@ def test_the_simulation_runs_the_allocators_and_the_routers_own_code(monkeypatch
     assert calls["RouterPolicy.route"] == before.requests - before.refused_early
     assert calls["PlanRouter.route"] == calls["RouterPolicy.route"]
 
-    monkeypatch.setattr(QueueModel, "max_utilisation", lambda self, service_s, servers: 0.25)
+    monkeypatch.setattr(QueueModel, "cap", lambda self, g, level, service_s, servers: 0.25)
     squeezed = summarise(simulate(light, "argus"))  # caps a quarter: faster levels planned
     assert squeezed.effective_quality < before.effective_quality
 
@@ -713,6 +713,7 @@ def test_a_workers_view_follows_its_queue_level_and_liveness() -> None:
 def test_planned_heartbeats_carry_each_workers_latest_state() -> None:
     """A heartbeat is sent again as it was only while the worker's state is unchanged."""
     from argus.sim.cluster import SimContext
+    from argus.sim.service_times import SimServiceSpread
 
     workload = poisson(mean_qpm=40.0, duration_min=1, seed=1)
     policy = make_policy("pac")
@@ -726,6 +727,7 @@ def test_planned_heartbeats_carry_each_workers_latest_state() -> None:
             np.random.default_rng(0),
             lambda now: 0.05,
             30.0,
+            service_spread=SimServiceSpread.of(PROFILES, 0.0, None),
         )
     )
     assert isinstance(policy, PlannedPolicy)

@@ -114,7 +114,9 @@ class ControlConfig:
     """Where the queue model's utilisation caps come from: ``analytic`` (Allen–Cunneen over
     Erlang C) or ``measured`` (the simulated queue with :attr:`service_spread`'s service
     times, :func:`argus.allocator.queueing.measured_caps`; ``benchmarks/queueing_caps.py``
-    prints both tables)."""
+    prints both tables). Analytic here, for the live allocator, which has no spread to
+    simulate; the simulator's planned policies plan with measured caps
+    (:func:`argus.sim.planned.planned_policies` says why)."""
 
     service_spread: ServiceSpread | None = field(default=None, compare=False)
     """The service-time distribution measured caps simulate (the simulator gives its own);

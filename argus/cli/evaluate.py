@@ -104,7 +104,7 @@ class EvaluateCommand:
         parser.add_argument(
             "--caps",
             choices=defaults.CAPS,
-            help="queueing caps of the planned policies (default: analytic)",
+            help="queueing caps of the planned policies (default: theirs, measured)",
         )
         parser.add_argument(
             "--strategy-choice",
