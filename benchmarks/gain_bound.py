@@ -88,6 +88,9 @@ GPU = "a100"
 ADAPTERS = "katz"  # argus evaluate's default
 JITTER = 0.05  # the simulator's
 MAX_EXACT_GPUS = 16
+BASELINES = ("pac", "proteus", "sommelier")  # issue 30's acceptance compares Argus with these
+CLEAR_ORACLE_GAIN = 0.1  # "oracle − PAC clearly above zero": its interval's low end above this
+KEPT_TARGET = 0.9  # share of the oracle's gain Argus must keep there
 CAP_SOURCES = ("analytic", "measured", "uncapped")  # the allocator's default first
 DEFAULT_LOADS = tuple(round(0.3 + 0.05 * i, 2) for i in range(15))  # 0.3 … 1.0
 Caps = dict[tuple[int, int], float]  # (level index, pool size) -> utilisation cap
@@ -361,6 +364,7 @@ class MeasuredRow:
     argus_sommelier: Interval
     violations: Mapping[str, float]  # mean SLO violation ratio per policy
     pac_quality: float
+    violation_diffs: Mapping[str, Interval]  # argus − baseline, SLO violation ratio, paired
 
 
 def measured_rows(out_dir: Path) -> list[MeasuredRow]:
@@ -383,11 +387,19 @@ def _quality(row: Mapping[str, str]) -> float:
     return float(row["effective_quality"]) if int(row["quality_n"]) > 0 else math.nan
 
 
-def _diff(policies: Mapping[str, Mapping[int, Mapping[str, str]]], a: str, b: str) -> Interval:
+def _diff(
+    policies: Mapping[str, Mapping[int, Mapping[str, str]]],
+    a: str,
+    b: str,
+    metric: str = "effective_quality",
+) -> Interval:
+    """``a`` − ``b`` on ``metric``, paired over the seeds both ran."""
     left, right = policies.get(a, {}), policies.get(b, {})
-    return mean_interval(
-        _quality(left[s]) - _quality(right[s]) for s in sorted(set(left) & set(right))
-    )
+
+    def value(row: Mapping[str, str]) -> float:
+        return _quality(row) if metric == "effective_quality" else float(row[metric])
+
+    return mean_interval(value(left[s]) - value(right[s]) for s in sorted(set(left) & set(right)))
 
 
 def _measured_at(
@@ -416,6 +428,9 @@ def _measured_at(
             for name, runs in policies.items()
         },
         pac_quality=float(np.nanmean([_quality(r) for r in pac.values()])) if pac else math.nan,
+        violation_diffs={
+            name: _diff(policies, "argus", name, "slo_violation_ratio") for name in BASELINES
+        },
     )
 
 
@@ -493,6 +508,86 @@ def print_measured(
         )
 
 
+def _below(interval: Interval) -> bool:
+    """The whole interval below zero (one seed: a negative difference)."""
+    if interval.n == 0 or not math.isfinite(interval.mean):
+        return False
+    return interval.mean < 0.0 if interval.n == 1 else interval.hi < 0.0
+
+
+def _above(interval: Interval) -> bool:
+    """The whole interval above zero (one seed: a positive difference)."""
+    if interval.n == 0 or not math.isfinite(interval.mean):
+        return False
+    return interval.mean > 0.0 if interval.n == 1 else interval.lo > 0.0
+
+
+def acceptance(measured: Sequence[MeasuredRow], uniform: bool) -> list[str]:
+    """Issue 30's acceptance statements checked at every load of ``measured``: one line per
+    failure (empty when every statement holds). Argus's quality below a baseline's by more than
+    the interval: Argus − baseline's paired interval entirely below zero; violations above
+    theirs: the paired difference of violation ratios entirely above zero; where oracle − PAC's
+    interval starts above :data:`CLEAR_ORACLE_GAIN`, Argus − PAC's must be above zero and Argus
+    keep :data:`KEPT_TARGET` of the oracle's gain; ``uniform``: Argus − PAC contains zero."""
+    failures = []
+    for m in measured:
+        at = f"{m.load:g}"
+        diffs = {"pac": m.argus_pac, "proteus": m.argus_proteus, "sommelier": m.argus_sommelier}
+        for name, diff in diffs.items():
+            if _below(diff):
+                failures.append(f"{at}: quality below {name}: {format_interval(diff)}")
+            viol = m.violation_diffs.get(name)
+            if viol is not None and _above(viol):
+                failures.append(
+                    f"{at}: violations above {name}: {format_interval(viol, 4)} "
+                    f"({100 * m.violations['argus']:.1f}% vs {100 * m.violations[name]:.1f}%)"
+                )
+        if m.oracle_pac.n > 1 and m.oracle_pac.lo > CLEAR_ORACLE_GAIN:
+            if not _above(m.argus_pac):
+                failures.append(
+                    f"{at}: oracle gains {format_interval(m.oracle_pac)}, argus − pac "
+                    f"{format_interval(m.argus_pac)} not above zero"
+                )
+            if not m.kept >= KEPT_TARGET:
+                failures.append(f"{at}: kept {100 * m.kept:.0f}% of the oracle's gain (< 90%)")
+        if uniform and (_above(m.argus_pac) or _below(m.argus_pac)):
+            failures.append(f"{at}: uniform, argus − pac {format_interval(m.argus_pac)} excludes 0")
+    return failures
+
+
+def markdown_rows(
+    measured: Sequence[MeasuredRow], bounds: Sequence[BoundRow], loads: Sequence[float]
+) -> list[str]:
+    """The README's table at ``loads``: measured and bound side by side."""
+    by_key = {(r.caps, round(r.load, 6)): r for r in bounds}
+    lines = [
+        "| load × capacity | n | argus − pac [95%] | oracle − pac [95%] | kept | "
+        "bound: analytic / measured / no caps | argus − proteus [95%] | "
+        "violations: argus / pac / proteus / sommelier |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    wanted = {round(x, 6) for x in loads}
+    for m in measured:
+        key = round(m.load, 6)
+        if key not in wanted:
+            continue
+        bound = " / ".join(
+            _num(by_key[c, key].gain, 3, sign=True) if (c, key) in by_key else "-"
+            for c in CAP_SOURCES
+        )
+        kept = f"{100 * m.kept:.0f}%" if math.isfinite(m.kept) else "-"
+        viol = " / ".join(
+            f"{100 * m.violations[p]:.1f}%" if p in m.violations else "-"
+            for p in ("argus", *BASELINES)
+        )
+        lines.append(
+            f"| {m.load:g} | {m.requests:,.0f} | {format_interval(m.argus_pac)} | "
+            f"{format_interval(m.oracle_pac)} | {kept} | {bound} | "
+            f"{format_interval(m.argus_proteus)} | {viol} |"
+        )
+    return lines
+
+
 def run_evaluate(world: str, out_dir: Path, seeds: int, loads: Sequence[float]) -> None:
     """``argus evaluate --quality WORLD --loads … --seeds N --out out_dir`` in this process."""
     from argus.sim.evaluate import EvaluationConfig, LoadPoint, evaluate
@@ -528,6 +623,11 @@ def main() -> None:
     )
     parser.add_argument("--run", metavar="DIR", help="run argus evaluate into DIR/WORLD first")
     parser.add_argument("--seeds", type=int, default=5, help="paired seeds of --run (default 5)")
+    parser.add_argument(
+        "--markdown",
+        metavar="LOADS",
+        help="also print the measured and bound figures at LOADS as a Markdown table",
+    )
     args = parser.parse_args()
     if not 1 <= args.gpus <= MAX_EXACT_GPUS:
         parser.error(f"--gpus: 1 to {MAX_EXACT_GPUS}")
@@ -563,7 +663,19 @@ def main() -> None:
                 f"-- measured: {measured_dirs[world]} (paired over seeds; quality of the "
                 "requests that met the SLO)"
             )
-            print_measured(measured_rows(measured_dirs[world]), rows, loads)
+            measured = measured_rows(measured_dirs[world])
+            print_measured(measured, rows, loads)
+            uniform = QualityWorld(world) is QualityWorld.UNIFORM
+            failures = acceptance(measured, uniform)
+            print(
+                f"-- issue 30's acceptance at every load of {measured_dirs[world]} "
+                f"({len(measured)} loads): " + ("holds" if not failures else "fails at")
+            )
+            for line in failures:
+                print(f"   {line}")
+            if args.markdown:
+                table_loads = [float(x) for x in args.markdown.split(",")]
+                print("\n".join(markdown_rows(measured, rows, table_loads)))
     print(
         "\nload: × the capacity; gain: exact per-class optimum − agnostic one, quality units; "
         "bound a/m/u: that gain under analytic, measured and no caps; -: the load does not "

@@ -135,3 +135,23 @@ def test_kept_only_where_the_oracle_gains(gain_bound: Any, tmp_path: Path) -> No
     assert math.isnan(row.kept)
     assert math.isnan(row.argus_proteus.mean)
     assert gain_bound.format_interval(row.argus_proteus) == "-"
+
+
+def test_acceptance_names_each_failure(gain_bound: Any, tmp_path: Path) -> None:
+    rows = []
+    for seed in range(3):
+        jitter = 0.01 * (seed - 1)
+        rows += [
+            (0.5, seed, "pac", 18.0 + seed),
+            (0.5, seed, "argus", 18.1 + seed + jitter),  # above PAC
+            (0.5, seed, "argus-oracle", 18.5 + seed + jitter),  # clear gain, 20% kept
+            (0.5, seed, "proteus", 18.5 + seed + jitter),  # Argus clearly below Proteus
+            (0.5, seed, "sommelier", 18.1 + seed - jitter),  # within the interval
+        ]
+    _write_runs(tmp_path, rows)
+    measured = gain_bound.measured_rows(tmp_path)
+    failures = gain_bound.acceptance(measured, uniform=False)
+    assert any("quality below proteus" in line for line in failures)
+    assert any("kept 20%" in line for line in failures)
+    assert not any("sommelier" in line or "pac:" in line for line in failures)
+    assert any("excludes 0" in line for line in gain_bound.acceptance(measured, uniform=True))
