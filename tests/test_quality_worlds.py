@@ -293,3 +293,23 @@ def test_replay_in_the_genai_bench_world(capsys, tmp_path):
     code = main(["replay", "--quiet", "--quality", "genai-bench", "--policies", "nirvana"])
     assert code == 2
     assert "nirvana serves AC levels only" in capsys.readouterr().err
+
+
+def test_in_the_uniform_world_the_trained_classifiers_classes_all_degrade_alike():
+    """The committed classifier plans the uniform world with Q(v | c) measured on that world's
+    CALIBRATION tables: every class loses the same at each level (the synthetic world's Q, where
+    classes differ, made Argus lose to PAC there by the mismatch alone)."""
+    from argus.sim.evaluate import _classifier
+
+    artifact = _classifier("default")._load()
+    uniform = _classifier("default", "uniform", PROFILES)
+    assert "uniform world" in uniform.label
+    for strategy, q in uniform.class_quality().items():
+        rows = [row for row, share in zip(q.quality, q.prior, strict=True) if share > 0]
+        assert len(rows) > 1
+        drops = np.array([[row[0] - value for value in row] for row in rows])
+        assert np.allclose(drops, drops[0], atol=1e-9)
+        other = artifact.class_quality(strategy)
+        seen = [row for row, share in zip(other.quality, other.prior, strict=True) if share > 0]
+        synthetic_drops = np.array([[row[0] - value for value in row] for row in seen])
+        assert not np.allclose(synthetic_drops, synthetic_drops[0], atol=1e-3)

@@ -19,7 +19,8 @@ it on the replay's own table, which is what makes them upper bounds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import copy
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -198,6 +199,37 @@ class TrainedClassifier:
         self._models: ClassifierSet | None = None
         self.progress: Callable[[int, int], None] | None = None  # (done, total) embedding
         self._cache = predictions
+        self._calibration: Mapping[Strategy, QualityTable] | None = None
+        self._calibration_source = ""
+
+    def calibrated_on(
+        self, tables: Mapping[Strategy, QualityTable], source: str
+    ) -> TrainedClassifier:
+        """This classifier with Q(v | c) measured on ``tables`` (calibration prompts scored in
+        another quality world) instead of the artifact's own: the same models and predictions,
+        a planner that believes what that world says of each class. ``source`` names the
+        tables in the label."""
+        twin = copy.copy(self)
+        twin._calibration = dict(tables)
+        twin._calibration_source = source
+        twin.label = f"{self.label}; Q(v | c) measured on {source}"
+        return twin
+
+    def _predict(self, strategy: Strategy, texts: Sequence[str]) -> list[tuple[int, int]]:
+        """(level, class) of each text for ``strategy``, running the encoder once for the texts
+        not predicted before in this process."""
+        from argus.classifier.embedding_cache import EmbeddingCache
+        from argus.classifier.prompts import clean_prompt
+
+        todo = sorted({t for t in texts if t not in self._cache[strategy]})
+        if todo:
+            inferred = self._load().infer_cleaned(
+                [clean_prompt(t) for t in todo], cache=EmbeddingCache(), progress=self.progress
+            )
+            for s, result in inferred.items():
+                pairs = zip(result.levels.tolist(), result.classes.tolist(), strict=True)
+                self._cache[s].update(zip(todo, pairs, strict=True))
+        return [self._cache[strategy][t] for t in texts]
 
     def prepare(self, quality: Mapping[Strategy, QualityTable]) -> None:
         """Check the labels against the tables and load the models; ValueError names why."""
@@ -222,33 +254,16 @@ class TrainedClassifier:
         """Predict levels and classes of every unique prompt of the replay not seen before
         in this process, embedding through the on-disk cache (a prompt is embedded once per
         machine, not once per replay); ``progress`` reports the embedding."""
-        from argus.classifier.embedding_cache import EmbeddingCache
-        from argus.classifier.prompts import clean_prompt
-
         self.prepare(ctx.quality)
         self._ctx = ctx
         rows = np.unique(ctx.prompt_rows).tolist()
         texts = {s: [table.prompts[r] for r in rows] for s, table in ctx.quality.items()}
-        todo = sorted({t for s, ts in texts.items() for t in ts if t not in self._cache[s]})
-        if todo:  # one batched pass for every strategy (the encoder runs once per prompt)
-            inferred = self._load().infer_cleaned(
-                [clean_prompt(t) for t in todo],
-                cache=EmbeddingCache(),
-                progress=self.progress,
-            )
-            for strategy in texts:
-                pairs = zip(
-                    inferred[strategy].levels.tolist(),
-                    inferred[strategy].classes.tolist(),
-                    strict=True,
-                )
-                self._cache[strategy].update(zip(todo, pairs, strict=True))
         self._levels: dict[Strategy, IntArray] = {}
         self._classes: dict[Strategy, IntArray] = {}
         for strategy, table in ctx.quality.items():
             levels = np.zeros(len(table.prompts), dtype=np.int64)
             classes = np.zeros(len(table.prompts), dtype=np.int64)
-            predicted = [self._cache[strategy][t] for t in texts[strategy]]
+            predicted = self._predict(strategy, texts[strategy])
             levels[rows] = [level for level, _ in predicted]
             classes[rows] = [klass for _, klass in predicted]
             self._levels[strategy] = levels
@@ -268,9 +283,19 @@ class TrainedClassifier:
         return self._class_of_request[strategy][request]
 
     def class_quality(self) -> Mapping[Strategy, ClassQuality]:
-        """Q(v | c) from the artifact's calibration prompts; an artifact without a
-        calibration has classes = levels, measured on the replay (labelled so)."""
+        """Q(v | c) from the artifact's calibration prompts (or the tables of
+        :meth:`calibrated_on`); an artifact without a calibration has classes = levels,
+        measured on the replay (labelled so)."""
         models = self._load()
+        if self._calibration is not None:
+            measured = {}
+            for s, table in self._calibration.items():
+                predicted = self._predict(s, table.prompts)
+                classes = np.array([klass for _, klass in predicted], dtype=np.int64)
+                measured[s] = measured_class_quality(
+                    table, classes, f"{self.label}, measured on {self._calibration_source}"
+                )
+            return measured
         return {
             s: models.class_quality(s)
             if models.has_classes(s)

@@ -304,16 +304,51 @@ _CLASSIFIERS: dict[str, Any] = {}  # make_classifier(spec) per process: load a m
 _GENAI: dict[str, Any] = {}  # the genai-bench world's trained classifier, once per process
 
 
-def _classifier(spec: str, quality: str = QualityWorld.SYNTHETIC.value) -> Any:
+def _classifier(
+    spec: str, quality: str = QualityWorld.SYNTHETIC.value, profiles: ProfileSet | None = None
+) -> Any:
     """``make_classifier(spec)``; in the genai-bench world ``default`` is the classifier
     trained on GenAI-Bench's TRAIN prompts (:func:`genai_classifier`)."""
     from argus.sim.classifiers import make_classifier
 
-    if spec.strip() == "default" and parse_world(quality) is QualityWorld.GENAI_BENCH:
+    world = parse_world(quality)
+    if spec.strip() == "default" and world is QualityWorld.GENAI_BENCH:
         return genai_classifier().classifier
     if spec not in _CLASSIFIERS:
         _CLASSIFIERS[spec] = make_classifier(spec)
+    if world is QualityWorld.UNIFORM:
+        return _uniform_calibrated(spec, _CLASSIFIERS[spec], profiles)
     return _CLASSIFIERS[spec]
+
+
+UNIFORM_CALIBRATION_SEED = 0  # the committed classifier's own calibration tables' seed
+
+
+def _uniform_calibrated(spec: str, classifier: Any, profiles: ProfileSet | None) -> Any:
+    """A trained classifier whose Q(v | c) is measured in the uniform world, on the uniform
+    tables of the CALIBRATION prompts (seed :data:`UNIFORM_CALIBRATION_SEED`): the planner
+    must believe what the world it plans in says of each class, or a world with no per-prompt
+    signal would be planned with the synthetic world's, and Argus would lose to PAC by the
+    mismatch alone (measured: −0.013 at 0.3 × capacity). Oracles measure Q on the replay and
+    need nothing."""
+    from argus.profiles import default_profiles
+    from argus.sim.classifiers import TrainedClassifier
+    from argus.sim.workloads import _default_prompts
+
+    if not isinstance(classifier, TrainedClassifier):
+        return classifier
+    key = f"{spec}@uniform"
+    if key not in _CLASSIFIERS:
+        calibration = select(_default_prompts(), PromptSet.CALIBRATION)
+        tables = world_quality_tables(
+            QualityWorld.UNIFORM,
+            profiles or default_profiles(),
+            calibration,
+            UNIFORM_CALIBRATION_SEED,
+        )
+        source = f"the uniform world's tables of {len(calibration)} CALIBRATION prompts"
+        _CLASSIFIERS[key] = classifier.calibrated_on(tables, source)
+    return _CLASSIFIERS[key]
 
 
 def genai_classifier() -> Any:
@@ -361,7 +396,7 @@ def run_point(
     )
     sim = Simulation(profiles, tables, workload, sim_config)
     if classifier is None:
-        classifier = _classifier(config.classifier, config.quality)
+        classifier = _classifier(config.classifier, config.quality, profiles)
     rows = []
     for name in config.run_names():
         if name == ORACLE_POLICY:
@@ -470,7 +505,7 @@ def check_inputs(config: EvaluationConfig) -> tuple[ProfileSet, float, str]:
             )
     for name in config.policies:
         make_policy(name)  # unknown names fail here, quoted
-    classifier = _classifier(config.classifier, config.quality)
+    classifier = _classifier(config.classifier, config.quality, profiles)
     plan = planning_profiles(profiles, config.adapters)
     capacity = cluster_capacity_qpm(plan, counts, capacity_strategy(profiles))
     prompts = eval_prompts(config.prompts_path, config.quality)
