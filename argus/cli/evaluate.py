@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from argus import defaults
+from argus.cli.edit_evaluate import add_edit_arguments, run_edits
 from argus.cli.main import CLIError
 from argus.plumbing.quoting import quoted
 
@@ -101,6 +102,7 @@ class EvaluateCommand:
             help="queue every request instead of refusing what would miss its deadline",
         )
         add_quality_argument(parser)
+        add_edit_arguments(parser)  # --workload edits: argus/cli/edit_evaluate.py
         parser.add_argument(
             "--caps",
             choices=defaults.CAPS,
@@ -116,6 +118,8 @@ class EvaluateCommand:
         parser.add_argument("--quiet", action="store_true", help="no progress line")
 
     def run(self, args: argparse.Namespace) -> int:
+        if args.workload == "edits":
+            return run_edits(args)
         from argus.profiles import ProfileError
         from argus.profiles.quality_worlds import world_label
         from argus.sim.evaluate import EvaluationConfig, evaluate

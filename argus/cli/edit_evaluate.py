@@ -1,0 +1,103 @@
+"""``argus evaluate --workload edits``: the editing balancers on the SYNTHETIC editing workload
+(the method is in :mod:`argus.sim.edit_evaluate`). Kept apart from the text-to-image sweep:
+``argus evaluate`` hands over to :func:`run_edits` when ``--workload edits`` is given, and only
+the flags added by :func:`add_edit_arguments` and the shared ``--loads``, ``--seeds``,
+``--duration``, ``--gpus`` (a worker count), ``--out`` and ``--quiet`` apply."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from argus.cli.main import CLIError
+
+WORKLOADS = ("text-to-image", "edits")
+DEFAULT_EDIT_LOADS = "0.5,0.7,0.9"
+DEFAULT_BALANCERS = "mask-aware,least-requests,least-tokens,round-robin"
+
+
+def add_edit_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--workload``, ``--balancers``, ``--batch-bound``, ``--masks``, ``--t2i-share``."""
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default=WORKLOADS[0],
+        help="text-to-image (default: the policies' sweep) or edits (the edit balancers)",
+    )
+    parser.add_argument(
+        "--balancers",
+        default=DEFAULT_BALANCERS,
+        help=f"edits: comma-separated balancers (default {DEFAULT_BALANCERS})",
+    )
+    parser.add_argument(
+        "--batch-bound", type=int, default=None, help="edits: batch bound per worker (default 8)"
+    )
+    parser.add_argument(
+        "--masks",
+        choices=("production", "public"),
+        default="production",
+        help="edits: mask-ratio distribution, mean 0.11 (production) or 0.19 (public)",
+    )
+    parser.add_argument(
+        "--t2i-share",
+        type=float,
+        default=0.0,
+        help="edits: share of text-to-image requests in the mix (default 0)",
+    )
+
+
+def run_edits(args: argparse.Namespace) -> int:
+    """Run the edits sweep, write its files into ``--out`` and print the table."""
+    from argus.profiles.edit_cost import CostModelError
+    from argus.sim.edit_evaluate import (
+        EditEvaluationConfig,
+        evaluate_edits,
+        format_edit_evaluation,
+        write_edit_evaluation,
+    )
+    from argus.sim.edits import BATCH_BOUND
+
+    started = time.perf_counter()
+    try:
+        loads = tuple(float(x) for x in (args.loads or DEFAULT_EDIT_LOADS).split(",") if x.strip())
+        workers = int(args.gpus)
+        config = EditEvaluationConfig(
+            loads=loads,
+            balancers=tuple(b.strip() for b in args.balancers.split(",") if b.strip()),
+            seeds=args.seeds,
+            duration_min=args.duration,
+            workers=workers,
+            bound=args.batch_bound or BATCH_BOUND,
+            masks=args.masks,
+            text_to_image_share=args.t2i_share,
+        )
+        progress = None if args.quiet else _progress(time.perf_counter())
+        evaluation = evaluate_edits(config, progress)
+    except (ValueError, CostModelError) as exc:
+        raise CLIError(" ".join(str(exc).split())) from None
+    if not args.quiet:
+        sys.stderr.write("\n")
+    write_edit_evaluation(evaluation, args.out)
+    print(format_edit_evaluation(evaluation))
+    model = config.model
+    print(
+        f"\n{len(evaluation.rows)} runs ({len(loads)} loads × {len(config.balancers)} balancers "
+        f"× {config.seeds} seeds, {config.duration_min:g} min each) in "
+        f"{time.perf_counter() - started:.1f} s; {workers} workers, batch bound {config.bound}; "
+        f"capacity {evaluation.capacity_per_s:.3f} edits/s (hit rate {config.hit_rate():.3f}, "
+        f"mean ratio {config.mean_ratio():.3f}); cost model a={model.base_s:.4g} s, "
+        f"p={model.per_edit_s:.4g} s, c={model.per_mask_s:.4g} s a step, R²={model.r2:.4f} "
+        f"({model.source}); files in {args.out}/"
+    )
+    return 0
+
+
+def _progress(started: float) -> Callable[[int, int], None]:
+    def update(done: int, total: int) -> None:
+        elapsed = time.perf_counter() - started
+        sys.stderr.write(f"\revaluate edits: {done}/{total} (load, seed) points, {elapsed:.0f} s")
+        sys.stderr.flush()
+
+    return update
