@@ -452,6 +452,14 @@ def _pct(value: float, base: float) -> str:
     return f"{0.0 if abs(gain) < 0.05 else gain:+.1f}%"
 
 
+def _share(diff: float, base: float) -> str:
+    """``diff`` as a percentage of ``base``, signed."""
+    if not (math.isfinite(diff) and math.isfinite(base) and base):
+        return "-"
+    share = 100.0 * diff / base
+    return f"{0.0 if abs(share) < 0.05 else share:+.1f}%"
+
+
 def format_interval(interval: Interval, digits: int = 3) -> str:
     """``+m [lo, hi]``; ``-`` without values."""
     if interval.n == 0 or not math.isfinite(interval.mean):
@@ -561,7 +569,7 @@ def markdown_rows(
     """The README's table at ``loads``: measured and bound side by side."""
     by_key = {(r.caps, round(r.load, 6)): r for r in bounds}
     lines = [
-        "| load × capacity | n | argus − pac [95%] | oracle − pac [95%] | kept | "
+        "| load × capacity | n | argus − pac [95%] (of pac) | oracle − pac [95%] | kept | "
         "bound: analytic / measured / no caps | argus − proteus [95%] | "
         "violations: argus / pac / proteus / sommelier |",
         "|---|---|---|---|---|---|---|---|",
@@ -581,7 +589,8 @@ def markdown_rows(
             for p in ("argus", *BASELINES)
         )
         lines.append(
-            f"| {m.load:g} | {m.requests:,.0f} | {format_interval(m.argus_pac)} | "
+            f"| {m.load:g} | {m.requests:,.0f} | {format_interval(m.argus_pac)} "
+            f"({_share(m.argus_pac.mean, m.pac_quality)}) | "
             f"{format_interval(m.oracle_pac)} | {kept} | {bound} | "
             f"{format_interval(m.argus_proteus)} | {viol} |"
         )
