@@ -195,6 +195,8 @@ def test_mask_aware_prefers_the_template_holder_unless_its_queue_makes_it_later(
     holder = WorkerSnapshot(templates=frozenset({9}), bound=1)
     other = WorkerSnapshot(bound=1)
     assert MaskAwareBalancer(MODEL).choose(job, [other, holder]) == 1
+    blind = make_balancer("mask-only", MODEL)  # the ablation sees no records: a tie, first wins
+    assert blind.choose(job, [other, holder]) == 0
     assert LeastRequestsBalancer().choose(job, [other, holder]) == 0  # blind to the record
     busy_holder = WorkerSnapshot(
         running=(running(1.0, 50),),

@@ -29,7 +29,7 @@ def add_edit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--balancers",
         default=DEFAULT_BALANCERS,
-        help=f"edits: comma-separated balancers (default {DEFAULT_BALANCERS})",
+        help=f"edits: comma-separated balancers (default {DEFAULT_BALANCERS}; ablation: mask-only)",
     )
     parser.add_argument(
         "--batch-bound", type=int, default=None, help="edits: batch bound per worker (default 8)"

@@ -11,6 +11,10 @@ workers' states (pure; no grpc, no clock), so the simulator and the router run t
 * ``least-tokens``: least masked work running and waiting, Σ mask ratio × the latent's tokens
   (the token-granularity baseline: it counts an edit's region, not whether it will miss).
 * ``round-robin``: each worker in turn.
+* ``mask-only`` (an ablation, not in the default set): mask-aware's prediction with no
+  knowledge of the records: every waiting edit, the new one too, priced at its mask ratio, as
+  if every worker held every template. It separates what the cost model buys from what
+  sending a template to its holder buys.
 
 Ties go to the lowest index after a rotating start, so an idle cluster spreads its edits.
 :func:`make_balancer` picks one by name and rejects unknown names, quoting them.
@@ -26,6 +30,7 @@ from typing import Protocol
 from argus.profiles.edit_cost import EditCostModel
 
 BALANCERS = ("mask-aware", "least-requests", "least-tokens", "round-robin")
+ABLATIONS = ("mask-only",)  # mask-aware's cost model blind to the workers' records
 LATENT_TOKENS = 64 * 64  # a 512 × 512 image's latent; least-tokens scales by it
 
 
@@ -70,12 +75,15 @@ class EditBalancer(Protocol):
         ...
 
 
-def predict_finish_s(job: EditJob | None, worker: WorkerSnapshot, model: EditCostModel) -> float:
+def predict_finish_s(
+    job: EditJob | None, worker: WorkerSnapshot, model: EditCostModel, *, records: bool = True
+) -> float:
     """Seconds from now until ``job``, queued last on ``worker``, finishes (``job`` None: until
     the worker has nothing left). The running batch and the queue are played forward with the
     worker's own rules: first come first joins at step boundaries up to the bound, a waiting
     edit runs at its mask ratio if the worker holds its template's record by the time it joins
-    (held now, or recorded meanwhile by an earlier miss that finished) and in full otherwise."""
+    (held now, or recorded meanwhile by an earlier miss that finished) and in full otherwise.
+    With ``records`` False every waiting edit is priced at its mask ratio."""
     held = set(worker.templates)
     running: list[list[float]] = []  # [steps_left, effective ratio, index in order]
     order = list(worker.waiting) + ([WorkerEdit(job, job.steps)] if job is not None else [])
@@ -102,7 +110,7 @@ def predict_finish_s(job: EditJob | None, worker: WorkerSnapshot, model: EditCos
         running = [item for item in running if item[0] > 0]
         while next_index < len(order) and len(running) < worker.bound:
             edit = order[next_index]
-            hit = edit.job.template is not None and edit.job.template in held
+            hit = edit.job.template is not None and (not records or edit.job.template in held)
             ratio = edit.job.mask_ratio if hit else 1.0
             if not hit and edit.job.template is not None:
                 recording[next_index] = edit.job.template
@@ -135,14 +143,16 @@ class _Rotating:
 class MaskAwareBalancer(_Rotating):
     """Algorithm 2: the least predicted completion of the new edit."""
 
-    name = "mask-aware"
-
-    def __init__(self, model: EditCostModel) -> None:
+    def __init__(self, model: EditCostModel, *, records: bool = True) -> None:
         super().__init__()
         self.model = model
+        self.records = records
+        self.name = "mask-aware" if records else "mask-only"
 
     def choose(self, job: EditJob, workers: Sequence[WorkerSnapshot]) -> int:
-        return self._pick([predict_finish_s(job, w, self.model) for w in workers])
+        return self._pick(
+            [predict_finish_s(job, w, self.model, records=self.records) for w in workers]
+        )
 
 
 class LeastRequestsBalancer(_Rotating):
@@ -183,14 +193,16 @@ class RoundRobinBalancer:
 
 
 def make_balancer(name: str, model: EditCostModel) -> EditBalancer:
-    """The balancer called ``name`` (one of :data:`BALANCERS`)."""
+    """The balancer called ``name`` (one of :data:`BALANCERS` or :data:`ABLATIONS`)."""
     if name == "mask-aware":
         return MaskAwareBalancer(model)
+    if name == "mask-only":
+        return MaskAwareBalancer(model, records=False)
     if name == "least-requests":
         return LeastRequestsBalancer()
     if name == "least-tokens":
         return LeastTokensBalancer()
     if name == "round-robin":
         return RoundRobinBalancer()
-    known = ", ".join(BALANCERS)
+    known = ", ".join(BALANCERS + ABLATIONS)
     raise ValueError(f"unknown balancer {name!r}; known: {known}")
