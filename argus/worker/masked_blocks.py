@@ -29,9 +29,12 @@ it has as many pixels as the block has tokens.
 self-attention, so a replay skips their norm and K/V projections. In a UNet the cached Y is
 still needed (the convolutions read every token), so K/V comes on top of Y: 3× the bytes (K and
 V are each Y's size in SD's blocks). Measured by ``benchmarks/bench_editing.py`` on SD-1.5's
-architecture at 512×512 on 2 loaded CPU cores, the K/V mode saved only a few per cent of a step
-at m = 0.2 (figures in the README), far less than the 3× bytes cost in host memory, disk and
-load time, so the default (:data:`DEFAULT_KEYS_VALUES`) is Y only, as InstGenIE chose.
+architecture at 512×512 (2 vCPU x86_64 under a load average of 5-6 from other agents, one
+run): at m = 0.2 a step took 23.8 s with K/V against 25.5 s with Y alone, 6.5% less, for
+132 MiB of record a step against 44 MiB (6.5 GiB against 2.2 GiB for 50 steps). Three times
+the host memory, disk and load time (the disk tier read 0.36 GiB/s) for a few per cent of a
+step is a bad trade, so the default (:data:`DEFAULT_KEYS_VALUES`) is Y only, as InstGenIE
+chose (its Flux figure: 10% faster for twice the bytes).
 
 Records convert to and from a flat ``dict[str, torch.Tensor]`` (:meth:`ActivationRecord.
 to_tensors`), safetensors-able: ``latent_size``, ``coverage.{h}x{w}``, ``s{step}.b{block}.y``
