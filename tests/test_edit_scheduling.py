@@ -287,3 +287,19 @@ def test_tiny_edits_evaluation_writes_p95_columns(
     assert (out / "paired.csv").exists() and (out / "summary.json").exists()
     printed = capsys.readouterr().out
     assert "SYNTHETIC" in printed and "mask-aware" in printed
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--balancers", "fastest"], "'fastest'"),
+        (["--gpus", "A100=4"], "A100=4"),
+        (["--cache-templates", "-1"], "cache_templates"),
+    ],
+)
+def test_bad_edits_settings_exit_2_naming_them(
+    args: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["evaluate", "--workload", "edits", "--quiet", "--out", str(tmp_path), *args])
+    assert code == 2
+    assert needle in capsys.readouterr().err

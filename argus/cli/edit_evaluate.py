@@ -19,7 +19,7 @@ DEFAULT_BALANCERS = "mask-aware,least-requests,least-tokens,round-robin"
 
 
 def add_edit_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--workload``, ``--balancers``, ``--batch-bound``, ``--masks``, ``--t2i-share``."""
+    """``--workload`` and the edits' own flags."""
     parser.add_argument(
         "--workload",
         choices=WORKLOADS,
@@ -41,6 +41,15 @@ def add_edit_arguments(parser: argparse.ArgumentParser) -> None:
         help="edits: mask-ratio distribution, mean 0.11 (production) or 0.19 (public)",
     )
     parser.add_argument(
+        "--cache-templates",
+        type=int,
+        default=None,
+        help="edits: template records a worker keeps, LRU (default 64)",
+    )
+    parser.add_argument(
+        "--zipf", type=float, default=None, help="edits: template popularity exponent (default 1)"
+    )
+    parser.add_argument(
         "--t2i-share",
         type=float,
         default=0.0,
@@ -57,11 +66,13 @@ def run_edits(args: argparse.Namespace) -> int:
         format_edit_evaluation,
         write_edit_evaluation,
     )
-    from argus.sim.edits import BATCH_BOUND
+    from argus.sim.edits import BATCH_BOUND, CACHE_TEMPLATES, ZIPF_S
 
     started = time.perf_counter()
     try:
         loads = tuple(float(x) for x in (args.loads or DEFAULT_EDIT_LOADS).split(",") if x.strip())
+        if not args.gpus.strip().isdigit():
+            raise ValueError(f"--gpus: edits take a worker count, got {args.gpus!r}")
         workers = int(args.gpus)
         config = EditEvaluationConfig(
             loads=loads,
@@ -70,6 +81,10 @@ def run_edits(args: argparse.Namespace) -> int:
             duration_min=args.duration,
             workers=workers,
             bound=args.batch_bound or BATCH_BOUND,
+            cache_templates=CACHE_TEMPLATES
+            if args.cache_templates is None
+            else args.cache_templates,
+            zipf_s=ZIPF_S if args.zipf is None else args.zipf,
             masks=args.masks,
             text_to_image_share=args.t2i_share,
         )
@@ -85,7 +100,8 @@ def run_edits(args: argparse.Namespace) -> int:
     print(
         f"\n{len(evaluation.rows)} runs ({len(loads)} loads × {len(config.balancers)} balancers "
         f"× {config.seeds} seeds, {config.duration_min:g} min each) in "
-        f"{time.perf_counter() - started:.1f} s; {workers} workers, batch bound {config.bound}; "
+        f"{time.perf_counter() - started:.1f} s; {workers} workers, batch bound {config.bound}, "
+        f"{config.cache_templates} records each, Zipf {config.zipf_s:g}; "
         f"capacity {evaluation.capacity_per_s:.3f} edits/s (hit rate {config.hit_rate():.3f}, "
         f"mean ratio {config.mean_ratio():.3f}); cost model a={model.base_s:.4g} s, "
         f"p={model.per_edit_s:.4g} s, c={model.per_mask_s:.4g} s a step, R²={model.r2:.4f} "

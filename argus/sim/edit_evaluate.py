@@ -69,6 +69,7 @@ class EditEvaluationConfig:
     workers: int = 8
     bound: int = BATCH_BOUND
     cache_templates: int = CACHE_TEMPLATES
+    zipf_s: float = ZIPF_S
     masks: str = "production"
     text_to_image_share: float = 0.0
     steps: int = STEPS
@@ -80,13 +81,18 @@ class EditEvaluationConfig:
             raise ValueError(f"loads must be > 0, got {self.loads!r}")
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds!r}")
+        if self.cache_templates < 0 or not self.zipf_s >= 0:
+            raise ValueError(
+                f"cache_templates and zipf_s must be >= 0, got {self.cache_templates!r}, "
+                f"{self.zipf_s!r}"
+            )
         if not 0.0 <= self.warmup_share < 1.0:
             raise ValueError(f"warmup_share must be in [0, 1), got {self.warmup_share!r}")
         for name in self.balancers:
             make_balancer(name, self.model)  # unknown names fail here, quoted
 
     def hit_rate(self) -> float:
-        return lru_hit_rate(TEMPLATES, ZIPF_S, self.cache_templates)
+        return lru_hit_rate(TEMPLATES, self.zipf_s, self.cache_templates)
 
     def mean_ratio(self) -> float:
         """Mean ratio of a request: the clipped Beta's mean (drawn) mixed with generations."""
@@ -172,6 +178,7 @@ def evaluate_edits(
                 rate_per_s=load * capacity,
                 duration_s=duration_s,
                 masks=config.masks,
+                zipf_s=config.zipf_s,
                 text_to_image_share=config.text_to_image_share,
                 steps=config.steps,
             )
@@ -331,7 +338,7 @@ def write_edit_evaluation(evaluation: EditEvaluation, out: Path) -> None:
         "batch_bound": config.bound,
         "cache_templates_per_worker": config.cache_templates,
         "templates": TEMPLATES,
-        "zipf_s": ZIPF_S,
+        "zipf_s": config.zipf_s,
         "masks": config.masks,
         "mask_mean_paper": MASK_MEANS[config.masks],
         "mean_ratio_drawn": config.mean_ratio(),
