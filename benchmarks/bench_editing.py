@@ -223,11 +223,19 @@ def main() -> None:
     parser.add_argument(
         "--kv-ratios", default="0.2", help="mask ratios also timed in K/V mode (comma-separated)"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default torch's); 1 on a machine other work loads: see above",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     size = args.size or (256 if args.quick else 512)
     repeats = args.repeats or (3 if args.quick else 5)
     kv_ratios = {float(r) for r in args.kv_ratios.split(",") if r}
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(machine_line(), flush=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {size}×{size}, CFG 2")
 
