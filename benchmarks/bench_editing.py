@@ -16,25 +16,33 @@ are compared:
 * cache bytes per template (float16), per step and for a whole ``--steps``-step run;
 * load time of a template's record from the activation store's host tier and disk tier.
 
-    .venv/bin/python benchmarks/bench_editing.py            # 512×512, 5 repeats
-    .venv/bin/python benchmarks/bench_editing.py --quick    # 256×256, 3 repeats, a few minutes
+    .venv/bin/python benchmarks/bench_editing.py --threads 1             # 512×512, 5 repeats
+    .venv/bin/python benchmarks/bench_editing.py --threads 1 --quick     # 256×256, 3 repeats, 4 min
 
-One run, ``--repeats 3`` (about 38 minutes), 2 vCPU x86_64 with other agents loading it (load
-average 5-6 throughout: single timings of the full step ranged 40-60 s, so the medians are
-rough; a quiet machine should rerun it): full step 40 s, s = 0.511;
+Two torch threads on a machine that other work loads wait at every operator's barrier for a
+descheduled thread (one masked SD-1.5 block at 32×32 tokens: 280 ms on two threads, 39 ms on
+one; a full 512×512 step: 40-60 s on two, 19 s on one), and that overhead counts per operator,
+so it hides what the cache saves: on a shared machine run with ``--threads 1``.
+
+Figures, 2 vCPU x86_64 shared with other agents, ``--threads 1 --repeats 3`` at 512×512 (load
+average 0.8-1.3 while it ran): full step 18.9 s, s = 0.503;
 
     m     full    Y (cached)  speed-up  bound
-    0.05  54.0 s  32.8 s      1.64x     1.94x
-    0.10  49.3 s  34.9 s      1.41x     1.85x
-    0.20  40.5 s  25.5 s      1.59x     1.69x   (94% of the bound; K/V: 23.8 s, 1.70x)
-    0.40  53.6 s  39.2 s      1.37x     1.44x
-    0.80  60.0 s  49.4 s      1.21x     1.11x
-    1.00  49.6 s  48.6 s      1.02x     1.00x
+    0.05  18.6 s  10.6 s      1.76x     1.91x
+    0.10  18.3 s  11.0 s      1.67x     1.83x
+    0.20  18.5 s  12.0 s      1.54x     1.67x   (92% of the bound; K/V: 11.4 s, 1.63x)
+    0.40  18.8 s  13.8 s      1.37x     1.43x
+    0.80  18.1 s  17.1 s      1.06x     1.11x
+    1.00  17.9 s  18.1 s      0.99x     1.00x
 
-Record bytes per template (fp16, every token covered): Y 44.1 MiB a step, 2.15 GiB for 50
-steps; Y + K/V 132.2 MiB a step, 6.45 GiB. A 10-step Y record (441 MiB) loads from the
-store's host tier in 2 µs (a lookup) and from its disk tier in 1.21 s (page cache dropped, CRC
-checked: 0.36 GiB/s).
+An earlier run on two threads under a load average of 5-6 gave 1.59x at m = 0.2 (bound 1.69x)
+with single full steps from 40 to 60 s; ``--quick --threads 1`` (256×256, s = 0.37) gave 1.28x
+at m = 0.2 against a bound of 1.42x (90%): at 256 px the blocks are too small a share of the
+step for 1.5x to be possible. Record bytes per template (fp16, every token covered) at 512:
+Y 44.1 MiB a step, 2.15 GiB for 50 steps; Y + K/V 132.2 MiB a step, 6.45 GiB. A 10-step Y
+record (441 MiB) loads from the activation store's host tier in 2 µs (a lookup) and from its
+disk tier in 0.38 s (page cache dropped, CRC checked: 1.12 GiB/s; 1.21 s under the heavier
+load of the earlier run), so a whole 50-step record takes about 2 s from disk.
 """
 
 from __future__ import annotations

@@ -29,12 +29,12 @@ it has as many pixels as the block has tokens.
 self-attention, so a replay skips their norm and K/V projections. In a UNet the cached Y is
 still needed (the convolutions read every token), so K/V comes on top of Y: 3× the bytes (K and
 V are each Y's size in SD's blocks). Measured by ``benchmarks/bench_editing.py`` on SD-1.5's
-architecture at 512×512 (2 vCPU x86_64 under a load average of 5-6 from other agents, one
-run): at m = 0.2 a step took 23.8 s with K/V against 25.5 s with Y alone, 6.5% less, for
-132 MiB of record a step against 44 MiB (6.5 GiB against 2.2 GiB for 50 steps). Three times
-the host memory, disk and load time (the disk tier read 0.36 GiB/s) for a few per cent of a
-step is a bad trade, so the default (:data:`DEFAULT_KEYS_VALUES`) is Y only, as InstGenIE
-chose (its Flux figure: 10% faster for twice the bytes).
+architecture at 512×512 (2 vCPU x86_64 shared with other agents, one torch thread): at m = 0.2
+a step took 11.4 s with K/V against 12.0 s with Y alone, 5% less (6.5% in a run on two threads
+under heavier load), for 132 MiB of record a step against 44 MiB (6.5 GiB against 2.2 GiB for
+50 steps). Three times the host memory, disk and load time for a few per cent of a step is a
+bad trade, so the default (:data:`DEFAULT_KEYS_VALUES`) is Y only, as InstGenIE chose (its
+Flux figure: 10% faster for twice the bytes).
 
 Records convert to and from a flat ``dict[str, torch.Tensor]`` (:meth:`ActivationRecord.
 to_tensors`), safetensors-able: ``latent_size``, ``coverage.{h}x{w}``, ``s{step}.b{block}.y``
