@@ -5,7 +5,11 @@ random-weight models, the AC base ``sdxl`` and the SM variant ``sd-1.5``, at ful
 (:mod:`benchmarks._fullsize`, saved as diffusers directories the worker loads) or as the
 worker's tiny variants, and serves through :meth:`Worker.generate`:
 
-* ``miss``: full generations at ``ac-k0`` that fill the approximate cache (several prompts);
+* ``miss-k<K>``: one request at the smallest AC level with ``0 < K < steps`` on the empty
+  cache: the prompt embedded, the index searched, nothing found, a full run that feeds the
+  cache (one sample: every later lookup finds a neighbour, ``min_similarity`` being 0);
+* ``miss``: full generations at ``ac-k0`` (no lookup: outcome ``not-used``) that fill the
+  approximate cache (several prompts);
 * ``hit-k<K>``: a near-duplicate prompt at each AC level with ``0 < K < steps``, resumed from
   the cached latent at step K;
 * ``sm-<model>``: the SM level of the variant, at its native size;
@@ -252,7 +256,7 @@ def worker_path(
     "model", "size", "cache", "start_step", "steps_run", "adapter_path", "wall_ms",
     "first_wall_ms", "stages": {stage: median ms}}}}``: ``cache`` is the outcome's value
     (``hit``, ``miss``, ``not_used``), ``wall_ms`` the median wall time around
-    :meth:`Worker.generate`, ``first_wall_ms`` the first request's (cold) wall time.
+    :meth:`Worker.generate`, ``first_wall_ms`` the first request's wall time.
     """
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype_name: expected one of {DTYPES}, got {dtype_name!r}")
@@ -333,7 +337,12 @@ def worker_path(
             samples.setdefault(kind, []).append((wall, result, embed, decodes.last))
 
         base_size = sizes[BASE]
-        # cache misses: full generations on the base model; each feeds the cache
+        ac_levels = [lv for lv in profiles.levels_for(Strategy.AC) if 0 < lv.skip_steps < steps]
+        if ac_levels:  # a real miss: the empty cache searched, then a full run that feeds it
+            first = min(ac_levels, key=lambda lv: lv.skip_steps)
+            serve(f"miss-k{first.skip_steps}", GenerateCall(PROMPT, level=first.name, seed=0))
+            worker.flush()
+        # full generations on the base model at K = 0 (no lookup); each feeds the cache
         for i in range(max(repeats, 2)):
             for j, prompt in enumerate((PROMPT, *FILL_PROMPTS)):
                 if i == 0 or j == 0:
@@ -409,7 +418,6 @@ def _summary(
         rows.append((wall, timing))
     last = got[-1][1]
     walls = [w for w, _ in rows]
-    steady = walls[1:] if len(walls) > 2 else walls  # the first may pay a cold start
     return {
         "level": last.level,
         "model": last.model,
@@ -421,7 +429,7 @@ def _summary(
         "adapter_path": last.adapter_path,
         "substituted": last.substituted,
         "requests": len(rows),
-        "wall_ms": statistics.median(steady),
+        "wall_ms": statistics.median(walls),
         "first_wall_ms": walls[0],
         "stages": {s: statistics.median(t[s] for _, t in rows) for s in STAGES},
     }

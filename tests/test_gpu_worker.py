@@ -20,8 +20,11 @@ STEPS = 8  # the cache keeps steps 5, 10, …: ac-k5 is the one level with K < N
 
 def check_report(report: dict[str, Any]) -> None:
     kinds = report["kinds"]
-    assert {"miss", "hit-k5", "sm-sd-1.5", "lora", "controlnet"} <= set(kinds)
+    assert {"miss-k5", "miss", "hit-k5", "sm-sd-1.5", "lora", "controlnet"} <= set(kinds)
     assert set(report["skipped"]) == {"hit-k10", "hit-k15", "hit-k20", "hit-k25"}
+    cold = kinds["miss-k5"]
+    assert cold["cache"] == "miss" and cold["steps_run"] == STEPS and cold["requests"] == 1
+    assert cold["stages"]["embed_ms"] > 0 and cold["stages"]["search_ms"] > 0
     miss, hit = kinds["miss"], kinds["hit-k5"]
     assert miss["steps_run"] == STEPS and miss["start_step"] == 0
     assert hit["cache"] == "hit" and hit["start_step"] == 5
@@ -37,7 +40,8 @@ def check_report(report: dict[str, Any]) -> None:
         assert set(stages) == set(STAGES)
         for stage in ("encode_ms", "denoise_ms", "vae_ms", "png_ms", "decode_ms", "total_ms"):
             assert stages[stage] > 0, (kind, stage)
-        assert stages["vae_ms"] + stages["png_ms"] <= stages["decode_ms"] + 1e-6
+        # medians of each stage: their sum may pass the median decode by a little
+        assert stages["vae_ms"] + stages["png_ms"] <= 1.05 * stages["decode_ms"]
         assert row["wall_ms"] >= stages["denoise_ms"]
     assert "| hit-k5 | ac-k5 |" in table(report)
 
