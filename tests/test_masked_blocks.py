@@ -220,6 +220,43 @@ def test_a_block_replayed_from_a_record_of_its_own_input_equals_the_full_block(
         assert torch.allclose(out, io["y"], rtol=0, atol=tolerance * scale), (dtype, keys_values)
 
 
+def device_cases() -> list[tuple[str, torch.dtype]]:
+    cases = [("cpu", torch.float32)]
+    if torch.cuda.is_available():
+        cases += [("cuda", torch.float32), ("cuda", torch.float16)]
+    return cases
+
+
+@pytest.mark.parametrize("record_on", ["host", "device"])
+@pytest.mark.parametrize(("device", "dtype"), device_cases())
+def test_a_replay_runs_on_the_blocks_device_and_dtype_from_a_host_or_device_record(
+    device: str, dtype: torch.dtype, record_on: str
+) -> None:
+    """The record is kept on the host in float16 whatever the UNet's device; a replay takes
+    its rows from the host (copied per block) or from a copy on the device, and gives the
+    full block's output on its device, in its dtype (CUDA cases only where a GPU is)."""
+    torch.manual_seed(0)
+    block = plain_block().eval().to(device, dtype)
+    x = torch.randn(2, 64, 8).to(device, dtype)
+    ehs = torch.randn(2, 3, 8).to(device, dtype)
+    region = torch.zeros(1, 1, 8, 8)
+    region[..., 2:5, 2:6] = 1
+    record = ActivationRecord((8, 8))
+    with torch.inference_mode(), recording(block, record, 0, None):
+        full = block(x, encoder_hidden_states=ehs)
+    assert record.outputs[(0, 0)].device.type == "cpu"
+    if record_on == "device":
+        rows = {key: tensor.to(device) for key, tensor in record.outputs.items()}
+        record = ActivationRecord(record.latent_size, record.coverage, rows)
+    replay = Replay(block, record, region)
+    assert replay.plans[64].rows is not None  # the cached rows are a subset of the record's
+    with torch.inference_mode(), replay.step(0):
+        out = block(x, encoder_hidden_states=ehs)
+    assert out.device == full.device and out.dtype == dtype
+    scale = float(full.abs().max())
+    assert torch.allclose(out.float(), full.float(), rtol=0, atol=4e-3 * scale)
+
+
 def test_a_block_whose_every_token_is_computed_gives_its_own_forward_exactly() -> None:
     model = tiny_model("sd-1.5")
     spec = edit_spec(0.25, seed=2)

@@ -370,8 +370,10 @@ def _scatter(
 ) -> torch.Tensor:
     """``full`` (batch × tokens × channels) with the computed rows and the recorded rows put
     in their tokens' places."""
+    if recorded.device != full.device:  # a host-held record for a UNet on an accelerator
+        recorded = recorded.to(full.device)
     rows = recorded if plan.rows is None else recorded.index_select(1, plan.rows)
-    full.index_copy_(1, plan.cached, rows.to(full.device, full.dtype))
+    full.index_copy_(1, plan.cached, rows.to(full.dtype))
     if computed.shape[1]:
         full.index_copy_(1, plan.computed, computed)
     return full
