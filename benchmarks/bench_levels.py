@@ -22,9 +22,9 @@ levels that happened to run then. Every model stays loaded for that (the worker 
 variant at a time). CPU time (the process's) is printed beside wall time; the load average
 at start and end says how busy the machine was.
 
-``--arch sdxl|sd15`` builds full-size SDXL or SD-1.5 *architectures* with random weights (no
-weights to download; the latency of a UNet does not depend on its weight values), for the GPU
-device.
+``--arch sdxl|sd15`` builds full-size SDXL or SD-1.5 *architectures* with random weights
+(``_fullsize.py``; the latency of a UNet does not depend on its weight values), for the GPU
+device; ``gpu_profile.py`` measures every model of the profile that way.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _fullsize import build_pipeline
 from _machine import load_line, machine_line
 
 from argus.profiles import default_profiles
@@ -45,82 +46,6 @@ from argus.worker.models import TINY_PREFIX, build_tiny_pipeline
 from argus.worker.pipelines import DiffusionModel, GenerationSpec
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
-
-
-def full_size_pipeline(arch: str, dtype: torch.dtype, device: str) -> Any:
-    """SDXL or SD-1.5 with their published configs and random weights (diffusers defaults)."""
-    from diffusers import (
-        AutoencoderKL,
-        StableDiffusionPipeline,
-        StableDiffusionXLPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    from argus.worker.models import _tokenizer, make_scheduler
-
-    torch.manual_seed(0)
-    tok = _tokenizer()
-    vae = AutoencoderKL(
-        block_out_channels=(128, 256, 512, 512),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=2,
-        latent_channels=4,
-        sample_size=1024 if arch == "sdxl" else 512,
-        scaling_factor=0.13025 if arch == "sdxl" else 0.18215,
-    )
-
-    def text(hidden: int, layers: int, heads: int, proj: int) -> Any:
-        return CLIPTextConfig(
-            vocab_size=tok.vocab_size,
-            hidden_size=hidden,
-            intermediate_size=hidden * 4,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            max_position_embeddings=77,
-            projection_dim=proj,
-            eos_token_id=tok.sep_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-
-    if arch == "sdxl":
-        unet = UNet2DConditionModel(
-            sample_size=128,
-            block_out_channels=(320, 640, 1280),
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-            transformer_layers_per_block=(1, 2, 10),
-            attention_head_dim=(5, 10, 20),
-            cross_attention_dim=2048,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=256,
-            projection_class_embeddings_input_dim=2816,
-            use_linear_projection=True,
-        )
-        pipe = StableDiffusionXLPipeline(
-            vae=vae,
-            text_encoder=CLIPTextModel(text(768, 12, 12, 768)),
-            text_encoder_2=CLIPTextModelWithProjection(text(1280, 32, 20, 1280)),
-            tokenizer=tok,
-            tokenizer_2=tok,
-            unet=unet,
-            scheduler=make_scheduler("euler"),
-            force_zeros_for_empty_prompt=False,
-        )
-    else:
-        unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768)
-        pipe = StableDiffusionPipeline(
-            vae=vae,
-            text_encoder=CLIPTextModel(text(768, 12, 12, 768)),
-            tokenizer=tok,
-            unet=unet,
-            scheduler=make_scheduler("euler"),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-    return pipe.to(device, dtype)
 
 
 class Samples:
@@ -163,8 +88,8 @@ def denoise_table(args: argparse.Namespace) -> None:
             if args.arch == "tiny":
                 pipe = build_tiny_pipeline(TINY_PREFIX + name).to(args.device, dtype)
             else:
-                arch = args.arch if name == "sdxl" else "sd15"
-                pipe = full_size_pipeline(arch, dtype, args.device)
+                full = "sdxl" if args.arch == "sdxl" and name == "sdxl" else "sd-1.5"
+                pipe = build_pipeline(full, device=args.device, dtype=dtype)
             models[name] = DiffusionModel(name, pipe, device=args.device, source=args.arch)
         return models[name]
 

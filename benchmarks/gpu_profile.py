@@ -1,0 +1,712 @@
+"""Measure the profile on the GPU at hand: every level's latency, the cache path, the adapters.
+
+Run from the repository root on a machine with an NVIDIA GPU::
+
+    PYTHONPATH=. python benchmarks/gpu_profile.py --device cuda --out gpu-out
+
+and on a CPU, the same code on the worker's tiny variants (what the test runs)::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/gpu_profile.py --tiny --out /tmp/gpu-out
+
+It builds the profile's models at full size with random weights (``benchmarks/_fullsize.py``:
+SDXL base at 1024 px, SD-2.x, SD-1.5, Small-SD and Tiny-SD at 512 px; a model's latency does
+not depend on its weights' values) and measures, in order of importance, as long as
+``--budget-s`` lasts:
+
+1. per model: weights and peak memory, the text encoders, one UNet step and one VAE decode at
+   batch 1, 2, 4 and 8 (classifier-free guidance doubles the UNet's batch), and a whole
+   image at batch 1 through the worker's own ``DiffusionModel`` (N = 50 steps);
+2. the approximate cache on SDXL: the run resumed at every K of the profile from a latent
+   captured at K, against (N - K) / N (Argus §2.1), and the latent's fetch to the device;
+3. a rank-64 LoRA's read, copy and patch on SDXL, and an SDXL ControlNet's added time per
+   step (``_gpu_adapters.py``, the worker's own LoRA and ControlNet code);
+4. CUDA graphs (the UNet step captured and replayed) and ``torch.compile`` on the UNet;
+5. each model's load from a local diffusers directory (the worker's loader);
+6. with ``--worker``, the worker's whole path (``_gpu_worker.py``): cache miss, hit at K, an
+   SM level, a LoRA, timed per stage.
+
+Everything lands in ``OUT/gpu_profile.json`` as it is measured (a run cut short keeps what
+it had); ``--write-profile FILE`` and ``--write-markdown FILE`` turn that JSON into the
+profile ``argus plan --profiles FILE`` reads and the table of ``docs/gpu.md``, here or later
+(``--from-json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _fullsize import ARCHS, build_pipeline, native_size, param_counts
+
+from argus.profiles import default_profiles
+from argus.types import Strategy
+from argus.worker.pipelines import DiffusionModel, GenerationSpec
+
+PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
+# the SM models in the profile's order; sd-1.4 has SD-1.5's architecture and takes its figures
+MODELS = ("sdxl", "sd-2.0", "sd-1.5", "small-sd", "tiny-sd")
+GIB = 1024**3
+
+# the papers' figures, for the table beside ours
+# Argus Table 2 (A100): latency s, load s (Accelerate), memory GB; §5.1: SDXL 4.2 s at N = 50
+PAPER_T2 = {
+    "sdxl": (4.20, 9.42, 5.14),
+    "sd-1.5": (3.84, 5.56, 3.44),
+    "small-sd": (2.75, 4.86, 2.32),
+    "tiny-sd": (2.18, 2.91, 0.63),
+}
+# KATZ (H800, SDXL 1024 px, 50 steps): base 2.9 s; +1 ControlNet 4.5 s (§3.3); LoRA load and
+# patch > 1 s in Diffusers, 230 ms in KATZ with BAL (§7), a 341 MiB LoRA
+KATZ = {"base_s": 2.9, "controlnet_s": 4.5, "lora_diffusers_s": 1.0, "lora_katz_s": 0.23}
+
+
+class Clock:
+    """Wall time of GPU work: synchronises the device before reading the clock."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+        """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        out = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            self.sync()
+            out.append(time.perf_counter() - start)
+        return out
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+class Run:
+    """The measurements so far, written to ``OUT/gpu_profile.json`` after each step, and the
+    time budget the sections draw on."""
+
+    def __init__(self, out: Path, budget_s: float) -> None:
+        self.out = out
+        self.deadline = time.monotonic() + budget_s
+        self.data: dict[str, Any] = {"models": {}, "skipped": []}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        (self.out / "gpu_profile.json").write_text(json.dumps(self.data, indent=1, default=str))
+
+    def section(self, name: str, need_s: float, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` if at least ``need_s`` seconds are left; record a failure, don't die."""
+        if self.left() < need_s:
+            self.data["skipped"].append(f"{name}: {self.left():.0f} s left, needs {need_s:.0f}")
+            print(f"[skip] {name}", flush=True)
+            return None
+        began = time.monotonic()
+        try:
+            result = fn()
+        except Exception as exc:  # a section that breaks on this GPU must not lose the others
+            self.data["skipped"].append(f"{name}: {type(exc).__name__}: {exc}"[:500])
+            print(f"[fail] {name}: {type(exc).__name__}: {exc}", flush=True)
+            result = None
+        finally:
+            free_memory()
+        print(f"[done] {name} in {time.monotonic() - began:.1f} s", flush=True)
+        self.save()
+        return result
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def environment(device: str) -> dict[str, Any]:
+    import diffusers
+
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "python": platform.python_version(),
+        "device": device,
+    }
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        env.update(
+            gpu=torch.cuda.get_device_name(0),
+            cuda=torch.version.cuda,
+            gpu_memory_gib=round(props.total_memory / GIB, 1),
+            multiprocessors=props.multi_processor_count,
+        )
+    else:
+        env["gpu"] = f"none (CPU: {platform.machine()})"
+    return env
+
+
+def worker_class(env: dict[str, Any]) -> str:
+    """``h100`` for an "NVIDIA H100 80GB HBM3", ``cpu`` without a GPU."""
+    gpu = str(env.get("gpu", ""))
+    for word in gpu.replace("-", " ").split():
+        if word[:1].upper() in "HABLV" and any(c.isdigit() for c in word):
+            return word.lower()
+    return "cpu"
+
+
+# -- the UNet and VAE alone, at batch b --------------------------------------------------------
+
+
+def unet_inputs(pipe: Any, batch: int, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Random inputs of one guided UNet step at ``batch`` images (2 × batch rows: CFG)."""
+    unet = pipe.unet
+    device, dtype = unet.device, unet.dtype
+    rows = 2 * batch
+    side = size // int(pipe.vae_scale_factor)
+    sample = torch.randn(rows, unet.config.in_channels, side, side, device=device, dtype=dtype)
+    timestep = torch.tensor(500, device=device)
+    context = torch.randn(rows, 77, unet.config.cross_attention_dim, device=device, dtype=dtype)
+    kwargs: dict[str, Any] = {"return_dict": False}
+    if unet.config.addition_embed_type == "text_time":
+        pooled = unet.config.projection_class_embeddings_input_dim - (
+            6 * unet.config.addition_time_embed_dim
+        )
+        kwargs["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(rows, pooled, device=device, dtype=dtype),
+            "time_ids": torch.randn(rows, 6, device=device, dtype=dtype),
+        }
+    return (sample, timestep, context), kwargs
+
+
+def batch_table(
+    pipe: Any, clock: Clock, size: int, batches: tuple[int, ...], repeats: int
+) -> dict[str, dict[str, float]]:
+    """ms of one UNet step and of one VAE decode per batch size (None where memory ran out)."""
+    out: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        for batch in batches:
+            out[str(batch)] = _batch_row(pipe, clock, size, batch, repeats)
+            free_memory()
+    return out
+
+
+def _batch_row(pipe: Any, clock: Clock, size: int, batch: int, repeats: int) -> dict[str, float]:
+    args, kwargs = unet_inputs(pipe, batch, size)
+    latents = torch.randn_like(args[0][:batch])
+    row: dict[str, float] = {}
+    try:
+        row["unet_step_ms"] = median_ms(clock.time(lambda: pipe.unet(*args, **kwargs), repeats))
+        row["vae_decode_ms"] = median_ms(
+            clock.time(lambda: pipe.vae.decode(latents, return_dict=False), repeats)
+        )
+    except torch.OutOfMemoryError:
+        row["oom"] = 1.0
+    return row
+
+
+def graphed_step(pipe: Any, clock: Clock, size: int, repeats: int) -> dict[str, float]:
+    """The guided UNet step at batch 1, eager against a captured CUDA graph replayed."""
+    args, kwargs = unet_inputs(pipe, 1, size)
+    with torch.inference_mode():
+        eager = median_ms(clock.time(lambda: pipe.unet(*args, **kwargs), repeats, warmup=3))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                pipe.unet(*args, **kwargs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            pipe.unet(*args, **kwargs)
+        graphed = median_ms(clock.time(graph.replay, repeats, warmup=3))
+    return {"eager_ms": eager, "cuda_graph_ms": graphed, "speedup": eager / graphed}
+
+
+def compiled_step(pipe: Any, clock: Clock, size: int, repeats: int) -> dict[str, float]:
+    """The guided UNet step at batch 1, eager against ``torch.compile`` (inductor, default
+    mode), and what the first compiled call cost."""
+    args, kwargs = unet_inputs(pipe, 1, size)
+    with torch.inference_mode():
+        eager = median_ms(clock.time(lambda: pipe.unet(*args, **kwargs), repeats, warmup=2))
+        compiled = torch.compile(pipe.unet)
+        start = time.perf_counter()
+        compiled(*args, **kwargs)
+        clock.sync()
+        first = time.perf_counter() - start
+        steady = median_ms(clock.time(lambda: compiled(*args, **kwargs), repeats, warmup=2))
+    return {"eager_ms": eager, "compiled_ms": steady, "speedup": eager / steady, "compile_s": first}
+
+
+# -- the worker's own model path ---------------------------------------------------------------
+
+
+def image_latency(
+    model: DiffusionModel, clock: Clock, spec: GenerationSpec, repeats: int
+) -> dict[str, float]:
+    """One image at batch 1 through ``DiffusionModel``: text encode, N steps, decode."""
+
+    def whole() -> None:
+        model.decode(model.denoise(spec).latents)
+
+    def encode() -> None:
+        with torch.inference_mode():
+            model.encode(spec)
+
+    if clock.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    whole_s = clock.time(whole, repeats)
+    peak = torch.cuda.max_memory_allocated() / GIB if clock.cuda else 0.0
+    return {
+        "latency_s": statistics.median(whole_s),
+        "latency_min_s": min(whole_s),
+        "encode_ms": median_ms(clock.time(encode, max(3, repeats))),
+        "peak_gib": peak,
+        "runs": len(whole_s),
+    }
+
+
+def cache_levels(
+    model: DiffusionModel, clock: Clock, spec: GenerationSpec, repeats: int
+) -> dict[str, dict[str, float]]:
+    """The AC levels: the run resumed at K from a latent captured at K (denoise + decode),
+    its ratio to K = 0 and the paper's (N - K) / N; and the latent's copy to the device."""
+    ks = sorted({lv.skip_steps for lv in default_profiles().levels_for(Strategy.AC)})
+    ks = [k for k in ks if k < spec.steps]
+    captured = model.denoise(spec, capture=[k for k in ks if k]).captured
+    out: dict[str, dict[str, float]] = {}
+    for k in ks:
+        start = captured.get(k) if k else None
+
+        def run(start: Any = start, k: int = k) -> None:
+            model.decode(model.denoise(spec, start_latents=start, start_step=k).latents)
+
+        out[str(k)] = {"latency_s": statistics.median(clock.time(run, repeats))}
+    base = out[str(ks[0])]["latency_s"]
+    for k in ks:
+        row = out[str(k)]
+        row["ratio"] = row["latency_s"] / base
+        row["paper_ratio"] = (spec.steps - k) / spec.steps
+    if captured:
+        latent = next(iter(captured.values())).pin_memory() if clock.cuda else captured[ks[1]]
+        fetch = clock.time(lambda: latent.to(model.device, model.dtype), 20, warmup=3)
+        out["fetch"] = {
+            "latent_kib": latent.numel() * latent.element_size() / 1024,
+            "to_device_ms": median_ms(fetch),
+        }
+    return out
+
+
+def load_time(name: str, pipe: Any, clock: Clock, dtype: torch.dtype, device: str) -> float:
+    """Seconds the worker's loader takes from a local diffusers directory to the device (the
+    directory written just before, so read from the page cache where the OS keeps it)."""
+    from argus.worker.models import load_pipeline_dir
+
+    with tempfile.TemporaryDirectory(prefix=f"argus-{name}-") as folder:
+        pipe.save_pretrained(folder, safe_serialization=True)
+        if clock.cuda:  # the lent GPU machine only: never this shared one
+            _drop_page_cache()
+        start = time.perf_counter()
+        loaded = load_pipeline_dir(folder, dtype).to(device)
+        clock.sync()
+        seconds = time.perf_counter() - start
+        del loaded
+    return seconds
+
+
+def _drop_page_cache() -> bool:
+    """Ask the kernel to drop its page cache (root only), so a load reads the disk."""
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+# -- the whole run -----------------------------------------------------------------------------
+
+
+def profile_model(name: str, args: argparse.Namespace, run: Run, clock: Clock) -> None:
+    dtype = DTYPES[args.dtype]
+    size = native_size(name, args.tiny)
+    before = torch.cuda.memory_allocated() if clock.cuda else 0
+    start = time.perf_counter()
+    pipe = build_pipeline(name, device=args.device, dtype=dtype, tiny=args.tiny)
+    clock.sync()
+    entry: dict[str, Any] = {
+        "size": size,
+        "steps": args.steps,
+        "build_s": time.perf_counter() - start,
+        "params_m": {k: v / 1e6 for k, v in param_counts(pipe).items()},
+    }
+    if clock.cuda:
+        entry["weights_gib"] = (torch.cuda.memory_allocated() - before) / GIB
+    else:
+        entry["weights_gib"] = sum(p.numel() * p.element_size() for p in _params(pipe)) / GIB
+    run.data["models"][name] = entry
+    model = DiffusionModel(name, pipe, device=args.device, source=f"full:{name}")
+    spec = GenerationSpec(PROMPT, seed=1, height=size, width=size, steps=args.steps)
+    entry["image"] = image_latency(model, clock, spec, args.repeats)
+    run.save()
+    entry["batches"] = batch_table(pipe, clock, size, args.batches, args.repeats)
+    run.save()
+    if name == "sdxl":
+        run.data["cache"] = run.section(
+            "ac levels", 20, lambda: cache_levels(model, clock, spec, max(2, args.repeats - 1))
+        )
+        run.data["adapters"] = run.section(
+            "adapters", 40, lambda: adapters(pipe, args, size, Path(args.out))
+        )
+    if clock.cuda and name in ("sdxl", "sd-1.5"):
+        entry["cuda_graph"] = run.section(
+            f"cuda graph {name}", 15, lambda: graphed_step(pipe, clock, size, 10)
+        )
+
+
+def later_pass(name: str, args: argparse.Namespace, run: Run, clock: Clock, what: str) -> None:
+    """The costly sections, once every model has its basic figures: the load from a
+    directory (``load``) or ``torch.compile`` (``compile``), on a freshly built model."""
+    dtype = DTYPES[args.dtype]
+    entry = run.data["models"].get(name)
+    if entry is None:
+        return
+    pipe = build_pipeline(name, device=args.device, dtype=dtype, tiny=args.tiny)
+    if what == "load":
+        entry["load_s"] = load_time(name, pipe, clock, dtype, args.device)
+    else:
+        entry["compile"] = compiled_step(pipe, clock, entry["size"], 10)
+    del pipe
+
+
+def _params(pipe: Any) -> list[torch.nn.Parameter]:
+    return [
+        p
+        for part in ("unet", "text_encoder", "text_encoder_2", "vae")
+        if isinstance(getattr(pipe, part, None), torch.nn.Module)
+        for p in getattr(pipe, part).parameters()
+    ]
+
+
+def adapters(pipe: Any, args: argparse.Namespace, size: int, out: Path) -> dict[str, Any]:
+    from _gpu_adapters import controlnet_cost, lora_cost
+
+    dtype = DTYPES[args.dtype]
+    with tempfile.TemporaryDirectory(prefix="argus-lora-") as folder:
+        lora = lora_cost(pipe, device=args.device, dtype=dtype, rank=64, workdir=Path(folder))
+    free_memory()
+    control = controlnet_cost(pipe, device=args.device, dtype=dtype, size=size)
+    return {"lora": lora, "controlnet": control}
+
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from _gpu_worker import install_minilm_stub
+
+    install_minilm_stub()  # the tokenizer's files where the MiniLM package is not installed
+    run = Run(Path(args.out), args.budget_s)
+    clock = Clock(args.device)
+    run.data["env"] = environment(args.device)
+    run.data["settings"] = {
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "batches": list(args.batches),
+        "repeats": args.repeats,
+        "tiny": args.tiny,
+    }
+    print(json.dumps(run.data["env"]), flush=True)
+    run.save()
+    for name in args.models:
+        run.section(f"model {name}", 30 if name == "sdxl" else 12,
+                    lambda name=name: profile_model(name, args, run, clock))  # fmt: skip
+    if args.worker:
+
+        def worker() -> Any:
+            from _gpu_worker import worker_path
+
+            with tempfile.TemporaryDirectory(prefix="argus-worker-") as folder:
+                return worker_path(
+                    device=args.device,
+                    dtype_name=args.dtype,
+                    tiny=args.tiny,
+                    workdir=Path(folder),
+                    steps=args.worker_steps or args.steps,
+                    repeats=args.worker_repeats,
+                )
+
+        run.data["worker"] = run.section("worker path", 60, worker)
+    if not args.no_load:
+        for name in args.models:
+            run.section(f"load {name}", 60 if name == "sdxl" else 25,
+                        lambda name=name: later_pass(name, args, run, clock, "load"))  # fmt: skip
+    for name in args.compile:
+        run.section(f"compile {name}", 150,
+                    lambda name=name: later_pass(name, args, run, clock, "compile"))  # fmt: skip
+    run.save()
+    return run.data
+
+
+# -- what the measurements become --------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return (
+        "–"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else (format(value, spec))
+    )
+
+
+def level_figures(data: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Latency, load seconds and memory of every level of the default profile, from the
+    measurements: AC at K from the resumed runs (plus the measured latent fetch), SM from
+    each model's whole image; SD-1.4 takes SD-1.5's figures (same architecture)."""
+    models = data["models"]
+    cache = data.get("cache") or {}
+    fetch_s = (cache.get("fetch") or {}).get("to_device_ms", 0.0) / 1e3
+    out: dict[str, dict[str, float]] = {}
+    for level in default_profiles().levels:
+        model = "sd-1.5" if level.model == "sd-1.4" else level.model
+        entry = models.get(model)
+        if not entry or "image" not in entry:
+            continue
+        latency = entry["image"]["latency_s"]
+        if level.strategy is Strategy.AC:
+            row = cache.get(str(level.skip_steps))
+            if row is None:
+                continue
+            latency = row["latency_s"] + (fetch_s if level.skip_steps else 0.0)
+        out[level.name] = {
+            "latency_s": latency,
+            "load_time_s": entry.get("load_s") or float("nan"),
+            "gpu_memory_gib": entry.get("weights_gib", float("nan")),
+        }
+    return out
+
+
+def profile_toml(data: dict[str, Any]) -> str:
+    """The measured profile: the default profile's levels, qualities and parts, with this
+    GPU's class and figures (levels of a strategy re-ordered slowest first, as measured)."""
+    env = data["env"]
+    cls = worker_class(env)
+    figures = level_figures(data)
+    defaults = default_profiles()
+    paper = {(lv.name): defaults.profile("a100", lv.name) for lv in defaults.levels}
+    lines = [
+        f"# Measured by benchmarks/gpu_profile.py on {env.get('gpu')} ({env['date']}; torch "
+        f"{env['torch']}, CUDA {env.get('cuda')}, diffusers {env['diffusers']}, "
+        f"{data['settings']['dtype']}).",
+        "# Full-size architectures with random weights (benchmarks/_fullsize.py), batch 1, "
+        f"N = {data['settings']['steps']} steps; SDXL at 1024 px, the SM models at 512 px.",
+        "# latency_s: a whole image through the worker's DiffusionModel (AC: resumed at K, plus",
+        "# the measured latent copy to the GPU; the embedding search runs on the CPU, see",
+        "# docs/gpu.md); load_time_s: the worker's loader from a local directory; gpu_memory_gib:",
+        "# the weights on the GPU. sd-1.4 takes sd-1.5's figures (same architecture). quality",
+        "# and parts are the default profile's. Where a figure could not be measured, the",
+        "# A100 figure of argus/profiles/default.toml stands, marked [paper].",
+        f'worker_classes = ["{cls}"]',
+        "reference = { width = 1024, height = 1024, steps = 50 }",
+        "",
+    ]
+    for strategy in (Strategy.AC, Strategy.SM):
+        rows = []
+        for level in defaults.levels_for(strategy):
+            got = figures.get(level.name, {})
+            fallback = paper[level.name]
+            values, marks = {}, []
+            for key in ("latency_s", "load_time_s", "gpu_memory_gib"):
+                value = got.get(key, math.nan)
+                if value is None or math.isnan(value):
+                    value = getattr(fallback, key)
+                    marks.append(key)
+                values[key] = value
+            rows.append((level, values, marks))
+        rows.sort(key=lambda row: -row[1]["latency_s"])  # slowest first, as measured
+        for level, values, marks in rows:
+            note = f"  # [paper] {', '.join(marks)}" if marks else ""
+            lines += [
+                "[[levels]]",
+                f'name = "{level.name}"',
+                f'strategy = "{strategy.value}"',
+                f'model = "{level.model}"',
+                *([f"skip_steps = {level.skip_steps}"] if strategy is Strategy.AC else []),
+                f"quality = {level.quality}",
+                f"profiles.{cls} = {{ latency_s = {values['latency_s']:.3f}, load_time_s = "
+                f"{values['load_time_s']:.2f}, gpu_memory_gib = {values['gpu_memory_gib']:.2f} }}"
+                + note,
+                "",
+            ]
+    for model, parts in defaults.parts.items():
+        lines.append(f'[models."{model}".parts]')
+        for part in parts:
+            lines.append(f'{part.name} = {{ id = "{part.id}", share = {part.share} }}')
+        lines.append("")
+    return "\n".join(lines)
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The tables of ``docs/gpu.md``: this GPU's figures beside the papers'."""
+    env = data["env"]
+    steps = data["settings"]["steps"]
+    lines = [
+        f"Measured {env['date']} on **{env.get('gpu')}** (torch {env['torch']}, CUDA "
+        f"{env.get('cuda')}, diffusers {env['diffusers']}), {data['settings']['dtype']}, "
+        "random weights, by `benchmarks/gpu_profile.py`. Medians of "
+        f"{data['settings']['repeats']} runs after a warm-up.",
+        "",
+        f"### Levels: a whole image at batch 1, N = {steps}",
+        "",
+        "| model | size | UNet params (M) | weights GiB | peak GiB | latency s | text enc ms "
+        "| load s | paper A100 latency s | paper load s | paper GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, entry in data["models"].items():
+        image = entry.get("image", {})
+        paper = PAPER_T2.get(name, (None, None, None))
+        lines.append(
+            f"| {name} | {entry['size']} | {_fmt(entry['params_m'].get('unet'), '.0f')} | "
+            f"{_fmt(entry.get('weights_gib'))} | {_fmt(image.get('peak_gib'))} | "
+            f"{_fmt(image.get('latency_s'), '.3f')} | {_fmt(image.get('encode_ms'), '.1f')} | "
+            f"{_fmt(entry.get('load_s'))} | {_fmt(paper[0])} | {_fmt(paper[1])} | "
+            f"{_fmt(paper[2])} |"
+        )
+    lines += [
+        "",
+        "### Batching: one guided UNet step and one VAE decode (ms)",
+        "",
+        "| model | " + " | ".join(f"b={b} step" for b in data["settings"]["batches"])
+        + " | " + " | ".join(f"b={b} decode" for b in data["settings"]["batches"]) + " |",
+        "|---|" + "---|" * (2 * len(data["settings"]["batches"])),
+    ]  # fmt: skip
+    for name, entry in data["models"].items():
+        rows = entry.get("batches", {})
+        cells = [_fmt(rows.get(str(b), {}).get("unet_step_ms"), ".1f")
+                 for b in data["settings"]["batches"]]  # fmt: skip
+        cells += [_fmt(rows.get(str(b), {}).get("vae_decode_ms"), ".1f")
+                  for b in data["settings"]["batches"]]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    cache = data.get("cache")
+    if cache:
+        lines += [
+            "",
+            f"### Approximate caching on SDXL: resumed at K (N = {steps})",
+            "",
+            "| K | latency s | ratio to K=0 | (N-K)/N (§2.1) | paper A100 s (§5.1) |",
+            "|---|---|---|---|---|",
+        ]
+        for k, row in cache.items():
+            if k == "fetch":
+                continue
+            paper_s = 4.2 * (steps - int(k)) / steps
+            lines.append(
+                f"| {k} | {row['latency_s']:.3f} | {row['ratio']:.3f} | "
+                f"{row['paper_ratio']:.2f} | {paper_s:.2f} |"
+            )
+        if "fetch" in cache:
+            fetch = cache["fetch"]
+            lines.append(
+                f"\nThe latent captured at K ({fetch['latent_kib']:.0f} KiB, float32) reaches "
+                f"the GPU in {fetch['to_device_ms']:.3f} ms (pinned host memory)."
+            )
+    for name, entry in data["models"].items():
+        for key, label in (("cuda_graph", "CUDA graph"), ("compile", "torch.compile")):
+            got = entry.get(key)
+            if got:
+                fast = got.get("cuda_graph_ms", got.get("compiled_ms"))
+                extra = f", first call {got['compile_s']:.0f} s" if "compile_s" in got else ""
+                lines.append(
+                    f"\n{label} on the {name} UNet step (batch 1, guided): eager "
+                    f"{got['eager_ms']:.1f} ms, {fast:.1f} ms, {got['speedup']:.2f}×{extra}."
+                )
+    adapters_data = data.get("adapters")
+    if adapters_data:
+        lines += ["", "### Adapters on SDXL", "", "| figure | measured | paper |", "|---|---|---|"]
+        for key, value in adapters_data.get("lora", {}).items():
+            lines.append(f"| LoRA {key} | {value:.2f} | |")
+        for key, value in adapters_data.get("controlnet", {}).items():
+            lines.append(f"| ControlNet {key} | {value:.2f} | |")
+        lines.append(
+            f"\nKATZ (H800, SDXL 1024 px, 50 steps): base {KATZ['base_s']} s, one ControlNet "
+            f"{KATZ['controlnet_s']} s (§3.3); LoRA load and patch over "
+            f"{KATZ['lora_diffusers_s']:.0f} s in Diffusers, {KATZ['lora_katz_s'] * 1e3:.0f} ms "
+            "with BAL and in-place patching (§7)."
+        )
+    if data.get("worker"):
+        from _gpu_worker import table
+
+        lines += ["", "### The worker's own path, per stage (ms)", "", table(data["worker"])]
+    if data.get("skipped"):
+        lines += ["", "Not measured in this run: " + "; ".join(data["skipped"]) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES))
+    parser.add_argument("--tiny", action="store_true", help="the tiny variants (CPU test)")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--steps", type=int, default=None, help="N (default 50; tiny: 4)")
+    parser.add_argument("--batches", type=_ints, default=(1, 2, 4, 8))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", default="", help="models whose UNet to torch.compile")
+    parser.add_argument("--no-load", action="store_true", help="skip the load-time section")
+    parser.add_argument("--worker", action="store_true", help="also the worker's whole path")
+    parser.add_argument("--worker-steps", type=int, default=None, help="N there (--steps)")
+    parser.add_argument("--worker-repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=480.0)
+    parser.add_argument("--out", default="gpu-out")
+    parser.add_argument("--from-json", default=None, help="only turn this JSON into files")
+    parser.add_argument("--write-profile", default=None)
+    parser.add_argument("--write-markdown", default=None)
+    args = parser.parse_args(argv)
+    args.models = tuple(m for m in args.models.split(",") if m)
+    unknown = [m for m in args.models if m not in ARCHS]
+    if unknown:
+        parser.error(f"--models: unknown {unknown} (known: {', '.join(ARCHS)})")
+    args.compile = tuple(m for m in args.compile.split(",") if m)
+    args.dtype = args.dtype or ("fp16" if args.device.startswith("cuda") else "fp32")
+    args.steps = args.steps or (4 if args.tiny else 50)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    data = json.loads(Path(args.from_json).read_text()) if args.from_json else measure(args)
+    if args.write_profile:
+        Path(args.write_profile).write_text(profile_toml(data))
+    if args.write_markdown:
+        Path(args.write_markdown).write_text(markdown(data))
+    print(markdown(data))
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""benchmarks/gpu_profile.py on the tiny variants, on the CPU: the code that runs on a GPU stays
+correct without one, and what it writes is a profile the planner reads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu_profile
+
+from argus.profiles import load_profiles
+from argus.types import Strategy
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("gpu")
+    data = gpu_profile.main(
+        [
+            "--tiny",
+            "--models", "sdxl,sd-1.5,tiny-sd",
+            "--steps", "30",
+            "--batches", "1,2",
+            "--repeats", "1",
+            "--out", str(out),
+            "--write-profile", str(out / "cpu-measured.toml"),
+            "--write-markdown", str(out / "gpu.md"),
+        ]
+    )  # fmt: skip
+    return data, out
+
+
+def test_every_model_is_measured(measured: tuple[dict, Path]) -> None:
+    data, out = measured
+    assert json.loads((out / "gpu_profile.json").read_text())["models"].keys() == {
+        "sdxl",
+        "sd-1.5",
+        "tiny-sd",
+    }
+    for name, entry in data["models"].items():
+        assert entry["image"]["latency_s"] > 0, name
+        assert entry["load_s"] > 0, name
+        for batch in ("1", "2"):
+            assert entry["batches"][batch]["unet_step_ms"] > 0, (name, batch)
+            assert entry["batches"][batch]["vae_decode_ms"] > 0, (name, batch)
+    # the sdxl stand-in's UNet is the largest of the three
+    params = {name: entry["params_m"]["unet"] for name, entry in data["models"].items()}
+    assert params["sdxl"] > params["sd-1.5"] > params["tiny-sd"]
+
+
+def test_resuming_at_k_runs_fewer_steps(measured: tuple[dict, Path]) -> None:
+    cache = measured[0]["cache"]
+    ks = sorted(int(k) for k in cache if k != "fetch")
+    assert ks == [0, 5, 10, 15, 20, 25]
+    assert cache["25"]["paper_ratio"] == pytest.approx(5 / 30)
+    # 5 steps of 30 against all 30: well under the full run even on a busy CPU
+    assert cache["25"]["ratio"] < 0.6
+    assert cache["fetch"]["latent_kib"] > 0
+
+
+def test_the_profile_written_is_one_the_planner_reads(measured: tuple[dict, Path]) -> None:
+    data, out = measured
+    profiles = load_profiles(out / "cpu-measured.toml")
+    assert profiles.worker_classes == ("cpu",)
+    assert {lv.name for lv in profiles.levels} == {
+        lv.name for lv in gpu_profile.default_profiles().levels
+    }
+    k25 = profiles.profile("cpu", "ac-k25").latency_s
+    assert k25 == pytest.approx(data["cache"]["25"]["latency_s"], abs=2e-3)
+    tiny = profiles.profile("cpu", "sm-tiny-sd").latency_s
+    assert tiny == pytest.approx(data["models"]["tiny-sd"]["image"]["latency_s"], abs=2e-3)
+    # a model not measured keeps the paper's A100 figure, and says so
+    text = (out / "cpu-measured.toml").read_text()
+    assert "[paper]" in text
+    assert profiles.profile("cpu", "sm-small-sd").latency_s == pytest.approx(2.75)
+    # slowest first, as measured (the loader refuses any other order)
+    ac = [profiles.profile("cpu", lv.name).latency_s for lv in profiles.levels_for(Strategy.AC)]
+    assert ac == sorted(ac, reverse=True)
+
+
+def test_markdown_sets_measured_beside_paper(measured: tuple[dict, Path]) -> None:
+    text = (measured[1] / "gpu.md").read_text()
+    assert "| sdxl | 64 |" in text
+    assert "(N-K)/N" in text
+    assert "| 25 |" in text
+
+
+def test_worker_class_is_named_after_the_gpu() -> None:
+    assert gpu_profile.worker_class({"gpu": "NVIDIA H100 80GB HBM3"}) == "h100"
+    assert gpu_profile.worker_class({"gpu": "NVIDIA H200"}) == "h200"
+    assert gpu_profile.worker_class({"gpu": "NVIDIA A100-SXM4-80GB"}) == "a100"
+    assert gpu_profile.worker_class({"gpu": "none (CPU: x86_64)"}) == "cpu"
+
+
+def test_bad_model_name_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        gpu_profile.parse_args(["--models", "sdxl,sd-9"])
