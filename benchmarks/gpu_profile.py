@@ -480,13 +480,30 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     )
 
 
+def ac_fit(cache: dict[str, Any], steps: int) -> tuple[float, float] | None:
+    """Least squares of the resumed runs' latency on the steps they run: ``fixed`` seconds
+    (encode, decode, image) plus ``per_step`` × (N − K), Argus §2.1's model with the fixed
+    part it leaves out. None with fewer than two K."""
+    points = [(steps - int(k), row["latency_s"]) for k, row in cache.items() if k != "fetch"]
+    if len(points) < 2:
+        return None
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    per_step = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    return mean_y - per_step * mean_x, per_step
+
+
 def level_figures(data: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Latency, load seconds and memory of every level of the default profile, from the
-    measurements: AC at K from the resumed runs (plus the measured latent fetch), SM from
-    each model's whole image; SD-1.4 takes SD-1.5's figures (same architecture)."""
+    measurements: AC at K from the line fitted to the resumed runs (:func:`ac_fit`: one run
+    per K is too noisy to order the levels on a host-bound GPU) plus the measured latent
+    fetch, SM from each model's whole image; SD-1.4 takes SD-1.5's figures (same
+    architecture)."""
     models = data["models"]
     cache = data.get("cache") or {}
     fetch_s = (cache.get("fetch") or {}).get("to_device_ms", 0.0) / 1e3
+    fit = ac_fit(cache, data["settings"]["steps"])
     out: dict[str, dict[str, float]] = {}
     for level in default_profiles().levels:
         model = "sd-1.5" if level.model == "sd-1.4" else level.model
@@ -495,10 +512,11 @@ def level_figures(data: dict[str, Any]) -> dict[str, dict[str, float]]:
             continue
         latency = entry["image"]["latency_s"]
         if level.strategy is Strategy.AC:
-            row = cache.get(str(level.skip_steps))
-            if row is None:
+            if fit is None or level.skip_steps >= data["settings"]["steps"]:
                 continue
-            latency = row["latency_s"] + (fetch_s if level.skip_steps else 0.0)
+            fixed, per_step = fit
+            remaining = data["settings"]["steps"] - level.skip_steps
+            latency = fixed + per_step * remaining + (fetch_s if level.skip_steps else 0.0)
         out[level.name] = {
             "latency_s": latency,
             "load_time_s": entry.get("load_s") or float("nan"),
@@ -509,7 +527,8 @@ def level_figures(data: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def profile_toml(data: dict[str, Any]) -> str:
     """The measured profile: the default profile's levels, qualities and parts, with this
-    GPU's class and figures (levels of a strategy re-ordered slowest first, as measured)."""
+    GPU's class and figures. Levels keep the default's order (the classifiers' labels follow
+    it); SM levels measured out of that order are re-ordered slowest first and say so."""
     env = data["env"]
     cls = worker_class(env)
     figures = level_figures(data)
@@ -521,9 +540,10 @@ def profile_toml(data: dict[str, Any]) -> str:
         f"{data['settings']['dtype']}).",
         "# Full-size architectures with random weights (benchmarks/_fullsize.py), batch 1, "
         f"N = {data['settings']['steps']} steps; SDXL at 1024 px, the SM models at 512 px.",
-        "# latency_s: a whole image through the worker's DiffusionModel (AC: resumed at K, plus",
-        "# the measured latent copy to the GPU; the embedding search runs on the CPU, see",
-        "# docs/gpu.md); load_time_s: the worker's loader from a local directory; gpu_memory_gib:",
+        "# latency_s: a whole image through the worker's DiffusionModel (AC: the line fitted to",
+        "# the runs resumed at each K, fixed + per step x (N - K), plus the measured latent copy",
+        f"# to the GPU: {_fit_note(data)}); load_time_s: the worker's loader from a local",
+        "# directory; gpu_memory_gib:",
         "# the weights on the GPU. sd-1.4 takes sd-1.5's figures (same architecture). quality",
         "# and parts are the default profile's. Where a figure could not be measured, the",
         "# A100 figure of argus/profiles/default.toml stands, marked [paper].",
@@ -544,7 +564,10 @@ def profile_toml(data: dict[str, Any]) -> str:
                     marks.append(key)
                 values[key] = value
             rows.append((level, values, marks))
-        rows.sort(key=lambda row: -row[1]["latency_s"])  # slowest first, as measured
+        ordered = sorted(rows, key=lambda row: -row[1]["latency_s"])
+        if ordered != rows:
+            lines.append(f"# {strategy.value} levels re-ordered slowest first, as measured")
+            rows = ordered
         for level, values, marks in rows:
             note = f"  # [paper] {', '.join(marks)}" if marks else ""
             lines += [
@@ -565,6 +588,13 @@ def profile_toml(data: dict[str, Any]) -> str:
             lines.append(f'{part.name} = {{ id = "{part.id}", share = {part.share} }}')
         lines.append("")
     return "\n".join(lines)
+
+
+def _fit_note(data: dict[str, Any]) -> str:
+    fit = ac_fit(data.get("cache") or {}, data["settings"]["steps"])
+    if fit is None:
+        return "not measured"
+    return f"fixed {fit[0]:.3f} s, {fit[1] * 1e3:.1f} ms a step"
 
 
 def markdown(data: dict[str, Any]) -> str:

@@ -72,15 +72,23 @@ def test_the_profile_written_is_one_the_planner_reads(measured: tuple[dict, Path
     assert {lv.name for lv in profiles.levels} == {
         lv.name for lv in gpu_profile.default_profiles().levels
     }
+    # AC levels: the line through the resumed runs, fixed + per step x (N - K), + the fetch
+    fit = gpu_profile.ac_fit(data["cache"], 30)
+    assert fit is not None
+    fetch_s = data["cache"]["fetch"]["to_device_ms"] / 1e3
     k25 = profiles.profile("cpu", "ac-k25").latency_s
-    assert k25 == pytest.approx(data["cache"]["25"]["latency_s"], abs=2e-3)
+    assert k25 == pytest.approx(fit[0] + fit[1] * 5 + fetch_s, abs=2e-3)
+    assert fit[1] > 0  # a step costs time
     tiny = profiles.profile("cpu", "sm-tiny-sd").latency_s
     assert tiny == pytest.approx(data["models"]["tiny-sd"]["image"]["latency_s"], abs=2e-3)
     # a model not measured keeps the paper's A100 figure, and says so
     text = (out / "cpu-measured.toml").read_text()
     assert "[paper]" in text
     assert profiles.profile("cpu", "sm-small-sd").latency_s == pytest.approx(2.75)
-    # slowest first, as measured (the loader refuses any other order)
+    # the default's order, which the classifiers' labels follow, and slowest first
+    assert [lv.name for lv in profiles.levels_for(Strategy.AC)] == [
+        lv.name for lv in gpu_profile.default_profiles().levels_for(Strategy.AC)
+    ]
     ac = [profiles.profile("cpu", lv.name).latency_s for lv in profiles.levels_for(Strategy.AC)]
     assert ac == sorted(ac, reverse=True)
 
@@ -90,6 +98,14 @@ def test_markdown_sets_measured_beside_paper(measured: tuple[dict, Path]) -> Non
     assert "| sdxl | 64 |" in text
     assert "(N-K)/N" in text
     assert "| 25 |" in text
+
+
+def test_the_ac_fit_recovers_a_line() -> None:
+    cache = {str(k): {"latency_s": 0.3 + 0.04 * (50 - k)} for k in (0, 10, 25)}
+    fixed, per_step = gpu_profile.ac_fit(cache, 50) or (0.0, 0.0)
+    assert fixed == pytest.approx(0.3)
+    assert per_step == pytest.approx(0.04)
+    assert gpu_profile.ac_fit({"0": {"latency_s": 1.0}}, 50) is None
 
 
 def test_worker_class_is_named_after_the_gpu() -> None:
