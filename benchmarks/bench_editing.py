@@ -65,6 +65,7 @@ SDXL, whose Y record at 1024 is about 0.4 GiB a step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -72,7 +73,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -216,22 +217,29 @@ def block_share_cuda(unet: Any, call: Callable[[], Any], repeats: int) -> tuple[
         end.record()
         pairs[-1] = (pairs[-1][0], end)
 
-    handles = []
-    for block in transformer_blocks(unet):
-        handles.append(block.register_forward_pre_hook(pre))
-        handles.append(block.register_forward_hook(post))
     steps, shares = [], []
-    try:
+    with hooks_on_blocks(unet, pre, post):
         for _ in range(repeats):
             pairs.clear()
             seconds = timed(call)  # synchronises: every event has completed
             inside = sum(start.elapsed_time(end) for start, end in pairs) / 1e3
             steps.append(seconds)
             shares.append(inside / seconds)
+    return statistics.median(steps), statistics.median(shares)
+
+
+@contextlib.contextmanager
+def hooks_on_blocks(unet: Any, pre: Callable[..., Any], post: Callable[..., Any]) -> Iterator[None]:
+    """``pre`` and ``post`` as forward hooks on every BasicTransformerBlock, for the block."""
+    handles = []
+    for block in transformer_blocks(unet):
+        handles.append(block.register_forward_pre_hook(pre))
+        handles.append(block.register_forward_hook(post))
+    try:
+        yield
     finally:
         for handle in handles:
             handle.remove()
-    return statistics.median(steps), statistics.median(shares)
 
 
 def block_share(unet: Any, call: Callable[[], Any], repeats: int) -> tuple[float, float]:
@@ -247,20 +255,13 @@ def block_share(unet: Any, call: Callable[[], Any], repeats: int) -> tuple[float
     def post(module: Any, args: Any, output: Any) -> None:
         inside[0] += time.perf_counter() - began.pop()
 
-    handles = []
-    for block in transformer_blocks(unet):
-        handles.append(block.register_forward_pre_hook(pre))
-        handles.append(block.register_forward_hook(post))
     steps, shares = [], []
-    try:
+    with hooks_on_blocks(unet, pre, post):
         for _ in range(repeats):
             inside[0] = 0.0
             seconds = timed(call)
             steps.append(seconds)
             shares.append(inside[0] / seconds)
-    finally:
-        for handle in handles:
-            handle.remove()
     return statistics.median(steps), statistics.median(shares)
 
 
