@@ -158,6 +158,59 @@ def test_every_pipeline_run_is_on_the_one_device_thread() -> None:
         worker.close()
 
 
+def test_the_png_is_encoded_after_the_gpu_slot_is_free() -> None:
+    """The next request's run starts while the previous answer's PNG is still being encoded
+    on its caller's thread, and each answer is still its own complete PNG."""
+    worker = make_worker()
+    encoding = threading.Event()
+    release = threading.Event()
+    save = Image.Image.save
+    blocked: list[bool] = []
+
+    def slow_save(image: Image.Image, fp: Any, *args: Any, **kwargs: Any) -> None:
+        if not blocked:  # the first PNG waits until the second request has run
+            blocked.append(True)
+            encoding.set()
+            assert release.wait(timeout=30)
+        save(image, fp, *args, **kwargs)
+
+    ran_while_encoding: list[bool] = []
+    run = worker._run
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        ran_while_encoding.append(encoding.is_set() and not release.is_set())
+        try:
+            return run(*args, **kwargs)
+        finally:
+            if encoding.is_set():
+                release.set()
+
+    worker._run = spy  # type: ignore[method-assign]
+    results: dict[str, Any] = {}
+
+    def call(name: str) -> None:
+        results[name] = worker.generate(GenerateCall(f"prompt {name}", seed=1))
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Image.Image, "save", slow_save)
+            a = threading.Thread(target=call, args=("a",))
+            a.start()
+            assert encoding.wait(timeout=120)
+            b = threading.Thread(target=call, args=("b",))
+            b.start()
+            b.join(timeout=120)
+            a.join(timeout=120)
+        assert ran_while_encoding == [False, True]
+        for name in ("a", "b"):
+            image = Image.open(io.BytesIO(results[name].png))
+            assert image.size == (64, 64)
+            assert results[name].timing.decode_ms > 0
+    finally:
+        release.set()
+        worker.close()
+
+
 def test_configure_switches_model_in_the_background_and_unloads_the_old() -> None:
     worker = make_worker()
     try:

@@ -61,6 +61,9 @@ for each thread that starts a parallel region (about 1.2 MB of resident memory m
 the gRPC server's handler threads, every pool thread that ever won the slot kept its own: 16
 threads' worth, gathered one by one as concurrency peaks created pool threads, which was the
 soak's slow creep of a worker's memory. One device thread bounds it to one thread's worth.
+The PNG is the exception: PIL encodes it on the caller's thread once the GPU slot is free
+(:meth:`Worker._finish`), so the next request's denoising does not wait for it (166-226 ms
+for an SDXL image on an H200 host, ``docs/gpu.md``).
 
 The request, its result and its progress are the Generate contract's values
 (:mod:`argus.contracts.generate`), the very ones the router sends and reads.
@@ -105,6 +108,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 import torch
+from PIL import Image
 
 from argus import defaults
 from argus.contracts.generate import (
@@ -118,7 +122,6 @@ from argus.contracts.generate import (
 from argus.contracts.worker_control import WorkerStats
 from argus.plumbing.quoting import quoted
 from argus.request_limits import (
-    EditInput,
     ImageLimits,
     InvalidRequestError,
     check_edit,
@@ -319,6 +322,18 @@ class PromptEncoder(Protocol):
 
 
 @dataclass(frozen=True)
+class _Ran:
+    """A request's run up to its image (:meth:`Worker._run`): the answer without its PNG,
+    the VAE's image and the seconds the VAE took."""
+
+    result: GenerateResult
+    image: Image.Image
+    vae_s: float
+    spec: GenerationSpec
+    steps_run: int
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     worker_id: str = defaults.WORKER_ID
     default_width: int = defaults.DEFAULT_SIZE
@@ -473,7 +488,8 @@ class Worker:
         with self._slots:
             if self.encoder is not None:
                 self._on_device(self.encoder.embed_one, WARM_UP_PROMPT)
-            self._on_device(self._run, spec, level, plan, "warm-up", feed_cache=False)
+            ran = self._on_device(self._run, spec, level, plan, "warm-up", feed_cache=False)
+        self._finish(ran, NEVER_CANCELLED)
         self._warm.set()
         return time.perf_counter() - began
 
@@ -558,7 +574,7 @@ class Worker:
             try:
                 stage = "running"
                 started = time.perf_counter()
-                result = self._on_device(
+                ran = self._on_device(
                     self._run,
                     spec,
                     level,
@@ -570,6 +586,7 @@ class Worker:
                 )
             finally:
                 self._slots.release()
+            result = self._finish(ran, cancel)
             timing = replace(
                 result.timing,
                 queue_ms=(started - admitted) * 1e3,
@@ -666,14 +683,15 @@ class Worker:
         cancel: CancelToken = NEVER_CANCELLED,
         report: _Reporter | None = None,
         queued_edit: tuple[str, bool] | None = None,
-    ) -> GenerateResult:
+    ) -> _Ran:
         """Serve one checked request on the device thread (the GPU slot is held), in the
         numbered steps of diffusers' ``__call__``: 1. pick the model; 2. look the prompt up in
         the cache (a :class:`CacheLookup`); 3. decide whether the run feeds the cache; 4.
-        denoise from where the lookup says; 5. decode; 6. feed the cache, off the request
-        path; 7. answer. ``feed_cache``: False for the warm-up. ``queued_edit``: the
-        activation cache's key of an inpainting edit when it was queued, and whether a record
-        was there then (:meth:`_edit_queued`)."""
+        denoise from where the lookup says; 5. decode with the VAE; 6. feed the cache, off the
+        request path; 7. answer, without the PNG: :meth:`_finish` encodes it on the caller's
+        thread once the GPU slot is free. ``feed_cache``: False for the warm-up.
+        ``queued_edit``: the activation cache's key of an inpainting edit when it was queued,
+        and whether a record was there then (:meth:`_edit_queued`)."""
         model, substituted = self._pick_model(level)  # 1
         key = self._cache_key(model, spec) if self.cache is not None else None
         lookup = self._look_up(spec, level, plan, key)  # 2
@@ -682,12 +700,12 @@ class Worker:
         result, path, adapter_ms = self._denoise(  # 4
             model, spec, plan, request_id, lookup, capture, cancel, report, queued_edit
         )
-        png, decode_s = self._decode_in_time(model, spec, result, cancel, report)  # 5
+        image, vae_s = self._decode_in_time(model, spec, result, cancel, report)  # 5
         if feeds and result.captured:  # 6
             self._insert_later(spec.prompt, lookup.embedding, key, result.captured)
-        return GenerateResult(  # 7
+        answer = GenerateResult(  # 7
             request_id=request_id,
-            png=png,
+            png=b"",
             level=level.name,
             strategy=level.strategy,
             model=model.name,
@@ -702,7 +720,7 @@ class Worker:
                 fetch_ms=lookup.fetch_ms,
                 encode_ms=result.encode_s * 1e3,
                 denoise_ms=result.denoise_s * 1e3,
-                decode_ms=decode_s * 1e3,
+                decode_ms=vae_s * 1e3,
                 lora_wait_ms=adapter_ms.get("lora_wait_ms", 0.0),
                 controlnet_wait_ms=adapter_ms.get("controlnet_wait_ms", 0.0),
             ),
@@ -710,6 +728,29 @@ class Worker:
             substituted=substituted,
             adapter_path=path,
         )
+        return _Ran(answer, image, vae_s, spec, result.steps_run)
+
+    def _finish(self, ran: _Ran, cancel: CancelToken) -> GenerateResult:
+        """The PNG of a run's image, encoded on the calling thread after the GPU slot was
+        released (an SDXL image's PNG took 166-226 ms on an H200 host, docs/gpu.md, time the
+        next request's denoising no longer waits for); an inpainting edit's pixels outside
+        its region are pasted back from its template first. Raises :class:`Cancelled` when
+        ``cancel`` says stop before the encode starts (PIL's encoder cannot be interrupted:
+        0.5 s at 2048×2048 on this project's CPU, measured). The decode time learned and
+        reported is the VAE's plus the PNG's."""
+        image = ran.image
+        if ran.spec.edit is not None:
+            image = paste_unmasked(image, ran.spec.edit)
+        cancel.check(ran.steps_run)
+        began = time.perf_counter()
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        decode_s = ran.vae_s + time.perf_counter() - began
+        self.decode_times.observe(ran.spec.width * ran.spec.height, decode_s)
+        with self._lock:
+            self._counts["decodes"] += 1
+        timing = replace(ran.result.timing, decode_ms=decode_s * 1e3)
+        return replace(ran.result, png=png.getvalue(), timing=timing)
 
     def _pick_model(self, level: Level) -> tuple[DiffusionModel, bool]:
         """Step 1: the level's model, or the active one in its place (True: substituted);
@@ -776,18 +817,21 @@ class Worker:
         result: DenoiseResult,
         cancel: CancelToken,
         report: _Reporter | None,
-    ) -> tuple[bytes, float]:
-        """Step 5: the PNG and the seconds it took, unless the request was stopped or its
-        decode cannot finish before its deadline (then it raises without decoding)."""
+    ) -> tuple[Image.Image, float]:
+        """Step 5: the VAE's image and the seconds it took, unless the request was stopped or
+        its decode (VAE and PNG) cannot finish before its deadline (then it raises without
+        decoding)."""
         cancel.check(result.steps_run)  # decoding a large image is worth skipping too
         self._check_decode_fits(spec, cancel, result.steps_run)
         if report is not None:
             report.decoding(spec.steps)
         began = time.perf_counter()
-        png = self._decode(model, result.latents, cancel, result.steps_run, spec.edit)
-        decode_s = time.perf_counter() - began
-        self.decode_times.observe(spec.width * spec.height, decode_s)
-        return png, decode_s
+        try:
+            image = model.decode(result.latents, cancel)
+        except Cancelled as stop:
+            stop.steps_done = result.steps_run
+            raise
+        return image, time.perf_counter() - began
 
     def _check_decode_fits(self, spec: GenerationSpec, cancel: CancelToken, steps: int) -> None:
         """Raise :class:`DecodeSkipped` when the image's predicted decode takes longer than
@@ -798,32 +842,6 @@ class Worker:
         predicted = self.decode_times.predict_s(spec.width * spec.height)
         if predicted > left:
             raise DecodeSkipped(steps, predicted, left)
-
-    def _decode(
-        self,
-        model: DiffusionModel,
-        latents: torch.Tensor,
-        cancel: CancelToken,
-        steps: int,
-        edit: EditInput | None = None,
-    ) -> bytes:
-        """The PNG of ``latents`` (an inpainting edit's pixels outside its region pasted back
-        from its template); raises :class:`Cancelled` (with ``steps`` run) when ``cancel``
-        says stop during the decode or before the PNG is encoded (PIL's encoder cannot be
-        interrupted: 0.5 s at 2048×2048 on this project's CPU, measured)."""
-        try:
-            image = model.decode(latents, cancel)
-        except Cancelled as stop:
-            stop.steps_done = steps
-            raise
-        if edit is not None:
-            image = paste_unmasked(image, edit)
-        cancel.check(steps)
-        png = io.BytesIO()
-        image.save(png, format="PNG")
-        with self._lock:
-            self._counts["decodes"] += 1
-        return png.getvalue()
 
     def _denoise(
         self,
@@ -1061,8 +1079,6 @@ def latent_preview(latents: torch.Tensor) -> bytes:
     """A PNG of the latent at its own resolution: its first three channels (the first one
     repeated when it has fewer) min-max scaled to 0..255 as RGB. A glimpse of the layout, not a
     decoded image: no VAE runs."""
-    from PIL import Image
-
     x = latents[0].detach().to("cpu", torch.float32)
     if x.shape[0] < 3:
         x = torch.cat([x, x[:1].expand(3 - x.shape[0], *x.shape[1:])])
