@@ -115,6 +115,10 @@ MAX_RESIDENT_MODELS = 1
 """Ready models a worker keeps resident at most (1: a switch unloads the previous model once
 the new one is ready); more keep several UNets beside shared parts, so a switch back is free."""
 
+CUDA_GRAPHS = 0
+"""UNet step shapes a worker keeps captured as CUDA graphs (argus/worker/cuda_graphs.py); 0 runs
+every step eagerly. CUDA only: 2.1-2.8x on SDXL's step on an H200 (docs/gpu.md)."""
+
 EDIT_CACHE_HOST_BYTES = 2**30
 """Host memory a worker gives the mask-aware activation cache of edits (templates' recorded
 transformer-block outputs, :mod:`argus.worker.edit_cache`); 0: no cache."""

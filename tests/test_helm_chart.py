@@ -963,6 +963,18 @@ def test_the_workers_resident_models_are_a_value() -> None:
         render({"worker": {"maxResidentModels": 0}})
 
 
+def test_cuda_graphs_are_a_value_off_by_default() -> None:
+    """worker.cudaGraphs reaches every worker as --cuda-graphs when set (left out at 0, the
+    binary's default); the schema refuses a negative count."""
+    args = main_container(workloads(render({}))["worker"])["args"]
+    assert "--cuda-graphs" not in args
+    assert cli_parser("worker").parse_args([]).cuda_graphs == 0
+    args = main_container(workloads(render({"worker": {"cudaGraphs": 4}}))["worker"])["args"]
+    assert arg_value(args, "--cuda-graphs") == "4"
+    with pytest.raises(helm.HelmValuesError, match="cudaGraphs"):
+        render({"worker": {"cudaGraphs": -1}})
+
+
 def test_the_workers_edit_cache_is_a_value_with_an_optional_disk_tier() -> None:
     """worker.editCache reaches every worker as --edit-cache-bytes (the binary's default by
     default, host memory only); its disk tier mounts a node-local emptyDir at the directory it

@@ -306,3 +306,17 @@ def test_a_ticket_that_leaves_just_as_its_turn_came_passes_the_slot_on() -> None
     slot.release()  # the slot goes to first, which is leaving (its deadline passed)
     slot.leave(first)
     assert slot.acquire(second, timeout=0)
+
+
+def test_cuda_graphs_are_refused_off_cuda() -> None:
+    """--cuda-graphs on a CPU worker is a clear error at start, naming the setting, not a
+    failure at the first request."""
+    with pytest.raises(ValueError, match="cuda_graphs 2: needs a CUDA device"):
+        make_registry(cuda_graphs=2)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        make_registry(cuda_graphs=-1)
+    from argus.worker.cuda_graphs import GraphedUNet
+    from tests.worker_factories import tiny_model
+
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        GraphedUNet(tiny_model().pipeline.unet)

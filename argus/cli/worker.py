@@ -63,6 +63,13 @@ class WorkerCommand:
             help="ready models kept resident at most, least recently used leaving first "
             "(shared parts held once; default 1)",
         )
+        parser.add_argument(
+            "--cuda-graphs",
+            type=int,
+            default=defaults.CUDA_GRAPHS,
+            help="UNet step shapes kept as CUDA graphs and replayed (CUDA only; a request is "
+            "then stopped between steps, not inside one; default 0: eager)",
+        )
         parser.add_argument("--no-cache", action="store_true", help="serve without AC caching")
         parser.add_argument("--cache-dir", help="latent store and Qdrant Edge directory")
         parser.add_argument("--qdrant-url", help="Qdrant server URL (default: Qdrant Edge)")
@@ -168,6 +175,7 @@ class WorkerCommand:
             scheduler=args.scheduler,
             memory_budget_gib=args.memory_budget_gib,
             max_resident=args.max_resident,
+            cuda_graphs=args.cuda_graphs,
             cache=not args.no_cache,
             cache_dir=args.cache_dir,
             qdrant_url=args.qdrant_url,

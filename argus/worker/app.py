@@ -52,6 +52,7 @@ class WorkerSettings:
     memory_budget_gib: float | None = None
     # ready models kept resident at most (their shared parts once); 1: one model at a time
     max_resident: int = defaults.MAX_RESIDENT_MODELS
+    cuda_graphs: int = defaults.CUDA_GRAPHS  # step shapes kept as CUDA graphs; 0: eager
     # approximate cache
     cache: bool = True
     cache_dir: str | None = None  # latent store and Qdrant Edge shard; None: a temp dir
@@ -93,6 +94,8 @@ class WorkerSettings:
                 check_address(value, name)
         if self.max_resident < 1:
             raise ValueError(f"max_resident: must be >= 1, got {self.max_resident}")
+        if self.cuda_graphs < 0:
+            raise ValueError(f"cuda_graphs: must be >= 0, got {self.cuda_graphs}")
         if self.edit_cache_bytes < 0:
             raise ValueError(f"edit_cache_bytes: must be >= 0, got {self.edit_cache_bytes}")
         if self.edit_cache_dir is not None and self.edit_cache_disk_bytes <= 0:
@@ -233,6 +236,7 @@ def build_worker(
         scheduler=settings.scheduler,
         memory_budget_bytes=budget,
         max_resident=settings.max_resident,
+        cuda_graphs=settings.cuda_graphs,
         on_load=metrics.observe_load if metrics is not None else None,
     )
     cache = encoder = None

@@ -53,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -61,6 +61,9 @@ from PIL import Image
 
 from argus.request_limits import EditInput
 from argus.worker.models import make_scheduler, scheduler_name
+
+if TYPE_CHECKING:
+    from argus.worker.cuda_graphs import GraphedUNet
 
 
 class Cancelled(Exception):
@@ -288,6 +291,7 @@ class DiffusionModel:
         if isinstance(vae_decoder, torch.nn.Module):
             self._hooks += install_checkpoints(vae_decoder, self._watch.checkpoint)
         self.checkpoints = len(self._hooks)
+        self.graphs: GraphedUNet | None = None  # use_cuda_graphs() sets it
 
     # -- parts -----------------------------------------------------------------------------
 
@@ -448,6 +452,27 @@ class DiffusionModel:
         )[0]
         return self.guide(noise, cond)
 
+    def use_cuda_graphs(self, max_graphs: int = 4) -> None:
+        """Replay the UNet's step from CUDA graphs in plain runs from now on
+        (:mod:`argus.worker.cuda_graphs`); ValueError off CUDA."""
+        from argus.worker.cuda_graphs import GraphedUNet
+
+        self.graphs = GraphedUNet(self.pipeline.unet, max_graphs)
+
+    def predict_noise_graphed(
+        self,
+        latents: torch.Tensor,
+        t: torch.Tensor,
+        cond: Conditioning,
+        scheduler: Any,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """:meth:`predict_noise` with the UNet replayed from its CUDA graph."""
+        assert self.graphs is not None
+        sample = self.unet_input(latents, t, cond, scheduler)
+        noise = self.graphs(sample, t, cond.embeds, cond.added)
+        return self.guide(noise, cond)
+
     # -- the loop --------------------------------------------------------------------------
 
     def denoise(
@@ -495,7 +520,12 @@ class DiffusionModel:
         hooks = tuple(hooks)
         starts = tuple(before_step)
         exits = tuple(on_exit)
-        predict = self.predict_noise if predictor is None else predictor
+        if predictor is not None:
+            predict = predictor
+        elif self.graphs is not None and not starts:
+            predict = self.predict_noise_graphed  # a plain run: the weights stay as captured
+        else:
+            predict = self.predict_noise
         with self.lock, torch.inference_mode(), self._watch.watching(cancel):
             try:
                 began = time.perf_counter()

@@ -125,12 +125,15 @@ class ModelRegistry:
         memory_budget_bytes: int | None = None,
         memory_fraction: float = 0.9,
         max_resident: int = 1,
+        cuda_graphs: int = 0,
         on_load: Callable[[str, float, Mapping[str, float]], None] | None = None,
     ) -> None:
         if not sources:
             raise ValueError("sources: at least one model is needed")
         if max_resident < 1:
             raise ValueError(f"max_resident {max_resident}: at least 1")
+        if cuda_graphs < 0:
+            raise ValueError(f"cuda_graphs {cuda_graphs}: at least 0")
         self.sources = dict(sources)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -141,6 +144,9 @@ class ModelRegistry:
             else default_memory_budget(self.device, memory_fraction)
         )
         self.max_resident = max_resident
+        self.cuda_graphs = cuda_graphs
+        if cuda_graphs and not str(self.device).startswith("cuda"):
+            raise ValueError(f"cuda_graphs {cuda_graphs}: needs a CUDA device, not {self.device}")
         self._on_load = on_load
         self._entries: dict[str, _Entry] = {}
         self._parts = ComponentStore()
@@ -304,6 +310,8 @@ class ModelRegistry:
             model = DiffusionModel(
                 name, self._assemble(entry.source, parts), device=self.device, source=entry.source
             )
+            if self.cuda_graphs:
+                model.use_cuda_graphs(self.cuda_graphs)
         except Exception as err:
             with self._lock:
                 entry.state = LoadState.FAILED
