@@ -14,16 +14,17 @@ not depend on its weights' values) and measures, in order of importance, as long
 ``--budget-s`` lasts:
 
 1. per model: weights and peak memory, the text encoders, one UNet step and one VAE decode at
-   batch 1, 2, 4 and 8 (classifier-free guidance doubles the UNet's batch), and a whole
-   image at batch 1 through the worker's own ``DiffusionModel`` (N = 50 steps);
-2. the approximate cache on SDXL: the run resumed at every K of the profile from a latent
-   captured at K, against (N - K) / N (Argus §2.1), and the latent's fetch to the device;
-3. a rank-64 LoRA's read, copy and patch on SDXL, and an SDXL ControlNet's added time per
-   step (``_gpu_adapters.py``, the worker's own LoRA and ControlNet code);
-4. CUDA graphs (the UNet step captured and replayed) and ``torch.compile`` on the UNet;
-5. each model's load from a local diffusers directory (the worker's loader);
-6. with ``--worker``, the worker's whole path (``_gpu_worker.py``): cache miss, hit at K, an
-   SM level, a LoRA, timed per stage.
+   batch 1, 2, 4 and 8 (classifier-free guidance doubles the UNet's batch), a whole image at
+   batch 1 through the worker's own ``DiffusionModel`` (N = 50 steps), and on SDXL and SD-1.5
+   the UNet step replayed from a CUDA graph;
+2. on SDXL: the approximate cache, the run resumed at every K of the profile from a latent
+   captured at K, against (N - K) / N (Argus §2.1), and the latent's fetch to the device; a
+   rank-64 LoRA's read, copy and patch and an SDXL ControlNet's added time per step
+   (``_gpu_adapters.py``, the worker's own LoRA and ControlNet code);
+3. with ``--worker``, the worker's whole path (``_gpu_worker.py``): cache miss, hit at K, an
+   SM level, a LoRA, a ControlNet, timed per stage;
+4. each model's load from a local diffusers directory (the worker's loader);
+5. ``torch.compile`` on the UNets named by ``--compile`` (the first call takes minutes).
 
 Everything lands in ``OUT/gpu_profile.json`` as it is measured (a run cut short keeps what
 it had); ``--write-profile FILE`` and ``--write-markdown FILE`` turn that JSON into the
