@@ -26,8 +26,9 @@ is one step boundary followed by one step:
 3. per request, in joining order: guidance over its own rows, its own ``scheduler.step``, its
    hooks (inpainting's blend first, as in ``denoise``), ``on_step``;
 4. requests that ran their last step leave; their final latents (scheduler space) resolve
-   their :class:`concurrent.futures.Future` as a :class:`BatchResult`. Decoding is not the
-   loop's job: the caller decodes, on this thread or another.
+   their :class:`concurrent.futures.Future` as a :class:`BatchResult` (the future's done
+   callbacks run on the loop's thread, after the step, outside the model's lock). Decoding is
+   not the loop's job: the caller decodes, in such a callback or on another thread.
 
 ``bound`` 1 is today's one-request-at-a-time service (in arrival order, each request alone in
 its UNet calls, bit for bit the output of ``denoise``: tested). ``static=True`` is static
@@ -47,7 +48,8 @@ every request here runs the full UNet (:meth:`DiffusionModel.predict_noise`'s co
 so a small mask does not yet make a step cheaper; adapters (LoRA patching, ControlNet
 predictors: ``denoise``'s ``before_step`` and ``predictor``) and latent capture for the cache;
 cancellation inside a step (``denoise`` checks at every block; a batch shares its blocks, so
-a cancel here is seen at the next boundary); the batch bound from a measured profile; wiring
+a cancel here is seen at the next boundary); CUDA graphs (``DiffusionModel.use_cuda_graphs``:
+the batched UNet call runs eagerly); the batch bound from a measured profile; wiring
 into the worker's engine (``argus/worker/engine.py``).
 """
 
@@ -135,6 +137,11 @@ class _Request:
     steps_run: int = 0
 
 
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` that does not copy a lone tensor (bound 1 and a batch of one)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 def batch_group(model: DiffusionModel, spec: GenerationSpec) -> tuple[str, int, int, bool]:
     """What must match for two requests to share a batch: model, resolution, guidance mode."""
     scale = spec.guidance_scale or model.default_guidance
@@ -220,7 +227,7 @@ class StepBatcher:
         prepare_s = 0.0
         model = self.model
         with model.lock, torch.inference_mode():
-            admitted = self._boundary()
+            admitted, gone = self._boundary()
             for request in admitted:
                 start = self.clock()
                 self._prepare(request)
@@ -229,6 +236,7 @@ class StepBatcher:
             if not running:
                 self.stats.prepare_s += prepare_s
                 self.stats.total_s += self.clock() - began
+                self._fail(gone)
                 return False
             inputs, times, embeds, added = [], [], [], []
             for r in running:
@@ -240,14 +248,12 @@ class StepBatcher:
                 embeds.append(r.cond.embeds)
                 if r.cond.added is not None:
                     added.append(r.cond.added)
-            extra = (
-                {name: torch.cat([a[name] for a in added]) for name in added[0]} if added else None
-            )
+            extra = {name: _cat([a[name] for a in added]) for name in added[0]} if added else None
             unet_began = self.clock()
             noise: torch.Tensor = model.pipeline.unet(
-                torch.cat(inputs),
-                torch.cat(times),
-                encoder_hidden_states=torch.cat(embeds),
+                _cat(inputs),
+                _cat(times),
+                encoder_hidden_states=_cat(embeds),
                 added_cond_kwargs=extra,
                 return_dict=False,
             )[0]
@@ -282,6 +288,7 @@ class StepBatcher:
         stats.scheduler_s += scheduler_s
         stats.prepare_s += prepare_s
         stats.total_s += self.clock() - began
+        self._fail(gone)
         now = self.clock()
         for r in finished:  # outside the model's lock: a callback may decode
             assert r.latents is not None
@@ -309,8 +316,9 @@ class StepBatcher:
 
     # -- inside -------------------------------------------------------------------------------
 
-    def _boundary(self) -> list[_Request]:
-        """Cancelled requests leave; waiting ones join (under the model's lock)."""
+    def _boundary(self) -> tuple[list[_Request], list[tuple[_Request, str]]]:
+        """Cancelled requests leave (returned with their reasons: their futures fail outside
+        the model's lock); waiting ones join (returned). Under the model's lock."""
         gone: list[tuple[_Request, str]] = []
         admitted: list[_Request] = []
         with self._lock:
@@ -329,12 +337,15 @@ class StepBatcher:
                     request.joined_at_step = self._steps
                     admitted.append(request)
                     self._running.append(request)
+        return admitted, gone
+
+    @staticmethod
+    def _fail(gone: list[tuple[_Request, str]]) -> None:
         for request, reason in gone:
             error = Cancelled(reason, request.steps_run)
             if request.cond is None:
-                error.stage = "queued"
+                error.stage = "queued"  # it never joined the batch
             request.future.set_exception(error)
-        return admitted
 
     def _prepare(self, request: _Request) -> None:
         """An admitted request's conditioning, scheduler and starting latents, as
