@@ -119,3 +119,26 @@ def test_a_killed_worker_is_restarted_and_one_that_keeps_dying_stops_up(up: Up) 
     assert up.process.wait(BOUND_S) == GAVE_UP_EXIT
     up._reader.join(10)
     assert any("worker-0 died 2 times" in line for line in up.lines), "\n".join(up.lines)
+
+
+def test_repeated_interrupts_still_stop_every_part(tmp_path: Path) -> None:
+    """Ctrl-C pressed again while the cluster stops (or GNU timeout's SIGINT to the process
+    and then to its group) is absorbed: every part is stopped in order, no traceback."""
+    up = Up(tmp_path / "up")
+    try:
+        up.wait_for(r"argus up: serving")
+        child = worker_pid(up)
+        for _ in range(3):
+            up.process.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        up.process.wait(120)
+        up._reader.join(10)
+        assert up.wait_for(r"argus up: stopped \((.*)\)").group(1).count("worker-0") == 1
+        assert not any("Traceback" in line for line in up.lines), "\n".join(up.lines)
+        assert up.process.returncode == 0
+        assert (
+            not Path(f"/proc/{child}").exists()
+            or "Z" in Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[:1]
+        )
+    finally:
+        up.stop()

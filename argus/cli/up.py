@@ -181,8 +181,11 @@ class UpCommand:
         )
         supervisor = Supervisor(cluster, RestartPolicy(max_deaths=args.max_restarts), say=say)
         failed = 0
-        try:
-            with shutdown_signals() as stop:
+        # the signal handlers stay until every part has stopped: a second Ctrl-C (or a
+        # supervisor's SIGINT to the whole group) while the cluster stops is absorbed, so the
+        # parts are always stopped in order and none is left running
+        with shutdown_signals() as stop:
+            try:
                 try:
                     cluster.start(on_ready=print_ready)
                 except ClusterError as err:
@@ -199,10 +202,10 @@ class UpCommand:
                     print("argus up: serving; Ctrl-C stops the cluster", flush=True)
                     while not stop.wait(0.2) and not supervisor.failed.is_set():
                         pass
-        finally:
-            supervisor.stop()
-            codes = cluster.stop()
-            print(f"argus up: stopped ({', '.join(f'{n} {c}' for n, c in codes.items())})")
+            finally:
+                supervisor.stop()
+                codes = cluster.stop()
+                print(f"argus up: stopped ({', '.join(f'{n} {c}' for n, c in codes.items())})")
         if supervisor.failure is not None:
             print(f"argus up: {supervisor.failure}; stopped the cluster", file=sys.stderr)
             return GAVE_UP_EXIT
