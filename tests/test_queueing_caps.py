@@ -17,8 +17,8 @@ from argus.allocator.queueing import (
     QueueModel,
     ServiceDraws,
     erlang_c,
+    late_shares_at,
     measured_caps,
-    simulated_late_share,
 )
 from argus.profiles import default_profiles
 from argus.profiles.synthetic_quality import synthetic_quality_table
@@ -118,9 +118,11 @@ def test_the_late_share_at_the_cap_is_the_tolerated_one_on_other_draws():
     other = spread.draws(*cell, REQUESTS, seed=11)
     for servers in (1, 4):
         cap = caps[cell][servers - 1]
-        at_cap = simulated_late_share(other, servers, cap, SLO_S, seed=11)
+        at_cap = late_shares_at([other], [servers], np.asarray([[cap]]), SLO_S, seed=11)[0, 0]
         assert at_cap <= LATE + 0.015  # the tolerated share, plus the simulation's error
-        above = simulated_late_share(other, servers, min(cap + 0.08, 0.999), SLO_S, seed=11)
+        above = late_shares_at(
+            [other], [servers], np.asarray([[min(cap + 0.08, 0.999)]]), SLO_S, seed=11
+        )[0, 0]
         assert above > at_cap  # and it is the largest: more load is later
 
 

@@ -315,21 +315,6 @@ def measured_caps(
     return {cell: _TABLES[keys[cell], slo_s, late_share, requests, seed] for cell in cells}
 
 
-def simulated_late_share(
-    draws: ServiceDraws,
-    servers: int,
-    utilisation: float,
-    slo_s: float,
-    *,
-    seed: int = MEASURED_SEED,
-) -> float:
-    """The share of requests late (wait + service > ``slo_s``) in the FCFS queue of
-    ``servers`` workers with ``draws``' service times at ``utilisation``, arrivals by ``seed``
-    (the check of a measured cap with other draws)."""
-    table = late_shares_at([draws], [servers], np.asarray([[utilisation]]), slo_s, seed=seed)
-    return float(table[0, 0])
-
-
 def late_shares_at(
     draws: list[ServiceDraws],
     pools: list[int],

@@ -119,8 +119,3 @@ def fit_cost_model(points: Iterable[tuple[int, float, float]], source: str = "")
 def default_cost_model() -> EditCostModel:
     """The fit of :func:`paper_points` (R² is 1 by construction: the points are derived)."""
     return fit_cost_model(paper_points(), PAPER_SOURCE)
-
-
-def batch_mask_sum(ratios: Sequence[float]) -> float:
-    """Σ of a batch's effective mask ratios."""
-    return float(sum(ratios))
