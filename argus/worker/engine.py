@@ -330,7 +330,6 @@ class _Ran:
     image: Image.Image
     vae_s: float
     spec: GenerationSpec
-    steps_run: int
 
 
 @dataclass(frozen=True)
@@ -728,7 +727,7 @@ class Worker:
             substituted=substituted,
             adapter_path=path,
         )
-        return _Ran(answer, image, vae_s, spec, result.steps_run)
+        return _Ran(answer, image, vae_s, spec)
 
     def _finish(self, ran: _Ran, cancel: CancelToken) -> GenerateResult:
         """The PNG of a run's image, encoded on the calling thread after the GPU slot was
@@ -741,7 +740,7 @@ class Worker:
         image = ran.image
         if ran.spec.edit is not None:
             image = paste_unmasked(image, ran.spec.edit)
-        cancel.check(ran.steps_run)
+        cancel.check(ran.result.steps_run)
         began = time.perf_counter()
         png = io.BytesIO()
         image.save(png, format="PNG")

@@ -49,6 +49,7 @@ original trajectory exactly for first-order schedulers (Euler, DDIM). A multiste
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -441,10 +442,16 @@ class DiffusionModel:
         cond: Conditioning,
         scheduler: Any,
         step: int = 0,
+        *,
+        graphs: GraphedUNet | None = None,
     ) -> torch.Tensor:
-        """One UNet evaluation with classifier-free guidance (the default predictor)."""
+        """One UNet evaluation with classifier-free guidance (the default predictor); with
+        ``graphs``, the UNet replayed from its CUDA graph."""
+        sample = self.unet_input(latents, t, cond, scheduler)
+        if graphs is not None:
+            return self.guide(graphs(sample, t, cond.embeds, cond.added), cond)
         noise: torch.Tensor = self.pipeline.unet(
-            self.unet_input(latents, t, cond, scheduler),
+            sample,
             t,
             encoder_hidden_states=cond.embeds,
             added_cond_kwargs=cond.added,
@@ -459,19 +466,33 @@ class DiffusionModel:
 
         self.graphs = GraphedUNet(self.pipeline.unet, max_graphs)
 
-    def predict_noise_graphed(
+    def start_run(
         self,
-        latents: torch.Tensor,
-        t: torch.Tensor,
-        cond: Conditioning,
-        scheduler: Any,
-        step: int = 0,
-    ) -> torch.Tensor:
-        """:meth:`predict_noise` with the UNet replayed from its CUDA graph."""
-        assert self.graphs is not None
-        sample = self.unet_input(latents, t, cond, scheduler)
-        noise = self.graphs(sample, t, cond.embeds, cond.added)
-        return self.guide(noise, cond)
+        spec: GenerationSpec,
+        start_latents: torch.Tensor | None,
+        start_step: int,
+        hooks: tuple[StepHook, ...],
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, tuple[StepHook, ...]]:
+        """A run's own scheduler (set to begin at ``start_step``), the timesteps it has left,
+        its starting latents (an edit's from :meth:`start_edit`, else ``start_latents``, else
+        the seed's noise) and its step hooks (inpainting's blend first). Under the model's
+        lock; :meth:`denoise` and the step batcher start every run here."""
+        scheduler = self.new_scheduler()
+        scheduler.set_timesteps(spec.steps, device=self.device)
+        order = int(getattr(scheduler, "order", 1))
+        timesteps = scheduler.timesteps[start_step * order :]
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(start_step * order)
+        if spec.edit is not None:
+            edit = self.start_edit(spec)
+            latents = edit.latents
+            if edit.region is not None:
+                hooks = (edit.blend(spec.steps), *hooks)
+        elif start_latents is None:
+            latents = self.initial_noise(spec, scheduler)
+        else:
+            latents = start_latents.to(self.device, self.dtype)
+        return scheduler, timesteps, latents, hooks
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -523,28 +544,17 @@ class DiffusionModel:
         if predictor is not None:
             predict = predictor
         elif self.graphs is not None and not starts:
-            predict = self.predict_noise_graphed  # a plain run: the weights stay as captured
+            # a plain run: the weights stay as captured
+            predict = functools.partial(self.predict_noise, graphs=self.graphs)
         else:
             predict = self.predict_noise
         with self.lock, torch.inference_mode(), self._watch.watching(cancel):
             try:
                 began = time.perf_counter()
                 cond = self.encode(spec)
-                scheduler = self.new_scheduler()
-                scheduler.set_timesteps(spec.steps, device=self.device)
-                order = int(getattr(scheduler, "order", 1))
-                timesteps = scheduler.timesteps[start_step * order :]
-                if hasattr(scheduler, "set_begin_index"):
-                    scheduler.set_begin_index(start_step * order)
-                if spec.edit is not None:
-                    edit = self.start_edit(spec)
-                    latents = edit.latents
-                    if edit.region is not None:
-                        hooks = (edit.blend(spec.steps), *hooks)
-                elif start_latents is None:
-                    latents = self.initial_noise(spec, scheduler)
-                else:
-                    latents = start_latents.to(self.device, self.dtype)
+                scheduler, timesteps, latents, hooks = self.start_run(
+                    spec, start_latents, start_step, hooks
+                )
                 encoded = time.perf_counter()
                 captured: dict[int, torch.Tensor] = {}
                 step = start_step

@@ -352,32 +352,22 @@ class StepBatcher:
         :meth:`DiffusionModel.denoise` makes them."""
         model, spec = self.model, request.spec
         request.cond = model.encode(spec)
-        start_step = spec.start_step
-        hooks = request.hooks
         # its own scheduler, stepped by this request alone (an edit's own EditStart.scheduler
         # only noises the template: stepping it would move the index its add_noise reads)
-        scheduler = model.new_scheduler()
-        scheduler.set_timesteps(spec.steps, device=model.device)
-        if spec.edit is not None:
-            edit = model.start_edit(spec)
-            latents = edit.latents
-            if edit.region is not None:
-                hooks = (edit.blend(spec.steps), *hooks)
-        else:
-            latents = model.initial_noise(spec, scheduler)
+        scheduler, timesteps, latents, hooks = model.start_run(
+            spec, None, spec.start_step, request.hooks
+        )
         order = int(getattr(scheduler, "order", 1))
         if order != 1:
             raise ValueError(
                 f"scheduler {model.scheduler_name!r} of order {order}: one batched UNet call"
                 " a step needs a first-order scheduler"
             )
-        if hasattr(scheduler, "set_begin_index"):
-            scheduler.set_begin_index(start_step)
         request.scheduler = scheduler
-        request.timesteps = scheduler.timesteps[start_step:]
+        request.timesteps = timesteps
         request.latents = latents
         request.hooks = hooks
-        request.step = start_step
+        request.step = spec.start_step
 
     def _retire(self) -> list[_Request]:
         """Requests that ran their last step leave (under the model's lock)."""
