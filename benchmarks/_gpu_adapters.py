@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _machine import drop_page_cache
 from PIL import Image
 
 from argus.contracts.controlnet import ControlUnit
@@ -73,19 +74,6 @@ def _median_ms(seconds: list[float]) -> float:
 
 
 # -- LoRA --------------------------------------------------------------------------------------
-
-
-def _drop_page_cache(path: Path) -> bool:
-    """Ask the kernel to forget ``path``'s cached pages (no root needed for a clean file)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return True
 
 
 def _read(path: Path) -> tuple[float, SharedRead]:
@@ -146,7 +134,7 @@ def lora_cost(
     figures: dict[str, float] = {}
     with torch.no_grad():
         for round_ in range(repeats + 1):  # round 0: warm-up, not timed
-            if not _drop_page_cache(path):
+            if not drop_page_cache(path):
                 cold = 0.0
             read_s, read = _read(path)
             warm_s, read = _read(path)

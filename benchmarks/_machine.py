@@ -7,6 +7,7 @@ taken while the load average was above the CPU count is a figure of a busy machi
 
 import os
 import platform
+from pathlib import Path
 
 
 def load_average() -> str:
@@ -29,3 +30,21 @@ def machine_line() -> str:
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
         f"; {load_line('start')}"
     )
+
+
+def drop_page_cache(path: Path, suffix: str = "") -> bool:
+    """Ask the kernel to forget the cached pages of ``path`` (a file, or every file below a
+    folder whose name ends in ``suffix``), written back first, so the next read comes from
+    the disk; no root needed. False where the OS has no ``posix_fadvise``."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return False
+    files = [path] if path.is_file() else [p for p in path.rglob(f"*{suffix}") if p.is_file()]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True

@@ -18,7 +18,6 @@ times each:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _machine import load_line, machine_line
+from _machine import drop_page_cache, load_line, machine_line
 
 from argus.worker.activation_store import SUFFIX, ActivationStore
 
@@ -38,17 +37,6 @@ from argus.worker.activation_store import SUFFIX, ActivationStore
 def make_record(mib: int, tensors: int) -> dict[str, torch.Tensor]:
     elems = mib * 2**20 // 2 // tensors
     return {f"s0.b{i}.y": torch.randn(elems).half() for i in range(tensors)}
-
-
-def drop_page_cache(root: Path) -> None:
-    for path in root.iterdir():
-        if path.name.endswith(SUFFIX):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def timed(fn: object, repeats: int, before: object = None) -> list[float]:
@@ -78,7 +66,8 @@ def measure_disk(root: Path, record: dict[str, torch.Tensor], verify: bool, repe
     def get() -> None:
         assert store.get("t") is not None
 
-    report(f"disk, cold ({tag})", timed(get, repeats, lambda: drop_page_cache(root)), nbytes)
+    cold = timed(get, repeats, lambda: drop_page_cache(root, SUFFIX))
+    report(f"disk, cold ({tag})", cold, nbytes)
     report(f"disk, warm ({tag})", timed(get, repeats), nbytes)
     store.close()
 

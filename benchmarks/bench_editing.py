@@ -68,7 +68,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -82,7 +81,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _machine import load_line, machine_line
+from _machine import drop_page_cache, load_line, machine_line
 
 from argus.worker.masked_blocks import (
     ActivationRecord,
@@ -302,12 +301,7 @@ def store_load(record: ActivationRecord, steps: int, repeats: int) -> dict[str, 
         disk.put("template", flat)
         seconds = []
         for _ in range(repeats):
-            for path in Path(tmp).iterdir():  # cold: the file's pages out of the page cache
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+            drop_page_cache(Path(tmp))  # cold: the files' pages out of the page cache
             seconds.append(timed(lambda: disk.get("template")))
         median = statistics.median(seconds)
         print(

@@ -53,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _fullsize import ARCHS, build_pipeline, native_size, param_counts
+from _machine import drop_page_cache
 
 from argus.profiles import default_profiles
 from argus.types import Strategy
@@ -327,23 +328,13 @@ def load_time(name: str, pipe: Any, clock: Clock, dtype: torch.dtype, device: st
 
     with tempfile.TemporaryDirectory(prefix=f"argus-{name}-") as folder:
         pipe.save_pretrained(folder, safe_serialization=True)
-        if clock.cuda:  # the lent GPU machine only: never this shared one
-            _drop_page_cache()
+        drop_page_cache(Path(folder))
         start = time.perf_counter()
         loaded = load_pipeline_dir(folder, dtype).to(device)
         clock.sync()
         seconds = time.perf_counter() - start
         del loaded
     return seconds
-
-
-def _drop_page_cache() -> bool:
-    """Ask the kernel to drop its page cache (root only), so a load reads the disk."""
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        return False
-    return True
 
 
 # -- the whole run -----------------------------------------------------------------------------
