@@ -19,6 +19,7 @@ import _gpu_adapters
 from _fullsize import build_pipeline
 
 from argus.worker.lora.patch import merge
+from tests.worker_factories import torch_threads
 
 pytestmark = pytest.mark.unit
 
@@ -60,12 +61,8 @@ CONTROLNET_KEYS = {
 def pipe() -> Iterator[Any]:
     # one intra-op thread: on a small CPU that other work also loads, torch's threads wait
     # for each other at every operator and step times swing by more than a ControlNet adds
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         yield build_pipeline("sdxl", device="cpu", dtype=torch.float32, tiny=True)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def unet_state(pipe: Any) -> dict[str, torch.Tensor]:

@@ -51,6 +51,7 @@ from argus.worker.lora.bound import first_below
 from argus.worker.lora.patch import patch_targets, weight_of
 from argus.worker.models import build_tiny_pipeline
 from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from tests.worker_factories import torch_threads
 
 pytestmark = pytest.mark.unit
 
@@ -67,10 +68,8 @@ TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "conv1")
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny models run fastest on one thread, and the machine is shared: take one core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

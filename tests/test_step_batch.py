@@ -27,7 +27,7 @@ from argus.request_limits import EditInput
 from argus.worker.pipelines import Cancelled, CancelToken, DiffusionModel, GenerationSpec
 from argus.worker.step_batch import StepBatcher
 from tests.editing_factories import SIZE, region_of, template_rgb
-from tests.worker_factories import tiny_model
+from tests.worker_factories import tiny_model, torch_threads
 
 pytestmark = pytest.mark.unit
 
@@ -37,10 +37,8 @@ RTOL = 1e-4
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

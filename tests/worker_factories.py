@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from argus.profiles import default_profiles
 from argus.worker.engine import Worker, WorkerConfig
@@ -12,6 +16,18 @@ from argus.worker.pipelines import DiffusionModel, GenerationSpec
 from argus.worker.registry import ModelRegistry
 
 STEPS = 10  # tiny runs: 10 steps at 64 px
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` for the block (on a small CPU that other work
+    loads, more threads wait for each other at every operator), then set back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def spec(prompt: str = "a red bus in the snow", **kwargs: Any) -> GenerationSpec:
