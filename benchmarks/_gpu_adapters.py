@@ -26,7 +26,6 @@ the repeats; the functions return flat dicts of floats.
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import statistics
@@ -34,10 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from _machine import drop_page_cache
-from PIL import Image
+from bench_controlnet import control_png
 
 from argus.contracts.controlnet import ControlUnit
 from argus.worker.controlnet.executor import LocalControlNetExecutor
@@ -256,14 +254,6 @@ def random_controlnet(unet: Any, *, device: str, dtype: torch.dtype, seed: int =
     return net.to(device=device, dtype=dtype).eval()
 
 
-def _control_png(size: int, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    image = Image.fromarray((rng.random((size, size, 3)) * 255).astype(np.uint8))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 class _StepClock:
     """``before_step`` / ``on_step`` callbacks of :meth:`DiffusionModel.denoise` that time each
     step (UNet or ControlNet + UNet, guidance, scheduler step) between synchronised clocks."""
@@ -322,7 +312,7 @@ def controlnet_cost(
     model = DiffusionModel(f"{family}-profile", pipe, device=device, source="gpu-profile")
     net = random_controlnet(pipe.unet, device=device, dtype=dtype)
     executor = _OneControlNet(family, net, device=device, dtype=dtype)
-    units = [ControlUnit(CONTROLNET_NAME, 1.0, _control_png(size))]
+    units = [ControlUnit(CONTROLNET_NAME, 1.0, control_png(0, size))]
     spec = GenerationSpec(PROMPT, seed=0, height=size, width=size, steps=steps)
 
     def run(with_controlnet: bool) -> tuple[_StepClock, torch.Tensor, ControlNetPredictor | None]:

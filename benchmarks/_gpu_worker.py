@@ -39,7 +39,6 @@ free.
 
 from __future__ import annotations
 
-import io
 import shutil
 import statistics
 import sys
@@ -50,6 +49,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# the benchmarks import their siblings by name (bench_controlnet imports _machine)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 MINILM_ARCH = Path(__file__).resolve().parent / "minilm-arch"
 BASE = "sdxl"
 VARIANT = "sd-1.5"
@@ -174,17 +175,6 @@ class _DecodeTimes:
         model.decode = decode
 
 
-def _control_png(size: int) -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    image = Image.fromarray((rng.random((size, size, 3)) * 255).astype(np.uint8))
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
 def _prepare_models(
     device: str, dtype: Any, tiny: bool, workdir: Path
 ) -> tuple[str, tuple[tuple[str, str], ...], Path, str, dict[str, float]]:
@@ -271,6 +261,7 @@ def worker_path(
     from argus.worker.adapters import AdapterSettings
     from argus.worker.app import WorkerSettings, build_worker
     from benchmarks._fullsize import native_size
+    from benchmarks.bench_controlnet import control_png
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
     cuda = device.startswith("cuda")
@@ -369,7 +360,7 @@ def worker_path(
         style = Adapter(AdapterKind.LORA, LORA, 1.0)
         for r in range(repeats):
             serve("lora", GenerateCall(PROMPT, level="ac-k0", seed=r, adapters=(style,)))
-        control = Adapter(AdapterKind.CONTROLNET, CONTROLNET, 1.0, _control_png(base_size))
+        control = Adapter(AdapterKind.CONTROLNET, CONTROLNET, 1.0, control_png(0, base_size))
         for r in range(repeats):
             serve("controlnet", GenerateCall(PROMPT, level="ac-k0", seed=r, adapters=(control,)))
 
