@@ -302,10 +302,15 @@ def cache_levels(
     for k in ks:
         start = captured.get(k) if k else None
 
-        def run(start: Any = start, k: int = k) -> None:
-            model.decode(model.denoise(spec, start_latents=start, start_step=k).latents)
+        steps_run: list[int] = []
 
-        out[str(k)] = {"latency_s": statistics.median(clock.time(run, repeats))}
+        def run(start: Any = start, k: int = k, steps_run: list[int] = steps_run) -> None:
+            result = model.denoise(spec, start_latents=start, start_step=k)
+            steps_run.append(result.steps_run)
+            model.decode(result.latents)
+
+        seconds = statistics.median(clock.time(run, repeats))
+        out[str(k)] = {"latency_s": seconds, "steps_run": steps_run[-1]}
     base = out[str(ks[0])]["latency_s"]
     for k in ks:
         row = out[str(k)]
@@ -475,7 +480,8 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 def ac_fit(cache: dict[str, Any], steps: int) -> tuple[float, float] | None:
     """Least squares of the resumed runs' latency on the steps they run: ``fixed`` seconds
     (encode, decode, image) plus ``per_step`` × (N − K), Argus §2.1's model with the fixed
-    part it leaves out. None with fewer than two K."""
+    part it leaves out; neither part below zero (noisy points can tilt a free line below the
+    origin: then the line through it). None with fewer than two K."""
     points = [(steps - int(k), row["latency_s"]) for k, row in cache.items() if k != "fetch"]
     if len(points) < 2:
         return None
@@ -483,7 +489,10 @@ def ac_fit(cache: dict[str, Any], steps: int) -> tuple[float, float] | None:
     mean_y = statistics.fmean(y for _, y in points)
     spread = sum((x - mean_x) ** 2 for x, _ in points)
     per_step = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
-    return mean_y - per_step * mean_x, per_step
+    fixed = mean_y - per_step * mean_x
+    if fixed < 0.0:
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return fixed, max(per_step, 0.0)
 
 
 def level_figures(data: dict[str, Any]) -> dict[str, dict[str, float]]:
