@@ -194,11 +194,13 @@ def native_size(name: str, tiny: bool) -> int:
     return 64 if tiny else ARCHS[name].size
 
 
+def modules(pipe: Any) -> dict[str, torch.nn.Module]:
+    """A pipeline's parts that carry weights, by name."""
+    parts = ("unet", "text_encoder", "text_encoder_2", "vae")
+    found = {part: getattr(pipe, part, None) for part in parts}
+    return {part: m for part, m in found.items() if isinstance(m, torch.nn.Module)}
+
+
 def param_counts(pipe: Any) -> dict[str, int]:
     """Parameters per part of a pipeline."""
-    counts = {}
-    for part in ("unet", "text_encoder", "text_encoder_2", "vae"):
-        module = getattr(pipe, part, None)
-        if isinstance(module, torch.nn.Module):
-            counts[part] = sum(p.numel() for p in module.parameters())
-    return counts
+    return {part: sum(p.numel() for p in m.parameters()) for part, m in modules(pipe).items()}

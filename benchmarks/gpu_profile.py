@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _fullsize import ARCHS, build_pipeline, native_size, param_counts
+from _fullsize import ARCHS, build_pipeline, modules, native_size, param_counts
 from _machine import drop_page_cache
 
 from argus.profiles import default_profiles
@@ -328,7 +328,7 @@ def cache_levels(
 
 def load_time(name: str, pipe: Any, clock: Clock, dtype: torch.dtype, device: str) -> float:
     """Seconds the worker's loader takes from a local diffusers directory to the device (the
-    directory written just before, so read from the page cache where the OS keeps it)."""
+    directory written just before, its files dropped from the page cache)."""
     from argus.worker.models import load_pipeline_dir
 
     with tempfile.TemporaryDirectory(prefix=f"argus-{name}-") as folder:
@@ -361,7 +361,8 @@ def profile_model(name: str, args: argparse.Namespace, run: Run, clock: Clock) -
     if clock.cuda:
         entry["weights_gib"] = (torch.cuda.memory_allocated() - before) / GIB
     else:
-        entry["weights_gib"] = sum(p.numel() * p.element_size() for p in _params(pipe)) / GIB
+        weights = (p for m in modules(pipe).values() for p in m.parameters())
+        entry["weights_gib"] = sum(p.numel() * p.element_size() for p in weights) / GIB
     run.data["models"][name] = entry
     model = DiffusionModel(name, pipe, device=args.device, source=f"full:{name}")
     spec = GenerationSpec(PROMPT, seed=1, height=size, width=size, steps=args.steps)
@@ -395,15 +396,6 @@ def later_pass(name: str, args: argparse.Namespace, run: Run, clock: Clock, what
     else:
         entry["compile"] = compiled_step(pipe, clock, entry["size"], 10)
     del pipe
-
-
-def _params(pipe: Any) -> list[torch.nn.Parameter]:
-    return [
-        p
-        for part in ("unet", "text_encoder", "text_encoder_2", "vae")
-        if isinstance(getattr(pipe, part, None), torch.nn.Module)
-        for p in getattr(pipe, part).parameters()
-    ]
 
 
 def adapters(pipe: Any, args: argparse.Namespace, size: int, out: Path) -> dict[str, Any]:
