@@ -115,6 +115,14 @@ MAX_RESIDENT_MODELS = 1
 """Ready models a worker keeps resident at most (1: a switch unloads the previous model once
 the new one is ready); more keep several UNets beside shared parts, so a switch back is free."""
 
+EDIT_BATCH = 1
+"""Edits a worker batches at most, joining at step boundaries (argus/worker/edit_lane.py); 1
+serves one request at a time, today's path."""
+
+DECODE_THREAD = False
+"""Whether a worker's batched edits decode on a thread of their own instead of the device
+thread (argus/worker/edit_lane.py)."""
+
 CUDA_GRAPHS = 0
 """UNet step shapes a worker keeps captured as CUDA graphs (argus/worker/cuda_graphs.py); 0 runs
 every step eagerly. CUDA only: 2.1-2.8x on SDXL's step on an H200 (docs/gpu.md)."""

@@ -975,6 +975,23 @@ def test_cuda_graphs_are_a_value_off_by_default() -> None:
         render({"worker": {"cudaGraphs": -1}})
 
 
+def test_edit_batching_is_a_value_off_by_default() -> None:
+    """worker.editBatch reaches every worker as --edit-batch above 1 and decodeThread as
+    --decode-thread (both left out by default: the binary's one-at-a-time path); the schema
+    refuses a bound below 1 and a decodeThread that is not a boolean."""
+    args = main_container(workloads(render({}))["worker"])["args"]
+    assert "--edit-batch" not in args and "--decode-thread" not in args
+    parsed = cli_parser("worker").parse_args([])
+    assert parsed.edit_batch == 1 and parsed.decode_thread is False
+    values = {"worker": {"editBatch": 4, "decodeThread": True}}
+    args = main_container(workloads(render(values))["worker"])["args"]
+    assert arg_value(args, "--edit-batch") == "4" and "--decode-thread" in args
+    with pytest.raises(helm.HelmValuesError, match="editBatch"):
+        render({"worker": {"editBatch": 0}})
+    with pytest.raises(helm.HelmValuesError, match="decodeThread"):
+        render({"worker": {"decodeThread": "yes"}})
+
+
 def test_the_workers_edit_cache_is_a_value_with_an_optional_disk_tier() -> None:
     """worker.editCache reaches every worker as --edit-cache-bytes (the binary's default by
     default, host memory only); its disk tier mounts a node-local emptyDir at the directory it

@@ -70,6 +70,18 @@ class WorkerCommand:
             help="UNet step shapes kept as CUDA graphs and replayed (CUDA only; a request is "
             "then stopped between steps, not inside one; default 0: eager)",
         )
+        parser.add_argument(
+            "--edit-batch",
+            type=int,
+            default=defaults.EDIT_BATCH,
+            help="edits (without adapters) run together at most, a new one joining the running "
+            "batch at the next denoising step (default 1: one request at a time)",
+        )
+        parser.add_argument(
+            "--decode-thread",
+            action="store_true",
+            help="batched edits decode on a thread of their own, so the next step starts at once",
+        )
         parser.add_argument("--no-cache", action="store_true", help="serve without AC caching")
         parser.add_argument("--cache-dir", help="latent store and Qdrant Edge directory")
         parser.add_argument("--qdrant-url", help="Qdrant server URL (default: Qdrant Edge)")
@@ -176,6 +188,8 @@ class WorkerCommand:
             memory_budget_gib=args.memory_budget_gib,
             max_resident=args.max_resident,
             cuda_graphs=args.cuda_graphs,
+            edit_batch=args.edit_batch,
+            decode_thread=args.decode_thread,
             cache=not args.no_cache,
             cache_dir=args.cache_dir,
             qdrant_url=args.qdrant_url,

@@ -53,6 +53,8 @@ class WorkerSettings:
     # ready models kept resident at most (their shared parts once); 1: one model at a time
     max_resident: int = defaults.MAX_RESIDENT_MODELS
     cuda_graphs: int = defaults.CUDA_GRAPHS  # step shapes kept as CUDA graphs; 0: eager
+    edit_batch: int = defaults.EDIT_BATCH  # edits batched at step boundaries; 1: one at a time
+    decode_thread: bool = defaults.DECODE_THREAD  # batched edits decode off the device thread
     # approximate cache
     cache: bool = True
     cache_dir: str | None = None  # latent store and Qdrant Edge shard; None: a temp dir
@@ -96,6 +98,8 @@ class WorkerSettings:
             raise ValueError(f"max_resident: must be >= 1, got {self.max_resident}")
         if self.cuda_graphs < 0:
             raise ValueError(f"cuda_graphs: must be >= 0, got {self.cuda_graphs}")
+        if self.edit_batch < 1:
+            raise ValueError(f"edit_batch: must be >= 1, got {self.edit_batch}")
         if self.edit_cache_bytes < 0:
             raise ValueError(f"edit_cache_bytes: must be >= 0, got {self.edit_cache_bytes}")
         if self.edit_cache_dir is not None and self.edit_cache_disk_bytes <= 0:
@@ -251,6 +255,8 @@ def build_worker(
         default_height=settings.default_size,
         default_steps=settings.default_steps,
         max_queue=settings.max_queue,
+        edit_batch=settings.edit_batch,
+        decode_thread=settings.decode_thread,
     )
     edit_cache = build_edit_cache(settings, metrics)
     adapters = None
@@ -268,6 +274,7 @@ def build_worker(
         level=settings.level,
         adapters=adapters,
         edit_cache=edit_cache,
+        lane_events=metrics.lane if metrics is not None else None,
     )
     worker.configure(wait=wait_for_model)
     active = registry.active()

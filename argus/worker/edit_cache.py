@@ -42,7 +42,7 @@ import torch
 
 if TYPE_CHECKING:
     from argus.worker.activation_store import ActivationStore, CachePlan
-    from argus.worker.masked_blocks import ActivationRecord
+    from argus.worker.masked_blocks import ActivationRecord, RowBlocks
     from argus.worker.pipelines import DiffusionModel, GenerationSpec, NoisePredictor
 
 OUTCOMES = ("hit", "miss", "evicted")
@@ -64,14 +64,17 @@ class EditCacheEvents:
 
 @dataclass(frozen=True)
 class EditCacheUse:
-    """One run's use of the cache (:meth:`EditCache.begin`): the predictor to denoise with, and
-    what to call once the run finished (it stores what a recording run recorded)."""
+    """One run's use of the cache (:meth:`EditCache.begin`): the predictor to denoise with
+    alone, or the blocks to run in a batch (:class:`~argus.worker.masked_blocks.RowBlocks`,
+    for the step batcher), and what to call once the run finished (it stores what a recording
+    run recorded)."""
 
     outcome: str  # one of OUTCOMES
-    predictor: NoisePredictor
+    predictor: NoisePredictor | None
     finish: Callable[[], None]
     blocks_cached: int = 0  # blocks replayed from the record (Algorithm 1's choice)
     blocks: int = 0
+    rows: RowBlocks | None = None  # the run's blocks inside a batch (``begin(batched=True)``)
 
 
 class EditCache:
@@ -141,15 +144,24 @@ class EditCache:
         return present
 
     def begin(
-        self, model: DiffusionModel, spec: GenerationSpec, key: str, *, was_present: bool
+        self,
+        model: DiffusionModel,
+        spec: GenerationSpec,
+        key: str,
+        *,
+        was_present: bool,
+        batched: bool = False,
     ) -> EditCacheUse:
         """How the run of ``spec`` (under ``key``) denoises: replaying the template's record,
         or in full while recording one. ``was_present``: a record was there at queue time.
-        Called on the device thread, before the run."""
+        ``batched``: the run is one request of a step batch, which takes the use's ``rows``
+        (a recording there learns no block times: the batch's blocks run as one). Called on
+        the device thread, before the run."""
         from argus.worker.masked_blocks import (
             ActivationRecord,
             RecordingPredictor,
             ReplayPredictor,
+            RowRecorder,
         )
 
         region = model.edit_region(spec)
@@ -160,9 +172,14 @@ class EditCache:
             use = self.plan(model, spec, record, region)
             self._count("hit")
             predictor = ReplayPredictor(model, record, region, use_cache=use)
-            return EditCacheUse("hit", predictor, lambda: None, sum(use), len(use))
+            return EditCacheUse(
+                "hit", predictor, lambda: None, sum(use), len(use), rows=predictor.replay
+            )
         outcome = "evicted" if was_present else "miss"
         self._count(outcome)
+        if batched:
+            rows = RowRecorder(region)
+            return EditCacheUse(outcome, None, lambda: self._store(key, rows.record), rows=rows)
         recorder = RecordingPredictor(model, region)
         timed = _TimedBlocks(model)
 
@@ -174,11 +191,14 @@ class EditCache:
 
         def finish() -> None:
             self._learn(self._shape_key(model, spec), timed)
-            tensors = recorder.record.to_tensors()
-            self._events.on_record(sum(t.nbytes for t in tensors.values()))
-            self.store.put(key, tensors)
+            self._store(key, recorder.record)
 
         return EditCacheUse(outcome, predict, finish)
+
+    def _store(self, key: str, record: ActivationRecord) -> None:
+        tensors = record.to_tensors()
+        self._events.on_record(sum(t.nbytes for t in tensors.values()))
+        self.store.put(key, tensors)
 
     # -- Algorithm 1 -----------------------------------------------------------------------
 

@@ -96,12 +96,14 @@ request with ControlNets never resumes from a cached latent, and no adapter requ
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
@@ -132,7 +134,8 @@ from argus.request_limits import (
 )
 from argus.types import Level, ProfileSet, Strategy
 from argus.worker.adapters import NO_ADAPTERS, AdapterPlan, WorkerAdapters
-from argus.worker.edit_cache import EditCache
+from argus.worker.edit_cache import EditCache, EditCacheUse
+from argus.worker.edit_lane import EditLane, LaneEvents
 from argus.worker.pipelines import (
     NEVER_CANCELLED,
     Cancelled,
@@ -144,6 +147,7 @@ from argus.worker.pipelines import (
     paste_unmasked,
 )
 from argus.worker.registry import ModelRegistry
+from argus.worker.step_batch import StepBatcher
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -211,6 +215,11 @@ class FifoSlot:
                 self._line.remove(ticket)
                 return
         self.release()
+
+    def waiting(self) -> int:
+        """Tickets in line for the slot (the edit lane drains its batch while any waits)."""
+        with self._lock:
+            return len(self._line)
 
     def release(self) -> None:
         """The slot's holder is done: the oldest waiting ticket gets it."""
@@ -345,6 +354,14 @@ class WorkerConfig:
     decode_seed_s_per_pixel: float = DECODE_SEED_S_PER_PIXEL
     """The decode rate :class:`DecodeTimes` assumes before it has seen a decode as large; 0
     assumes decodes are free until measured (nothing is skipped for want of a measurement)."""
+    edit_batch: int = defaults.EDIT_BATCH
+    """Edits batched at most (:mod:`argus.worker.edit_lane`); 1: one request at a time."""
+    decode_thread: bool = defaults.DECODE_THREAD
+    """Batched edits decode on a thread of their own, off the denoising loop."""
+
+    def __post_init__(self) -> None:
+        if self.edit_batch < 1:
+            raise ValueError(f"edit_batch: must be >= 1, got {self.edit_batch}")
 
 
 ProgressSink = Callable[[Progress], None]
@@ -401,6 +418,7 @@ class Worker:
         level: str | None = None,
         adapters: WorkerAdapters | None = None,
         edit_cache: EditCache | None = None,
+        lane_events: LaneEvents | None = None,
     ) -> None:
         self.profiles = profiles
         self.registry = registry
@@ -430,6 +448,14 @@ class Worker:
         self._pending: set[Future[Any]] = set()
         self._warm = threading.Event()  # set by warm_up(): the pipeline has run once
         self.decode_times = DecodeTimes(self.config.decode_seed_s_per_pixel)
+        # edits batched at step boundaries (argus/worker/edit_lane.py); None: one at a time
+        self._lane: EditLane | None = None
+        self._decoder: ThreadPoolExecutor | None = None
+        self._batch_keys = itertools.count()
+        if self.config.edit_batch > 1:
+            self._lane = EditLane(self.config.edit_batch, self._slots, self._device, lane_events)
+            if self.config.decode_thread:
+                self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
 
     def _default_level(self) -> str:
         fastest_ac = [lv for lv in self.profiles.levels if lv.strategy is Strategy.AC]
@@ -565,26 +591,36 @@ class Worker:
             pixels = spec.width * spec.height
             if report is not None:
                 report.queued(ahead)
-                self._wait_for_slot(
-                    cancel, lambda: report.queued(self._ahead(ahead, finished)), pixels
-                )
+            if self._batches(spec, plan):
+                joined = threading.Event()
+                try:
+                    ran, started = self._run_batched(
+                        spec, level, call.request_id, cancel, report, queued_edit, joined
+                    )
+                finally:
+                    stage = "running" if joined.is_set() else "queued"
             else:
-                self._wait_for_slot(cancel, pixels=pixels)
-            try:
-                stage = "running"
-                started = time.perf_counter()
-                ran = self._on_device(
-                    self._run,
-                    spec,
-                    level,
-                    plan,
-                    call.request_id,
-                    cancel=cancel,
-                    report=report,
-                    queued_edit=queued_edit,
-                )
-            finally:
-                self._slots.release()
+                if report is not None:
+                    self._wait_for_slot(
+                        cancel, lambda: report.queued(self._ahead(ahead, finished)), pixels
+                    )
+                else:
+                    self._wait_for_slot(cancel, pixels=pixels)
+                try:
+                    stage = "running"
+                    started = time.perf_counter()
+                    ran = self._on_device(
+                        self._run,
+                        spec,
+                        level,
+                        plan,
+                        call.request_id,
+                        cancel=cancel,
+                        report=report,
+                        queued_edit=queued_edit,
+                    )
+                finally:
+                    self._slots.release()
             result = self._finish(ran, cancel)
             timing = replace(
                 result.timing,
@@ -702,7 +738,26 @@ class Worker:
         image, vae_s = self._decode_in_time(model, spec, result, cancel, report)  # 5
         if feeds and result.captured:  # 6
             self._insert_later(spec.prompt, lookup.embedding, key, result.captured)
-        answer = GenerateResult(  # 7
+        answer = self._answer(  # 7
+            request_id, level, model, result, lookup, vae_s, substituted, path, adapter_ms
+        )
+        return _Ran(answer, image, vae_s, spec)
+
+    def _answer(
+        self,
+        request_id: str,
+        level: Level,
+        model: DiffusionModel,
+        result: DenoiseResult,
+        lookup: CacheLookup,
+        vae_s: float,
+        substituted: bool,
+        path: str = "",
+        adapter_ms: dict[str, float] | None = None,
+    ) -> GenerateResult:
+        """A run's answer without its PNG (:meth:`_finish` adds it)."""
+        adapter_ms = adapter_ms or {}
+        return GenerateResult(
             request_id=request_id,
             png=b"",
             level=level.name,
@@ -727,7 +782,121 @@ class Worker:
             substituted=substituted,
             adapter_path=path,
         )
-        return _Ran(answer, image, vae_s, spec)
+
+    # -- the edit lane (argus/worker/edit_lane.py) -----------------------------------------
+
+    def _batches(self, spec: GenerationSpec, plan: AdapterPlan) -> bool:
+        """Whether ``spec`` is served by the edit lane: an edit without adapters (nor a
+        latent-parallel peer), on a worker that batches edits."""
+        if self._lane is None or spec.edit is None or plan:
+            return False
+        return self.adapters is None or self.adapters.peer is None
+
+    def _run_batched(
+        self,
+        spec: GenerationSpec,
+        level: Level,
+        request_id: str,
+        cancel: CancelToken,
+        report: _Reporter | None,
+        queued_edit: tuple[str, bool] | None,
+        joined: threading.Event,
+    ) -> tuple[_Ran, float]:
+        """Serve an edit in the lane's step batch (on the device thread: its preparation, its
+        steps, and its decode unless the decode thread takes it), waiting for its image on
+        the calling thread; returns the run and when it joined the batch. ``joined`` is set
+        when it joins. A request whose token says stop, or whose decode can no longer finish
+        in time, leaves the queue at once; once in the batch it leaves at the next step
+        boundary (:class:`Cancelled`)."""
+        assert self._lane is not None
+        model, substituted = self._pick_model(level)
+        key = self._edit_key(model, spec, NO_ADAPTERS)
+        uses: list[EditCacheUse] = []
+        progress: list[StepHook] = []
+
+        def on_join() -> Any:  # on the device thread, under the model's lock
+            joined.set()
+            with self._lock:
+                self._counts["denoise_runs"] += 1
+            if report is not None:
+                progress.append(report.running(spec.start_step, spec.steps))
+            if key is None or self.edit_cache is None:
+                return None
+            present = queued_edit is not None and queued_edit == (key, True)
+            use = self.edit_cache.begin(model, spec, key, was_present=present, batched=True)
+            uses.append(use)
+            return use.rows
+
+        def stepped(done: int, latents: torch.Tensor) -> None:
+            for hook in progress:
+                hook(done, latents)
+
+        decoded: Future[tuple[Image.Image, float, Any]] = Future()
+
+        def finished(future: Future[Any]) -> None:  # on the device thread, after the step
+            error = future.exception()
+            if error is not None:
+                decoded.set_exception(error)
+            elif self._decoder is not None:
+                self._decoder.submit(decode, future.result())
+            else:
+                decode(future.result())
+
+        def decode(batch: Any) -> None:
+            try:
+                ran = DenoiseResult(batch.latents, steps_run=batch.steps_run)
+                image, vae_s = self._decode_in_time(model, spec, ran, cancel, report)
+                decoded.set_result((image, vae_s, batch))
+            except BaseException as error:
+                decoded.set_exception(error)
+
+        name = ("edit", next(self._batch_keys))
+        batcher, future = self._lane.submit(
+            model,
+            spec,
+            name,
+            cancel=cancel,
+            hooks=(stepped,) if report is not None else (),
+            on_step=self._count_step,
+            on_join=on_join,
+        )
+        future.add_done_callback(finished)
+        while True:
+            try:
+                image, vae_s, batch = decoded.result(timeout=QUEUE_POLL_S)
+                break
+            except FutureTimeout:
+                if not joined.is_set():
+                    self._leave_lane(batcher, name, cancel, spec.width * spec.height)
+        for use in uses:  # a recording reaches the store off the request path
+            with self._lock:
+                self._pending.add(self._writer.submit(self._finish_edit, use.finish))
+        result = DenoiseResult(
+            batch.latents,
+            steps_run=batch.steps_run,
+            encode_s=batch.prepared_s - batch.joined_s,
+            denoise_s=batch.finished_s - batch.prepared_s,
+        )
+        lookup = CacheLookup(CacheOutcome.NOT_USED, start_step=spec.start_step)
+        answer = self._answer(request_id, level, model, result, lookup, vae_s, substituted)
+        return _Ran(answer, image, vae_s, spec), batch.joined_s
+
+    def _leave_lane(
+        self, batcher: StepBatcher, name: Any, cancel: CancelToken, pixels: int
+    ) -> None:
+        """A request waiting in the lane leaves it at once when its token says stop, or with
+        :class:`DecodeSkipped` when the time left is shorter than its predicted decode (as a
+        request waiting for the slot does)."""
+        reason = cancel.reason()
+        if reason is not None:
+            batcher.withdraw(name, reason)  # its future fails: the wait raises Cancelled
+            return
+        left = cancel.remaining_s()
+        if left is None:
+            return
+        decode_s = self.decode_times.predict_s(pixels)
+        if left < decode_s and batcher.withdraw(name, "expired"):
+            raise DecodeSkipped(0, decode_s, left)
 
     def _finish(self, ran: _Ran, cancel: CancelToken) -> GenerateResult:
         """The PNG of a run's image, encoded on the calling thread after the GPU slot was
@@ -1025,6 +1194,10 @@ class Worker:
         )
 
     def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=True)
         self._device.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         if self.edit_cache is not None:

@@ -48,10 +48,11 @@ request sees the patch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -486,9 +487,6 @@ class Replay:
             yield
 
     def _forward(self, index: int, block: Any, step: int) -> Callable[..., torch.Tensor]:
-        record, key = self.record, (step, index)
-        own = block.forward
-
         def forward(
             hidden_states: torch.Tensor,
             attention_mask: torch.Tensor | None = None,
@@ -499,44 +497,60 @@ class Replay:
             class_labels: Any = None,
             added_cond_kwargs: Any = None,
         ) -> torch.Tensor:
-            if attention_mask is not None or cross_attention_kwargs:
-                raise UnsupportedBlockError(
-                    "masked transformer block: a self-attention mask or cross_attention_kwargs "
-                    "is not implemented"
-                )
-            plan = self.plans.get(hidden_states.shape[1])
-            if plan is None:
-                raise RecordMismatchError(
-                    f"block {index}: the record covers no resolution of "
-                    f"{hidden_states.shape[1]} tokens"
-                )
-            if plan.all_computed:  # nothing to take from the record: the block's own forward
-                computed: torch.Tensor = own(
-                    hidden_states,
-                    encoder_hidden_states=encoder_hidden_states,
-                    encoder_attention_mask=encoder_attention_mask,
-                )
-                return computed
-            if key not in record.outputs:
-                raise RecordMismatchError(f"the record has no step {step} block {index}")
-            cached_y = record.outputs[key]
-            if cached_y.shape[0] != hidden_states.shape[0]:
-                raise RecordMismatchError(
-                    f"the record's batch is {cached_y.shape[0]} (CFG branches), "
-                    f"this run's {hidden_states.shape[0]}"
-                )
-            kv = (record.keys[key], record.values[key]) if self.keys_values else None
-            return masked_block_forward(
-                block,
-                hidden_states,
-                plan,
-                cached_y,
-                encoder_hidden_states,
-                encoder_attention_mask,
-                kv,
+            _refuse_extras(attention_mask, cross_attention_kwargs)
+            return self.forward_rows(
+                index, block, step, hidden_states, encoder_hidden_states, encoder_attention_mask
             )
 
         return forward
+
+    def forward_rows(
+        self,
+        index: int,
+        block: Any,
+        step: int,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Block ``index`` of step ``step`` on this request's rows: replayed from the record,
+        or computed in full where ``use_cache`` says so (a :class:`RowBlocks`)."""
+        if not self.use_cache[index]:
+            return own_forward(block)(
+                hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_attention_mask=encoder_attention_mask,
+            )
+        record, key = self.record, (step, index)
+        plan = self.plans.get(hidden_states.shape[1])
+        if plan is None:
+            raise RecordMismatchError(
+                f"block {index}: the record covers no resolution of {hidden_states.shape[1]} tokens"
+            )
+        if plan.all_computed:  # nothing to take from the record: the block's own forward
+            return own_forward(block)(
+                hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_attention_mask=encoder_attention_mask,
+            )
+        if key not in record.outputs:
+            raise RecordMismatchError(f"the record has no step {step} block {index}")
+        cached_y = record.outputs[key]
+        if cached_y.shape[0] != hidden_states.shape[0]:
+            raise RecordMismatchError(
+                f"the record's batch is {cached_y.shape[0]} (CFG branches), "
+                f"this run's {hidden_states.shape[0]}"
+            )
+        kv = (record.keys[key], record.values[key]) if self.keys_values else None
+        return masked_block_forward(
+            block,
+            hidden_states,
+            plan,
+            cached_y,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            kv,
+        )
 
 
 class ReplayPredictor:
@@ -562,3 +576,134 @@ class ReplayPredictor:
     ) -> torch.Tensor:
         with self.replay.step(step):
             return self.model.predict_noise(latents, t, cond, scheduler, step)
+
+
+# -- a batch of requests in one UNet call --------------------------------------------------
+
+
+def own_forward(block: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """The block's class forward, bound to it: its computation whatever a patch put on the
+    instance."""
+    return functools.partial(type(block).forward, block)
+
+
+def _refuse_extras(attention_mask: Any, cross_attention_kwargs: Any) -> None:
+    if attention_mask is not None or cross_attention_kwargs:
+        raise UnsupportedBlockError(
+            "masked transformer block: a self-attention mask or cross_attention_kwargs "
+            "is not implemented"
+        )
+
+
+class RowBlocks(Protocol):
+    """One request's transformer blocks inside a batched UNet call (the step batcher,
+    :mod:`argus.worker.step_batch`): what block ``index`` of the request's step ``step``
+    gives for the request's own rows (both CFG branches)."""
+
+    def forward_rows(
+        self,
+        index: int,
+        block: Any,
+        step: int,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class RowRecorder:
+    """A recording run inside a batch: each block computed in full on the request's rows,
+    its output for the tokens outside ``region`` kept in :attr:`record` (Y only), as
+    :func:`recording` keeps them for a run alone."""
+
+    def __init__(self, region: torch.Tensor, *, dtype: torch.dtype = RECORD_DTYPE) -> None:
+        self.region = region
+        self.dtype = dtype
+        self.record = ActivationRecord((int(region.shape[-2]), int(region.shape[-1])))
+        self._levels = token_regions(region)
+
+    def forward_rows(
+        self,
+        index: int,
+        block: Any,
+        step: int,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        output = own_forward(block)(
+            hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+        )
+        size, edited = _level(self._levels, output.shape[1])
+        covered = ~edited
+        self.record.coverage[size] = covered
+        rows = covered.nonzero().flatten().to(output.device)
+        self.record.outputs[(step, index)] = output.index_select(1, rows).to("cpu", self.dtype)
+        return output
+
+
+@dataclass(frozen=True)
+class RowPart:
+    """One request's share of a batched UNet call: its rows (in joining order), its blocks
+    (None: every block in full) and the index of the step it is at."""
+
+    rows: int
+    blocks: RowBlocks | None
+    step: int
+
+
+@contextlib.contextmanager
+def batched_blocks(blocks: Sequence[torch.nn.Module], parts: Sequence[RowPart]) -> Iterator[None]:
+    """Patch every transformer block for one batched UNet call whose rows are ``parts``, in
+    order: each request's rows go through its own :class:`RowBlocks` (a replay computes its
+    region's tokens only, a recorder keeps its rows), and neighbouring requests without any
+    run the block together. Everything outside the blocks (convolutions, ResNets, the time
+    embedding) runs on the whole batch. Restored on exit, exceptions included."""
+    groups: list[tuple[int, RowPart | None]] = []  # (rows, the part; None: plain rows)
+    for part in parts:
+        if part.blocks is None and groups and groups[-1][1] is None:
+            groups[-1] = (groups[-1][0] + part.rows, None)
+        else:
+            groups.append((part.rows, part if part.blocks is not None else None))
+    forwards = [_split_forward(index, block, groups) for index, block in enumerate(blocks)]
+    with patched_forwards(blocks, forwards):
+        yield
+
+
+def _split_forward(
+    index: int, block: Any, groups: Sequence[tuple[int, RowPart | None]]
+) -> Callable[..., torch.Tensor]:
+    own = own_forward(block)
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        timestep: Any = None,
+        cross_attention_kwargs: dict[str, Any] | None = None,
+        class_labels: Any = None,
+        added_cond_kwargs: Any = None,
+    ) -> torch.Tensor:
+        _refuse_extras(attention_mask, cross_attention_kwargs)
+        outputs = []
+        row = 0
+        for rows, part in groups:
+            take = slice(row, row + rows)
+            row += rows
+            x = hidden_states[take]
+            context = None if encoder_hidden_states is None else encoder_hidden_states[take]
+            context_mask = None if encoder_attention_mask is None else encoder_attention_mask[take]
+            if part is None or part.blocks is None:
+                outputs.append(
+                    own(x, encoder_hidden_states=context, encoder_attention_mask=context_mask)
+                )
+            else:
+                outputs.append(
+                    part.blocks.forward_rows(index, block, part.step, x, context, context_mask)
+                )
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    return forward

@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from argus.contracts.generate import GenerateResult
 from argus.worker.activation_store import StoreListener, Tier
 from argus.worker.edit_cache import EditCacheEvents
+from argus.worker.edit_lane import LaneEvents
 
 # latency buckets from 50 ms (tiny models on a CPU) to 2 min (SDXL at K = 0 on a slow GPU)
 LATENCY_BUCKETS = (
@@ -105,6 +106,7 @@ class WorkerMetrics:
         )
 
         self.edit_cache = EditCacheMetrics(reg)
+        self.lane = LaneMetrics(reg)
 
     def watch_queue(self, length: Callable[[], float]) -> None:
         self.queue_length.set_function(length)
@@ -132,6 +134,21 @@ class WorkerMetrics:
         self.model_load_seconds.labels(model).observe(seconds)
         for part, part_s in parts.items():
             self.part_load_seconds.labels(part).observe(part_s)
+
+
+class LaneMetrics(LaneEvents):
+    """The edit lane's batched steps (argus/worker/edit_lane.py): how many requests each ran."""
+
+    def __init__(self, reg: CollectorRegistry) -> None:
+        self.batch = Histogram(
+            "argus_worker_edit_batch_size",
+            "Edits run together in one batched denoising step (--edit-batch)",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+            registry=reg,
+        )
+
+    def on_batch_step(self, rows: int) -> None:
+        self.batch.observe(rows)
 
 
 class EditCacheMetrics(StoreListener, EditCacheEvents):

@@ -52,6 +52,7 @@ import contextlib
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -133,26 +134,61 @@ MIN_DECODE_TILE = 64
 
 
 class _Watch:
-    """The token of the run a model is serving now, checked by the model's checkpoints (forward
-    pre-hooks on :data:`CHECKPOINT_MODULES`). Holds no reference to the model, so the hooks do
-    not make a reference cycle that would keep an unloaded model's weights alive."""
+    """The token of the run a model is serving now on the calling thread, checked by the
+    model's checkpoints (forward pre-hooks on :data:`CHECKPOINT_MODULES`). Per thread: a
+    decode on the worker's decode thread (:mod:`argus.worker.engine`) runs beside the step
+    batcher's loop on the device thread, and each checks its own request's token, never the
+    other's. Holds no reference to the model, so the hooks do not make a reference cycle that
+    would keep an unloaded model's weights alive."""
 
     def __init__(self) -> None:
-        self.token = NEVER_CANCELLED
-        self.steps_done = 0  # reported by a Cancelled raised at a checkpoint
+        self._local = threading.local()
+
+    @property
+    def token(self) -> CancelToken:
+        token: CancelToken = getattr(self._local, "token", NEVER_CANCELLED)
+        return token
+
+    @property
+    def steps_done(self) -> int:
+        """Reported by a :class:`Cancelled` raised at a checkpoint."""
+        done: int = getattr(self._local, "steps_done", 0)
+        return done
+
+    @steps_done.setter
+    def steps_done(self, done: int) -> None:
+        self._local.steps_done = done
 
     def checkpoint(self, module: torch.nn.Module, args: Any) -> None:
-        """A forward pre-hook: raise :class:`Cancelled` if the run should stop."""
+        """A forward pre-hook: raise :class:`Cancelled` if the calling thread's run should
+        stop."""
         self.token.check(self.steps_done)
 
     @contextlib.contextmanager
     def watching(self, token: CancelToken) -> Iterator[None]:
-        """Check ``token`` at the checkpoints while the block runs (under the model's lock)."""
-        self.token, self.steps_done = token, 0
+        """Check ``token`` at the checkpoints this thread reaches while the block runs."""
+        local = self._local
+        local.token, local.steps_done = token, 0
         try:
             yield
         finally:
-            self.token, self.steps_done = NEVER_CANCELLED, 0
+            local.token, local.steps_done = NEVER_CANCELLED, 0
+
+
+_VAE_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
+_VAE_LOCKS_GUARD = threading.Lock()
+
+
+def vae_lock(vae: torch.nn.Module) -> threading.Lock:
+    """The one lock of a VAE module, whichever models share it (:mod:`argus.worker.components`
+    shares a family's VAE): encoding a template and decoding an image hold it, not the model's
+    lock, so a decode can run beside the denoising loop; an fp16 VAE's upcast for a decode
+    changes the module's dtype, which nothing else may see meanwhile."""
+    with _VAE_LOCKS_GUARD:
+        lock = _VAE_LOCKS.get(vae)
+        if lock is None:
+            lock = _VAE_LOCKS[vae] = threading.Lock()
+        return lock
 
 
 def install_checkpoints(
@@ -317,18 +353,19 @@ class DiffusionModel:
     def encode_image(self, rgb: Any) -> torch.Tensor:
         """An RGB image (height × width × 3, uint8) as a latent in the scheduler's space: the
         VAE's mode (deterministic: an edit of a template starts from one latent), scaled as
-        :meth:`decode` unscales it. Called under the model's lock."""
+        :meth:`decode` unscales it. Holds the VAE's lock (:func:`vae_lock`)."""
         vae = self.pipeline.vae
         config = vae.config
-        upcast = vae.dtype == torch.float16 and getattr(config, "force_upcast", False)
-        encoder = vae.to(torch.float32) if upcast else vae
-        try:
-            pixels = torch.from_numpy(np.array(rgb)).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
-            x = (pixels / 127.5 - 1.0).to(self.device, encoder.dtype)
-            z = encoder.encode(x).latent_dist.mode()
-        finally:
-            if upcast:
-                vae.to(torch.float16)
+        with vae_lock(vae):
+            upcast = vae.dtype == torch.float16 and getattr(config, "force_upcast", False)
+            encoder = vae.to(torch.float32) if upcast else vae
+            try:
+                rgb_pixels = torch.from_numpy(np.array(rgb)).permute(2, 0, 1).unsqueeze(0)
+                x = (rgb_pixels.to(torch.float32) / 127.5 - 1.0).to(self.device, encoder.dtype)
+                z = encoder.encode(x).latent_dist.mode()
+            finally:
+                if upcast:
+                    vae.to(torch.float16)
         mean = getattr(config, "latents_mean", None)
         std = getattr(config, "latents_std", None)
         if mean is not None and std is not None:
@@ -593,7 +630,7 @@ class DiffusionModel:
         tile (:meth:`decode_tile`), before each tile; it raises :class:`Cancelled`.
         """
         vae = self.pipeline.vae
-        with self.lock, torch.inference_mode(), self._watch.watching(cancel):
+        with vae_lock(vae), torch.inference_mode(), self._watch.watching(cancel):
             config = vae.config
             upcast = vae.dtype == torch.float16 and getattr(config, "force_upcast", False)
             decoder = vae.to(torch.float32) if upcast else vae

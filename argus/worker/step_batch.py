@@ -55,6 +55,7 @@ into the worker's engine (``argus/worker/engine.py``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -66,6 +67,7 @@ from typing import Any
 import torch
 
 from argus.profiles.edit_batching import BatchEntry, ContinuousBatch
+from argus.worker.masked_blocks import RowBlocks
 from argus.worker.pipelines import (
     NEVER_CANCELLED,
     Cancelled,
@@ -88,6 +90,7 @@ class BatchResult:
     joined_s: float
     finished_s: float
     joined_at_step: int  # the batcher's step counter when it joined
+    prepared_s: float = 0.0  # when its text was encoded and its starting latents made
 
     @property
     def queued_s(self) -> float:
@@ -126,6 +129,9 @@ class _Request:
     on_step: Callable[[int], None] | None
     future: Future[BatchResult]
     submitted_s: float
+    on_join: Callable[[], RowBlocks | None] | None = None
+    rows: RowBlocks | None = None  # its transformer blocks in the batch (on_join's)
+    prepared_s: float = 0.0
     joined_s: float = 0.0
     joined_at_step: int = 0
     # set when admitted (prepare)
@@ -162,10 +168,12 @@ class StepBatcher:
         *,
         static: bool = False,
         clock: Callable[[], float] = time.perf_counter,
+        history: bool = True,
     ) -> None:
         self.model = model
         self.bound = bound
         self.static = static
+        self.history = history  # keep each step's batch size in stats (not in a long-lived worker)
         self.clock = clock
         self.stats = StepStats()
         self._batch = ContinuousBatch(bound)
@@ -175,6 +183,10 @@ class StepBatcher:
         self._keys = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
+        self._blocks: list[Any] | None = None  # the UNet's transformer blocks, found once
+        self.draining = False
+        """While True no request joins; the running ones finish (the worker's lane sets it
+        when a request outside the batch waits for the device)."""
 
     # -- the caller's side --------------------------------------------------------------------
 
@@ -186,16 +198,21 @@ class StepBatcher:
         cancel: CancelToken = NEVER_CANCELLED,
         hooks: Iterable[StepHook] = (),
         on_step: Callable[[int], None] | None = None,
+        on_join: Callable[[], RowBlocks | None] | None = None,
     ) -> Future[BatchResult]:
         """Queue ``spec``; it joins the batch at a later boundary. ``hooks`` run after each of
-        its steps (after inpainting's blend), ``on_step`` with the index of each step run."""
+        its steps (after inpainting's blend), ``on_step`` with the index of each step run.
+        ``on_join`` is called on the loop's thread when the request joins, under the model's
+        lock, before its preparation; what it returns runs the request's transformer blocks
+        on its own rows (the mask-aware activation cache's replay or recording:
+        :func:`~argus.worker.masked_blocks.batched_blocks`; None: the blocks in full)."""
         if key is None:
             key = ("auto", next(self._keys))
         steps = spec.steps - spec.start_step
         ratio = 1.0 if spec.edit is None else spec.edit.mask_ratio
         entry = BatchEntry(key, steps, ratio, batch_group(self.model, spec))
         future: Future[BatchResult] = Future()
-        request = _Request(key, spec, cancel, tuple(hooks), on_step, future, self.clock())
+        request = _Request(key, spec, cancel, tuple(hooks), on_step, future, self.clock(), on_join)
         with self._lock:
             self._batch.submit(entry)  # refuses a key already held
             self._requests[key] = request
@@ -209,9 +226,41 @@ class StepBatcher:
         if request is not None:
             request.cancel.cancel(reason)
 
+    def withdraw(self, key: Hashable, reason: str = "cancelled") -> bool:
+        """Take out request ``key`` at once if it is still waiting (its future fails with
+        :class:`~argus.worker.pipelines.Cancelled`, stage "queued"); False when it has joined
+        the batch (cancel its token: it leaves at the next boundary) or is unknown. For a
+        caller whose request must not wait for the loop to reach a boundary (the loop may be
+        waiting for the device)."""
+        with self._lock:
+            request = self._requests.get(key)
+            if request is None or request.cond is not None or request in self._running:
+                return False
+            self._batch.leave(key)
+            del self._requests[key]
+        self._fail([(request, reason)])
+        return True
+
+    def abort_all(self, error: BaseException) -> None:
+        """Every request, running or waiting, fails with ``error`` (a fault the loop cannot
+        pin on one request)."""
+        with self._lock:
+            requests = list(self._requests.values())
+            for request in requests:
+                self._batch.leave(request.key)
+            self._requests.clear()
+            self._running = []
+        for request in requests:
+            request.future.set_exception(error)
+
     def idle(self) -> bool:
         with self._lock:
             return self._batch.idle()
+
+    def waiting(self) -> int:
+        """Requests submitted and not yet joined."""
+        with self._lock:
+            return len(self._batch.waiting)
 
     @property
     def running(self) -> tuple[Hashable, ...]:
@@ -220,24 +269,31 @@ class StepBatcher:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def step(self) -> bool:
-        """One boundary and one batched step; False when nothing was running after the
-        boundary (nothing was run)."""
+    def step(self) -> int:
+        """One boundary and one batched step; the number of requests the step ran (0 when
+        nothing was running after the boundary, and nothing was run)."""
         began = self.clock()
         prepare_s = 0.0
         model = self.model
         with model.lock, torch.inference_mode():
             admitted, gone = self._boundary()
+            unprepared: list[tuple[_Request, Exception]] = []
             for request in admitted:
                 start = self.clock()
-                self._prepare(request)
+                try:
+                    self._prepare(request)
+                except Exception as refused:  # this request fails; the batch goes on
+                    unprepared.append((request, refused))
                 prepare_s += self.clock() - start
+            for request, problem in unprepared:
+                self._abort([request], problem)
+                request.future.set_exception(problem)
             running = self._running
             if not running:
                 self.stats.prepare_s += prepare_s
                 self.stats.total_s += self.clock() - began
                 self._fail(gone)
-                return False
+                return 0
             inputs, times, embeds, added = [], [], [], []
             for r in running:
                 assert r.cond is not None and r.timesteps is not None and r.latents is not None
@@ -250,13 +306,22 @@ class StepBatcher:
                     added.append(r.cond.added)
             extra = {name: _cat([a[name] for a in added]) for name in added[0]} if added else None
             unet_began = self.clock()
-            noise: torch.Tensor = model.pipeline.unet(
-                _cat(inputs),
-                _cat(times),
-                encoder_hidden_states=_cat(embeds),
-                added_cond_kwargs=extra,
-                return_dict=False,
-            )[0]
+            try:
+                with self._rows(running, inputs):
+                    noise: torch.Tensor = model.pipeline.unet(
+                        _cat(inputs),
+                        _cat(times),
+                        encoder_hidden_states=_cat(embeds),
+                        added_cond_kwargs=extra,
+                        return_dict=False,
+                    )[0]
+            except Exception as error:  # the step failed: its requests fail, the loop goes on
+                failed = self._abort(running, error)
+                self.stats.total_s += self.clock() - began
+                self._fail(gone)
+                for request in failed:
+                    request.future.set_exception(error)
+                return len(failed)
             unet_s = self.clock() - unet_began
             scheduler_s = 0.0
             row = 0
@@ -283,7 +348,8 @@ class StepBatcher:
         stats = self.stats
         stats.steps += 1
         stats.rows += len(running)
-        stats.rows_per_step.append(len(running))
+        if self.history:
+            stats.rows_per_step.append(len(running))
         stats.unet_s += unet_s
         stats.scheduler_s += scheduler_s
         stats.prepare_s += prepare_s
@@ -294,10 +360,16 @@ class StepBatcher:
             assert r.latents is not None
             r.future.set_result(
                 BatchResult(
-                    r.latents, r.steps_run, r.submitted_s, r.joined_s, now, r.joined_at_step
+                    r.latents,
+                    r.steps_run,
+                    r.submitted_s,
+                    r.joined_s,
+                    now,
+                    r.joined_at_step,
+                    r.prepared_s,
                 )
             )
-        return True
+        return len(running)
 
     def run_until_idle(self) -> None:
         """Step until nothing runs or waits (a test's or a benchmark's driver)."""
@@ -329,7 +401,7 @@ class StepBatcher:
                     del self._requests[key]
                     gone.append((request, reason))
             self._running = [r for r in self._running if r.key in self._requests]
-            if not self.static or not self._running:
+            if not self.draining and (not self.static or not self._running):
                 now = self.clock()
                 for joined in self._batch.join():
                     request = self._requests[joined.entry.key]
@@ -347,10 +419,34 @@ class StepBatcher:
                 error.stage = "queued"  # it never joined the batch
             request.future.set_exception(error)
 
+    def _rows(self, running: list[_Request], inputs: list[torch.Tensor]) -> Any:
+        """The batched UNet call's block patch when a running request brings its own blocks
+        (:func:`~argus.worker.masked_blocks.batched_blocks`); else nothing."""
+        if all(r.rows is None for r in running):
+            return contextlib.nullcontext()
+        from argus.worker.masked_blocks import RowPart, batched_blocks, transformer_blocks
+
+        if self._blocks is None:
+            self._blocks = transformer_blocks(self.model.pipeline.unet)
+        parts = [RowPart(x.shape[0], r.rows, r.step) for r, x in zip(running, inputs, strict=True)]
+        return batched_blocks(self._blocks, parts)
+
+    def _abort(self, running: list[_Request], error: Exception) -> list[_Request]:
+        """``running`` requests leave because their step (or preparation) raised ``error``
+        (returned: the caller fails their futures with it)."""
+        with self._lock:
+            for r in running:
+                self._batch.leave(r.key)
+                self._requests.pop(r.key, None)
+            self._running = [r for r in self._running if r not in running]
+        return list(running)
+
     def _prepare(self, request: _Request) -> None:
         """An admitted request's conditioning, scheduler and starting latents, as
         :meth:`DiffusionModel.denoise` makes them."""
         model, spec = self.model, request.spec
+        if request.on_join is not None:
+            request.rows = request.on_join()
         request.cond = model.encode(spec)
         # its own scheduler, stepped by this request alone (an edit's own EditStart.scheduler
         # only noises the template: stepping it would move the index its add_noise reads)
@@ -368,6 +464,7 @@ class StepBatcher:
         request.latents = latents
         request.hooks = hooks
         request.step = spec.start_step
+        request.prepared_s = self.clock()
 
     def _retire(self) -> list[_Request]:
         """Requests that ran their last step leave (under the model's lock)."""
