@@ -15,6 +15,11 @@ token) and prints ``argus router http on http://HOST:PORT/v1`` once bound. The r
 the quality scores workers send (``argus worker --score-sample``) for drift, in windows of
 ``--drift-window`` scores (0: off), and on drift retrains the classifier in the background and
 swaps it in (``--no-drift-retrain``: watch only); see :mod:`argus.router.drift`.
+``--edit-balancer`` places inpainting edits (issue 33, item 3): "plan" (the default) routes
+them as generations; "mask-aware" keeps the plan's level and sends each to the worker of that
+level where the edit cost model predicts it finishes first, preferring one that answered an edit
+of its template, and refuses at once one that would miss its deadline; ``--edit-batch`` is the
+workers' ``--edit-batch``, the edits a worker runs together.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class RouterCommand:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         # the drift flags' defaults are the configs' own (light modules: no torch, no grpc)
         from argus.classifier.drift import DriftConfig
+        from argus.router.config import EDIT_BALANCER, EDIT_BALANCERS, EDIT_BATCH
         from argus.router.drift import DriftSettings
 
         parser.add_argument("--allocator", required=True, help="allocator HOST:PORT")
@@ -108,6 +114,20 @@ class RouterCommand:
             help="the workers' --default-size: requests without width or height are priced at "
             "this side (default: the profile's reference size)",
         )
+        edits = parser.add_argument_group("inpainting edits")
+        edits.add_argument(
+            "--edit-balancer",
+            choices=EDIT_BALANCERS,
+            default=EDIT_BALANCER,
+            help="how inpainting edits are placed and admitted: plan (as generations) or an "
+            "edit balancer on the edit cost model (default: %(default)s)",
+        )
+        edits.add_argument(
+            "--edit-batch",
+            type=int,
+            default=EDIT_BATCH,
+            help="the workers' --edit-batch: edits a worker runs together (default: %(default)s)",
+        )
         drift = parser.add_argument_group("drift retraining (workers' quality scores)")
         drift.add_argument(
             "--drift-window",
@@ -151,6 +171,8 @@ class RouterCommand:
                 max_cost=args.max_cost,
                 default_steps=args.default_steps,
                 default_size=args.default_size,
+                edit_balancer=args.edit_balancer,
+                edit_batch=args.edit_batch,
             )
             settings = RouterSettings(
                 allocator=args.allocator,

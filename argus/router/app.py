@@ -158,6 +158,9 @@ class PrometheusStats(RouterStats):
     def classified(self, seconds: float) -> None:
         self.metrics.classify.observe(seconds)
 
+    def edit_placed(self, balancer: str, *, held: bool) -> None:
+        self.metrics.observe_edit_placed(balancer, held=held)
+
     def retried(self) -> None:
         self.metrics.retries.inc()
 

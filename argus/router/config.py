@@ -14,11 +14,18 @@ import math
 from dataclasses import dataclass, field
 
 from argus import defaults
+from argus.profiles.edit_cost import EditCostModel
 from argus.request_limits import ImageLimits
 from argus.router.admission import AdmissionRule
+from argus.router.edit_balance import BALANCERS
 from argus.router.service_times import ServiceTimeConfig
 from argus.slo import default_slo_s
 from argus.types import ProfileSet
+
+EDIT_BALANCER = "plan"  # edits are routed as generations, on the plan (Eq. 3)
+EDIT_BALANCERS = (EDIT_BALANCER, *BALANCERS)
+EDIT_BATCH = 1  # the workers' --edit-batch default
+EDIT_TEMPLATES = 64  # templates believed held per worker (the simulator's CACHE_TEMPLATES)
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,34 @@ class RouterServiceConfig:
     """How the workers' service times are learned from their replies (admission and worker
     selection read them, not the profile's latencies, once a worker has answered)."""
 
+    edit_balancer: str = EDIT_BALANCER
+    """How an inpainting edit is placed and admitted: "plan" routes and prices it as a
+    generation of its size (Eq. 3 on the plan, full cost); any balancer of
+    :data:`argus.router.edit_balance.BALANCERS` keeps the plan's level and chooses among that
+    level's live workers on the router's account of their edits in flight and the templates
+    they hold ("mask-aware": InstGenIE's Algorithm 2), admitting on the edit cost model's
+    predicted finish (a miss priced as a full run)."""
+
+    edit_batch: int = EDIT_BATCH
+    """The workers' batch bound for edits (``argus worker --edit-batch``) the router assumes:
+    that many of a worker's edits in flight run together, the rest wait."""
+
+    edit_templates: int = EDIT_TEMPLATES
+    """Templates the router believes each worker holds, at most (least recently used out)."""
+
+    edit_cost: EditCostModel | None = None
+    """The shape of an edit's step time, ``a + p·b + c·Σm`` (its seconds come from each
+    worker's learned service time); None: :func:`~argus.profiles.edit_cost.default_cost_model`,
+    the paper-derived SDXL shape."""
+
     def __post_init__(self) -> None:
+        if self.edit_balancer not in EDIT_BALANCERS:
+            known = ", ".join(EDIT_BALANCERS)
+            raise ValueError(f"edit_balancer: unknown {self.edit_balancer!r}; known: {known}")
+        if self.edit_batch < 1:
+            raise ValueError(f"edit_batch: must be >= 1, got {self.edit_batch}")
+        if self.edit_templates < 0:
+            raise ValueError(f"edit_templates: must be >= 0, got {self.edit_templates}")
         if self.max_cost is not None and not (math.isfinite(self.max_cost) and self.max_cost > 0):
             raise ValueError(f"max_cost: must be a finite number > 0, got {self.max_cost}")
         for name in ("default_deadline_ms", "max_in_flight", "max_ids", "max_attempts"):

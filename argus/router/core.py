@@ -18,6 +18,11 @@
 5. classify the prompt (AC and SM levels; both are reported to the allocator);
 6. route on the installed plan (PASM sample, Eq. 3 worker selection) and admit against the
    deadline with the chosen worker's queue and the request's cost (OVERLOADED with a hint);
+   with an edit balancer configured (``edit_balancer``), an inpainting edit keeps the plan's
+   level and is placed among that level's workers by the balancer and admitted on the edit
+   cost model's predicted finish (:meth:`RouterPolicy.place_edit`), from the core's account of
+   each worker's requests in flight and the templates it answered edits of
+   (:class:`~argus.router.edit_loads.EditLoads`);
 7. forward to the worker through the :class:`WorkerTransport` with the remaining time as the
    call's timeout (the worker drops the request if it expires in its queue and stops denoising
    when it passes); a worker that is UNAVAILABLE mid-request is marked down and the request is
@@ -34,6 +39,7 @@ the message conversions :mod:`argus.contracts.router_api`'s. Plans come from ``i
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import random
 import threading
@@ -52,6 +58,7 @@ from argus.contracts.generate import GenerateResult as WorkerReply
 from argus.contracts.generate import Progress, Stage
 from argus.contracts.router_api import RouterReply, RouterRequest, RouterTiming
 from argus.request_limits import (
+    EditInput,
     ImageLimits,
     InvalidRequestError,
     check_adapters,
@@ -60,9 +67,12 @@ from argus.request_limits import (
     check_image,
     check_prompts,
     check_sampling,
+    img2img_steps,
 )
 from argus.router.config import RouterServiceConfig
 from argus.router.drift import RouterDrift
+from argus.router.edit_balance import EditJob
+from argus.router.edit_loads import EditLoads, WorkerEdits, template_key
 from argus.router.ledger import (
     AnswerDroppedError,
     IdConflictError,
@@ -203,6 +213,14 @@ def check_request(request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS) 
     workers apply (:mod:`argus.request_limits`); a worker's defaults fill absent (None)
     fields.
     """
+    return check_request_edit(request, limits)[0]
+
+
+def check_request_edit(
+    request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS
+) -> tuple[RouterRequest, EditInput | None]:
+    """:func:`check_request`, with the checked edit (None for a generation): its mask ratio
+    and template digest place an inpainting edit."""
     try:
         if len(request.request_id) > MAX_ID_CHARS:
             raise InvalidRequestError(
@@ -223,9 +241,9 @@ def check_request(request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS) 
                 raise InvalidRequestError(f"adapters[{i}]", "needs a kind and a name")
         edit = check_edit(request.image, request.mask, request.strength, limits)
         if edit is None:
-            return request
+            return request, None
         check_edit_size(edit, request.width, request.height)
-        return replace(request, width=edit.width, height=edit.height)
+        return replace(request, width=edit.width, height=edit.height), edit
     except InvalidRequestError as err:
         raise RouterError(Refusal.INVALID, str(err)) from None
 
@@ -327,6 +345,22 @@ class RouterCore:
         self._plan_levels: dict[str, int] = {}
         self._classes: dict[str, str] = {}
         self._classifying = 0  # requests admitted early and not yet routed
+        # each worker's requests in flight and templates held, for the edit balancer
+        self._edits = EditLoads(config.edit_batch, config.edit_templates)
+        self._sends = itertools.count()  # tokens of the requests in flight
+        if self.policy.balancer is not None:
+            model = self.policy.edit_cost
+            log.info(
+                "edits placed by %s, batches of %d, on t(b, Σm) = %.4g + %.4g·b + %.4g·Σm "
+                "(R² %.4f; %s), scaled per worker to its learned service time",
+                self.policy.balancer.name,
+                config.edit_batch,
+                model.base_s,
+                model.per_edit_s,
+                model.per_mask_s,
+                model.r2,
+                model.source or "source not given",
+            )
         self.worker_calls = 0  # Generate calls sent to workers (tests, metrics)
         stats.watch_in_flight(lambda: self._serving)
 
@@ -355,6 +389,7 @@ class RouterCore:
         cannot route on (a worker class missing from its profile) is refused and logged: the
         previous plan stays; returns whether it was installed."""
         with self._lock:
+            models = self._worker_models()
             try:
                 self._router.install(published.plan, published.worker_classes(), self._clock())
             except KeyError as err:
@@ -373,11 +408,21 @@ class RouterCore:
                 w: t for w, t in self._abandoned_until.items() if w in self._addresses
             }
             self._times.forget(set(self._addresses))
+            self._edits.keep(self._addresses)
+            for worker, model in self._worker_models().items():
+                if models.get(worker, model) != model:  # its records were of another model
+                    self._edits.forget_templates(worker)
             self._plan_version = published.version
             queues = dict(self._queues)
         self._workers.keep_only(set(self._addresses.values()))
         self.stats.plan_installed(published.version, published.plan.strategy, queues)
         return True
+
+    def _worker_models(self) -> dict[str, str]:
+        """The model each planned worker runs on the installed plan. Under the lock."""
+        if self._router.plan is None:
+            return {}
+        return {w: self.policy.model_of(i) for w, i in self._plan_levels.items()}
 
     # statistics for the allocator ---------------------------------------------------------
 
@@ -426,13 +471,14 @@ class RouterCore:
     def _generate(
         self, request: RouterRequest, arrived: float, deadline_s: float | None, call: _Call
     ) -> RouterReply:
-        request = check_request(request, self.config.limits)
+        request, edit = check_request_edit(request, self.config.limits)
         cost = self._price(request)
+        work = self._work(request, edit)
         deadline = arrived + (request.deadline_ms or self.config.default_deadline_ms) / 1e3
         if deadline_s is not None:
             deadline = min(deadline, deadline_s)
         if not request.request_id:
-            return self._serve(request, arrived, deadline, cost, call)
+            return self._serve(request, arrived, deadline, cost, call, work)
         try:
             future, owner = self._ledger.claim(request.request_id, fingerprint(request))
         except IdConflictError as err:
@@ -445,7 +491,7 @@ class RouterCore:
         if not owner:
             return self._join(future, deadline)
         try:
-            response = self._serve(request, arrived, deadline, cost, call)
+            response = self._serve(request, arrived, deadline, cost, call, work)
         except BaseException as err:
             self._ledger.fail(request.request_id, err)
             raise
@@ -460,6 +506,28 @@ class RouterCore:
                 Refusal.DEADLINE, "the first call with this id is still running"
             ) from None
 
+    def _work(self, request: RouterRequest, edit: EditInput | None) -> _Work:
+        """What ``request`` puts on a worker, as the edit balancer counts it: an inpainting
+        edit at its mask ratio with its template's key (none with adapters: the worker's cache
+        serves no edit with adapters; none without a balancer, which spares the digest of the
+        template's pixels), anything else at ratio 1 with none; its steps are those it runs
+        (img2img: the last ``strength`` of them)."""
+        steps = request.steps or self.config.default_steps or self.profiles.reference.steps
+        if edit is None or edit.region is None:
+            if edit is not None:  # img2img
+                steps = img2img_steps(steps, edit.strength)
+            return _Work(EditJob(1.0, steps), inpainting=False)
+        template = None
+        if self.policy.balancer is not None and not request.adapters:
+            template = template_key(
+                edit.template_digest,
+                edit.width,
+                edit.height,
+                request.steps or self.config.default_steps,
+                request.guidance_scale,
+            )
+        return _Work(EditJob(edit.mask_ratio, steps, template), inpainting=True)
+
     def _price(self, request: RouterRequest) -> float:
         """The request's cost in reference requests; INVALID above ``max_cost``."""
         cost = self.policy.price(request)
@@ -468,7 +536,13 @@ class RouterCore:
         return cost
 
     def _serve(
-        self, request: RouterRequest, arrived: float, deadline: float, cost: float, call: _Call
+        self,
+        request: RouterRequest,
+        arrived: float,
+        deadline: float,
+        cost: float,
+        call: _Call,
+        work: _Work,
     ) -> RouterReply:
         if not self._in_flight.acquire(blocking=False):
             self.stats.rejected("busy")
@@ -476,7 +550,7 @@ class RouterCore:
         with self._lock:
             self._serving += 1
         try:
-            return self._classify_route_forward(request, arrived, deadline, cost, call)
+            return self._classify_route_forward(request, arrived, deadline, cost, call, work)
         finally:
             with self._lock:
                 self._serving -= 1
@@ -497,7 +571,7 @@ class RouterCore:
             raise RouterError(Refusal.UNAVAILABLE, "router shutting down", 1.0) from None
 
     def _admit_early(
-        self, request: RouterRequest, arrived: float, deadline: float, cost: float
+        self, request: RouterRequest, arrived: float, deadline: float, cost: float, work: _Work
     ) -> None:
         """Refuse, before the classifier sees the prompt, a request that cannot finish by
         ``deadline`` (:meth:`RouterPolicy.admit_early`); otherwise count it among the requests
@@ -514,6 +588,7 @@ class RouterCore:
                 deadline - now,
                 classifying=self._classifying,
                 classifier_s=classifier_s,
+                edit=work.edit,
             )
             if refused is not None:
                 raise self._refusal(refused)
@@ -538,8 +613,11 @@ class RouterCore:
             level = self._router.level_name(index)
             return self._service_s(worker, level, self.policy.level_cost(request, cost, level), now)
 
+        def edits(worker: str) -> WorkerEdits:
+            return self._edits.view(worker, now)
+
         down = self._down(now) | tried
-        return Snapshot(self._plan_levels, self._queue_view(now), down, elapsed_s, service_s)
+        return Snapshot(self._plan_levels, self._queue_view(now), down, elapsed_s, service_s, edits)
 
     def _service_s(self, worker: str, level: str, cost: float, now: float) -> float:
         """A request of ``cost`` on ``worker`` at ``level``: the service time learned from the
@@ -559,9 +637,15 @@ class RouterCore:
         return view
 
     def _classify_route_forward(
-        self, request: RouterRequest, arrived: float, deadline: float, cost: float, call: _Call
+        self,
+        request: RouterRequest,
+        arrived: float,
+        deadline: float,
+        cost: float,
+        call: _Call,
+        work: _Work,
     ) -> RouterReply:
-        self._admit_early(request, arrived, deadline, cost)
+        self._admit_early(request, arrived, deadline, cost, work)
         try:
             levels = self._classify(request.prompt, deadline)
         finally:
@@ -575,12 +659,13 @@ class RouterCore:
         admitted = False
         try:
             for attempt in range(1, self.config.max_attempts + 1):
-                decision, strategy, address = self._route(levels, deadline, tried, request, cost)
+                routed = self._route(levels, deadline, tried, request, cost, work)
+                decision, strategy, address, token = routed
                 admitted = True
                 routed_at = self._clock()
                 call.routed(decision, self._router.level_name, routed_at - arrived)
                 try:
-                    reply = self._forward(request, decision, address, deadline, call, cost)
+                    reply = self._forward(request, decision, address, deadline, call, cost, token)
                 except RouterError as err:
                     if err.kind is not Refusal.UNAVAILABLE:
                         raise
@@ -607,9 +692,10 @@ class RouterCore:
         tried: set[str],
         request: RouterRequest,
         cost: float,
-    ) -> tuple[RouteDecision, Strategy, str]:
+        work: _Work,
+    ) -> tuple[RouteDecision, Strategy, str, int]:
         """Route and admit under the lock (:meth:`RouterPolicy.route`); the chosen worker's
-        queue counts this request."""
+        queue and its requests in flight count this request, under the returned token."""
         with self._lock:
             plan = self._router.plan
             if plan is None:
@@ -621,6 +707,7 @@ class RouterCore:
                 self._snapshot(request, cost, now, tried),
                 deadline - now,
                 retry=bool(tried),
+                edit=work.edit,
             )
             if isinstance(outcome, Refused):
                 raise self._refusal(outcome)
@@ -628,7 +715,12 @@ class RouterCore:
             if self._queues.get(worker, 0) == 0:
                 self._head_started[worker] = now
             self._queues[worker] = self._queues.get(worker, 0) + 1
-            return outcome.decision, plan.strategy, self._addresses[worker]
+            token = next(self._sends)
+            self._edits.sent(worker, token, work.job, now)
+            address = self._addresses[worker]
+        if outcome.balancer:
+            self.stats.edit_placed(outcome.balancer, held=outcome.held)
+        return outcome.decision, plan.strategy, address, token
 
     def _forward(
         self,
@@ -638,11 +730,13 @@ class RouterCore:
         deadline: float,
         call: _Call,
         cost: float,
+        token: int,
     ) -> WorkerReply:
         level = self._router.level_name(decision.served_level)
         work = worker_call(request, level, previews=call.progress is not None)
         with self._lock:
             self.worker_calls += 1
+        answered = False
         try:
             call.cancel.check()  # the client left while the request was classified or routed
             reply = self._workers.generate(
@@ -656,6 +750,7 @@ class RouterCore:
             self._learn(
                 decision.worker_id, served, self.policy.level_cost(request, cost, served), reply
             )
+            answered = True
             return reply
         except WorkerError as err:
             if err.kind is Refusal.UNAVAILABLE:
@@ -674,10 +769,12 @@ class RouterCore:
         finally:
             call.cancel.attach(None)
             with self._lock:
+                now = self._clock()
+                self._edits.answered(decision.worker_id, token, ok=answered, now=now)
                 if self._queues.get(decision.worker_id, 0) > 0:
                     self._queues[decision.worker_id] -= 1
                     # a worker serves in order: the next request started as this one ended
-                    self._head_started[decision.worker_id] = self._clock()
+                    self._head_started[decision.worker_id] = now
 
     def _learn(self, worker: str, level: str, cost: float, reply: WorkerReply) -> None:
         """Learn the worker's service time at ``level`` from its reply's timings."""
@@ -762,6 +859,19 @@ class RouterCore:
             # other requests' prompts in the scores: for the drift monitor only
             worker_response=replace(reply, png=b"", scores=()),
         )
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What one request puts on a worker, for the edit balancer (:meth:`RouterCore._work`)."""
+
+    job: EditJob  # as counted in flight: an edit's mask ratio and template, else ratio 1
+    inpainting: bool  # an inpainting edit: placed by the edit balancer when one is configured
+
+    @property
+    def edit(self) -> EditJob | None:
+        """The job, when the policy may place it as an edit."""
+        return self.job if self.inpainting else None
 
 
 @dataclass

@@ -61,6 +61,7 @@ class WorkerSnapshot:
     templates: frozenset[Hashable] = field(default_factory=frozenset)  # records it holds
     bound: int = 1  # its batch bound
     step_left_s: float = 0.0  # seconds until its current step ends (0: idle)
+    scale: float = 1.0  # its steps take this many times the cost model's (a slower worker: > 1)
 
     @property
     def edits(self) -> int:
@@ -83,7 +84,9 @@ def predict_finish_s(
     worker's own rules: first come first joins at step boundaries up to the bound, a waiting
     edit runs at its mask ratio if the worker holds its template's record by the time it joins
     (held now, or recorded meanwhile by an earlier miss that finished) and in full otherwise.
-    With ``records`` False every waiting edit is priced at its mask ratio."""
+    With ``records`` False every waiting edit is priced at its mask ratio. Every step after the
+    current one costs ``worker.scale`` × the model's (the live router's workers differ in speed;
+    the simulator's run at 1)."""
     held = set(worker.templates)
     running: list[list[float]] = []  # [steps_left, effective ratio, index in order]
     order = list(worker.waiting) + ([WorkerEdit(job, job.steps)] if job is not None else [])
@@ -119,7 +122,8 @@ def predict_finish_s(
         if not running:
             return now
         steps = min(item[0] for item in running)
-        now += steps * model.step_s(len(running), sum(item[1] for item in running))
+        step_s = model.step_s(len(running), sum(item[1] for item in running)) * worker.scale
+        now += steps * step_s
         for item in running:
             item[0] -= steps
 

@@ -38,6 +38,7 @@ OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.
 QUALITY_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.975, 1.0)
 
 REJECT_REASONS = ("deadline", "busy", "ids")
+TEMPLATE_BELIEFS = ("held", "not_held")  # the edits-placed counter's ``template`` label
 
 
 class RouterMetrics:
@@ -142,6 +143,13 @@ class RouterMetrics:
             ["route", "status"],
             registry=reg,
         )
+        self.edits_placed = Counter(
+            "argus_router_edits_placed",
+            "Inpainting edits placed on a worker by the edit balancer (--edit-balancer), by "
+            "balancer and whether the worker was believed to hold the edit's template",
+            ["balancer", "template"],
+            registry=reg,
+        )
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         self.requests.labels("OK")
@@ -164,6 +172,11 @@ class RouterMetrics:
             self.quality.observe(self._quality[level])
         if late:
             self.slo_violations.inc()
+
+    def observe_edit_placed(self, balancer: str, *, held: bool) -> None:
+        """One edit placed by ``balancer`` (a name of a fixed set)."""
+        belief = TEMPLATE_BELIEFS[0] if held else TEMPLATE_BELIEFS[1]
+        self.edits_placed.labels(balancer, belief).inc()
 
     def observe_http(self, route: str, status: int) -> None:
         """One HTTP answer; ``route`` is one of the app's paths or "other"."""

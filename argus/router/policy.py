@@ -15,6 +15,15 @@ policies (:mod:`argus.sim.planned`) route every request through it with the prof
 latencies; the simulator admits the baselines' choices with :func:`admit_on`, the same check.
 So early refusals, caps and fallbacks are simulated as they are served.
 
+An inpainting edit, when the config names an edit balancer (``edit_balancer`` other than
+"plan"; issue 33, item 3), keeps the plan's level but not its worker: the balancer
+(:mod:`argus.router.edit_balance`) chooses among that level's live workers on the snapshot's
+account of their requests in flight and the templates they hold (:mod:`argus.router.edit_loads`),
+and the edit is admitted on the edit cost model's predicted finish there
+(:func:`~argus.router.edit_balance.predict_finish_s`: a worker that holds the template runs it
+at its mask ratio, any other in full). The cost model's seconds on a worker are the request's
+learned service time there: scaled so that the edit in full, alone, takes it.
+
 It imports neither grpc, protobuf nor prometheus_client.
 """
 
@@ -26,6 +35,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 from argus.contracts.router_api import RouterRequest
+from argus.profiles.edit_cost import default_cost_model
 from argus.request_limits import img2img_steps
 from argus.router.admission import (
     AdmissionRule,
@@ -34,7 +44,15 @@ from argus.router.admission import (
     earliest_completion_s,
     request_cost,
 )
-from argus.router.config import RouterServiceConfig
+from argus.router.config import EDIT_BALANCER, RouterServiceConfig
+from argus.router.edit_balance import (
+    EditBalancer,
+    EditJob,
+    WorkerSnapshot,
+    make_balancer,
+    predict_finish_s,
+)
+from argus.router.edit_loads import NO_EDITS, WorkerEdits, time_scale, worker_snapshot
 from argus.router.routing import PlanRouter
 from argus.router.scheduler import NoLiveWorkerError
 from argus.router.values import Refusal, RouterError
@@ -64,6 +82,8 @@ class Admitted:
 
     decision: RouteDecision
     predicted_s: float  # predicted completion on the chosen worker, seconds from now
+    balancer: str = ""  # the edit balancer that chose the worker; "": the plan did
+    held: bool = False  # the chosen worker was believed to hold the edit's template
 
 
 ServiceTime = Callable[[str, int], float]
@@ -81,6 +101,9 @@ class Snapshot:
     down: AbstractSet[str]  # down, or already tried for this request
     elapsed_s: Callable[[str], float]  # how long the request a worker is serving has run
     service_s: ServiceTime
+    edits: Callable[[str], WorkerEdits] | None = None
+    """Each worker's requests in flight and templates held, for the edit balancer (None: not
+    kept, as in the simulator's planned policies: edits are routed on the plan)."""
 
 
 def admit_on(
@@ -125,6 +148,10 @@ class RouterPolicy:
         self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
         self._models = {level.name: level.model for level in profiles.levels}
         self._skips = {level.name: level.skip_steps for level in profiles.levels}
+        self.edit_cost = config.edit_cost or default_cost_model()
+        self.balancer: EditBalancer | None = None  # None: edits are routed on the plan
+        if config.edit_balancer != EDIT_BALANCER:
+            self.balancer = make_balancer(config.edit_balancer, self.edit_cost)
 
     # the plan ----------------------------------------------------------------------------
 
@@ -138,6 +165,10 @@ class RouterPolicy:
 
     def level_name(self, index: int) -> str:
         return self.router.level_name(index)
+
+    def model_of(self, index: int) -> str:
+        """The model that level ``index`` of the installed plan's strategy runs."""
+        return self._model_of(index)
 
     # the decision ------------------------------------------------------------------------
 
@@ -201,20 +232,26 @@ class RouterPolicy:
         *,
         classifying: int = 0,
         classifier_s: float = 0.0,
+        edit: EditJob | None = None,
     ) -> Refused | None:
         """Refuse, before the classifier sees the prompt, a request that cannot finish within
         ``budget_s`` on any live worker at the cheapest level it may be served at:
         DEADLINE when not even an idle worker could (naming the fields that make it so),
         OVERLOADED with a retry hint when the queues are the reason. ``classifying``
         requests passed this check ahead of it; the classifier's backlog is
-        ``classifier_s``."""
+        ``classifier_s``. ``edit``: the request is an inpainting edit, priced by the edit cost
+        model when an edit balancer places it (:meth:`balances`)."""
         cap = self._plan_cap(request)
         if isinstance(cap, Refused):
             return cap
-        loads = self._loads(cap, snapshot)
-        if not loads:
+        serving = self._serving(cap, snapshot)
+        if not serving:
             return Refused(Refusal.UNAVAILABLE, NO_LIVE_WORKER, 1.0)
-        loaded, idle = earliest_completion_s(self.config.admission, loads, classifying)
+        if edit is not None and self.balances(snapshot):
+            loaded, idle = self._edit_earliest_s(edit, serving, snapshot, classifying)
+        else:
+            loads = [self._load(worker, index, snapshot) for worker, index in serving]
+            loaded, idle = earliest_completion_s(self.config.admission, loads, classifying)
         if idle > budget_s:
             return Refused(
                 Refusal.DEADLINE,
@@ -243,11 +280,14 @@ class RouterPolicy:
         budget_s: float,
         *,
         retry: bool = False,
+        edit: EditJob | None = None,
     ) -> Admitted | Refused:
         """Route a prompt whose classified level for the plan's strategy is ``optimal``, no
         level above its cap, and admit it on the chosen worker (a ``retry``'s refusal is not
         counted as a rejection). Levels that skip as many steps as the request runs (K ≥ N)
-        are never chosen."""
+        are never chosen. ``edit``: the request is an inpainting edit, placed by the edit
+        balancer among the routed level's workers when one is configured
+        (:meth:`place_edit`)."""
         cap = self._plan_cap(request)
         if isinstance(cap, Refused):
             return cap
@@ -257,6 +297,8 @@ class RouterPolicy:
         worker = decision.worker_id
         if worker in snapshot.down:
             return Refused(Refusal.UNAVAILABLE, NO_LIVE_WORKER, 1.0)
+        if edit is not None and self.balances(snapshot):
+            return self.place_edit(edit, decision, snapshot, budget_s, count=not retry)
         t_proc = snapshot.service_s(worker, decision.served_level)
         queue, elapsed = snapshot.queues.get(worker, 0), snapshot.elapsed_s(worker)
         predicted = admit_on(
@@ -276,10 +318,10 @@ class RouterPolicy:
             return Refused(Refusal.UNAVAILABLE, NO_PLAN, 1.0)
         return self.level_cap(plan.strategy, request)
 
-    def _loads(self, cap: int | None, snapshot: Snapshot) -> list[WorkerLoad]:
+    def _serving(self, cap: int | None, snapshot: Snapshot) -> list[tuple[str, int]]:
         """The live workers that may serve a request capped at level ``cap``, each with the
-        request's service time at the cheapest level it can serve it at."""
-        loads = []
+        cheapest level it can serve it at."""
+        serving = []
         for worker, index in snapshot.levels.items():
             if worker in snapshot.down:
                 continue
@@ -287,10 +329,102 @@ class RouterPolicy:
                 if self._model_of(index) != self._model_of(cap):
                     continue
                 index = cap  # it runs the capped level on the same model (see _route_capped)
-            t_proc = snapshot.service_s(worker, index)
-            queue = snapshot.queues.get(worker, 0)
-            loads.append(WorkerLoad(queue, t_proc, snapshot.elapsed_s(worker)))
-        return loads
+            serving.append((worker, index))
+        return serving
+
+    @staticmethod
+    def _load(worker: str, index: int, snapshot: Snapshot) -> WorkerLoad:
+        """``worker`` as the pre-classification check sees it, serving at level ``index``."""
+        t_proc = snapshot.service_s(worker, index)
+        return WorkerLoad(snapshot.queues.get(worker, 0), t_proc, snapshot.elapsed_s(worker))
+
+    # inpainting edits placed by the edit balancer -----------------------------------------
+
+    def balances(self, snapshot: Snapshot) -> bool:
+        """Whether an inpainting edit is placed by the edit balancer on ``snapshot``: one is
+        configured and the snapshot keeps the workers' edits."""
+        return self.balancer is not None and snapshot.edits is not None
+
+    def edit_view(
+        self, edit: EditJob, worker: str, index: int, snapshot: Snapshot
+    ) -> WorkerSnapshot:
+        """``worker`` serving at level ``index`` as the edit balancer sees it: its requests in
+        flight and templates held (:func:`~argus.router.edit_loads.worker_snapshot`), its
+        steps at the cost model's times scaled so that ``edit`` in full, alone, takes its
+        service time there (:func:`~argus.router.edit_loads.time_scale`)."""
+        edits = snapshot.edits(worker) if snapshot.edits is not None else NO_EDITS
+        scale = time_scale(self.edit_cost, snapshot.service_s(worker, index), edit.steps)
+        return worker_snapshot(edits, self.config.edit_batch, self.edit_cost, scale)
+
+    def edit_finish_s(self, edit: EditJob, view: WorkerSnapshot, *, idle: bool = False) -> float:
+        """Seconds until ``edit`` placed now on ``view``'s worker finishes there
+        (:func:`~argus.router.edit_balance.predict_finish_s`); ``idle``: were the worker
+        idle (its templates kept)."""
+        if idle:
+            view = WorkerSnapshot(templates=view.templates, bound=view.bound, scale=view.scale)
+        return predict_finish_s(edit, view, self.edit_cost)
+
+    def place_edit(
+        self,
+        edit: EditJob,
+        decision: RouteDecision,
+        snapshot: Snapshot,
+        budget_s: float,
+        *,
+        count: bool = True,
+    ) -> Admitted | Refused:
+        """Place an inpainting edit the plan routed to ``decision``: its level stays, the
+        balancer chooses among the live workers of the chosen worker's planned level, and the
+        edit is admitted when its predicted finish there fits ``budget_s``. Else DEADLINE
+        when it would not fit even were those workers idle, OVERLOADED with the predicted
+        excess as the retry hint otherwise (counted as "deadline" rejections when
+        ``count``)."""
+        assert self.balancer is not None
+        planned = snapshot.levels.get(decision.worker_id)
+        workers = [
+            w for w, index in snapshot.levels.items() if index == planned and w not in snapshot.down
+        ] or [decision.worker_id]
+        index = decision.served_level
+        views = [self.edit_view(edit, w, index, snapshot) for w in workers]
+        chosen = self.balancer.choose(edit, views)
+        predicted = self.edit_finish_s(edit, views[chosen])
+        idle = min(self.edit_finish_s(edit, view, idle=True) for view in views)
+        reason = "deadline" if count else ""
+        if idle > budget_s:
+            return Refused(
+                Refusal.DEADLINE,
+                f"deadline_ms: the edit takes {idle * 1e3:.0f} ms on an idle worker of its "
+                f"level, more than the {budget_s * 1e3:.0f} ms left",
+                reason=reason,
+            )
+        verdict = admit(predicted, budget_s)
+        if not verdict.admitted:
+            return Refused(
+                Refusal.OVERLOADED,
+                f"deadline: the edit's predicted finish on {workers[chosen]} is "
+                f"{verdict.predicted_s * 1e3:.0f} ms away, more than the "
+                f"{verdict.budget_s * 1e3:.0f} ms left",
+                verdict.retry_after_s,
+                reason,
+            )
+        held = edit.template is not None and edit.template in views[chosen].templates
+        placed = replace(decision, worker_id=workers[chosen], score=predicted)
+        return Admitted(placed, predicted, self.balancer.name, held)
+
+    def _edit_earliest_s(
+        self,
+        edit: EditJob,
+        serving: list[tuple[str, int]],
+        snapshot: Snapshot,
+        classifying: int,
+    ) -> tuple[float, float]:
+        """``(loaded, idle)`` for an edit as :func:`earliest_completion_s` gives them for a
+        request: the least predicted finish over ``serving`` with their edits in flight, and
+        were they idle, the requests being classified ahead of it spread over them."""
+        views = [self.edit_view(edit, worker, index, snapshot) for worker, index in serving]
+        loaded = min(self.edit_finish_s(edit, view) for view in views)
+        idle = min(self.edit_finish_s(edit, view, idle=True) for view in views)
+        return loaded + classifying * idle / len(views), idle
 
     def _route_capped(
         self, optimal: int, snapshot: Snapshot, cap: int | None

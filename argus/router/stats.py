@@ -51,6 +51,11 @@ class RouterStats:
     def classified(self, seconds: float) -> None:
         """A prompt was classified ``seconds`` after its request arrived."""
 
+    def edit_placed(self, balancer: str, *, held: bool) -> None:
+        """An inpainting edit was placed on a worker by ``balancer`` (a name of
+        :data:`~argus.router.edit_balance.BALANCERS`); ``held``: that worker was believed to
+        hold its template."""
+
     def retried(self) -> None:
         """A request was routed again after its worker became unavailable."""
 
