@@ -25,7 +25,7 @@ from argus.worker.edit_lane import LaneEvents
 from argus.worker.engine import Worker, WorkerConfig
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.pipelines import Cancelled, CancelToken
-from tests.editing_factories import encode, mask_png, pixels, region_of, template_rgb
+from tests.editing_factories import SIZE, encode, mask_png, pixels, region_of, template_rgb
 from tests.worker_factories import default_profiles, make_registry, make_worker, torch_threads
 
 pytestmark = pytest.mark.integration
@@ -40,13 +40,15 @@ def one_thread() -> Iterator[None]:
         yield
 
 
-def edit(ratio: float, seed: int, steps: int = 6, template: int = 7, **fields: Any) -> GenerateCall:
+def edit(
+    ratio: float, seed: int, steps: int = 6, template: int = 7, size: int = SIZE, **fields: Any
+) -> GenerateCall:
     return GenerateCall(
         prompt=PROMPT,
         seed=seed,
         steps=steps,
-        image=encode(template_rgb(seed=template)),
-        mask=mask_png(region_of(ratio)),
+        image=encode(template_rgb(size, seed=template)),
+        mask=mask_png(region_of(ratio, size)),
         **fields,
     )
 

@@ -983,9 +983,12 @@ def test_edit_batching_is_a_value_off_by_default() -> None:
     assert "--edit-batch" not in args and "--decode-thread" not in args
     parsed = cli_parser("worker").parse_args([])
     assert parsed.edit_batch == 1 and parsed.decode_thread is False
-    values = {"worker": {"editBatch": 4, "decodeThread": True}}
+    assert "--edit-batch-table" not in args
+    table = "/opt/argus/edit-batching.toml"
+    values = {"worker": {"editBatch": 4, "decodeThread": True, "editBatchTable": table}}
     args = main_container(workloads(render(values))["worker"])["args"]
     assert arg_value(args, "--edit-batch") == "4" and "--decode-thread" in args
+    assert arg_value(args, "--edit-batch-table") == table
     with pytest.raises(helm.HelmValuesError, match="editBatch"):
         render({"worker": {"editBatch": 0}})
     with pytest.raises(helm.HelmValuesError, match="decodeThread"):

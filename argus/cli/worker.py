@@ -78,6 +78,13 @@ class WorkerCommand:
             "batch at the next denoising step (default 1: one request at a time)",
         )
         parser.add_argument(
+            "--edit-batch-table",
+            metavar="FILE",
+            help="measured latency-per-batch curves (benchmarks/bench_edit_cost.py "
+            "--write-table): each model's and size's bound is the curve's knee, at most "
+            "--edit-batch, and 1 where the table has none",
+        )
+        parser.add_argument(
             "--decode-thread",
             action="store_true",
             help="batched edits decode on a thread of their own, so the next step starts at once",
@@ -190,6 +197,7 @@ class WorkerCommand:
             cuda_graphs=args.cuda_graphs,
             edit_batch=args.edit_batch,
             decode_thread=args.decode_thread,
+            edit_batch_table=args.edit_batch_table,
             cache=not args.no_cache,
             cache_dir=args.cache_dir,
             qdrant_url=args.qdrant_url,

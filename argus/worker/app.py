@@ -19,6 +19,7 @@ from argus import defaults
 from argus.plumbing.grpc_server import check_address, check_port, wait_for_shutdown
 from argus.plumbing.internal_tls import InternalTLS
 from argus.profiles import default_profiles, load_profiles
+from argus.profiles.batch_curve import load_batch_table
 from argus.types import ProfileSet, Strategy
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
 from argus.worker.edit_cache import EditCache
@@ -55,6 +56,9 @@ class WorkerSettings:
     cuda_graphs: int = defaults.CUDA_GRAPHS  # step shapes kept as CUDA graphs; 0: eager
     edit_batch: int = defaults.EDIT_BATCH  # edits batched at step boundaries; 1: one at a time
     decode_thread: bool = defaults.DECODE_THREAD  # batched edits decode off the device thread
+    # measured latency-per-batch curves (benchmarks/bench_edit_cost.py --write-table): each
+    # model's and size's bound is its knee, at most edit_batch; None: edit_batch for all
+    edit_batch_table: str | None = None
     # approximate cache
     cache: bool = True
     cache_dir: str | None = None  # latent store and Qdrant Edge shard; None: a temp dir
@@ -257,6 +261,11 @@ def build_worker(
         max_queue=settings.max_queue,
         edit_batch=settings.edit_batch,
         decode_thread=settings.decode_thread,
+        edit_batch_table=(
+            None
+            if settings.edit_batch_table is None
+            else load_batch_table(settings.edit_batch_table)
+        ),
     )
     edit_cache = build_edit_cache(settings, metrics)
     adapters = None

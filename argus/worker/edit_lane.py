@@ -3,10 +3,13 @@ issue 33, item 1).
 
 With ``argus worker --edit-batch N`` (N > 1) an edit without adapters does not take the GPU
 slot for itself: it is handed to the lane, which keeps one
-:class:`~argus.worker.step_batch.StepBatcher` per model. Waiting edits join the running batch
-at the next step boundary, up to N (compatible ones: same model, resolution and guidance
-mode), and finished ones leave, so a new edit no longer waits for the edits ahead of it to
-finish. Every other request (generations, edits with LoRAs or ControlNets) takes today's path.
+:class:`~argus.worker.step_batch.StepBatcher` per model and size. Waiting edits join the
+running batch at the next step boundary, up to the bound (compatible ones: same model,
+resolution and guidance mode), and finished ones leave, so a new edit no longer waits for the
+edits ahead of it to finish. The bound of each model and size is N, or, with
+``--edit-batch-table FILE``, the knee of that model's and size's measured latency-per-batch
+curve, at most N (:mod:`argus.profiles.batch_curve`; 1 where the table has no curve). Every
+other request (generations, edits with LoRAs or ControlNets) takes today's path.
 
 **The device is still one.** The lane's own thread takes the worker's GPU slot
 (:class:`~argus.worker.engine.FifoSlot`) in its turn, like any request, and runs the batch's
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future
 from typing import Any, Protocol
 
@@ -65,14 +68,18 @@ class EditLane:
         slot: Slot,
         device: Executor,
         events: LaneEvents | None = None,
+        bounds: Callable[[str, int, int], int] | None = None,
     ) -> None:
         if bound < 2:
             raise ValueError(f"edit batch bound: a lane batches, so >= 2; got {bound}")
         self.bound = bound
+        # each (model name, width, height)'s bound: a measured table's (argus/profiles/
+        # batch_curve.py), else ``bound`` for every one
+        self._bounds = bounds or (lambda model, width, height: bound)
         self._slot = slot
         self._device = device
         self._events = events or LaneEvents()
-        self._batchers: dict[int, StepBatcher] = {}  # id(model) -> its batcher
+        self._batchers: dict[tuple[int, int, int], StepBatcher] = {}  # (id(model), w, h)
         self._work = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="edit-lane", daemon=True)
@@ -83,12 +90,14 @@ class EditLane:
     ) -> tuple[StepBatcher, Future[BatchResult]]:
         """Queue ``spec`` on ``model``'s batch (``request``: :meth:`StepBatcher.submit`'s
         keywords); returns the batcher (to withdraw the request from) and its result."""
+        where = (id(model), spec.width, spec.height)
         with self._work:
             if self._closed:
                 raise RuntimeError("the edit lane is closed")
-            batcher = self._batchers.get(id(model))
+            batcher = self._batchers.get(where)
             if batcher is None or batcher.model is not model:
-                batcher = self._batchers[id(model)] = StepBatcher(model, self.bound, history=False)
+                bound = self._bounds(model.name, spec.width, spec.height)
+                batcher = self._batchers[where] = StepBatcher(model, bound, history=False)
             future = batcher.submit(spec, key=key, **request)
             self._work.notify_all()
         return batcher, future

@@ -95,6 +95,7 @@ request with ControlNets never resumes from a cached latent, and no adapter requ
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import logging
@@ -123,6 +124,7 @@ from argus.contracts.generate import (
 )
 from argus.contracts.worker_control import WorkerStats
 from argus.plumbing.quoting import quoted
+from argus.profiles.batch_curve import BatchTable
 from argus.request_limits import (
     ImageLimits,
     InvalidRequestError,
@@ -358,6 +360,9 @@ class WorkerConfig:
     """Edits batched at most (:mod:`argus.worker.edit_lane`); 1: one request at a time."""
     decode_thread: bool = defaults.DECODE_THREAD
     """Batched edits decode on a thread of their own, off the denoising loop."""
+    edit_batch_table: BatchTable | None = None
+    """Measured latency-per-batch curves: each model's and size's bound is its knee, at most
+    ``edit_batch``, and 1 where the table has none (:mod:`argus.profiles.batch_curve`)."""
 
     def __post_init__(self) -> None:
         if self.edit_batch < 1:
@@ -453,7 +458,11 @@ class Worker:
         self._decoder: ThreadPoolExecutor | None = None
         self._batch_keys = itertools.count()
         if self.config.edit_batch > 1:
-            self._lane = EditLane(self.config.edit_batch, self._slots, self._device, lane_events)
+            table, cap = self.config.edit_batch_table, self.config.edit_batch
+            bounds = None
+            if table is not None:
+                bounds = functools.partial(_table_bound, table, cap)
+            self._lane = EditLane(cap, self._slots, self._device, lane_events, bounds)
             if self.config.decode_thread:
                 self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
 
@@ -1245,6 +1254,10 @@ class _Reporter:
 
     def decoding(self, total_steps: int) -> None:
         self._send(Stage.DECODING, step=total_steps, total_steps=total_steps)
+
+
+def _table_bound(table: BatchTable, cap: int, model: str, width: int, height: int) -> int:
+    return table.bound(model, width, height, cap=cap)
 
 
 def latent_preview(latents: torch.Tensor) -> bytes:

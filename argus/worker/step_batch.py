@@ -1,5 +1,5 @@
 """Step-level continuous batching over one :class:`~argus.worker.pipelines.DiffusionModel`
-(InstGenIE §4.3; issue 33, item 1, first part).
+(InstGenIE §4.3; issue 33, item 1).
 
 :class:`StepBatcher` runs the denoising loop of several requests at once, one step at a time.
 Every request (a :class:`~argus.worker.pipelines.GenerationSpec`: a generation, an img2img
@@ -42,15 +42,23 @@ so a request's latents in a batch equal its latents alone to a tolerance, not bi
 (``tests/test_step_batch.py``: 1e-4; measured at most 1.4e-5 on latents up to 19 after 4-6
 steps); alone in the batch (bound 1) they are bit for bit the same.
 
-**Not here yet** (later steps of issue 33): the mask-aware activation cache's replay
-(:class:`~argus.worker.edit_cache.EditCache`: computing only the masked tokens) inside a batch:
-every request here runs the full UNet (:meth:`DiffusionModel.predict_noise`'s computation),
-so a small mask does not yet make a step cheaper; adapters (LoRA patching, ControlNet
-predictors: ``denoise``'s ``before_step`` and ``predictor``) and latent capture for the cache;
-cancellation inside a step (``denoise`` checks at every block; a batch shares its blocks, so
-a cancel here is seen at the next boundary); CUDA graphs (``DiffusionModel.use_cuda_graphs``:
-the batched UNet call runs eagerly); the batch bound from a measured profile; wiring
-into the worker's engine (``argus/worker/engine.py``).
+**Transformer blocks per request.** A request may bring its own transformer blocks
+(``on_join``'s answer, a :class:`~argus.worker.masked_blocks.RowBlocks`): the mask-aware
+activation cache's replay, which computes the request's region's tokens only, or its
+recording. The batched UNet call then runs every block on each request's rows apart
+(:func:`~argus.worker.masked_blocks.batched_blocks`), neighbours without blocks of their own
+together, and everything outside the blocks on the whole batch: a small mask makes its
+request's share of a step cheaper, as InstGenIE's batches of masked edits are priced.
+
+A step that raises fails its requests (their futures get the error) and the batcher goes on;
+so does a request whose preparation raises.
+
+**Not here**: adapters (LoRA patching, ControlNet predictors: ``denoise``'s ``before_step``
+and ``predictor``; the worker serves requests with adapters alone), latent capture for the
+approximate cache, cancellation inside a step (``denoise`` checks at every block; a batch
+shares its blocks, so a cancel here is seen at the next boundary) and CUDA graphs (the batched
+UNet call runs eagerly). The worker drives a batcher from its edit lane
+(:mod:`argus.worker.edit_lane`).
 """
 
 from __future__ import annotations
