@@ -9,6 +9,19 @@ the region's tokens only) is timed ``--repeats`` times and the median printed; m
 step (a miss). Every edit in a batch has the same m here, so the batch's mask sum is b·m.
 
     .venv/bin/python benchmarks/bench_edit_cost.py            # 256 px, b 1/2/4, 3 repeats
+
+``--batcher MODELS`` measures instead through the worker's own step batcher
+(``argus/worker/step_batch.py``, the path ``argus worker --edit-batch`` serves edits on): for
+each model (a tiny variant's name, as a CPU worker serves it, or ``sd15-arch``), b inpainting
+edits of one recorded template at ratio m join one batch, each replaying the record on its own
+rows (m = 1: full steps, no record), and the median of ``--repeats`` whole steps (the batched
+UNet call, guidance, the schedulers, the blends) is one point. ``--write-table FILE`` writes
+the curves as the table workers read with ``--edit-batch-table``
+(``argus/profiles/batch_curve.py``), and each curve's bound and fitted cost model are printed:
+
+    .venv/bin/python benchmarks/bench_edit_cost.py --batcher sdxl,sd-2.0,sd-1.5,tiny-sd \
+        --size 64 --batches 1,2,4,8 --ratios 0.1,0.2,1.0 --repeats 7 \
+        --write-table argus/profiles/edit-batching-cpu.toml
 """
 
 from __future__ import annotations
@@ -18,7 +31,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -27,8 +42,102 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _machine import load_line, machine_line
 from bench_editing import build_unet, centred_region
 
+from argus.profiles.batch_curve import BatchCurve, CurvePoint, dump_batch_table
 from argus.profiles.edit_cost import fit_cost_model
+from argus.request_limits import EditInput
+from argus.worker.activation_store import ActivationStore
+from argus.worker.edit_cache import EditCache
 from argus.worker.masked_blocks import ActivationRecord, Replay, recording
+from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.step_batch import StepBatcher
+
+
+def batcher_model(name: str) -> DiffusionModel:
+    """A tiny variant as a CPU worker serves it, or ``sd15-arch`` (bench_edit_serving's)."""
+    if name == "sd15-arch":
+        from bench_edit_serving import build_model
+
+        return build_model("sd15")
+    from argus.worker.models import TINY_PREFIX, build_tiny_pipeline
+
+    source = TINY_PREFIX + name
+    return DiffusionModel(name, build_tiny_pipeline(source), device="cpu", source=source)
+
+
+def measure_curve(
+    model: DiffusionModel,
+    size: int,
+    batches: list[int],
+    ratios: list[float],
+    repeats: int,
+    seed: int,
+) -> BatchCurve:
+    """The step batcher's seconds a step for every (b, m) on ``model`` at ``size``."""
+    from bench_edit_serving import region_rect
+
+    rgb = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    steps = repeats + 2  # one step to join, ``repeats`` timed, one spare
+    cache = EditCache(ActivationStore(8 * 2**30))
+
+    def spec(index: int, ratio: float) -> GenerationSpec:
+        edit = EditInput(rgb, region_rect(size, ratio), 1.0)
+        return GenerationSpec(
+            f"edit {index}", seed=index, height=size, width=size, steps=steps, edit=edit
+        )
+
+    points = []
+    for ratio in ratios:
+        key = cache.key(model, spec(0, ratio), adapters=False)
+        assert key is not None, "the model's blocks cannot replay"
+        if ratio < 1.0:  # the template's record, taken by a run alone
+            use = cache.begin(model, spec(0, ratio), key, was_present=False)
+            model.denoise(spec(0, ratio), predictor=use.predictor)
+            use.finish()
+        for b in batches:
+            batcher = StepBatcher(model, b)
+
+            def join(ratio: float = ratio, key: str = key) -> Any:
+                if ratio >= 1.0:
+                    return None
+                return cache.begin(model, spec(0, ratio), key, was_present=True, batched=True).rows
+
+            for index in range(b):
+                batcher.submit(spec(index + 1, ratio), key=index, on_join=join)
+            batcher.step()  # every request joins and runs its first step
+            seconds = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                batcher.step()
+                seconds.append(time.perf_counter() - start)
+            batcher.run_until_idle()
+            median = statistics.median(seconds)
+            points.append(CurvePoint(b, ratio, median))
+            print(f"{model.name} {size}px b={b} m={ratio:.2f}: {median * 1e3:.2f} ms", flush=True)
+    return BatchCurve(model.name, size, size, tuple(points), steps)
+
+
+def run_batcher(args: argparse.Namespace, batches: list[int], ratios: list[float]) -> None:
+    curves = []
+    with torch.inference_mode():
+        for name in args.batcher.split(","):
+            model = batcher_model(name)
+            curve = measure_curve(model, args.size, batches, ratios, args.repeats, args.seed)
+            fitted = curve.cost_model()
+            print(
+                f"{name}: bound {curve.bound()} at m=0.11 (knee, 10% more edits a second);"
+                f" fit a={fitted.base_s * 1e3:.2f} p={fitted.per_edit_s * 1e3:.2f}"
+                f" c={fitted.per_mask_s * 1e3:.2f} ms, R2={fitted.r2:.4f}",
+                flush=True,
+            )
+            curves.append(curve)
+    if args.write_table:
+        source = (
+            f"benchmarks/bench_edit_cost.py --batcher {args.batcher} --size {args.size}"
+            f" --batches {args.batches} --ratios {args.ratios} --repeats {args.repeats}"
+        )
+        device = f"{machine_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+        Path(args.write_table).write_text(dump_batch_table(curves, source, device))
+        print(f"wrote {args.write_table}")
 
 
 def main() -> None:
@@ -38,10 +147,19 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.1,0.2,0.4,1.0", help="mask ratios")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batcher", help="models measured through the step batcher (see above)")
+    parser.add_argument("--write-table", help="with --batcher: the table file to write")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(machine_line(), flush=True)
+    if args.batcher:
+        run_batcher(args, batches, ratios)
+        print(load_line("end"))
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.size} px, CFG 2")
     unet = build_unet(args.seed)
     side = args.size // 8

@@ -97,6 +97,8 @@ from _machine import load_line, machine_line
 
 from argus.request_limits import EditInput
 from argus.sim.edits import draw_mask_ratios, zipf_weights
+from argus.worker.activation_store import ActivationStore
+from argus.worker.edit_cache import EditCache, EditCacheUse
 from argus.worker.pipelines import DiffusionModel, GenerationSpec, paste_unmasked
 from argus.worker.step_batch import BatchResult, StepBatcher, StepStats
 
@@ -207,8 +209,20 @@ def drive(arrivals: list[Arrival], submit: Callable[[int, float], None]) -> floa
     return t0
 
 
-def run_alone(model: DiffusionModel, arrivals: list[Arrival]) -> tuple[list[Outcome], None]:
-    """Today's worker: one request at a time, denoise then post-process on the device thread."""
+def new_cache(enabled: bool) -> EditCache | None:
+    """A fresh mask-aware activation cache for one engine's run (host memory, 4 GiB)."""
+    return EditCache(ActivationStore(4 * 2**30)) if enabled else None
+
+
+def cache_key(cache: EditCache | None, model: DiffusionModel, spec: GenerationSpec) -> str | None:
+    return None if cache is None else cache.key(model, spec, adapters=False)
+
+
+def run_alone(
+    model: DiffusionModel, arrivals: list[Arrival], cache: EditCache | None
+) -> tuple[list[Outcome], None]:
+    """Today's worker: one request at a time, denoise (replaying or recording its template's
+    activations when ``cache``) then post-process, on the device thread."""
     jobs: queue.Queue[tuple[int, float] | None] = queue.Queue()
     outcomes: list[Outcome | None] = [None] * len(arrivals)
 
@@ -217,9 +231,16 @@ def run_alone(model: DiffusionModel, arrivals: list[Arrival]) -> tuple[list[Outc
             index, arrived = job
             spec = arrivals[index].spec
             started = time.perf_counter()
-            result = model.denoise(spec, start_step=spec.start_step)
+            key = cache_key(cache, model, spec)
+            use = None
+            if cache is not None and key is not None:
+                use = cache.begin(model, spec, key, was_present=False)
+            predictor = None if use is None else use.predictor
+            result = model.denoise(spec, start_step=spec.start_step, predictor=predictor)
             finish(model, spec, result.latents)
             outcomes[index] = Outcome(arrived, started, time.perf_counter())
+            if use is not None:
+                use.finish()
 
     thread = threading.Thread(target=device)
     thread.start()
@@ -230,8 +251,16 @@ def run_alone(model: DiffusionModel, arrivals: list[Arrival]) -> tuple[list[Outc
 
 
 def run_batched(
-    model: DiffusionModel, arrivals: list[Arrival], bound: int, *, static: bool, decode_thread: bool
+    model: DiffusionModel,
+    arrivals: list[Arrival],
+    bound: int,
+    cache: EditCache | None,
+    *,
+    static: bool,
+    decode_thread: bool,
 ) -> tuple[list[Outcome], StepStats]:
+    """The step batcher at ``bound``; with ``cache`` each inpainting edit replays or records
+    its template's activations on its own rows of the batch, as the worker's edit lane does."""
     batcher = StepBatcher(model, bound, static=static)
     outcomes: list[Outcome | None] = [None] * len(arrivals)
     decodes: queue.Queue[tuple[int, float, BatchResult] | None] = queue.Queue()
@@ -245,10 +274,22 @@ def run_batched(
             post(*job)
 
     def submit(index: int, arrived: float) -> None:
-        future = batcher.submit(arrivals[index].spec, key=index)
+        spec = arrivals[index].spec
+        key = cache_key(cache, model, spec)
+        uses: list[EditCacheUse] = []
+
+        def join() -> Any:  # on the loop's thread
+            if cache is None or key is None:
+                return None
+            uses.append(cache.begin(model, spec, key, was_present=False, batched=True))
+            return uses[-1].rows
+
+        future = batcher.submit(spec, key=index, on_join=join)
 
         def done(future: Any) -> None:  # runs on the loop's thread, after the step
             result = future.result()
+            for use in uses:
+                use.finish()
             if decode_thread:
                 decodes.put((index, arrived, result))
             else:
@@ -304,6 +345,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument(
+        "--no-edit-cache",
+        action="store_true",
+        help="every edit runs the full UNet (no mask-aware activation cache in any engine)",
+    )
     args = parser.parse_args()
     args.size = args.size or (64 if args.model == "tiny" else 128)
     torch.set_num_threads(args.threads)
@@ -334,21 +380,23 @@ def main() -> None:
         f" one inpainting alone {alone_s * 1e3:.0f} ms (denoise + decode + PNG);"
         f" {len(arrivals)} requests over {args.duration:.0f} s at {rate:.2f}/s (load {args.load}"
         f" of one-at-a-time), mask ratio mean {np.mean(ratios):.3f}, {args.img2img:.0%} img2img;"
-        f" batch bound {args.bound}"
+        f" batch bound {args.bound}; activation cache {'off' if args.no_edit_cache else 'on'}"
     )
     print(
         f"{'engine':26s} {'mean s':>7s} {'P95 s':>7s} {'queue':>7s} {'q P95':>7s}"
         f" {'in svc':>7s} {'req/s':>7s} {'batch':>5s} {'ovh ms':>6s} {'prep':>6s}"
     )
     for name in args.engines.split(","):
+        cache = new_cache(not args.no_edit_cache)
         if name == "one-at-a-time":
-            outcomes, stats = run_alone(model, arrivals)
+            outcomes, stats = run_alone(model, arrivals, cache)
         else:
             bound = 1 if name == "continuous-b1" else args.bound
             outcomes, stats = run_batched(
                 model,
                 arrivals,
                 bound,
+                cache,
                 static=name == "static",
                 decode_thread=name == "continuous+decode-thread",
             )
