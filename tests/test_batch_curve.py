@@ -113,3 +113,26 @@ def test_a_worker_batches_each_size_up_to_its_measured_knee(size: int, bound: in
             worker.close()
     assert all(a.steps_run == 5 for a in answers)
     assert max(steps.rows) == bound
+
+
+@pytest.mark.unit
+def test_the_router_prices_edits_with_the_tables_fit_for_its_base_model(tmp_path: Path) -> None:
+    """``argus router --edit-batch-table``: the fit of the profile's base model's curve at
+    --default-size, else the first curve's; a bad table is a ValueError naming the file."""
+    import argparse
+
+    from argus.cli.router import edit_cost_model
+
+    model = default_profiles().levels[0].model
+    other = curve("other", m010={1: 0.1, 2: 0.2, 4: 0.4}, m100={1: 1.0, 2: 2.0, 4: 4.0})
+    own = curve(model, m010={1: 0.1, 2: 0.11, 4: 0.15}, m100={1: 0.2, 2: 0.38, 4: 0.75})
+    path = tmp_path / "table.toml"
+    path.write_text(dump_batch_table([other, own], "test", "cpu"))
+    args = argparse.Namespace(edit_batch_table=str(path), profile=None, default_size=64)
+    assert edit_cost_model(args) == own.cost_model()
+    args.default_size = 128  # no curve at that size: the first one's
+    assert edit_cost_model(args) == other.cost_model()
+    args.edit_batch_table = str(tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match=r"missing\.toml"):
+        edit_cost_model(args)
+    assert edit_cost_model(argparse.Namespace(edit_batch_table=None)) is None

@@ -989,10 +989,31 @@ def test_edit_batching_is_a_value_off_by_default() -> None:
     args = main_container(workloads(render(values))["worker"])["args"]
     assert arg_value(args, "--edit-batch") == "4" and "--decode-thread" in args
     assert arg_value(args, "--edit-batch-table") == table
+    router = main_container(workloads(render(values))["router"])["args"]
+    assert arg_value(router, "--edit-batch") == "4"  # the router prices the workers' bound
+    assert arg_value(router, "--edit-batch-table") == table
     with pytest.raises(helm.HelmValuesError, match="editBatch"):
         render({"worker": {"editBatch": 0}})
     with pytest.raises(helm.HelmValuesError, match="decodeThread"):
         render({"worker": {"decodeThread": "yes"}})
+
+
+def test_the_routers_edit_balancer_is_a_value_plan_by_default() -> None:
+    """router.editBalancer reaches the router as --edit-balancer when not "plan" (the binary's
+    default, left out); the schema accepts only the balancers the router knows."""
+    from argus.router.config import EDIT_BALANCERS
+
+    args = main_container(workloads(render({}))["router"])["args"]
+    assert "--edit-balancer" not in args and "--edit-batch" not in args
+    values = {"router": {"editBalancer": "mask-aware"}}
+    args = main_container(workloads(render(values))["router"])["args"]
+    assert arg_value(args, "--edit-balancer") == "mask-aware"
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["router"]["properties"]["editBalancer"]["enum"] == list(
+        EDIT_BALANCERS
+    )
+    with pytest.raises(helm.HelmValuesError, match="editBalancer"):
+        render({"router": {"editBalancer": "fastest"}})
 
 
 def test_the_workers_edit_cache_is_a_value_with_an_optional_disk_tier() -> None:

@@ -128,6 +128,13 @@ class RouterCommand:
             default=EDIT_BATCH,
             help="the workers' --edit-batch: edits a worker runs together (default: %(default)s)",
         )
+        edits.add_argument(
+            "--edit-batch-table",
+            metavar="FILE",
+            help="the workers' measured latency-per-batch table (benchmarks/bench_edit_cost.py "
+            "--write-table): the edit cost model is its fit for the profile's base model at "
+            "--default-size (default: the model derived from InstGenIE's figures)",
+        )
         drift = parser.add_argument_group("drift retraining (workers' quality scores)")
         drift.add_argument(
             "--drift-window",
@@ -173,6 +180,7 @@ class RouterCommand:
                 default_size=args.default_size,
                 edit_balancer=args.edit_balancer,
                 edit_batch=args.edit_batch,
+                edit_cost=edit_cost_model(args),
             )
             settings = RouterSettings(
                 allocator=args.allocator,
@@ -216,3 +224,18 @@ def drift_settings(args: argparse.Namespace) -> Any:
         retrain=args.drift_retrain,
         min_examples=args.drift_min_labels,
     )
+
+
+def edit_cost_model(args: argparse.Namespace) -> Any:
+    """The edit cost model ``--edit-batch-table`` gives (None without one): the fit of the
+    curve of the profile's base model at ``--default-size`` (the reference size without it),
+    or of the table's first curve. A bad table raises ValueError naming the file."""
+    if not args.edit_batch_table:
+        return None
+    from argus.profiles import default_profiles, load_profiles
+    from argus.profiles.batch_curve import load_batch_table
+
+    table = load_batch_table(args.edit_batch_table)
+    profiles = load_profiles(args.profile) if args.profile else default_profiles()
+    size = args.default_size or profiles.reference.width
+    return table.cost_model(profiles.levels[0].model, size, size)

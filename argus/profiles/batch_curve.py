@@ -135,6 +135,12 @@ class BatchTable:
             return 1
         return max(1, min(cap, curve.bound(mask_ratio, min_gain)))
 
+    def cost_model(self, model: str, width: int, height: int) -> EditCostModel:
+        """The cost model of ``model`` at ``width`` × ``height``: its curve's fit, or the
+        first curve's where the table has none for it (the router scales it to each worker's
+        measured speed; what it takes from the table is how a step's time splits)."""
+        return (self.curve(model, width, height) or self.curves[0]).cost_model()
+
 
 def load_batch_table(path: str | Path) -> BatchTable:
     """Read a table :func:`dump_batch_table` wrote; :class:`BatchTableError` names the field."""

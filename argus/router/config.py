@@ -24,7 +24,7 @@ from argus.types import ProfileSet
 
 EDIT_BALANCER = "plan"  # edits are routed as generations, on the plan (Eq. 3)
 EDIT_BALANCERS = (EDIT_BALANCER, *BALANCERS)
-EDIT_BATCH = 1  # the workers' --edit-batch default
+EDIT_BATCH = defaults.EDIT_BATCH  # the workers' --edit-batch default
 EDIT_TEMPLATES = 64  # templates believed held per worker (the simulator's CACHE_TEMPLATES)
 
 
