@@ -136,3 +136,26 @@ def test_the_router_prices_edits_with_the_tables_fit_for_its_base_model(tmp_path
     with pytest.raises(ValueError, match=r"missing\.toml"):
         edit_cost_model(args)
     assert edit_cost_model(argparse.Namespace(edit_batch_table=None)) is None
+
+
+@pytest.mark.unit
+def test_the_edit_evaluation_prices_steps_with_a_chosen_measured_curve(tmp_path: Path) -> None:
+    """``argus evaluate --workload edits --edit-batch-table FILE [--edit-curve MODEL]``."""
+    import argparse
+
+    from argus.cli.edit_evaluate import measured_cost
+
+    first = curve("first", m010={1: 0.1, 2: 0.2, 4: 0.4}, m100={1: 1.0, 2: 2.0, 4: 4.0})
+    second = curve("second", m010={1: 0.1, 2: 0.11, 4: 0.15}, m100={1: 0.2, 2: 0.38, 4: 0.75})
+    path = tmp_path / "table.toml"
+    path.write_text(dump_batch_table([first, second], "test", "cpu"))
+    args = argparse.Namespace(edit_batch_table=str(path), edit_curve=None)
+    assert measured_cost(args) == {"model": first.cost_model()}
+    args.edit_curve = "second"
+    assert measured_cost(args) == {"model": second.cost_model()}
+    args.edit_curve = "third"
+    with pytest.raises(ValueError, match=r"--edit-curve.*first, second"):
+        measured_cost(args)
+    assert measured_cost(argparse.Namespace(edit_batch_table=None, edit_curve=None)) == {}
+    with pytest.raises(ValueError, match="--edit-curve: needs --edit-batch-table"):
+        measured_cost(argparse.Namespace(edit_batch_table=None, edit_curve="first"))

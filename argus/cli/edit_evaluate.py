@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from argus.cli.main import CLIError
 
@@ -50,6 +51,18 @@ def add_edit_arguments(parser: argparse.ArgumentParser) -> None:
         "--zipf", type=float, default=None, help="edits: template popularity exponent (default 1)"
     )
     parser.add_argument(
+        "--edit-batch-table",
+        metavar="FILE",
+        help="edits: price steps with a measured latency-per-batch table's fit "
+        "(benchmarks/bench_edit_cost.py --write-table; default: the model derived from "
+        "InstGenIE's figures)",
+    )
+    parser.add_argument(
+        "--edit-curve",
+        metavar="MODEL",
+        help="edits: which model's curve of --edit-batch-table (default: its first)",
+    )
+    parser.add_argument(
         "--t2i-share",
         type=float,
         default=0.0,
@@ -87,6 +100,7 @@ def run_edits(args: argparse.Namespace) -> int:
             zipf_s=ZIPF_S if args.zipf is None else args.zipf,
             masks=args.masks,
             text_to_image_share=args.t2i_share,
+            **measured_cost(args),
         )
         progress = None if args.quiet else _progress(time.perf_counter())
         evaluation = evaluate_edits(config, progress)
@@ -108,6 +122,23 @@ def run_edits(args: argparse.Namespace) -> int:
         f"({model.source}); files in {args.out}/"
     )
     return 0
+
+
+def measured_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """``model=`` the fit of ``--edit-batch-table``'s curve (``--edit-curve``'s model, else the
+    first); nothing without a table. ValueError names the file or the model."""
+    if not args.edit_batch_table:
+        if args.edit_curve:
+            raise ValueError("--edit-curve: needs --edit-batch-table")
+        return {}
+    from argus.profiles.batch_curve import load_batch_table
+
+    table = load_batch_table(args.edit_batch_table)
+    curves = [c for c in table.curves if args.edit_curve in (None, c.model)]
+    if not curves:
+        known = ", ".join(sorted({c.model for c in table.curves}))
+        raise ValueError(f"--edit-curve: no curve of {args.edit_curve!r} (the table has {known})")
+    return {"model": curves[0].cost_model()}
 
 
 def _progress(started: float) -> Callable[[int, int], None]:
