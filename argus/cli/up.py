@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from argus import defaults
 from argus.cli.main import CLIError
 
 if TYPE_CHECKING:
@@ -42,6 +43,25 @@ def demo_prompts(count: int) -> list[str]:
 
 DEMO_RETRIES = 3  # the demo follows the router's retry hints, as a client should
 GAVE_UP_EXIT = 3  # a part died --max-restarts times within the window
+
+
+def _edit_args(args: argparse.Namespace, part: str) -> tuple[str, ...]:
+    """The edit batching flags of ``part`` ("worker" or "router"), left out at their defaults;
+    a bad value is refused here, naming the flag, before anything starts."""
+    from argus.router.config import EDIT_BALANCERS
+
+    if args.edit_batch < 1:
+        raise CLIError(f"--edit-batch: must be >= 1, got {args.edit_batch}")
+    if args.edit_balancer not in EDIT_BALANCERS:
+        raise CLIError(
+            f"--edit-balancer: {args.edit_balancer!r} is not one of {', '.join(EDIT_BALANCERS)}"
+        )
+    flags: tuple[str, ...] = ()
+    if args.edit_batch > 1:
+        flags = ("--edit-batch", str(args.edit_batch))
+    if part == "router" and args.edit_balancer != "plan":
+        flags += ("--edit-balancer", args.edit_balancer)
+    return flags
 
 
 def say(message: str) -> None:
@@ -90,6 +110,19 @@ class UpCommand:
             action="append",
             default=[],
             help="NAME=DIR of a smaller model for the SM levels (repeatable; as argus worker)",
+        )
+        parser.add_argument(
+            "--edit-batch",
+            type=int,
+            default=defaults.EDIT_BATCH,
+            help="edits each worker runs together (argus worker --edit-batch; the router prices "
+            "with it too; default 1: one at a time)",
+        )
+        parser.add_argument(
+            "--edit-balancer",
+            default="plan",
+            help="how the router places inpainting edits (argus router --edit-balancer; default "
+            "plan)",
         )
         parser.add_argument("--no-controlnet", action="store_true", help="no ControlNet service")
         parser.add_argument(
@@ -170,7 +203,8 @@ class UpCommand:
                 auth_token_file=args.auth_token_file,
                 tls_cert=args.tls_cert,
                 tls_key=args.tls_key,
-                worker_args=_model_args(args.model, args.variant),
+                worker_args=(*_model_args(args.model, args.variant), *_edit_args(args, "worker")),
+                router_args=_edit_args(args, "router"),
             )
         except ValueError as err:
             raise CLIError(str(err)) from None
