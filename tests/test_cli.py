@@ -376,3 +376,22 @@ def test_the_allocators_planner_flags_are_checked_and_named(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["allocator", "--planner", "greedy"])
     assert exited.value.code == 2 and "--planner" in capsys.readouterr().err
+
+
+def test_argus_up_passes_edit_batching_to_the_workers_and_the_router() -> None:
+    """``argus up --edit-batch 4 --edit-balancer mask-aware``: the workers get --edit-batch, the
+    router both; defaults pass nothing; a bad value is refused naming the flag."""
+    import argparse
+
+    from argus.cli.main import CLIError
+    from argus.cli.up import _edit_args
+
+    args = argparse.Namespace(edit_batch=4, edit_balancer="mask-aware")
+    assert _edit_args(args, "worker") == ("--edit-batch", "4")
+    assert _edit_args(args, "router") == ("--edit-batch", "4", "--edit-balancer", "mask-aware")
+    plain = argparse.Namespace(edit_batch=1, edit_balancer="plan")
+    assert _edit_args(plain, "worker") == () and _edit_args(plain, "router") == ()
+    with pytest.raises(CLIError, match="--edit-batch"):
+        _edit_args(argparse.Namespace(edit_batch=0, edit_balancer="plan"), "worker")
+    with pytest.raises(CLIError, match=r"--edit-balancer.*fastest"):
+        _edit_args(argparse.Namespace(edit_batch=2, edit_balancer="fastest"), "router")
