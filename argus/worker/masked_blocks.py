@@ -487,6 +487,8 @@ class Replay:
             yield
 
     def _forward(self, index: int, block: Any, step: int) -> Callable[..., torch.Tensor]:
+        own = own_forward(block)
+
         def forward(
             hidden_states: torch.Tensor,
             attention_mask: torch.Tensor | None = None,
@@ -498,59 +500,58 @@ class Replay:
             added_cond_kwargs: Any = None,
         ) -> torch.Tensor:
             _refuse_extras(attention_mask, cross_attention_kwargs)
-            return self.forward_rows(
-                index, block, step, hidden_states, encoder_hidden_states, encoder_attention_mask
+            found = self.replay(index, step, hidden_states.shape[1], hidden_states.shape[0])
+            if found is None:  # nothing to take from the record: the block's own forward
+                computed: torch.Tensor = own(
+                    hidden_states,
+                    encoder_hidden_states=encoder_hidden_states,
+                    encoder_attention_mask=encoder_attention_mask,
+                )
+                return computed
+            plan, cached_y = found
+            kv = None
+            if self.keys_values:
+                kv = (self.record.keys[(step, index)], self.record.values[(step, index)])
+            return masked_block_forward(
+                block,
+                hidden_states,
+                plan,
+                cached_y,
+                encoder_hidden_states,
+                encoder_attention_mask,
+                kv,
             )
 
         return forward
 
-    def forward_rows(
-        self,
-        index: int,
-        block: Any,
-        step: int,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Block ``index`` of step ``step`` on this request's rows: replayed from the record,
-        or computed in full where ``use_cache`` says so (a :class:`RowBlocks`)."""
+    def replay(
+        self, index: int, step: int, tokens: int, rows: int
+    ) -> tuple[TokenPlan, torch.Tensor] | None:
+        """Block ``index`` of step ``step`` at ``tokens`` tokens on ``rows`` rows: its token
+        plan and recorded output rows, or None when the block computes every token (Algorithm
+        1 chose so, or the record covers nothing the edit keeps); :class:`RecordMismatchError`
+        when the record does not fit. A :class:`RowBlocks`."""
         if not self.use_cache[index]:
-            return own_forward(block)(
-                hidden_states,
-                encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask,
-            )
-        record, key = self.record, (step, index)
-        plan = self.plans.get(hidden_states.shape[1])
+            return None
+        plan = self.plans.get(tokens)
         if plan is None:
             raise RecordMismatchError(
-                f"block {index}: the record covers no resolution of {hidden_states.shape[1]} tokens"
+                f"block {index}: the record covers no resolution of {tokens} tokens"
             )
-        if plan.all_computed:  # nothing to take from the record: the block's own forward
-            return own_forward(block)(
-                hidden_states,
-                encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask,
-            )
-        if key not in record.outputs:
+        if plan.all_computed:
+            return None
+        key = (step, index)
+        if key not in self.record.outputs:
             raise RecordMismatchError(f"the record has no step {step} block {index}")
-        cached_y = record.outputs[key]
-        if cached_y.shape[0] != hidden_states.shape[0]:
+        cached_y = self.record.outputs[key]
+        if cached_y.shape[0] != rows:
             raise RecordMismatchError(
-                f"the record's batch is {cached_y.shape[0]} (CFG branches), "
-                f"this run's {hidden_states.shape[0]}"
+                f"the record's batch is {cached_y.shape[0]} (CFG branches), this run's {rows}"
             )
-        kv = (record.keys[key], record.values[key]) if self.keys_values else None
-        return masked_block_forward(
-            block,
-            hidden_states,
-            plan,
-            cached_y,
-            encoder_hidden_states,
-            encoder_attention_mask,
-            kv,
-        )
+        return plan, cached_y
+
+    def keep(self, index: int, step: int, output: torch.Tensor) -> None:
+        """A block computed in full keeps nothing of a replay (a :class:`RowBlocks`)."""
 
 
 class ReplayPredictor:
@@ -597,24 +598,21 @@ def _refuse_extras(attention_mask: Any, cross_attention_kwargs: Any) -> None:
 
 class RowBlocks(Protocol):
     """One request's transformer blocks inside a batched UNet call (the step batcher,
-    :mod:`argus.worker.step_batch`): what block ``index`` of the request's step ``step``
-    gives for the request's own rows (both CFG branches)."""
+    :mod:`argus.worker.step_batch`): per block and step of the request, whether it replays
+    (:meth:`replay`: its token plan and recorded rows) or computes every token, and what it
+    keeps of a block computed in full (:meth:`keep`: a recording)."""
 
-    def forward_rows(
-        self,
-        index: int,
-        block: Any,
-        step: int,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+    def replay(
+        self, index: int, step: int, tokens: int, rows: int
+    ) -> tuple[TokenPlan, torch.Tensor] | None: ...
+
+    def keep(self, index: int, step: int, output: torch.Tensor) -> None: ...
 
 
 class RowRecorder:
-    """A recording run inside a batch: each block computed in full on the request's rows,
-    its output for the tokens outside ``region`` kept in :attr:`record` (Y only), as
-    :func:`recording` keeps them for a run alone."""
+    """A recording run inside a batch: each block computed in full, its output for the tokens
+    outside ``region`` kept in :attr:`record` (Y only), as :func:`recording` keeps them for a
+    run alone."""
 
     def __init__(self, region: torch.Tensor, *, dtype: torch.dtype = RECORD_DTYPE) -> None:
         self.region = region
@@ -622,32 +620,23 @@ class RowRecorder:
         self.record = ActivationRecord((int(region.shape[-2]), int(region.shape[-1])))
         self._levels = token_regions(region)
 
-    def forward_rows(
-        self,
-        index: int,
-        block: Any,
-        step: int,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        output = own_forward(block)(
-            hidden_states,
-            encoder_hidden_states=encoder_hidden_states,
-            encoder_attention_mask=encoder_attention_mask,
-        )
+    def replay(
+        self, index: int, step: int, tokens: int, rows: int
+    ) -> tuple[TokenPlan, torch.Tensor] | None:
+        return None
+
+    def keep(self, index: int, step: int, output: torch.Tensor) -> None:
         size, edited = _level(self._levels, output.shape[1])
         covered = ~edited
         self.record.coverage[size] = covered
         rows = covered.nonzero().flatten().to(output.device)
         self.record.outputs[(step, index)] = output.index_select(1, rows).to("cpu", self.dtype)
-        return output
 
 
 @dataclass(frozen=True)
 class RowPart:
     """One request's share of a batched UNet call: its rows (in joining order), its blocks
-    (None: every block in full) and the index of the step it is at."""
+    (None: every block in full, nothing kept) and the index of the step it is at."""
 
     rows: int
     blocks: RowBlocks | None
@@ -657,25 +646,22 @@ class RowPart:
 @contextlib.contextmanager
 def batched_blocks(blocks: Sequence[torch.nn.Module], parts: Sequence[RowPart]) -> Iterator[None]:
     """Patch every transformer block for one batched UNet call whose rows are ``parts``, in
-    order: each request's rows go through its own :class:`RowBlocks` (a replay computes its
-    region's tokens only, a recorder keeps its rows), and neighbouring requests without any
-    run the block together. Everything outside the blocks (convolutions, ResNets, the time
-    embedding) runs on the whole batch. Restored on exit, exceptions included."""
-    groups: list[tuple[int, RowPart | None]] = []  # (rows, the part; None: plain rows)
-    for part in parts:
-        if part.blocks is None and groups and groups[-1][1] is None:
-            groups[-1] = (groups[-1][0] + part.rows, None)
-        else:
-            groups.append((part.rows, part if part.blocks is not None else None))
-    forwards = [_split_forward(index, block, groups) for index, block in enumerate(blocks)]
+    order. In each block, the requests that replay it run together in one padded masked
+    computation (:func:`batched_masked_forward`: each computes its region's tokens only), the
+    others run the block's own forward together on all their tokens (a recording keeps its
+    rows of the output), and the outputs go back in row order. Everything outside the blocks
+    (convolutions, ResNets, the time embedding) runs on the whole batch. Restored on exit,
+    exceptions included."""
+    forwards = [_split_forward(index, block, parts) for index, block in enumerate(blocks)]
     with patched_forwards(blocks, forwards):
         yield
 
 
-def _split_forward(
-    index: int, block: Any, groups: Sequence[tuple[int, RowPart | None]]
-) -> Callable[..., torch.Tensor]:
+def _split_forward(index: int, block: Any, parts: Sequence[RowPart]) -> Callable[..., torch.Tensor]:
     own = own_forward(block)
+    starts = [0]
+    for part in parts:
+        starts.append(starts[-1] + part.rows)
 
     def forward(
         hidden_states: torch.Tensor,
@@ -688,22 +674,122 @@ def _split_forward(
         added_cond_kwargs: Any = None,
     ) -> torch.Tensor:
         _refuse_extras(attention_mask, cross_attention_kwargs)
-        outputs = []
-        row = 0
-        for rows, part in groups:
-            take = slice(row, row + rows)
-            row += rows
-            x = hidden_states[take]
-            context = None if encoder_hidden_states is None else encoder_hidden_states[take]
-            context_mask = None if encoder_attention_mask is None else encoder_attention_mask[take]
-            if part is None or part.blocks is None:
-                outputs.append(
-                    own(x, encoder_hidden_states=context, encoder_attention_mask=context_mask)
-                )
+        tokens = hidden_states.shape[1]
+        replays: list[tuple[int, TokenPlan, torch.Tensor]] = []  # (part, plan, cached rows)
+        full: list[int] = []
+        for k, part in enumerate(parts):
+            found = None
+            if part.blocks is not None:
+                found = part.blocks.replay(index, part.step, tokens, part.rows)
+            if found is None:
+                full.append(k)
             else:
-                outputs.append(
-                    part.blocks.forward_rows(index, block, part.step, x, context, context_mask)
-                )
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+                replays.append((k, *found))
+        if not replays:
+            output: torch.Tensor = own(
+                hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_attention_mask=encoder_attention_mask,
+            )
+            _keep(parts, starts, full, index, output)
+            return output
+        output = torch.empty_like(hidden_states)
+        if full:
+            rows = _rows(starts, full, hidden_states.device)
+            computed = own(
+                hidden_states.index_select(0, rows),
+                encoder_hidden_states=_take(encoder_hidden_states, rows),
+                encoder_attention_mask=_take(encoder_attention_mask, rows),
+            )
+            output.index_copy_(0, rows, computed)
+            _keep(parts, starts, full, index, output)
+        rows = _rows(starts, [k for k, _, _ in replays], hidden_states.device)
+        spans = [(starts[k + 1] - starts[k], plan, cached) for k, plan, cached in replays]
+        replayed = batched_masked_forward(
+            block,
+            hidden_states.index_select(0, rows),
+            spans,
+            _take(encoder_hidden_states, rows),
+            _take(encoder_attention_mask, rows),
+        )
+        output.index_copy_(0, rows, replayed)
+        return output
 
     return forward
+
+
+def _rows(starts: Sequence[int], parts: Sequence[int], device: Any) -> torch.Tensor:
+    """The batch rows of ``parts`` (indices into the parts), in order."""
+    rows = [r for k in parts for r in range(starts[k], starts[k + 1])]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _take(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if tensor is None else tensor.index_select(0, rows)
+
+
+def _keep(
+    parts: Sequence[RowPart],
+    starts: Sequence[int],
+    full: Sequence[int],
+    index: int,
+    output: torch.Tensor,
+) -> None:
+    """Each fully computed part with blocks of its own keeps what it wants of its rows."""
+    for k in full:
+        part = parts[k]
+        if part.blocks is not None:
+            part.blocks.keep(index, part.step, output[starts[k] : starts[k + 1]])
+
+
+def batched_masked_forward(
+    block: Any,
+    hidden_states: torch.Tensor,
+    spans: Sequence[tuple[int, TokenPlan, torch.Tensor]],
+    encoder_hidden_states: torch.Tensor | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`masked_block_forward` for several requests in one computation: ``spans`` gives,
+    in row order, each request's rows, token plan and recorded output rows. Norms and the
+    keys' and values' projections run on every token of every row at once; each request's
+    computed tokens are gathered into one padded tensor (padded with its own first computed
+    token, whose results are dropped), so queries, self-attention (each row against its own
+    keys), cross-attention and feed-forward are one call each for the whole group; the
+    computed and recorded rows are then scattered back request by request. Y records only
+    (no cached keys and values)."""
+    x = hidden_states
+    device = x.device
+    counts = [int(plan.computed.numel()) for _, plan, _ in spans]
+    width = max(counts)
+    gather = torch.empty(x.shape[0], width, dtype=torch.long, device=device)
+    row = 0
+    for (rows, plan, _), count in zip(spans, counts, strict=True):
+        padded = plan.computed
+        if count < width:
+            padded = torch.cat([padded, padded[:1].expand(width - count)])
+        gather[row : row + rows] = padded
+        row += rows
+    channels = x.shape[-1]
+    attn = block.attn1
+    normed = block.norm1(x)
+    key, value = attn.to_k(normed), attn.to_v(normed)
+    take = gather.unsqueeze(-1).expand(-1, -1, channels)
+    x_computed = torch.gather(x, 1, take)
+    h = _attend(attn, torch.gather(normed, 1, take), key, value) + x_computed
+    if block.attn2 is not None:
+        h = (
+            block.attn2(
+                block.norm2(h),
+                encoder_hidden_states=encoder_hidden_states,
+                attention_mask=encoder_attention_mask,
+            )
+            + h
+        )
+    h = block.ff(block.norm3(h)) + h
+    output = torch.empty_like(x)
+    row = 0
+    for (rows, plan, cached_y), count in zip(spans, counts, strict=True):
+        # every token is computed or recorded: the view is written whole, in place
+        _scatter(output[row : row + rows], plan, h[row : row + rows, :count], cached_y)
+        row += rows
+    return output
