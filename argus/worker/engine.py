@@ -860,7 +860,7 @@ class Worker:
                 decoded.set_exception(error)
 
         name = ("edit", next(self._batch_keys))
-        batcher, future = self._lane.submit(
+        batcher, _ = self._lane.submit(
             model,
             spec,
             name,
@@ -868,8 +868,8 @@ class Worker:
             hooks=(stepped,) if report is not None else (),
             on_step=self._count_step,
             on_join=on_join,
+            on_done=finished,
         )
-        future.add_done_callback(finished)
         while True:
             try:
                 image, vae_s, batch = decoded.result(timeout=QUEUE_POLL_S)

@@ -207,19 +207,24 @@ class StepBatcher:
         hooks: Iterable[StepHook] = (),
         on_step: Callable[[int], None] | None = None,
         on_join: Callable[[], RowBlocks | None] | None = None,
+        on_done: Callable[[Future[BatchResult]], None] | None = None,
     ) -> Future[BatchResult]:
         """Queue ``spec``; it joins the batch at a later boundary. ``hooks`` run after each of
         its steps (after inpainting's blend), ``on_step`` with the index of each step run.
         ``on_join`` is called on the loop's thread when the request joins, under the model's
         lock, before its preparation; what it returns runs the request's transformer blocks
         on its own rows (the mask-aware activation cache's replay or recording:
-        :func:`~argus.worker.masked_blocks.batched_blocks`; None: the blocks in full)."""
+        :func:`~argus.worker.masked_blocks.batched_blocks`; None: the blocks in full).
+        ``on_done`` is the future's done callback, added before the request can run, so it
+        always runs on the loop's thread (after the step the request finished in)."""
         if key is None:
             key = ("auto", next(self._keys))
         steps = spec.steps - spec.start_step
         ratio = 1.0 if spec.edit is None else spec.edit.mask_ratio
         entry = BatchEntry(key, steps, ratio, batch_group(self.model, spec))
         future: Future[BatchResult] = Future()
+        if on_done is not None:
+            future.add_done_callback(on_done)
         request = _Request(key, spec, cancel, tuple(hooks), on_step, future, self.clock(), on_join)
         with self._lock:
             self._batch.submit(entry)  # refuses a key already held
