@@ -57,9 +57,10 @@ class Allocator:
         """The load forecast at ``now_s`` (arrivals only, no backlog)."""
         return self._load.forecast(now_s)
 
-    def observe_arrival(self, arrival_s: float) -> None:
-        """A prompt arrived at the router (for the load forecast)."""
-        self._load.observe(arrival_s)
+    def observe_arrival(self, arrival_s: float, weight: float = 1.0) -> None:
+        """A prompt arrived at the router (for the load forecast), weighing ``weight`` full
+        requests (an edit's share of a batched step: ``RouterReport.arrival_costs``)."""
+        self._load.observe(arrival_s, weight)
 
     def observe_classification(self, strategy: Strategy, level_index: int) -> None:
         """The classifier of ``strategy`` chose ``level_index`` as a prompt's optimal level."""

@@ -197,9 +197,11 @@ class AllocatorControl:
             return self._answer(report.worker_id)
 
     def report_router(self, report: RouterReport, owner: str = "") -> RouterAnswer:
-        """Feed a router's arrivals and classifications to the forecast and H; a retried
-        report (sequence not above the last one seen) counts nothing. A router id belongs to
-        the identity ``owner`` whose report first used it: ``NotOwnerError`` for another."""
+        """Feed a router's arrivals, each at its weight in full requests
+        (:meth:`RouterReport.arrival_weights`: the demand planned for is their sum), and its
+        classifications to the forecast and H; a retried report (sequence not above the last
+        one seen) counts nothing. A router id belongs to the identity ``owner`` whose report
+        first used it: ``NotOwnerError`` for another."""
         with self._lock:
             now = self._clock()
             self._bind_router(report.router_id, owner)
@@ -208,12 +210,15 @@ class AllocatorControl:
             self._adopt_class_quality(report)
             self._check_classifier(report)
             self._speeds.observe(report.router_id, report.measured, now)
+            # each arrival weighs what it costs in full requests (1 unless the router says)
+            weights = report.arrival_weights()
             if report.arrival_ages_s:  # oldest first, so no arrival reads as late
-                for age in sorted(report.arrival_ages_s, reverse=True):
-                    self._allocator.observe_arrival(now - age)
+                aged = sorted(zip(report.arrival_ages_s, weights, strict=True), reverse=True)
+                for age, weight in aged:
+                    self._allocator.observe_arrival(now - age, weight)
             else:
-                for _ in range(report.arrivals):
-                    self._allocator.observe_arrival(now)
+                for weight in weights:
+                    self._allocator.observe_arrival(now, weight)
             for strategy, indices in report.classified:
                 for index in indices:
                     self._allocator.observe_classification(strategy, index)

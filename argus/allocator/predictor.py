@@ -131,6 +131,9 @@ class LoadPredictor:
     The clock is the caller's: arrival times and ``forecast(now_s)`` use the same time base
     (seconds) and nothing here reads the wall clock.
 
+    An arrival counts as its weight (1 unless :meth:`observe` is told otherwise): the rates
+    are in full requests per minute, so an edit that costs a share of one counts as that share.
+
     Arrivals may come out of order within the current period (the newest period any arrival fell
     into). An arrival older than the current period's start is *not* counted, because its period
     has already been folded into the estimate; it increments :attr:`late_arrivals` instead.
@@ -154,7 +157,7 @@ class LoadPredictor:
         self._period_s = _period(period_s)
         self._origin: float | None = None if start_s is None else _finite("start_s", start_s)
         self._period: int = 0  # index of the current (open) period
-        self._count: int = 0  # arrivals counted in the current period
+        self._count: float = 0.0  # weight of the arrivals counted in the current period
         self._ewma: float | None = None  # over completed periods; None before the first
         self._recent: deque[float] = deque(maxlen=self.config.peak_window)  # newest last, QPM
         self._completed: int = 0  # periods completed so far
@@ -180,7 +183,7 @@ class LoadPredictor:
         return self._origin + index * self._period_s
 
     # -- rates ---------------------------------------------------------------------------------
-    def _rate(self, count: int) -> float:
+    def _rate(self, count: float) -> float:
         return count * 60.0 / self._period_s
 
     def _closed(self, upto: int) -> tuple[float | None, list[float], int]:
@@ -208,12 +211,17 @@ class LoadPredictor:
         self._ewma, self._completed = ewma, completed
         self._recent.clear()
         self._recent.extend(recent)
-        self._period, self._count = upto, 0
+        self._period, self._count = upto, 0.0
 
     # -- public --------------------------------------------------------------------------------
-    def observe(self, arrival_s: float) -> None:
-        """Count one arrival at ``arrival_s`` (seconds, caller's clock)."""
+    def observe(self, arrival_s: float, weight: float = 1.0) -> None:
+        """Count one arrival at ``arrival_s`` (seconds, caller's clock) as ``weight`` requests
+        (finite, > 0): the rates are sums of weights per minute. An inpainting edit on workers
+        that batch edits weighs its share of a full request (``RouterReport.arrival_costs``,
+        priced by the edit cost model, InstGenIE §4.4); anything else 1."""
         t = _finite("arrival_s", arrival_s)
+        if not (_finite("weight", weight) > 0.0):
+            raise ValueError(f"weight must be > 0, got {weight!r}")
         if self._origin is None:
             self._origin = t
         index = self._period_of(t)
@@ -221,7 +229,7 @@ class LoadPredictor:
             self.late_arrivals += 1
             return
         self._advance(index)
-        self._count += 1
+        self._count += weight
         self.arrivals += 1
 
     def observe_many(self, arrivals_s: Iterable[float]) -> None:

@@ -1,8 +1,9 @@
 """A router's statistics for the allocator and their acknowledgement (``Allocator/ReportRouter``).
 
-Every report period a router sends the arrivals since its last report (each by its age), the
-classes its classifiers chose, whether its queues call for an early re-plan and which
-classifier it runs (:func:`router_report_to_pb`). The allocator reads the report with
+Every report period a router sends the arrivals since its last report (each by its age and,
+optionally, by its weight in full requests: :attr:`RouterReport.arrival_costs`), the classes
+its classifiers chose, whether its queues call for an early re-plan and which classifier it
+runs (:func:`router_report_to_pb`). The allocator reads the report with
 :func:`router_report_from_pb`, which resolves level names to indices of the profile, and
 answers :class:`RouterAnswer`.
 """
@@ -30,6 +31,8 @@ from argus.contracts.wire import (
 from argus.types import ClassQuality, MeasuredLatency, ProfileSet, Strategy
 
 MAX_MEASURED = 4096  # measured latencies per report: every (class, level) of a large profile
+# an arrival's weight is a share of one full request (an edit's share of a batched step)
+MAX_ARRIVAL_COST = 1.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,17 @@ class RouterReport:
     class_quality: tuple[ClassQuality, ...] = ()
     # level latencies measured on the router's workers (argus.router.service_times)
     measured: tuple[MeasuredLatency, ...] = ()
+    # empty (every arrival weighs 1), or one weight per arrival in the order of
+    # arrival_ages_s: what it costs in full requests, in (0, MAX_ARRIVAL_COST]. An inpainting
+    # edit on workers that batch edits with the mask-aware activation cache weighs its share
+    # of a batched step by the edit cost model (InstGenIE §4.4; argus.router.edit_loads.
+    # arrival_cost); the allocator's demand is the sum of the weights (AllocatorControl).
+    arrival_costs: tuple[float, ...] = ()
+
+    def arrival_weights(self) -> tuple[float, ...]:
+        """One weight per arrival, in the order of :attr:`arrival_ages_s` (1 each when the
+        router sent none)."""
+        return self.arrival_costs or (1.0,) * self.arrivals
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,11 @@ def router_report_from_pb(message: Any, profiles: ProfileSet) -> RouterReport:
     if ages and len(ages) != arrivals:
         raise FieldError(
             f"arrival_ages_s: expected one age per arrival ({arrivals}), got {len(ages)}"
+        )
+    costs = message.arrival_costs
+    if costs and len(costs) != arrivals:
+        raise FieldError(
+            f"arrival_costs: expected one weight per arrival ({arrivals}), got {len(costs)}"
         )
     classified = []
     for i, entry in enumerate(message.classified):
@@ -87,7 +106,16 @@ def router_report_from_pb(message: Any, profiles: ProfileSet) -> RouterReport:
             measured_from_pb(entry, profiles, f"measured[{i}]")
             for i, entry in enumerate(message.measured[: _measured_count(message)])
         ),
+        arrival_costs=tuple(_cost(c, f"arrival_costs[{i}]") for i, c in enumerate(costs)),
     )
+
+
+def _cost(value: float, where: str) -> float:
+    """An arrival's weight: finite, > 0 and at most :data:`MAX_ARRIVAL_COST`; FieldError
+    names the field."""
+    if not (math.isfinite(value) and 0.0 < value <= MAX_ARRIVAL_COST):
+        raise FieldError(f"{where}: must be finite, > 0 and <= {MAX_ARRIVAL_COST:g}, got {value}")
+    return float(value)
 
 
 def _measured_count(message: Any) -> int:
@@ -192,9 +220,11 @@ def router_report_to_pb(
     classified: Mapping[Strategy, Sequence[str]] | None = None,
     replan_wanted: bool = False,
     classifier: str = "",
+    arrival_costs: Sequence[float] = (),
 ) -> Any:
     """A ``RouterReport`` of the arrivals since the router's last one (each given by its age,
-    seconds before sending), the level names its classifiers chose and the identity of those
+    seconds before sending, and by ``arrival_costs``, its weight in full requests: empty when
+    every one weighs 1), the level names its classifiers chose and the identity of those
     classifiers."""
     return allocator_pb2.RouterReport(
         router_id=router_id,
@@ -207,6 +237,7 @@ def router_report_to_pb(
         ],
         replan_wanted=replan_wanted,
         classifier=classifier,
+        arrival_costs=list(arrival_costs),
     )
 
 

@@ -14,7 +14,10 @@
    classified ahead of it and the classifier's backlog. A request that cannot finish in time
    even on an idle worker is DEADLINE naming its fields; one that cannot finish in time now is
    OVERLOADED with a retry-after hint. Either way the refusal takes no classifier time, which
-   under overload is what keeps refusals fast and served throughput up;
+   under overload is what keeps refusals fast and served throughput up. Refused or not, the
+   request is an arrival for the allocator's report, at its weight in full requests (1; an
+   inpainting edit placed by an edit balancer, its share of a batched step by the edit cost
+   model: :meth:`RouterCore._arrival_cost`, :meth:`RouterCore.take_report`);
 5. classify the prompt (AC and SM levels; both are reported to the allocator);
 6. route on the installed plan (PASM sample, Eq. 3 worker selection) and admit against the
    deadline with the chosen worker's queue and the request's cost (OVERLOADED with a hint);
@@ -72,7 +75,7 @@ from argus.request_limits import (
 from argus.router.config import RouterServiceConfig
 from argus.router.drift import RouterDrift
 from argus.router.edit_balance import EditJob
-from argus.router.edit_loads import EditLoads, WorkerEdits, template_key
+from argus.router.edit_loads import EditLoads, WorkerEdits, arrival_cost, template_key
 from argus.router.ledger import (
     AnswerDroppedError,
     IdConflictError,
@@ -199,6 +202,19 @@ class Classified:
 
     at_s: float
     levels: Mapping[Strategy, int]
+
+
+@dataclass(frozen=True)
+class RouterStatistics:
+    """What the router saw since its last report, for the allocator
+    (:meth:`RouterCore.take_report`)."""
+
+    arrivals: tuple[float, ...]  # clock times of the requests that arrived, refused or not
+    # each arrival's weight in the allocator's demand, in full requests (:meth:`RouterCore.
+    # _arrival_cost`), in the order of ``arrivals``; empty: every one weighs 1
+    arrival_costs: tuple[float, ...]
+    classified: tuple[Classified, ...]
+    replan_wanted: bool  # queues build up: re-plan early
 
 
 # -- checks --------------------------------------------------------------------------------
@@ -339,6 +355,7 @@ class RouterCore:
             on_evict=stats.id_evicted,
         )
         self._arrivals: list[float] = []
+        self._arrival_costs: list[float] = []  # one per arrival (see _arrival_cost)
         self._classified: list[Classified] = []
         self._serving = 0
         # the plan's workers: level index and GPU class, set at install (read per decision)
@@ -427,15 +444,27 @@ class RouterCore:
     # statistics for the allocator ---------------------------------------------------------
 
     def take_statistics(self) -> tuple[list[float], list[Classified], bool]:
-        """Arrivals and classifications since the last call, and whether to re-plan early."""
+        """Arrivals and classifications since the last call, and whether to re-plan early
+        (:meth:`take_report` without the arrivals' weights)."""
+        report = self.take_report()
+        return list(report.arrivals), list(report.classified), report.replan_wanted
+
+    def take_report(self) -> RouterStatistics:
+        """Arrivals, their weights and classifications since the last call (of this or
+        :meth:`take_statistics`), and whether to re-plan early. The weights are empty when
+        every arrival weighs 1 (always so with ``edit_balancer`` "plan"), so such a report is
+        the one routers sent before arrivals had weights."""
         with self._lock:
             arrivals, self._arrivals = self._arrivals, []
+            costs, self._arrival_costs = self._arrival_costs, []
             classified, self._classified = self._classified, []
             now = self._clock()
             wants = self._router.plan is not None and self._router.wants_replan(
                 now, self._queues, self._down(now)
             )
-        return arrivals, classified, wants
+        if all(cost == 1.0 for cost in costs):
+            costs = []
+        return RouterStatistics(tuple(arrivals), tuple(costs), tuple(classified), wants)
 
     def measured_latencies(self) -> tuple[MeasuredLatency, ...]:
         """Each level's mean service time per request on each worker class, as the workers'
@@ -579,8 +608,10 @@ class RouterCore:
         backlog = getattr(self.classifier, "backlog_s", None)
         classifier_s = backlog() if backlog is not None else 0.0
         with self._lock:
-            self._arrivals.append(arrived)  # refused or not, it is load the allocator plans for
             now = self._clock()
+            # refused or not, it is load the allocator plans for, at its weight
+            self._arrivals.append(arrived)
+            self._arrival_costs.append(self._arrival_cost(work, now))
             refused = self.policy.admit_early(
                 request,
                 cost,
@@ -593,6 +624,24 @@ class RouterCore:
             if refused is not None:
                 raise self._refusal(refused)
             self._classifying += 1
+
+    def _arrival_cost(self, work: _Work, now: float) -> float:
+        """The request's weight in the allocator's demand, in full requests. 1 for a
+        generation or img2img, and for every request with ``edit_balancer`` "plan" (today's
+        count); an inpainting edit placed by an edit balancer weighs its share of a batched
+        step (:func:`~argus.router.edit_loads.arrival_cost`: the edit cost model, InstGenIE
+        §4.4, at the workers' ``edit_batch``), at its mask ratio when a live worker of the plan
+        is believed to hold its template, else in full. That is the best case at arrival,
+        before its level and worker are known: a template-aware balancer places it on a holder
+        when that one serves its level. It is fixed at arrival, so a refused edit counts at
+        what it would have cost served: it is load the allocator plans for. Under the lock."""
+        edit = work.edit
+        if edit is None or self.policy.balancer is None:
+            return 1.0
+        live = set(self._plan_levels) - self._down(now)
+        hit = self._edits.held_by_any(edit.template, live)
+        ratio = edit.mask_ratio if hit else 1.0
+        return arrival_cost(self.policy.edit_cost, self.config.edit_batch, ratio)
 
     def _snapshot(
         self,

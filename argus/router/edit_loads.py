@@ -17,6 +17,11 @@ its own account of what it sent, here:
   worker's own store evicts too, by bytes; a belief it outlived makes one edit a full run,
   which the worker reports as ``evicted``, never an error).
 
+The same cost model weighs an inpainting edit in the allocator's demand
+(:func:`arrival_cost`: its share of a batched step against one full edit alone), so the
+allocator plans each level's capacity for what edits cost the batching workers, not one full
+request each.
+
 A running edit's steps left are estimated from how long it has run and the batch's step time
 (:func:`worker_snapshot`): the router sees no step events of a plain Generate call. The
 template key (:func:`template_key`) is the worker's (``EditCache.key``) as far as the router
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 from argus.profiles.edit_cost import EditCostModel
@@ -63,6 +68,21 @@ def time_scale(model: EditCostModel, full_alone_s: float, steps: int) -> float:
     if not (reference > 0.0 and math.isfinite(full_alone_s) and full_alone_s > 0.0):
         return 1.0
     return full_alone_s / reference
+
+
+def arrival_cost(model: EditCostModel, bound: int, ratio: float) -> float:
+    """An inpainting edit's weight in the allocator's demand, in full requests: its share of a
+    batched step against one full edit alone, ``step_s(b, b·m) / b / step_s(1, 1)``, with ``b``
+    the workers' batch bound and ``m`` its effective mask ratio (its mask ratio on a believed
+    hit, 1 on a miss), priced by the edit cost model (InstGenIE §4.4). In (0, 1]: 1 with
+    ``b = 1`` and ``m = 1``; below 1 with a batch (the step's fixed part is shared) or a hit
+    (only the region's tokens run in the blocks). 1 where the model prices nothing."""
+    bound = max(1, bound)
+    ratio = min(1.0, max(0.0, ratio))
+    full = model.step_s(1, 1.0)
+    if not (full > 0.0 and math.isfinite(full)):
+        return 1.0
+    return min(1.0, model.step_s(bound, bound * ratio) / bound / full)
 
 
 @dataclass(frozen=True)
@@ -186,6 +206,12 @@ class EditLoads:
         """Forget the workers not in ``workers`` (they left the plan)."""
         self._sent = {w: f for w, f in self._sent.items() if w in workers}
         self._held = {w: h for w, h in self._held.items() if w in workers}
+
+    def held_by_any(self, template: Hashable | None, workers: Iterable[str]) -> bool:
+        """Whether one of ``workers`` is believed to hold ``template`` (None: never)."""
+        if template is None:
+            return False
+        return any(template in self._held.get(worker, ()) for worker in workers)
 
     def forget_templates(self, worker: str) -> None:
         """``worker`` no longer holds what it recorded for its former model."""
