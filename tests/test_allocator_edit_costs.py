@@ -19,10 +19,11 @@ from argus.contracts.router_api import RouterRequest
 from argus.contracts.routers import RouterReport, router_report_from_pb, router_report_to_pb
 from argus.contracts.wire import FieldError
 from argus.profiles.edit_cost import EditCostModel, default_cost_model
+from argus.router.app import StatsReporter
 from argus.router.core import RouterCore, RouterStatistics, check_request_edit
 from argus.router.edit_loads import arrival_cost
 from argus.router.values import Refusal, RouterError
-from tests.router_cluster import PROFILES, FakeClock
+from tests.router_cluster import PROFILES, Cluster, FakeClock
 from tests.test_router_core import FakeWorkers
 from tests.test_router_edit_balance_live import edit_request, make_core
 
@@ -201,3 +202,41 @@ def test_the_predictor_refuses_a_weight_that_is_no_load() -> None:
     predictor.observe(2.0)
     assert predictor.arrivals == 2
     assert predictor.forecast(61.0).qpm == pytest.approx(1.5)
+
+
+# -- the router's report reaches the allocator ----------------------------------------------
+
+
+class RecordingClient:
+    def __init__(self) -> None:
+        self.reports: list[dict[str, object]] = []
+
+    def report(self, router_id: str, **fields: object) -> None:
+        self.reports.append(fields)
+
+
+@pytest.mark.unit
+def test_the_reporter_sends_each_arrivals_weight() -> None:
+    core = make_core(FakeWorkers(), ("w1",), edit_balancer="mask-aware", edit_batch=4)
+    core.generate(edit_request(seed=3, ratio=0.1))
+    core.generate(GENERATION)
+    client = RecordingClient()
+    StatsReporter(core, client, core.now).report_once()  # type: ignore[arg-type]
+    (fields,) = client.reports
+    assert fields["arrival_costs"] == pytest.approx((arrival_cost(COST, 4, 1.0), 1.0))
+    assert len(fields["arrival_ages_s"]) == 2  # type: ignore[arg-type]
+
+
+@pytest.mark.integration
+def test_weights_cross_grpc_to_the_allocators_demand() -> None:
+    cluster = Cluster()
+    try:
+        cluster.clock.now += 30.0  # the arrivals fall after the allocator started
+        cluster.client.report(
+            "r1", sequence=1, arrival_ages_s=(3.0, 2.0), arrival_costs=(0.5, 0.25)
+        )
+        cluster.clock.now += 31.0  # its first period has ended
+        assert cluster.allocator.control.tick() is not None
+        assert cluster.client.get_plan().plan.forecast.ewma_qpm == pytest.approx(0.75)
+    finally:
+        cluster.close()

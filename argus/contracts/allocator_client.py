@@ -76,8 +76,10 @@ class AllocatorClient:
         classifier: str = "",
         class_quality: Sequence[ClassQuality] = (),
         measured: Sequence[MeasuredLatency] = (),
+        arrival_costs: Sequence[float] = (),
     ) -> RouterAnswer:
-        """Send a router's statistics since its last report (see ``RouterReport``)."""
+        """Send a router's statistics since its last report (see ``RouterReport``);
+        ``arrival_costs``: each arrival's weight in full requests (empty: 1 each)."""
         request = router_report_to_pb(
             router_id,
             sequence=sequence,
@@ -85,6 +87,7 @@ class AllocatorClient:
             classified=classified,
             replan_wanted=replan_wanted,
             classifier=classifier,
+            arrival_costs=arrival_costs,
         )
         request.class_quality.extend(class_quality_to_pb(q) for q in class_quality)
         request.measured.extend(measured_to_pb(m) for m in measured)

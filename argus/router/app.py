@@ -258,10 +258,10 @@ class StatsReporter:
 
     def report_once(self) -> None:
         """Send what happened since the last report. Lost on failure (the load is sampled)."""
-        arrivals, classified, wants = self.core.take_statistics()
+        taken = self.core.take_report()
         now = self._clock()
         by_strategy: dict[Strategy, list[str]] = {}
-        for item in classified:
+        for item in taken.classified:
             for strategy, index in item.levels.items():
                 names = self.core.profiles.levels_for(strategy)
                 by_strategy.setdefault(strategy, []).append(names[index].name)
@@ -272,9 +272,10 @@ class StatsReporter:
         self.client.report(
             self.core.config.router_id,
             sequence=self._sequence,
-            arrival_ages_s=[max(0.0, now - t) for t in arrivals],
+            arrival_ages_s=[max(0.0, now - t) for t in taken.arrivals],
+            arrival_costs=taken.arrival_costs,
             classified=by_strategy,
-            replan_wanted=wants,
+            replan_wanted=taken.replan_wanted,
             classifier=key,
             class_quality=quality,
             measured=self.core.measured_latencies(),
