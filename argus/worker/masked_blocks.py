@@ -491,15 +491,9 @@ class Replay:
 
         def forward(
             hidden_states: torch.Tensor,
-            attention_mask: torch.Tensor | None = None,
-            encoder_hidden_states: torch.Tensor | None = None,
-            encoder_attention_mask: torch.Tensor | None = None,
-            timestep: Any = None,
-            cross_attention_kwargs: dict[str, Any] | None = None,
-            class_labels: Any = None,
-            added_cond_kwargs: Any = None,
+            encoder_hidden_states: torch.Tensor | None,
+            encoder_attention_mask: torch.Tensor | None,
         ) -> torch.Tensor:
-            _refuse_extras(attention_mask, cross_attention_kwargs)
             found = self.replay(index, step, hidden_states.shape[1], hidden_states.shape[0])
             if found is None:  # nothing to take from the record: the block's own forward
                 computed: torch.Tensor = own(
@@ -522,7 +516,7 @@ class Replay:
                 kv,
             )
 
-        return forward
+        return block_forward(forward)
 
     def replay(
         self, index: int, step: int, tokens: int, rows: int
@@ -588,12 +582,33 @@ def own_forward(block: torch.nn.Module) -> Callable[..., torch.Tensor]:
     return functools.partial(type(block).forward, block)
 
 
-def _refuse_extras(attention_mask: Any, cross_attention_kwargs: Any) -> None:
-    if attention_mask is not None or cross_attention_kwargs:
-        raise UnsupportedBlockError(
-            "masked transformer block: a self-attention mask or cross_attention_kwargs "
-            "is not implemented"
-        )
+BlockCompute = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+"""A block's replacement computation: (hidden states, encoder hidden states, encoder mask)."""
+
+
+def block_forward(compute: BlockCompute) -> Callable[..., torch.Tensor]:
+    """``compute`` behind ``BasicTransformerBlock.forward``'s signature, as
+    ``Transformer2DModel`` calls it; a self-attention mask or cross-attention kwargs, which the
+    masked computation does not implement, raise :class:`UnsupportedBlockError`."""
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        timestep: Any = None,
+        cross_attention_kwargs: dict[str, Any] | None = None,
+        class_labels: Any = None,
+        added_cond_kwargs: Any = None,
+    ) -> torch.Tensor:
+        if attention_mask is not None or cross_attention_kwargs:
+            raise UnsupportedBlockError(
+                "masked transformer block: a self-attention mask or cross_attention_kwargs "
+                "is not implemented"
+            )
+        return compute(hidden_states, encoder_hidden_states, encoder_attention_mask)
+
+    return forward
 
 
 class RowBlocks(Protocol):
@@ -665,15 +680,9 @@ def _split_forward(index: int, block: Any, parts: Sequence[RowPart]) -> Callable
 
     def forward(
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-        timestep: Any = None,
-        cross_attention_kwargs: dict[str, Any] | None = None,
-        class_labels: Any = None,
-        added_cond_kwargs: Any = None,
+        encoder_hidden_states: torch.Tensor | None,
+        encoder_attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        _refuse_extras(attention_mask, cross_attention_kwargs)
         tokens = hidden_states.shape[1]
         replays: list[tuple[int, TokenPlan, torch.Tensor]] = []  # (part, plan, cached rows)
         full: list[int] = []
@@ -715,7 +724,7 @@ def _split_forward(index: int, block: Any, parts: Sequence[RowPart]) -> Callable
         output.index_copy_(0, rows, replayed)
         return output
 
-    return forward
+    return block_forward(forward)
 
 
 def _rows(starts: Sequence[int], parts: Sequence[int], device: Any) -> torch.Tensor:
