@@ -21,56 +21,31 @@ splitting, guidance, hooks, bookkeeping) and the preparation per step (``prep``:
 template encoding of the requests admitted, in the loop). ``continuous-b1`` is the step
 batcher at bound 1, to compare with today's loop (the issue asks for it within 5%).
 
-Every request runs the full UNet: the mask-aware cache's replay is not in the batch yet, so a
-small mask does not make a step cheaper here, and on a CPU a batched UNet call costs about the
-sum of its rows (little to gain from batching itself); what the engines change is who waits
-for whom. ``--model sd15`` swaps in the editing benchmark's SD-1.5-architecture UNet
+Every engine uses the mask-aware activation cache (``--no-edit-cache``: none), as a worker
+with ``--edit-cache-bytes`` does: the first inpainting edit of a template records it, later
+ones replay it, alone or on their own rows of a batch (``masked_blocks.batched_blocks``); img2img
+runs in full. ``--model sd15`` swaps in the editing benchmark's SD-1.5-architecture UNet
 (``bench_editing.SD15_UNET``, random weights, with a 768-wide 2-layer text encoder and the tiny
-VAE) at ``--size`` (default 128 for it: one 512 step is ~19 s on one core).
+VAE) at ``--size`` (default 128 for it: one 512 step is ~19 s on one core); ``--model
+tiny:VARIANT`` another tiny variant.
 
-    .venv/bin/python benchmarks/bench_edit_serving.py --model tiny          # ~2-3 min
-    .venv/bin/python benchmarks/bench_edit_serving.py --model sd15 --duration 120
+    .venv/bin/python benchmarks/bench_edit_serving.py --model tiny          # ~3 min
+    .venv/bin/python benchmarks/bench_edit_serving.py --model sd15 --size 64 --steps 4 \
+        --duration 300 --load 0.9 --engines static,continuous               # ~25 min
 
-Figures: 2 vCPU x86_64 shared with a CI run, torch 1 thread. Default run (``--model tiny``:
-64 px, 10 steps, 25 s of arrivals, load 0.8, bound 4; 2 min 11 s; load average 0.62 1.06 1.38
-at the start, 0.62 0.92 1.28 at the end); one inpainting alone 73 ms, 277 requests at
-10.95/s, mask ratio mean 0.117; seconds, ``ovh`` and ``prep`` ms a step (this run predates
-the ``in svc`` column):
+Figures (2 vCPU x86_64, torch 1 thread, 2026-11-27; the README's "Scheduling edits" has the
+table). ``--model tiny`` (load average 0.9-1.0): 273 requests at 10.69/s, mask ratio mean
+0.116; P95 0.377 s one at a time, 0.170 static, 0.161 continuous, 0.153 continuous with the
+decode thread, 0.311 continuous at bound 1; time in service at bound 1 0.069 s against 0.068 s
+one at a time; overhead 0.20-0.31 ms a step. ``--model sd15 --size 64 --steps 4 --duration
+300 --load 0.9 --engines static,continuous`` (load average 1.0 at the start, 0.7 at the end):
+54 requests, one inpainting alone 6.26 s; P95 13.39 s static, 10.10 s continuous (24.5%
+below), mean queueing 2.56 against 0.67 s, overhead 0.28 and 0.31 ms a step.
 
-    engine                    mean    P95     queue   q P95   req/s  batch  ovh   prep
-    one-at-a-time             0.162   0.347   0.092   0.271   11.05  1      -     -
-    static                    0.114   0.182   0.031   0.082   11.05  1.25   0.25  1.13
-    continuous                0.097   0.143   0.004   0.013   11.04  1.54   0.27  1.40
-    continuous+decode-thread  0.147   0.285   0.004   0.013   11.05  1.54   0.44  1.46
-    continuous-b1             0.232   0.597   0.156   0.518   11.04  1.00   0.24  0.95
-
-Continuous against static: P95 21% lower (23% in an earlier run: 0.144 against 0.186 s; the
-issue's goal is 25%), mean queueing 13% of static's (goal: at most half), overhead 0.27 ms a
-step (goal: at most 1.2 ms). Bound 1 against today: at load 0.8 one request's latency is
-mostly queueing, which swings run to run (here 0.232 against 0.162 s; a paired 8 s run gave
-0.188 and 0.188 against 0.196 and 0.178 s), so compare the time in service: 74-75 ms against
-73-75 ms in that paired run, 75 against 71 ms in a 2 s smoke run, and 69.2 against 69.0 ms
-(median of 10 sequential runs, no queue): within 0-6%, not settled by these short runs.
-Decoding on a thread made things worse on this CPU: the decode thread takes the model's lock
-between steps and competes for the same two cores and the GIL, where InstGenIE's
-post-processing runs in another process beside a GPU that keeps stepping.
-
-``--model sd15 --size 64 --steps 4 --duration 150 --load 0.9 --engines
-one-at-a-time,static,continuous`` (8 min 24 s; load average 1.68 1.52 1.41 at the start, 0.82
-0.99 1.18 at the end): one inpainting alone 5.99 s, 26 requests at 0.15/s. SD-1.5's UNet on
-an 8×8 latent reads its 3.4 GB of weights for a few rows, so a batch costs much less than its
-rows (one UNet call: 1.47 s for 1 request, 1.79 s for 2, 2.42 s for 4, measured):
-
-    engine                    mean    P95     queue   q P95   in svc  req/s  batch  ovh   prep
-    one-at-a-time             16.36   31.92   10.46   25.48   5.91    0.15   1      -     -
-    static                     8.93   13.87    2.40    6.21   6.54    0.18   1.28   0.33  17.2
-    continuous                 7.42    9.56    0.63    1.76   6.80    0.18   1.44   0.35  19.1
-
-Continuous P95 31% below static's, mean queueing 26% of static's, overhead 0.35 ms a step:
-the issue's goals hold here, on 26 requests (a P95 of 26 lies between the second and third
-largest: read it as indicative). Bound 1 and the decode thread were not run on this model.
-The goals' own setting, SD-1.5 at 512 px, is 19 s a step on this CPU: too slow to run a
-workload here.
+Earlier runs, before the cache ran inside a batch (every request ran the full UNet): tiny,
+P95 0.182 s static and 0.143 s continuous (21% below); SD-1.5's UNet at 64 px with 26
+requests, 13.87 against 9.56 s (31% below). The decode thread was worse then (0.285 s): it
+took the model's lock between steps; the VAE has its own lock now.
 """
 
 from __future__ import annotations
