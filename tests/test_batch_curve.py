@@ -159,3 +159,13 @@ def test_the_edit_evaluation_prices_steps_with_a_chosen_measured_curve(tmp_path:
     assert measured_cost(argparse.Namespace(edit_batch_table=None, edit_curve=None)) == {}
     with pytest.raises(ValueError, match="--edit-curve: needs --edit-batch-table"):
         measured_cost(argparse.Namespace(edit_batch_table=None, edit_curve="first"))
+
+
+@pytest.mark.unit
+def test_a_worker_refuses_a_bad_table_at_start_naming_the_flag(tmp_path: Path) -> None:
+    from argus.worker.app import WorkerSettings
+
+    with pytest.raises(ValueError, match=r"edit_batch_table: .*missing\.toml"):
+        WorkerSettings(edit_batch=2, edit_batch_table=str(tmp_path / "missing.toml"))
+    table = Path(__file__).resolve().parent.parent / "argus/profiles/edit-batching-cpu.toml"
+    assert WorkerSettings(edit_batch=4, edit_batch_table=str(table)).edit_batch == 4

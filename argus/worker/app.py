@@ -19,7 +19,7 @@ from argus import defaults
 from argus.plumbing.grpc_server import check_address, check_port, wait_for_shutdown
 from argus.plumbing.internal_tls import InternalTLS
 from argus.profiles import default_profiles, load_profiles
-from argus.profiles.batch_curve import load_batch_table
+from argus.profiles.batch_curve import BatchTableError, load_batch_table
 from argus.types import ProfileSet, Strategy
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
 from argus.worker.edit_cache import EditCache
@@ -104,6 +104,11 @@ class WorkerSettings:
             raise ValueError(f"cuda_graphs: must be >= 0, got {self.cuda_graphs}")
         if self.edit_batch < 1:
             raise ValueError(f"edit_batch: must be >= 1, got {self.edit_batch}")
+        if self.edit_batch_table is not None:  # read now: a bad table stops the start at once
+            try:
+                load_batch_table(self.edit_batch_table)
+            except BatchTableError as err:
+                raise ValueError(f"edit_batch_table: {err}") from None
         if self.edit_cache_bytes < 0:
             raise ValueError(f"edit_cache_bytes: must be >= 0, got {self.edit_cache_bytes}")
         if self.edit_cache_dir is not None and self.edit_cache_disk_bytes <= 0:
