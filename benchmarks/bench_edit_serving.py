@@ -31,7 +31,7 @@ tiny:VARIANT`` another tiny variant.
 
     .venv/bin/python benchmarks/bench_edit_serving.py --model tiny          # ~3 min
     .venv/bin/python benchmarks/bench_edit_serving.py --model sd15 --size 64 --steps 4 \
-        --duration 300 --load 0.9 --engines static,continuous               # ~25 min
+        --duration 300 --load 0.9 --engines static,continuous               # ~13 min
 
 Figures (2 vCPU x86_64, torch 1 thread, 2026-11-27; the README's "Scheduling edits" has the
 table). ``--model tiny`` (load average 0.9-1.0): 273 requests at 10.69/s, mask ratio mean
@@ -40,7 +40,9 @@ decode thread, 0.311 continuous at bound 1; time in service at bound 1 0.069 s a
 one at a time; overhead 0.20-0.31 ms a step. ``--model sd15 --size 64 --steps 4 --duration
 300 --load 0.9 --engines static,continuous`` (load average 1.0 at the start, 0.7 at the end):
 54 requests, one inpainting alone 6.26 s; P95 13.39 s static, 10.10 s continuous (24.5%
-below), mean queueing 2.56 against 0.67 s, overhead 0.28 and 0.31 ms a step.
+below), mean queueing 2.56 against 0.67 s, overhead 0.28 and 0.31 ms a step. The same with
+``--seed 1`` (load average 0.0 at the start, 0.8 at the end): 53 requests; P95 15.48 against
+10.76 s (30.5% below), queueing 2.15 against 0.76 s, overhead 0.30 and 0.33 ms.
 
 Earlier runs, before the cache ran inside a batch (every request ran the full UNet): tiny,
 P95 0.182 s static and 0.143 s continuous (21% below); SD-1.5's UNet at 64 px with 26
