@@ -319,7 +319,13 @@ def test_health_reflection_stats_and_metrics(served: Any, channel: grpc.Channel)
     names = {s.name for a in answers for s in a.list_services_response.service}
     assert {"argus.v1.ControlNet", "grpc.health.v1.Health"} <= names
 
+    # on its own, whatever ran before it in this module's server: a load or a hit, then a
+    # hit, then a session refused NOT_FOUND (an unknown ControlNet)
     run(channel, sd15_open(), step())
+    run(channel, sd15_open(), step())
+    with pytest.raises(grpc.RpcError) as refused:
+        run(channel, sd15_open(controlnets=[adapter(name="nope")]))
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
     stats = controlnet_pb2_grpc.ControlNetStub(channel).Stats(
         controlnet_pb2.ControlNetStatsRequest(), timeout=10
     )
