@@ -408,6 +408,18 @@ def masked_block_forward(
         key = _scatter(x.new_empty(shape), plan, attn.to_k(normed_computed), cached_kv[0])
         value = _scatter(x.new_empty(shape), plan, attn.to_v(normed_computed), cached_kv[1])
     h = _attend(attn, normed_computed, key, value) + x_computed
+    h = _after_self_attention(block, h, encoder_hidden_states, encoder_attention_mask)
+    return _scatter(torch.empty_like(x), plan, h, cached_y)
+
+
+def _after_self_attention(
+    block: Any,
+    h: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    encoder_attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The rest of the block on the computed tokens: cross-attention then feed-forward, each
+    with its norm and residual."""
     if block.attn2 is not None:
         h = (
             block.attn2(
@@ -418,8 +430,8 @@ def masked_block_forward(
             + h
         )
     # diffusers' optional feed-forward chunking computes the same numbers, so it is ignored
-    h = block.ff(block.norm3(h)) + h
-    return _scatter(torch.empty_like(x), plan, h, cached_y)
+    out: torch.Tensor = block.ff(block.norm3(h)) + h
+    return out
 
 
 @contextlib.contextmanager
@@ -785,16 +797,7 @@ def batched_masked_forward(
     take = gather.unsqueeze(-1).expand(-1, -1, channels)
     x_computed = torch.gather(x, 1, take)
     h = _attend(attn, torch.gather(normed, 1, take), key, value) + x_computed
-    if block.attn2 is not None:
-        h = (
-            block.attn2(
-                block.norm2(h),
-                encoder_hidden_states=encoder_hidden_states,
-                attention_mask=encoder_attention_mask,
-            )
-            + h
-        )
-    h = block.ff(block.norm3(h)) + h
+    h = _after_self_attention(block, h, encoder_hidden_states, encoder_attention_mask)
     output = torch.empty_like(x)
     row = 0
     for (rows, plan, cached_y), count in zip(spans, counts, strict=True):
