@@ -18,10 +18,8 @@ from argus.profiles.batch_curve import (
     dump_batch_table,
     load_batch_table,
 )
-from argus.worker.edit_lane import LaneEvents
-from argus.worker.engine import Worker, WorkerConfig
-from tests.test_edit_lane import Steps, edit
-from tests.worker_factories import default_profiles, make_registry, torch_threads
+from tests.test_edit_lane import Steps, edit, lane_worker
+from tests.worker_factories import default_profiles, torch_threads
 
 
 def curve(model: str = "sdxl", size: int = 64, **steps_s: dict[int, float]) -> BatchCurve:
@@ -87,13 +85,6 @@ def test_a_bad_table_is_refused_naming_the_field(tmp_path: Path, text: str, name
     assert names in str(refused.value)
 
 
-def lane_worker(table: BatchTable, events: LaneEvents) -> Worker:
-    config = WorkerConfig(default_steps=6, edit_batch=8, edit_batch_table=table)
-    worker = Worker(default_profiles(), make_registry(), config=config, lane_events=events)
-    worker.configure(wait=True)
-    return worker
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize(("size", "bound"), [(64, 2), (32, 1)])
 def test_a_worker_batches_each_size_up_to_its_measured_knee(size: int, bound: int) -> None:
@@ -104,7 +95,7 @@ def test_a_worker_batches_each_size_up_to_its_measured_knee(size: int, bound: in
     assert table.curves[0].model == model
     steps = Steps()
     with torch_threads(1):
-        worker = lane_worker(table, steps)
+        worker = lane_worker(steps, edit_batch=8, edit_batch_table=table)
         try:
             calls = [edit(0.5, seed=s, steps=5, size=size) for s in range(4)]
             with ThreadPoolExecutor(4) as pool:

@@ -666,7 +666,8 @@ class RouterCore:
             return self._edits.view(worker, now)
 
         down = self._down(now) | tried
-        return Snapshot(self._plan_levels, self._queue_view(now), down, elapsed_s, service_s, edits)
+        kept = edits if self.policy.balancer is not None else None  # plan: edits as requests
+        return Snapshot(self._plan_levels, self._queue_view(now), down, elapsed_s, service_s, kept)
 
     def _service_s(self, worker: str, level: str, cost: float, now: float) -> float:
         """A request of ``cost`` on ``worker`` at ``level``: the service time learned from the
@@ -765,7 +766,8 @@ class RouterCore:
                 self._head_started[worker] = now
             self._queues[worker] = self._queues.get(worker, 0) + 1
             token = next(self._sends)
-            self._edits.sent(worker, token, work.job, now)
+            if self.policy.balancer is not None:  # the account only an edit balancer reads
+                self._edits.sent(worker, token, work.job, now)
             address = self._addresses[worker]
         if outcome.balancer:
             self.stats.edit_placed(outcome.balancer, held=outcome.held)
@@ -819,7 +821,8 @@ class RouterCore:
             call.cancel.attach(None)
             with self._lock:
                 now = self._clock()
-                self._edits.answered(decision.worker_id, token, ok=answered, now=now)
+                if self.policy.balancer is not None:
+                    self._edits.answered(decision.worker_id, token, ok=answered, now=now)
                 if self._queues.get(decision.worker_id, 0) > 0:
                     self._queues[decision.worker_id] -= 1
                     # a worker serves in order: the next request started as this one ended

@@ -166,10 +166,6 @@ class RouterPolicy:
     def level_name(self, index: int) -> str:
         return self.router.level_name(index)
 
-    def model_of(self, index: int) -> str:
-        """The model that level ``index`` of the installed plan's strategy runs."""
-        return self._model_of(index)
-
     # the decision ------------------------------------------------------------------------
 
     def price(self, request: RouterRequest) -> float | Refused:
@@ -326,7 +322,7 @@ class RouterPolicy:
             if worker in snapshot.down:
                 continue
             if cap is not None and index > cap:
-                if self._model_of(index) != self._model_of(cap):
+                if self.model_of(index) != self.model_of(cap):
                     continue
                 index = cap  # it runs the capped level on the same model (see _route_capped)
             serving.append((worker, index))
@@ -444,13 +440,14 @@ class RouterPolicy:
                 return Refused(Refusal.UNAVAILABLE, str(err), 1.0)
         if decision.served_level <= cap:
             return decision
-        if self._model_of(decision.served_level) == self._model_of(cap):
+        if self.model_of(decision.served_level) == self.model_of(cap):
             return replace(decision, served_level=cap, fallback=True)
         return Refused(
             Refusal.UNAVAILABLE, f"no live worker can serve level index {cap} or slower now", 1.0
         )
 
-    def _model_of(self, index: int) -> str:
+    def model_of(self, index: int) -> str:
+        """The model that level ``index`` of the installed plan's strategy runs."""
         return self._models[self.router.level_name(index)]
 
 

@@ -19,7 +19,7 @@ from argus import defaults
 from argus.plumbing.grpc_server import check_address, check_port, wait_for_shutdown
 from argus.plumbing.internal_tls import InternalTLS
 from argus.profiles import default_profiles, load_profiles
-from argus.profiles.batch_curve import BatchTableError, load_batch_table
+from argus.profiles.batch_curve import BatchTable, BatchTableError, load_batch_table
 from argus.types import ProfileSet, Strategy
 from argus.worker.adapters import AdapterSettings, WorkerAdapters
 from argus.worker.edit_cache import EditCache
@@ -59,6 +59,10 @@ class WorkerSettings:
     # measured latency-per-batch curves (benchmarks/bench_edit_cost.py --write-table): each
     # model's and size's bound is its knee, at most edit_batch; None: edit_batch for all
     edit_batch_table: str | None = None
+    # the table read from edit_batch_table when the settings are checked (None: no table)
+    edit_batch_curves: BatchTable | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
     # approximate cache
     cache: bool = True
     cache_dir: str | None = None  # latent store and Qdrant Edge shard; None: a temp dir
@@ -106,9 +110,10 @@ class WorkerSettings:
             raise ValueError(f"edit_batch: must be >= 1, got {self.edit_batch}")
         if self.edit_batch_table is not None:  # read now: a bad table stops the start at once
             try:
-                load_batch_table(self.edit_batch_table)
+                curves = load_batch_table(self.edit_batch_table)
             except BatchTableError as err:
                 raise ValueError(f"edit_batch_table: {err}") from None
+            object.__setattr__(self, "edit_batch_curves", curves)  # frozen: set once, here
         if self.edit_cache_bytes < 0:
             raise ValueError(f"edit_cache_bytes: must be >= 0, got {self.edit_cache_bytes}")
         if self.edit_cache_dir is not None and self.edit_cache_disk_bytes <= 0:
@@ -266,11 +271,7 @@ def build_worker(
         max_queue=settings.max_queue,
         edit_batch=settings.edit_batch,
         decode_thread=settings.decode_thread,
-        edit_batch_table=(
-            None
-            if settings.edit_batch_table is None
-            else load_batch_table(settings.edit_batch_table)
-        ),
+        edit_batch_table=settings.edit_batch_curves,
     )
     edit_cache = build_edit_cache(settings, metrics)
     adapters = None

@@ -72,7 +72,6 @@ class EditLane:
     ) -> None:
         if bound < 2:
             raise ValueError(f"edit batch bound: a lane batches, so >= 2; got {bound}")
-        self.bound = bound
         # each (model name, width, height)'s bound: a measured table's (argus/profiles/
         # batch_curve.py), else ``bound`` for every one
         self._bounds = bounds or (lambda model, width, height: bound)
@@ -101,12 +100,6 @@ class EditLane:
             future = batcher.submit(spec, key=key, **request)
             self._work.notify_all()
         return batcher, future
-
-    def steps(self) -> tuple[int, int]:
-        """Batched steps run and requests summed over them, by the batchers alive now."""
-        with self._work:
-            batchers = list(self._batchers.values())
-        return sum(b.stats.steps for b in batchers), sum(b.stats.rows for b in batchers)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop taking edits; the lane's thread ends after its current turn."""

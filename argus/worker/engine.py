@@ -149,7 +149,7 @@ from argus.worker.pipelines import (
     paste_unmasked,
 )
 from argus.worker.registry import ModelRegistry
-from argus.worker.step_batch import StepBatcher
+from argus.worker.step_batch import BatchResult, StepBatcher
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -459,9 +459,7 @@ class Worker:
         self._batch_keys = itertools.count()
         if self.config.edit_batch > 1:
             table, cap = self.config.edit_batch_table, self.config.edit_batch
-            bounds = None
-            if table is not None:
-                bounds = functools.partial(_table_bound, table, cap)
+            bounds = None if table is None else functools.partial(table.bound, cap=cap)
             self._lane = EditLane(cap, self._slots, self._device, lane_events, bounds)
             if self.config.decode_thread:
                 self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
@@ -840,9 +838,9 @@ class Worker:
             for hook in progress:
                 hook(done, latents)
 
-        decoded: Future[tuple[Image.Image, float, Any]] = Future()
+        decoded: Future[tuple[Image.Image, float, BatchResult]] = Future()
 
-        def finished(future: Future[Any]) -> None:  # on the device thread, after the step
+        def finished(future: Future[BatchResult]) -> None:  # on the device thread, after the step
             error = future.exception()
             if error is not None:
                 decoded.set_exception(error)
@@ -851,7 +849,7 @@ class Worker:
             else:
                 decode(future.result())
 
-        def decode(batch: Any) -> None:
+        def decode(batch: BatchResult) -> None:
             try:
                 ran = DenoiseResult(batch.latents, steps_run=batch.steps_run)
                 image, vae_s = self._decode_in_time(model, spec, ran, cancel, report)
@@ -876,7 +874,7 @@ class Worker:
                 break
             except FutureTimeout:
                 if not joined.is_set():
-                    self._leave_lane(batcher, name, cancel, spec.width * spec.height)
+                    self._leave_lane(batcher, name, cancel, spec)
         for use in uses:  # a recording reaches the store off the request path
             with self._lock:
                 self._pending.add(self._writer.submit(self._finish_edit, use.finish))
@@ -891,7 +889,7 @@ class Worker:
         return _Ran(answer, image, vae_s, spec), batch.joined_s
 
     def _leave_lane(
-        self, batcher: StepBatcher, name: Any, cancel: CancelToken, pixels: int
+        self, batcher: StepBatcher, name: Any, cancel: CancelToken, spec: GenerationSpec
     ) -> None:
         """A request waiting in the lane leaves it at once when its token says stop, or with
         :class:`DecodeSkipped` when the time left is shorter than its predicted decode (as a
@@ -900,12 +898,11 @@ class Worker:
         if reason is not None:
             batcher.withdraw(name, reason)  # its future fails: the wait raises Cancelled
             return
-        left = cancel.remaining_s()
-        if left is None:
-            return
-        decode_s = self.decode_times.predict_s(pixels)
-        if left < decode_s and batcher.withdraw(name, "expired"):
-            raise DecodeSkipped(0, decode_s, left)
+        try:
+            self._check_decode_fits(spec, cancel, 0)
+        except DecodeSkipped:
+            if batcher.withdraw(name, "expired"):  # it joined meanwhile: the batch decides
+                raise
 
     def _finish(self, ran: _Ran, cancel: CancelToken) -> GenerateResult:
         """The PNG of a run's image, encoded on the calling thread after the GPU slot was
@@ -1254,10 +1251,6 @@ class _Reporter:
 
     def decoding(self, total_steps: int) -> None:
         self._send(Stage.DECODING, step=total_steps, total_steps=total_steps)
-
-
-def _table_bound(table: BatchTable, cap: int, model: str, width: int, height: int) -> int:
-    return table.bound(model, width, height, cap=cap)
 
 
 def latent_preview(latents: torch.Tensor) -> bytes:

@@ -50,6 +50,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -84,12 +86,23 @@ class RecordMismatchError(ValueError):
 # -- blocks and token masks ----------------------------------------------------------------
 
 
+_BLOCKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+_BLOCKS_GUARD = threading.Lock()
+
+
 def transformer_blocks(unet: torch.nn.Module) -> list[Any]:
     """The UNet's ``BasicTransformerBlock``\\ s in ``unet.modules()`` order: a block's index
-    in this list names it in records and in ``use_cache``."""
-    from diffusers.models.attention import BasicTransformerBlock
+    in this list names it in records and in ``use_cache``. Found once per UNet (a walk of all
+    its modules; every replay, recording and batched step asks), kept while the UNet lives."""
+    with _BLOCKS_GUARD:
+        found = _BLOCKS.get(unet)
+    if found is None:
+        from diffusers.models.attention import BasicTransformerBlock
 
-    return [m for m in unet.modules() if isinstance(m, BasicTransformerBlock)]
+        found = tuple(m for m in unet.modules() if isinstance(m, BasicTransformerBlock))
+        with _BLOCKS_GUARD:
+            _BLOCKS[unet] = found
+    return list(found)
 
 
 def check_block(block: torch.nn.Module) -> None:

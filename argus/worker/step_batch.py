@@ -75,7 +75,7 @@ from typing import Any
 import torch
 
 from argus.profiles.edit_batching import BatchEntry, ContinuousBatch
-from argus.worker.masked_blocks import RowBlocks
+from argus.worker.masked_blocks import RowBlocks, RowPart, batched_blocks, transformer_blocks
 from argus.worker.pipelines import (
     NEVER_CANCELLED,
     Cancelled,
@@ -191,7 +191,6 @@ class StepBatcher:
         self._keys = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._blocks: list[Any] | None = None  # the UNet's transformer blocks, found once
         self.draining = False
         """While True no request joins; the running ones finish (the worker's lane sets it
         when a request outside the batch waits for the device)."""
@@ -259,21 +258,11 @@ class StepBatcher:
         pin on one request)."""
         with self._lock:
             requests = list(self._requests.values())
-            for request in requests:
-                self._batch.leave(request.key)
-            self._requests.clear()
-            self._running = []
-        for request in requests:
-            request.future.set_exception(error)
+        self._abort(requests, error)
 
     def idle(self) -> bool:
         with self._lock:
             return self._batch.idle()
-
-    def waiting(self) -> int:
-        """Requests submitted and not yet joined."""
-        with self._lock:
-            return len(self._batch.waiting)
 
     @property
     def running(self) -> tuple[Hashable, ...]:
@@ -300,7 +289,6 @@ class StepBatcher:
                 prepare_s += self.clock() - start
             for request, problem in unprepared:
                 self._abort([request], problem)
-                request.future.set_exception(problem)
             running = self._running
             if not running:
                 self.stats.prepare_s += prepare_s
@@ -329,12 +317,10 @@ class StepBatcher:
                         return_dict=False,
                     )[0]
             except Exception as error:  # the step failed: its requests fail, the loop goes on
-                failed = self._abort(running, error)
+                self._abort(list(running), error)
                 self.stats.total_s += self.clock() - began
                 self._fail(gone)
-                for request in failed:
-                    request.future.set_exception(error)
-                return len(failed)
+                return len(running)
             unet_s = self.clock() - unet_began
             scheduler_s = 0.0
             row = 0
@@ -437,22 +423,19 @@ class StepBatcher:
         (:func:`~argus.worker.masked_blocks.batched_blocks`); else nothing."""
         if all(r.rows is None for r in running):
             return contextlib.nullcontext()
-        from argus.worker.masked_blocks import RowPart, batched_blocks, transformer_blocks
-
-        if self._blocks is None:
-            self._blocks = transformer_blocks(self.model.pipeline.unet)
         parts = [RowPart(x.shape[0], r.rows, r.step) for r, x in zip(running, inputs, strict=True)]
-        return batched_blocks(self._blocks, parts)
+        return batched_blocks(transformer_blocks(self.model.pipeline.unet), parts)
 
-    def _abort(self, running: list[_Request], error: Exception) -> list[_Request]:
-        """``running`` requests leave because their step (or preparation) raised ``error``
-        (returned: the caller fails their futures with it)."""
+    def _abort(self, requests: list[_Request], error: BaseException) -> None:
+        """``requests`` leave, running or waiting, and their futures fail with ``error`` (a
+        step or a preparation raised it)."""
         with self._lock:
-            for r in running:
+            for r in requests:
                 self._batch.leave(r.key)
                 self._requests.pop(r.key, None)
-            self._running = [r for r in self._running if r not in running]
-        return list(running)
+            self._running = [r for r in self._running if r not in requests]
+        for r in requests:
+            r.future.set_exception(error)
 
     def _prepare(self, request: _Request) -> None:
         """An admitted request's conditioning, scheduler and starting latents, as
