@@ -54,14 +54,9 @@ from argus.worker.step_batch import StepBatcher
 
 def batcher_model(name: str) -> DiffusionModel:
     """A tiny variant as a CPU worker serves it, or ``sd15-arch`` (bench_edit_serving's)."""
-    if name == "sd15-arch":
-        from bench_edit_serving import build_model
+    from bench_edit_serving import build_model
 
-        return build_model("sd15")
-    from argus.worker.models import TINY_PREFIX, build_tiny_pipeline
-
-    source = TINY_PREFIX + name
-    return DiffusionModel(name, build_tiny_pipeline(source), device="cpu", source=source)
+    return build_model("sd15" if name == "sd15-arch" else f"tiny:{name}")
 
 
 def measure_curve(
