@@ -15,13 +15,19 @@ step (a miss). Every edit in a batch has the same m here, so the batch's mask su
 each model (a tiny variant's name, as a CPU worker serves it, or ``sd15-arch``), b inpainting
 edits of one recorded template at ratio m join one batch, each replaying the record on its own
 rows (m = 1: full steps, no record), and the median of ``--repeats`` whole steps (the batched
-UNet call, guidance, the schedulers, the blends) is one point. ``--write-table FILE`` writes
-the curves as the table workers read with ``--edit-batch-table``
+UNet call, guidance, the schedulers, the blends) is one point. A ``full:NAME`` model is the
+profile's full-size architecture of NAME (``benchmarks/_fullsize.py``, random seeded weights)
+at its native size unless ``--size`` is given; with ``--device cuda`` it is built on the GPU in
+float16 and every timed step ends in a synchronize. ``--write-table FILE`` writes the curves as
+the table workers read with ``--edit-batch-table``
 (``argus/profiles/batch_curve.py``), and each curve's bound and fitted cost model are printed:
 
     .venv/bin/python benchmarks/bench_edit_cost.py --batcher sdxl,sd-2.0,sd-1.5,tiny-sd \
         --size 64 --batches 1,2,4,8 --ratios 0.1,0.2,1.0 --repeats 7 \
         --write-table argus/profiles/edit-batching-cpu.toml
+    python benchmarks/bench_edit_cost.py --batcher full:sd-1.5,full:sdxl --device cuda \
+        --batches 1,2,3,4,5,6,7,8 --ratios 0.1,0.2,1.0 --repeats 5 \
+        --write-table argus/profiles/edit-batching-h200.toml           # on a GPU
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import argparse
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +59,40 @@ from argus.worker.pipelines import DiffusionModel, GenerationSpec
 from argus.worker.step_batch import StepBatcher
 
 
-def batcher_model(name: str) -> DiffusionModel:
-    """A tiny variant as a CPU worker serves it, or ``sd15-arch`` (bench_edit_serving's)."""
+def batcher_model(name: str, device: str) -> DiffusionModel:
+    """A tiny variant as a CPU worker serves it, ``sd15-arch`` (bench_edit_serving's), or
+    ``full:NAME``: the full-size architecture on ``device`` (float16 on a GPU)."""
+    if name.startswith("full:"):
+        from _fullsize import build_pipeline
+        from _gpu_worker import install_minilm_stub
+
+        install_minilm_stub()  # the tokenizer's files, where the MiniLM package is not installed
+
+        arch = name.partition(":")[2]
+        dtype = torch.float16 if device.startswith("cuda") else torch.float32
+        pipeline = build_pipeline(arch, device=device, dtype=dtype)
+        return DiffusionModel(arch, pipeline, device=device, source=arch)
     from bench_edit_serving import build_model
 
     return build_model("sd15" if name == "sd15-arch" else f"tiny:{name}")
+
+
+def model_size(name: str, size: int | None) -> int:
+    """``--size``, else a full-size model's native side, else 64 (the tiny variants')."""
+    if size:
+        return size
+    if name.startswith("full:"):
+        from _fullsize import native_size
+
+        return native_size(name.partition(":")[2], tiny=False)
+    return 64
+
+
+def synchronizer(device: str) -> Any:
+    """What ends a timed step: a CUDA synchronize on a GPU, nothing on the CPU."""
+    if device.startswith("cuda"):
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def measure_curve(
@@ -66,6 +102,7 @@ def measure_curve(
     ratios: list[float],
     repeats: int,
     seed: int,
+    sync: Any = lambda: None,
 ) -> BatchCurve:
     """The step batcher's seconds a step for every (b, m) on ``model`` at ``size``."""
     from bench_edit_serving import region_rect
@@ -91,23 +128,33 @@ def measure_curve(
         for b in batches:
             batcher = StepBatcher(model, b)
 
-            def join(ratio: float = ratio, key: str = key) -> Any:
+            chosen: list[str] = []  # Algorithm 1's choice for each joining edit
+
+            def join(ratio: float = ratio, key: str = key, chosen: list[str] = chosen) -> Any:
                 if ratio >= 1.0:
                     return None
-                return cache.begin(model, spec(0, ratio), key, was_present=True, batched=True).rows
+                use = cache.begin(model, spec(0, ratio), key, was_present=True, batched=True)
+                chosen.append(f"{use.blocks_cached}/{use.blocks}")
+                return use.rows
 
             for index in range(b):
                 batcher.submit(spec(index + 1, ratio), key=index, on_join=join)
             batcher.step()  # every request joins and runs its first step
+            sync()
             seconds = []
             for _ in range(repeats):
                 start = time.perf_counter()
                 batcher.step()
+                sync()
                 seconds.append(time.perf_counter() - start)
             batcher.run_until_idle()
             median = statistics.median(seconds)
             points.append(CurvePoint(b, ratio, median))
-            print(f"{model.name} {size}px b={b} m={ratio:.2f}: {median * 1e3:.2f} ms", flush=True)
+            replayed = f", blocks replayed {chosen[0]}" if chosen else ""
+            print(
+                f"{model.name} {size}px b={b} m={ratio:.2f}: {median * 1e3:.2f} ms{replayed}",
+                flush=True,
+            )
     return BatchCurve(model.name, size, size, tuple(points), steps)
 
 
@@ -115,8 +162,15 @@ def run_batcher(args: argparse.Namespace, batches: list[int], ratios: list[float
     curves = []
     with torch.inference_mode():
         for name in args.batcher.split(","):
-            model = batcher_model(name)
-            curve = measure_curve(model, args.size, batches, ratios, args.repeats, args.seed)
+            try:  # one model that fails (memory, a kernel) leaves the others' curves
+                model = batcher_model(name, args.device)
+                size = model_size(name, args.size)
+                sync = synchronizer(args.device)
+                curve = measure_curve(model, size, batches, ratios, args.repeats, args.seed, sync)
+            except Exception:
+                traceback.print_exc()
+                print(f"{name}: failed, no curve", flush=True)
+                continue
             fitted = curve.cost_model()
             print(
                 f"{name}: bound {curve.bound()} at m=0.11 (knee, 10% more edits a second);"
@@ -125,19 +179,35 @@ def run_batcher(args: argparse.Namespace, batches: list[int], ratios: list[float
                 flush=True,
             )
             curves.append(curve)
-    if args.write_table:
-        source = (
-            f"benchmarks/bench_edit_cost.py --batcher {args.batcher} --size {args.size}"
-            f" --batches {args.batches} --ratios {args.ratios} --repeats {args.repeats}"
-        )
-        device = f"{machine_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
-        Path(args.write_table).write_text(dump_batch_table(curves, source, device))
-        print(f"wrote {args.write_table}")
+            if args.write_table:  # after each model, so a run cut short keeps what it measured
+                write_table(args, curves)
+            del model
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+
+def write_table(args: argparse.Namespace, curves: list[BatchCurve]) -> None:
+    size = f" --size {args.size}" if args.size else ""
+    where = f" --device {args.device}" if args.device != "cpu" else ""
+    source = (
+        f"benchmarks/bench_edit_cost.py --batcher {args.batcher}{size}{where}"
+        f" --batches {args.batches} --ratios {args.ratios} --repeats {args.repeats}"
+    )
+    if args.device.startswith("cuda"):
+        gpu = f"{torch.cuda.get_device_name(args.device)}, float16, CUDA {torch.version.cuda}"
+    else:
+        gpu = f"{torch.get_num_threads()} threads"
+    device = f"{machine_line()}; torch {torch.__version__}, {gpu}"
+    Path(args.write_table).write_text(dump_batch_table(curves, source, device))
+    print(f"wrote {args.write_table}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", type=int, default=256, help="image side (256)")
+    parser.add_argument(
+        "--size", type=int, default=None, help="image side (256; --batcher: the model's own)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--batches", default="1,2,4", help="batch sizes (edits, CFG 2 each)")
     parser.add_argument("--ratios", default="0.1,0.2,0.4,1.0", help="mask ratios")
     parser.add_argument("--repeats", type=int, default=3)
@@ -155,6 +225,7 @@ def main() -> None:
         run_batcher(args, batches, ratios)
         print(load_line("end"))
         return
+    args.size = args.size or 256
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.size} px, CFG 2")
     unet = build_unet(args.seed)
     side = args.size // 8

@@ -160,3 +160,17 @@ def test_a_worker_refuses_a_bad_table_at_start_naming_the_flag(tmp_path: Path) -
         WorkerSettings(edit_batch=2, edit_batch_table=str(tmp_path / "missing.toml"))
     table = Path(__file__).resolve().parent.parent / "argus/profiles/edit-batching-cpu.toml"
     assert WorkerSettings(edit_batch=4, edit_batch_table=str(table)).edit_batch == 4
+
+
+@pytest.mark.unit
+def test_the_shipped_gpu_table_bounds_the_full_size_models_it_measured() -> None:
+    """The H200 table (benchmarks/bench_edit_cost.py --device cuda) names the worker's own
+    model names at their native sizes, so a GPU worker reading it bounds them; a size it did
+    not measure keeps one at a time."""
+    path = Path(__file__).resolve().parent.parent / "argus/profiles/edit-batching-h200.toml"
+    table = load_batch_table(path)
+    assert "H200" in table.device
+    assert table.bound("sdxl", 1024, 1024, cap=8) == 4
+    assert table.bound("sd-1.5", 512, 512, cap=8) == 4
+    assert table.bound("sd-1.5", 512, 512, cap=2) == 2
+    assert table.bound("sdxl", 512, 512, cap=8) == 1
