@@ -44,8 +44,10 @@ below), mean queueing 2.56 against 0.67 s, overhead 0.28 and 0.31 ms a step. The
 ``--seed 1`` (load average 0.0 at the start, 0.8 at the end): 53 requests; P95 15.48 against
 10.76 s (30.5% below), queueing 2.15 against 0.76 s, overhead 0.30 and 0.33 ms. ``--seed 2``
 (load average 0.6-1.0): 32 requests; P95 11.58 against 9.41 s (18.7% below), queueing 1.57
-against 0.44 s. Over the three paired runs continuous is 24.6% below static at P95 (95%
-interval 10.0-39.2%): the issue's 25% is not shown; its queueing and overhead goals hold in all.
+against 0.44 s. ``--seed 3``: 43 requests; 11.82 against 8.79 s (25.6% below); ``--seed 4``:
+37 requests; 10.95 against 8.70 s (20.6% below). Over the five paired runs continuous is 24.0%
+below static at P95 (95% interval 18.3-29.7%): the issue's 25% is not shown; its queueing and
+overhead goals hold in all.
 
 Earlier runs, before the cache ran inside a batch (every request ran the full UNet): tiny,
 P95 0.182 s static and 0.143 s continuous (21% below); SD-1.5's UNet at 64 px with 26
