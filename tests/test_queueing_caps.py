@@ -102,6 +102,36 @@ def test_with_exponential_service_the_measured_cap_is_erlang_cs():
         assert caps["a100", "any"][servers - 1] == pytest.approx(exact, abs=TOLERANCE)
 
 
+@dataclass(frozen=True)
+class FetchService:
+    """Every request: ``fixed_s`` of compute after a ``hideable_s`` fetch that starts at its
+    arrival (a LoRA the queue wait hides)."""
+
+    fixed_s: float
+    hideable_s: float
+
+    def key(self, worker_class: str, level: str) -> Hashable:
+        return ("fetch", self.fixed_s, self.hideable_s)
+
+    def draws(self, worker_class: str, level: str, count: int, seed: int) -> ServiceDraws:
+        rng = np.random.default_rng(seed + 5)
+        fixed = self.fixed_s * rng.uniform(0.95, 1.05, count)
+        return ServiceDraws(fixed, np.full(count, self.hideable_s), np.ones(count))
+
+
+def test_a_pool_whose_queue_hides_a_fetch_is_capped_above_its_no_wait_time():
+    """Utilisation counts the no-wait service (2.5 s here); under load the queue hides the
+    0.5 s fetch and a server takes 2 s, so eight workers can be planned past utilisation 1
+    (up to 1.25). Without the fetch the same pool stays below 1."""
+    hidden = FetchService(2.0, 0.5)
+    assert queueing.saturation(hidden.draws("a100", "x", 1_000, 0)) == pytest.approx(1.25, 0.01)
+    caps = measured_caps(hidden, [("a100", "x")], 8, 30.0, LATE, requests=REQUESTS)
+    assert 1.0 < caps["a100", "x"][-1] < 1.25
+    plain = measured_caps(FetchService(2.0, 0.0), [("a100", "x")], 8, 30.0, LATE, requests=REQUESTS)
+    assert plain["a100", "x"][-1] < 1.0
+    assert list(queueing.coarse_grid(1.0)) == list(queueing.COARSE_GRID)
+
+
 def test_the_cap_grows_with_the_pool_within_the_noise():
     cells = [("a100", "ac-k0"), ("a100", "sm-tiny-sd")]
     caps = measured_caps(katz_spread(), cells, 8, SLO_S, LATE, requests=REQUESTS)

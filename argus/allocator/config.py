@@ -29,8 +29,8 @@ from argus.types import ProfileSet, Strategy
 class StrategyChoice(enum.StrEnum):
     """Which strategy runs while retrieval is healthy (the first is the default)."""
 
-    AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper, §4.6)
     BEST = "best"  # plan AC and SM each period, keep the better objective (switching counted)
+    AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper's prototype)
 
 
 @dataclass(frozen=True)
@@ -94,12 +94,10 @@ class ControlConfig:
     """``joint``: one program over (prompt class × level) with Q(v | c); ``paper``: Eq. 1
     with level averages, then ODA (the ablation)."""
 
-    strategy_choice: StrategyChoice = StrategyChoice.AC_FIRST
-    """``ac-first``: AC while retrieval is healthy, as the paper's prototype; ``best``: each
-    plan solves AC and SM and keeps the better objective, the switching cost of leaving the
-    strategy in force included (§4.6). Either way retrieval trouble leaves SM alone. AC-first
-    stays the default: under overload ``best`` moved to Tiny-SD, whose service-time tail the
-    planner's queueing caps do not see, and served fewer requests (README, `argus evaluate`)."""
+    strategy_choice: StrategyChoice = StrategyChoice.BEST
+    """``best``: each plan solves AC and SM and keeps the better objective, the switching cost
+    of leaving the strategy in force included (§4.6); ``ac-first``: AC while retrieval is
+    healthy, as the paper's prototype. Either way retrieval trouble leaves SM alone."""
 
     slo_s: float | None = None
     """The SLO the queue model plans against, seconds; None: the shared rule

@@ -283,7 +283,12 @@ def measured_caps(
     least; a cached table may be longer): the largest utilisation, to 0.005, at which at most
     ``late_share`` of the requests of a simulated FCFS queue are late (wait + service >
     ``slo_s``). Utilisation is the arrival rate × the mean service time after no wait, over
-    the pool. Below the first grid point that fails: a cap of 0 when even 0.004 fails."""
+    the pool. Below the first grid point that fails: a cap of 0 when even 0.004 fails.
+
+    A cap may pass 1 where a wait hides part of the service (a LoRA fetch started at arrival:
+    under load the queue hides it, so the pool serves more than its no-wait time says). The
+    grid then goes on past 0.99 in the same steps up to :func:`saturation`, the utilisation at
+    which every hideable second is hidden."""
     cells = list(dict.fromkeys(cells))
     keys = {cell: spread.key(*cell) for cell in cells}
     missing = [
@@ -296,7 +301,7 @@ def measured_caps(
         draws = [spread.draws(g, level, requests, seed) for g, level in unique]
         arrivals = _unit_arrivals(requests, seed)
         pools = list(range(1, servers + 1))
-        coarse = np.asarray(COARSE_GRID)
+        coarse = coarse_grid(max(saturation(d) for d in draws))
         shares = _late_shares(draws, arrivals, pools, coarse, slo_s)
         low = np.array([[_last_fitting(coarse, row, late_share) for row in d] for d in shares])
         step = float(coarse[1] - coarse[0])
@@ -313,6 +318,24 @@ def measured_caps(
                 caps.append(round(fits, 6))
             _TABLES[keys[cell], slo_s, late_share, requests, seed] = tuple(caps)
     return {cell: _TABLES[keys[cell], slo_s, late_share, requests, seed] for cell in cells}
+
+
+def saturation(draws: ServiceDraws) -> float:
+    """The utilisation (over the mean service time after no wait) at which a pool serving
+    ``draws`` is saturated when every wait hides all it can: 1 without hideable seconds."""
+    hidden = float((draws.factor * draws.fixed_s).mean())
+    no_wait = float(draws.at_no_wait().mean())
+    return no_wait / hidden if hidden > 0.0 else 1.0
+
+
+def coarse_grid(limit: float) -> FloatArray:
+    """:data:`COARSE_GRID`, continued in its steps while below ``limit`` (see
+    :func:`measured_caps`)."""
+    points = list(COARSE_GRID)
+    step = COARSE_GRID[1] - COARSE_GRID[0]
+    while points[-1] + step < limit:
+        points.append(round(points[-1] + step, 2))
+    return np.asarray(points)
 
 
 def late_shares_at(
