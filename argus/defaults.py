@@ -42,9 +42,9 @@ PLANNERS = ("joint", "paper")
 """How a plan is made (``argus.allocator.planner.PlannerMode``): one program over (prompt
 class × level), or the paper's Eq. 1 with level averages then ODA; the first is the default."""
 
-STRATEGY_CHOICES = ("best", "ac-first")
+STRATEGY_CHOICES = ("ac-first", "best")
 """Which strategy runs while retrieval is healthy (``argus.allocator.config.StrategyChoice``):
-the better plan of AC and SM each period (§4.6), or AC first as the paper's prototype; the
+AC first as the paper's prototype (§4.6), or the better plan of AC and SM each period; the
 first is the default."""
 
 CAPS = ("analytic", "measured")

@@ -34,12 +34,10 @@ pytestmark = pytest.mark.unit
 # policies again once they plan with queueing caps measured on the simulator's service times
 # (issue 30 item 3): with make_policy(..., caps="analytic") all four give their earlier ones;
 # argus, pac and argus-paper again once the measured caps go past utilisation 0.99 where the
-# queue hides a LoRA fetch (AC at K >= 10; proteus, SM only, is as it was), and argus and pac
-# again once they choose their strategy each plan (``best``, issue 30 item 2): with
-# strategy_choice="ac-first" they give 5cf9bb4e30d0ccf1 and 867a3e8cb1510e31
+# queue hides a LoRA fetch (AC at K >= 10; proteus, SM only, is as it was)
 PINNED = {
-    "argus": "348e4f1b7f071e2a",
-    "pac": "0e079125272d8c38",
+    "argus": "5cf9bb4e30d0ccf1",
+    "pac": "867a3e8cb1510e31",
     "proteus": "8431d75e75dc825b",
     "clipper-ha": "48c7cd24b03a241d",
     "clipper-ht": "f2f45ce88aa7e8f9",

@@ -29,8 +29,8 @@ from argus.types import ProfileSet, Strategy
 class StrategyChoice(enum.StrEnum):
     """Which strategy runs while retrieval is healthy (the first is the default)."""
 
+    AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper, §4.6)
     BEST = "best"  # plan AC and SM each period, keep the better objective (switching counted)
-    AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper's prototype)
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,13 @@ class ControlConfig:
     """``joint``: one program over (prompt class × level) with Q(v | c); ``paper``: Eq. 1
     with level averages, then ODA (the ablation)."""
 
-    strategy_choice: StrategyChoice = StrategyChoice.BEST
-    """``best``: each plan solves AC and SM and keeps the better objective, the switching cost
-    of leaving the strategy in force included (§4.6); ``ac-first``: AC while retrieval is
-    healthy, as the paper's prototype. Either way retrieval trouble leaves SM alone."""
+    strategy_choice: StrategyChoice = StrategyChoice.AC_FIRST
+    """``ac-first``: AC while retrieval is healthy, as the paper's prototype; ``best``: each
+    plan solves AC and SM and keeps the better objective, the switching cost of leaving the
+    strategy in force included (§4.6). Either way retrieval trouble leaves SM alone. AC-first
+    stays the default: ``best`` chose SM at half of capacity and lost quality there, and kept AC
+    at 0.8-0.9 of capacity where Proteus's SM plan does better: the planner's valuation of
+    the two strategies is not yet what the simulation realises (README, `argus evaluate`)."""
 
     slo_s: float | None = None
     """The SLO the queue model plans against, seconds; None: the shared rule

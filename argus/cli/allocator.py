@@ -83,8 +83,8 @@ class AllocatorCommand:
             "--strategy-choice",
             default=defaults.STRATEGY_CHOICES[0],
             choices=defaults.STRATEGY_CHOICES,
-            help="best: plan AC and SM each period and keep the better (§4.6); ac-first: AC "
-            "while retrieval is healthy (default: %(default)s)",
+            help="ac-first: AC while retrieval is healthy (§4.6); best: plan AC and SM each "
+            "period and keep the better (default: %(default)s)",
         )
         parser.add_argument(
             "--slo-s",
