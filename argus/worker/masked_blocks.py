@@ -90,7 +90,7 @@ _BLOCKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, ...]] = weakref.W
 _BLOCKS_GUARD = threading.Lock()
 
 
-def transformer_blocks(unet: torch.nn.Module) -> list[Any]:
+def transformer_blocks(unet: torch.nn.Module) -> tuple[Any, ...]:
     """The UNet's ``BasicTransformerBlock``\\ s in ``unet.modules()`` order: a block's index
     in this list names it in records and in ``use_cache``. Found once per UNet (a walk of all
     its modules; every replay, recording and batched step asks), kept while the UNet lives."""
@@ -102,7 +102,7 @@ def transformer_blocks(unet: torch.nn.Module) -> list[Any]:
         found = tuple(m for m in unet.modules() if isinstance(m, BasicTransformerBlock))
         with _BLOCKS_GUARD:
             _BLOCKS[unet] = found
-    return list(found)
+    return found
 
 
 def check_block(block: torch.nn.Module) -> None:
@@ -692,16 +692,39 @@ def batched_blocks(blocks: Sequence[torch.nn.Module], parts: Sequence[RowPart]) 
     rows of the output), and the outputs go back in row order. Everything outside the blocks
     (convolutions, ResNets, the time embedding) runs on the whole batch. Restored on exit,
     exceptions included."""
-    forwards = [_split_forward(index, block, parts) for index, block in enumerate(blocks)]
+    rows = _PartRows(parts)
+    forwards = [_split_forward(index, block, parts, rows) for index, block in enumerate(blocks)]
     with patched_forwards(blocks, forwards):
         yield
 
 
-def _split_forward(index: int, block: Any, parts: Sequence[RowPart]) -> Callable[..., torch.Tensor]:
+class _PartRows:
+    """The batch rows of a set of parts, as an index tensor on the step's device: made once
+    per set and call (the blocks of one UNet call ask for the same few sets, and on a GPU each
+    new one is a copy to the device)."""
+
+    def __init__(self, parts: Sequence[RowPart]) -> None:
+        self.starts = [0]
+        for part in parts:
+            self.starts.append(self.starts[-1] + part.rows)
+        self._made: dict[tuple[tuple[int, ...], Any], torch.Tensor] = {}
+
+    def of(self, which: Sequence[int], device: Any) -> torch.Tensor:
+        """The rows of the parts ``which`` (indices into the parts), in order."""
+        key = (tuple(which), device)
+        found = self._made.get(key)
+        if found is None:
+            starts = self.starts
+            rows = [r for k in which for r in range(starts[k], starts[k + 1])]
+            found = self._made[key] = torch.tensor(rows, dtype=torch.long, device=device)
+        return found
+
+
+def _split_forward(
+    index: int, block: Any, parts: Sequence[RowPart], part_rows: _PartRows
+) -> Callable[..., torch.Tensor]:
     own = own_forward(block)
-    starts = [0]
-    for part in parts:
-        starts.append(starts[-1] + part.rows)
+    starts = part_rows.starts
 
     def forward(
         hidden_states: torch.Tensor,
@@ -729,7 +752,7 @@ def _split_forward(index: int, block: Any, parts: Sequence[RowPart]) -> Callable
             return output
         output = torch.empty_like(hidden_states)
         if full:
-            rows = _rows(starts, full, hidden_states.device)
+            rows = part_rows.of(full, hidden_states.device)
             computed = own(
                 hidden_states.index_select(0, rows),
                 encoder_hidden_states=_take(encoder_hidden_states, rows),
@@ -737,7 +760,7 @@ def _split_forward(index: int, block: Any, parts: Sequence[RowPart]) -> Callable
             )
             output.index_copy_(0, rows, computed)
             _keep(parts, starts, full, index, output)
-        rows = _rows(starts, [k for k, _, _ in replays], hidden_states.device)
+        rows = part_rows.of([k for k, _, _ in replays], hidden_states.device)
         spans = [(starts[k + 1] - starts[k], plan, cached) for k, plan, cached in replays]
         replayed = batched_masked_forward(
             block,
@@ -750,12 +773,6 @@ def _split_forward(index: int, block: Any, parts: Sequence[RowPart]) -> Callable
         return output
 
     return block_forward(forward)
-
-
-def _rows(starts: Sequence[int], parts: Sequence[int], device: Any) -> torch.Tensor:
-    """The batch rows of ``parts`` (indices into the parts), in order."""
-    rows = [r for k in parts for r in range(starts[k], starts[k + 1])]
-    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def _take(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
