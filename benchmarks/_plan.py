@@ -45,7 +45,7 @@ def serve_router(core: Any, threads: int) -> tuple[int, Callable[[], None]]:
 
     def drain() -> None:
         while not draining.wait(1.0):
-            core.take_statistics()
+            core.take_report()
 
     threading.Thread(target=drain, name="bench-drain", daemon=True).start()
 

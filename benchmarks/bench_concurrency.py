@@ -106,7 +106,7 @@ def start_router(
 
     def drain() -> None:  # what StatsReporter takes each second, without the RPC
         while not draining.wait(1.0):
-            core.take_statistics()
+            core.take_report()
 
     threading.Thread(target=drain, name="bench-drain", daemon=True).start()
     sizes = grpc_sizes(max_in_flight)

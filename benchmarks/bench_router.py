@@ -12,7 +12,7 @@ Three processes on this machine, as in a deployment with one router (more with `
   ``create_server`` with its defaults, following a real plan: an allocator in that process
   (frozen clock, no control loop) receives one heartbeat per stub worker and makes the plan,
   which the router installs once; the allocator is stopped before the load starts. A thread
-  drains ``take_statistics`` every second, as the ``StatsReporter`` does, without the RPC;
+  drains ``take_report`` every second, as the ``StatsReporter`` does, without the RPC;
 * **the load generator** (this process): open-loop Poisson arrivals at each rate for
   ``--seconds``, each request sent with ``Generate.future`` so that slow answers never hold
   back the next arrival. Every request has a PartiPrompts prompt and, unless

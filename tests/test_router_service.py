@@ -212,7 +212,8 @@ def test_reports_reach_the_allocator(cluster: Cluster) -> None:
     for i in range(3):
         ask(stub, seed=i)
     StatsReporter(cluster.core, cluster.client, cluster.clock).report_once()
-    arrivals, classified, _ = cluster.core.take_statistics()
+    taken = cluster.core.take_report()
+    arrivals, classified = list(taken.arrivals), list(taken.classified)
     assert arrivals == [] and classified == []  # handed over, not kept
     cluster.clock.now += 60.0  # the planning period ends: the allocator plans what it was told
     assert cluster.allocator.control.tick() is not None

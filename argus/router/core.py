@@ -362,8 +362,13 @@ class RouterCore:
         self._plan_levels: dict[str, int] = {}
         self._classes: dict[str, str] = {}
         self._classifying = 0  # requests admitted early and not yet routed
-        # each worker's requests in flight and templates held, for the edit balancer
-        self._edits = EditLoads(config.edit_batch, config.edit_templates)
+        # each worker's requests in flight and templates held: kept only for an edit balancer
+        # (with "plan" nothing reads it, and an edit is placed and counted as a request)
+        self._edits = (
+            None
+            if self.policy.balancer is None
+            else EditLoads(config.edit_batch, config.edit_templates)
+        )
         self._sends = itertools.count()  # tokens of the requests in flight
         if self.policy.balancer is not None:
             model = self.policy.edit_cost
@@ -425,10 +430,11 @@ class RouterCore:
                 w: t for w, t in self._abandoned_until.items() if w in self._addresses
             }
             self._times.forget(set(self._addresses))
-            self._edits.keep(self._addresses)
-            for worker, model in self._worker_models().items():
-                if models.get(worker, model) != model:  # its records were of another model
-                    self._edits.forget_templates(worker)
+            if self._edits is not None:
+                self._edits.keep(self._addresses)
+                for worker, model in self._worker_models().items():
+                    if models.get(worker, model) != model:  # its records were of another model
+                        self._edits.forget_templates(worker)
             self._plan_version = published.version
             queues = dict(self._queues)
         self._workers.keep_only(set(self._addresses.values()))
@@ -443,15 +449,9 @@ class RouterCore:
 
     # statistics for the allocator ---------------------------------------------------------
 
-    def take_statistics(self) -> tuple[list[float], list[Classified], bool]:
-        """Arrivals and classifications since the last call, and whether to re-plan early
-        (:meth:`take_report` without the arrivals' weights)."""
-        report = self.take_report()
-        return list(report.arrivals), list(report.classified), report.replan_wanted
-
     def take_report(self) -> RouterStatistics:
-        """Arrivals, their weights and classifications since the last call (of this or
-        :meth:`take_statistics`), and whether to re-plan early. The weights are empty when
+        """Arrivals, their weights and classifications since the last call, and whether to
+        re-plan early. The weights are empty when
         every arrival weighs 1 (always so with ``edit_balancer`` "plan"), so such a report is
         the one routers sent before arrivals had weights."""
         with self._lock:
@@ -547,7 +547,7 @@ class RouterCore:
                 steps = img2img_steps(steps, edit.strength)
             return _Work(EditJob(1.0, steps), inpainting=False)
         template = None
-        if self.policy.balancer is not None and not request.adapters:
+        if self._edits is not None and not request.adapters:
             template = template_key(
                 edit.template_digest,
                 edit.width,
@@ -635,11 +635,11 @@ class RouterCore:
         before its level and worker are known: a template-aware balancer places it on a holder
         when that one serves its level. It is fixed at arrival, so a refused edit counts at
         what it would have cost served: it is load the allocator plans for. Under the lock."""
-        edit = work.edit
-        if edit is None or self.policy.balancer is None:
+        edit, account = work.edit, self._edits
+        if edit is None or account is None:
             return 1.0
         live = set(self._plan_levels) - self._down(now)
-        hit = self._edits.held_by_any(edit.template, live)
+        hit = account.held_by_any(edit.template, live)
         ratio = edit.mask_ratio if hit else 1.0
         return arrival_cost(self.policy.edit_cost, self.config.edit_batch, ratio)
 
@@ -662,12 +662,15 @@ class RouterCore:
             level = self._router.level_name(index)
             return self._service_s(worker, level, self.policy.level_cost(request, cost, level), now)
 
-        def edits(worker: str) -> WorkerEdits:
-            return self._edits.view(worker, now)
+        account = self._edits
+        edits = None  # plan: edits as requests
+        if account is not None:
+
+            def edits(worker: str) -> WorkerEdits:
+                return account.view(worker, now)
 
         down = self._down(now) | tried
-        kept = edits if self.policy.balancer is not None else None  # plan: edits as requests
-        return Snapshot(self._plan_levels, self._queue_view(now), down, elapsed_s, service_s, kept)
+        return Snapshot(self._plan_levels, self._queue_view(now), down, elapsed_s, service_s, edits)
 
     def _service_s(self, worker: str, level: str, cost: float, now: float) -> float:
         """A request of ``cost`` on ``worker`` at ``level``: the service time learned from the
@@ -766,7 +769,7 @@ class RouterCore:
                 self._head_started[worker] = now
             self._queues[worker] = self._queues.get(worker, 0) + 1
             token = next(self._sends)
-            if self.policy.balancer is not None:  # the account only an edit balancer reads
+            if self._edits is not None:
                 self._edits.sent(worker, token, work.job, now)
             address = self._addresses[worker]
         if outcome.balancer:
@@ -821,7 +824,7 @@ class RouterCore:
             call.cancel.attach(None)
             with self._lock:
                 now = self._clock()
-                if self.policy.balancer is not None:
+                if self._edits is not None:
                     self._edits.answered(decision.worker_id, token, ok=answered, now=now)
                 if self._queues.get(decision.worker_id, 0) > 0:
                     self._queues[decision.worker_id] -= 1
