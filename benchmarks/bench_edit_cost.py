@@ -88,13 +88,6 @@ def model_size(name: str, size: int | None) -> int:
     return 64
 
 
-def synchronizer(device: str) -> Any:
-    """What ends a timed step: a CUDA synchronize on a GPU, nothing on the CPU."""
-    if device.startswith("cuda"):
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
 def measure_curve(
     model: DiffusionModel,
     size: int,
@@ -102,11 +95,14 @@ def measure_curve(
     ratios: list[float],
     repeats: int,
     seed: int,
-    sync: Any = lambda: None,
+    device: str = "cpu",
 ) -> BatchCurve:
-    """The step batcher's seconds a step for every (b, m) on ``model`` at ``size``."""
+    """The step batcher's seconds a step for every (b, m) on ``model`` at ``size``; on a GPU
+    each timed step ends in a synchronize (``gpu_profile.Clock``)."""
     from bench_edit_serving import region_rect
+    from gpu_profile import Clock
 
+    clock = Clock(device)
     rgb = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
     steps = repeats + 2  # one step to join, ``repeats`` timed, one spare
     cache = EditCache(ActivationStore(8 * 2**30))
@@ -139,14 +135,8 @@ def measure_curve(
 
             for index in range(b):
                 batcher.submit(spec(index + 1, ratio), key=index, on_join=join)
-            batcher.step()  # every request joins and runs its first step
-            sync()
-            seconds = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                batcher.step()
-                sync()
-                seconds.append(time.perf_counter() - start)
+            # the untimed first step: every request joins and runs its first step
+            seconds = clock.time(batcher.step, repeats)
             batcher.run_until_idle()
             median = statistics.median(seconds)
             points.append(CurvePoint(b, ratio, median))
@@ -165,8 +155,9 @@ def run_batcher(args: argparse.Namespace, batches: list[int], ratios: list[float
             try:  # one model that fails (memory, a kernel) leaves the others' curves
                 model = batcher_model(name, args.device)
                 size = model_size(name, args.size)
-                sync = synchronizer(args.device)
-                curve = measure_curve(model, size, batches, ratios, args.repeats, args.seed, sync)
+                curve = measure_curve(
+                    model, size, batches, ratios, args.repeats, args.seed, args.device
+                )
             except Exception:
                 traceback.print_exc()
                 print(f"{name}: failed, no curve", flush=True)
