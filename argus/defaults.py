@@ -42,10 +42,10 @@ PLANNERS = ("joint", "paper")
 """How a plan is made (``argus.allocator.planner.PlannerMode``): one program over (prompt
 class × level), or the paper's Eq. 1 with level averages then ODA; the first is the default."""
 
-STRATEGY_CHOICES = ("ac-first", "best")
+STRATEGY_CHOICES = ("best", "ac-first")
 """Which strategy runs while retrieval is healthy (``argus.allocator.config.StrategyChoice``):
-AC first as the paper's prototype (§4.6), or the better plan of AC and SM each period; the
-first is the default."""
+the better plan of AC and SM each period (§3.1, §4.6), or AC first as the paper's prototype;
+the first is the default."""
 
 CAPS = ("analytic", "measured")
 """Where the planner's utilisation caps come from (``argus.allocator.queueing.CapSource``):

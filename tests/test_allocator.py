@@ -3,7 +3,7 @@ import pytest
 from argus.allocator.allocator import Allocator
 from argus.allocator.config import ControlConfig
 from argus.profiles import default_profiles
-from argus.types import ClusterView, Strategy, WorkerState
+from argus.types import ClassQuality, ClusterView, Strategy, WorkerState
 
 pytestmark = pytest.mark.unit
 
@@ -105,3 +105,67 @@ def test_plan_best_picks_the_better_strategy_with_hysteresis():
     )
     with pytest.raises(ValueError, match="strategies"):
         allocator.plan_best(now, view, (), prefer=Strategy.AC)
+
+
+def level_averages(strategy: Strategy) -> ClassQuality:
+    """Q(v | c) with every class alike: each level's average quality, relative to the best."""
+    levels = default_profiles().levels_for(strategy)
+    best = max(level.quality for level in levels)
+    row = tuple(level.quality / best for level in levels)
+    return ClassQuality(
+        strategy,
+        tuple(level.name for level in levels),
+        (row,) * len(levels),
+        (1.0 / len(levels),) * len(levels),
+        "level averages",
+    )
+
+
+def test_plan_best_keeps_the_strategy_in_force_until_the_histograms_are_filled():
+    """A strategy planned with Q(v | c) is compared only once its class histogram holds
+    choice_min_classified prompts; until then the strategy in force is planned alone."""
+    quality = {s: level_averages(s) for s in (Strategy.AC, Strategy.SM)}
+    config = ControlConfig(choice_min_classified=50)
+    allocator = Allocator(default_profiles(), config, class_quality=quality)
+    now = feed(allocator, 150.0, 2)
+    view = ClusterView.uniform(8)
+    both = (Strategy.AC, Strategy.SM)
+    ac, sm = (allocator.plan(now, view, s) for s in both)
+    better = max((ac, sm), key=lambda plan: plan.allocation.objective).strategy
+    worse = Strategy.SM if better is Strategy.AC else Strategy.AC
+    for _ in range(49):
+        allocator.observe_classification(Strategy.AC, 0)
+        allocator.observe_classification(Strategy.SM, 0)
+    early = allocator.plan_best(now, view, both, prefer=worse, hysteresis=0.0)
+    assert early.strategy is worse
+    allocator.observe_classification(Strategy.AC, 0)
+    assert allocator.plan_best(now, view, both, prefer=worse, hysteresis=0.0).strategy is worse
+    allocator.observe_classification(Strategy.SM, 0)
+    assert allocator.plan_best(now, view, both, prefer=worse, hysteresis=0.0).strategy is better
+    # level averages need no histogram: a planner without Q(v | c) compares at once
+    plain = Allocator(default_profiles(), config)
+    feed(plain, 150.0, 2)
+    assert plain.plan_best(now, view, both, prefer=worse, hysteresis=0.0).strategy is better
+    with pytest.raises(ValueError, match="choice_min_classified"):
+        ControlConfig(choice_min_classified=-1)
+
+
+def test_a_model_load_is_charged_only_where_the_workers_stop_to_load():
+    """Workers that keep serving while they load forgo no work: the planner's switching cost
+    is zero for them, and switch_cost_weight for workers that stop."""
+    profiles = default_profiles()
+    assert ControlConfig().planner_config(profiles).switch_cost_weight == 0.0
+    stopping = ControlConfig(background_loads=False, switch_cost_weight=2.5)
+    assert stopping.planner_config(profiles).switch_cost_weight == 2.5
+    # the same plan from workers holding SDXL: moving them to the small models costs the
+    # stopping planner objective, and the background planner nothing
+    sdxl = profiles.levels_for(Strategy.SM)[0].name
+    view = ClusterView(tuple(WorkerState(f"w{i}", "a100", level=sdxl) for i in range(8)))
+    objectives = []
+    for config in (ControlConfig(), ControlConfig(background_loads=False)):
+        allocator = Allocator(profiles, config)
+        now = feed(allocator, 150.0, 2)
+        plan = allocator.plan(now, view, Strategy.SM)
+        assert any(level != sdxl for level in plan.allocation.assignment.values())
+        objectives.append(plan.allocation.objective)
+    assert objectives[1] < objectives[0]

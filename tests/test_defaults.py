@@ -205,7 +205,8 @@ def test_the_planning_period_reaches_the_forecast_and_the_planner() -> None:
 
     assert ControlConfig().period_s == defaults.PLANNING_PERIOD_S == SimConfig().period_s
     profiles = default_profiles()
-    control = ControlConfig(period_s=17.0, backlog_drain_s=0.0)
+    # workers that stop while loading: a load is charged what it forgoes
+    control = ControlConfig(period_s=17.0, backlog_drain_s=0.0, background_loads=False)
     allocator = Allocator(profiles, control)
     for i in range(17):  # 17 arrivals in the first 8.5 s
         allocator.observe_arrival(0.5 * i)

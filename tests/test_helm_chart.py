@@ -938,13 +938,13 @@ def test_the_allocators_planner_strategy_choice_and_slo_are_values() -> None:
     (the allocator's own rule otherwise); the schema refuses a planner it does not know."""
     args = main_container(workloads(render({}))["allocator"])["args"]
     assert arg_value(args, "--planner") == "joint"
-    assert arg_value(args, "--strategy-choice") == "ac-first"
+    assert arg_value(args, "--strategy-choice") == "best"
     assert "--slo-s" not in args
-    chosen = {"allocator": {"planner": "paper", "strategyChoice": "best", "sloSeconds": 9.5}}
+    chosen = {"allocator": {"planner": "paper", "strategyChoice": "ac-first", "sloSeconds": 9.5}}
     args = main_container(workloads(render(chosen))["allocator"])["args"]
     assert [arg_value(args, f) for f in ("--planner", "--strategy-choice", "--slo-s")] == [
         "paper",
-        "best",
+        "ac-first",
         "9.5",
     ]
     with pytest.raises(helm.HelmValuesError, match="planner"):

@@ -118,7 +118,8 @@ class RecordingPolicy(PlannedPolicy):
 
 
 def test_failed_gpus_serve_nothing_while_down_and_requests_are_retried(heavy):
-    failure = GpuFailure(start_s=120.0, end_s=300.0, count=4)
+    # at 125 s requests are queued on the GPUs that fail (at 120 s none happen to be)
+    failure = GpuFailure(start_s=125.0, end_s=300.0, count=4)
     policy = RecordingPolicy()
     result = simulate(heavy, policy, faults=(failure,))
     # the requests queued on the failed GPUs are routed a second time, at the failure, to a
@@ -131,12 +132,14 @@ def test_failed_gpus_serve_nothing_while_down_and_requests_are_retried(heavy):
     failed = {"w4", "w5", "w6", "w7"}
     for i, ((_, first, _), (again_s, second, down), *more) in retried.items():
         assert not more, f"request {i} routed {len(more) + 2} times"
-        assert again_s == 120.0
+        assert again_s == failure.start_s
         assert down == failed and first in failed and second not in failed
         assert result.refused[i] or result.worker[i] == int(second.removeprefix("w"))
     assert (~result.refused[list(retried)]).any()
     finished_while_down = (
-        (result.finish_s > 121.0) & (result.arrivals_s >= 120.0) & (result.arrivals_s < 300.0)
+        (result.finish_s > failure.start_s + 1.0)
+        & (result.arrivals_s >= failure.start_s)
+        & (result.arrivals_s < failure.end_s)
     )
     assert set(result.worker[finished_while_down]) <= {0, 1, 2, 3}
     admitted = ~result.refused

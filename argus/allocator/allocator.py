@@ -96,10 +96,19 @@ class Allocator:
         because each strategy's Q is relative to the same SDXL; the switching cost charges the
         model loads a change of strategy needs. ``prefer`` (the strategy running now) is kept
         unless another beats it by more than ``hysteresis`` of its objective, so plans do not
-        flap between near-equal strategies.
+        flap between near-equal strategies, and is planned alone while the class histogram
+        of an allowed strategy planned with Q(v | c) holds fewer than
+        ``ControlConfig.choice_min_classified`` prompts: an objective made from a few dozen
+        classified prompts is noise (at the start of a run the AC plan scored 10% under what
+        it scored a minute later, on the same load). Level averages need no histogram.
         """
         if not strategies:
             raise ValueError("strategies: at least one strategy must be allowed")
+        if prefer in strategies and any(
+            s in self.class_quality and self._affinity.count(s) < self.config.choice_min_classified
+            for s in strategies
+        ):
+            strategies = (prefer,)
         forecast = self._planned_load(now_s, workers)
         candidates = [self._candidate(forecast, workers, s, load_margin) for s in strategies]
         best = max(candidates, key=lambda plan: plan.allocation.objective)

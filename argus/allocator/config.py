@@ -29,8 +29,8 @@ from argus.types import ProfileSet, Strategy
 class StrategyChoice(enum.StrEnum):
     """Which strategy runs while retrieval is healthy (the first is the default)."""
 
+    BEST = "best"  # plan AC and SM each period, keep the better objective (§3.1, §4.6)
     AC_FIRST = "ac-first"  # AC; SM only while retrieval is slow or down (the paper, §4.6)
-    BEST = "best"  # plan AC and SM each period, keep the better objective (switching counted)
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,16 @@ class ControlConfig:
     """Load margin of the plans made within one period after a forced AC → SM switch (§4.6):
     SDXL at K=0 serves while the small variants load, so plan for more than the forecast."""
 
+    background_loads: bool = True
+    """Workers load a new model beside the one they serve and keep serving it until the new
+    one is ready (§4.6: the GPU holds both; the worker's registry and the simulated cluster do
+    this), so a plan's model load forgoes no work and the planner charges none. False: the
+    workers stop while loading (a GPU too small to hold two models), and each load is charged
+    the work it forgoes, × :attr:`switch_cost_weight`."""
+
     switch_cost_weight: float = 1.0
-    """Weight of the model-load switching cost in the objective (as the simulator's Argus)."""
+    """Weight of the forgone work of a model load in the objective, when the workers stop
+    while loading (:attr:`background_loads` False); 0 plans as if loads were free."""
 
     backlog_replan_per_worker: float = 2.0
     """Queued requests per live worker above which a plan is made before the period ends."""
@@ -94,13 +102,19 @@ class ControlConfig:
     """``joint``: one program over (prompt class × level) with Q(v | c); ``paper``: Eq. 1
     with level averages, then ODA (the ablation)."""
 
-    strategy_choice: StrategyChoice = StrategyChoice.AC_FIRST
-    """``ac-first``: AC while retrieval is healthy, as the paper's prototype; ``best``: each
-    plan solves AC and SM and keeps the better objective, the switching cost of leaving the
-    strategy in force included (§4.6). Either way retrieval trouble leaves SM alone. AC-first
-    stays the default: ``best`` chose SM at half of capacity and lost quality there, and kept AC
-    at 0.8-0.9 of capacity where Proteus's SM plan does better: the planner's valuation of
-    the two strategies is not yet what the simulation realises (README, `argus evaluate`)."""
+    strategy_choice: StrategyChoice = StrategyChoice.BEST
+    """``best``: each plan solves AC and SM and keeps the better objective (§3.1, §4.6), with a
+    hysteresis in favour of the strategy in force; ``ac-first``: AC while retrieval is healthy,
+    as the paper's prototype. Either way retrieval trouble leaves SM alone. ``best`` is the
+    default since the planner stopped charging background loads as lost work: until then it
+    kept AC at 0.8-0.9 of capacity where SM serves better (README, `argus evaluate`)."""
+
+    choice_min_classified: int = 100
+    """``best`` keeps the strategy in force while the class histogram of a strategy planned
+    with Q(v | c) holds fewer classified prompts than this: the objectives it compares are made
+    from those histograms. Chosen on seeds 10-14 of ``argus evaluate``'s workloads, none of
+    them an evaluation seed: 100 and 50 served alike at 0.8 and 1.3 of capacity; 200 moved to
+    SM later at 0.8 and lost 0.035 quality there."""
 
     slo_s: float | None = None
     """The SLO the queue model plans against, seconds; None: the shared rule
@@ -142,6 +156,10 @@ class ControlConfig:
             raise ValueError(f"switch_margin: must be >= 1, got {self.switch_margin}")
         if not self.backlog_drain_s >= 0.0:
             raise ValueError(f"backlog_drain_s: must be >= 0, got {self.backlog_drain_s}")
+        if self.choice_min_classified < 0:
+            raise ValueError(
+                f"choice_min_classified: must be >= 0, got {self.choice_min_classified}"
+            )
         for name in ("missed_heartbeats", "max_workers", "max_routers", "histogram_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -185,4 +203,10 @@ class ControlConfig:
         queue = None
         if self.queueing:
             queue = QueueModel(self.slo_for(profiles), caps=self.caps, spread=self.service_spread)
-        return PlannerConfig(self.switch_cost_weight, mode=self.planner, queue=queue)
+        return PlannerConfig(self.load_cost_weight, mode=self.planner, queue=queue)
+
+    @property
+    def load_cost_weight(self) -> float:
+        """The weight the planner gives a model load's forgone work: none is forgone when the
+        workers keep serving while they load (:attr:`background_loads`)."""
+        return 0.0 if self.background_loads else self.switch_cost_weight

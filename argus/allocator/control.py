@@ -9,8 +9,9 @@ simulator wires it (``argus.sim.planned.PlannedPolicy``):
   headroom from queueing against the SLO;
 * :class:`~argus.allocator.strategy.StrategyMonitor`: AC↔SM from the workers' retrieval
   reports (§4.6). While retrieval is healthy each plan solves AC and SM and keeps the better
-  objective, the switching cost of leaving the strategy in force counted (``strategy_choice``
-  ``best``, the default; ``ac-first`` plans AC alone, as the paper's prototype); while
+  objective, the strategy in force kept unless the other beats it by a margin
+  (``strategy_choice`` ``best``, the default; ``ac-first`` plans AC alone, as the paper's
+  prototype; a switch's model loads are charged only where workers stop to load); while
   retrieval is slow or down only SM is allowed, and the plans of the first period after
   leaving AC are made with a 1.5× load margin (``switch_margin``; the Allocator's
   ``load_margin``) to cover the models still loading. When the probes of a whole window

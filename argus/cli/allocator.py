@@ -83,8 +83,8 @@ class AllocatorCommand:
             "--strategy-choice",
             default=defaults.STRATEGY_CHOICES[0],
             choices=defaults.STRATEGY_CHOICES,
-            help="ac-first: AC while retrieval is healthy (§4.6); best: plan AC and SM each "
-            "period and keep the better (default: %(default)s)",
+            help="best: plan AC and SM each period and keep the better; ac-first: AC while "
+            "retrieval is healthy, the paper's prototype (§4.6) (default: %(default)s)",
         )
         parser.add_argument(
             "--slo-s",

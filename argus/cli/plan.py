@@ -59,7 +59,9 @@ class PlanCommand:
             "--switch-cost",
             type=float,
             default=1.0,
-            help="weight of the model-load switching cost (0 turns it off; default 1)",
+            help="weight of a model load's forgone work, for workers that stop while loading "
+            "(default 1); 0 plans as the allocator does for workers that load in the "
+            "background, which forgo none",
         )
         parser.add_argument(
             "--period",

@@ -62,9 +62,6 @@ class PlannedConfig:
     """Route each prompt by its class through the PASM; False: by the load shares F alone
     (and plan with level averages: the classifier is not consulted at all)."""
 
-    background_loads: bool = True
-    """A worker moved to another model keeps serving while the new one loads (§4.6)."""
-
     spill_fraction_of_slo: float | None = None
     """The router spills a prompt off a level whose best worker would take longer than this
     share of the SLO (None: never)."""
@@ -87,7 +84,8 @@ class PlannedPolicy(Policy):
     ) -> None:
         self.name = name
         self.config = config
-        self.background_loads = config.background_loads
+        # the simulated workers load the way the planner believes they do
+        self.background_loads = config.control.background_loads
         self.classifier = classifier or OracleClassifier()
         self._seed = seed
 
@@ -299,15 +297,17 @@ def planned_policies() -> dict[str, PlannedConfig]:
     """The planned policies by name; each differs from Argus only by what its config says.
 
     * ``argus``: the joint program over (classifier class × level) with Q(v | c) from the
-      classifier's calibration; each period it plans AC and SM and serves the better, the
-      switching cost counted, SM alone on retrieval trouble (§4.6; ``StrategyChoice.BEST``);
+      classifier's calibration; each period it plans AC and SM and serves the better, SM
+      alone on retrieval trouble (§4.6; ``StrategyChoice.BEST``); its workers load models in
+      the background, so the planner charges a load no forgone work;
     * ``argus-paper``: the paper's prototype as an ablation: Eq. 1 with level averages, then
       ODA on the predicted optimal levels, AC while retrieval is healthy (``AC_FIRST``);
     * ``pac``: prompt-agnostic Argus: the same control loop and strategy choice, planning with
       level averages and routing by the load shares alone;
-    * ``proteus``: SM only, prompt-agnostic accuracy scaling with the same solver, without
-      switching cost in its planner (Proteus has none) and without background model loads;
-      its model loads cost it the profile's load time as every policy's do.
+    * ``proteus``: SM only, prompt-agnostic accuracy scaling with the same solver; its workers
+      stop while they load (no background model loads), and its planner counts no switching
+      cost (Proteus has none); its model loads cost it the profile's load time as every
+      policy's do.
 
     All four plan with queueing caps measured on the simulator's own service times
     (``CapSource.MEASURED``, the spread the simulation hands them): against the analytic
@@ -327,11 +327,11 @@ def planned_policies() -> dict[str, PlannedConfig]:
         "proteus": PlannedConfig(
             control=ControlConfig(
                 strategies=(Strategy.SM,),
+                background_loads=False,
                 switch_cost_weight=0.0,
                 strategy_choice=StrategyChoice.AC_FIRST,
                 caps=CapSource.MEASURED,
             ),
             prompt_aware=False,
-            background_loads=False,
         ),
     }
