@@ -25,6 +25,7 @@ from argus.classifier.calibration import (
     measure_class_quality,
     negative_log_likelihood,
     read_calibration,
+    shrunk_class_means,
     softmax_t,
 )
 from argus.classifier.embedding_cache import (
@@ -151,9 +152,10 @@ def test_ties_leave_no_class_empty_when_the_scores_allow_it() -> None:
 
 
 def test_class_quality_by_hand_and_an_empty_class_borrows_its_neighbour() -> None:
+    # no spread within a class: nothing to shrink, the class means are kept as they are
     classes = np.array([0, 0, 2, 2])
     scores = np.array(
-        [[20.0, 10.0, 8.0], [22.0, 12.0, 10.0], [18.0, 18.0, 17.0], [20.0, 20.0, 19.0]]
+        [[21.0, 11.0, 9.0], [21.0, 11.0, 9.0], [19.0, 19.0, 18.0], [19.0, 19.0, 18.0]]
     )
     stats = measure_class_quality(classes, scores, 3)
     assert stats.counts == (2, 0, 2)
@@ -542,3 +544,36 @@ def test_classifier_set_embeds_through_the_cache(tmp_path: Path) -> None:
     identity = EncoderIdentity.of(keyed)
     assert identity is not None and len(cache.load(identity)) == 2
     assert EncoderIdentity.of(constant_classifier(0)) is None  # no weights hash: never cached
+
+
+def test_class_means_are_shrunk_by_how_little_the_sample_tells_them_apart() -> None:
+    """A class whose best-level mean or drop differs from the others' by noise alone falls to
+    the mean over all prompts; a drop far apart is kept; fewer prompts shrink more."""
+    rng = np.random.default_rng(7)
+    classes = np.repeat([0, 1, 2], 40)
+    noise = rng.normal(0.0, 1.0, (120, 2))
+    # the best level: no class effect at all; the drop to level 1: classes 5 apart
+    scores = noise + np.stack([np.zeros(120), -5.0 * classes], axis=1)
+    scores[:, 1] += scores[:, 0]  # a prompt's scores move together
+    raw = np.array([scores[classes == c].mean(axis=0) for c in range(3)])
+    grand = scores.mean(axis=0)
+    shrunk = shrunk_class_means(classes, scores, 3)
+    assert np.abs(shrunk[:, 0] - grand[0]).max() < 0.5 * np.abs(raw[:, 0] - grand[0]).max()
+    assert shrunk[:, 1] - shrunk[:, 0] == pytest.approx(raw[:, 1] - raw[:, 0], abs=0.01)
+
+    # the same class effect on the drop, measured on 3 prompts instead of 40, keeps less of
+    # its distance from the mean drop
+    def kept(count: int) -> float:
+        chosen = np.concatenate([np.arange(40), 40 + np.arange(count), np.arange(80, 120)])
+        table = scores[chosen].copy()
+        table[classes[chosen] == 1, 1] -= 1.0
+        means = shrunk_class_means(classes[chosen], table, 3)
+        drop = table[:, 1] - table[:, 0]
+        raw_drop = drop[classes[chosen] == 1].mean()
+        return float((means[1, 1] - means[1, 0] - drop.mean()) / (raw_drop - drop.mean()))
+
+    assert 0.0 <= kept(3) < kept(40) <= 1.0
+    # an empty class is the means over all prompts; one class alone is its own mean
+    lone = shrunk_class_means(np.zeros(5, dtype=np.int64), scores[:5], 3)
+    assert lone[0] == pytest.approx(scores[:5].mean(axis=0))
+    assert lone[1] == pytest.approx(scores[:5].mean(axis=0))

@@ -34,16 +34,21 @@ pytestmark = pytest.mark.unit
 # policies again once they plan with queueing caps measured on the simulator's service times
 # (issue 30 item 3): with make_policy(..., caps="analytic") all four give their earlier ones;
 # argus, pac and argus-paper again once the measured caps go past utilisation 0.99 where the
-# queue hides a LoRA fetch (AC at K >= 10; proteus, SM only, is as it was)
+# queue hides a LoRA fetch (AC at K >= 10; proteus, SM only, is as it was); argus, pac and
+# argus-paper again once a planner whose workers load in the background charges a load no
+# forgone work (ControlConfig.background_loads) and argus and pac plan AC and SM each period
+# (strategy choice ``best``); proteus and the unplanned policies are as they were; argus
+# again once Q(v | c) is shrunk by how much the sample tells the classes apart
+# (``calibration.shrunk_class_means``; the noisy oracle's Q is measured on the replay)
 PINNED = {
-    "argus": "5cf9bb4e30d0ccf1",
-    "pac": "867a3e8cb1510e31",
+    "argus": "a0fa848ffc878231",
+    "pac": "d48f512617d96b62",
     "proteus": "8431d75e75dc825b",
     "clipper-ha": "48c7cd24b03a241d",
     "clipper-ht": "f2f45ce88aa7e8f9",
     "sommelier": "a5c20d452de516bd",
     "nirvana": "ce5ae934ec4749c4",
-    "argus-paper": "a2dd3ee0e1b1ca82",
+    "argus-paper": "d2af44f70a906dcb",
 }
 
 

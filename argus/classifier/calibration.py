@@ -19,9 +19,11 @@ saw:
    coincide and the classes between them are empty (their count is 0 in the file). A score
    equal to an edge belongs to the lower class: ``class = #{edges e : e < s}``.
 4. **Q(v | c)** (:func:`measure_class_quality`): the mean score at level ``v`` of the
-   calibration prompts in class ``c``, divided by the mean score at the best level (index 0)
-   over all calibration prompts. An empty class borrows the row of the nearest non-empty
-   class (the less tolerant one on a tie), so the planner never sees a hole; its prior is 0.
+   calibration prompts in class ``c`` (its drop from the best level shrunk towards the mean
+   drop by how much of the class's difference the sample can tell from noise,
+   :func:`shrunk_class_means`), divided by the mean score at the best level (index 0) over
+   all calibration prompts. An empty class borrows the row of the nearest non-empty class
+   (the less tolerant one on a tie), so the planner never sees a hole; its prior is 0.
 
 The result is one :class:`Calibration` per strategy, written as ``calibration.json`` beside
 the classifier's weights. Its format (``argus-classifier-calibration v1``, UTF-8 JSON)::
@@ -220,6 +222,61 @@ class ClassStats:
     quality: tuple[tuple[float, ...], ...]  # [class][level] mean_score / best_mean
 
 
+def shrunk_class_means(classes: IntArray, scores: FloatArray, n_classes: int) -> FloatArray:
+    """Each class's mean score per level, shrunk towards the mean over all prompts by how much
+    of the class's difference the sample can tell from noise (James–Stein, as in a one-way
+    random-effects model). Rows of empty classes are the means over all prompts.
+
+    Shrunk are the best level's scores and each other level's *drop* from it, each column on
+    its own: a prompt's scores at the levels move together, so what tells a class apart is
+    its drop, and the drop's spread is what its noise is. Per column, the spread of the true
+    class means is estimated by the method of moments: the between-class sum of squares less
+    what the within-class spread alone would put there. A class mean then keeps the share
+    ``tau² / (tau² + s² / n_c)`` of its distance from the column's mean, where ``s²`` is the
+    pooled within-class variance and ``n_c`` the class's prompts.
+
+    With hundreds of prompts and classes far apart the means are kept nearly as they are (the
+    committed classifier's, on 333 synthetic calibration prompts: within 0.004). With a few
+    dozen prompts per class and scores as noisy as human ratings they fall towards the mean
+    drop, so the planner does not chase noise: on GenAI-Bench's 112 calibration prompts the
+    raw means rated SD-2.1 above SDXL for one class, and the joint program put a third of the
+    load on SD-2.1, the level the ratings rank last.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    # the best level's scores, then each level's drop from it: a prompt's scores at the levels
+    # move together, so a class's drop is what tells it apart, and is shrunk on its own spread
+    drops = scores.copy()
+    drops[:, 1:] = scores[:, 1:] - scores[:, :1]
+    shrunk = _shrunk_means(classes, drops, n_classes)
+    shrunk[:, 1:] += shrunk[:, :1]
+    return shrunk
+
+
+def _shrunk_means(classes: IntArray, scores: FloatArray, n_classes: int) -> FloatArray:
+    """Each column's class means shrunk on that column's own spread (the estimator of
+    :func:`shrunk_class_means`)."""
+    counts = np.bincount(classes, minlength=n_classes)[:n_classes].astype(np.float64)
+    total = float(counts.sum())
+    grand = scores.mean(axis=0)
+    sums = np.zeros((n_classes, scores.shape[1]))
+    np.add.at(sums, classes, scores)
+    filled = counts > 0
+    raw = np.where(filled[:, None], sums / np.maximum(counts, 1.0)[:, None], grand[None, :])
+    groups = int(filled.sum())
+    if groups < 2 or total <= groups:
+        return raw
+    within = ((scores - raw[classes]) ** 2).sum(axis=0) / (total - groups)
+    between = (counts[:, None] * (raw - grand[None, :]) ** 2).sum(axis=0)
+    effective = total - float((counts**2).sum()) / total
+    tau2 = np.maximum(0.0, (between - (groups - 1) * within) / effective)
+    noise = within[None, :] / np.maximum(counts, 1.0)[:, None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        keep = np.where(tau2[None, :] + noise > 0.0, tau2[None, :] / (tau2[None, :] + noise), 1.0)
+    keep = np.where(filled[:, None], keep, 0.0)
+    shrunk: FloatArray = grand[None, :] + keep * (raw - grand[None, :])
+    return shrunk
+
+
 def measure_class_quality(classes: IntArray, scores: FloatArray, n_classes: int) -> ClassStats:
     """Q(v | c) of module step 4 from each prompt's class and its ``scores[prompt, level]``."""
     scores = np.asarray(scores, dtype=np.float64)
@@ -228,10 +285,11 @@ def measure_class_quality(classes: IntArray, scores: FloatArray, n_classes: int)
     counts = np.bincount(classes, minlength=n_classes)[:n_classes]
     best_mean = float(scores[:, 0].mean())
     filled = np.flatnonzero(counts > 0)
+    means = shrunk_class_means(classes, scores, n_classes)
     rows: list[tuple[float, ...]] = []
     for c in range(n_classes):
         donor = filled[int(np.argmin(np.abs(filled - c)))]  # itself when not empty
-        rows.append(tuple(float(x) for x in scores[classes == donor].mean(axis=0)))
+        rows.append(tuple(float(x) for x in means[donor]))
     return ClassStats(
         counts=tuple(int(x) for x in counts),
         best_mean=best_mean,

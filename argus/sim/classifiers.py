@@ -122,22 +122,18 @@ def _per_request(ctx: SimContext, by_row: Mapping[Strategy, IntArray]) -> dict[S
 
 def measured_class_quality(table: QualityTable, classes: IntArray, source: str) -> ClassQuality:
     """Q(v | c) of ``table``'s prompts grouped by ``classes`` (one per row): each class's
-    mean score per level over the mean at the best level of all rows. A class with no rows
-    gets the level averages."""
+    mean score per level, shrunk as the calibration shrinks it
+    (:func:`argus.classifier.calibration.shrunk_class_means`), over the mean at the best level
+    of all rows. A class with no rows gets the level averages."""
+    from argus.classifier.calibration import shrunk_class_means
+
     n = len(table.levels)
     scores = table.scores
     best = float(scores[:, 0].mean())
-    average = tuple(float(value) / best for value in scores.mean(axis=0))
-    rows = []
-    prior = []
-    for c in range(n):
-        chosen = classes == c
-        prior.append(float(chosen.mean()))
-        if not chosen.any():
-            rows.append(average)
-            continue
-        rows.append(tuple(float(value) / best for value in scores[chosen].mean(axis=0)))
-    return ClassQuality(table.strategy, table.levels, tuple(rows), tuple(prior), source)
+    means = shrunk_class_means(classes, scores, n)
+    rows = tuple(tuple(float(value) / best for value in row) for row in means)
+    prior = tuple(float(np.mean(classes == c)) for c in range(n))
+    return ClassQuality(table.strategy, table.levels, rows, prior, source)
 
 
 class TrainedClassifier:
