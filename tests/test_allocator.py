@@ -107,26 +107,15 @@ def test_plan_best_picks_the_better_strategy_with_hysteresis():
         allocator.plan_best(now, view, (), prefer=Strategy.AC)
 
 
-def level_averages(strategy: Strategy) -> ClassQuality:
-    """Q(v | c) with every class alike: each level's average quality, relative to the best."""
-    levels = default_profiles().levels_for(strategy)
-    best = max(level.quality for level in levels)
-    row = tuple(level.quality / best for level in levels)
-    return ClassQuality(
-        strategy,
-        tuple(level.name for level in levels),
-        (row,) * len(levels),
-        (1.0 / len(levels),) * len(levels),
-        "level averages",
-    )
-
-
 def test_plan_best_keeps_the_strategy_in_force_until_the_histograms_are_filled():
     """A strategy planned with Q(v | c) is compared only once its class histogram holds
     choice_min_classified prompts; until then the strategy in force is planned alone."""
-    quality = {s: level_averages(s) for s in (Strategy.AC, Strategy.SM)}
+    profiles = default_profiles()
+    quality = {
+        s: ClassQuality.from_levels(profiles.levels_for(s)) for s in (Strategy.AC, Strategy.SM)
+    }
     config = ControlConfig(choice_min_classified=50)
-    allocator = Allocator(default_profiles(), config, class_quality=quality)
+    allocator = Allocator(profiles, config, class_quality=quality)
     now = feed(allocator, 150.0, 2)
     view = ClusterView.uniform(8)
     both = (Strategy.AC, Strategy.SM)

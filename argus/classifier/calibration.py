@@ -263,16 +263,18 @@ def _shrunk_means(classes: IntArray, scores: FloatArray, n_classes: int) -> Floa
     filled = counts > 0
     raw = np.where(filled[:, None], sums / np.maximum(counts, 1.0)[:, None], grand[None, :])
     groups = int(filled.sum())
-    if groups < 2 or total <= groups:
+    if groups < 2 or total <= groups:  # no spread between classes to estimate
         return raw
     within = ((scores - raw[classes]) ** 2).sum(axis=0) / (total - groups)
     between = (counts[:, None] * (raw - grand[None, :]) ** 2).sum(axis=0)
     effective = total - float((counts**2).sum()) / total
     tau2 = np.maximum(0.0, (between - (groups - 1) * within) / effective)
-    noise = within[None, :] / np.maximum(counts, 1.0)[:, None]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        keep = np.where(tau2[None, :] + noise > 0.0, tau2[None, :] / (tau2[None, :] + noise), 1.0)
-    keep = np.where(filled[:, None], keep, 0.0)
+    spread = tau2[None, :] + within[None, :] / np.maximum(counts, 1.0)[:, None]
+    # the share of its distance from the column's mean a class keeps: all of it where there
+    # is no spread at all, nothing for an empty class (its row is the column's mean)
+    keep = np.ones_like(spread)
+    np.divide(np.broadcast_to(tau2, spread.shape), spread, out=keep, where=spread > 0.0)
+    keep[~filled] = 0.0
     shrunk: FloatArray = grand[None, :] + keep * (raw - grand[None, :])
     return shrunk
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from argus.classifier.calibration import shrunk_class_means
 from argus.contracts.quality import QualityTable
 from argus.sim.cluster import SimContext
 from argus.types import ClassQuality, Strategy
@@ -125,14 +126,12 @@ def measured_class_quality(table: QualityTable, classes: IntArray, source: str) 
     mean score per level, shrunk as the calibration shrinks it
     (:func:`argus.classifier.calibration.shrunk_class_means`), over the mean at the best level
     of all rows. A class with no rows gets the level averages."""
-    from argus.classifier.calibration import shrunk_class_means
-
     n = len(table.levels)
     scores = table.scores
     best = float(scores[:, 0].mean())
     means = shrunk_class_means(classes, scores, n)
     rows = tuple(tuple(float(value) / best for value in row) for row in means)
-    prior = tuple(float(np.mean(classes == c)) for c in range(n))
+    prior = tuple(float(x) for x in np.bincount(classes, minlength=n)[:n] / len(classes))
     return ClassQuality(table.strategy, table.levels, rows, prior, source)
 
 
