@@ -222,3 +222,31 @@ def test_the_cores_service_times_price_an_edit_at_the_steps_it_runs() -> None:
         plain = core._snapshot(generation, 1.0, now).service_s("w1", index)
         edited = core._snapshot(edit, 1.0, now).service_s("w1", index)
     assert edited == pytest.approx(plain * 50 / 30)
+
+
+def test_a_worker_still_answering_on_its_old_model_is_priced_at_that_level() -> None:
+    """A worker keeps serving its old model while the planned one loads in the background;
+    until it answers on the planned model, admission prices it at the level it answers at."""
+    workers = FakeWorkers()
+    core = make_core(workers, ("w1",))
+    request = RouterRequest(prompt="a fox")
+    ac_model = PROFILES.levels_for(Strategy.AC)[0].model
+    old = next(level for level in PROFILES.levels if level.model != ac_model)
+
+    def price() -> float:
+        with core._lock:
+            return core._snapshot(request, 1.0, core._clock()).service_s("w1", 0)
+
+    planned = price()
+
+    def on_old_model(call: GenerateCall, progress: ProgressSink | None) -> GenerateResult:
+        return GenerateResult(request_id=call.request_id, png=PNG, level=old.name, worker_id="")
+
+    workers.answers["w1:1"] = on_old_model
+    core.generate(request)
+    with core._lock:
+        expected = core._service_s("w1", old.name, 1.0, core._clock())
+    assert price() == pytest.approx(expected) and expected != pytest.approx(planned)
+    del workers.answers["w1:1"]  # the planned model has loaded: it answers at the planned level
+    core.generate(request)
+    assert price() == pytest.approx(planned)

@@ -13,7 +13,7 @@ from argus.allocator.control import AllocatorControl
 from argus.contracts.router_api import RouterRequest
 from argus.contracts.workers import WorkerReport
 from argus.router.admission import AdmissionRule
-from argus.router.config import RouterServiceConfig
+from argus.router.config import RouterServiceConfig, RoutingConfig
 from argus.router.policy import (
     Admitted,
     Refused,
@@ -170,3 +170,54 @@ def test_an_edit_on_an_ac_level_costs_its_full_steps_not_the_levels_resumed_ones
     assert decider.level_cost(edit, 2.0, "ac-k0") == 2.0
     assert decider.level_cost(edit, 2.0, "sm-tiny-sd") == 2.0
     assert decider.level_cost(replace(edit, image=b""), 2.0, "ac-k20") == 2.0
+
+
+def _spill_view(decider: RouterPolicy, extra: dict[str, int]) -> Snapshot:
+    """The plan's workers full (a queue of 9 at 1 s each), and ``extra`` workers idle at the
+    given level indices."""
+    assert decider.plan is not None
+    levels = {**decider.plan.allocation.level_indices(), **extra}
+    queues = {w: 0 if w in extra else 9 for w in levels}
+    return Snapshot(levels, queues, frozenset(), lambda _w: 0.0, lambda _w, _i: 1.0)
+
+
+def test_a_request_its_worker_cannot_finish_spills_to_the_nearest_level_that_can() -> None:
+    decider = policy()
+    assert decider.plan is not None
+    routed = set(decider.plan.allocation.level_indices().values())
+    assert routed == {0}
+    view = _spill_view(decider, {"far": 3, "near": 1})
+    outcome = decider.route(0, REQUEST, view, 5.0)
+    assert isinstance(outcome, Admitted)
+    assert outcome.decision.worker_id == "near" and outcome.decision.served_level == 1
+    assert outcome.decision.spilled and outcome.decision.target_level == 0
+    rule = decider.config.admission
+    assert outcome.predicted_s == pytest.approx(rule.completion_s(0, 1.0, 0.0))
+    # nobody can: the chosen worker's refusal stands
+    full = _spill_view(decider, {})
+    refused = decider.route(0, REQUEST, full, 5.0)
+    assert isinstance(refused, Refused) and refused.kind is Refusal.OVERLOADED
+
+
+def test_the_spill_keeps_the_requests_level_cap_and_can_be_turned_off() -> None:
+    capped = replace(REQUEST, max_level_index=1)
+    decider = policy()
+    outcome = decider.route(0, capped, _spill_view(decider, {"far": 3}), 5.0)
+    assert isinstance(outcome, Admitted)  # the AC levels share one model: it runs level 1
+    assert outcome.decision.worker_id == "far" and outcome.decision.served_level == 1
+    off = policy(routing=RoutingConfig(spill_on_refusal=False))
+    outcome = off.route(0, REQUEST, _spill_view(off, {"near": 1}), 5.0)
+    assert isinstance(outcome, Refused) and outcome.kind is Refusal.OVERLOADED
+
+
+def test_a_worker_still_loading_its_planned_model_is_priced_at_the_level_it_answers_at() -> None:
+    decider = policy()
+    sm = [level for level in PROFILES.levels if level.strategy is Strategy.SM]
+    assert sm[0].model != sm[-1].model
+    slow, fast = sm[0].name, sm[-1].name
+    assert decider.serving_level(fast, slow) == slow  # its last reply ran another model
+    assert decider.serving_level(fast, fast) == fast
+    assert decider.serving_level(fast, None) == fast  # no reply yet
+    assert decider.serving_level(fast, "no-such-level") == fast
+    ac = [level.name for level in PROFILES.levels if level.strategy is Strategy.AC]
+    assert decider.serving_level(ac[-1], ac[0]) == ac[-1]  # one model: a K change loads nothing

@@ -316,8 +316,13 @@ class _MoveOneWorker(Policy):
 
 def test_background_loads_keep_the_old_model_serving():
     workload = poisson(mean_qpm=60.0, duration_min=2, seed=9)
-    fg = simulate(workload, _MoveOneWorker(background=False), jitter=0.0, period_s=60.0)
-    bg = simulate(workload, _MoveOneWorker(background=True), jitter=0.0, period_s=60.0)
+    # every request goes to w0, more than SDXL serves in time: admission would refuse some
+    fg = simulate(
+        workload, _MoveOneWorker(background=False), jitter=0.0, period_s=60.0, admission=False
+    )
+    bg = simulate(
+        workload, _MoveOneWorker(background=True), jitter=0.0, period_s=60.0, admission=False
+    )
     load = PROFILES.profile("a100", "sm-tiny-sd").load_time_s
     first = int(np.argmax(workload.arrivals_s >= 60.0))  # first request after the move
     assert PROFILES.levels[bg.level[first]].name == "sm-sd-xl"  # served by SDXL meanwhile
@@ -753,3 +758,18 @@ def test_the_routers_early_refusals_are_simulated_and_counted():
     assert 0 < argus.refused_early <= argus.refused
     baseline = summarise(simulate(overload, "clipper-ha"))  # not planned: admitted when routed
     assert baseline.refused > 0 and baseline.refused_early == 0
+
+
+def test_a_worker_loading_in_the_background_is_priced_at_the_level_it_still_serves():
+    """Requests sent to w0 while Tiny-SD loads in the background are served at SDXL. The
+    router must price them at SDXL, or it admits a queue as long as Tiny-SD would serve in
+    time, which SDXL serves late."""
+    load = PROFILES.profile("a100", "sm-tiny-sd").load_time_s
+    arrivals = 60.0 + np.linspace(0.0, 0.9 * load, 12)  # a burst while w0 loads
+    workload = Workload("burst", arrivals, poisson(60.0, 1.0, seed=0).prompts, "test")
+    run = simulate(workload, _MoveOneWorker(background=True), jitter=0.0, period_s=60.0)
+    admitted = ~run.refused
+    assert 0 < admitted.sum() < len(arrivals)
+    assert {PROFILES.levels[i].name for i in run.level[admitted]} == {"sm-sd-xl"}
+    late = run.finish_s[admitted] - arrivals[admitted] > run.slo_s
+    assert not late.any()

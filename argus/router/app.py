@@ -161,6 +161,9 @@ class PrometheusStats(RouterStats):
     def edit_placed(self, balancer: str, *, held: bool) -> None:
         self.metrics.observe_edit_placed(balancer, held=held)
 
+    def spilled(self, target: str, served: str) -> None:
+        self.metrics.spills.labels(target, served).inc()
+
     def retried(self) -> None:
         self.metrics.retries.inc()
 

@@ -38,6 +38,12 @@ class RoutingConfig:
     spill_after_s: float | None = None
     """Spill budget of the scheduler (see ``PromptScheduler``); None turns spilling off."""
 
+    spill_on_refusal: bool = True
+    """When the chosen worker cannot finish a request by its deadline, admit it on the nearest
+    level (slower first on equal distance, the scheduler's fallback order) whose quickest live
+    worker can, before refusing it (:meth:`~argus.router.policy.RouterPolicy.route`). False:
+    refuse on the chosen worker's prediction alone."""
+
     backlog_replan_per_worker: float = 2.0
     """Queued requests per live worker above which an early re-plan is wanted."""
 

@@ -344,6 +344,7 @@ class RouterCore:
         # workers still finishing a request whose caller gave up (deadline, cancel), until when
         self._abandoned_until: dict[str, float] = {}
         self._times = ServiceTimes(profiles, config.service_times)
+        self._answered_at: dict[str, str] = {}  # the level of each worker's last reply
         self._plan_version = 0
         self._in_flight = threading.BoundedSemaphore(config.max_in_flight)
         self._ledger: RequestLedger[RouterReply] = RequestLedger(
@@ -660,6 +661,7 @@ class RouterCore:
 
         def service_s(worker: str, index: int) -> float:
             level = self._router.level_name(index)
+            level = self.policy.serving_level(level, self._answered_at.get(worker))
             return self._service_s(worker, level, self.policy.level_cost(request, cost, level), now)
 
         account = self._edits
@@ -774,7 +776,11 @@ class RouterCore:
             address = self._addresses[worker]
         if outcome.balancer:
             self.stats.edit_placed(outcome.balancer, held=outcome.held)
-        return outcome.decision, plan.strategy, address, token
+        decision = outcome.decision
+        if decision.spilled:
+            names = self._router.level_name
+            self.stats.spilled(names(decision.target_level), names(decision.served_level))
+        return decision, plan.strategy, address, token
 
     def _forward(
         self,
@@ -837,6 +843,7 @@ class RouterCore:
         with self._lock:
             if worker not in self._classes:
                 return  # it left the plan while serving
+            self._answered_at[worker] = level
             self._times.observe(
                 worker,
                 self._classes[worker],

@@ -150,6 +150,14 @@ class RouterMetrics:
             ["balancer", "template"],
             registry=reg,
         )
+        self.spills = Counter(
+            "argus_router_spills",
+            "Requests admitted at another level than the one routed to, because the chosen "
+            "worker could not finish them by their deadline (the spill on refusal), by the "
+            "PASM's target level and the level that served",
+            ["target", "served"],
+            registry=reg,
+        )
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         self.requests.labels("OK")

@@ -2,7 +2,9 @@
 
 For one request the policy prices it, refuses it early when no live worker can finish it in
 time, caps the levels it may be served at, routes it on the installed plan (PASM sample, Eq. 3
-worker selection, the capped-level fallback) and admits it on the chosen worker. It answers
+worker selection, the capped-level fallback) and admits it on the chosen worker, or, when that
+worker cannot finish it in time, on the nearest level whose quickest worker can (the spill on
+refusal; ``RoutingConfig.spill_on_refusal``). It answers
 with an :class:`Admitted` route or a :class:`Refused`; it takes no lock, calls no worker,
 counts no metric and reads no clock. What it knows of the cluster comes in a
 :class:`Snapshot`: each planned worker's level, queue and how long its current request has
@@ -301,7 +303,7 @@ class RouterPolicy:
             self.config.admission, queue, elapsed, t_proc, budget_s, count=not retry
         )
         if isinstance(predicted, Refused):
-            return predicted
+            return self._spill(decision, snapshot, budget_s, cap) or predicted
         return Admitted(decision, predicted)
 
     # the parts ---------------------------------------------------------------------------
@@ -327,6 +329,36 @@ class RouterPolicy:
                 index = cap  # it runs the capped level on the same model (see _route_capped)
             serving.append((worker, index))
         return serving
+
+    def _spill(
+        self, decision: RouteDecision, snapshot: Snapshot, budget_s: float, cap: int | None
+    ) -> Admitted | None:
+        """Admit elsewhere a request that ``decision``'s worker cannot finish within
+        ``budget_s``: on the nearest level to the one chosen (that level's other workers
+        first, then slower first on equal distance, the scheduler's fallback order) whose
+        quickest live worker the admission rule predicts finishes in time. None when no
+        worker can, or ``spill_on_refusal`` is off. Why: a refusal should mean the cluster is
+        full, not that one sampled level is; a request queued behind a burst at the slow
+        level it was sampled for is served a level away instead of being turned back."""
+        if not self.config.routing.spill_on_refusal:
+            return None
+        rule, chosen = self.config.admission, decision.worker_id
+        quickest: dict[int, tuple[float, str]] = {}  # level index → (completion, worker)
+        for worker, index in self._serving(cap, snapshot):
+            if worker == chosen:
+                continue
+            load = self._load(worker, index, snapshot)
+            done = rule.completion_s(load.queue_length, load.t_proc_s, load.head_elapsed_s)
+            if not admit(done, budget_s).admitted:
+                continue
+            if index not in quickest or (done, worker) < quickest[index]:
+                quickest[index] = (done, worker)
+        if not quickest:
+            return None
+        served = min(quickest, key=lambda j: (abs(j - decision.served_level), j))
+        done, worker = quickest[served]
+        spilled = replace(decision, served_level=served, worker_id=worker, score=done, spilled=True)
+        return Admitted(spilled, done)
 
     @staticmethod
     def _load(worker: str, index: int, snapshot: Snapshot) -> WorkerLoad:
@@ -445,6 +477,17 @@ class RouterPolicy:
         return Refused(
             Refusal.UNAVAILABLE, f"no live worker can serve level index {cap} or slower now", 1.0
         )
+
+    def serving_level(self, planned: str, answered: str | None) -> str:
+        """The level a worker the plan put at ``planned`` serves a request at, as far as the
+        router knows: ``answered``, the level of its last reply, while that level runs another
+        model than ``planned`` (the worker keeps serving it until the planned model has loaded
+        in the background, Argus §4.6), else ``planned``. Priced at the planned level, such a
+        worker is sent requests at a speed it does not have yet, which queue behind its old
+        model and finish late."""
+        if answered is None or answered not in self._models:
+            return planned
+        return planned if self._models[answered] == self._models.get(planned) else answered
 
     def model_of(self, index: int) -> str:
         """The model that level ``index`` of the installed plan's strategy runs."""

@@ -56,6 +56,10 @@ class RouterStats:
         :data:`~argus.router.edit_balance.BALANCERS`); ``held``: that worker was believed to
         hold its template."""
 
+    def spilled(self, target: str, served: str) -> None:
+        """A request whose PASM target was level ``target`` was admitted at level ``served``
+        instead: the worker routed to could not finish it in time and one there could."""
+
     def retried(self) -> None:
         """A request was routed again after its worker became unavailable."""
 

@@ -254,7 +254,9 @@ class Dispatch:
     queues: Mapping[str, int]
     down: frozenset[str]
     elapsed_s: Callable[[str], float]  # how long the request a worker is serving has run
-    latency_s: Callable[[str, str], float]  # (worker, level) → the router's t_proc there
+    # (worker, level) → the router's t_proc there: of the level the worker serves it at, its
+    # old one while the level's model loads in the background
+    latency_s: Callable[[str, str], float]
     admission: AdmissionRule | None  # None: everything is queued (the ablation)
     budget_s: float  # what is left of the request's SLO
 
@@ -341,6 +343,7 @@ class RunResult:
     worker_classes: tuple[str, ...] = ()  # GPU class of each worker index; () when unknown
     refused_early: int = 0  # of the refused: before classification (the router's early check)
     fallbacks: int = 0  # routed to a worker of another level than the PASM's target
+    spills: int = 0  # admitted at another level than routed: the chosen worker was too late
     loads: int = 0  # model loads completed (a background load cancelled before it ends: none)
     load_s: float = 0.0  # their seconds: the profile's load time of what each switch loaded
     # True for the requests that waited on a model load: queued behind one on their worker
@@ -714,7 +717,8 @@ class _Run:
             return now - finishes[0][2] if finishes else 0.0
 
         def latency_s(worker_id: str, level_name: str) -> float:
-            return self._plan_latency(by_id[worker_id].worker_class, level_name)
+            worker = by_id[worker_id]
+            return self._plan_latency(worker.worker_class, self._serving_level(worker, level_name))
 
         dispatch = Dispatch(
             self._queue_view,
@@ -769,13 +773,20 @@ class _Run:
             self._plan_latency_cache[key] = cached
         return cached
 
+    def _serving_level(self, worker: _Worker, level_name: str) -> str:
+        """The level ``worker`` serves a request routed to it at ``level_name``: its current
+        level while ``level_name``'s model still loads in the background, else
+        ``level_name``. The router is told the same (``Dispatch.latency_s``), as the live
+        router learns it from the workers' replies."""
+        pending = worker.pending
+        if pending is None or worker.level is None:
+            return level_name
+        return worker.level if pending[1] == self.sim._levels[level_name].model else level_name
+
     def _serve(self, i: int, now: float, worker: _Worker, level_name: str) -> None:
-        level = self.sim._levels[level_name]
-        if worker.model != level.model:
-            if worker.pending is not None and worker.pending[1] == level.model and worker.level:
-                level = self.sim._levels[worker.level]  # still loading: serve the old level
-            else:  # a policy may route to a level the worker lacks: it loads it first
-                self._set_level(worker, level_name, now)
+        level = self.sim._levels[self._serving_level(worker, level_name)]
+        if worker.model != level.model:  # a policy may route to a level the worker lacks
+            self._set_level(worker, level_name, now)  # it loads it first
         service, served = self._service_time(worker.worker_class, level, now)
         self.load_waits[i] = worker.load_until > now  # queued behind a model load
         start = max(worker.free_at, now)
@@ -902,6 +913,7 @@ class _Run:
             worker_classes=tuple(w.worker_class for w in self.workers),
             refused_early=int(getattr(self.policy, "early_refusals", 0)),
             fallbacks=int(getattr(self.policy, "fallbacks", 0)),
+            spills=int(getattr(self.policy, "spills", 0)),
             loads=self.loads,
             load_s=self.load_s,
             load_waits=np.array(self.load_waits, dtype=np.bool_) & ~refused,

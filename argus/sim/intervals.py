@@ -37,6 +37,7 @@ METRICS = (
     "slo_violation_ratio",
     "refused_early",
     "fallbacks",
+    "spills",
     "load_wait_ratio",
 )
 

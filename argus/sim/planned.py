@@ -66,6 +66,10 @@ class PlannedConfig:
     """The router spills a prompt off a level whose best worker would take longer than this
     share of the SLO (None: never)."""
 
+    spill_on_refusal: bool = True
+    """Admit a request the chosen worker cannot finish in time on the nearest level that can
+    (``RoutingConfig.spill_on_refusal``, the live router's default); False: refuse it."""
+
     def __post_init__(self) -> None:
         share = self.spill_fraction_of_slo
         if share is not None and not 0.0 < share <= 1.0:
@@ -105,6 +109,7 @@ class PlannedPolicy(Policy):
         routing = RoutingConfig(
             prompt_aware=self.config.prompt_aware,
             spill_after_s=spill * ctx.slo_s if spill else None,
+            spill_on_refusal=self.config.spill_on_refusal,
             backlog_replan_per_worker=control.backlog_replan_per_worker,
             min_replan_interval_s=control.min_replan_interval_s,
         )
@@ -117,6 +122,7 @@ class PlannedPolicy(Policy):
         self._plan_levels: dict[str, int] = {}  # worker → its level index in the plan
         self.early_refusals = 0
         self.fallbacks = 0
+        self.spills = 0  # admitted at another level than the one routed (spill on refusal)
         self._installed = -1
         self._next_beat = 0.0
         self._next_probe = 0.0
@@ -183,6 +189,7 @@ class PlannedPolicy(Policy):
             return outcome
         decision = outcome.decision
         self.fallbacks += decision.fallback
+        self.spills += decision.spilled
         return decision.worker_id, decider.level_name(decision.served_level)
 
     def route(

@@ -66,6 +66,7 @@ class Summary:
     adapter_s_mean: float = 0.0
     refused_early: int = 0  # of the refused: by the router's check before classification
     fallbacks: int = 0  # served by a worker of another level than the PASM's target
+    spills: int = 0  # admitted at another level than routed: the chosen worker was too late
     # of the admitted requests, the share queued behind a model load on their worker
     load_wait_ratio: float = 0.0
 
@@ -102,6 +103,7 @@ def summarise(result: RunResult) -> Summary:
         adapter_s_mean=result.adapter_s / n if n else 0.0,
         refused_early=result.refused_early,
         fallbacks=result.fallbacks,
+        spills=result.spills,
         load_wait_ratio=(
             int(np.count_nonzero(result.load_waits)) / n_admitted if n_admitted else 0.0
         ),
@@ -252,6 +254,8 @@ DEFINITIONS = {
     "(planned policies; the baselines are admitted after routing only)",
     "fallbacks": "requests the router sent to a worker of another level than the PASM's "
     "target (none of the target's workers was live, or the request's cap forced it)",
+    "spills": "requests the router admitted at another level than it routed them to, because "
+    "the chosen worker could not finish them in time (planned policies; the spill on refusal)",
     "goodput": "requests served within the SLO",
     "slo_violation_ratio": "(late + refused) / offered",
     "slo_violation_ratio_admitted": "late / admitted",
