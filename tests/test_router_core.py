@@ -250,3 +250,25 @@ def test_a_worker_still_answering_on_its_old_model_is_priced_at_that_level() -> 
     del workers.answers["w1:1"]  # the planned model has loaded: it answers at the planned level
     core.generate(request)
     assert price() == pytest.approx(planned)
+
+
+def test_a_request_the_chosen_worker_cannot_finish_is_served_a_level_away_and_counted() -> None:
+    """w1 holds ac-k0 (4.2 s), w2 ac-k25 (2.15 s); a 3.5 s deadline fits only w2. The PASM
+    sends the prompt to ac-k0: the router spills it to w2 rather than refusing it."""
+    registry = CollectorRegistry()
+    workers = FakeWorkers()
+    core = make_core(workers, ("w1", "w2"), RouterMetrics(PROFILES, registry))
+    control = AllocatorControl(
+        PROFILES, ControlConfig(period_s=60.0, heartbeat_s=1.0), clock=FakeClock(), epoch="test"
+    )
+    for worker_id in ("w1", "w2"):
+        control.heartbeat(WorkerReport(worker_id, f"{worker_id}:1", PROFILES.worker_classes[0]))
+    published = control.current
+    allocation = published.plan.allocation
+    assert allocation.levels[0] == "ac-k0" and allocation.levels[-1] == "ac-k25"
+    split = replace(allocation, assignment={"w1": "ac-k0", "w2": "ac-k25"})
+    assert core.install(replace(published, plan=replace(published.plan, allocation=split)))
+    reply = core.generate(RouterRequest(prompt="a fox", deadline_ms=3500))
+    assert reply.worker_id == "w2" and reply.level == "ac-k25"
+    count = registry.get_sample_value
+    assert count("argus_router_spills_total", {"target": "ac-k0", "served": "ac-k25"}) == 1
