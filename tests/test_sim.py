@@ -765,8 +765,8 @@ def test_a_worker_loading_in_the_background_is_priced_at_the_level_it_still_serv
     router must price them at SDXL, or it admits a queue as long as Tiny-SD would serve in
     time, which SDXL serves late."""
     load = PROFILES.profile("a100", "sm-tiny-sd").load_time_s
-    arrivals = 60.0 + np.linspace(0.0, 0.9 * load, 12)  # a burst while w0 loads
-    workload = Workload("burst", arrivals, poisson(60.0, 1.0, seed=0).prompts, "test")
+    workload = burst(12, at_s=60.0, gap_s=0.9 * load / 11)  # a burst while w0 loads
+    arrivals = workload.arrivals_s
     run = simulate(workload, _MoveOneWorker(background=True), jitter=0.0, period_s=60.0)
     admitted = ~run.refused
     assert 0 < admitted.sum() < len(arrivals)

@@ -430,6 +430,9 @@ class RouterCore:
             self._abandoned_until = {
                 w: t for w, t in self._abandoned_until.items() if w in self._addresses
             }
+            self._answered_at = {
+                w: level for w, level in self._answered_at.items() if w in self._addresses
+            }
             self._times.forget(set(self._addresses))
             if self._edits is not None:
                 self._edits.keep(self._addresses)

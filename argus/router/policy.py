@@ -56,7 +56,7 @@ from argus.router.edit_balance import (
 )
 from argus.router.edit_loads import NO_EDITS, WorkerEdits, time_scale, worker_snapshot
 from argus.router.routing import PlanRouter
-from argus.router.scheduler import NoLiveWorkerError
+from argus.router.scheduler import NoLiveWorkerError, nearest_first
 from argus.router.values import Refusal, RouterError
 from argus.types import Plan, ProfileSet, RouteDecision, Strategy
 
@@ -353,9 +353,12 @@ class RouterPolicy:
                 continue
             if index not in quickest or (done, worker) < quickest[index]:
                 quickest[index] = (done, worker)
-        if not quickest:
+        plan = self.router.plan
+        assert plan is not None  # route() decided on it
+        order = nearest_first(decision.served_level, len(plan.allocation.levels))
+        served = next((j for j in order if j in quickest), None)
+        if served is None:
             return None
-        served = min(quickest, key=lambda j: (abs(j - decision.served_level), j))
         done, worker = quickest[served]
         spilled = replace(decision, served_level=served, worker_id=worker, score=done, spilled=True)
         return Admitted(spilled, done)

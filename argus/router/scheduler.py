@@ -73,7 +73,7 @@ class PromptScheduler:
             _group_by_speed(workers_by_level.get(level, [])) for level in self._levels
         )
         self._search_order = tuple(
-            _nearest_first(j, len(self._levels)) for j in range(len(self._levels))
+            nearest_first(j, len(self._levels)) for j in range(len(self._levels))
         )
         self._rng = rng
         self._decisions = 0
@@ -248,6 +248,7 @@ def _cumulative(row: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(1.0 if j >= last else c for j, c in enumerate(out))
 
 
-def _nearest_first(target: int, count: int) -> tuple[int, ...]:
-    """Levels by distance from ``target``; on equal distance the slower (lower index) first."""
+def nearest_first(target: int, count: int) -> tuple[int, ...]:
+    """Levels by distance from ``target``; on equal distance the slower (lower index) first.
+    The order of the scheduler's fallback and spill, and of the router's spill on refusal."""
     return tuple(sorted(range(count), key=lambda j: (abs(j - target), j)))

@@ -62,18 +62,9 @@ class PlannedConfig:
     """Route each prompt by its class through the PASM; False: by the load shares F alone
     (and plan with level averages: the classifier is not consulted at all)."""
 
-    spill_fraction_of_slo: float | None = None
-    """The router spills a prompt off a level whose best worker would take longer than this
-    share of the SLO (None: never)."""
-
     spill_on_refusal: bool = True
     """Admit a request the chosen worker cannot finish in time on the nearest level that can
     (``RoutingConfig.spill_on_refusal``, the live router's default); False: refuse it."""
-
-    def __post_init__(self) -> None:
-        share = self.spill_fraction_of_slo
-        if share is not None and not 0.0 < share <= 1.0:
-            raise ValueError(f"spill_fraction_of_slo: must be in (0, 1] or None, got {share}")
 
 
 class PlannedPolicy(Policy):
@@ -105,10 +96,8 @@ class PlannedPolicy(Policy):
         self.control = AllocatorControl(
             ctx.profiles, control, clock=self._clock, epoch="sim", class_quality=quality
         )
-        spill = self.config.spill_fraction_of_slo
         routing = RoutingConfig(
             prompt_aware=self.config.prompt_aware,
-            spill_after_s=spill * ctx.slo_s if spill else None,
             spill_on_refusal=self.config.spill_on_refusal,
             backlog_replan_per_worker=control.backlog_replan_per_worker,
             min_replan_interval_s=control.min_replan_interval_s,
