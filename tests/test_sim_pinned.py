@@ -44,14 +44,15 @@ pytestmark = pytest.mark.unit
 # worker cannot finish in time on the nearest level that can (``spill_on_refusal``) and
 # prices a worker still loading in the background at the level it still serves: with the
 # spill off and the old pricing all eight give their earlier fingerprints; with the pricing
-# alone only pac changes (to be7d668f7699e338)
+# alone only pac changes (to be7d668f7699e338); sommelier again once each GPU sizes its
+# level under the queueing cap of a pool of one instead of at utilisation 1 (issue 30)
 PINNED = {
     "argus": "ed2e7977ff427fd0",
     "pac": "dd08f43d684bae36",
     "proteus": "2722ca31a545db18",
     "clipper-ha": "48c7cd24b03a241d",
     "clipper-ht": "f2f45ce88aa7e8f9",
-    "sommelier": "a5c20d452de516bd",
+    "sommelier": "1e4829ad2bac06b0",
     "nirvana": "ce5ae934ec4749c4",
     "argus-paper": "685938a2671ebb2d",
 }

@@ -8,7 +8,7 @@ name and rejects unknown names quoting them.
   configuration (:func:`argus.sim.planned.planned_policies` says how).
 * ``clipper-ha`` / ``clipper-ht``: SDXL / Tiny-SD on every GPU, least-loaded routing.
 * ``sommelier``: each GPU decides alone: with uniform routing it expects 1/N of the forecast
-  load and runs the best SM level whose throughput covers it.
+  load and runs the best SM level that carries it within a queue of one's utilisation cap.
 * ``nirvana``: AC on every GPU with each prompt's own K (from the classifier), uniform routing,
   no accuracy scaling beyond the prompt's K and no strategy switching.
 
@@ -26,7 +26,7 @@ from dataclasses import replace
 from argus.allocator.config import StrategyChoice
 from argus.allocator.planner import PlannerMode
 from argus.allocator.predictor import LoadPredictor
-from argus.allocator.queueing import CapSource
+from argus.allocator.queueing import CapSource, QueueModel
 from argus.sim.classifiers import (  # noqa: F401  (re-exported)
     Classifier,
     NoisyOracleClassifier,
@@ -101,16 +101,33 @@ class _Uniform(Policy):
 
 class SommelierPolicy(_Uniform):
     """Per-GPU accuracy scaling: each GPU sizes its level for its own 1/N of the load (uniform
-    routing sends it that much), the best SM level whose throughput on the GPU's own class
-    covers it: on a mixed cluster a fast GPU keeps a better level than a slow one."""
+    routing sends it that much), the best SM level that carries it on the GPU's own class: on
+    a mixed cluster a fast GPU keeps a better level than a slow one.
+
+    A level carries a share when the share fits under its throughput times the queueing cap
+    of a pool of one worker, the cap the planned policies size their pools by
+    (:class:`~argus.allocator.queueing.QueueModel`, measured on the simulator's service times
+    by default). Sommelier plans each GPU alone (Argus §5.1), so its GPU is a queue of one,
+    whose cap is lower than a shared pool's: the price of deciding per GPU. Sizing at a
+    utilisation of 1 instead refused 11-24% of the requests at a steady 0.35-0.95 x capacity,
+    where Argus §5.2 reports Sommelier doing well on SLO violations under a stable load.
+    """
 
     name = "sommelier"
+
+    def __init__(self, seed: int = 0, caps: CapSource = CapSource.MEASURED) -> None:
+        super().__init__(seed)
+        self.caps = CapSource(caps)
 
     def reset(self, ctx: SimContext) -> None:
         super().reset(ctx)
         self.load = LoadPredictor()
         self.levels = ctx.profiles.levels_for(Strategy.SM)
         self.assignment: dict[str, str] = {}
+        caps = self.caps if ctx.service_spread is not None else CapSource.ANALYTIC
+        self.queue = QueueModel(ctx.slo_s, caps=caps, spread=ctx.service_spread)
+        classes = sorted(set(ctx.worker_classes.values()))
+        self.queue.prepare([(c, level.name) for c in classes for level in self.levels], 1)
 
     def observe_arrival(self, now_s: float) -> None:
         self.load.observe(now_s)
@@ -121,9 +138,16 @@ class SommelierPolicy(_Uniform):
         self.assignment = {w.worker_id: self._level_for(w.worker_class, share) for w in live}
         return self.assignment
 
+    def carries_qpm(self, worker_class: str, level: str) -> float:
+        """The load one GPU of ``worker_class`` may be planned at ``level``: its throughput
+        times the queueing cap of a pool of one."""
+        profile = self.ctx.profiles.profile(worker_class, level)
+        cap = self.queue.cap(worker_class, level, profile.latency_s, 1)
+        return profile.throughput_qpm * cap
+
     def _level_for(self, worker_class: str, share_qpm: float) -> str:
         for level in self.levels:
-            if self.ctx.profiles.profile(worker_class, level.name).throughput_qpm >= share_qpm:
+            if self.carries_qpm(worker_class, level.name) >= share_qpm:
                 return level.name
         return self.levels[-1].name
 
@@ -183,9 +207,9 @@ def make_policy(
     The planned policies (``argus``, ``argus-paper``, ``pac``, ``proteus``) are one class
     configured by :func:`argus.sim.planned.planned_policies`; the classifier matters to those
     that look at the prompt (Argus and NIRVANA). ``caps`` (``analytic`` or ``measured``) sets
-    every planned policy's queueing caps, ``strategy_choice`` (``ac-first`` or ``best``) that
-    of the joint planner's policies that may run both strategies (argus and pac); None
-    leaves a policy's own.
+    the queueing caps of every planned policy and of Sommelier's GPUs, ``strategy_choice``
+    (``ac-first`` or ``best``) that of the joint planner's policies that may run both
+    strategies (argus and pac); None leaves a policy's own.
     """
     if name in PLANNED:
         config = PLANNED[name]
@@ -202,6 +226,8 @@ def make_policy(
         raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
     if cls is NirvanaPolicy:
         return NirvanaPolicy(classifier=classifier, seed=seed)
+    if cls is SommelierPolicy:
+        return SommelierPolicy(seed=seed, caps=CapSource(caps or CapSource.MEASURED))
     if issubclass(cls, _Uniform):
         return cls(seed=seed)
     return cls()
