@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from argus.allocator.allocator import Allocator
@@ -107,36 +109,49 @@ def test_plan_best_picks_the_better_strategy_with_hysteresis():
         allocator.plan_best(now, view, (), prefer=Strategy.AC)
 
 
-def test_plan_best_keeps_the_strategy_in_force_until_the_histograms_are_filled():
-    """A strategy planned with Q(v | c) is compared only once its class histogram holds
-    choice_min_classified prompts; until then the strategy in force is planned alone."""
+def test_the_first_plans_see_the_calibration_shares_until_enough_prompts_are_classified():
+    """A strategy planned with Q(v | c) is planned, and compared, from its first plan with a
+    histogram of histogram_prior_prompts prompts: the classes observed, and the calibration's
+    class shares (ClassQuality.prior) for the rest."""
+    profiles = default_profiles()
+    levels = profiles.levels_for(Strategy.AC)
+    averages = ClassQuality.from_levels(levels)
+    prior = (0.0,) * (len(levels) - 1) + (1.0,)  # every calibration prompt tolerates the most
+    quality = {Strategy.AC: replace(averages, prior=prior)}
+    config = ControlConfig(histogram_prior_prompts=50)
+    allocator = Allocator(profiles, config, class_quality=quality)
+    assert allocator.histogram(Strategy.AC) == pytest.approx(prior)
+    sm = len(profiles.levels_for(Strategy.SM))
+    assert allocator.histogram(Strategy.SM) == pytest.approx((1 / sm,) * sm)  # no Q: observed
+    for _ in range(25):
+        allocator.observe_classification(Strategy.AC, 0)
+    half = allocator.histogram(Strategy.AC)
+    assert half[0] == pytest.approx(0.5) and half[-1] == pytest.approx(0.5)
+    now = feed(allocator, 150.0, 2)
+    plan = allocator.plan(now, ClusterView.uniform(8), Strategy.AC)
+    assert plan.histogram == pytest.approx(half)  # the plan is made from it
+    for _ in range(25):
+        allocator.observe_classification(Strategy.AC, 0)
+    assert allocator.histogram(Strategy.AC)[0] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="histogram_prior_prompts"):
+        ControlConfig(histogram_prior_prompts=-1)
+
+
+def test_plan_best_compares_the_strategies_from_the_first_plan():
+    """With the prior filling the histograms, ``best`` needs no classified prompt to compare:
+    the better strategy is chosen at the first plan, not after a hundred prompts."""
     profiles = default_profiles()
     quality = {
         s: ClassQuality.from_levels(profiles.levels_for(s)) for s in (Strategy.AC, Strategy.SM)
     }
-    config = ControlConfig(choice_min_classified=50)
-    allocator = Allocator(profiles, config, class_quality=quality)
+    allocator = Allocator(profiles, ControlConfig(), class_quality=quality)
     now = feed(allocator, 150.0, 2)
     view = ClusterView.uniform(8)
     both = (Strategy.AC, Strategy.SM)
     ac, sm = (allocator.plan(now, view, s) for s in both)
     better = max((ac, sm), key=lambda plan: plan.allocation.objective).strategy
     worse = Strategy.SM if better is Strategy.AC else Strategy.AC
-    for _ in range(49):
-        allocator.observe_classification(Strategy.AC, 0)
-        allocator.observe_classification(Strategy.SM, 0)
-    early = allocator.plan_best(now, view, both, prefer=worse, hysteresis=0.0)
-    assert early.strategy is worse
-    allocator.observe_classification(Strategy.AC, 0)
-    assert allocator.plan_best(now, view, both, prefer=worse, hysteresis=0.0).strategy is worse
-    allocator.observe_classification(Strategy.SM, 0)
     assert allocator.plan_best(now, view, both, prefer=worse, hysteresis=0.0).strategy is better
-    # level averages need no histogram: a planner without Q(v | c) compares at once
-    plain = Allocator(default_profiles(), config)
-    feed(plain, 150.0, 2)
-    assert plain.plan_best(now, view, both, prefer=worse, hysteresis=0.0).strategy is better
-    with pytest.raises(ValueError, match="choice_min_classified"):
-        ControlConfig(choice_min_classified=-1)
 
 
 def test_a_model_load_is_charged_only_where_the_workers_stop_to_load():

@@ -238,6 +238,22 @@ def test_histogram_is_uniform_without_observations() -> None:
     assert hist.count(Strategy.AC) == 0
 
 
+def test_a_prior_fills_the_histogram_until_enough_prompts_are_observed() -> None:
+    hist = AffinityHistogram({Strategy.AC: 3})
+    prior = (6.0, 3.0, 1.0)  # normalised: 0.6, 0.3, 0.1
+    assert hist.histogram(Strategy.AC, prior, 10) == pytest.approx((0.6, 0.3, 0.1))
+    for _ in range(5):
+        hist.observe(Strategy.AC, 2)
+    # five observed, five of the prior's shape
+    assert hist.histogram(Strategy.AC, prior, 10) == pytest.approx((0.3, 0.15, 0.55))
+    assert hist.histogram(Strategy.AC) == (0.0, 0.0, 1.0)  # no prior: what was observed
+    for _ in range(5):
+        hist.observe(Strategy.AC, 2)
+    assert hist.histogram(Strategy.AC, prior, 10) == (0.0, 0.0, 1.0)  # enough: no weight
+    with pytest.raises(ValueError, match="prior: expected 3 shares"):
+        hist.histogram(Strategy.AC, (1.0, 1.0), 20)
+
+
 def test_histogram_window_evicts_the_oldest() -> None:
     hist = AffinityHistogram({Strategy.AC: 3, Strategy.SM: 2}, window=5)
     for level in (0, 0, 0, 1, 1):

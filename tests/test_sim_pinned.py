@@ -45,9 +45,12 @@ pytestmark = pytest.mark.unit
 # prices a worker still loading in the background at the level it still serves: with the
 # spill off and the old pricing all eight give their earlier fingerprints; with the pricing
 # alone only pac changes (to be7d668f7699e338); sommelier again once each GPU sizes its
-# level under the queueing cap of a pool of one instead of at utilisation 1 (issue 30)
+# level under the queueing cap of a pool of one instead of at utilisation 1 (issue 30); argus
+# again once the calibration's class shares fill its class histograms up to 100 prompts
+# instead of the strategy in force being kept until 100 were classified
+# (``ControlConfig.histogram_prior_prompts``)
 PINNED = {
-    "argus": "ed2e7977ff427fd0",
+    "argus": "be4aa91574ae9e9a",
     "pac": "dd08f43d684bae36",
     "proteus": "2722ca31a545db18",
     "clipper-ha": "48c7cd24b03a241d",

@@ -96,19 +96,11 @@ class Allocator:
         because each strategy's Q is relative to the same SDXL; the switching cost charges the
         model loads a change of strategy needs. ``prefer`` (the strategy running now) is kept
         unless another beats it by more than ``hysteresis`` of its objective, so plans do not
-        flap between near-equal strategies, and is planned alone while the class histogram
-        of an allowed strategy planned with Q(v | c) holds fewer than
-        ``ControlConfig.choice_min_classified`` prompts: an objective made from a few dozen
-        classified prompts is noise (at the start of a run the AC plan scored 10% under what
-        it scored a minute later, on the same load). Level averages need no histogram.
+        flap between near-equal strategies. The objectives compared are made from full class
+        histograms from the first plan on (:meth:`histogram`).
         """
         if not strategies:
             raise ValueError("strategies: at least one strategy must be allowed")
-        if prefer in strategies and any(
-            s in self.class_quality and self._affinity.count(s) < self.config.choice_min_classified
-            for s in strategies
-        ):
-            strategies = (prefer,)
         forecast = self._planned_load(now_s, workers)
         candidates = [self._candidate(forecast, workers, s, load_margin) for s in strategies]
         best = max(candidates, key=lambda plan: plan.allocation.objective)
@@ -132,13 +124,26 @@ class Allocator:
             strategy,
             workers,
             forecast,
-            self._affinity.histogram(strategy),
+            self.histogram(strategy),
             config=planner,
             period_s=self.config.period_s,
             previous=self._last,
             backend=self._backend,
             class_quality=self.class_quality.get(strategy),
         )
+
+    def histogram(self, strategy: Strategy) -> tuple[float, ...]:
+        """The class histogram H ``strategy`` is planned with: the classes of the last prompts
+        classified, and while they are fewer than ``ControlConfig.histogram_prior_prompts``,
+        the classifier's calibration shares (``ClassQuality.prior``) for the rest. A histogram
+        of a few dozen prompts is noise: with the strategy in force kept until 100 were
+        classified instead, Argus served AC for the first two minutes of a run at 0.7 of
+        capacity where PAC, planning with level averages, moved to SM after ten seconds."""
+        quality = self.class_quality.get(strategy)
+        if quality is None:
+            return self._affinity.histogram(strategy)
+        prompts = self.config.histogram_prior_prompts
+        return self._affinity.histogram(strategy, quality.prior, prompts)
 
     def _planned_load(self, now_s: float, workers: ClusterView) -> LoadForecast:
         """The forecast arrival rate plus the drain rate of the requests already waiting (a

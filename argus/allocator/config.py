@@ -109,12 +109,14 @@ class ControlConfig:
     default since the planner stopped charging background loads as lost work: until then it
     kept AC at 0.8-0.9 of capacity where SM serves better (README, `argus evaluate`)."""
 
-    choice_min_classified: int = 100
-    """``best`` keeps the strategy in force while the class histogram of a strategy planned
-    with Q(v | c) holds fewer classified prompts than this: the objectives it compares are made
-    from those histograms. Chosen on seeds 10-14 of ``argus evaluate``'s workloads, none of
-    them an evaluation seed: 100 and 50 served alike at 0.8 and 1.3 of capacity; 200 moved to
-    SM later at 0.8 and lost 0.035 quality there."""
+    histogram_prior_prompts: int = 100
+    """Until a strategy's class histogram holds this many classified prompts, the planner
+    fills it up to this many with the classifier's calibration shares (``ClassQuality.prior``),
+    so the objectives ``best`` compares, and the first plans, are made from a histogram of at
+    least this many prompts; 0 plans with what was observed alone (uniform before the first).
+    100 as the gate it replaces, which kept the strategy in force until 100 prompts were
+    classified (chosen on seeds 10-14 of ``argus evaluate``'s workloads, none of them an
+    evaluation seed: 100 and 50 served alike at 0.8 and 1.3 of capacity)."""
 
     slo_s: float | None = None
     """The SLO the queue model plans against, seconds; None: the shared rule
@@ -156,9 +158,9 @@ class ControlConfig:
             raise ValueError(f"switch_margin: must be >= 1, got {self.switch_margin}")
         if not self.backlog_drain_s >= 0.0:
             raise ValueError(f"backlog_drain_s: must be >= 0, got {self.backlog_drain_s}")
-        if self.choice_min_classified < 0:
+        if self.histogram_prior_prompts < 0:
             raise ValueError(
-                f"choice_min_classified: must be >= 0, got {self.choice_min_classified}"
+                f"histogram_prior_prompts: must be >= 0, got {self.histogram_prior_prompts}"
             )
         for name in ("missed_heartbeats", "max_workers", "max_routers", "histogram_window"):
             if getattr(self, name) < 1:

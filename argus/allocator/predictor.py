@@ -409,16 +409,34 @@ class AffinityHistogram:
         self._check(strategy)
         return len(self._recent[strategy])
 
-    def histogram(self, strategy: Strategy) -> tuple[float, ...]:
+    def histogram(
+        self, strategy: Strategy, prior: Sequence[float] | None = None, prior_prompts: int = 0
+    ) -> tuple[float, ...]:
         """H(v) of ``strategy``, slowest level first, summing to 1.
 
-        With no observation yet the distribution is uniform: no evidence, no preference.
+        While the window holds fewer than ``prior_prompts`` observations, ``prior`` (shares per
+        level, normalised here) stands in for the missing ones: the first plans of a run then
+        see a histogram of ``prior_prompts`` prompts, the prior's shape at first and the
+        traffic's as it is observed; from ``prior_prompts`` observations on the prior has no
+        weight. With neither observations nor a prior the distribution is uniform: no
+        evidence, no preference.
         """
         levels = self._check(strategy)
         total = len(self._recent[strategy])
+        counts: list[float] = [float(c) for c in self._counts[strategy]]
+        fill = max(0, prior_prompts - total)
+        if prior is not None and fill > 0:
+            if len(prior) != levels:
+                raise ValueError(
+                    f"prior: expected {levels} shares for strategy {strategy}, got {len(prior)}"
+                )
+            mass = float(sum(prior))
+            if mass > 0.0 and all(math.isfinite(p) and p >= 0.0 for p in prior):
+                counts = [c + fill * p / mass for c, p in zip(counts, prior, strict=True)]
+                total += fill
         if total == 0:
             return tuple([1.0 / levels] * levels)
-        return tuple(c / total for c in self._counts[strategy])
+        return tuple(c / total for c in counts)
 
 
 @dataclass(frozen=True)
