@@ -366,4 +366,4 @@ class RouteDecision:
     worker_id: str
     fallback: bool = False  # True when no live worker served the target level
     score: float = field(default=0.0)  # (queue + 1) * t_proc of the chosen worker, seconds
-    spilled: bool = False  # True when the target level's backlog sent it to another level
+    spilled: bool = False  # True when admission moved it off a worker too late for its deadline

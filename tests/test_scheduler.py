@@ -88,30 +88,6 @@ def test_out_of_range_level_is_named(level):
         scheduler(IDENTITY, WORKERS).route(level, {})
 
 
-def spilling(budget):
-    return PromptScheduler(ShiftMap(LEVELS, IDENTITY), WORKERS, random.Random(7), budget)
-
-
-def test_backlogged_level_spills_to_the_nearest_level_within_budget():
-    sched = spilling(budget=5.0)
-    # k10's only worker c has 3 queued: (3+1)*3 = 12 s > 5 s; k0's best b: (0+1)*2 = 2 s
-    decision = sched.route(1, {"c": 3})
-    assert (decision.worker_id, decision.served_level, decision.spilled) == ("b", 0, True)
-    assert not decision.fallback
-    assert sched.stats().spills == 1
-
-
-def test_no_spill_within_budget_or_without_a_better_level():
-    sched = spilling(budget=5.0)
-    assert not sched.route(1, {"c": 0}).spilled  # 3 s is within budget
-    everyone_busy = {"a": 9, "b": 9, "c": 9, "d": 9}
-    decision = sched.route(1, everyone_busy)
-    assert (decision.served_level, decision.spilled) == (1, False)  # nowhere better: stay
-    assert sched.stats().spills == 0
-    with pytest.raises(ValueError, match="spill_after_s"):
-        spilling(budget=0.0)
-
-
 def test_max_level_caps_sampled_and_served_levels():
     # every prompt would go to the fastest level; a minimum quality of level 1 caps it there
     fastest = tuple(

@@ -35,9 +35,6 @@ class RoutingConfig:
     prompt_aware: bool = True
     """Route by the classifier's level through the PASM; False: by the load shares F alone."""
 
-    spill_after_s: float | None = None
-    """Spill budget of the scheduler (see ``PromptScheduler``); None turns spilling off."""
-
     spill_on_refusal: bool = True
     """When the chosen worker cannot finish a request by its deadline, admit it on the nearest
     level (slower first on equal distance, the scheduler's fallback order) whose quickest live

@@ -86,9 +86,7 @@ class PlanRouter:
         return sum(queues.values()) > self.config.backlog_replan_per_worker * live
 
     def _build(self, plan: Plan) -> PromptScheduler:
-        return PromptScheduler.from_plan(
-            plan, self.profiles, self._classes, self._rng, self.config.spill_after_s
-        )
+        return PromptScheduler.from_plan(plan, self.profiles, self._classes, self._rng)
 
 
 def _prompt_agnostic(plan: Plan) -> Plan:

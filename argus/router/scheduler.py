@@ -35,7 +35,6 @@ class SchedulerStats:
 
     decisions: int
     fallbacks: int
-    spills: int  # prompts moved off a backlogged target level (see ``spill_after_s``)
     by_target_level: tuple[int, ...]  # decisions per sampled target level, slowest first
 
 
@@ -55,18 +54,8 @@ class PromptScheduler:
         shift_map: ShiftMap,
         workers_by_level: Mapping[str, list[tuple[str, float]]],
         rng: random.Random,
-        spill_after_s: float | None = None,
     ) -> None:
-        """``workers_by_level[level]`` lists (worker_id, t_proc seconds) of that level.
-
-        ``spill_after_s``: when even the best worker of the sampled level would finish the
-        prompt later than this (``(queue + 1) · t_proc``), the prompt goes to the nearest level
-        (slower first) whose best worker finishes within it, if any. None turns spilling off.
-        """
-        if spill_after_s is not None and not spill_after_s > 0.0:
-            raise ValueError(f"spill_after_s: must be > 0 or None, got {spill_after_s}")
-        self._spill_after_s = spill_after_s
-        self._spills = 0
+        """``workers_by_level[level]`` lists (worker_id, t_proc seconds) of that level."""
         self._levels = shift_map.levels
         self._cumulative = tuple(_cumulative(row) for row in shift_map.matrix)
         self._groups = tuple(
@@ -87,14 +76,13 @@ class PromptScheduler:
         profiles: ProfileSet,
         worker_classes: Mapping[str, str],
         rng: random.Random,
-        spill_after_s: float | None = None,
     ) -> PromptScheduler:
         """Build from a plan; ``worker_classes`` maps worker id → GPU class for t_proc."""
         by_level: dict[str, list[tuple[str, float]]] = {}
         for worker_id, level in plan.allocation.assignment.items():
             latency = profiles.profile(worker_classes[worker_id], level).latency_s
             by_level.setdefault(level, []).append((worker_id, latency))
-        return cls(plan.shift_map, by_level, rng, spill_after_s)
+        return cls(plan.shift_map, by_level, rng)
 
     @property
     def levels(self) -> tuple[str, ...]:
@@ -146,10 +134,10 @@ class PromptScheduler:
         limit: int,
         t_proc: TimeOf | None = None,
     ) -> RouteDecision | None:
-        """The target level's best worker; on fallback or spill a nearby level's, never one
-        above ``limit``."""
-        budget = self._spill_after_s
-        first: tuple[int, tuple[float, str]] | None = None
+        """The target level's best worker; when none of it is live, the nearest level's
+        (slower first on equal distance), never one above ``limit``. A request the chosen
+        worker cannot finish in time is moved later, by the router's admission
+        (:meth:`~argus.router.policy.RouterPolicy.route`, ``spill_on_refusal``)."""
         for served in self._search_order[target]:
             if served > limit:
                 continue
@@ -159,27 +147,16 @@ class PromptScheduler:
                 best = _best_measured(self._groups[served], queue_lengths, down, t_proc, served)
             if best is None:
                 continue
-            if first is None:
-                first = (served, best)
-                if budget is None or best[0] <= budget:
-                    break
-            elif budget is not None and best[0] <= budget:
-                self._spills += 1
-                return RouteDecision(
-                    optimal_level, target, served, best[1], score=best[0], spilled=True
-                )
-        if first is None:
-            return None
-        served, (score, worker_id) = first
-        fallback = served != target
-        self._fallbacks += fallback
-        return RouteDecision(optimal_level, target, served, worker_id, fallback, score)
+            score, worker_id = best
+            fallback = served != target
+            self._fallbacks += fallback
+            return RouteDecision(optimal_level, target, served, worker_id, fallback, score)
+        return None
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             self._decisions,
             self._fallbacks,
-            self._spills,
             tuple(self._by_target[j] for j in range(len(self._levels))),
         )
 
