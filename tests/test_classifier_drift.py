@@ -273,6 +273,30 @@ def test_observed_class_quality_measures_what_was_seen_and_keeps_the_rest() -> N
         observed_class_quality([], [], levels, Strategy.AC, None, "t")
 
 
+def test_observed_class_quality_shrinks_what_its_scores_cannot_tell_apart() -> None:
+    """A class's mean at a level is shrunk towards the level's mean by how much of the
+    difference its scores can tell from noise, as the calibration's Q is: two classes a point
+    apart with scores two points apart within them are one; five points apart with a spread
+    of a tenth they stay apart."""
+    levels = ("l0", "l1", "l2")
+
+    def measured(scores_by_class: dict[int, list[float]]) -> ClassQuality:
+        classes = [c for c, scores in scores_by_class.items() for _ in scores]
+        observations = [
+            Observation(f"p{c}-{i}", {0: 20.0, 1: score})
+            for c, scores in scores_by_class.items()
+            for i, score in enumerate(scores)
+        ]
+        return observed_class_quality(classes, observations, levels, Strategy.AC, None, "t")
+
+    noisy = measured({0: [10.0, 12.0], 1: [11.0, 13.0]})
+    assert noisy.quality[0][1] == pytest.approx(11.5 / 20.0)  # raw 11 and 12: pooled
+    assert noisy.quality[1][1] == pytest.approx(11.5 / 20.0)
+    apart = measured({0: [10.0, 10.1, 9.9], 1: [15.0, 15.1, 14.9]})
+    assert apart.quality[0][1] == pytest.approx(10.0 / 20.0, abs=0.002)
+    assert apart.quality[1][1] == pytest.approx(15.0 / 20.0, abs=0.002)
+
+
 def test_a_retrain_publishes_the_measured_quality_with_its_version() -> None:
     holder: HotSwapModel[LevelClassifier] = HotSwapModel(constant_classifier(2))
     table = ClassQuality(Strategy.AC, AC_LEVELS, ((1.0,) * 6,) * 6, (1 / 6,) * 6, "measured")

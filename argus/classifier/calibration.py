@@ -256,24 +256,46 @@ def _shrunk_means(classes: IntArray, scores: FloatArray, n_classes: int) -> Floa
     """Each column's class means shrunk on that column's own spread (the estimator of
     :func:`shrunk_class_means`)."""
     counts = np.bincount(classes, minlength=n_classes)[:n_classes].astype(np.float64)
-    total = float(counts.sum())
     grand = scores.mean(axis=0)
     sums = np.zeros((n_classes, scores.shape[1]))
     np.add.at(sums, classes, scores)
     filled = counts > 0
     raw = np.where(filled[:, None], sums / np.maximum(counts, 1.0)[:, None], grand[None, :])
-    groups = int(filled.sum())
-    if groups < 2 or total <= groups:  # no spread between classes to estimate
-        return raw
-    within = ((scores - raw[classes]) ** 2).sum(axis=0) / (total - groups)
-    between = (counts[:, None] * (raw - grand[None, :]) ** 2).sum(axis=0)
-    effective = total - float((counts**2).sum()) / total
+    within_ss = ((scores - raw[classes]) ** 2).sum(axis=0)
+    cells = np.broadcast_to(counts[:, None], raw.shape)
+    return shrink_cell_means(raw, cells, grand, within_ss)
+
+
+def shrink_cell_means(
+    raw: FloatArray, counts: FloatArray, grand: FloatArray, within_ss: FloatArray
+) -> FloatArray:
+    """Cell means ``raw[class, column]`` of ``counts[class, column]`` scores each, shrunk per
+    column towards the column's mean ``grand[column]`` (James-Stein, a one-way random-effects
+    model per column): the spread of the true class means, ``tau²``, by the method of moments
+    (the between-class sum of squares less what the pooled within-class variance alone would
+    put there; ``within_ss[column]`` is the sum of squared deviations from the cell means),
+    then each cell keeps ``tau² / (tau² + s² / n)`` of its distance from ``grand``. An empty
+    cell is ``grand``; a column with fewer than two filled cells, or no degrees of freedom
+    within them, is kept as it is. The columns may have different counts (scores observed at
+    some levels only, as in drift retraining)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    filled = counts > 0
+    total = counts.sum(axis=0)
+    groups = filled.sum(axis=0)
+    estimable = (groups >= 2) & (total > groups)
+    if not estimable.any():
+        return np.where(filled, raw, grand[None, :])
+    safe_total = np.where(estimable, total, 1.0)
+    within = np.where(estimable, within_ss / np.where(estimable, total - groups, 1.0), 0.0)
+    between = (counts * (raw - grand[None, :]) ** 2).sum(axis=0)
+    effective = safe_total - (counts**2).sum(axis=0) / safe_total
     tau2 = np.maximum(0.0, (between - (groups - 1) * within) / effective)
-    spread = tau2[None, :] + within[None, :] / np.maximum(counts, 1.0)[:, None]
-    # the share of its distance from the column's mean a class keeps: all of it where there
-    # is no spread at all, nothing for an empty class (its row is the column's mean)
+    spread = tau2[None, :] + within[None, :] / np.maximum(counts, 1.0)
+    # the share of its distance from the column's mean a cell keeps: all of it where there
+    # is no spread at all (or nothing to estimate it from), nothing for an empty cell
     keep = np.ones_like(spread)
     np.divide(np.broadcast_to(tau2, spread.shape), spread, out=keep, where=spread > 0.0)
+    keep[:, ~estimable] = 1.0
     keep[~filled] = 0.0
     shrunk: FloatArray = grand[None, :] + keep * (raw - grand[None, :])
     return shrunk

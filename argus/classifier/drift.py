@@ -56,6 +56,7 @@ from typing import Protocol
 import numpy as np
 
 from argus import defaults
+from argus.classifier.calibration import shrink_cell_means
 from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import Backbone, LevelClassifier
 from argus.classifier.prompts import clean_prompt
@@ -230,12 +231,14 @@ def observed_class_quality(
 ) -> ClassQuality:
     """Q(v | c) of a model that puts ``observations[i]``'s prompt in class ``classes[i]``.
 
-    ``Q[c][v]`` is the mean observed score of class ``c`` at level ``v`` over the mean
-    observed score at level 0 (the best level) of every class; without any level-0 score, over
-    the highest level mean. A cell with no score keeps ``previous``'s value, or without one
-    the level's mean over all classes (its nearest level's when the level has no score at
-    all). The prior is the share of the observed prompts in each class. ``ValueError`` when
-    nothing was observed."""
+    ``Q[c][v]`` is the mean observed score of class ``c`` at level ``v``, shrunk towards the
+    level's mean over all classes by how much of the class's difference its scores can tell
+    from noise (:func:`~argus.classifier.calibration.shrink_cell_means`, as the calibration's
+    Q is shrunk), over the mean observed score at level 0 (the best level) of every class;
+    without any level-0 score, over the highest level mean. A cell with no score keeps
+    ``previous``'s value, or without one the level's mean over all classes (its nearest
+    level's when the level has no score at all). The prior is the share of the observed
+    prompts in each class. ``ValueError`` when nothing was observed."""
     n = len(levels)
     if len(classes) != len(observations):
         raise ValueError(f"{len(classes)} classes for {len(observations)} observations")
@@ -254,11 +257,17 @@ def observed_class_quality(
     best = column[0] if count[:, 0].any() else float(column[seen].max())
     if not best > 0.0:
         raise ValueError(f"the {strategy} best-level mean score is {best}, not > 0")
+    raw = np.where(count > 0, total / np.maximum(count, 1), column[None, :])
+    within_ss = np.zeros(n)
+    for c, observation in zip(classes, observations, strict=True):
+        for v, score in observation.scores.items():
+            within_ss[v] += (score - raw[c, v]) ** 2
+    means = shrink_cell_means(raw, count, column, within_ss)
     quality = np.zeros((n, n))
     for c in range(n):
         for v in range(n):
             if count[c, v]:
-                quality[c, v] = total[c, v] / count[c, v] / best
+                quality[c, v] = means[c, v] / best
             elif previous is not None:
                 quality[c, v] = previous.quality[c][v]
             else:
