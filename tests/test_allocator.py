@@ -109,6 +109,26 @@ def test_plan_best_picks_the_better_strategy_with_hysteresis():
         allocator.plan_best(now, view, (), prefer=Strategy.AC)
 
 
+def test_at_overload_the_better_strategy_wins_without_hysteresis():
+    """When the strategy in force cannot serve the forecast, every period on the worse plan
+    refuses requests: the better objective wins however small its lead."""
+    allocator = Allocator(default_profiles())
+    now = feed(allocator, 400.0, 2)  # far above 8 A100s' capacity at any level
+    view = ClusterView.uniform(8)
+    both = (Strategy.AC, Strategy.SM)
+    ac, sm = (allocator.plan(now, view, s) for s in both)
+    assert ac.allocation.saturated and sm.allocation.saturated
+    assert ac.allocation.objective != sm.allocation.objective
+    better = max((ac, sm), key=lambda plan: plan.allocation.objective).strategy
+    worse = Strategy.SM if better is Strategy.AC else Strategy.AC
+    assert allocator.plan_best(now, view, both, prefer=worse, hysteresis=1.0).strategy is better
+    # below capacity the hysteresis holds the strategy in force
+    light = Allocator(default_profiles())
+    now = feed(light, 60.0, 2)
+    assert not light.plan(now, view, worse).allocation.saturated
+    assert light.plan_best(now, view, both, prefer=worse, hysteresis=1.0).strategy is worse
+
+
 def test_the_first_plans_see_the_calibration_shares_until_enough_prompts_are_classified():
     """A strategy planned with Q(v | c) is planned, and compared, from its first plan with a
     histogram of histogram_prior_prompts prompts: the classes observed, and the calibration's
