@@ -337,6 +337,10 @@ def test_vector_database_outage_switches_to_sm_and_back_without_failures(
         retrieval_window_s=3.0,
         index_outage_file=str(outage),
         profile=outage_profile(tmp_path / "profile.toml"),
+        # the paper's switch (§4.6): AC while retrieval is healthy, SM while it is not. Under
+        # ``best`` the classifier's calibrated Q(v | c), not this profile's halved SM quality,
+        # prices SM, and may rightly keep SM after recovery
+        allocator_args=("--strategy-choice", "ac-first"),
     )
     with LocalCluster(spec) as cluster:
         load = Load(Connection(cluster.router), clients=3, deadline_ms=120_000)

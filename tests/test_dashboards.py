@@ -575,6 +575,9 @@ def test_every_dashboard_query_returns_data(tmp_path: Path) -> None:
         default_steps=STEPS,
         default_size=SIZE,
         period_s=5.0,  # re-plan for the load within the test
+        # AC throughout: the ControlNet and the cached latents this load counts are SDXL's;
+        # ``best`` may move the one worker to an SD-1.x model, which serves neither
+        allocator_args=("--strategy-choice", "ac-first"),
     )
     cluster = LocalCluster(spec)
     try:

@@ -74,6 +74,7 @@ class ClusterSpec:
     classifier: str | None = None  # given to the router and the allocator alike; None: default
     router_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
+    allocator_args: tuple[str, ...] = ()  # e.g. ("--strategy-choice", "ac-first")
     start_timeout_s: float = 300.0
     # the workers' and the ControlNet service's --nice: on one machine the control plane
     # (router, allocator) runs ahead of denoising, as on cores of its own
@@ -209,6 +210,7 @@ class LocalCluster:
             "--retrieval-window-s", str(spec.retrieval_window_s),
             *self._profile_args(),
             *self._classifier_args(),
+            *spec.allocator_args,
         )  # fmt: skip
         self._wait_address("allocator")
         ready("allocator")
