@@ -285,10 +285,12 @@ def shrink_cell_means(
     estimable = (groups >= 2) & (total > groups)
     if not estimable.any():
         return np.where(filled, raw, grand[None, :])
+    # a column that cannot be estimated gets placeholders that divide safely; its cells keep
+    # their raw means below
     safe_total = np.where(estimable, total, 1.0)
     within = np.where(estimable, within_ss / np.where(estimable, total - groups, 1.0), 0.0)
     between = (counts * (raw - grand[None, :]) ** 2).sum(axis=0)
-    effective = safe_total - (counts**2).sum(axis=0) / safe_total
+    effective = np.where(estimable, safe_total - (counts**2).sum(axis=0) / safe_total, 1.0)
     tau2 = np.maximum(0.0, (between - (groups - 1) * within) / effective)
     spread = tau2[None, :] + within[None, :] / np.maximum(counts, 1.0)
     # the share of its distance from the column's mean a cell keeps: all of it where there
