@@ -20,27 +20,24 @@ from _machine import load_line, machine_line
 from argus.classifier.evaluate import evaluate
 from argus.classifier.labels import labels_from_table
 from argus.classifier.serving import default_classifier_dir
-from argus.classifier.train import fit_logistic_head
 from argus.profiles import default_profiles
-from argus.profiles.synthetic_quality import prompt_difficulty, synthetic_quality_table
+from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.prompt_split import PromptSet
+from argus.sim.classifiers import text_ceiling_head, text_features
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
 
 
 def main() -> None:
     print(machine_line())
-    records = load_prompts(default_prompt_trace())
-    feature = {r.prompt: prompt_difficulty(r) for r in records}
     profiles = default_profiles()
     for strategy in Strategy:
-        levels = [lv.name for lv in profiles.levels_for(strategy)]
+        levels = tuple(lv.name for lv in profiles.levels_for(strategy))
+        records = load_prompts(default_prompt_trace())
         data = labels_from_table(synthetic_quality_table(records, strategy, levels, seed=0))
-        sets = data.prompt_sets()
-        train = np.array([s is PromptSet.TRAIN for s in sets])
-        test = np.array([s is PromptSet.EVAL for s in sets])
-        x = np.array([[feature[p]] for p in data.prompts], dtype=np.float32)
-        head = fit_logistic_head(x[train], data.labels[train], len(levels), 10.0, 5000)
+        test = np.array([s is PromptSet.EVAL for s in data.prompt_sets()])
+        head = text_ceiling_head(strategy, levels)
+        x = text_features(data.prompts)
         predicted = np.argmax(head.logits(x[test]), axis=1)
         assert data.scores is not None
         result = evaluate(data.labels[test], predicted, len(levels), scores=data.scores[test])

@@ -250,3 +250,29 @@ def test_train_classifier_bad_input_exits_2(capsys, tmp_path: Path, args, needle
     assert code == 2
     assert len(err.strip().splitlines()) == 1
     assert needle in err
+
+
+def test_text_ceiling_predicts_from_the_synthetic_feature_it_was_fitted_on() -> None:
+    """The text-ceiling classifier is a fit of the TRAIN prompts' optimal levels on the
+    synthetic model's own text feature: on EVAL prompts it agrees with the optimal level far
+    more often than the most frequent level does, and a prompt the synthetic world has no
+    feature for is refused by name."""
+    from argus.prompt_split import PromptSet, prompt_set
+    from argus.sim.classifiers import TextCeilingClassifier, text_ceiling_head, text_features
+
+    assert isinstance(make_classifier("text-ceiling"), TextCeilingClassifier)
+    profiles = default_profiles()
+    records = [
+        r for r in load_prompts(default_prompt_trace()) if prompt_set(r.prompt) is PromptSet.EVAL
+    ]
+    for strategy in Strategy:
+        levels = tuple(lv.name for lv in profiles.levels_for(strategy))
+        table = synthetic_quality_table(records, strategy, levels, seed=0)
+        optimal = table.optimal_levels()
+        head = text_ceiling_head(strategy, levels)
+        predicted = np.argmax(head.logits(text_features(table.prompts)), axis=1)
+        accuracy = float(np.mean(predicted == optimal))
+        majority = float(np.bincount(optimal).max() / len(optimal))
+        assert accuracy > majority + 0.2, (strategy, accuracy, majority)
+    with pytest.raises(ValueError, match=r"text-ceiling.*not PartiPrompts"):
+        text_features(["a prompt nobody wrote"])

@@ -14,12 +14,15 @@ it on the replay's own table, which is what makes them upper bounds.
 * :class:`TrainedClassifier`: the router's own trained model, loaded from a ``classifiers/``
   artifact (``argus replay``'s default) or held in memory by a benchmark that trains it;
 * :class:`OracleClassifier`: the quality table's optimal level (the library default);
-* :class:`NoisyOracleClassifier`: right with a stated accuracy (``noisy-oracle@0.85``).
+* :class:`NoisyOracleClassifier`: right with a stated accuracy (``noisy-oracle@0.85``);
+* :class:`TextCeilingClassifier`: the synthetic world's own text feature, the most a text
+  classifier can know there (``text-ceiling``).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -33,8 +36,9 @@ from argus.sim.cluster import SimContext
 from argus.types import ClassQuality, Strategy
 
 if TYPE_CHECKING:
-    from argus.classifier.model import ClassifierConfig
+    from argus.classifier.model import ClassifierConfig, LinearHead
     from argus.classifier.serving import ClassifierSet
+    from argus.traces import PromptRecord
 
 IntArray = npt.NDArray[np.int64]
 
@@ -114,6 +118,61 @@ class NoisyOracleClassifier(_TableClassifier):
         other = np.where(other >= true, other + 1, other)
         result: IntArray = np.where(wrong, other, true).astype(np.int64)
         return result
+
+
+class TextCeilingClassifier(_TableClassifier):
+    """A logistic regression on the synthetic model's own text feature
+    (:func:`~argus.profiles.synthetic_quality.prompt_difficulty`), fitted on the TRAIN prompts'
+    optimal levels of the seed-0 tables, as ``argus train-classifier`` fits on them: the most
+    any classifier of the prompt's text can know in the synthetic world, whose remaining
+    difficulty is noise drawn per seed. Q(v | c) is measured on the replay, as the oracles'
+    is, so it bounds a trained classifier from above. Only PartiPrompts prompts (the synthetic
+    and uniform worlds') have the feature; another prompt raises ValueError."""
+
+    label = "text-ceiling"
+
+    def _row_levels(self, ctx: SimContext, strategy: Strategy, table: QualityTable) -> IntArray:
+        head = text_ceiling_head(strategy, table.levels)
+        levels: IntArray = np.argmax(head.logits(text_features(table.prompts)), axis=1)
+        return levels.astype(np.int64)
+
+
+def text_features(prompts: Sequence[str]) -> npt.NDArray[np.float32]:
+    """The synthetic model's text feature of each PartiPrompts prompt, one column."""
+    from argus.profiles.synthetic_quality import prompt_difficulty
+
+    records = _partiprompts()
+    missing = [p for p in prompts if p not in records]
+    if missing:
+        raise ValueError(
+            f"text-ceiling: {len(missing)} prompt(s) are not PartiPrompts prompts, which alone "
+            f"have the synthetic model's text feature (first: {missing[0][:60]!r})"
+        )
+    return np.array([[prompt_difficulty(records[p])] for p in prompts], dtype=np.float32)
+
+
+@functools.cache
+def _partiprompts() -> dict[str, PromptRecord]:
+    from argus.traces import default_prompt_trace, load_prompts
+
+    return {r.prompt: r for r in load_prompts(default_prompt_trace())}
+
+
+@functools.cache
+def text_ceiling_head(strategy: Strategy, levels: tuple[str, ...]) -> LinearHead:
+    """The :class:`TextCeilingClassifier`'s model for ``strategy``'s ``levels``: multinomial
+    logistic regression (C = 10) from the text feature to the δ-rule optimal level of the TRAIN
+    prompts in the seed-0 synthetic table."""
+    from argus.classifier.labels import labels_from_table
+    from argus.classifier.train import fit_logistic_head
+    from argus.profiles.synthetic_quality import synthetic_quality_table
+    from argus.prompt_split import PromptSet
+
+    records = list(_partiprompts().values())
+    data = labels_from_table(synthetic_quality_table(records, strategy, levels, seed=0))
+    train = np.array([s is PromptSet.TRAIN for s in data.prompt_sets()])
+    x = text_features(data.prompts)
+    return fit_logistic_head(x[train], data.labels[train], len(levels), 10.0, 5000)
 
 
 def _per_request(ctx: SimContext, by_row: Mapping[Strategy, IntArray]) -> dict[Strategy, list[int]]:
@@ -306,11 +365,13 @@ _PREDICTIONS: dict[str, dict[str, tuple[int, int]]] = {}  # text → (level, cla
 
 def make_classifier(spec: str) -> Classifier:
     """A classifier by name: ``default`` (the committed ``classifiers/minilm-l2-logistic-int8``),
-    ``oracle``, ``noisy-oracle@ACCURACY`` (a bare accuracy such as ``0.85`` works too), or a
-    classifier directory. Bad specs raise ValueError quoting them."""
+    ``oracle``, ``noisy-oracle@ACCURACY`` (a bare accuracy such as ``0.85`` works too),
+    ``text-ceiling``, or a classifier directory. Bad specs raise ValueError quoting them."""
     text = spec.strip()
     if text == "oracle":
         return OracleClassifier()
+    if text == "text-ceiling":
+        return TextCeilingClassifier()
     accuracy = text.removeprefix("noisy-oracle@")
     try:
         value = float(accuracy)
@@ -327,6 +388,6 @@ def make_classifier(spec: str) -> Classifier:
         return TrainedClassifier(directory)
     except ArtifactError as exc:
         raise ValueError(
-            f"classifier {spec!r}: {exc} (expected default, oracle, noisy-oracle@ACCURACY "
-            "or a classifier directory)"
+            f"classifier {spec!r}: {exc} (expected default, oracle, noisy-oracle@ACCURACY, "
+            "text-ceiling or a classifier directory)"
         ) from None
