@@ -78,8 +78,8 @@ class ReplayCommand:
                 "classifiers/minilm-l2-logistic-int8: logistic heads on the first 2 layers "
                 "of all-MiniLM-L6-v2 in int8, trained on SYNTHETIC labels), 'oracle' "
                 "(the quality table's optimal level), "
-                "'noisy-oracle@ACCURACY', 'text-ceiling' (the synthetic world's own text "
-                "feature, fitted on TRAIN prompts), or a classifier directory from "
+                "'noisy-oracle@ACCURACY', 'text-ceiling' (the synthetic world's own "
+                "difficulty feature, fitted on TRAIN prompts), or a classifier directory from "
                 "argus train-classifier"
             ),
         )

@@ -15,8 +15,8 @@ it on the replay's own table, which is what makes them upper bounds.
   artifact (``argus replay``'s default) or held in memory by a benchmark that trains it;
 * :class:`OracleClassifier`: the quality table's optimal level (the library default);
 * :class:`NoisyOracleClassifier`: right with a stated accuracy (``noisy-oracle@0.85``);
-* :class:`TextCeilingClassifier`: the synthetic world's own text feature, the most a text
-  classifier can know there (``text-ceiling``).
+* :class:`TextCeilingClassifier`: the synthetic world's own difficulty feature, about the most
+  a text classifier can know there (``text-ceiling``).
 """
 
 from __future__ import annotations
@@ -123,9 +123,10 @@ class NoisyOracleClassifier(_TableClassifier):
 class TextCeilingClassifier(_TableClassifier):
     """A logistic regression on the synthetic model's own text feature
     (:func:`~argus.profiles.synthetic_quality.prompt_difficulty`), fitted on the TRAIN prompts'
-    optimal levels of the seed-0 tables, as ``argus train-classifier`` fits on them: the most
-    any classifier of the prompt's text can know in the synthetic world, whose remaining
-    difficulty is noise drawn per seed. Q(v | c) is measured on the replay, as the oracles'
+    optimal levels of the seed-0 tables, as ``argus train-classifier`` fits on them. The
+    feature is computed from the prompt's words and its PartiPrompts category, so this knows
+    what a classifier of the text could know at best (and the category besides); the rest of
+    a prompt's difficulty is noise drawn per seed. Q(v | c) is measured on the replay, as the oracles'
     is, so it bounds a trained classifier from above. Only PartiPrompts prompts (the synthetic
     and uniform worlds') have the feature; another prompt raises ValueError."""
 
