@@ -10,6 +10,7 @@ import pytest
 
 from argus.allocator.config import ControlConfig
 from argus.allocator.control import AllocatorControl
+from argus.contracts.generate import Adapter, AdapterKind
 from argus.contracts.router_api import RouterRequest
 from argus.contracts.workers import WorkerReport
 from argus.router.admission import AdmissionRule
@@ -22,7 +23,7 @@ from argus.router.policy import (
     admit_on,
 )
 from argus.router.values import Refusal
-from argus.types import Strategy
+from argus.types import ShiftMap, Strategy
 from tests.router_cluster import PROFILES, FakeClock
 
 pytestmark = pytest.mark.unit
@@ -221,3 +222,67 @@ def test_a_worker_still_loading_its_planned_model_is_priced_at_the_level_it_answ
     assert decider.serving_level(fast, "no-such-level") == fast
     ac = [level.name for level in PROFILES.levels if level.strategy is Strategy.AC]
     assert decider.serving_level(ac[-1], ac[0]) == ac[-1]  # one model: a K change loads nothing
+
+
+def sm_policy(assignment: dict[str, str]) -> RouterPolicy:
+    """A policy on an SM plan whose workers serve ``assignment``'s levels, each prompt
+    targeting its classified level (an identity shift map)."""
+    control = AllocatorControl(
+        PROFILES,
+        ControlConfig(period_s=60.0, heartbeat_s=1.0, strategies=(Strategy.SM,)),
+        clock=FakeClock(),
+        epoch="t",
+    )
+    for worker_id in assignment:
+        control.heartbeat(WorkerReport(worker_id, f"{worker_id}:1", CLASS))
+    decider = RouterPolicy(PROFILES, RouterServiceConfig())
+    plan = control.current.plan
+    assert plan.strategy is Strategy.SM
+    levels = plan.allocation.levels
+    allocation = replace(
+        plan.allocation,
+        assignment=dict(assignment),
+        workers_per_level=tuple(sum(v == level for v in assignment.values()) for level in levels),
+    )
+    routed = replace(plan, allocation=allocation, shift_map=ShiftMap.identity(levels))
+    decider.install(routed, dict.fromkeys(assignment, CLASS), 0.0)
+    return decider
+
+
+CONTROLNET = RouterRequest(
+    prompt="a house", adapters=(Adapter(AdapterKind.CONTROLNET, "canny", 1.0, b"png"),)
+)
+
+
+def test_a_controlnet_request_is_served_only_on_levels_whose_model_runs_controlnets() -> None:
+    """SM's ladder is SDXL, SD-2.0, SD-1.5, SD-1.4, small, tiny: SD-2.0's UNet takes no
+    ControlNet, so a request naming one is capped at SDXL, whatever its class; one with only a
+    LoRA, or none, is not. AC levels all run SDXL, which takes them."""
+    assert PROFILES.levels_for(Strategy.SM)[0].model == "sdxl"
+    decider = sm_policy({"xl": "sm-sd-xl", "tiny": "sm-tiny-sd"})
+    assert decider.level_cap(Strategy.SM, CONTROLNET) == 0
+    assert decider.level_cap(Strategy.AC, CONTROLNET) == 5
+    lora = RouterRequest(prompt="a house", adapters=(Adapter(AdapterKind.LORA, "ink", 1.0),))
+    assert decider.level_cap(Strategy.SM, lora) == decider.level_cap(Strategy.SM, REQUEST)
+    tiny = len(PROFILES.levels_for(Strategy.SM)) - 1  # classified as tolerant as can be
+    view = snapshot(decider, {"xl": 5, "tiny": 0})
+    for _ in range(20):
+        routed = decider.route(tiny, CONTROLNET, view, 600.0)
+        assert isinstance(routed, Admitted) and routed.decision.worker_id == "xl"
+    assert decider.admit_early(CONTROLNET, 1.0, snapshot(decider, t_proc_s=1.0), 600.0) is None
+    plain = decider.route(tiny, REQUEST, view, 600.0)
+    assert isinstance(plain, Admitted) and plain.decision.worker_id == "tiny"
+
+
+def test_with_no_worker_whose_model_runs_controlnets_the_request_is_unavailable() -> None:
+    """An SM plan of SD-1.5 and tiny workers: no worker may serve a ControlNet request at or
+    before SDXL, so it is UNAVAILABLE with a retry hint (a later plan may have one), where a
+    worker would have refused it INVALID_ARGUMENT as if the request were wrong."""
+    decider = sm_policy({"a": "sm-sd-1.5", "b": "sm-tiny-sd"})
+    view = snapshot(decider)
+    early = decider.admit_early(CONTROLNET, 1.0, view, 600.0)
+    assert isinstance(early, Refused) and early.kind is Refusal.UNAVAILABLE
+    routed = decider.route(0, CONTROLNET, view, 600.0)
+    assert isinstance(routed, Refused) and routed.kind is Refusal.UNAVAILABLE
+    assert routed.retry_after_s is not None
+    assert isinstance(decider.route(0, REQUEST, view, 600.0), Admitted)

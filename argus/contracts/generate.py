@@ -39,6 +39,20 @@ class AdapterKind(enum.Enum):
     CONTROLNET = "controlnet"  # conditioned on ``control_image``
 
 
+# The profile's models whose UNet the catalog's ControlNets fit, with the base family whose
+# ControlNets they take (the worker finds the same family from its UNet's config:
+# ``argus.worker.controlnet.models.base_family``). A model not named runs none: SD-2.0's
+# cross-attention is wider than SD-1.x's, and the distilled small and tiny UNets lack blocks a
+# ControlNet adds residuals to. The router serves a request that names a ControlNet only on
+# levels whose model is named here (``argus.router.policy.RouterPolicy.level_cap``).
+CONTROLNET_FAMILIES: dict[str, str] = {"sdxl": "sdxl", "sd-1.5": "sd15", "sd-1.4": "sd15"}
+
+
+def runs_controlnets(model: str) -> bool:
+    """Whether the profile's model ``model`` (a level's ``model``) runs ControlNets."""
+    return model in CONTROLNET_FAMILIES
+
+
 @dataclass(frozen=True)
 class Adapter:
     """One adapter a request asks for (``argus.v1.Adapter``)."""

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
+from argus.contracts.generate import AdapterKind, runs_controlnets
 from argus.contracts.router_api import RouterRequest
 from argus.profiles.edit_cost import default_cost_model
 from argus.request_limits import img2img_steps
@@ -148,6 +149,7 @@ class RouterPolicy:
         self.config = config  # reads admission, default_steps, default_size, max_cost, routing
         self.router = PlanRouter(profiles, rng or random.Random(0), config.routing)
         self._runnable = {s: _runnable_levels(profiles, s) for s in Strategy}
+        self._controlnet_cap = {s: _controlnet_levels(profiles, s) for s in Strategy}
         self._models = {level.name: level.model for level in profiles.levels}
         self._skips = {level.name: level.skip_steps for level in profiles.levels}
         self.edit_cost = config.edit_cost or default_cost_model()
@@ -208,9 +210,21 @@ class RouterPolicy:
         return cost * steps / (steps - skip) if steps > skip else cost
 
     def level_cap(self, strategy: Strategy, request: RouterRequest) -> int | Refused | None:
-        """The highest level index ``request`` may be served at: its ``max_level_index`` and
-        the levels that skip fewer steps than it runs; None when any level may serve it."""
+        """The highest level index ``request`` may be served at: its ``max_level_index``, the
+        levels that skip fewer steps than it runs and, when it names a ControlNet, the levels
+        before the first whose model runs none (:data:`~argus.contracts.generate.
+        CONTROLNET_FAMILIES`: on SM's ladder SD-2.0 comes second, so only SDXL serves it);
+        None when any level may serve it."""
         max_level = request.max_level_index
+        if any(a.kind is AdapterKind.CONTROLNET for a in request.adapters):
+            controlnet = self._controlnet_cap[strategy]
+            if controlnet < 0:
+                return Refused(
+                    Refusal.UNAVAILABLE,
+                    f"adapters: no model of the {strategy.value} levels runs ControlNets",
+                    1.0,
+                )
+            max_level = controlnet if max_level is None else min(max_level, controlnet)
         steps = request.steps if request.steps is not None else self.config.default_steps
         if steps is None:  # neither the request nor the workers' default is known
             return max_level
@@ -516,3 +530,10 @@ def _runnable_levels(profiles: ProfileSet, strategy: Strategy) -> Callable[[int]
         return max((i for i, k in enumerate(skips) if k < steps), default=-1)
 
     return highest
+
+
+def _controlnet_levels(profiles: ProfileSet, strategy: Strategy) -> int:
+    """The highest index of ``strategy``'s levels before the first whose model runs no
+    ControlNet (slowest first); -1 when the first runs none."""
+    runs = [runs_controlnets(level.model) for level in profiles.levels_for(strategy)]
+    return runs.index(False) - 1 if False in runs else len(runs) - 1

@@ -126,9 +126,9 @@ class TextCeilingClassifier(_TableClassifier):
     optimal levels of the seed-0 tables, as ``argus train-classifier`` fits on them. The
     feature is computed from the prompt's words and its PartiPrompts category, so this knows
     what a classifier of the text could know at best (and the category besides); the rest of
-    a prompt's difficulty is noise drawn per seed. Q(v | c) is measured on the replay, as the oracles'
-    is, so it bounds a trained classifier from above. Only PartiPrompts prompts (the synthetic
-    and uniform worlds') have the feature; another prompt raises ValueError."""
+    a prompt's difficulty is noise drawn per seed. Q(v | c) is measured on the replay, as the
+    oracles' is, so it bounds a trained classifier from above. Only PartiPrompts prompts (the
+    synthetic and uniform worlds') have the feature; another prompt raises ValueError."""
 
     label = "text-ceiling"
 
