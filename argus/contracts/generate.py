@@ -39,18 +39,28 @@ class AdapterKind(enum.Enum):
     CONTROLNET = "controlnet"  # conditioned on ``control_image``
 
 
-# The profile's models whose UNet the catalog's ControlNets fit, with the base family whose
-# ControlNets they take (the worker finds the same family from its UNet's config:
-# ``argus.worker.controlnet.models.base_family``). A model not named runs none: SD-2.0's
-# cross-attention is wider than SD-1.x's, and the distilled small and tiny UNets lack blocks a
-# ControlNet adds residuals to. The router serves a request that names a ControlNet only on
-# levels whose model is named here (``argus.router.policy.RouterPolicy.level_cap``).
-CONTROLNET_FAMILIES: dict[str, str] = {"sdxl": "sdxl", "sd-1.5": "sd15", "sd-1.4": "sd15"}
+# The profiles' models by the base family whose ControlNets their UNet takes (the worker finds
+# the same family from its UNet's config: ``argus.worker.controlnet.models.base_family``), or
+# None for a model that runs none: SD-2.x's cross-attention is wider than SD-1.x's, and the
+# distilled small and tiny UNets lack blocks a ControlNet adds residuals to. The router serves
+# a request that names a ControlNet only on levels before the first whose model runs none
+# (``argus.router.policy.RouterPolicy.level_cap``); a model not listed is left to its worker.
+CONTROLNET_FAMILIES: dict[str, str | None] = {
+    "sdxl": "sdxl",
+    "sdxl-turbo": "sdxl",
+    "sd-1.5": "sd15",
+    "sd-1.4": "sd15",
+    "sd-2.0": None,
+    "sd-2.1": None,
+    "small-sd": None,
+    "tiny-sd": None,
+}
 
 
 def runs_controlnets(model: str) -> bool:
-    """Whether the profile's model ``model`` (a level's ``model``) runs ControlNets."""
-    return model in CONTROLNET_FAMILIES
+    """Whether the profile's model ``model`` (a level's ``model``) may run ControlNets: False
+    only for a model :data:`CONTROLNET_FAMILIES` knows runs none."""
+    return CONTROLNET_FAMILIES.get(model, "") is not None
 
 
 @dataclass(frozen=True)
