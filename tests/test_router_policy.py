@@ -282,7 +282,11 @@ def test_with_no_worker_whose_model_runs_controlnets_the_request_is_unavailable(
     view = snapshot(decider)
     early = decider.admit_early(CONTROLNET, 1.0, view, 600.0)
     assert isinstance(early, Refused) and early.kind is Refusal.UNAVAILABLE
+    assert early.details.startswith("adapters: a ControlNet runs only on SM levels up to sm-sd-xl")
     routed = decider.route(0, CONTROLNET, view, 600.0)
     assert isinstance(routed, Refused) and routed.kind is Refusal.UNAVAILABLE
-    assert routed.retry_after_s is not None
+    assert routed.retry_after_s is not None and routed.details.startswith("adapters: ")
+    everyone_down = snapshot(decider, down=frozenset({"a", "b"}))
+    plain = decider.admit_early(REQUEST, 1.0, everyone_down, 600.0)
+    assert isinstance(plain, Refused) and not plain.details.startswith("adapters")
     assert isinstance(decider.route(0, REQUEST, view, 600.0), Admitted)

@@ -258,7 +258,7 @@ class RouterPolicy:
             return cap
         serving = self._serving(cap, snapshot)
         if not serving:
-            return Refused(Refusal.UNAVAILABLE, NO_LIVE_WORKER, 1.0)
+            return Refused(Refusal.UNAVAILABLE, self._cap_note(request) + NO_LIVE_WORKER, 1.0)
         if edit is not None and self.balances(snapshot):
             loaded, idle = self._edit_earliest_s(edit, serving, snapshot, classifying)
         else:
@@ -305,7 +305,7 @@ class RouterPolicy:
             return cap
         decision = self._route_capped(optimal, snapshot, cap)
         if isinstance(decision, Refused):
-            return decision
+            return replace(decision, details=self._cap_note(request) + decision.details)
         worker = decision.worker_id
         if worker in snapshot.down:
             return Refused(Refusal.UNAVAILABLE, NO_LIVE_WORKER, 1.0)
@@ -329,6 +329,20 @@ class RouterPolicy:
         if plan is None:
             return Refused(Refusal.UNAVAILABLE, NO_PLAN, 1.0)
         return self.level_cap(plan.strategy, request)
+
+    def _cap_note(self, request: RouterRequest) -> str:
+        """Why a request finds no worker, when its ControlNet caps it below the strategy's
+        fastest level: "adapters: …; " to put before the refusal's details, else ""."""
+        plan = self.router.plan
+        if plan is None or not any(a.kind is AdapterKind.CONTROLNET for a in request.adapters):
+            return ""
+        cap = self._controlnet_cap[plan.strategy]
+        if cap < 0 or cap >= len(plan.allocation.levels) - 1:
+            return ""
+        return (
+            f"adapters: a ControlNet runs only on {plan.strategy.value} levels up to "
+            f"{self.level_name(cap)}, whose models take one; "
+        )
 
     def _serving(self, cap: int | None, snapshot: Snapshot) -> list[tuple[str, int]]:
         """The live workers that may serve a request capped at level ``cap``, each with the
