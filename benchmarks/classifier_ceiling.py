@@ -18,13 +18,10 @@ import numpy as np
 from _machine import load_line, machine_line
 
 from argus.classifier.evaluate import evaluate
-from argus.classifier.labels import labels_from_table
 from argus.classifier.serving import default_classifier_dir
 from argus.profiles import default_profiles
-from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.prompt_split import PromptSet
-from argus.sim.classifiers import text_ceiling_head, text_features
-from argus.traces import default_prompt_trace, load_prompts
+from argus.sim.classifiers import text_ceiling_head, text_ceiling_labels, text_features
 from argus.types import Strategy
 
 
@@ -33,8 +30,7 @@ def main() -> None:
     profiles = default_profiles()
     for strategy in Strategy:
         levels = tuple(lv.name for lv in profiles.levels_for(strategy))
-        records = load_prompts(default_prompt_trace())
-        data = labels_from_table(synthetic_quality_table(records, strategy, levels, seed=0))
+        data = text_ceiling_labels(strategy, levels)
         test = np.array([s is PromptSet.EVAL for s in data.prompt_sets()])
         head = text_ceiling_head(strategy, levels)
         x = text_features(data.prompts)

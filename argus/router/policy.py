@@ -216,7 +216,7 @@ class RouterPolicy:
         CONTROLNET_FAMILIES`: on SM's ladder SD-2.0 comes second, so only SDXL serves it);
         None when any level may serve it."""
         max_level = request.max_level_index
-        if any(a.kind is AdapterKind.CONTROLNET for a in request.adapters):
+        if _names_controlnet(request):
             controlnet = self._controlnet_cap[strategy]
             if controlnet < 0:
                 return Refused(
@@ -334,10 +334,10 @@ class RouterPolicy:
         """Why a request finds no worker, when its ControlNet caps it below the strategy's
         fastest level: "adapters: …; " to put before the refusal's details, else ""."""
         plan = self.router.plan
-        if plan is None or not any(a.kind is AdapterKind.CONTROLNET for a in request.adapters):
+        if plan is None or not _names_controlnet(request):
             return ""
-        cap = self._controlnet_cap[plan.strategy]
-        if cap < 0 or cap >= len(plan.allocation.levels) - 1:
+        cap = self._controlnet_cap[plan.strategy]  # >= 0: level_cap refused the request else
+        if cap == len(plan.allocation.levels) - 1:  # every level takes a ControlNet
             return ""
         return (
             f"adapters: a ControlNet runs only on {plan.strategy.value} levels up to "
@@ -551,3 +551,7 @@ def _controlnet_levels(profiles: ProfileSet, strategy: Strategy) -> int:
     ControlNet (slowest first); -1 when the first runs none."""
     runs = [runs_controlnets(level.model) for level in profiles.levels_for(strategy)]
     return runs.index(False) - 1 if False in runs else len(runs) - 1
+
+
+def _names_controlnet(request: RouterRequest) -> bool:
+    return any(a.kind is AdapterKind.CONTROLNET for a in request.adapters)

@@ -36,6 +36,7 @@ from argus.sim.cluster import SimContext
 from argus.types import ClassQuality, Strategy
 
 if TYPE_CHECKING:
+    from argus.classifier.labels import LabelledPrompts
     from argus.classifier.model import ClassifierConfig, LinearHead
     from argus.classifier.serving import ClassifierSet
     from argus.traces import PromptRecord
@@ -160,17 +161,25 @@ def _partiprompts() -> dict[str, PromptRecord]:
 
 
 @functools.cache
-def text_ceiling_head(strategy: Strategy, levels: tuple[str, ...]) -> LinearHead:
-    """The :class:`TextCeilingClassifier`'s model for ``strategy``'s ``levels``: multinomial
-    logistic regression (C = 10) from the text feature to the δ-rule optimal level of the TRAIN
-    prompts in the seed-0 synthetic table."""
+def text_ceiling_labels(strategy: Strategy, levels: tuple[str, ...]) -> LabelledPrompts:
+    """Every PartiPrompts prompt with its δ-rule optimal level in the seed-0 synthetic table of
+    ``strategy``'s ``levels``: what ``argus train-classifier`` trains on."""
     from argus.classifier.labels import labels_from_table
-    from argus.classifier.train import fit_logistic_head
     from argus.profiles.synthetic_quality import synthetic_quality_table
-    from argus.prompt_split import PromptSet
 
     records = list(_partiprompts().values())
-    data = labels_from_table(synthetic_quality_table(records, strategy, levels, seed=0))
+    return labels_from_table(synthetic_quality_table(records, strategy, levels, seed=0))
+
+
+@functools.cache
+def text_ceiling_head(strategy: Strategy, levels: tuple[str, ...]) -> LinearHead:
+    """The :class:`TextCeilingClassifier`'s model for ``strategy``'s ``levels``: multinomial
+    logistic regression (C = 10) from the text feature to the optimal level of the TRAIN
+    prompts of :func:`text_ceiling_labels`."""
+    from argus.classifier.train import fit_logistic_head
+    from argus.prompt_split import PromptSet
+
+    data = text_ceiling_labels(strategy, levels)
     train = np.array([s is PromptSet.TRAIN for s in data.prompt_sets()])
     x = text_features(data.prompts)
     return fit_logistic_head(x[train], data.labels[train], len(levels), 10.0, 5000)
