@@ -26,6 +26,7 @@ from argus.router.edit_balance import (
 )
 from argus.sim.edits import (
     EditCluster,
+    EditOutcome,
     EditRequest,
     EditWorkloadConfig,
     lru_hit_rate,
@@ -35,6 +36,7 @@ from argus.sim.edits import (
 pytestmark = pytest.mark.unit
 
 MODEL = EditCostModel(base_s=0.05, per_edit_s=0.02, per_mask_s=0.3)
+CPU_TABLE = Path(__file__).resolve().parent.parent / "argus/profiles/edit-batching-cpu.toml"
 
 
 # --- the cost model -------------------------------------------------------------------------
@@ -116,6 +118,35 @@ def test_leave_frees_a_slot_at_the_next_boundary_and_groups_do_not_mix() -> None
     assert batch.leave(1) and batch.idle()
     with pytest.raises(ValueError, match="bound"):
         ContinuousBatch(0)
+
+
+def test_static_batching_admits_only_into_a_drained_batch() -> None:
+    batch = ContinuousBatch(bound=3, static=True)
+    batch.submit(entry(0, steps=1))
+    batch.submit(entry(1, steps=3))
+    assert [r.entry.key for r in batch.join()] == [0, 1]  # an empty batch fills, up to 3
+    batch.submit(entry(2, steps=1))
+    batch.step()  # 0 leaves: a slot is free, but the batch still runs
+    assert batch.join() == [] and [e.key for e in batch.waiting] == [2]
+    batch.step(), batch.step()  # 1 leaves: drained
+    assert [r.entry.key for r in batch.join()] == [2]
+
+
+def test_static_batching_in_the_simulator_waits_for_the_batch_continuous_joins_at_a_step() -> None:
+    requests = [EditRequest(0, 0.0, 0.5, None, steps=4), EditRequest(1, 0.01, 0.5, None, steps=2)]
+    step = MODEL.step_s(1, 1.0)  # no template: full runs
+    pair = MODEL.step_s(2, 2.0)
+
+    def run(static: bool) -> list[EditOutcome]:
+        cluster = EditCluster(MODEL, RoundRobinBalancer(), workers=1, bound=4, static=static)
+        return cluster.run(requests)
+
+    static, continuous = run(True), run(False)
+    assert static[1].joined_s == pytest.approx(4 * step)  # after the first's 4 steps alone
+    assert static[1].finished_s == pytest.approx(6 * step)
+    assert continuous[1].joined_s == pytest.approx(step)  # at the first step's end
+    assert continuous[1].finished_s == pytest.approx(step + 2 * pair)
+    assert continuous[0].finished_s == pytest.approx(2 * step + 2 * pair)
 
 
 def test_bound_one_serves_one_at_a_time_in_arrival_order() -> None:
@@ -289,9 +320,36 @@ def test_tiny_edits_evaluation_writes_p95_columns(
     assert "SYNTHETIC" in printed and "mask-aware" in printed
 
 
+def test_edits_evaluation_pairs_continuous_with_static_batching(tmp_path: Path) -> None:
+    out = tmp_path / "batching"
+    args = ["evaluate", "--workload", "edits", "--balancers", "least-requests", "--gpus", "1"]
+    args += ["--batching", "continuous,static", "--batch-bound", "4", "--edit-steps", "8"]
+    args += ["--loads", "0.33", "--seeds", "3", "--duration", "20", "--out", str(out), "--quiet"]
+    # priced by the CPU curve of SD-1.5's UNet, as benchmarks/bench_edit_serving.py runs it
+    args += ["--edit-batch-table", str(CPU_TABLE), "--edit-curve", "sd15-arch"]
+    assert main(args) == 0
+    with (out / "aggregate.csv").open() as handle:
+        p95 = {r["batching"]: float(r["latency_p95_s_mean"]) for r in csv.DictReader(handle)}
+    with (out / "batching.csv").open() as handle:
+        (paired,) = list(csv.DictReader(handle))
+    assert (paired["balancer"], paired["other"], paired["seeds"]) == (
+        "least-requests",
+        "static",
+        "3",
+    )
+    # static batching makes edits wait for whole batches: continuous's tail is shorter
+    assert p95["continuous"] < p95["static"]
+    assert float(paired["p95_reduction_mean"]) == pytest.approx(
+        1 - p95["continuous"] / p95["static"], abs=0.05
+    )
+    assert float(paired["p95_reduction_mean"]) > 0.1
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
+        (["--batching", "dynamic"], "'dynamic'"),
+        (["--edit-steps", "0"], "steps"),
         (["--balancers", "fastest"], "'fastest'"),
         (["--gpus", "A100=4"], "A100=4"),
         (["--cache-templates", "-1"], "cache_templates"),

@@ -36,6 +36,18 @@ def add_edit_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-bound", type=int, default=None, help="edits: batch bound per worker (default 8)"
     )
     parser.add_argument(
+        "--batching",
+        default="continuous",
+        help="edits: comma-separated batching policies of the workers, continuous (default) "
+        "and/or static (InstGenIE's baseline; both: paired in batching.csv)",
+    )
+    parser.add_argument(
+        "--edit-steps",
+        type=int,
+        default=None,
+        help="edits: denoising steps of an edit (default 50)",
+    )
+    parser.add_argument(
         "--masks",
         choices=("production", "public"),
         default="production",
@@ -79,7 +91,7 @@ def run_edits(args: argparse.Namespace) -> int:
         format_edit_evaluation,
         write_edit_evaluation,
     )
-    from argus.sim.edits import BATCH_BOUND, CACHE_TEMPLATES, ZIPF_S
+    from argus.sim.edits import BATCH_BOUND, CACHE_TEMPLATES, STEPS, ZIPF_S
 
     started = time.perf_counter()
     try:
@@ -89,7 +101,8 @@ def run_edits(args: argparse.Namespace) -> int:
         workers = int(args.gpus)
         config = EditEvaluationConfig(
             loads=loads,
-            balancers=tuple(b.strip() for b in args.balancers.split(",") if b.strip()),
+            balancers=_names(args.balancers),
+            batchings=_names(args.batching),
             seeds=args.seeds,
             duration_min=args.duration,
             workers=workers,
@@ -100,6 +113,7 @@ def run_edits(args: argparse.Namespace) -> int:
             zipf_s=ZIPF_S if args.zipf is None else args.zipf,
             masks=args.masks,
             text_to_image_share=args.t2i_share,
+            steps=STEPS if args.edit_steps is None else args.edit_steps,
             **measured_cost(args),
         )
         progress = None if args.quiet else _progress(time.perf_counter())
@@ -115,6 +129,7 @@ def run_edits(args: argparse.Namespace) -> int:
         f"\n{len(evaluation.rows)} runs ({len(loads)} loads × {len(config.balancers)} balancers "
         f"× {config.seeds} seeds, {config.duration_min:g} min each) in "
         f"{time.perf_counter() - started:.1f} s; {workers} workers, batch bound {config.bound}, "
+        f"{config.steps} steps an edit, "
         f"{config.cache_templates} records each, Zipf {config.zipf_s:g}; "
         f"capacity {evaluation.capacity_per_s:.3f} edits/s (hit rate {config.hit_rate():.3f}, "
         f"mean ratio {config.mean_ratio():.3f}); cost model a={model.base_s:.4g} s, "
@@ -122,6 +137,10 @@ def run_edits(args: argparse.Namespace) -> int:
         f"({model.source}); files in {args.out}/"
     )
     return 0
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def measured_cost(args: argparse.Namespace) -> dict[str, Any]:

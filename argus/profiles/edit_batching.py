@@ -15,10 +15,13 @@ simulator (``argus/sim/edits.py``) and, later, the worker's denoising loop drive
 5. :meth:`~ContinuousBatch.leave` takes out a request at once (a cancel, an expired deadline),
    running or waiting; its slot is free at the next boundary.
 
-A bound of 1 serves one request at a time in arrival order. Incompatible requests wait until
-the batch drains (none of a different group joins a running batch), and a waiting request that
-does not fit yet keeps its place: admission is strictly first come, first served within a group,
-and a request of another group at the head does not block those behind it. It lives with the
+``static=True`` is static batching, the baseline InstGenIE compares with (§6.4): waiting
+requests join only when the running batch has drained, and the batch then runs until its
+last request finishes. A bound of 1 serves one request at a time in arrival order.
+Incompatible requests wait until the batch drains (none of a different group joins a running
+batch), and a waiting request that does not fit yet keeps its place: admission is strictly
+first come, first served within a group, and a request of another group at the head does not
+block those behind it. It lives with the
 profiles (below the services, ``tests/test_layers.py``) so the worker can import it.
 """
 
@@ -27,6 +30,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+
+BATCHINGS = ("continuous", "static")  # the policies: step-level continuous, InstGenIE's baseline
 
 
 @dataclass(frozen=True)
@@ -51,10 +56,11 @@ class Running:
 class ContinuousBatch:
     """A running batch of at most ``bound`` requests with a first-come queue in front."""
 
-    def __init__(self, bound: int) -> None:
+    def __init__(self, bound: int, *, static: bool = False) -> None:
         if bound < 1:
             raise ValueError(f"batch bound must be >= 1, got {bound!r}")
         self.bound = bound
+        self.static = static
         self._waiting: deque[BatchEntry] = deque()
         self._running: dict[Hashable, Running] = {}
 
@@ -97,8 +103,11 @@ class ContinuousBatch:
     def join(self, ratio_of: Callable[[BatchEntry], float] | None = None) -> list[Running]:
         """At a step boundary: admit waiting requests, first come first, while the batch has
         room and they share its group; returns the admitted. ``ratio_of`` gives each admitted
-        request's effective mask ratio (default: its own)."""
+        request's effective mask ratio (default: its own). Static batching admits none while
+        the batch runs."""
         admitted: list[Running] = []
+        if self.static and self._running:
+            return admitted
         group = self.group if self._running else None
         kept: deque[BatchEntry] = deque()
         while self._waiting:

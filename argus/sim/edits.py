@@ -14,7 +14,8 @@ Workload (:func:`make_edit_workload`), every part SYNTHETIC:
 * an optional share of text-to-image requests (no template, ratio 1: a full run).
 
 Physics (:class:`EditCluster`): each worker runs a :class:`ContinuousBatch` (step-level
-continuous batching, bound ``B``) and prices each step with the :class:`EditCostModel`
+continuous batching, bound ``B``; or, with ``static=True``, the same policy code's static
+batching, InstGenIE's baseline) and prices each step with the :class:`EditCostModel`
 (``a + p·b + c·Σm``). An edit's effective ratio is fixed when it joins: its mask ratio if the
 worker then holds the template's record (a hit), 1 otherwise (a miss, which records the
 template when it finishes; the worker keeps at most ``cache_templates`` records, least recently
@@ -189,8 +190,8 @@ class EditOutcome:
 class _Worker:
     """One simulated worker: a continuous batch, an LRU of template records, a step clock."""
 
-    def __init__(self, bound: int, cache_templates: int) -> None:
-        self.batch = ContinuousBatch(bound)
+    def __init__(self, bound: int, cache_templates: int, static: bool) -> None:
+        self.batch = ContinuousBatch(bound, static=static)
         self.records: OrderedDict[Hashable, None] = OrderedDict()
         self.cache_templates = cache_templates
         self.step_ends_s: float | None = None  # end of the step in progress; None: idle
@@ -244,7 +245,8 @@ def _job(request: EditRequest) -> EditJob:
 
 
 class EditCluster:
-    """``workers`` simulated workers serving edits placed by a balancer."""
+    """``workers`` simulated workers serving edits placed by a balancer; each batches
+    continuously, or statically with ``static=True``."""
 
     def __init__(
         self,
@@ -254,12 +256,13 @@ class EditCluster:
         workers: int = 8,
         bound: int = BATCH_BOUND,
         cache_templates: int = CACHE_TEMPLATES,
+        static: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers!r}")
         self.model = model
         self.balancer = balancer
-        self.workers = [_Worker(bound, cache_templates) for _ in range(workers)]
+        self.workers = [_Worker(bound, cache_templates, static) for _ in range(workers)]
 
     def run(self, requests: Sequence[EditRequest]) -> list[EditOutcome]:
         """Serve ``requests`` (sorted by arrival) to the end; the outcomes in request order."""

@@ -184,7 +184,7 @@ class StepBatcher:
         self.history = history  # keep each step's batch size in stats (not in a long-lived worker)
         self.clock = clock
         self.stats = StepStats()
-        self._batch = ContinuousBatch(bound)
+        self._batch = ContinuousBatch(bound, static=static)
         self._requests: dict[Hashable, _Request] = {}
         self._running: list[_Request] = []  # joining order
         self._steps = 0
@@ -400,7 +400,7 @@ class StepBatcher:
                     del self._requests[key]
                     gone.append((request, reason))
             self._running = [r for r in self._running if r.key in self._requests]
-            if not self.draining and (not self.static or not self._running):
+            if not self.draining:  # static batching: the policy admits none while a batch runs
                 now = self.clock()
                 for joined in self._batch.join():
                     request = self._requests[joined.entry.key]
