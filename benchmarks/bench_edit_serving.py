@@ -80,6 +80,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _machine import load_line, machine_line
 
+from argus.profiles.batch_curve import load_batch_table
+from argus.profiles.edit_batching import BatchEntry, ContinuousBatch
+from argus.profiles.edit_cost import EditCostModel
 from argus.request_limits import EditInput
 from argus.sim.edits import draw_mask_ratios, zipf_weights
 from argus.worker.activation_store import ActivationStore
@@ -301,6 +304,56 @@ def run_batched(
     return [o for o in outcomes if o is not None], batcher.stats
 
 
+HEADER = (
+    f"{'engine':26s} {'mean s':>7s} {'P95 s':>7s} {'queue':>7s} {'q P95':>7s}"
+    f" {'in svc':>7s} {'req/s':>7s} {'batch':>5s} {'ovh ms':>6s} {'prep':>6s}"
+)
+
+
+def predict(
+    arrivals: list[Arrival], model: EditCostModel, bound: int, *, static: bool
+) -> tuple[list[Outcome], StepStats]:
+    """The same arrivals through the batching policy alone (``ContinuousBatch``, as the step
+    batcher runs it), each step priced by ``model`` instead of run: what the engine would
+    measure if a step cost exactly what the measured curve's fit says. An inpainting edit
+    replays its template's record when an earlier edit of that template has finished (it
+    recorded it), else it runs in full; img2img always runs in full."""
+    batch = ContinuousBatch(bound, static=static)
+    outcomes: list[Outcome | None] = [None] * len(arrivals)
+    recorded: set[int] = set()  # templates (by identity) whose record is taken
+    joined: dict[int, float] = {}
+    stats = StepStats()
+
+    def ratio_of(entry: BatchEntry) -> float:
+        edit = arrivals[int(entry.key)].spec.edit  # type: ignore[call-overload]
+        assert edit is not None
+        hit = edit.region is not None and id(edit.rgb) in recorded
+        return edit.mask_ratio if hit else 1.0
+
+    now, index = 0.0, 0
+    while index < len(arrivals) or not batch.idle():
+        if batch.idle():
+            now = max(now, arrivals[index].at_s)
+        while index < len(arrivals) and arrivals[index].at_s <= now:
+            spec = arrivals[index].spec
+            batch.submit(BatchEntry(index, spec.steps - spec.start_step, 1.0))
+            index += 1
+        for running in batch.join(ratio_of):
+            joined[int(running.entry.key)] = now  # type: ignore[call-overload]
+        if len(batch) == 0:
+            continue
+        now += model.step_s(len(batch), batch.mask_sum())
+        stats.steps += 1
+        stats.rows += len(batch)
+        for done in batch.step():
+            key = int(done.entry.key)  # type: ignore[call-overload]
+            edit = arrivals[key].spec.edit
+            if edit is not None and edit.region is not None:
+                recorded.add(id(edit.rgb))
+            outcomes[key] = Outcome(arrivals[key].at_s, joined[key], now)
+    return [o for o in outcomes if o is not None], stats
+
+
 def report(name: str, outcomes: list[Outcome], stats: StepStats | None) -> str:
     if not outcomes:
         return f"{name:26s} no requests (raise --duration)"
@@ -335,12 +388,35 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="run no model: replay the workload through the batching policy with each step "
+        "priced by --edit-batch-table's fit (static and continuous only)",
+    )
+    parser.add_argument(
+        "--edit-batch-table",
+        default=str(
+            Path(__file__).resolve().parent.parent / "argus/profiles/edit-batching-cpu.toml"
+        ),
+    )
+    parser.add_argument("--edit-curve", default="sd15-arch", help="the table's curve to price by")
+    parser.add_argument(
+        "--alone-s",
+        type=float,
+        default=0.0,
+        help="with --predict: one inpainting alone, which sets the arrival rate (default: the "
+        "fit's full steps; a real run's printed figure reproduces its workload)",
+    )
+    parser.add_argument(
         "--no-edit-cache",
         action="store_true",
         help="every edit runs the full UNet (no mask-aware activation cache in any engine)",
     )
     args = parser.parse_args()
     args.size = args.size or (64 if args.model.startswith("tiny") else 128)
+    if args.predict:
+        run_predicted(args)
+        return
     torch.set_num_threads(args.threads)
     print(machine_line())
     model = build_model(args.model)
@@ -371,10 +447,7 @@ def main() -> None:
         f" of one-at-a-time), mask ratio mean {np.mean(ratios):.3f}, {args.img2img:.0%} img2img;"
         f" batch bound {args.bound}; activation cache {'off' if args.no_edit_cache else 'on'}"
     )
-    print(
-        f"{'engine':26s} {'mean s':>7s} {'P95 s':>7s} {'queue':>7s} {'q P95':>7s}"
-        f" {'in svc':>7s} {'req/s':>7s} {'batch':>5s} {'ovh ms':>6s} {'prep':>6s}"
-    )
+    print(HEADER)
     for name in args.engines.split(","):
         cache = new_cache(not args.no_edit_cache)
         if name == "one-at-a-time":
@@ -391,6 +464,30 @@ def main() -> None:
             )
         print(report(name, outcomes, stats), flush=True)
     print(load_line("end"))
+
+
+def run_predicted(args: argparse.Namespace) -> None:
+    """``--predict``: the workload a real run draws, served by the policy on the cost model."""
+    curves = [
+        c for c in load_batch_table(args.edit_batch_table).curves if c.model == args.edit_curve
+    ]
+    if not curves:
+        raise SystemExit(f"--edit-curve: no curve {args.edit_curve!r} in {args.edit_batch_table}")
+    model = curves[0].cost_model()
+    alone_s = args.alone_s or args.steps * model.step_s(1, 1.0)
+    arrivals = make_workload(args, args.load / alone_s, np.random.default_rng(args.seed))
+    print(
+        f"PREDICTED, no model run: {len(arrivals)} requests ({args.steps} steps, one alone"
+        f" {alone_s:.2f} s, load {args.load}, seed {args.seed}); steps priced by"
+        f" a={model.base_s:.3f} p={model.per_edit_s:.3f} c={model.per_mask_s:.3f} s"
+        f" (R² {model.r2:.3f}, {model.source}); bound {args.bound}"
+    )
+    print(HEADER)
+    for name in args.engines.split(","):
+        if name not in ("static", "continuous"):
+            raise SystemExit(f"--predict: engine {name!r} has no prediction (static, continuous)")
+        outcomes, stats = predict(arrivals, model, args.bound, static=name == "static")
+        print(report(name, outcomes, stats))
 
 
 if __name__ == "__main__":
