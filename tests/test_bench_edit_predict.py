@@ -55,7 +55,7 @@ def test_static_waits_for_the_batch_continuous_joins_at_the_next_step(bench: Any
     assert (stats.steps, stats.rows) == (4, 6)
 
 
-def test_img2img_always_runs_in_full(bench: Any) -> None:
+def test_img2img_runs_its_strengths_steps_in_full(bench: Any) -> None:
     template = np.zeros((16, 16, 3), dtype=np.uint8)
     edit = EditInput(template, None, 0.5)
     spec = GenerationSpec("img2img", height=16, width=16, steps=4, edit=edit)
