@@ -29,6 +29,14 @@ runs in full. ``--model sd15`` swaps in the editing benchmark's SD-1.5-architect
 VAE) at ``--size`` (default 128 for it: one 512 step is ~19 s on one core); ``--model
 tiny:VARIANT`` another tiny variant.
 
+``--predict`` runs no model: the same workload (give ``--alone-s``, a real run's printed
+time alone, to draw the same requests) goes through the batching policy alone,
+``ContinuousBatch`` static or continuous, each step priced by the fit of a measured curve
+(``--edit-batch-table``, default the CPU table, ``--edit-curve``, default ``sd15-arch``): what the
+engines would measure if every step cost what the curve says. It takes seconds, so it shows
+what the policy allows at settings too slow to run (more steps, other loads), and how far a
+real run falls short of it.
+
     .venv/bin/python benchmarks/bench_edit_serving.py --model tiny          # ~3 min
     .venv/bin/python benchmarks/bench_edit_serving.py --model sd15 --size 64 --steps 4 \
         --duration 300 --load 0.9 --engines static,continuous               # ~13 min
@@ -82,9 +90,9 @@ from _machine import load_line, machine_line
 
 from argus.profiles.batch_curve import load_batch_table
 from argus.profiles.edit_batching import BatchEntry, ContinuousBatch
-from argus.profiles.edit_cost import EditCostModel
 from argus.request_limits import EditInput
 from argus.sim.edits import draw_mask_ratios, zipf_weights
+from argus.sim.intervals import mean_interval
 from argus.worker.activation_store import ActivationStore
 from argus.worker.edit_cache import EditCache, EditCacheUse
 from argus.worker.pipelines import DiffusionModel, GenerationSpec, paste_unmasked
@@ -311,13 +319,13 @@ HEADER = (
 
 
 def predict(
-    arrivals: list[Arrival], model: EditCostModel, bound: int, *, static: bool
+    arrivals: list[Arrival], step_s: Callable[[int, float], float], bound: int, *, static: bool
 ) -> tuple[list[Outcome], StepStats]:
     """The same arrivals through the batching policy alone (``ContinuousBatch``, as the step
-    batcher runs it), each step priced by ``model`` instead of run: what the engine would
-    measure if a step cost exactly what the measured curve's fit says. An inpainting edit
-    replays its template's record when an earlier edit of that template has finished (it
-    recorded it), else it runs in full; img2img always runs in full."""
+    batcher runs it), each step priced by ``step_s(batch, mask_sum)`` instead of run: what the
+    engine would measure if a step cost exactly that (a measured curve's points or its fit).
+    An inpainting edit replays its template's record when an earlier edit of that template has
+    finished (it recorded it), else it runs in full; img2img always runs in full."""
     batch = ContinuousBatch(bound, static=static)
     outcomes: list[Outcome | None] = [None] * len(arrivals)
     recorded: set[int] = set()  # templates (by identity) whose record is taken
@@ -342,7 +350,7 @@ def predict(
             joined[int(running.entry.key)] = now  # type: ignore[call-overload]
         if len(batch) == 0:
             continue
-        now += model.step_s(len(batch), batch.mask_sum())
+        now += step_s(len(batch), batch.mask_sum())
         stats.steps += 1
         stats.rows += len(batch)
         for done in batch.step():
@@ -401,11 +409,25 @@ def main() -> None:
     )
     parser.add_argument("--edit-curve", default="sd15-arch", help="the table's curve to price by")
     parser.add_argument(
+        "--predict-by",
+        choices=("points", "fit"),
+        default="points",
+        help="with --predict: price a step by the curve's measured points (interpolated) or by "
+        "its linear fit, the simulator's cost model",
+    )
+    parser.add_argument(
+        "--predict-seeds",
+        type=int,
+        default=1,
+        help="with --predict: seeds --seed.. --seed+N-1, each one's P95 reduction and their mean",
+    )
+    parser.add_argument(
         "--alone-s",
         type=float,
         default=0.0,
-        help="with --predict: one inpainting alone, which sets the arrival rate (default: the "
-        "fit's full steps; a real run's printed figure reproduces its workload)",
+        help="with --predict: one inpainting alone, which sets the arrival rate and scales the "
+        "curve to that speed (default: the curve's full steps; a real run's printed figure "
+        "reproduces its workload and speed)",
     )
     parser.add_argument(
         "--no-edit-cache",
@@ -473,21 +495,54 @@ def run_predicted(args: argparse.Namespace) -> None:
     ]
     if not curves:
         raise SystemExit(f"--edit-curve: no curve {args.edit_curve!r} in {args.edit_batch_table}")
-    model = curves[0].cost_model()
-    alone_s = args.alone_s or args.steps * model.step_s(1, 1.0)
-    arrivals = make_workload(args, args.load / alone_s, np.random.default_rng(args.seed))
-    print(
-        f"PREDICTED, no model run: {len(arrivals)} requests ({args.steps} steps, one alone"
-        f" {alone_s:.2f} s, load {args.load}, seed {args.seed}); steps priced by"
-        f" a={model.base_s:.3f} p={model.per_edit_s:.3f} c={model.per_mask_s:.3f} s"
-        f" (R² {model.r2:.3f}, {model.source}); bound {args.bound}"
-    )
-    print(HEADER)
-    for name in args.engines.split(","):
+    curve = curves[0]
+    model = curve.cost_model()
+    priced = curve.step_s if args.predict_by == "points" else model.step_s
+    alone_s = args.alone_s or args.steps * priced(1, 1.0)
+    scale = alone_s / (args.steps * priced(1, 1.0))  # the curve's shape at the run's speed
+
+    def step_s(batch: int, mask_sum: float) -> float:
+        return scale * priced(batch, mask_sum)
+
+    engines = args.engines.split(",")
+    for name in engines:
         if name not in ("static", "continuous"):
             raise SystemExit(f"--predict: engine {name!r} has no prediction (static, continuous)")
-        outcomes, stats = predict(arrivals, model, args.bound, static=name == "static")
-        print(report(name, outcomes, stats))
+    print(
+        f"PREDICTED, no model run: {args.steps} steps, one alone {alone_s:.2f} s, load"
+        f" {args.load}, {args.duration:.0f} s of arrivals; steps priced by {model.source}"
+        + (
+            ", its points"
+            if args.predict_by == "points"
+            else f", its fit a={model.base_s:.3f} p={model.per_edit_s:.3f}"
+            f" c={model.per_mask_s:.3f} s (R² {model.r2:.3f})"
+        )
+        + f", times × {scale:.3f}; bound {args.bound}"
+    )
+    reductions = []
+    for seed in range(args.seed, args.seed + args.predict_seeds):
+        arrivals = make_workload(args, args.load / alone_s, np.random.default_rng(seed))
+        p95 = {}
+        if args.predict_seeds == 1:
+            print(f"seed {seed}: {len(arrivals)} requests\n{HEADER}")
+        for name in engines:
+            outcomes, stats = predict(arrivals, step_s, args.bound, static=name == "static")
+            p95[name] = np.percentile([o.done_s - o.arrival_s for o in outcomes], 95)
+            if args.predict_seeds == 1:
+                print(report(name, outcomes, stats))
+        if set(p95) == {"static", "continuous"}:
+            reductions.append(1.0 - p95["continuous"] / p95["static"])
+            if args.predict_seeds > 1:
+                print(
+                    f"seed {seed}: {len(arrivals)} requests, P95 static {p95['static']:.2f} s,"
+                    f" continuous {p95['continuous']:.2f} s ({reductions[-1]:.1%} below)"
+                )
+    if len(reductions) > 1:
+        interval = mean_interval(reductions)
+        print(
+            f"continuous P95 below static over {interval.n} seeds: {interval.mean:.1%}"
+            f" [{interval.lo:.1%}, {interval.hi:.1%}]"
+        )
 
 
 if __name__ == "__main__":

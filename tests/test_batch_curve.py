@@ -45,6 +45,17 @@ def test_the_bound_is_the_knee_of_the_throughput_curve() -> None:
 
 
 @pytest.mark.unit
+def test_a_step_is_read_off_the_points_between_and_beyond_them() -> None:
+    measured = curve(m010={1: 1.0, 2: 1.2, 4: 1.6}, m100={1: 2.0, 2: 2.6, 4: 3.6})
+    assert measured.step_s(2, 0.2) == pytest.approx(1.2)  # a point: its own time
+    assert measured.step_s(1, 0.55) == pytest.approx(1.5)  # halfway between the ratios
+    assert measured.step_s(3, 0.3) == pytest.approx(1.4)  # halfway between sizes 2 and 4
+    assert measured.step_s(1, 0.01) == pytest.approx(1.0)  # below 0.1: the nearest ratio's
+    assert measured.step_s(8, 8.0) == pytest.approx(3.6 + 4 * 0.5)  # 2 → 4 extended to 8
+    assert measured.step_s(0, 0.0) == 0.0
+
+
+@pytest.mark.unit
 def test_the_table_bound_is_capped_and_one_where_nothing_was_measured() -> None:
     table = BatchTable((curve(m010={1: 0.1, 2: 0.11, 4: 0.15}),))
     assert table.bound("sdxl", 64, 64, cap=8) == 4

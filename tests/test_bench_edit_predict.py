@@ -43,11 +43,11 @@ def test_static_waits_for_the_batch_continuous_joins_at_the_next_step(bench: Any
     template = np.zeros((16, 16, 3), dtype=np.uint8)
     arrivals = [inpaint(bench, 0.0, template), inpaint(bench, 0.5, template, steps=2)]
     full = MODEL.step_s(1, 1.0)  # the first edit of a template runs in full: a miss
-    static, _ = bench.predict(arrivals, MODEL, 4, static=True)
+    static, _ = bench.predict(arrivals, MODEL.step_s, 4, static=True)
     assert static[1].started_s == pytest.approx(4 * full)  # after the whole first batch
     # it replays the record the first edit left
     assert static[1].done_s == pytest.approx(4 * full + 2 * MODEL.step_s(1, 0.25))
-    continuous, stats = bench.predict(arrivals, MODEL, 4, static=False)
+    continuous, stats = bench.predict(arrivals, MODEL.step_s, 4, static=False)
     assert continuous[1].started_s == pytest.approx(full)  # at the first step's end
     # the template is not recorded yet when it joins: a full run too, two steps beside the first
     assert continuous[1].done_s == pytest.approx(full + 2 * MODEL.step_s(2, 2.0))
@@ -60,6 +60,6 @@ def test_img2img_runs_its_strengths_steps_in_full(bench: Any) -> None:
     edit = EditInput(template, None, 0.5)
     spec = GenerationSpec("img2img", height=16, width=16, steps=4, edit=edit)
     arrivals = [inpaint(bench, 0.0, template), bench.Arrival(10.0, spec)]
-    outcomes, _ = bench.predict(arrivals, MODEL, 4, static=False)
+    outcomes, _ = bench.predict(arrivals, MODEL.step_s, 4, static=False)
     # strength 0.5 of 4 steps: 2 steps, each full although the template is recorded
     assert outcomes[1].done_s - outcomes[1].started_s == pytest.approx(2 * MODEL.step_s(1, 1.0))

@@ -45,6 +45,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from argus.profiles.edit_cost import EditCostModel, fit_cost_model
 
 MIN_GAIN = 0.1
@@ -99,6 +101,30 @@ class BatchCurve:
                 best = point.batch  # nothing measured below it
             previous = point
         return best
+
+    def step_s(self, batch: int, mask_sum: float) -> float:
+        """One step of ``batch`` edits whose effective ratios sum to ``mask_sum``, read off the
+        points rather than the fit: linear in the mean ratio between the ratios measured at a
+        batch size (the nearest one outside them), then linear in the batch size between
+        measured sizes (the two last, or first, extended beyond them)."""
+        if batch <= 0:
+            return 0.0
+        mean = mask_sum / batch
+
+        def at(size: int) -> float:
+            measured = sorted((p.mask_ratio, p.step_s) for p in self.points if p.batch == size)
+            return float(np.interp(mean, [r for r, _ in measured], [t for _, t in measured]))
+
+        sizes = sorted({p.batch for p in self.points})
+        if batch in sizes or len(sizes) == 1:
+            return at(batch if batch in sizes else sizes[0])
+        below = [size for size in sizes if size < batch]
+        above = [size for size in sizes if size > batch]
+        if below and above:
+            low, high = below[-1], above[0]
+        else:  # outside the measured sizes: the nearest two, extended
+            low, high = sizes[:2] if above else sizes[-2:]
+        return at(low) + (at(high) - at(low)) * (batch - low) / (high - low)
 
     def cost_model(self) -> EditCostModel:
         """The edit cost model fitted on every point (b, b·m, seconds), with R²."""
