@@ -351,23 +351,22 @@ def format_edit_evaluation(evaluation: EditEvaluation) -> str:
                     f"{_interval_text(iv('queueing_mean_s')):>22} "
                     f"{iv('throughput_per_s').mean:>8.3f} {iv('hit_rate').mean:>8.3f}"
                 )
-    pairs = paired_p95(evaluation)
-    if pairs:
-        lines.append("")
-        lines.append("mask-aware's P95 against each balancer, paired by seed:")
-        for pair in pairs:
+    sections = [
+        (
+            "mask-aware's P95 against each balancer, paired by seed:",
+            [(f"vs {p.other} ({p.batching} batching)", p) for p in paired_p95(evaluation)],
+        ),
+        (
+            "continuous batching's P95 against static batching's, paired by seed:",
+            [(f"under {p.other}", p) for p in paired_batching(evaluation)],
+        ),
+    ]
+    for title, pairs in sections:
+        if pairs:
+            lines += ["", title]
+        for what, pair in pairs:
             lines.append(
-                f"  load {pair.load:g} vs {pair.other} ({pair.batching} batching): P95 "
-                f"difference {_interval_text(pair.difference_s)} s, reduction "
-                f"{_interval_text(pair.reduction, 100.0)} %"
-            )
-    against_static = paired_batching(evaluation)
-    if against_static:
-        lines.append("")
-        lines.append("continuous batching's P95 against static batching's, paired by seed:")
-        for pair in against_static:
-            lines.append(
-                f"  load {pair.load:g}, {pair.other}: P95 difference "
+                f"  load {pair.load:g} {what}: P95 difference "
                 f"{_interval_text(pair.difference_s)} s, reduction "
                 f"{_interval_text(pair.reduction, 100.0)} %"
             )
