@@ -62,8 +62,9 @@ overhead goal in all.
 
 ``--predict`` (2026-11-28): over 100 seeds at the CPU curve's speed, continuous P95 25.4%
 [24.5, 26.3] below static at 4 steps, 29.4% [28.5, 30.3] at 8 (priced by the fit: 28.3%,
-32.1%). ``--steps 8 --duration 450``, seeds 0-2 of the pre-registered 0-4: 25.81 against 21.31
-s (17.4%), 38.39 against 22.84 (40.5%), 29.65 against 17.60 (40.6%); the README has the rest.
+32.1%). ``--steps 8 --duration 450``, seeds 0-4 (decided before they ran): 25.81 against 21.31 s
+(17.4%), 38.39 against 22.84 (40.5%), 29.65 against 17.60 (40.6%), 29.61 against 24.68
+(16.6%), 28.98 against 21.18 (26.9%): 28.4% [13.7, 43.1]; the README has the rest.
 
 Earlier runs, before the cache ran inside a batch (every request ran the full UNet): tiny,
 P95 0.182 s static and 0.143 s continuous (21% below); SD-1.5's UNet at 64 px with 26
