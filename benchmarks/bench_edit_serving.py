@@ -30,12 +30,13 @@ VAE) at ``--size`` (default 128 for it: one 512 step is ~19 s on one core); ``--
 tiny:VARIANT`` another tiny variant.
 
 ``--predict`` runs no model: the same workload (give ``--alone-s``, a real run's printed
-time alone, to draw the same requests) goes through the batching policy alone,
-``ContinuousBatch`` static or continuous, each step priced by the fit of a measured curve
-(``--edit-batch-table``, default the CPU table, ``--edit-curve``, default ``sd15-arch``): what the
-engines would measure if every step cost what the curve says. It takes seconds, so it shows
-what the policy allows at settings too slow to run (more steps, other loads), and how far a
-real run falls short of it.
+time alone, to draw the same requests) goes through the simulator's worker (one
+``EditCluster`` worker: ``ContinuousBatch`` static or continuous), each step priced by a
+measured curve (``--edit-batch-table``, default the CPU table, ``--edit-curve``, default
+``sd15-arch``; its points, or with ``--predict-by fit`` its fit): what the engines would
+measure if every step cost what the curve says. It takes seconds, so it shows what the policy
+allows at settings too slow to run (more steps, other loads), and how far a real run falls
+short of it.
 
     .venv/bin/python benchmarks/bench_edit_serving.py --model tiny          # ~3 min
     .venv/bin/python benchmarks/bench_edit_serving.py --model sd15 --size 64 --steps 4 \
@@ -95,9 +96,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _machine import load_line, machine_line
 
 from argus.profiles.batch_curve import load_batch_table
-from argus.profiles.edit_batching import BatchEntry, ContinuousBatch
 from argus.request_limits import EditInput
-from argus.sim.edits import draw_mask_ratios, zipf_weights
+from argus.router.edit_balance import RoundRobinBalancer
+from argus.sim.edits import EditCluster, EditRequest, draw_mask_ratios, zipf_weights
 from argus.sim.intervals import mean_interval
 from argus.worker.activation_store import ActivationStore
 from argus.worker.edit_cache import EditCache, EditCacheUse
@@ -324,48 +325,42 @@ HEADER = (
 )
 
 
+@dataclass(frozen=True)
+class _Priced:
+    step_s: Callable[[int, float], float]
+
+
 def predict(
     arrivals: list[Arrival], step_s: Callable[[int, float], float], bound: int, *, static: bool
 ) -> tuple[list[Outcome], StepStats]:
-    """The same arrivals through the batching policy alone (``ContinuousBatch``, as the step
-    batcher runs it), each step priced by ``step_s(batch, mask_sum)`` instead of run: what the
-    engine would measure if a step cost exactly that (a measured curve's points or its fit).
-    An inpainting edit replays its template's record when an earlier edit of that template has
-    finished (it recorded it), else it runs in full; img2img always runs in full."""
-    batch = ContinuousBatch(bound, static=static)
-    outcomes: list[Outcome | None] = [None] * len(arrivals)
-    recorded: set[int] = set()  # templates (by identity) whose record is taken
-    joined: dict[int, float] = {}
-    stats = StepStats()
-
-    def ratio_of(entry: BatchEntry) -> float:
-        edit = arrivals[int(entry.key)].spec.edit  # type: ignore[call-overload]
+    """The same arrivals served by the simulator's worker (``argus/sim/edits.py``'s
+    ``EditCluster``, one worker, the batching policy the step batcher runs), each step priced by
+    ``step_s(batch, mask_sum)`` instead of run: what the engine would measure if a step cost
+    exactly that (a measured curve's points or its fit). An inpainting edit replays its
+    template's record when an earlier edit of that template has finished (it recorded it), else
+    it runs in full; img2img always runs in full."""
+    templates: dict[int, int] = {}  # template array (by identity) → its index
+    requests = []
+    for index, arrival in enumerate(arrivals):
+        spec, edit = arrival.spec, arrival.spec.edit
         assert edit is not None
-        hit = edit.region is not None and id(edit.rgb) in recorded
-        return edit.mask_ratio if hit else 1.0
-
-    now, index = 0.0, 0
-    while index < len(arrivals) or not batch.idle():
-        if batch.idle():
-            now = max(now, arrivals[index].at_s)
-        while index < len(arrivals) and arrivals[index].at_s <= now:
-            spec = arrivals[index].spec
-            batch.submit(BatchEntry(index, spec.steps - spec.start_step, 1.0))
-            index += 1
-        for running in batch.join(ratio_of):
-            joined[int(running.entry.key)] = now  # type: ignore[call-overload]
-        if len(batch) == 0:
-            continue
-        now += step_s(len(batch), batch.mask_sum())
-        stats.steps += 1
-        stats.rows += len(batch)
-        for done in batch.step():
-            key = int(done.entry.key)  # type: ignore[call-overload]
-            edit = arrivals[key].spec.edit
-            if edit is not None and edit.region is not None:
-                recorded.add(id(edit.rgb))
-            outcomes[key] = Outcome(arrivals[key].at_s, joined[key], now)
-    return [o for o in outcomes if o is not None], stats
+        template = None  # img2img: a full run, never a record
+        if edit.region is not None:
+            template = templates.setdefault(id(edit.rgb), len(templates))
+        steps = spec.steps - spec.start_step
+        requests.append(EditRequest(index, arrival.at_s, edit.mask_ratio, template, steps))
+    cluster = EditCluster(
+        _Priced(step_s),
+        RoundRobinBalancer(),
+        workers=1,
+        bound=bound,
+        cache_templates=len(templates),
+        static=static,
+    )
+    outcomes = cluster.run(requests)
+    worker = cluster.workers[0]
+    stats = StepStats(steps=worker.steps, rows=worker.rows)
+    return [Outcome(o.arrival_s, o.joined_s, o.finished_s) for o in outcomes], stats
 
 
 def report(name: str, outcomes: list[Outcome], stats: StepStats | None) -> str:

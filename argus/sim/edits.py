@@ -29,6 +29,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -44,6 +45,13 @@ MIN_RATIO = 0.01  # a region covers at least a token or so
 STEPS = 50  # denoising steps of an edit (diffusers' default for SD-1.5 / SDXL)
 BATCH_BOUND = 8  # InstGenIE §6.2's bound for SDXL and Flux (4 for SD-2.1)
 CACHE_TEMPLATES = 64  # template records a worker holds (our assumption)
+
+
+class StepPrice(Protocol):
+    """What prices a step: the cost model's fit, or a measured curve's points
+    (:meth:`argus.profiles.batch_curve.BatchCurve.step_s`)."""
+
+    def step_s(self, batch: int, mask_sum: float) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -198,6 +206,8 @@ class _Worker:
         self.jobs: dict[int, EditRequest] = {}
         self.joined: dict[int, float] = {}  # when each running edit joined
         self.hits: dict[int, bool] = {}  # whether each running edit found its record
+        self.steps = 0  # batched steps run
+        self.rows = 0  # edits summed over those steps (mean batch = rows / steps)
 
     def snapshot(self, now: float) -> WorkerSnapshot:
         running = tuple(
@@ -250,7 +260,7 @@ class EditCluster:
 
     def __init__(
         self,
-        model: EditCostModel,
+        model: StepPrice,
         balancer: EditBalancer,
         *,
         workers: int = 8,
@@ -305,4 +315,6 @@ class EditCluster:
             worker.step_ends_s = None
         else:
             worker.step_ends_s = now + self.model.step_s(len(worker.batch), worker.batch.mask_sum())
+            worker.steps += 1
+            worker.rows += len(worker.batch)
         return worker.step_ends_s
