@@ -4,29 +4,21 @@ add up; nothing about timing is checked: it depends on the machine)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.benchmark_modules import benchmark_module
+
 pytestmark = pytest.mark.integration
-
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture
 def bench_concurrency() -> Iterator[Any]:
     """The benchmark module; benchmarks/ is a folder of scripts that import `_machine`."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_concurrency
-
-        yield bench_concurrency
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("bench_concurrency") as module:
+        yield module
 
 
 def test_a_small_burst_over_both_transports(

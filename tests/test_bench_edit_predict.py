@@ -3,9 +3,7 @@ batching policy, each step priced by a cost model instead of run."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,23 +12,18 @@ import pytest
 from argus.profiles.edit_cost import EditCostModel
 from argus.request_limits import EditInput
 from argus.worker.pipelines import GenerationSpec
+from tests.benchmark_modules import benchmark_module
 
 pytestmark = pytest.mark.unit
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # a step costs 1 s alone and 0.1 s more per edit beside it; a full edit 0.5 s more than a replay
 MODEL = EditCostModel(base_s=0.9, per_edit_s=0.1, per_mask_s=0.5)
 
 
 @pytest.fixture
 def bench() -> Iterator[Any]:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_edit_serving
-
-        yield bench_edit_serving
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("bench_edit_serving") as module:
+        yield module
 
 
 def inpaint(bench: Any, at_s: float, template: np.ndarray, steps: int = 4) -> Any:

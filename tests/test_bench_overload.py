@@ -4,29 +4,21 @@ checked: they depend on the machine)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.benchmark_modules import benchmark_module
+
 pytestmark = pytest.mark.integration
-
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture
 def bench_overload() -> Iterator[Any]:
     """The benchmark module; benchmarks/ is a folder of scripts that import `_machine`."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_overload
-
-        yield bench_overload
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("bench_overload") as module:
+        yield module
 
 
 def test_a_short_overload_prints_its_table(

@@ -6,29 +6,22 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.benchmark_modules import benchmark_module
+
 pytestmark = pytest.mark.integration
-
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture
 def bench_router() -> Iterator[Any]:
     """The benchmark module; benchmarks/ is a folder of scripts that import `_machine`."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_router
-
-        yield bench_router
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("bench_router") as module:
+        yield module
 
 
 def test_every_request_is_answered_and_measured(

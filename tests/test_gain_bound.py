@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,21 +13,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.unit
+from tests.benchmark_modules import benchmark_module
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def gain_bound() -> Iterator[Any]:
     """The benchmark module; benchmarks/ is a folder of scripts that import `_machine`."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import gain_bound
-
-        yield gain_bound
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("gain_bound") as module:
+        yield module
 
 
 def _caps(levels: int, gpus: int, rng: np.random.Generator) -> dict[tuple[int, int], float]:

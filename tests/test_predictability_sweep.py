@@ -7,7 +7,6 @@ following it (flat Q(v | c) when the text says nothing, distinct classes when it
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,23 +16,16 @@ import pytest
 from argus.classifier.embedding_cache import CACHE_ENV
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
+from tests.benchmark_modules import benchmark_module
 
 pytestmark = pytest.mark.unit
-
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture
 def sweep() -> Iterator[Any]:
     """The benchmark module; benchmarks/ is a folder of scripts that import `_machine`."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import predictability_sweep
-
-        yield predictability_sweep
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("predictability_sweep") as module:
+        yield module
 
 
 def test_classes_follow_the_text_share(
