@@ -43,6 +43,7 @@ import math
 import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -110,12 +111,13 @@ class BatchCurve:
         if batch <= 0:
             return 0.0
         mean = mask_sum / batch
+        by_size = self._by_size
 
         def at(size: int) -> float:
-            measured = sorted((p.mask_ratio, p.step_s) for p in self.points if p.batch == size)
-            return float(np.interp(mean, [r for r, _ in measured], [t for _, t in measured]))
+            ratios, seconds = by_size[size]
+            return float(np.interp(mean, ratios, seconds))
 
-        sizes = sorted({p.batch for p in self.points})
+        sizes = list(by_size)
         if batch in sizes or len(sizes) == 1:
             return at(batch if batch in sizes else sizes[0])
         below = [size for size in sizes if size < batch]
@@ -125,6 +127,15 @@ class BatchCurve:
         else:  # outside the measured sizes: the nearest two, extended
             low, high = sizes[:2] if above else sizes[-2:]
         return at(low) + (at(high) - at(low)) * (batch - low) / (high - low)
+
+    @cached_property
+    def _by_size(self) -> dict[int, tuple[list[float], list[float]]]:
+        """Batch size (ascending) → its measured ratios (ascending) and step times."""
+        out: dict[int, tuple[list[float], list[float]]] = {}
+        for size in sorted({p.batch for p in self.points}):
+            measured = sorted((p.mask_ratio, p.step_s) for p in self.points if p.batch == size)
+            out[size] = ([r for r, _ in measured], [t for _, t in measured])
+        return out
 
     def cost_model(self) -> EditCostModel:
         """The edit cost model fitted on every point (b, b·m, seconds), with R²."""
