@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _machine import load_line, machine_line
 from bench_editing import build_unet, centred_region
 
-from argus.profiles.batch_curve import BatchCurve, CurvePoint, dump_batch_table
+from argus.profiles.batch_curve import BatchCurve, CurvePoint, dump_batch_table, load_batch_table
 from argus.profiles.edit_cost import fit_cost_model
 from argus.request_limits import EditInput
 from argus.worker.activation_store import ActivationStore
@@ -148,6 +148,83 @@ def measure_curve(
     return BatchCurve(model.name, size, size, tuple(points), steps)
 
 
+# Mixed batches (``--mixed``): (label, the edits' mask ratios; 1.0 is a full run, no record)
+MIXES = (
+    ("2 replays, same", (0.11, 0.11)),
+    ("2 replays, mixed", (0.02, 0.26)),
+    ("1 full + 1 replay", (1.0, 0.11)),
+    ("2 full", (1.0, 1.0)),
+    ("4 replays, same", (0.11, 0.11, 0.11, 0.11)),
+    ("4 replays, mixed", (0.02, 0.05, 0.11, 0.26)),
+    ("2 full + 2 replays", (1.0, 1.0, 0.11, 0.11)),
+    ("4 full", (1.0, 1.0, 1.0, 1.0)),
+)
+
+
+def measure_mixed(model: DiffusionModel, size: int, rounds: int, seed: int) -> None:
+    """Step time of batches that mix mask ratios, or full runs with replays, against batches of
+    copies of one edit (what the curve measures) and the CPU table's price for the same batch
+    size and mask sum (``BatchCurve.step_s``). The mixes take turns, ``rounds`` times, so the
+    machine's drift falls on all of them alike; two templates, each recorded once with a one-cell
+    region (so an edit computes its own region's tokens only), the replays alternating between
+    them. Each turn: one untimed step where every edit joins, then two timed steps."""
+    from bench_edit_serving import CPU_TABLE, region_rect
+
+    curve = load_batch_table(CPU_TABLE).curve(model.name, size, size)
+    rng = np.random.default_rng(seed)
+    templates = [rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(2)]
+    cache = EditCache(ActivationStore(8 * 2**30))
+    cells = (size // 8) ** 2
+
+    def spec(index: int, ratio: float, steps: int = 4) -> GenerationSpec:
+        edit = EditInput(templates[index % 2], region_rect(size, ratio), 1.0)
+        return GenerationSpec(
+            f"edit {index}", seed=index, height=size, width=size, steps=steps, edit=edit
+        )
+
+    def effective(ratio: float) -> float:  # the ratio region_rect's whole cells give
+        return 1.0 if ratio >= 1.0 else float(region_rect(size, ratio)[::8, ::8].sum()) / cells
+
+    for index in range(2):
+        first = spec(index, 1 / cells)
+        key = cache.key(model, first, adapters=False)
+        assert key is not None, "the model's blocks cannot replay"
+        use = cache.begin(model, first, key, was_present=False)
+        model.denoise(first, predictor=use.predictor)
+        use.finish()
+    seconds: dict[str, list[float]] = {label: [] for label, _ in MIXES}
+    for _ in range(rounds):
+        for label, ratios in MIXES:
+            batcher = StepBatcher(model, len(ratios))
+            for index, ratio in enumerate(ratios):
+                edit = spec(index, ratio)
+                key = cache.key(model, edit, adapters=False)
+
+                def join(
+                    edit: GenerationSpec = edit, key: Any = key, full: bool = ratio >= 1
+                ) -> Any:
+                    if full:
+                        return None
+                    return cache.begin(model, edit, key, was_present=True, batched=True).rows
+
+                batcher.submit(edit, key=index, on_join=join)
+            batcher.step()  # every edit joins
+            for _ in range(2):
+                start = time.perf_counter()
+                batcher.step()
+                seconds[label].append(time.perf_counter() - start)
+            batcher.run_until_idle()
+    print(f"{'batch':22s} {'mask sum':>8s} {'median s':>9s} {'min s':>7s} {'table s':>8s}")
+    for label, ratios in MIXES:
+        mask_sum = sum(effective(r) for r in ratios)
+        table = curve.step_s(len(ratios), mask_sum) if curve is not None else float("nan")
+        print(
+            f"{label:22s} {mask_sum:8.3f} {statistics.median(seconds[label]):9.3f}"
+            f" {min(seconds[label]):7.3f} {table:8.3f}",
+            flush=True,
+        )
+
+
 def run_batcher(args: argparse.Namespace, batches: list[int], ratios: list[float]) -> None:
     curves = []
     with torch.inference_mode():
@@ -206,12 +283,20 @@ def main() -> None:
     parser.add_argument("--batcher", help="models measured through the step batcher (see above)")
     parser.add_argument("--write-table", help="with --batcher: the table file to write")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument(
+        "--mixed", type=int, default=0, help="ROUNDS: mixed batches of sd15-arch at 64 px (above)"
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
     if args.threads:
         torch.set_num_threads(args.threads)
     print(machine_line(), flush=True)
+    if args.mixed:
+        with torch.inference_mode():
+            measure_mixed(batcher_model("sd15-arch", "cpu"), 64, args.mixed, args.seed)
+        print(load_line("end"))
+        return
     if args.batcher:
         run_batcher(args, batches, ratios)
         print(load_line("end"))

@@ -121,6 +121,10 @@ class Outcome:
     done_s: float  # PNG encoded
 
 
+# the measured CPU curves (bench_edit_cost.py --batcher ... --write-table)
+CPU_TABLE = Path(__file__).resolve().parent.parent / "argus/profiles/edit-batching-cpu.toml"
+
+
 def build_model(kind: str) -> DiffusionModel:
     from argus.worker.models import (
         TINY_PREFIX,
@@ -404,9 +408,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--edit-batch-table",
-        default=str(
-            Path(__file__).resolve().parent.parent / "argus/profiles/edit-batching-cpu.toml"
-        ),
+        default=str(CPU_TABLE),
     )
     parser.add_argument("--edit-curve", default="sd15-arch", help="the table's curve to price by")
     parser.add_argument(

@@ -36,8 +36,11 @@ from argus.worker.masked_blocks import (
     RecordMismatchError,
     Replay,
     ReplayPredictor,
+    RowPart,
+    RowRecorder,
     TokenPlan,
     UnsupportedBlockError,
+    batched_blocks,
     check_block,
     masked_block_forward,
     plan_tokens,
@@ -271,6 +274,50 @@ def test_a_block_whose_every_token_is_computed_gives_its_own_forward_exactly() -
     assert torch.equal(out, io["y"])
 
 
+def test_a_batch_of_full_and_replayed_rows_computes_each_token_once_as_each_row_alone() -> None:
+    """One block call for three requests of two rows (CFG) each: a recording computed in full
+    and two replays of different regions (4 and 24 of 64 tokens). The feed-forward runs once,
+    on exactly the tokens the rows compute (no padding of the small region to the large one, no
+    second pass for the full rows), and every row's output is its output alone; the recording
+    keeps what it keeps alone."""
+    torch.manual_seed(0)
+    block = plain_block().eval()
+    x = torch.randn(6, 64, 8)
+    ehs = torch.randn(6, 3, 8)
+    record = ActivationRecord((8, 8))
+    with torch.inference_mode(), recording(block, record, 0, None):
+        block(torch.randn(2, 64, 8), encoder_hidden_states=torch.randn(2, 3, 8))
+    small, large = torch.zeros(1, 1, 8, 8), torch.zeros(1, 1, 8, 8)
+    small[..., :2, :2] = 1
+    large[..., 2:6, 1:7] = 1
+    replays = [Replay(block, record, region) for region in (small, large)]
+    recorder = RowRecorder(small)
+    parts = [RowPart(2, recorder, 0), RowPart(2, replays[0], 0), RowPart(2, replays[1], 0)]
+    fed: list[int] = []
+    handle = block.ff.register_forward_hook(
+        lambda module, args, out: fed.append(args[0].numel() // 8)
+    )
+    with torch.inference_mode():
+        try:
+            with batched_blocks([block], parts):
+                out = block(x, encoder_hidden_states=ehs)
+        finally:
+            handle.remove()
+        alone_record = ActivationRecord((8, 8))
+        with recording(block, alone_record, 0, small):
+            expected = [block(x[:2], encoder_hidden_states=ehs[:2])]
+        for k, replay in enumerate(replays, start=1):
+            with replay.step(0):
+                rows = slice(2 * k, 2 * k + 2)
+                expected.append(block(x[rows], encoder_hidden_states=ehs[rows]))
+    assert fed == [2 * 64 + 2 * 4 + 2 * 24]
+    scale = float(out.abs().max())
+    for k, alone in enumerate(expected):
+        assert torch.allclose(out[2 * k : 2 * k + 2], alone, rtol=0, atol=1e-5 * scale), k
+    assert torch.equal(recorder.record.coverage[(8, 8)], alone_record.coverage[(8, 8)])
+    torch.testing.assert_close(recorder.record.outputs[(0, 0)], alone_record.outputs[(0, 0)])
+
+
 def replayed(
     model: DiffusionModel, ratio: float, record: ActivationRecord, region: torch.Tensor
 ) -> tuple[float, float]:
@@ -389,13 +436,15 @@ def test_an_unsupported_block_is_refused_naming_what(make: Any, named: str) -> N
         check_block(make())
 
 
-def test_a_block_with_another_attention_processor_is_refused() -> None:
+@pytest.mark.parametrize(("attention", "kind"), [("attn1", "self"), ("attn2", "cross")])
+def test_a_block_with_another_attention_processor_is_refused(attention: str, kind: str) -> None:
     block = plain_block()
-    block.attn1.set_processor(SlicedAttnProcessor(2))
-    with pytest.raises(UnsupportedBlockError, match="SlicedAttnProcessor"):
+    getattr(block, attention).set_processor(SlicedAttnProcessor(2))
+    named = f"{kind}-attention processor SlicedAttnProcessor"
+    with pytest.raises(UnsupportedBlockError, match=named):
         check_block(block)
     unet = torch.nn.Sequential(block)
-    with pytest.raises(UnsupportedBlockError, match="SlicedAttnProcessor"):
+    with pytest.raises(UnsupportedBlockError, match=named):
         Replay(unet, ActivationRecord((2, 2)), torch.zeros(1, 1, 2, 2))
 
 

@@ -108,8 +108,8 @@ def transformer_blocks(unet: torch.nn.Module) -> tuple[Any, ...]:
 def check_block(block: torch.nn.Module) -> None:
     """Raise :class:`UnsupportedBlockError` unless ``block`` is the plain pre-norm block the
     masked forward implements: layer norms, self-attention then cross-attention then
-    feed-forward, no positional embedding, GLIGEN fuser or ada-norm, and a self-attention
-    that is softmax(QKᵀ/√d)V alone."""
+    feed-forward, no positional embedding, GLIGEN fuser or ada-norm, and attentions that are
+    softmax(QKᵀ/√d)V alone (a batch computes them itself: :func:`packed_block_forward`)."""
     from diffusers.models.attention import BasicTransformerBlock
 
     problems = []
@@ -126,16 +126,10 @@ def check_block(block: torch.nn.Module) -> None:
             problems.append("positional embeddings")
         if hasattr(block, "fuser"):
             problems.append("a GLIGEN fuser")
-        attn = block.attn1
-        processor = type(attn.processor).__name__
-        if processor not in SUPPORTED_PROCESSORS:
-            problems.append(f"self-attention processor {processor}")
-        for name in ("spatial_norm", "group_norm", "norm_q", "norm_k", "norm_cross"):
-            if getattr(attn, name, None) is not None:
-                problems.append(f"self-attention {name}")
-        if attn.residual_connection or attn.rescale_output_factor != 1.0:
-            problems.append("self-attention residual or rescale")
-        if attn.is_cross_attention:
+        for kind, attn in (("self-attention", block.attn1), ("cross-attention", block.attn2)):
+            if attn is not None:
+                problems.extend(_attention_problems(kind, attn))
+        if block.attn1.is_cross_attention:
             problems.append("self-attention over another sequence")
     if problems:
         raise UnsupportedBlockError(
@@ -143,6 +137,20 @@ def check_block(block: torch.nn.Module) -> None:
             "BasicTransformerBlock with norm_type 'layer_norm', self- then cross-attention "
             f"and one of {sorted(SUPPORTED_PROCESSORS)} is implemented"
         )
+
+
+def _attention_problems(kind: str, attn: Any) -> list[str]:
+    """What in ``attn`` the masked forward's softmax(QKᵀ/√d)V does not reproduce."""
+    problems = []
+    processor = type(attn.processor).__name__
+    if processor not in SUPPORTED_PROCESSORS:
+        problems.append(f"{kind} processor {processor}")
+    for name in ("spatial_norm", "group_norm", "norm_q", "norm_k", "norm_cross"):
+        if getattr(attn, name, None) is not None:
+            problems.append(f"{kind} {name}")
+    if attn.residual_connection or attn.rescale_output_factor != 1.0:
+        problems.append(f"{kind} residual or rescale")
+    return problems
 
 
 def token_regions(region: torch.Tensor) -> dict[int, tuple[Size, torch.Tensor]]:
@@ -384,13 +392,18 @@ def _scatter(
 ) -> torch.Tensor:
     """``full`` (batch × tokens × channels) with the computed rows and the recorded rows put
     in their tokens' places."""
+    _fill_cached(full, plan, recorded)
+    if computed.shape[1]:
+        full.index_copy_(1, plan.computed, computed)
+    return full
+
+
+def _fill_cached(full: torch.Tensor, plan: TokenPlan, recorded: torch.Tensor) -> None:
+    """The recorded rows put in the places of ``plan``'s cached tokens of ``full``."""
     if recorded.device != full.device:  # a host-held record for a UNet on an accelerator
         recorded = recorded.to(full.device)
     rows = recorded if plan.rows is None else recorded.index_select(1, plan.rows)
     full.index_copy_(1, plan.cached, rows.to(full.dtype))
-    if computed.shape[1]:
-        full.index_copy_(1, plan.computed, computed)
-    return full
 
 
 def masked_block_forward(
@@ -686,41 +699,75 @@ class RowPart:
 @contextlib.contextmanager
 def batched_blocks(blocks: Sequence[torch.nn.Module], parts: Sequence[RowPart]) -> Iterator[None]:
     """Patch every transformer block for one batched UNet call whose rows are ``parts``, in
-    order. In each block, the requests that replay it run together in one padded masked
-    computation (:func:`batched_masked_forward`: each computes its region's tokens only), the
-    others run the block's own forward together on all their tokens (a recording keeps its
-    rows of the output), and the outputs go back in row order. Everything outside the blocks
-    (convolutions, ResNets, the time embedding) runs on the whole batch. Restored on exit,
-    exceptions included."""
+    order. A block that no request replays runs its own forward on the whole batch (a
+    recording keeps its rows of the output); a block that some request replays runs once for
+    all rows on packed tokens (:func:`packed_block_forward`): each replaying request computes
+    its region's tokens only, each other request all its tokens, with no padding, so a step
+    costs the sum of its edits' work, as the cost model prices it. Everything outside the
+    blocks (convolutions, ResNets, the time embedding) runs on the whole batch. Restored on
+    exit, exceptions included."""
     rows = _PartRows(parts)
-    forwards = [_split_forward(index, block, parts, rows) for index, block in enumerate(blocks)]
+    forwards = [_batched_forward(index, block, parts, rows) for index, block in enumerate(blocks)]
     with patched_forwards(blocks, forwards):
         yield
 
 
+@dataclass(frozen=True)
+class _Group:
+    """Batch rows that compute the same number of tokens: one attention call between them.
+    Their tokens are ``count`` consecutive packed tokens a row, from ``start``."""
+
+    rows: torch.Tensor  # long: the rows, in packed order
+    count: int
+    start: int
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """Where each row's computed tokens sit among the packed tokens of one block call."""
+
+    index: torch.Tensor  # long: flat (row · tokens + token) index of every packed token
+    groups: tuple[_Group, ...]
+
+
 class _PartRows:
-    """The batch rows of a set of parts, as an index tensor on the step's device: made once
-    per set and call (the blocks of one UNet call ask for the same few sets, and on a GPU each
-    new one is a copy to the device)."""
+    """Per UNet call, the batch's row offsets and the packings its blocks ask for: made once
+    per set of plans (the blocks of one call share a few), as index tensors on the step's
+    device (on a GPU each new one is a copy to the device)."""
 
     def __init__(self, parts: Sequence[RowPart]) -> None:
         self.starts = [0]
         for part in parts:
             self.starts.append(self.starts[-1] + part.rows)
-        self._made: dict[tuple[tuple[int, ...], Any], torch.Tensor] = {}
+        self._made: dict[tuple[Any, ...], _Packing] = {}
 
-    def of(self, which: Sequence[int], device: Any) -> torch.Tensor:
-        """The rows of the parts ``which`` (indices into the parts), in order."""
-        key = (tuple(which), device)
+    def packing(self, plans: Sequence[TokenPlan | None], tokens: int, device: Any) -> _Packing:
+        """The packing for the parts' ``plans`` (None: the part computes every token)."""
+        key = (tokens, tuple(id(plan) for plan in plans), device)
         found = self._made.get(key)
         if found is None:
-            starts = self.starts
-            rows = [r for k in which for r in range(starts[k], starts[k + 1])]
-            found = self._made[key] = torch.tensor(rows, dtype=torch.long, device=device)
+            found = self._made[key] = self._pack(plans, tokens, device)
         return found
 
+    def _pack(self, plans: Sequence[TokenPlan | None], tokens: int, device: Any) -> _Packing:
+        every = torch.arange(tokens, device=device)
+        by_count: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for k, plan in enumerate(plans):
+            computed = every if plan is None else plan.computed.to(device)
+            for row in range(self.starts[k], self.starts[k + 1]):
+                by_count.setdefault(int(computed.numel()), []).append((row, computed))
+        pieces: list[torch.Tensor] = []
+        groups = []
+        start = 0
+        for count, members in by_count.items():
+            rows = [row for row, _ in members]
+            groups.append(_Group(torch.tensor(rows, dtype=torch.long, device=device), count, start))
+            pieces.extend(row * tokens + computed for row, computed in members)
+            start += count * len(rows)
+        return _Packing(torch.cat(pieces), tuple(groups))
 
-def _split_forward(
+
+def _batched_forward(
     index: int, block: Any, parts: Sequence[RowPart], part_rows: _PartRows
 ) -> Callable[..., torch.Tensor]:
     own = own_forward(block)
@@ -732,51 +779,30 @@ def _split_forward(
         encoder_attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         tokens = hidden_states.shape[1]
-        replays: list[tuple[int, TokenPlan, torch.Tensor]] = []  # (part, plan, cached rows)
-        full: list[int] = []
-        for k, part in enumerate(parts):
-            found = None
-            if part.blocks is not None:
-                found = part.blocks.replay(index, part.step, tokens, part.rows)
-            if found is None:
-                full.append(k)
-            else:
-                replays.append((k, *found))
-        if not replays:
+        found = [
+            None if part.blocks is None else part.blocks.replay(index, part.step, tokens, part.rows)
+            for part in parts
+        ]
+        full = [k for k, replay in enumerate(found) if replay is None]
+        if len(full) == len(parts):
             output: torch.Tensor = own(
                 hidden_states,
                 encoder_hidden_states=encoder_hidden_states,
                 encoder_attention_mask=encoder_attention_mask,
             )
-            _keep(parts, starts, full, index, output)
-            return output
-        output = torch.empty_like(hidden_states)
-        if full:
-            rows = part_rows.of(full, hidden_states.device)
-            computed = own(
-                hidden_states.index_select(0, rows),
-                encoder_hidden_states=_take(encoder_hidden_states, rows),
-                encoder_attention_mask=_take(encoder_attention_mask, rows),
+        else:
+            plans = [None if replay is None else replay[0] for replay in found]
+            packing = part_rows.packing(plans, tokens, hidden_states.device)
+            output = packed_block_forward(
+                block, hidden_states, packing, encoder_hidden_states, encoder_attention_mask
             )
-            output.index_copy_(0, rows, computed)
-            _keep(parts, starts, full, index, output)
-        rows = part_rows.of([k for k, _, _ in replays], hidden_states.device)
-        spans = [(starts[k + 1] - starts[k], plan, cached) for k, plan, cached in replays]
-        replayed = batched_masked_forward(
-            block,
-            hidden_states.index_select(0, rows),
-            spans,
-            _take(encoder_hidden_states, rows),
-            _take(encoder_attention_mask, rows),
-        )
-        output.index_copy_(0, rows, replayed)
+            for k, replay in enumerate(found):  # the replayed tokens' recorded rows
+                if replay is not None:
+                    _fill_cached(output[starts[k] : starts[k + 1]], *replay)
+        _keep(parts, starts, full, index, output)
         return output
 
     return block_forward(forward)
-
-
-def _take(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    return None if tensor is None else tensor.index_select(0, rows)
 
 
 def _keep(
@@ -793,45 +819,77 @@ def _keep(
             part.blocks.keep(index, part.step, output[starts[k] : starts[k + 1]])
 
 
-def batched_masked_forward(
+def packed_block_forward(
     block: Any,
     hidden_states: torch.Tensor,
-    spans: Sequence[tuple[int, TokenPlan, torch.Tensor]],
+    packing: _Packing,
     encoder_hidden_states: torch.Tensor | None = None,
     encoder_attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`masked_block_forward` for several requests in one computation: ``spans`` gives,
-    in row order, each request's rows, token plan and recorded output rows. Norms and the
-    keys' and values' projections run on every token of every row at once; each request's
-    computed tokens are gathered into one padded tensor (padded with its own first computed
-    token, whose results are dropped), so queries, self-attention (each row against its own
-    keys), cross-attention and feed-forward are one call each for the whole group; the
-    computed and recorded rows are then scattered back request by request. Y records only
-    (no cached keys and values)."""
+    """One ``BasicTransformerBlock`` (checked by :func:`check_block`) for a batch whose rows
+    compute different tokens: ``packing`` lists every row's computed tokens (all of them for a
+    row computed in full). Self-attention's keys and values are projected from every token of
+    every row; queries, both attentions' output projections, the norms, the feed-forward and
+    the residuals run once on the computed tokens of all rows packed together (no padding);
+    each attention runs per group of rows with as many computed tokens (queries against the
+    row's own keys or its own prompt). Returns batch × tokens × channels with the computed
+    tokens written; the others are left for the caller to fill from the records."""
     x = hidden_states
-    device = x.device
-    counts = [int(plan.computed.numel()) for _, plan, _ in spans]
-    width = max(counts)
-    gather = torch.empty(x.shape[0], width, dtype=torch.long, device=device)
-    row = 0
-    for (rows, plan, _), count in zip(spans, counts, strict=True):
-        padded = plan.computed
-        if count < width:
-            padded = torch.cat([padded, padded[:1].expand(width - count)])
-        gather[row : row + rows] = padded
-        row += rows
-    channels = x.shape[-1]
+    batch, tokens, channels = x.shape
+    flat = x.reshape(batch * tokens, channels)
+    x_packed = flat.index_select(0, packing.index)
     attn = block.attn1
     normed = block.norm1(x)
-    key, value = attn.to_k(normed), attn.to_v(normed)
-    take = gather.unsqueeze(-1).expand(-1, -1, channels)
-    x_computed = torch.gather(x, 1, take)
-    h = _attend(attn, torch.gather(normed, 1, take), key, value) + x_computed
-    h = _after_self_attention(block, h, encoder_hidden_states, encoder_attention_mask)
-    output = torch.empty_like(x)
-    row = 0
-    for (rows, plan, cached_y), count in zip(spans, counts, strict=True):
-        # every token is computed or recorded: the view is written whole, in place
-        _scatter(output[row : row + rows], plan, h[row : row + rows, :count], cached_y)
-        row += rows
+    query_in = normed.reshape(batch * tokens, channels).index_select(0, packing.index)
+    h = _grouped_attend(attn, query_in, normed, packing.groups) + x_packed
+    if block.attn2 is not None:
+        if encoder_hidden_states is None:  # the UNets served always give the prompt
+            raise UnsupportedBlockError(
+                "masked transformer block: cross-attention without encoder hidden states"
+            )
+        cross = _grouped_attend(
+            block.attn2,
+            block.norm2(h),
+            encoder_hidden_states,
+            packing.groups,
+            encoder_attention_mask,
+        )
+        h = cross + h
+    h = block.ff(block.norm3(h)) + h
+    output = x.new_empty(batch, tokens, channels)  # contiguous, whatever x's strides
+    output.view(batch * tokens, channels).index_copy_(0, packing.index, h)
     return output
+
+
+def _grouped_attend(
+    attn: Any,
+    query_in: torch.Tensor,
+    context: torch.Tensor,
+    groups: Sequence[_Group],
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``attn`` (the operations of diffusers' ``AttnProcessor2_0``) for packed queries: the
+    query and output projections once for all packed tokens, keys and values from each row's
+    ``context`` (batch × length × channels), softmax(QKᵀ/√d)V per group of rows."""
+    query = attn.to_q(query_in)
+    key, value = attn.to_k(context), attn.to_v(context)
+    inner = key.shape[-1]
+    heads = attn.heads
+    head_dim = inner // heads
+    out = torch.empty(query.shape[0], inner, dtype=query.dtype, device=query.device)
+    for group in groups:
+        size = int(group.rows.numel())
+        span = slice(group.start, group.start + size * group.count)
+        q = query[span].view(size, group.count, heads, head_dim).transpose(1, 2)
+        k = key.index_select(0, group.rows).view(size, -1, heads, head_dim).transpose(1, 2)
+        v = value.index_select(0, group.rows).view(size, -1, heads, head_dim).transpose(1, 2)
+        mask = None
+        if attention_mask is not None:
+            length = context.shape[1]
+            mask = attn.prepare_attention_mask(
+                attention_mask.index_select(0, group.rows), length, size
+            ).view(size, heads, -1, length)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+        out[span] = o.transpose(1, 2).reshape(size * group.count, inner).to(query.dtype)
+    projected: torch.Tensor = attn.to_out[1](attn.to_out[0](out))
+    return projected
