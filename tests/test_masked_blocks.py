@@ -274,16 +274,24 @@ def test_a_block_whose_every_token_is_computed_gives_its_own_forward_exactly() -
     assert torch.equal(out, io["y"])
 
 
-def test_a_batch_of_full_and_replayed_rows_computes_each_token_once_as_each_row_alone() -> None:
+@pytest.mark.parametrize("prompt_mask", [False, True])
+def test_a_batch_of_full_and_replayed_rows_computes_each_token_once_as_each_row_alone(
+    prompt_mask: bool,
+) -> None:
     """One block call for three requests of two rows (CFG) each: a recording computed in full
     and two replays of different regions (4 and 24 of 64 tokens). The feed-forward runs once,
     on exactly the tokens the rows compute (no padding of the small region to the large one, no
     second pass for the full rows), and every row's output is its output alone; the recording
-    keeps what it keeps alone."""
+    keeps what it keeps alone. With a cross-attention mask (as diffusers passes it: a bias, one
+    row per sample) each row attends to its own prompt tokens only, as alone."""
     torch.manual_seed(0)
     block = plain_block().eval()
     x = torch.randn(6, 64, 8)
     ehs = torch.randn(6, 3, 8)
+    bias = None
+    if prompt_mask:  # each row hides a different prompt token
+        bias = torch.zeros(6, 1, 3)
+        bias[torch.arange(6), 0, torch.arange(6) % 3] = -10000.0
     record = ActivationRecord((8, 8))
     with torch.inference_mode(), recording(block, record, 0, None):
         block(torch.randn(2, 64, 8), encoder_hidden_states=torch.randn(2, 3, 8))
@@ -300,16 +308,19 @@ def test_a_batch_of_full_and_replayed_rows_computes_each_token_once_as_each_row_
     with torch.inference_mode():
         try:
             with batched_blocks([block], parts):
-                out = block(x, encoder_hidden_states=ehs)
+                out = block(x, encoder_hidden_states=ehs, encoder_attention_mask=bias)
         finally:
             handle.remove()
         alone_record = ActivationRecord((8, 8))
-        with recording(block, alone_record, 0, small):
-            expected = [block(x[:2], encoder_hidden_states=ehs[:2])]
-        for k, replay in enumerate(replays, start=1):
-            with replay.step(0):
-                rows = slice(2 * k, 2 * k + 2)
-                expected.append(block(x[rows], encoder_hidden_states=ehs[rows]))
+        runs = [recording(block, alone_record, 0, small), *(replay.step(0) for replay in replays)]
+        expected = []
+        for k, run in enumerate(runs):
+            rows = slice(2 * k, 2 * k + 2)
+            mask = None if bias is None else bias[rows]
+            with run:
+                expected.append(
+                    block(x[rows], encoder_hidden_states=ehs[rows], encoder_attention_mask=mask)
+                )
     assert fed == [2 * 64 + 2 * 4 + 2 * 24]
     scale = float(out.abs().max())
     for k, alone in enumerate(expected):

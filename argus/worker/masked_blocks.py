@@ -373,18 +373,12 @@ def plan_tokens(
 def _attend(
     attn: Any, query_in: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> torch.Tensor:
-    """softmax(QKᵀ/√d)V through ``attn``'s projections, with the same operations as
-    diffusers' ``AttnProcessor2_0`` (so all tokens computed give its very numbers)."""
-    batch = query_in.shape[0]
-    query = attn.to_q(query_in)
-    head_dim = key.shape[-1] // attn.heads
-    query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-    key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-    value = value.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
-    out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
-    projected: torch.Tensor = attn.to_out[1](attn.to_out[0](out))
-    return projected
+    """softmax(QKᵀ/√d)V through ``attn``'s projections for every row's queries (batch ×
+    queries × channels) against its keys and values: :func:`_grouped_attend` with one group."""
+    batch, count, channels = query_in.shape
+    rows = _Group(torch.arange(batch, device=query_in.device), count, 0)
+    out = _grouped_attend(attn, query_in.reshape(batch * count, channels), key, value, (rows,))
+    return out.view(batch, count, out.shape[-1])
 
 
 def _scatter(
@@ -841,16 +835,19 @@ def packed_block_forward(
     attn = block.attn1
     normed = block.norm1(x)
     query_in = normed.reshape(batch * tokens, channels).index_select(0, packing.index)
-    h = _grouped_attend(attn, query_in, normed, packing.groups) + x_packed
+    key, value = attn.to_k(normed), attn.to_v(normed)
+    h = _grouped_attend(attn, query_in, key, value, packing.groups) + x_packed
     if block.attn2 is not None:
         if encoder_hidden_states is None:  # the UNets served always give the prompt
             raise UnsupportedBlockError(
                 "masked transformer block: cross-attention without encoder hidden states"
             )
+        cross_attn = block.attn2
         cross = _grouped_attend(
-            block.attn2,
+            cross_attn,
             block.norm2(h),
-            encoder_hidden_states,
+            cross_attn.to_k(encoder_hidden_states),
+            cross_attn.to_v(encoder_hidden_states),
             packing.groups,
             encoder_attention_mask,
         )
@@ -864,16 +861,17 @@ def packed_block_forward(
 def _grouped_attend(
     attn: Any,
     query_in: torch.Tensor,
-    context: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     groups: Sequence[_Group],
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``attn`` (the operations of diffusers' ``AttnProcessor2_0``) for packed queries: the
-    query and output projections once for all packed tokens, keys and values from each row's
-    ``context`` (batch × length × channels), softmax(QKᵀ/√d)V per group of rows."""
+    """``attn`` with the operations of diffusers' ``AttnProcessor2_0`` (so all tokens computed
+    give its very numbers) for packed queries: the query and output projections once for all
+    packed tokens, softmax(QKᵀ/√d)V per group of rows against each row's ``key`` and ``value``
+    (batch × length × inner, projected)."""
     query = attn.to_q(query_in)
-    key, value = attn.to_k(context), attn.to_v(context)
-    inner = key.shape[-1]
+    length, inner = key.shape[1:]
     heads = attn.heads
     head_dim = inner // heads
     out = torch.empty(query.shape[0], inner, dtype=query.dtype, device=query.device)
@@ -881,15 +879,20 @@ def _grouped_attend(
         size = int(group.rows.numel())
         span = slice(group.start, group.start + size * group.count)
         q = query[span].view(size, group.count, heads, head_dim).transpose(1, 2)
-        k = key.index_select(0, group.rows).view(size, -1, heads, head_dim).transpose(1, 2)
-        v = value.index_select(0, group.rows).view(size, -1, heads, head_dim).transpose(1, 2)
+        k = _group_rows(key, group).view(size, length, heads, head_dim).transpose(1, 2)
+        v = _group_rows(value, group).view(size, length, heads, head_dim).transpose(1, 2)
         mask = None
         if attention_mask is not None:
-            length = context.shape[1]
-            mask = attn.prepare_attention_mask(
-                attention_mask.index_select(0, group.rows), length, size
-            ).view(size, heads, -1, length)
+            mask = attn.prepare_attention_mask(_group_rows(attention_mask, group), length, size)
+            mask = mask.view(size, heads, -1, length)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
         out[span] = o.transpose(1, 2).reshape(size * group.count, inner).to(query.dtype)
     projected: torch.Tensor = attn.to_out[1](attn.to_out[0](out))
     return projected
+
+
+def _group_rows(tensor: torch.Tensor, group: _Group) -> torch.Tensor:
+    """The group's rows of ``tensor`` (itself when the group is every row, in order)."""
+    if int(group.rows.numel()) == tensor.shape[0]:  # rows are kept in order: no copy
+        return tensor
+    return tensor.index_select(0, group.rows)
