@@ -110,6 +110,11 @@ def test_requests_joining_at_different_steps_match_their_runs_alone(
     assert joined["inpaint-small"] == joined["inpaint-large"] == 3
     assert joined["i2i-most"] > 3  # the bound of 4 held it until a slot freed
     assert max(batcher.stats.rows_per_step) == 4
+    stats = batcher.stats  # the UNet's time by batch size covers every step, once
+    assert stats.steps_by_batch == {
+        size: stats.rows_per_step.count(size) for size in set(stats.rows_per_step)
+    }
+    assert sum(stats.unet_s_by_batch.values()) == pytest.approx(stats.unet_s)
     for name, future in futures.items():
         torch.testing.assert_close(
             future.result().latents, alone(model, cases[name]), atol=ATOL, rtol=RTOL, msg=name

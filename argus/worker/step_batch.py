@@ -116,6 +116,9 @@ class StepStats:
     scheduler_s: float = 0.0  # inside the requests' ``scheduler.step`` calls
     prepare_s: float = 0.0  # admitted requests' text encoding and starting latents
     rows_per_step: list[int] = field(default_factory=list)
+    # by requests in the step (at most the bound): steps run and seconds in the UNet call
+    steps_by_batch: dict[int, int] = field(default_factory=dict)
+    unet_s_by_batch: dict[int, float] = field(default_factory=dict)
 
     @property
     def overhead_s(self) -> float:
@@ -350,6 +353,9 @@ class StepBatcher:
         if self.history:
             stats.rows_per_step.append(len(running))
         stats.unet_s += unet_s
+        size = len(running)
+        stats.steps_by_batch[size] = stats.steps_by_batch.get(size, 0) + 1
+        stats.unet_s_by_batch[size] = stats.unet_s_by_batch.get(size, 0.0) + unet_s
         stats.scheduler_s += scheduler_s
         stats.prepare_s += prepare_s
         stats.total_s += self.clock() - began
