@@ -28,6 +28,13 @@ the table workers read with ``--edit-batch-table``
     python benchmarks/bench_edit_cost.py --batcher full:sd-1.5,full:sdxl --device cuda \
         --batches 1,2,3,4,5,6,7,8 --ratios 0.1,0.2,1.0 --repeats 5 \
         --write-table argus/profiles/edit-batching-h200.toml           # on a GPU
+
+``--mixed ROUNDS`` times batches that mix mask ratios, or full runs with replays, on
+``sd15-arch`` at 64 px through the step batcher, against batches of copies of one edit and the
+CPU table's price for the same size and mask sum (:func:`measure_mixed`; about 1 minute a
+round on 2 vCPUs):
+
+    .venv/bin/python benchmarks/bench_edit_cost.py --mixed 6 --threads 1
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -161,13 +169,24 @@ MIXES = (
 )
 
 
-def measure_mixed(model: DiffusionModel, size: int, rounds: int, seed: int) -> None:
+@dataclass(frozen=True)
+class MixedRow:
+    label: str
+    mask_sum: float  # the edits' effective ratios (whole latent cells), a full run counting 1
+    seconds: list[float]  # every timed step
+    table_s: float  # the CPU table's price (nan: no curve for the model and size)
+
+
+def measure_mixed(
+    model: DiffusionModel, size: int, rounds: int, seed: int
+) -> tuple[list[MixedRow], dict[str, int]]:
     """Step time of batches that mix mask ratios, or full runs with replays, against batches of
     copies of one edit (what the curve measures) and the CPU table's price for the same batch
     size and mask sum (``BatchCurve.step_s``). The mixes take turns, ``rounds`` times, so the
     machine's drift falls on all of them alike; two templates, each recorded once with a one-cell
     region (so an edit computes its own region's tokens only), the replays alternating between
-    them. Each turn: one untimed step where every edit joins, then two timed steps."""
+    them. Each turn: one untimed step where every edit joins, then two timed steps. Returns a
+    row per mix and the cache's counts (a replay is a hit)."""
     from bench_edit_serving import CPU_TABLE, region_rect
 
     curve = load_batch_table(CPU_TABLE).curve(model.name, size, size)
@@ -214,13 +233,20 @@ def measure_mixed(model: DiffusionModel, size: int, rounds: int, seed: int) -> N
                 batcher.step()
                 seconds[label].append(time.perf_counter() - start)
             batcher.run_until_idle()
-    print(f"{'batch':22s} {'mask sum':>8s} {'median s':>9s} {'min s':>7s} {'table s':>8s}")
+    rows = []
     for label, ratios in MIXES:
         mask_sum = sum(effective(r) for r in ratios)
         table = curve.step_s(len(ratios), mask_sum) if curve is not None else float("nan")
+        rows.append(MixedRow(label, mask_sum, seconds[label], table))
+    return rows, cache.counts()
+
+
+def print_mixed(rows: list[MixedRow]) -> None:
+    print(f"{'batch':22s} {'mask sum':>8s} {'median s':>9s} {'min s':>7s} {'table s':>8s}")
+    for row in rows:
         print(
-            f"{label:22s} {mask_sum:8.3f} {statistics.median(seconds[label]):9.3f}"
-            f" {min(seconds[label]):7.3f} {table:8.3f}",
+            f"{row.label:22s} {row.mask_sum:8.3f} {statistics.median(row.seconds):9.3f}"
+            f" {min(row.seconds):7.3f} {row.table_s:8.3f}",
             flush=True,
         )
 
@@ -294,7 +320,8 @@ def main() -> None:
     print(machine_line(), flush=True)
     if args.mixed:
         with torch.inference_mode():
-            measure_mixed(batcher_model("sd15-arch", "cpu"), 64, args.mixed, args.seed)
+            rows, _ = measure_mixed(batcher_model("sd15-arch", "cpu"), 64, args.mixed, args.seed)
+        print_mixed(rows)
         print(load_line("end"))
         return
     if args.batcher:
