@@ -38,6 +38,13 @@ measure if every step cost what the curve says. It takes seconds, so it shows wh
 allows at settings too slow to run (more steps, other loads), and how far a real run falls
 short of it.
 
+``--side-by-side`` runs the engines at the same time, each in a process of its own with its own
+model (one core each at ``--threads 1``; as many engines as cores), on the same arrivals over
+the same seconds: one after the other, a virtual machine whose speed drifts by 10-20% within
+minutes (this one's does) gives one engine a faster machine than the other. Each process
+prints its UNet seconds a step by batch size, so a step of the same size can be compared
+across engines. ``--alone-s`` skips the probe and draws the workload of a run that printed it.
+
     .venv/bin/python benchmarks/bench_edit_serving.py --model tiny          # ~3 min
     .venv/bin/python benchmarks/bench_edit_serving.py --model sd15 --size 64 --steps 4 \
         --duration 300 --load 0.9 --engines static,continuous               # ~13 min
@@ -78,6 +85,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import multiprocessing
+import os
 import queue
 import sys
 import threading
@@ -207,9 +216,13 @@ def service_time(model: DiffusionModel, spec: GenerationSpec, repeats: int = 3) 
     return float(np.median(times))
 
 
-def drive(arrivals: list[Arrival], submit: Callable[[int, float], None]) -> float:
-    """Submit each request at its arrival time (real time); returns the run's start clock."""
-    t0 = time.perf_counter()
+def drive(
+    arrivals: list[Arrival], submit: Callable[[int, float], None], start_s: float | None = None
+) -> float:
+    """Submit each request at its arrival time (real time) from ``start_s`` (a
+    ``time.perf_counter()`` reading, the machine's monotonic clock, so processes side by side
+    share it; default now); returns the run's start clock."""
+    t0 = time.perf_counter() if start_s is None else start_s
     for index, arrival in enumerate(arrivals):
         delay = t0 + arrival.at_s - time.perf_counter()
         if delay > 0:
@@ -228,7 +241,10 @@ def cache_key(cache: EditCache | None, model: DiffusionModel, spec: GenerationSp
 
 
 def run_alone(
-    model: DiffusionModel, arrivals: list[Arrival], cache: EditCache | None
+    model: DiffusionModel,
+    arrivals: list[Arrival],
+    cache: EditCache | None,
+    start_s: float | None = None,
 ) -> tuple[list[Outcome], None]:
     """Today's worker: one request at a time, denoise (replaying or recording its template's
     activations when ``cache``) then post-process, on the device thread."""
@@ -253,7 +269,7 @@ def run_alone(
 
     thread = threading.Thread(target=device)
     thread.start()
-    drive(arrivals, lambda index, arrived: jobs.put((index, arrived)))
+    drive(arrivals, lambda index, arrived: jobs.put((index, arrived)), start_s)
     jobs.put(None)
     thread.join()
     return [o for o in outcomes if o is not None], None
@@ -267,6 +283,7 @@ def run_batched(
     *,
     static: bool,
     decode_thread: bool,
+    start_s: float | None = None,
 ) -> tuple[list[Outcome], StepStats]:
     """The step batcher at ``bound``; with ``cache`` each inpainting edit replays or records
     its template's activations on its own rows of the batch, as the worker's edit lane does."""
@@ -312,7 +329,7 @@ def run_batched(
     helper = threading.Thread(target=decoder)
     if decode_thread:
         helper.start()
-    drive(arrivals, submit)
+    drive(arrivals, submit, start_s)
     while sum(o is not None for o in outcomes) < len(arrivals):
         time.sleep(0.01)
     stop.set()
@@ -384,6 +401,107 @@ def report(name: str, outcomes: list[Outcome], stats: StepStats | None) -> str:
     )
 
 
+def unet_by_batch(name: str, stats: StepStats | None) -> str | None:
+    """The engine's mean seconds in the UNet call a step, by requests in the step (None: not
+    a batcher's run): the same batch size should cost the same in every engine of a run."""
+    if stats is None or not stats.steps_by_batch:
+        return None
+    sizes = sorted(stats.steps_by_batch)
+    means = ", ".join(
+        f"{b}: {stats.unet_s_by_batch[b] / stats.steps_by_batch[b]:.3f} s"
+        f" ({stats.steps_by_batch[b]})"
+        for b in sizes
+    )
+    return f"{name}: UNet a step by batch (steps) {means}"
+
+
+def run_engine(
+    name: str,
+    model: DiffusionModel,
+    arrivals: list[Arrival],
+    args: argparse.Namespace,
+    start_s: float | None = None,
+) -> tuple[list[Outcome], StepStats | None]:
+    """One engine of :data:`ENGINES` serving ``arrivals`` from ``start_s`` (default now)."""
+    cache = new_cache(not args.no_edit_cache)
+    if name == "one-at-a-time":
+        return run_alone(model, arrivals, cache, start_s)
+    return run_batched(
+        model,
+        arrivals,
+        1 if name == "continuous-b1" else args.bound,
+        cache,
+        static=name == "static",
+        decode_thread=name == "continuous+decode-thread",
+        start_s=start_s,
+    )
+
+
+def side_by_side(
+    args: argparse.Namespace, names: list[str], arrivals: list[Arrival]
+) -> dict[str, tuple[list[Outcome], StepStats | None]]:
+    """``--side-by-side``: every engine in a process of its own, all serving the same arrivals
+    over the same seconds, so whatever the machine does to its speed meanwhile (a virtual
+    machine's neighbours, its clock) falls on all of them alike. Each process builds the model
+    and warms it up; the arrivals start 1 s after the last is ready."""
+    context = multiprocessing.get_context("spawn")
+    ready: Any = context.Queue()
+    results: Any = context.Queue()
+    starts = {name: context.Queue() for name in names}
+    workers = [
+        context.Process(
+            target=_engine_process, args=(name, args, arrivals, ready, starts[name], results)
+        )
+        for name in names
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        for _ in names:
+            ready.get(timeout=900)
+        start_s = time.perf_counter() + 1.0
+        for start in starts.values():
+            start.put(start_s)
+        runs = {}
+        for _ in names:
+            name, outcomes, stats = results.get(timeout=args.duration * 20 + 900)
+            runs[name] = (outcomes, stats)
+    finally:
+        for worker in workers:
+            worker.join(timeout=60)
+            if worker.is_alive():
+                worker.kill()
+    return runs
+
+
+def _engine_process(
+    name: str,
+    args: argparse.Namespace,
+    arrivals: list[Arrival],
+    ready: Any,
+    start: Any,
+    results: Any,
+) -> None:
+    torch.set_num_threads(args.threads)
+    model = build_model(args.model)
+    service_time(model, probe_spec(args), 1)  # warm up
+    ready.put(name)
+    outcomes, stats = run_engine(name, model, arrivals, args, start.get())
+    results.put((name, outcomes, stats))
+
+
+def probe_spec(args: argparse.Namespace) -> GenerationSpec:
+    """The inpainting whose time alone sets the arrival rate (a miss: no template recorded)."""
+    rgb = np.random.default_rng(args.seed + 1).integers(0, 256, (args.size, args.size, 3), np.uint8)
+    return GenerationSpec(
+        "probe",
+        height=args.size,
+        width=args.size,
+        steps=args.steps,
+        edit=EditInput(rgb, region_rect(args.size, 0.11), 1.0),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -428,9 +546,15 @@ def main() -> None:
         "--alone-s",
         type=float,
         default=0.0,
-        help="with --predict: one inpainting alone, which sets the arrival rate and scales the "
-        "curve to that speed (default: the curve's full steps; a real run's printed figure "
-        "reproduces its workload and speed)",
+        help="one inpainting alone, which sets the arrival rate (default: measured first); with "
+        "--predict it also scales the curve to that speed (default there: the curve's full "
+        "steps); a real run's printed figure reproduces its workload",
+    )
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run the engines at the same time, each in a process of its own (one core each at "
+        "--threads 1), instead of one after the other",
     )
     parser.add_argument(
         "--no-edit-cache",
@@ -442,19 +566,21 @@ def main() -> None:
     if args.predict:
         run_predicted(args)
         return
+    cores = os.cpu_count() or 1
+    if args.side_by_side and len(args.engines.split(",")) * args.threads > cores:
+        raise SystemExit(
+            f"--side-by-side: {args.engines!r} at --threads {args.threads} needs more than the"
+            f" machine's {cores} cores"
+        )
     torch.set_num_threads(args.threads)
     print(machine_line())
     model = build_model(args.model)
-    rgb = np.random.default_rng(args.seed + 1).integers(0, 256, (args.size, args.size, 3), np.uint8)
-    full = GenerationSpec(
-        "probe",
-        height=args.size,
-        width=args.size,
-        steps=args.steps,
-        edit=EditInput(rgb, region_rect(args.size, 0.11), 1.0),
-    )
-    service_time(model, full, 1)  # warm up
-    alone_s = service_time(model, full)
+    if args.alone_s:
+        alone_s = args.alone_s
+    else:
+        full = probe_spec(args)
+        service_time(model, full, 1)  # warm up
+        alone_s = service_time(model, full)
     # img2img runs fewer steps: the mean request is a little shorter than a full inpainting
     rate = args.load / alone_s
     arrivals = make_workload(args, rate, np.random.default_rng(args.seed))
@@ -467,27 +593,31 @@ def main() -> None:
     ]
     print(
         f"model {args.model} {args.size}px, {args.steps} steps, torch threads {args.threads};"
-        f" one inpainting alone {alone_s * 1e3:.0f} ms (denoise + decode + PNG);"
+        f" one inpainting alone {alone_s * 1e3:.0f} ms (denoise + decode + PNG"
+        f"{', given' if args.alone_s else ''});"
+        f" engines {'side by side' if args.side_by_side else 'one after the other'};"
         f" {len(arrivals)} requests over {args.duration:.0f} s at {rate:.2f}/s (load {args.load}"
         f" of one-at-a-time), mask ratio mean {np.mean(ratios):.3f}, {args.img2img:.0%} img2img;"
         f" batch bound {args.bound}; activation cache {'off' if args.no_edit_cache else 'on'}"
     )
     print(HEADER)
-    for name in args.engines.split(","):
-        cache = new_cache(not args.no_edit_cache)
-        if name == "one-at-a-time":
-            outcomes, stats = run_alone(model, arrivals, cache)
-        else:
-            bound = 1 if name == "continuous-b1" else args.bound
-            outcomes, stats = run_batched(
-                model,
-                arrivals,
-                bound,
-                cache,
-                static=name == "static",
-                decode_thread=name == "continuous+decode-thread",
-            )
-        print(report(name, outcomes, stats), flush=True)
+    names = args.engines.split(",")
+    if args.side_by_side:
+        del model  # each engine's process builds its own
+        runs = side_by_side(args, names, arrivals)
+    else:
+        runs = {}
+        for name in names:
+            runs[name] = run_engine(name, model, arrivals, args)
+            print(report(name, *runs[name]), flush=True)
+    by_batch = []
+    for name in names:
+        if args.side_by_side:
+            print(report(name, *runs[name]), flush=True)
+        by_batch.append(unet_by_batch(name, runs[name][1]))
+    for line in by_batch:
+        if line is not None:
+            print(line)
     print(load_line("end"))
 
 

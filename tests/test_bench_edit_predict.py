@@ -12,6 +12,7 @@ import pytest
 from argus.profiles.edit_cost import EditCostModel
 from argus.request_limits import EditInput
 from argus.worker.pipelines import GenerationSpec
+from argus.worker.step_batch import StepStats
 from tests.benchmark_modules import benchmark_module
 
 pytestmark = pytest.mark.unit
@@ -56,3 +57,10 @@ def test_img2img_runs_its_strengths_steps_in_full(bench: Any) -> None:
     outcomes, _ = bench.predict(arrivals, MODEL.step_s, 4, static=False)
     # strength 0.5 of 4 steps: 2 steps, each full although the template is recorded
     assert outcomes[1].done_s - outcomes[1].started_s == pytest.approx(2 * MODEL.step_s(1, 1.0))
+
+
+def test_the_unet_time_by_batch_size_is_a_mean_per_size(bench: Any) -> None:
+    stats = StepStats(steps=3, steps_by_batch={3: 1, 1: 2}, unet_s_by_batch={1: 3.0, 3: 2.5})
+    line = bench.unet_by_batch("static", stats)
+    assert line == "static: UNet a step by batch (steps) 1: 1.500 s (2), 3: 2.500 s (1)"
+    assert bench.unet_by_batch("one-at-a-time", None) is None
