@@ -41,9 +41,11 @@ short of it.
 ``--side-by-side`` runs the engines at the same time, each in a process of its own with its own
 model (one core each at ``--threads 1``; as many engines as cores), on the same arrivals over
 the same seconds: one after the other, a virtual machine whose speed drifts by 10-20% within
-minutes (this one's does) gives one engine a faster machine than the other. Each process
-prints its UNet seconds a step by batch size, so a step of the same size can be compared
-across engines. ``--alone-s`` skips the probe and draws the workload of a run that printed it.
+minutes (this one's does) gives one engine a faster machine than the other. The time alone
+that sets the arrival rate is then timed in every process at once (their median), so the load
+is relative to what one core serves while the other engines run. Each engine prints its UNet
+seconds a step by batch size, so a step of the same size can be compared across engines.
+``--alone-s`` skips the probe and draws the workload of a run that printed it.
 
     .venv/bin/python benchmarks/bench_edit_serving.py --model tiny          # ~3 min
     .venv/bin/python benchmarks/bench_edit_serving.py --model sd15 --size 64 --steps 4 \
@@ -91,7 +93,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +131,9 @@ class Outcome:
     started_s: float  # joined a batch, or started alone
     done_s: float  # PNG encoded
 
+
+# an engine's answers and, for a batcher, its steps' costs
+Run = tuple[list[Outcome], StepStats | None]
 
 # the measured CPU curves (bench_edit_cost.py --batcher ... --write-table)
 CPU_TABLE = Path(__file__).resolve().parent.parent / "argus/profiles/edit-batching-cpu.toml"
@@ -421,7 +426,7 @@ def run_engine(
     arrivals: list[Arrival],
     args: argparse.Namespace,
     start_s: float | None = None,
-) -> tuple[list[Outcome], StepStats | None]:
+) -> Run:
     """One engine of :data:`ENGINES` serving ``arrivals`` from ``start_s`` (default now)."""
     cache = new_cache(not args.no_edit_cache)
     if name == "one-at-a-time":
@@ -437,57 +442,98 @@ def run_engine(
     )
 
 
-def side_by_side(
-    args: argparse.Namespace, names: list[str], arrivals: list[Arrival]
-) -> dict[str, tuple[list[Outcome], StepStats | None]]:
-    """``--side-by-side``: every engine in a process of its own, all serving the same arrivals
-    over the same seconds, so whatever the machine does to its speed meanwhile (a virtual
-    machine's neighbours, its clock) falls on all of them alike. Each process builds the model
-    and warms it up; the arrivals start 1 s after the last is ready."""
-    context = multiprocessing.get_context("spawn")
-    ready: Any = context.Queue()
-    results: Any = context.Queue()
-    starts = {name: context.Queue() for name in names}
-    workers = [
-        context.Process(
-            target=_engine_process, args=(name, args, arrivals, ready, starts[name], results)
-        )
-        for name in names
-    ]
-    for worker in workers:
-        worker.start()
+class SideBySide:
+    """``--side-by-side``: every engine in a process of its own (its own model, warmed up),
+    all serving the same arrivals over the same seconds, so whatever the machine does to its
+    speed meanwhile (a virtual machine's neighbours) falls on all of them alike. The time
+    alone that sets the arrival rate is measured side by side too (:meth:`probe`: each
+    process times the probe inpainting at once; their median), so the load is relative to
+    what one engine's core serves while the others run."""
+
+    def __init__(self, args: argparse.Namespace, names: list[str]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.names = names
+        self.duration_s = float(args.duration)
+        self._replies: Any = context.Queue()
+        self._commands = {name: context.Queue() for name in names}
+        self._processes = [
+            context.Process(
+                target=_engine_process, args=(name, args, self._commands[name], self._replies)
+            )
+            for name in names
+        ]
+        for process in self._processes:
+            process.start()
+        try:
+            self._gather("ready", 900)
+        except BaseException:
+            self._kill()
+            raise
+
+    def probe(self) -> float:
+        """One inpainting alone (denoise, decode, PNG), timed in every process at once: the
+        median over processes of each one's median of three."""
+        self._send(("probe",))
+        return float(np.median([seconds for (seconds,) in self._gather("probe", 900).values()]))
+
+    def run(self, arrivals: list[Arrival]) -> dict[str, Run]:
+        """Every engine serves ``arrivals`` from one shared start, 1 s from now."""
+        self._send(("run", arrivals, time.perf_counter() + 1.0))
+        runs = self._gather("done", self.duration_s * 20 + 900)
+        return {name: runs[name] for name in self.names}
+
+    def close(self) -> None:
+        for process in self._processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+
+    def __enter__(self) -> SideBySide:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if any(exc):  # a failed run: stop the engines now, not after their timeouts
+            self._kill()
+        self.close()
+
+    def _kill(self) -> None:
+        for process in self._processes:
+            process.kill()
+            process.join()
+
+    def _send(self, command: tuple[Any, ...]) -> None:
+        for queue_ in self._commands.values():
+            queue_.put(command)
+
+    def _gather(self, kind: str, timeout_s: float) -> dict[str, Any]:
+        got: dict[str, Any] = {}
+        while len(got) < len(self.names):
+            reply_kind, name, *payload = self._replies.get(timeout=timeout_s)
+            if reply_kind == "error":
+                raise RuntimeError(f"engine {name}: {payload[0]}")
+            assert reply_kind == kind, (reply_kind, kind)
+            got[name] = tuple(payload)
+        return got
+
+
+def _engine_process(name: str, args: argparse.Namespace, commands: Any, replies: Any) -> None:
+    """One engine's process for :class:`SideBySide`: build, warm up, then answer commands."""
     try:
-        for _ in names:
-            ready.get(timeout=900)
-        start_s = time.perf_counter() + 1.0
-        for start in starts.values():
-            start.put(start_s)
-        runs = {}
-        for _ in names:
-            name, outcomes, stats = results.get(timeout=args.duration * 20 + 900)
-            runs[name] = (outcomes, stats)
-    finally:
-        for worker in workers:
-            worker.join(timeout=60)
-            if worker.is_alive():
-                worker.kill()
-    return runs
-
-
-def _engine_process(
-    name: str,
-    args: argparse.Namespace,
-    arrivals: list[Arrival],
-    ready: Any,
-    start: Any,
-    results: Any,
-) -> None:
-    torch.set_num_threads(args.threads)
-    model = build_model(args.model)
-    service_time(model, probe_spec(args), 1)  # warm up
-    ready.put(name)
-    outcomes, stats = run_engine(name, model, arrivals, args, start.get())
-    results.put((name, outcomes, stats))
+        torch.set_num_threads(args.threads)
+        model = build_model(args.model)
+        service_time(model, probe_spec(args), 1)  # warm up
+        replies.put(("ready", name))
+        while True:
+            command = commands.get()
+            if command[0] == "probe":
+                replies.put(("probe", name, service_time(model, probe_spec(args))))
+            else:
+                _, arrivals, start_s = command
+                outcomes, stats = run_engine(name, model, arrivals, args, start_s)
+                replies.put(("done", name, outcomes, stats))
+                return
+    except Exception as error:  # the parent raises it, naming the engine
+        replies.put(("error", name, repr(error)))
 
 
 def probe_spec(args: argparse.Namespace) -> GenerationSpec:
@@ -574,13 +620,35 @@ def main() -> None:
         )
     torch.set_num_threads(args.threads)
     print(machine_line())
+    names = args.engines.split(",")
+    if args.side_by_side:
+        with SideBySide(args, names) as engines:
+            serve(
+                args,
+                args.alone_s or engines.probe(),
+                lambda arrivals: engines.run(arrivals).items(),
+            )
+        return
     model = build_model(args.model)
-    if args.alone_s:
-        alone_s = args.alone_s
-    else:
+    alone_s = args.alone_s
+    if not alone_s:
         full = probe_spec(args)
         service_time(model, full, 1)  # warm up
         alone_s = service_time(model, full)
+    serve(
+        args,
+        alone_s,
+        lambda arrivals: ((name, run_engine(name, model, arrivals, args)) for name in names),
+    )
+
+
+def serve(
+    args: argparse.Namespace,
+    alone_s: float,
+    engines: Callable[[list[Arrival]], Iterable[tuple[str, Run]]],
+) -> None:
+    """Draw the workload at ``--load`` of ``alone_s``'s rate; ``engines`` serves it (each
+    engine's run as it finishes); print each engine's row, then its UNet seconds by batch."""
     # img2img runs fewer steps: the mean request is a little shorter than a full inpainting
     rate = args.load / alone_s
     arrivals = make_workload(args, rate, np.random.default_rng(args.seed))
@@ -594,27 +662,19 @@ def main() -> None:
     print(
         f"model {args.model} {args.size}px, {args.steps} steps, torch threads {args.threads};"
         f" one inpainting alone {alone_s * 1e3:.0f} ms (denoise + decode + PNG"
-        f"{', given' if args.alone_s else ''});"
+        f"{', given' if args.alone_s else ''}"
+        f"{', timed side by side' if args.side_by_side and not args.alone_s else ''});"
         f" engines {'side by side' if args.side_by_side else 'one after the other'};"
         f" {len(arrivals)} requests over {args.duration:.0f} s at {rate:.2f}/s (load {args.load}"
         f" of one-at-a-time), mask ratio mean {np.mean(ratios):.3f}, {args.img2img:.0%} img2img;"
-        f" batch bound {args.bound}; activation cache {'off' if args.no_edit_cache else 'on'}"
+        f" batch bound {args.bound}; activation cache {'off' if args.no_edit_cache else 'on'}",
+        flush=True,
     )
-    print(HEADER)
-    names = args.engines.split(",")
-    if args.side_by_side:
-        del model  # each engine's process builds its own
-        runs = side_by_side(args, names, arrivals)
-    else:
-        runs = {}
-        for name in names:
-            runs[name] = run_engine(name, model, arrivals, args)
-            print(report(name, *runs[name]), flush=True)
+    print(HEADER, flush=True)
     by_batch = []
-    for name in names:
-        if args.side_by_side:
-            print(report(name, *runs[name]), flush=True)
-        by_batch.append(unet_by_batch(name, runs[name][1]))
+    for name, (outcomes, stats) in engines(arrivals):
+        print(report(name, outcomes, stats), flush=True)
+        by_batch.append(unet_by_batch(name, stats))
     for line in by_batch:
         if line is not None:
             print(line)
