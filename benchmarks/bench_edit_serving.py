@@ -76,6 +76,13 @@ overhead goal in all.
 (17.4%), 38.39 against 22.84 (40.5%), 29.65 against 17.60 (40.6%), 29.61 against 24.68
 (16.6%), 28.98 against 21.18 (26.9%): 28.4% [13.7, 43.1]; the README has the rest.
 
+``--side-by-side`` at 8 steps (series 3, decided in 3b01113 before it ran; 2026-11-29
+01:40-03:45 UTC, seeds 4-17, load average 1.1-1.9 once both engines ran): continuous P95 29.4%
+[27.2, 31.5] below static over the 14 seeds (19-37 requests each), predicted 29.6% [27.8,
+31.4] at the same speeds; queueing 9-24% of static's, overhead 0.37-0.59 ms a step. The logs
+are in docs/evaluation/edit-serving-side-by-side/series-3/; the README's "Side by side" has
+the table and the two incomplete series before it.
+
 Earlier runs, before the cache ran inside a batch (every request ran the full UNet): tiny,
 P95 0.182 s static and 0.143 s continuous (21% below); SD-1.5's UNet at 64 px with 26
 requests, 13.87 against 9.56 s (31% below). The decode thread was worse then (0.285 s): it
