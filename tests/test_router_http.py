@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -137,6 +140,31 @@ def test_malformed_json_400_and_large_body_413(served: Any) -> None:
     streamed = httpx.post(url, content=chunked, headers=auth, timeout=TIMEOUT)
     assert streamed.status_code == 413
     assert streamed.json()["error"]["param"] == "body"
+
+
+def test_an_early_refusal_lingers_for_a_client_still_sending_its_body(served: Any) -> None:
+    """A 413 given on the headers, while the client goes on sending: the server answers,
+    half-closes and drops the rest for a while. Closing at once would reset the connection
+    as more of the body arrived, and a reset destroys whatever of the answer the kernel had
+    not sent yet (CI saw httpx get the 413's headers without its body)."""
+    _, server, _ = served
+    host, port = server.base_url.split("//")[1].split("/")[0].split(":")
+    head = (
+        "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {64 << 20}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(head + b" " * (64 << 10))
+        answer = b""
+        while chunk := sock.recv(1 << 16):  # the answer, then the server's FIN
+            answer += chunk
+        for _ in range(8):  # still read and dropped, not reset
+            sock.sendall(b" " * (64 << 10))
+            time.sleep(0.02)
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 413"), status
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["param"] == "body"
 
 
 def test_wrong_missing_or_doubled_token_is_401(served: Any) -> None:

@@ -55,8 +55,11 @@ parse (400: a bad request line, a bad ``Content-Length``; 431: request line and 
 ``MAX_HEAD_BYTES``; 501: a transfer coding other than chunked), headers that do not arrive in
 time (408) and more connections than ``limit_concurrency`` (503 with ``Retry-After``). These
 protocol answers close the connection and are not counted in the HTTP metrics (no route was
-reached). Still answered without a body: a TLS handshake that fails or takes longer than
-asyncio's 60 s (the connection is closed), and a client that closes the connection first.
+reached). A connection closed while its client may still be sending (an answer given before
+the body was read) lingers up to ``LINGER_S``: half-closed, the rest of the body read and
+dropped, so that the answer is not lost to a reset. Still answered without a body: a TLS
+handshake that fails or takes longer than asyncio's 60 s (the connection is closed), and a
+client that closes the connection first.
 """
 
 from __future__ import annotations
@@ -128,6 +131,11 @@ KEEP_ALIVE_S = 5
 # its high-water mark and not drained to its low one) for this long has its connection cut,
 # which ends the answer; a client that never reads would otherwise hold it forever.
 WRITE_TIMEOUT_S = 30.0
+# A connection closed while its client may still be sending (an answer given before the body
+# was read: 413, 429, 401) is half-closed first and what still arrives is read and dropped for
+# up to this long: closing a socket with unread data resets it, and a reset can destroy the
+# answer before the client has read it (a lingering close, as nginx's lingering_timeout).
+LINGER_S = 2.0
 # HTTP requests the app answers at once (the health routes aside); more are refused with 429
 # before their body is read. It bounds the bodies held in memory (512 × 8 MiB at most).
 MAX_REQUESTS = 512
@@ -1009,6 +1017,50 @@ class _Connection(h11.Connection):
             raise
 
 
+class _LingeringTransport:
+    """The connection's transport as uvicorn's protocol sees it, whose :meth:`close` lingers:
+    the answer is flushed and the write side shut (FIN, not a reset), and the connection stays
+    open, dropping whatever the client still sends, until the client closes its side or
+    ``linger_s`` passes. Everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, linger_s: float) -> None:
+        self._transport = transport
+        self._linger_s = linger_s
+        self._timer: asyncio.TimerHandle | None = None
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        transport = self._transport
+        if self.lingering or transport.is_closing():
+            return
+        if not transport.can_write_eof():  # TLS: no half-close
+            transport.close()
+            return
+        self.lingering = True
+        transport.write_eof()  # after what is buffered: the answer arrives whole
+        transport.resume_reading()  # a body the app left unread may have paused it
+        self._timer = asyncio.get_running_loop().call_later(self._linger_s, self.release)
+
+    def abort(self) -> None:
+        self.release(abort=True)
+
+    def release(self, abort: bool = False) -> None:
+        """Ends the linger: close (or abort) the transport now."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if abort:
+            self._transport.abort()
+        elif not self._transport.is_closing():
+            self._transport.close()
+
+
 class ArgusH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the deadlines uvicorn lacks and OpenAI's error JSON where
     uvicorn answers in text (the module's docstring lists those answers).
@@ -1086,14 +1138,24 @@ class ArgusH11Protocol(H11Protocol):
     # the header deadline -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._lingering = _LingeringTransport(transport, LINGER_S)
+        super().connection_made(cast(asyncio.Transport, self._lingering))
         self._arm_head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._lingering.lingering:  # else: the rest of a body no answer needs
+            super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self._lingering.lingering:  # the client has sent all it will: close now
+            self._lingering.release()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._arm_head_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lingering.release()  # the transport is gone: only the timer is left
         for timer in (self._head_timer, self._write_timer):
             if timer is not None:
                 timer.cancel()
