@@ -80,7 +80,8 @@ def test_the_profile_written_is_one_the_planner_reads(measured: tuple[dict, Path
     fetch_s = data["cache"]["fetch"]["to_device_ms"] / 1e3
     k25 = profiles.profile("cpu", "ac-k25").latency_s
     assert k25 == pytest.approx(fit[0] + fit[1] * 5 + fetch_s, abs=2e-3)
-    assert fit[1] > 0  # a step costs time
+    # a step's cost is measured, so noise can flatten it, but the line never tilts below zero
+    assert fit[1] >= 0
     tiny = profiles.profile("cpu", "sm-tiny-sd").latency_s
     assert tiny == pytest.approx(data["models"]["tiny-sd"]["image"]["latency_s"], abs=2e-3)
     # a model not measured keeps the paper's A100 figure, and says so
