@@ -148,13 +148,12 @@ def test_an_early_refusal_lingers_for_a_client_still_sending_its_body(served: An
     as more of the body arrived, and a reset destroys whatever of the answer the kernel had
     not sent yet (CI saw httpx get the 413's headers without its body)."""
     _, server, _ = served
-    host, port = server.base_url.split("//")[1].split("/")[0].split(":")
     head = (
         "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n"
         f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {64 << 20}\r\n\r\n"
     ).encode()
-    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+    with socket.create_connection((server.host, server.port), timeout=TIMEOUT) as sock:
         sock.sendall(head + b" " * (64 << 10))
         answer = b""
         while chunk := sock.recv(1 << 16):  # the answer, then the server's FIN

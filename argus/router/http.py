@@ -1036,9 +1036,9 @@ class _LingeringTransport:
         return self.lingering or self._transport.is_closing()
 
     def close(self) -> None:
-        transport = self._transport
-        if self.lingering or transport.is_closing():
+        if self.is_closing():
             return
+        transport = self._transport
         if not transport.can_write_eof():  # TLS: no half-close
             transport.close()
             return
