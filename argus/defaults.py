@@ -116,20 +116,21 @@ MAX_RESIDENT_MODELS = 1
 the new one is ready); more keep several UNets beside shared parts, so a switch back is free."""
 
 EDIT_BATCH = 1
-"""Edits a worker batches at most, joining at step boundaries (argus/worker/edit_lane.py); 1
+"""Edits a worker batches at most, joining at step boundaries (argus/worker/editing/lane.py); 1
 serves one request at a time, today's path."""
 
 DECODE_THREAD = False
 """Whether a worker's batched edits decode on a thread of their own instead of the device
-thread (argus/worker/edit_lane.py)."""
+thread (argus/worker/editing/lane.py)."""
 
 CUDA_GRAPHS = 0
-"""UNet step shapes a worker keeps captured as CUDA graphs (argus/worker/cuda_graphs.py); 0 runs
+"""UNet step shapes a worker keeps captured as CUDA graphs (argus/worker/models/cuda_graphs.py); 0
+runs
 every step eagerly. CUDA only: 2.1-2.8x on SDXL's step on an H200 (docs/gpu.md)."""
 
 EDIT_CACHE_HOST_BYTES = 2**30
 """Host memory a worker gives the mask-aware activation cache of edits (templates' recorded
-transformer-block outputs, :mod:`argus.worker.edit_cache`); 0: no cache."""
+transformer-block outputs, :mod:`argus.worker.editing.activation_cache`); 0: no cache."""
 
 EDIT_CACHE_DISK_BYTES = 16 * 2**30
 """The activation cache's disk tier, bytes, when it has a directory."""

@@ -15,7 +15,8 @@ its architecture and native size:
   mid-block; Tiny also without the innermost stage. Their text encoder and VAE are SD-1.5's.
 
 :func:`build_pipeline` with ``tiny=True`` gives the worker's tiny variant of the same model
-instead (:mod:`argus.worker.models`), so the benchmarks that use this module run on a CPU too.
+instead (:mod:`argus.worker.models.sources`), so the benchmarks that use this module run on a CPU
+too.
 The tokenizer is MiniLM's WordPiece cut to 77 tokens (the tiny variants' own): a tokenizer's
 vocabulary changes only the size of the embedding table, not the cost of a forward pass.
 """
@@ -27,7 +28,12 @@ from typing import Any
 
 import torch
 
-from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, make_scheduler, tiny_tokenizer
+from argus.worker.models.sources import (
+    TINY_PREFIX,
+    build_tiny_pipeline,
+    make_scheduler,
+    tiny_tokenizer,
+)
 
 # CLIP text towers: (hidden, layers, heads, projection, activation)
 CLIP_L = (768, 12, 12, 768, "quick_gelu")  # OpenAI CLIP ViT-L/14

@@ -5,16 +5,17 @@ test runs them on the tiny variants on a CPU.
 Both go through the worker's own code, not diffusers' generic adapter paths:
 
 * :func:`lora_cost` writes a seeded random LoRA for the pipeline's UNet with the project's
-  writer (:func:`argus.worker.lora.write_tiny_lora`: rank ``rank`` on the attention
+  writer (:func:`argus.worker.adapters.lora.write_tiny_lora`: rank ``rank`` on the attention
   projections ``to_q``, ``to_k``, ``to_v``, ``to_out.0``, as SDXL LoRAs are trained), reads it
-  with the loader processes' reader (:func:`~argus.worker.lora.fileformat.read_file`), and
-  patches it in and out with the session's :func:`~argus.worker.lora.patch.merge` and
-  :class:`~argus.worker.lora.patch.WeightBackup` (in-place ``addmm_`` into each weight, a
+  with the loader processes' reader (:func:`~argus.worker.adapters.lora.fileformat.read_file`), and
+  patches it in and out with the session's :func:`~argus.worker.adapters.lora.patch.merge` and
+  :class:`~argus.worker.adapters.lora.patch.WeightBackup` (in-place ``addmm_`` into each weight, a
   copy of each weight kept for a bit-exact restore);
 * :func:`controlnet_cost` runs the worker's denoising loop (:class:`DiffusionModel.denoise`)
   at batch 1 with classifier-free guidance, plain and with one ControlNet through
-  :class:`~argus.worker.controlnet.predictor.ControlNetPredictor` (the worker's default
-  ``sync`` mode) and a :class:`~argus.worker.controlnet.executor.LocalControlNetExecutor` on
+  :class:`~argus.worker.adapters.controlnet.predictor.ControlNetPredictor` (the worker's default
+  ``sync`` mode) and a :class:`~argus.worker.adapters.controlnet.executor.LocalControlNetExecutor`
+  on
   the pipeline's own device, as ``--controlnet local`` runs it. The ControlNet is a random
   one built from the pipeline's UNet (``ControlNetModel.from_unet``, diffusers' default
   conditioning encoder (16, 32, 96, 256), as the released SDXL ControlNets have); the
@@ -38,18 +39,24 @@ from _machine import drop_page_cache
 from bench_controlnet import control_png
 
 from argus.contracts.controlnet import ControlUnit
-from argus.worker.controlnet.executor import LocalControlNetExecutor
-from argus.worker.controlnet.models import (
+from argus.worker.adapters.controlnet.executor import LocalControlNetExecutor
+from argus.worker.adapters.controlnet.models import (
     CatalogEntry,
     ControlNetCatalog,
     base_family,
     model_bytes,
 )
-from argus.worker.controlnet.predictor import ControlNetMode, ControlNetPredictor
-from argus.worker.lora.fileformat import ReadFailure, SharedRead, read_file
-from argus.worker.lora.patch import WeightBackup, loaded_from, merge, patch_targets, weight_of
-from argus.worker.lora.synthetic import DEFAULT_TARGETS, write_tiny_lora
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.adapters.controlnet.predictor import ControlNetMode, ControlNetPredictor
+from argus.worker.adapters.lora.fileformat import ReadFailure, SharedRead, read_file
+from argus.worker.adapters.lora.patch import (
+    WeightBackup,
+    loaded_from,
+    merge,
+    patch_targets,
+    weight_of,
+)
+from argus.worker.adapters.lora.synthetic import DEFAULT_TARGETS, write_tiny_lora
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
 CONTROLNET_NAME = "random"

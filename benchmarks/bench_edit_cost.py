@@ -11,7 +11,8 @@ step (a miss). Every edit in a batch has the same m here, so the batch's mask su
     .venv/bin/python benchmarks/bench_edit_cost.py            # 256 px, b 1/2/4, 3 repeats
 
 ``--batcher MODELS`` measures instead through the worker's own step batcher
-(``argus/worker/step_batch.py``, the path ``argus worker --edit-batch`` serves edits on): for
+(``argus/worker/editing/step_batch.py``, the path ``argus worker --edit-batch`` serves edits on):
+for
 each model (a tiny variant's name, as a CPU worker serves it, or ``sd15-arch``), b inpainting
 edits of one recorded template at ratio m join one batch, each replaying the record on its own
 rows (m = 1: full steps, no record), and the median of ``--repeats`` whole steps (the batched
@@ -60,11 +61,11 @@ from bench_editing import build_unet, centred_region
 from argus.profiles.batch_curve import BatchCurve, CurvePoint, dump_batch_table, load_batch_table
 from argus.profiles.edit_cost import fit_cost_model
 from argus.request_limits import EditInput
-from argus.worker.activation_store import ActivationStore
-from argus.worker.edit_cache import EditCache
-from argus.worker.masked_blocks import ActivationRecord, Replay, recording
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
-from argus.worker.step_batch import StepBatcher
+from argus.worker.editing.activation_cache import EditCache
+from argus.worker.editing.activation_store import ActivationStore
+from argus.worker.editing.masked_blocks import ActivationRecord, Replay, recording
+from argus.worker.editing.step_batch import StepBatcher
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 
 
 def batcher_model(name: str, device: str) -> DiffusionModel:

@@ -1,6 +1,6 @@
 """One Poisson edit workload served by one in-process model, engines side by side (issue 33,
 items 1-2): one request at a time (today's worker: ``DiffusionModel.denoise`` then decode),
-static batching, step-level continuous batching (``argus/worker/step_batch.py``), and
+static batching, step-level continuous batching (``argus/worker/editing/step_batch.py``), and
 continuous batching with decoding off the loop (a decode thread).
 
 The workload: Poisson arrivals at ``--load`` times the rate one-at-a-time serving can sustain
@@ -118,10 +118,10 @@ from argus.request_limits import EditInput
 from argus.router.edit_balance import RoundRobinBalancer
 from argus.sim.edits import EditCluster, EditRequest, draw_mask_ratios, zipf_weights
 from argus.sim.intervals import mean_interval
-from argus.worker.activation_store import ActivationStore
-from argus.worker.edit_cache import EditCache, EditCacheUse
-from argus.worker.pipelines import DiffusionModel, GenerationSpec, paste_unmasked
-from argus.worker.step_batch import BatchResult, StepBatcher, StepStats
+from argus.worker.editing.activation_cache import EditCache, EditCacheUse
+from argus.worker.editing.activation_store import ActivationStore
+from argus.worker.editing.step_batch import BatchResult, StepBatcher, StepStats
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec, paste_unmasked
 
 ENGINES = ("one-at-a-time", "static", "continuous", "continuous+decode-thread", "continuous-b1")
 
@@ -147,7 +147,7 @@ CPU_TABLE = Path(__file__).resolve().parent.parent / "argus/profiles/edit-batchi
 
 
 def build_model(kind: str) -> DiffusionModel:
-    from argus.worker.models import (
+    from argus.worker.models.sources import (
         TINY_PREFIX,
         assemble_tiny_pipeline,
         build_tiny_part,

@@ -1,5 +1,5 @@
 """Latency of one denoising step of a masked edit with the mask-aware activation cache
-(argus/worker/masked_blocks.py) against the full step, on SD-1.5's UNet (issue 32, item 3).
+(argus/worker/editing/masked_blocks.py) against the full step, on SD-1.5's UNet (issue 32, item 3).
 
 The UNet is ``UNet2DConditionModel`` built from SD-1.5's configuration written below
 (block_out_channels 320/640/1280/1280, 2 layers per block, cross-attention 768, 8 heads,
@@ -83,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _machine import drop_page_cache, load_line, machine_line
 
-from argus.worker.masked_blocks import (
+from argus.worker.editing.masked_blocks import (
     ActivationRecord,
     Replay,
     plan_tokens,
@@ -275,9 +275,9 @@ def store_load(record: ActivationRecord, steps: int, repeats: int) -> dict[str, 
     """Load a template's record of ``steps`` steps (the one recorded step copied under each
     step's names) from the activation store's host tier and disk tier."""
     try:
-        from argus.worker.activation_store import ActivationStore
+        from argus.worker.editing.activation_store import ActivationStore
     except ImportError:
-        print("activation store: argus/worker/activation_store.py not present; not timed")
+        print("activation store: argus/worker/editing/activation_store.py not present; not timed")
         return {}
     one = {k: v for k, v in record.to_tensors().items() if not k.endswith((".k", ".v"))}
     flat: dict[str, torch.Tensor] = {}

@@ -13,7 +13,7 @@ excluded) three ways and prints the median per step:
 * **single, T threads**: the default predictor, both branches as one batch of two, with all
   ``--threads`` CPU threads (the fair baseline on a CPU: the same cores as the two processes);
 * **single, 1 thread**: the same with one thread (what one of the two processes gets);
-* **latent parallel**: :mod:`argus.worker.latent_parallel`, rank 0 and the peer with
+* **latent parallel**: :mod:`argus.worker.adapters.latent_parallel`, rank 0 and the peer with
   ``threads / 2`` threads each, gloo between them.
 
 Configs: ``tiny`` is ``tiny:sd-1.5`` at 64 px (8×8 latents, 0.6 M UNet parameters); ``mid``
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from _machine import load_line, machine_line
 
-from argus.worker.latent_parallel import LatentParallelConfig, LatentParallelGroup
-from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, load_pipeline_dir
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.adapters.latent_parallel import LatentParallelConfig, LatentParallelGroup
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.sources import TINY_PREFIX, build_tiny_pipeline, load_pipeline_dir
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
 

@@ -42,8 +42,8 @@ from _machine import load_line, machine_line
 
 from argus.profiles import default_profiles
 from argus.types import Strategy
-from argus.worker.models import TINY_PREFIX, build_tiny_pipeline
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.sources import TINY_PREFIX, build_tiny_pipeline
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from _machine import load_line, machine_line
 
-from argus.worker.lora import (
+from argus.worker.adapters.lora import (
     LoadedLora,
     LoraConfig,
     LoraLibrary,
@@ -50,8 +50,8 @@ from argus.worker.lora import (
     PendingLora,
     write_tiny_lora,
 )
-from argus.worker.models import TINY_PREFIX, build_tiny_pipeline
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.sources import TINY_PREFIX, build_tiny_pipeline
 
 PROMPT = "an owl standing on a wire, papercut style"
 TARGET_SETS = {

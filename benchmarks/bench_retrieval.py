@@ -52,9 +52,9 @@ import numpy as np
 import torch
 from _machine import load_line, machine_line
 
-from argus.worker.cache import CacheKey
-from argus.worker.latent_store import LatentStore
-from argus.worker.vector_index import EdgeIndexConfig, EdgeVectorIndex, IndexMatch
+from argus.worker.approx_cache.cache import CacheKey
+from argus.worker.approx_cache.latent_store import LatentStore
+from argus.worker.approx_cache.vector_index import EdgeIndexConfig, EdgeVectorIndex, IndexMatch
 
 DIM = 384
 CENTRES = 1000

@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 from _machine import load_line, machine_line
 
-from argus.worker.models import TINY_PREFIX, TINY_VARIANTS
-from argus.worker.registry import ModelRegistry
+from argus.worker.models.registry import ModelRegistry
+from argus.worker.models.sources import TINY_PREFIX, TINY_VARIANTS
 
 FAMILY = ("sd-1.5", "sd-1.4", "small-sd", "tiny-sd")  # one text encoder and VAE
 THREE = ("sd-1.5", "sd-1.4", "small-sd")
@@ -109,7 +109,7 @@ def build_full_family(root: Path) -> dict[str, str]:
     from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from argus.worker.models import make_scheduler, tiny_tokenizer
+    from argus.worker.models.sources import make_scheduler, tiny_tokenizer
 
     sources = {name: root / name for name in FULL_FAMILY}
     first = sources[FULL_FAMILY[0]]

@@ -57,7 +57,7 @@ from _machine import drop_page_cache
 
 from argus.profiles import default_profiles
 from argus.types import Strategy
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
 # the SM models in the profile's order; sd-1.4 has SD-1.5's architecture and takes its figures
@@ -329,7 +329,7 @@ def cache_levels(
 def load_time(name: str, pipe: Any, clock: Clock, dtype: torch.dtype, device: str) -> float:
     """Seconds the worker's loader takes from a local diffusers directory to the device (the
     directory written just before, its files dropped from the page cache)."""
-    from argus.worker.models import load_pipeline_dir
+    from argus.worker.models.sources import load_pipeline_dir
 
     with tempfile.TemporaryDirectory(prefix=f"argus-{name}-") as folder:
         pipe.save_pretrained(folder, safe_serialization=True)

@@ -19,7 +19,11 @@ from argus.sim.adapters import (
     AdapterMix,
     draw_adapters,
 )
-from argus.worker.controlnet.models import TINY_NAMES, ControlNetCatalog, build_tiny_controlnet
+from argus.worker.adapters.controlnet.models import (
+    TINY_NAMES,
+    ControlNetCatalog,
+    build_tiny_controlnet,
+)
 
 
 def export_tiny_catalog(

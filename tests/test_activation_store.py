@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from argus.worker import activation_store as store_module
-from argus.worker.activation_store import (
+from argus.worker.editing import activation_store as store_module
+from argus.worker.editing.activation_store import (
     SUFFIX,
     ActivationStore,
     CachePlan,

@@ -124,7 +124,7 @@ def test_sample_adapters_gives_kind_name_scale() -> None:
 
 
 def test_names_match_the_tiny_controlnet_catalogs() -> None:
-    from argus.worker.controlnet.models import TINY_NAMES
+    from argus.worker.adapters.controlnet.models import TINY_NAMES
 
     both = set(TINY_NAMES["sd15"]) & set(TINY_NAMES["sdxl"])
     assert set(CONTROLNET_NAMES[:8]) <= both  # the popular ones run on either family

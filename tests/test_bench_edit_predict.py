@@ -11,8 +11,8 @@ import pytest
 
 from argus.profiles.edit_cost import EditCostModel
 from argus.request_limits import EditInput
-from argus.worker.pipelines import GenerationSpec
-from argus.worker.step_batch import StepStats
+from argus.worker.editing.step_batch import StepStats
+from argus.worker.models.pipelines import GenerationSpec
 from tests.benchmark_modules import benchmark_module
 
 pytestmark = pytest.mark.unit

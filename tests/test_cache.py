@@ -20,20 +20,20 @@ import torch
 from prometheus_client import CollectorRegistry
 from qdrant_client import QdrantClient
 
-from argus.worker.cache import (
+from argus.worker.approx_cache.cache import (
     MISS_REASONS,
     ApproximateCache,
     CacheHit,
     CacheKey,
     CacheMiss,
 )
-from argus.worker.latent_store import (
+from argus.worker.approx_cache.latent_store import (
     LatentCorruptError,
     LatentMissingError,
     LatentStore,
     encode_latent,
 )
-from argus.worker.vector_index import (
+from argus.worker.approx_cache.vector_index import (
     CURRENT,
     LOCK_FILE,
     EdgeIndexConfig,
@@ -699,7 +699,7 @@ def test_edge_shards_keep_no_write_ahead_log_across_rebuilds(tmp_path: Path) -> 
 CRASHING_OPENER = """
 import os, sys
 import numpy as np
-from argus.worker.vector_index import EdgeVectorIndex
+from argus.worker.approx_cache.vector_index import EdgeVectorIndex
 
 def unit(seed):
     v = np.random.default_rng(seed).standard_normal({dim}).astype(np.float32)

@@ -332,7 +332,7 @@ def test_a_client_without_retries_reports_the_refusal_and_does_not_send_again(tm
     ("command", "module"),
     [
         (["worker", "--allocator", "127.0.0.1:1", "--insecure-internal"], "argus.worker.app"),
-        (["controlnet", "--insecure-internal"], "argus.worker.controlnet.app"),
+        (["controlnet", "--insecure-internal"], "argus.worker.adapters.controlnet.app"),
     ],
 )
 def test_torch_processes_let_openmp_threads_sleep_unless_told_otherwise(command, module):

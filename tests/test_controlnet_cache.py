@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from argus.worker.controlnet.cache import ModelCache, Policy
+from argus.worker.adapters.controlnet.cache import ModelCache, Policy
 
 pytestmark = pytest.mark.unit
 

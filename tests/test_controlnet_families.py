@@ -7,8 +7,8 @@ import pytest
 
 from argus.contracts.generate import CONTROLNET_FAMILIES, runs_controlnets
 from argus.profiles import default_profiles
-from argus.worker.controlnet.models import base_family, tiny_unet_config
-from argus.worker.models import TINY_PREFIX, TINY_VARIANTS, build_tiny_pipeline
+from argus.worker.adapters.controlnet.models import base_family, tiny_unet_config
+from argus.worker.models.sources import TINY_PREFIX, TINY_VARIANTS, build_tiny_pipeline
 
 pytestmark = pytest.mark.unit
 

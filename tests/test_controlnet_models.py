@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from argus.worker.controlnet.errors import (
+from argus.worker.adapters.controlnet.errors import (
     ControlImageError,
     ControlNetLoadError,
     FamilyMismatchError,
@@ -19,7 +19,7 @@ from argus.worker.controlnet.errors import (
     TensorCodecError,
     UnknownControlNetError,
 )
-from argus.worker.controlnet.models import (
+from argus.worker.adapters.controlnet.models import (
     TINY_NAMES,
     ControlNetCatalog,
     base_family,
@@ -31,7 +31,7 @@ from argus.worker.controlnet.models import (
     prepare_control_image,
     tiny_unet_config,
 )
-from argus.worker.controlnet.transport import tensor_from_pb, tensor_to_pb
+from argus.worker.adapters.controlnet.transport import tensor_from_pb, tensor_to_pb
 from tests.package_helpers import export_tiny_catalog
 
 pytestmark = pytest.mark.unit

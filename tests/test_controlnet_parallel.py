@@ -14,20 +14,20 @@ import torch
 from PIL import Image
 
 from argus.contracts.controlnet import ControlUnit
-from argus.worker.controlnet.client import RemoteControlNetExecutor
-from argus.worker.controlnet.errors import InvalidControlNetRequest
-from argus.worker.controlnet.executor import ControlNetExecutor, LocalControlNetExecutor
-from argus.worker.controlnet.models import ControlNetCatalog, build_controlnet
-from argus.worker.controlnet.predictor import ControlNetMode, ControlNetPredictor
-from argus.worker.controlnet.service import create_server
-from argus.worker.controlnet.unet_split import (
+from argus.worker.adapters.controlnet.client import RemoteControlNetExecutor
+from argus.worker.adapters.controlnet.errors import InvalidControlNetRequest
+from argus.worker.adapters.controlnet.executor import ControlNetExecutor, LocalControlNetExecutor
+from argus.worker.adapters.controlnet.models import ControlNetCatalog, build_controlnet
+from argus.worker.adapters.controlnet.predictor import ControlNetMode, ControlNetPredictor
+from argus.worker.adapters.controlnet.service import create_server
+from argus.worker.adapters.controlnet.unet_split import (
     Residuals,
     SplitUNet,
     UnsupportedUNetError,
     sum_residuals,
 )
-from argus.worker.models import make_scheduler
-from argus.worker.pipelines import DiffusionModel
+from argus.worker.models.pipelines import DiffusionModel
+from argus.worker.models.sources import make_scheduler
 from tests.worker_factories import spec, tiny_model
 
 pytestmark = pytest.mark.integration
@@ -248,7 +248,7 @@ def test_without_cfg_the_controlnets_see_one_branch(local: LocalControlNetExecut
 
 
 def test_executor_for_a_worker_setting(tmp_path: Any) -> None:
-    from argus.worker.controlnet.client import executor_for
+    from argus.worker.adapters.controlnet.client import executor_for
     from tests.package_helpers import export_tiny_catalog
 
     assert isinstance(executor_for("local"), LocalControlNetExecutor)

@@ -21,19 +21,19 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from argus.contracts.controlnet import ControlUnit
 from argus.plumbing import rpc
-from argus.worker.controlnet.client import RemoteControlNetExecutor
-from argus.worker.controlnet.errors import (
+from argus.worker.adapters.controlnet.client import RemoteControlNetExecutor
+from argus.worker.adapters.controlnet.errors import (
     ControlNetBusyError,
     ControlNetUnavailableError,
     InvalidControlNetRequest,
     UnknownControlNetError,
 )
-from argus.worker.controlnet.executor import LocalControlNetExecutor, SessionSpec
-from argus.worker.controlnet.metrics import ControlNetMetrics
-from argus.worker.controlnet.models import ControlNetCatalog
-from argus.worker.controlnet.predictor import ControlNetPredictor
-from argus.worker.controlnet.service import create_server
-from argus.worker.controlnet.transport import step_to_pb, tensor_to_pb
+from argus.worker.adapters.controlnet.executor import LocalControlNetExecutor, SessionSpec
+from argus.worker.adapters.controlnet.metrics import ControlNetMetrics
+from argus.worker.adapters.controlnet.models import ControlNetCatalog
+from argus.worker.adapters.controlnet.predictor import ControlNetPredictor
+from argus.worker.adapters.controlnet.service import create_server
+from argus.worker.adapters.controlnet.transport import step_to_pb, tensor_to_pb
 from tests.service_process import read_address, start_argus
 from tests.tls_factories import TestCA
 from tests.worker_factories import spec, tiny_model

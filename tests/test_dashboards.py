@@ -178,10 +178,10 @@ def exported_series() -> set[str]:
     from argus.allocator.metrics import AllocatorMetrics
     from argus.profiles import default_profiles
     from argus.router.metrics import RouterMetrics
-    from argus.worker.cache import CacheMetrics
-    from argus.worker.controlnet.cache import CacheStats
-    from argus.worker.controlnet.executor import ExecutorStats
-    from argus.worker.controlnet.metrics import ControlNetMetrics
+    from argus.worker.adapters.controlnet.cache import CacheStats
+    from argus.worker.adapters.controlnet.executor import ExecutorStats
+    from argus.worker.adapters.controlnet.metrics import ControlNetMetrics
+    from argus.worker.approx_cache.cache import CacheMetrics
     from argus.worker.metrics import WorkerMetrics
 
     registries = [CollectorRegistry() for _ in range(4)]

@@ -110,7 +110,7 @@ def test_router_drift_flags_default_to_the_drift_configs() -> None:
 
 
 def test_worker_flags_default_to_the_settings_and_the_settings_to_the_engine() -> None:
-    from argus.worker.adapters import AdapterSettings
+    from argus.worker.adapters.workflow import AdapterSettings
     from argus.worker.app import WorkerSettings
     from argus.worker.engine import WorkerConfig
 
@@ -127,7 +127,7 @@ def test_worker_flags_default_to_the_settings_and_the_settings_to_the_engine() -
 
 
 def test_controlnet_flags_default_to_the_settings() -> None:
-    from argus.worker.controlnet.app import ControlNetSettings
+    from argus.worker.adapters.controlnet.app import ControlNetSettings
 
     flags = parser_defaults("controlnet")
     settings = ControlNetSettings()

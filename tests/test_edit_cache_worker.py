@@ -1,4 +1,5 @@
-"""The mask-aware activation cache on the worker's request path (argus/worker/edit_cache.py):
+"""The mask-aware activation cache on the worker's request path
+(argus/worker/editing/activation_cache.py):
 the first inpainting edit of a template records its transformer blocks' outputs, later edits
 of it replay them; img2img and adapters never use it; a record evicted while its edit waited
 makes a full run, counted; the host tier counts in the memory guard.
@@ -15,8 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from argus.contracts.generate import GenerateCall
-from argus.worker.activation_store import ActivationStore
-from argus.worker.edit_cache import EditCache
+from argus.worker.editing.activation_cache import EditCache
+from argus.worker.editing.activation_store import ActivationStore
 from argus.worker.engine import Worker
 from argus.worker.metrics import WorkerMetrics
 from tests.editing_factories import STEPS, encode, mask_png, pixels, region_of, template_rgb

@@ -1,4 +1,4 @@
-"""The worker's edit lane (argus/worker/edit_lane.py): with ``edit_batch`` > 1, edits join a
+"""The worker's edit lane (argus/worker/editing/lane.py): with ``edit_batch`` > 1, edits join a
 running step batch at step boundaries through :meth:`Worker.generate`, replay the mask-aware
 activation cache inside it, leave it on a cancel or an expired deadline without disturbing
 the others, and decode on the device thread or a decode thread of their own.
@@ -19,12 +19,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from argus.contracts.generate import GenerateCall
-from argus.worker.activation_store import ActivationStore
-from argus.worker.edit_cache import EditCache
-from argus.worker.edit_lane import LaneEvents
+from argus.worker.editing.activation_cache import EditCache
+from argus.worker.editing.activation_store import ActivationStore
+from argus.worker.editing.lane import LaneEvents
 from argus.worker.engine import Worker, WorkerConfig
 from argus.worker.metrics import WorkerMetrics
-from argus.worker.pipelines import Cancelled, CancelToken
+from argus.worker.models.pipelines import Cancelled, CancelToken
 from tests.editing_factories import SIZE, encode, mask_png, pixels, region_of, template_rgb
 from tests.worker_factories import default_profiles, make_registry, make_worker, torch_threads
 

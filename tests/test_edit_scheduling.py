@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from argus.cli.main import main
-from argus.profiles.edit_batching import BatchEntry, ContinuousBatch
 from argus.profiles.edit_cost import CostModelError, EditCostModel, fit_cost_model
 from argus.router.edit_balance import (
     EditJob,
@@ -32,6 +31,7 @@ from argus.sim.edits import (
     lru_hit_rate,
     make_edit_workload,
 )
+from argus.worker.editing.scheduler import BatchEntry, ContinuousBatch
 
 pytestmark = pytest.mark.unit
 

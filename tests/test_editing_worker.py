@@ -24,9 +24,9 @@ from argus.contracts.generate import CacheOutcome, GenerateCall, Progress, Stage
 from argus.embedding import PromptEmbedder
 from argus.profiles import default_profiles
 from argus.request_limits import EditInput, ImageLimits, InvalidRequestError, check_edit
-from argus.worker.cache import ApproximateCache, EdgeVectorIndex, LatentStore
+from argus.worker.approx_cache.cache import ApproximateCache, EdgeVectorIndex, LatentStore
 from argus.worker.engine import Worker
-from argus.worker.pipelines import Cancelled, CancelToken, GenerationSpec, paste_unmasked
+from argus.worker.models.pipelines import Cancelled, CancelToken, GenerationSpec, paste_unmasked
 from tests.editing_factories import (
     SIZE,
     STEPS,

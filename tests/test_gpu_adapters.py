@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _gpu_adapters
 from _fullsize import build_pipeline
 
-from argus.worker.lora.patch import merge
+from argus.worker.adapters.lora.patch import merge
 from tests.worker_factories import torch_threads
 
 pytestmark = pytest.mark.unit

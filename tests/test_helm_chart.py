@@ -760,8 +760,8 @@ def exported_metric_names() -> set[str]:
     from argus.allocator.metrics import AllocatorMetrics
     from argus.profiles import default_profiles
     from argus.router.metrics import RouterMetrics
-    from argus.worker.cache import CacheMetrics
-    from argus.worker.controlnet.metrics import ControlNetMetrics
+    from argus.worker.adapters.controlnet.metrics import ControlNetMetrics
+    from argus.worker.approx_cache.cache import CacheMetrics
     from argus.worker.metrics import WorkerMetrics
 
     registry = CollectorRegistry()

@@ -32,9 +32,9 @@ from argus.plumbing.internal_tls import Identity, InternalTLS, channel
 from argus.profiles import default_profiles
 from argus.router.app import ServerSecurity
 from argus.tools.local_cluster import ClusterSpec, LocalCluster
-from argus.worker.controlnet.executor import LocalControlNetExecutor
-from argus.worker.controlnet.models import ControlNetCatalog
-from argus.worker.controlnet.service import create_server as create_controlnet
+from argus.worker.adapters.controlnet.executor import LocalControlNetExecutor
+from argus.worker.adapters.controlnet.models import ControlNetCatalog
+from argus.worker.adapters.controlnet.service import create_server as create_controlnet
 from argus.worker.service import create_server as create_worker
 from tests.router_cluster import Cluster, StubWorker
 from tests.service_process import START_TIMEOUT_S

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from argus.worker.controlnet.models import build_controlnet
-from argus.worker.latent_parallel import (
+from argus.worker.adapters.controlnet.models import build_controlnet
+from argus.worker.adapters.latent_parallel import (
     ControlInput,
     LatentParallelConfig,
     LatentParallelError,
@@ -26,8 +26,8 @@ from argus.worker.latent_parallel import (
     PeerFailedError,
     PeerRequestError,
 )
-from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, load_pipeline_dir
-from argus.worker.pipelines import Conditioning, DiffusionModel, GenerationSpec
+from argus.worker.models.pipelines import Conditioning, DiffusionModel, GenerationSpec
+from argus.worker.models.sources import TINY_PREFIX, build_tiny_pipeline, load_pipeline_dir
 from tests.worker_factories import tiny_model
 
 pytestmark = pytest.mark.unit

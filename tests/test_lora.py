@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from argus.cli.main import main as argus_main
 from argus.contracts.generate import Adapter, AdapterKind
-from argus.worker.lora import (
+from argus.worker.adapters.lora import (
     LoadedLora,
     LoraBusyError,
     LoraConfig,
@@ -47,10 +47,10 @@ from argus.worker.lora import (
     write_tiny_lora,
     write_unfit_lora,
 )
-from argus.worker.lora.bound import first_below
-from argus.worker.lora.patch import patch_targets, weight_of
-from argus.worker.models import build_tiny_pipeline
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.adapters.lora.bound import first_below
+from argus.worker.adapters.lora.patch import patch_targets, weight_of
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.sources import build_tiny_pipeline
 from tests.worker_factories import torch_threads
 
 pytestmark = pytest.mark.unit

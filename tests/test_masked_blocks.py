@@ -1,4 +1,5 @@
-"""InstGenIE's mask-aware activation cache, the compute side (argus/worker/masked_blocks.py),
+"""InstGenIE's mask-aware activation cache, the compute side
+(argus/worker/editing/masked_blocks.py),
 on the tiny real pipelines at 128 px (a latent of 16×16; the tiny SD-1.5's and SDXL's
 transformer blocks run at 8×8 tokens), 4 steps.
 
@@ -30,7 +31,7 @@ from diffusers.models.attention_processor import SlicedAttnProcessor
 from safetensors.torch import load_file, save_file
 
 from argus.request_limits import ImageLimits, check_edit
-from argus.worker.masked_blocks import (
+from argus.worker.editing.masked_blocks import (
     ActivationRecord,
     RecordingPredictor,
     RecordMismatchError,
@@ -48,7 +49,7 @@ from argus.worker.masked_blocks import (
     token_regions,
     transformer_blocks,
 )
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 from tests.editing_factories import encode, mask_png, region_of, template_rgb
 from tests.worker_factories import tiny_model
 

@@ -20,8 +20,13 @@ from argus.request_limits import (
     parse_size,
 )
 from argus.router.values import Refusal, RouterError
-from argus.worker.adapters import AdapterPlan, AdapterSettings, WorkerAdapters, at_request_field
-from argus.worker.controlnet.errors import ControlImageError, UnknownControlNetError
+from argus.worker.adapters.controlnet.errors import ControlImageError, UnknownControlNetError
+from argus.worker.adapters.workflow import (
+    AdapterPlan,
+    AdapterSettings,
+    WorkerAdapters,
+    at_request_field,
+)
 from tests.test_router_core import FakeWorkers, make_core
 
 pytestmark = pytest.mark.unit

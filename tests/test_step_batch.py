@@ -1,4 +1,5 @@
-"""Step-level continuous batching (argus/worker/step_batch.py; issue 33, item 1): a request's
+"""Step-level continuous batching (argus/worker/editing/step_batch.py; issue 33, item 1): a
+request's
 final latents in a batch are its latents run alone through ``DiffusionModel.denoise``, with
 requests of different kinds (generation, img2img at different strengths, inpainting of
 different templates and mask ratios, different prompts and step counts) joining at different
@@ -24,8 +25,8 @@ import pytest
 import torch
 
 from argus.request_limits import EditInput
-from argus.worker.pipelines import Cancelled, CancelToken, DiffusionModel, GenerationSpec
-from argus.worker.step_batch import StepBatcher
+from argus.worker.editing.step_batch import StepBatcher
+from argus.worker.models.pipelines import Cancelled, CancelToken, DiffusionModel, GenerationSpec
 from tests.editing_factories import SIZE, region_of, template_rgb
 from tests.worker_factories import tiny_model, torch_threads
 

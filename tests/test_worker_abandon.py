@@ -23,14 +23,14 @@ from PIL import Image
 
 from argus.contracts.generate import GenerateCall, GenerateResult, Progress, Stage
 from argus.worker.engine import DecodeSkipped, DecodeTimes, Worker
-from argus.worker.models import TINY_PREFIX, build_tiny_pipeline
-from argus.worker.pipelines import (
+from argus.worker.models.pipelines import (
     CHECKPOINT_MODULES,
     Cancelled,
     CancelToken,
     DiffusionModel,
     decode_tiled,
 )
+from argus.worker.models.sources import TINY_PREFIX, build_tiny_pipeline
 from tests.worker_factories import make_worker, spec
 
 pytestmark = pytest.mark.unit
@@ -124,9 +124,9 @@ def test_the_controlnet_path_stops_inside_a_step() -> None:
     """ControlNet's split UNet runs the same blocks, so their checkpoints stop it too, and the
     session ends."""
     from argus.contracts.controlnet import ControlUnit
-    from argus.worker.controlnet.executor import LocalControlNetExecutor
-    from argus.worker.controlnet.models import ControlNetCatalog
-    from argus.worker.controlnet.predictor import ControlNetPredictor
+    from argus.worker.adapters.controlnet.executor import LocalControlNetExecutor
+    from argus.worker.adapters.controlnet.models import ControlNetCatalog
+    from argus.worker.adapters.controlnet.predictor import ControlNetPredictor
 
     model = fresh_model("sd-1.5")
     executor = LocalControlNetExecutor(ControlNetCatalog.tiny())
@@ -149,7 +149,7 @@ def test_the_controlnet_path_stops_inside_a_step() -> None:
 def test_the_latent_parallel_path_stops_inside_a_step_and_the_peer_stays_usable() -> None:
     """Rank 0's branch runs this model's UNet; a checkpoint that stops it mid-step leaves the
     peer's channels in step (its answer is drained), so the next request runs in parallel."""
-    from argus.worker.latent_parallel import LatentParallelConfig, LatentParallelGroup
+    from argus.worker.adapters.latent_parallel import LatentParallelConfig, LatentParallelGroup
 
     config = LatentParallelConfig(
         peer_threads=1, start_timeout_s=120.0, load_timeout_s=120.0, step_timeout_s=60.0

@@ -24,8 +24,8 @@ from argus.contracts.generate import (
 )
 from argus.plumbing import rpc
 from argus.request_limits import InvalidRequestError
-from argus.worker.adapters import AdapterSettings, WorkerAdapters
-from argus.worker.lora import LoraNotFoundError, write_tiny_lora, write_unfit_lora
+from argus.worker.adapters.lora import LoraNotFoundError, write_tiny_lora, write_unfit_lora
+from argus.worker.adapters.workflow import AdapterSettings, WorkerAdapters
 from argus.worker.service import create_server
 from tests.worker_factories import make_worker
 
@@ -131,7 +131,7 @@ def test_adapters_and_the_approximate_cache(tmp_path: Path, lora_dir: Path) -> N
     from prometheus_client import CollectorRegistry
 
     from argus.embedding import PromptEmbedder
-    from argus.worker.cache import ApproximateCache, EdgeVectorIndex, LatentStore
+    from argus.worker.approx_cache.cache import ApproximateCache, EdgeVectorIndex, LatentStore
 
     encoder = PromptEmbedder()
     cache = ApproximateCache(

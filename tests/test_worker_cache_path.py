@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from argus.contracts.generate import CacheOutcome, GenerateCall
 from argus.embedding import PromptEmbedder
-from argus.worker.cache import ApproximateCache, EdgeVectorIndex, LatentStore
+from argus.worker.approx_cache.cache import ApproximateCache, EdgeVectorIndex, LatentStore
 from tests.worker_factories import STEPS, make_worker
 
 pytestmark = pytest.mark.unit

@@ -11,10 +11,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from argus.worker.components import part_bytes, source_digests
 from argus.worker.metrics import WorkerMetrics
-from argus.worker.models import TINY_PREFIX, build_tiny_pipeline, estimate_part_bytes
-from argus.worker.registry import ModelRegistry
+from argus.worker.models.components import part_bytes, source_digests
+from argus.worker.models.registry import ModelRegistry
+from argus.worker.models.sources import TINY_PREFIX, build_tiny_pipeline, estimate_part_bytes
 from tests.worker_factories import make_registry
 
 pytestmark = pytest.mark.unit
@@ -155,7 +155,7 @@ def test_the_max_resident_flag_reaches_the_registry() -> None:
     from argus.cli.main import OneLineParser
     from argus.cli.worker import WorkerCommand
     from argus.worker.app import build_worker
-    from argus.worker.registry import LoadState
+    from argus.worker.models.registry import LoadState
 
     command = WorkerCommand()
     parser = OneLineParser(prog="argus worker")

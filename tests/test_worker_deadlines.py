@@ -18,7 +18,7 @@ import pytest
 from argus.contracts.generate import GenerateCall
 from argus.plumbing import rpc
 from argus.worker.engine import Worker
-from argus.worker.pipelines import Cancelled, CancelToken
+from argus.worker.models.pipelines import Cancelled, CancelToken
 from tests.worker_factories import spec, tiny_model
 
 pytestmark = pytest.mark.integration

@@ -17,9 +17,9 @@ from argus.contracts.worker_control import LoadState
 from argus.request_limits import InvalidRequestError
 from argus.types import Strategy
 from argus.worker.engine import FifoSlot, QueueFullError
-from argus.worker.models import estimate_bytes
-from argus.worker.pipelines import CancelToken
-from argus.worker.registry import MemoryGuardError, UnknownModelError
+from argus.worker.models.pipelines import CancelToken
+from argus.worker.models.registry import MemoryGuardError, UnknownModelError
+from argus.worker.models.sources import estimate_bytes
 from tests.worker_factories import STEPS, make_registry, make_worker
 
 pytestmark = pytest.mark.unit
@@ -315,7 +315,7 @@ def test_cuda_graphs_are_refused_off_cuda() -> None:
         make_registry(cuda_graphs=2)
     with pytest.raises(ValueError, match="cuda_graphs"):
         make_registry(cuda_graphs=-1)
-    from argus.worker.cuda_graphs import GraphedUNet
+    from argus.worker.models.cuda_graphs import GraphedUNet
     from tests.worker_factories import tiny_model
 
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):

@@ -8,10 +8,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from argus.worker.lora import LoraNotFoundError
-from argus.worker.lora.fileformat import read_file
-from argus.worker.lora.library import LoraLibrary
-from argus.worker.pipelines import Cancelled
+from argus.worker.adapters.lora import LoraNotFoundError
+from argus.worker.adapters.lora.fileformat import read_file
+from argus.worker.adapters.lora.library import LoraLibrary
+from argus.worker.models.pipelines import Cancelled
 from argus.worker.service import public_details, status_of
 
 pytestmark = pytest.mark.unit

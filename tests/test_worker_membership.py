@@ -29,7 +29,12 @@ from argus.plumbing import rpc
 from argus.plumbing.grpc_server import check_address
 from argus.profiles import default_profiles
 from argus.types import Strategy
-from argus.worker.cache import ApproximateCache, CacheStats, EdgeVectorIndex, LatentStore
+from argus.worker.approx_cache.cache import (
+    ApproximateCache,
+    CacheStats,
+    EdgeVectorIndex,
+    LatentStore,
+)
 from argus.worker.engine import Worker
 from argus.worker.membership import (
     MAX_SAMPLES,

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from argus.worker.models import (
+from argus.worker.models.pipelines import DiffusionModel
+from argus.worker.models.sources import (
     ModelSourceError,
     build_tiny_pipeline,
     check_pipeline_dir,
     estimate_bytes,
     load_pipeline_dir,
 )
-from argus.worker.pipelines import DiffusionModel
 from tests.worker_factories import STEPS, spec, tiny_model
 
 pytestmark = pytest.mark.unit

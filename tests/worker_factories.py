@@ -11,9 +11,9 @@ import torch
 
 from argus.profiles import default_profiles
 from argus.worker.engine import Worker, WorkerConfig
-from argus.worker.models import TINY_PREFIX, TINY_VARIANTS, build_tiny_pipeline
-from argus.worker.pipelines import DiffusionModel, GenerationSpec
-from argus.worker.registry import ModelRegistry
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.registry import ModelRegistry
+from argus.worker.models.sources import TINY_PREFIX, TINY_VARIANTS, build_tiny_pipeline
 
 STEPS = 10  # tiny runs: 10 steps at 64 px
 

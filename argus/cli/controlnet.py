@@ -50,8 +50,8 @@ class ControlNetCommand:
     def run(self, args: argparse.Namespace) -> int:
         lower_priority(args.nice)  # before any thread starts
         passive_openmp()  # before torch loads
-        from argus.worker.controlnet.app import ControlNetSettings, serve
-        from argus.worker.controlnet.errors import ControlNetError
+        from argus.worker.adapters.controlnet.app import ControlNetSettings, serve
+        from argus.worker.adapters.controlnet.errors import ControlNetError
 
         tls_dir = internal_tls_dir(args, "controlnet")
         unsized = args.cache_size is None and args.cache_bytes is None  # the service's default

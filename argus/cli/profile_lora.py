@@ -4,7 +4,7 @@ Runs every prompt twice, without the LoRA and with it merged from the first step
 the latents after each step by cosine similarity. K is the index (from 0) of the first step
 whose output falls below ``--threshold`` (0.99 in Katz), the smallest over all prompts: BAL may
 run steps ``0 … K−1`` without the LoRA and must have merged it before step K. See
-:mod:`argus.worker.lora.bound` for the exact definition.
+:mod:`argus.worker.adapters.lora.bound` for the exact definition.
 
 Prints ``K = <k>`` and the lowest similarity per step; ``--json`` also writes the curves. With
 ``--model tiny`` (the tiny SDXL stand-in; ``tiny:<variant>`` picks another) the model has
@@ -51,7 +51,13 @@ class ProfileLoraCommand:
     def run(self, args: argparse.Namespace) -> int:
         self._check(args)
         prompts = self._prompts(args.prompts)
-        from argus.worker.lora import LoraError, LoraLibrary, check_fits, load_now, profile_bound
+        from argus.worker.adapters.lora import (
+            LoraError,
+            LoraLibrary,
+            check_fits,
+            load_now,
+            profile_bound,
+        )
 
         try:
             library = LoraLibrary(args.lora_dir)
@@ -115,15 +121,15 @@ class ProfileLoraCommand:
     def _model(args: argparse.Namespace) -> Any:
         import torch
 
-        from argus.worker.models import (
+        from argus.worker.models.pipelines import DiffusionModel
+        from argus.worker.models.registry import resolve_device, resolve_dtype
+        from argus.worker.models.sources import (
             TINY_PREFIX,
             ModelSourceError,
             build_tiny_pipeline,
             is_tiny,
             load_pipeline_dir,
         )
-        from argus.worker.pipelines import DiffusionModel
-        from argus.worker.registry import resolve_device, resolve_dtype
 
         source = TINY_PREFIX + "sdxl" if args.model == "tiny" else args.model
         try:

@@ -170,7 +170,7 @@ class WorkerCommand:
 
     def _settings(self, args: argparse.Namespace, tls_dir: str | None) -> WorkerSettings:
         """The worker's settings from its flags; ValueError names a bad field."""
-        from argus.worker.adapters import AdapterSettings
+        from argus.worker.adapters.workflow import AdapterSettings
         from argus.worker.app import WorkerSettings
 
         adapter_settings = AdapterSettings(

@@ -33,7 +33,7 @@ to status codes. So a field is added in one module and both sides see it. Reader
 :class:`~argus.contracts.wire.FieldError` (or read an unknown enum as None where the contract
 says so); the servicer maps it to INVALID_ARGUMENT. Two things stay outside, each said where
 it lives: tensors (torch) cross in the ControlNet package's codec,
-:mod:`argus.worker.controlnet.transport`, which builds its messages around
+:mod:`argus.worker.adapters.controlnet.transport`, which builds its messages around
 :mod:`argus.contracts.controlnet`'s conversions, since nothing here imports torch; and a
 refusal's gRPC status and retry trailer, which only the router's gRPC side speaks
 (:mod:`argus.router.convert`). The router's client API (``RouterGenerateRequest``,

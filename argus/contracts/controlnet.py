@@ -1,7 +1,8 @@
 """The ControlNet service's plain values (``argus.v1.ControlNet``) and their conversions.
 
 A worker opens one stream per request to the shared ControlNet service
-(:mod:`argus.worker.controlnet`); what crosses it without a tensor is defined here, once, for
+(:mod:`argus.worker.adapters.controlnet`); what crosses it without a tensor is defined here, once,
+for
 the service and the client alike: a request's ControlNets (:class:`ControlUnit`, carried as
 ``argus.v1.Adapter`` entries of kind CONTROLNET), what opening the session cost
 (:class:`OpenInfo`), and the service's counters (:class:`ExecutorStats` with its model
@@ -9,7 +10,8 @@ cache's :class:`CacheStats`).
 
 The messages that carry tensors (the session's text conditioning, each step's UNet input,
 the residuals) convert in the ControlNet package's tensor codec,
-:mod:`argus.worker.controlnet.transport`, which builds them around the conversions here. This
+:mod:`argus.worker.adapters.controlnet.transport`, which builds them around the conversions here.
+This
 module imports neither torch nor that package, so the values read without either.
 
 Readers raise :class:`~argus.contracts.wire.FieldError` naming the field

@@ -40,7 +40,8 @@ class AdapterKind(enum.Enum):
 
 
 # The profiles' models by the base family whose ControlNets their UNet takes (the worker finds
-# the same family from its UNet's config: ``argus.worker.controlnet.models.base_family``), or
+# the same family from its UNet's config: ``argus.worker.adapters.controlnet.models.base_family``),
+# or
 # None for a model that runs none: SD-2.x's cross-attention is wider than SD-1.x's, and the
 # distilled small and tiny UNets lack blocks a ControlNet adds residuals to. The router serves
 # a request that names a ControlNet only on levels before the first whose model runs none

@@ -55,7 +55,7 @@ class ModelInfo:
 @dataclass(frozen=True)
 class ComponentInfo:
     """One part resident on a worker (a text encoder, tokenizer, UNet or VAE), shared by every
-    model whose part has the same weights (``argus.worker.components``)."""
+    model whose part has the same weights (``argus.worker.models.components``)."""
 
     digest: str  # SHA-256 of its weights (a tokenizer's: of its vocabulary)
     part: str  # the part name it was first loaded as
@@ -66,7 +66,8 @@ class ComponentInfo:
 
 class CacheCounters(Protocol):
     """What the Stats message reads of a worker's approximate-cache snapshot
-    (:class:`argus.worker.cache.CacheStats`); seconds, counts since the cache started."""
+    (:class:`argus.worker.approx_cache.cache.CacheStats`); seconds, counts since the cache
+    started."""
 
     @property
     def entries(self) -> int: ...

@@ -2,7 +2,7 @@
 item 2).
 
 ``benchmarks/bench_edit_cost.py --write-table FILE`` runs the worker's step batcher
-(:mod:`argus.worker.step_batch`) on each model at each size, batches of b edits at mask
+(:mod:`argus.worker.editing.step_batch`) on each model at each size, batches of b edits at mask
 ratio m replaying their template's record (m = 1: a full step, a miss), and writes one
 :class:`BatchCurve` per (model, size): the seconds of one denoising step of the batch at each
 measured (b, m). A worker started with ``--edit-batch-table FILE`` reads it

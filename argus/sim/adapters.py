@@ -35,7 +35,8 @@ replacement (one, two or three per request), and the fits solve on them:
 sample against the targets; the tests check the same.
 
 **Names.** ControlNet ranks 1–8 take names that both tiny catalogs of
-:mod:`argus.worker.controlnet.models` serve for SD-1.5 and SDXL (canny, depth, openpose, …),
+:mod:`argus.worker.adapters.controlnet.models` serve for SD-1.5 and SDXL (canny, depth, openpose,
+…),
 then the family-specific ones, then ``cn-<rank>``. LoRAs are ``lora-<rank>`` (a LoRA library
 directory of ``<name>.safetensors`` files serves them). Scales are 1.0 (the paper gives none;
 1.0 is diffusers' default for both kinds).
@@ -82,7 +83,7 @@ CONTROLNET = "controlnet"
 LORA = "lora"
 
 # ControlNet names by popularity rank. The first eight are in both tiny catalogs
-# (argus/worker/controlnet/models.py TINY_NAMES, sd15 and sdxl); then SD-1.5-only and
+# (argus/worker/adapters/controlnet/models.py TINY_NAMES, sd15 and sdxl); then SD-1.5-only and
 # SDXL-only ones; ranks past these get ``cn-<rank>``.
 CONTROLNET_NAMES = (
     "canny",

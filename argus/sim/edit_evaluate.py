@@ -17,7 +17,7 @@ balancer, paired by seed: P95 difference and relative reduction), ``batching.csv
 ``batchings`` both: continuous against static batching per load and balancer, paired by seed),
 ``summary.json``.
 
-``batchings`` runs each worker's :class:`~argus.profiles.edit_batching.ContinuousBatch`
+``batchings`` runs each worker's :class:`~argus.worker.editing.scheduler.ContinuousBatch`
 continuously (the default), statically (InstGenIE's baseline, §6.4), or both on the same
 requests: the worker's step batcher runs that same policy code, so the simulator predicts what
 ``benchmarks/bench_edit_serving.py`` measures, at any step count and load.
@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 
-from argus.profiles.edit_batching import BATCHINGS
 from argus.profiles.edit_cost import EditCostModel, default_cost_model
 from argus.router.edit_balance import BALANCERS, make_balancer
 from argus.sim.edits import (
@@ -53,6 +52,7 @@ from argus.sim.edits import (
     make_edit_workload,
 )
 from argus.sim.intervals import Interval, mean_interval
+from argus.worker.editing.scheduler import BATCHINGS
 
 METRICS = (
     "latency_mean_s",

@@ -33,9 +33,9 @@ from typing import Protocol
 
 import numpy as np
 
-from argus.profiles.edit_batching import BatchEntry, ContinuousBatch, Running
 from argus.profiles.edit_cost import EditCostModel
 from argus.router.edit_balance import EditBalancer, EditJob, WorkerEdit, WorkerSnapshot
+from argus.worker.editing.scheduler import BatchEntry, ContinuousBatch, Running
 
 TEMPLATES = 970  # InstGenIE §2.2: templates in the production trace
 ZIPF_S = 1.0  # our assumption: the paper gives no popularity skew

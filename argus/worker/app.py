@@ -21,8 +21,8 @@ from argus.plumbing.internal_tls import InternalTLS
 from argus.profiles import default_profiles, load_profiles
 from argus.profiles.batch_curve import BatchTable, BatchTableError, load_batch_table
 from argus.types import ProfileSet, Strategy
-from argus.worker.adapters import AdapterSettings, WorkerAdapters
-from argus.worker.edit_cache import EditCache
+from argus.worker.adapters.workflow import AdapterSettings, WorkerAdapters
+from argus.worker.editing.activation_cache import EditCache
 from argus.worker.engine import Worker, WorkerConfig
 from argus.worker.membership import (
     HeartbeatChannel,
@@ -31,8 +31,8 @@ from argus.worker.membership import (
     default_advertise,
 )
 from argus.worker.metrics import WorkerMetrics
-from argus.worker.models import TINY_PREFIX, TINY_VARIANTS
-from argus.worker.registry import ModelRegistry
+from argus.worker.models.registry import ModelRegistry
+from argus.worker.models.sources import TINY_PREFIX, TINY_VARIANTS
 from argus.worker.scoring import ScoreSampler, load_scorer
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def base_model_name(profiles: ProfileSet) -> str:
 
 
 def build_cache(settings: WorkerSettings, dim: int) -> Any:
-    from argus.worker.cache import (
+    from argus.worker.approx_cache.cache import (
         ApproximateCache,
         EdgeVectorIndex,
         LatentStore,
@@ -165,7 +165,7 @@ def build_cache(settings: WorkerSettings, dim: int) -> Any:
     else:
         index = EdgeVectorIndex(root / "qdrant-edge", dim)
     if settings.index_outage_file is not None:
-        from argus.worker.vector_index import OutageSwitch
+        from argus.worker.approx_cache.vector_index import OutageSwitch
 
         index = OutageSwitch(index, settings.index_outage_file)
     store = LatentStore(root / "latents")
@@ -302,7 +302,7 @@ def build_edit_cache(settings: WorkerSettings, metrics: WorkerMetrics | None) ->
     """The activation cache of edits (None with ``edit_cache_bytes`` 0 and no directory)."""
     if settings.edit_cache_bytes == 0 and settings.edit_cache_dir is None:
         return None
-    from argus.worker.activation_store import ActivationStore
+    from argus.worker.editing.activation_store import ActivationStore
 
     listener = metrics.edit_cache if metrics is not None else None
     store = ActivationStore(

@@ -20,12 +20,12 @@ If the level's model is not loaded the active model serves the request at the sa
 from noise (SM) and the response says ``substituted``; loads are the job of ``configure``.
 
 Deadlines and cancellation: the transport hands :meth:`Worker.generate` a
-:class:`~argus.worker.pipelines.CancelToken` (the call's deadline, and a flag its client's
+:class:`~argus.worker.models.pipelines.CancelToken` (the call's deadline, and a flag its client's
 going away sets). Work nobody will wait for is not done:
 
 * a request whose token says stop while it waits for the GPU is dropped without running;
 * one that is denoising or decoding stops at the model's next checkpoint (before each step,
-  each attention and ResNet block, each decoded tile: see :mod:`argus.worker.pipelines`), and
+  each attention and ResNet block, each decoded tile: see :mod:`argus.worker.models.pipelines`), and
   the PNG is not encoded once the token says stop;
 * a request whose decode cannot finish in the time left is stopped without decoding
   (:class:`DecodeSkipped`), and without running at all when that is already so on arrival or
@@ -37,7 +37,7 @@ past its answer, since it stopped only between two steps and one step at that si
 on two idle CPU cores (six self-attentions of about 1 s each; measured); its whole decode, had
 it got that far, would have been 6.9 s more in one uninterruptible call.
 
-Each raises :class:`~argus.worker.pipelines.Cancelled` (the transport answers
+Each raises :class:`~argus.worker.models.pipelines.Cancelled` (the transport answers
 DEADLINE_EXCEEDED or CANCELLED) and releases the GPU slot at once, so the next request starts
 as soon as the stopped one's current block ends. They are counted by reason ("cancelled",
 "expired") and stage ("queued": never got the GPU; "running": got it) in :meth:`Worker.stats`,
@@ -84,12 +84,13 @@ region are pasted back from the template. An edit never uses the approximate cac
 noise, and resuming one at step K would replace the template by another image, while the
 template's own steps are what an edit keeps; nor does an edit feed it, since its latents
 carry its template into any prompt that would resume from them. An inpainting edit uses the
-mask-aware activation cache instead (:mod:`argus.worker.edit_cache`): the first edit of a
+mask-aware activation cache instead (:mod:`argus.worker.editing.activation_cache`): the first edit
+of a
 template records its transformer blocks' outputs, later ones compute their region's tokens
 only; a record on disk is read into memory while the edit waits in the queue.
 
 Adapters (LoRAs, ControlNets) are checked with the rest of the request and run through
-:class:`~argus.worker.adapters.WorkerAdapters` (see there for how they meet the cache: a
+:class:`~argus.worker.adapters.workflow.WorkerAdapters` (see there for how they meet the cache: a
 request with ControlNets never resumes from a cached latent, and no adapter request feeds it).
 """
 
@@ -135,10 +136,11 @@ from argus.request_limits import (
     check_sampling,
 )
 from argus.types import Level, ProfileSet, Strategy
-from argus.worker.adapters import NO_ADAPTERS, AdapterPlan, WorkerAdapters
-from argus.worker.edit_cache import EditCache, EditCacheUse
-from argus.worker.edit_lane import EditLane, LaneEvents
-from argus.worker.pipelines import (
+from argus.worker.adapters.workflow import NO_ADAPTERS, AdapterPlan, WorkerAdapters
+from argus.worker.editing.activation_cache import EditCache, EditCacheUse
+from argus.worker.editing.lane import EditLane, LaneEvents
+from argus.worker.editing.step_batch import BatchResult, StepBatcher
+from argus.worker.models.pipelines import (
     NEVER_CANCELLED,
     Cancelled,
     CancelToken,
@@ -148,8 +150,7 @@ from argus.worker.pipelines import (
     StepHook,
     paste_unmasked,
 )
-from argus.worker.registry import ModelRegistry
-from argus.worker.step_batch import BatchResult, StepBatcher
+from argus.worker.models.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -357,7 +358,7 @@ class WorkerConfig:
     """The decode rate :class:`DecodeTimes` assumes before it has seen a decode as large; 0
     assumes decodes are free until measured (nothing is skipped for want of a measurement)."""
     edit_batch: int = defaults.EDIT_BATCH
-    """Edits batched at most (:mod:`argus.worker.edit_lane`); 1: one request at a time."""
+    """Edits batched at most (:mod:`argus.worker.editing.lane`); 1: one request at a time."""
     decode_thread: bool = defaults.DECODE_THREAD
     """Batched edits decode on a thread of their own, off the denoising loop."""
     edit_batch_table: BatchTable | None = None
@@ -383,7 +384,9 @@ class CacheLookup:
     start_step: int = 0  # K on a hit
     latent: torch.Tensor | None = None  # the cached latent after K steps (hit)
     similarity: float = 0.0  # cosine similarity of the cached prompt (hit)
-    miss_reason: str = ""  # one of argus.worker.cache.MISS_REASONS, "controlnet", "no-encoder"
+    miss_reason: str = (
+        ""  # one of argus.worker.approx_cache.cache.MISS_REASONS, "controlnet", "no-encoder"
+    )
     search_ms: float = 0.0  # in the vector index (0 when no search ran)
     fetch_ms: float = 0.0  # reading the latent (0 when none was read)
     # the prompt's embedding when the lookup made one; a run that feeds the cache reuses it
@@ -453,7 +456,7 @@ class Worker:
         self._pending: set[Future[Any]] = set()
         self._warm = threading.Event()  # set by warm_up(): the pipeline has run once
         self.decode_times = DecodeTimes(self.config.decode_seed_s_per_pixel)
-        # edits batched at step boundaries (argus/worker/edit_lane.py); None: one at a time
+        # edits batched at step boundaries (argus/worker/editing/lane.py); None: one at a time
         self._lane: EditLane | None = None
         self._decoder: ThreadPoolExecutor | None = None
         self._batch_keys = itertools.count()
@@ -790,7 +793,7 @@ class Worker:
             adapter_path=path,
         )
 
-    # -- the edit lane (argus/worker/edit_lane.py) -----------------------------------------
+    # -- the edit lane (argus/worker/editing/lane.py) -----------------------------------------
 
     def _batches(self, spec: GenerationSpec, plan: AdapterPlan) -> bool:
         """Whether ``spec`` is served by the edit lane: an edit without adapters (nor a
@@ -952,7 +955,7 @@ class Worker:
             return CacheLookup.miss("controlnet")
         if self.encoder is None:
             return CacheLookup.miss("no-encoder")
-        from argus.worker.cache import CacheHit
+        from argus.worker.approx_cache.cache import CacheHit
 
         embedding = self.encoder.embed_one(spec.prompt)
         found = self.cache.lookup(embedding, key, level.skip_steps)
@@ -1032,7 +1035,8 @@ class Worker:
         """Step 4: denoise from the lookup's start with the request's adapters; returns the
         result, the adapter path and the adapters' timings. The progress report's step hook
         runs after the adapters' own. An inpainting edit without adapters replays its
-        template's recorded activations, or records them (:mod:`argus.worker.edit_cache`)."""
+        template's recorded activations, or records them
+        (:mod:`argus.worker.editing.activation_cache`)."""
         with self._lock:
             self._counts["denoise_runs"] += 1
         hooks = () if report is None else (report.running(lookup.start_step, spec.steps),)
@@ -1060,7 +1064,7 @@ class Worker:
             with self._lock:  # a recording reaches the store off the request path
                 self._pending.add(self._writer.submit(self._finish_edit, use.finish))
             return result, "", {}
-        from argus.worker.latent_parallel import PeerFailedError
+        from argus.worker.adapters.latent_parallel import PeerFailedError
 
         try:
             with self.adapters.attach(model, spec, plan, request_id) as extras:
@@ -1113,7 +1117,7 @@ class Worker:
     # -- the cache -------------------------------------------------------------------------
 
     def _cache_key(self, model: DiffusionModel, spec: GenerationSpec) -> Any:
-        from argus.worker.cache import CacheKey
+        from argus.worker.approx_cache.cache import CacheKey
 
         return CacheKey(
             model=model.name,

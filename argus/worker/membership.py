@@ -66,7 +66,7 @@ from argus.worker.engine import Worker
 
 if TYPE_CHECKING:
     from argus.plumbing.internal_tls import InternalTLS
-    from argus.worker.cache import CacheStats
+    from argus.worker.approx_cache.cache import CacheStats
 
 log = logging.getLogger(__name__)
 
@@ -470,7 +470,7 @@ class Membership:
     def _probe_tag(self) -> str:
         """The cache key of the worker's default requests on its active model, so the probe
         searches where requests would."""
-        from argus.worker.cache import CacheKey
+        from argus.worker.approx_cache.cache import CacheKey
 
         model = self.worker.registry.active()
         cfg = self.worker.config

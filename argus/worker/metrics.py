@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from argus.contracts.generate import GenerateResult
-from argus.worker.activation_store import StoreListener, Tier
-from argus.worker.edit_cache import EditCacheEvents
-from argus.worker.edit_lane import LaneEvents
+from argus.worker.editing.activation_cache import EditCacheEvents
+from argus.worker.editing.activation_store import StoreListener, Tier
+from argus.worker.editing.lane import LaneEvents
 
 # latency buckets from 50 ms (tiny models on a CPU) to 2 min (SDXL at K = 0 on a slow GPU)
 LATENCY_BUCKETS = (
@@ -95,7 +95,8 @@ class WorkerMetrics:
             buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 40, 80, 160),
             registry=reg,
         )
-        # a model's load loads only its parts that are not resident (argus/worker/components.py)
+        # a model's load loads only its parts that are not resident
+        # (argus/worker/models/components.py)
         self.part_load_seconds = Histogram(
             "argus_worker_part_load_seconds",
             "Time to load one part of a model (text encoder, tokenizer, UNet, VAE), by part; a "
@@ -137,7 +138,7 @@ class WorkerMetrics:
 
 
 class LaneMetrics(LaneEvents):
-    """The edit lane's batched steps (argus/worker/edit_lane.py): how many requests each ran."""
+    """The edit lane's batched steps (argus/worker/editing/lane.py): how many requests each ran."""
 
     def __init__(self, reg: CollectorRegistry) -> None:
         self.batch = Histogram(
@@ -152,7 +153,8 @@ class LaneMetrics(LaneEvents):
 
 
 class EditCacheMetrics(StoreListener, EditCacheEvents):
-    """The mask-aware activation cache's metrics (argus/worker/edit_cache.py): the store's
+    """The mask-aware activation cache's metrics (argus/worker/editing/activation_cache.py): the
+    store's
     events (it calls these under its lock; each only touches a metric) and the cache's."""
 
     def __init__(self, reg: CollectorRegistry) -> None:

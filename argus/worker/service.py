@@ -9,14 +9,14 @@ codes, and the work is the engine's:
 * :class:`~argus.worker.engine.QueueFullError` → ``RESOURCE_EXHAUSTED``;
 * an unknown variant → ``INVALID_ARGUMENT`` on ``variant``; a load that does not fit →
   ``RESOURCE_EXHAUSTED``;
-* :class:`~argus.worker.pipelines.Cancelled` → ``DEADLINE_EXCEEDED`` when the call's deadline
+* :class:`~argus.worker.models.pipelines.Cancelled` → ``DEADLINE_EXCEEDED`` when the call's deadline
   passed (in the queue or during its run) or its decode could not finish before it
   (:class:`~argus.worker.engine.DecodeSkipped`, whose details say the predicted and the
   remaining time), ``CANCELLED`` when its client went away;
 * no model loaded yet → ``UNAVAILABLE``; anything else → ``INTERNAL`` with the error's type
   (its text, which may hold server paths, is logged, not sent), and the worker keeps serving.
 
-Each Generate call gets a :class:`~argus.worker.pipelines.CancelToken` with the call's gRPC
+Each Generate call gets a :class:`~argus.worker.models.pipelines.CancelToken` with the call's gRPC
 deadline, and ``context.add_callback`` sets it when the call ends early (client cancelled,
 deadline), so the engine stops work nobody waits for.
 
@@ -56,11 +56,11 @@ from argus.plumbing import rpc
 from argus.plumbing.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from argus.plumbing.internal_tls import InternalTLS, server_security
 from argus.request_limits import InvalidRequestError
-from argus.worker.adapters import adapter_status
+from argus.worker.adapters.workflow import adapter_status
 from argus.worker.engine import DecodeSkipped, NoModelError, QueueFullError, Worker
 from argus.worker.metrics import WorkerMetrics
-from argus.worker.pipelines import Cancelled, CancelToken
-from argus.worker.registry import MemoryGuardError, UnknownModelError
+from argus.worker.models.pipelines import Cancelled, CancelToken
+from argus.worker.models.registry import MemoryGuardError, UnknownModelError
 from argus.worker.scoring import ScoreSampler
 
 worker_pb2: Any = rpc.load("worker_pb2")

@@ -1,0 +1,898 @@
+"""InstGenIE's mask-aware activation cache, the compute side (issue 32, item 3).
+
+An inpainting edit changes only the tokens of its region; every edit of one template sees the
+same latents outside it at every step (:meth:`DiffusionModel.start_edit` noises the unmasked
+region with the template's own seed). So the UNet's transformer blocks can take the unedited
+tokens' outputs from a recorded run of the template and compute attention and feed-forward for
+the edited tokens only (InstGenIE, §3.1, Fig. 5). Convolutions and everything outside the
+``BasicTransformerBlock``\\ s run in full: they mix neighbouring latent pixels, so they need the
+whole feature map, cached rows included.
+
+Two predictors (:class:`~argus.worker.models.pipelines.NoisePredictor`) for
+``DiffusionModel.denoise(..., predictor=...)``:
+
+* :class:`RecordingPredictor` runs the UNet in full and keeps, per (step, block), the block's
+  output Y for the tokens outside its run's region (the record's *coverage*), both CFG
+  branches, in float16 on the CPU: an :class:`ActivationRecord`;
+* :class:`ReplayPredictor` runs every block in ``use_cache`` on the tokens it must compute
+  (the request's region, plus any token the record does not cover) and scatters them into the
+  recorded rows. Self-attention takes its queries from the computed tokens and its keys and
+  values from all of them; norms, cross-attention, feed-forward and residuals run on the
+  computed tokens only. A block whose ``use_cache`` is False computes all its tokens
+  (InstGenIE's bubble-free pipeline, Algorithm 1, plans that list elsewhere).
+
+A block's tokens at h×w are masked when any latent pixel they cover is edited: the latent
+region max-pooled by 2 (ceil mode, as the UNet's stride-2 convolutions give ceil sizes) until
+it has as many pixels as the block has tokens.
+
+**Y or K/V.** §3.1's alternative also caches the keys and values of the unmasked tokens'
+self-attention, so a replay skips their norm and K/V projections. In a UNet the cached Y is
+still needed (the convolutions read every token), so K/V comes on top of Y: 3× the bytes (K and
+V are each Y's size in SD's blocks). Measured by ``benchmarks/bench_editing.py`` on SD-1.5's
+architecture at 512×512 (2 vCPU x86_64 shared with other agents, one torch thread): at m = 0.2
+a step took 11.4 s with K/V against 12.0 s with Y alone, 5% less (6.5% in a run on two threads
+under heavier load), for 132 MiB of record a step against 44 MiB (6.5 GiB against 2.2 GiB for
+50 steps). Three times the host memory, disk and load time for a few per cent of a step is a
+bad trade, so the default (:data:`DEFAULT_KEYS_VALUES`) is Y only, as InstGenIE chose (its
+Flux figure: 10% faster for twice the bytes).
+
+Records convert to and from a flat ``dict[str, torch.Tensor]`` (:meth:`ActivationRecord.
+to_tensors`), safetensors-able: ``latent_size``, ``coverage.{h}x{w}``, ``s{step}.b{block}.y``
+(and ``.k``, ``.v``).
+
+The predictors patch each block instance's ``forward`` for the length of one UNet call and
+restore it on exit, exceptions included; ``denoise`` runs under the model's lock, so no other
+request sees the patch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from argus.worker.models.pipelines import Conditioning, DiffusionModel
+
+DEFAULT_KEYS_VALUES = False
+"""Whether records keep self-attention's keys and values besides Y (see the module's docstring:
+3× the bytes for a few per cent of a step)."""
+RECORD_DTYPE = torch.float16  # InstGenIE's and the brief's: half the bytes of float32
+# the attention processors whose computation the masked forward reproduces: softmax(QKᵀ/√d)V
+# with nothing else (AttnProcessor2_0 is diffusers' default on torch 2)
+SUPPORTED_PROCESSORS = frozenset({"AttnProcessor2_0", "AttnProcessor"})
+_TENSOR_NAME = re.compile(r"s(\d+)\.b(\d+)\.([ykv])")
+_COVERAGE_NAME = re.compile(r"coverage\.(\d+)x(\d+)")
+
+Size = tuple[int, int]  # (height, width) in tokens
+
+
+class UnsupportedBlockError(ValueError):
+    """A transformer block whose configuration the masked forward does not implement."""
+
+
+class RecordMismatchError(ValueError):
+    """A record that does not fit the run replaying it (size, step, block or mode)."""
+
+
+# -- blocks and token masks ----------------------------------------------------------------
+
+
+_BLOCKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+_BLOCKS_GUARD = threading.Lock()
+
+
+def transformer_blocks(unet: torch.nn.Module) -> tuple[Any, ...]:
+    """The UNet's ``BasicTransformerBlock``\\ s in ``unet.modules()`` order: a block's index
+    in this list names it in records and in ``use_cache``. Found once per UNet (a walk of all
+    its modules; every replay, recording and batched step asks), kept while the UNet lives."""
+    with _BLOCKS_GUARD:
+        found = _BLOCKS.get(unet)
+    if found is None:
+        from diffusers.models.attention import BasicTransformerBlock
+
+        found = tuple(m for m in unet.modules() if isinstance(m, BasicTransformerBlock))
+        with _BLOCKS_GUARD:
+            _BLOCKS[unet] = found
+    return found
+
+
+def check_block(block: torch.nn.Module) -> None:
+    """Raise :class:`UnsupportedBlockError` unless ``block`` is the plain pre-norm block the
+    masked forward implements: layer norms, self-attention then cross-attention then
+    feed-forward, no positional embedding, GLIGEN fuser or ada-norm, and attentions that are
+    softmax(QKᵀ/√d)V alone (a batch computes them itself: :func:`packed_block_forward`)."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    problems = []
+    if type(block) is not BasicTransformerBlock:
+        problems.append(f"class {type(block).__name__}")
+    else:
+        if block.norm_type != "layer_norm":
+            problems.append(f"norm_type {block.norm_type!r}")
+        if block.only_cross_attention:
+            problems.append("only_cross_attention")
+        if block.double_self_attention:
+            problems.append("double_self_attention")
+        if block.pos_embed is not None:
+            problems.append("positional embeddings")
+        if hasattr(block, "fuser"):
+            problems.append("a GLIGEN fuser")
+        for kind, attn in (("self-attention", block.attn1), ("cross-attention", block.attn2)):
+            if attn is not None:
+                problems.extend(_attention_problems(kind, attn))
+        if block.attn1.is_cross_attention:
+            problems.append("self-attention over another sequence")
+    if problems:
+        raise UnsupportedBlockError(
+            f"masked transformer block: unsupported {', '.join(problems)}; only diffusers' "
+            "BasicTransformerBlock with norm_type 'layer_norm', self- then cross-attention "
+            f"and one of {sorted(SUPPORTED_PROCESSORS)} is implemented"
+        )
+
+
+def _attention_problems(kind: str, attn: Any) -> list[str]:
+    """What in ``attn`` the masked forward's softmax(QKᵀ/√d)V does not reproduce."""
+    problems = []
+    processor = type(attn.processor).__name__
+    if processor not in SUPPORTED_PROCESSORS:
+        problems.append(f"{kind} processor {processor}")
+    for name in ("spatial_norm", "group_norm", "norm_q", "norm_k", "norm_cross"):
+        if getattr(attn, name, None) is not None:
+            problems.append(f"{kind} {name}")
+    if attn.residual_connection or attn.rescale_output_factor != 1.0:
+        problems.append(f"{kind} residual or rescale")
+    return problems
+
+
+def token_regions(region: torch.Tensor) -> dict[int, tuple[Size, torch.Tensor]]:
+    """The edited tokens at every resolution a UNet reaches from the latent ``region``
+    (1×1×H×W, nonzero where edited): token count → ((h, w), flat bool mask of h·w tokens,
+    row-major as ``Transformer2DModel`` flattens them). Each level is the one above
+    max-pooled by 2 in ceil mode, down to 1×1; counts are distinct, so a block's token count
+    names its level."""
+    level = (region.detach().to("cpu", torch.float32) != 0).to(torch.float32)
+    if level.dim() != 4 or level.shape[:2] != (1, 1):
+        raise ValueError(f"region: expected 1×1×H×W, got {tuple(level.shape)}")
+    levels: dict[int, tuple[Size, torch.Tensor]] = {}
+    while True:
+        h, w = int(level.shape[-2]), int(level.shape[-1])
+        levels[h * w] = ((h, w), level.flatten() != 0)
+        if h == 1 and w == 1:
+            return levels
+        level = F.max_pool2d(level, 2, 2, ceil_mode=True)
+
+
+def _level(levels: dict[int, tuple[Size, torch.Tensor]], tokens: int) -> tuple[Size, torch.Tensor]:
+    if tokens not in levels:
+        sizes = sorted(size for size, _ in levels.values())
+        raise RecordMismatchError(f"a block of {tokens} tokens matches no level of {sizes}")
+    return levels[tokens]
+
+
+# -- the record ----------------------------------------------------------------------------
+
+
+@dataclass
+class ActivationRecord:
+    """One template's recorded run: per (step, block), the block's output rows for the tokens
+    ``coverage`` marks at the block's resolution, CFG branches stacked (negative first).
+
+    ``outputs[(step, block)]`` is batch × covered tokens × channels, in the covered tokens'
+    row-major order; ``keys`` and ``values`` (only when recorded with keys and values) are the
+    block's self-attention projections of the same tokens."""
+
+    latent_size: Size
+    coverage: dict[Size, torch.Tensor] = field(default_factory=dict)  # (h, w) -> bool (h·w,)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    keys: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    values: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def keys_values(self) -> bool:
+        """Whether the record holds self-attention's keys and values too."""
+        return bool(self.keys)
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({step for step, _ in self.outputs})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor of :meth:`to_tensors` (what a store holds)."""
+        return sum(t.nbytes for t in self.to_tensors().values())
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The record as flat, contiguous tensors (safetensors' ``save_file`` takes them)."""
+        flat = {"latent_size": torch.tensor(self.latent_size, dtype=torch.int64)}
+        for (h, w), covered in self.coverage.items():
+            flat[f"coverage.{h}x{w}"] = covered.reshape(h, w).to(torch.uint8).contiguous()
+        for kind, tensors in (("y", self.outputs), ("k", self.keys), ("v", self.values)):
+            for (step, block), tensor in tensors.items():
+                flat[f"s{step}.b{block}.{kind}"] = tensor.contiguous()
+        return flat
+
+    @classmethod
+    def from_tensors(cls, flat: dict[str, torch.Tensor]) -> ActivationRecord:
+        """The record :meth:`to_tensors` gave; raises :class:`RecordMismatchError` on a name
+        it did not write."""
+        if "latent_size" not in flat:
+            raise RecordMismatchError("not an activation record: no latent_size")
+        h, w = (int(v) for v in flat["latent_size"].tolist())
+        record = cls((h, w))
+        kinds = {"y": record.outputs, "k": record.keys, "v": record.values}
+        for name, tensor in flat.items():
+            if name == "latent_size":
+                continue
+            if match := _COVERAGE_NAME.fullmatch(name):
+                record.coverage[(int(match[1]), int(match[2]))] = tensor.flatten() != 0
+            elif match := _TENSOR_NAME.fullmatch(name):
+                kinds[match[3]][(int(match[1]), int(match[2]))] = tensor
+            else:
+                raise RecordMismatchError(f"not an activation record's tensor: {name!r}")
+        return record
+
+
+# -- recording -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def recording(
+    unet: torch.nn.Module,
+    record: ActivationRecord,
+    step: int,
+    region: torch.Tensor | None = None,
+    *,
+    keys_values: bool = DEFAULT_KEYS_VALUES,
+    dtype: torch.dtype = RECORD_DTYPE,
+) -> Iterator[None]:
+    """Record into ``record`` what the UNet's transformer blocks compute for step ``step``
+    during the block (one full UNet call): each block's output, and with ``keys_values`` its
+    self-attention's keys and values, for the tokens outside ``region`` (None: all tokens),
+    as ``dtype`` on the CPU. Hooks are removed on exit."""
+    h, w = record.latent_size
+    levels = token_regions(torch.zeros(1, 1, h, w) if region is None else region)
+    if region is not None and tuple(region.shape[-2:]) != record.latent_size:
+        raise RecordMismatchError(f"region {tuple(region.shape[-2:])} ≠ {record.latent_size}")
+    handles = []
+
+    def keep(key: tuple[int, int], into: dict[tuple[int, int], torch.Tensor]) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+            size, edited = _level(levels, output.shape[1])
+            covered = ~edited
+            record.coverage[size] = covered
+            index = covered.nonzero().flatten().to(output.device)
+            into[key] = output.index_select(1, index).to("cpu", dtype)
+
+        return hook
+
+    try:
+        for index, block in enumerate(transformer_blocks(unet)):
+            check_block(block)
+            key = (step, index)
+            handles.append(block.register_forward_hook(keep(key, record.outputs)))
+            if keys_values:
+                handles.append(block.attn1.to_k.register_forward_hook(keep(key, record.keys)))
+                handles.append(block.attn1.to_v.register_forward_hook(keep(key, record.values)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class RecordingPredictor:
+    """The default predictor's noise, with every step's transformer-block outputs of the
+    tokens outside ``region`` (1×1×H×W, the edit's
+    :attr:`~argus.worker.models.pipelines.EditStart.region`; zeros for a template run with nothing
+    edited) kept in :attr:`record`."""
+
+    def __init__(
+        self,
+        model: DiffusionModel,
+        region: torch.Tensor,
+        *,
+        keys_values: bool = DEFAULT_KEYS_VALUES,
+        dtype: torch.dtype = RECORD_DTYPE,
+    ) -> None:
+        self.model = model
+        self.region = region
+        self.keys_values = keys_values
+        self.dtype = dtype
+        self.record = ActivationRecord((int(region.shape[-2]), int(region.shape[-1])))
+
+    def __call__(
+        self, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, scheduler: Any, step: int
+    ) -> torch.Tensor:
+        unet = self.model.pipeline.unet
+        with recording(
+            unet,
+            self.record,
+            step,
+            self.region,
+            keys_values=self.keys_values,
+            dtype=self.dtype,
+        ):
+            return self.model.predict_noise(latents, t, cond, scheduler, step)
+
+
+# -- replaying -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """Which tokens of one resolution a replay computes and where the rest come from."""
+
+    size: Size
+    computed: torch.Tensor  # long: indices of the computed tokens (edited or not covered)
+    cached: torch.Tensor  # long: indices of the tokens taken from the record
+    rows: torch.Tensor | None  # long: the cached tokens' rows in the record; None: all rows
+
+    @property
+    def tokens(self) -> int:
+        return self.size[0] * self.size[1]
+
+    @property
+    def all_computed(self) -> bool:
+        return int(self.computed.numel()) == self.tokens
+
+
+def plan_tokens(
+    region: torch.Tensor, record: ActivationRecord, device: torch.device | str = "cpu"
+) -> dict[int, TokenPlan]:
+    """Token count → :class:`TokenPlan` for every resolution the record covers: a token is
+    computed when it is edited (in ``region``) or the record does not cover it."""
+    if tuple(region.shape[-2:]) != record.latent_size:
+        raise RecordMismatchError(
+            f"the edit's latent is {tuple(region.shape[-2:])}, the record's {record.latent_size}"
+        )
+    plans = {}
+    for tokens, (size, edited) in token_regions(region).items():
+        covered = record.coverage.get(size)
+        if covered is None:
+            continue
+        computed = edited | ~covered
+        cached = ~computed
+        rows = None if torch.equal(cached, covered) else (cached[covered]).nonzero().flatten()
+        plans[tokens] = TokenPlan(
+            size,
+            computed.nonzero().flatten().to(device),
+            cached.nonzero().flatten().to(device),
+            None if rows is None else rows.to(device),
+        )
+    return plans
+
+
+def _attend(
+    attn: Any, query_in: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> torch.Tensor:
+    """softmax(QKᵀ/√d)V through ``attn``'s projections for every row's queries (batch ×
+    queries × channels) against its keys and values: :func:`_grouped_attend` with one group."""
+    batch, count, channels = query_in.shape
+    rows = _Group(torch.arange(batch, device=query_in.device), count, 0)
+    out = _grouped_attend(attn, query_in.reshape(batch * count, channels), key, value, (rows,))
+    return out.view(batch, count, out.shape[-1])
+
+
+def _scatter(
+    full: torch.Tensor, plan: TokenPlan, computed: torch.Tensor, recorded: torch.Tensor
+) -> torch.Tensor:
+    """``full`` (batch × tokens × channels) with the computed rows and the recorded rows put
+    in their tokens' places."""
+    _fill_cached(full, plan, recorded)
+    if computed.shape[1]:
+        full.index_copy_(1, plan.computed, computed)
+    return full
+
+
+def _fill_cached(full: torch.Tensor, plan: TokenPlan, recorded: torch.Tensor) -> None:
+    """The recorded rows put in the places of ``plan``'s cached tokens of ``full``."""
+    if recorded.device != full.device:  # a host-held record for a UNet on an accelerator
+        recorded = recorded.to(full.device)
+    rows = recorded if plan.rows is None else recorded.index_select(1, plan.rows)
+    full.index_copy_(1, plan.cached, rows.to(full.dtype))
+
+
+def masked_block_forward(
+    block: Any,
+    hidden_states: torch.Tensor,
+    plan: TokenPlan,
+    cached_y: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+    cached_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One ``BasicTransformerBlock`` (checked by :func:`check_block`) computed for
+    ``plan.computed`` tokens only, the other tokens' outputs taken from ``cached_y`` (their
+    record rows). Self-attention's keys and values cover all tokens: projected from every
+    token's norm, or with ``cached_kv`` (the record's keys and values) projected for the
+    computed tokens only and taken from the record for the others."""
+    x = hidden_states
+    x_computed = x.index_select(1, plan.computed)
+    attn = block.attn1
+    if cached_kv is None:
+        normed = block.norm1(x)
+        normed_computed = normed.index_select(1, plan.computed)
+        key, value = attn.to_k(normed), attn.to_v(normed)
+    else:
+        normed_computed = block.norm1(x_computed)
+        inner = attn.to_k.out_features
+        shape = (x.shape[0], x.shape[1], inner)
+        key = _scatter(x.new_empty(shape), plan, attn.to_k(normed_computed), cached_kv[0])
+        value = _scatter(x.new_empty(shape), plan, attn.to_v(normed_computed), cached_kv[1])
+    h = _attend(attn, normed_computed, key, value) + x_computed
+    h = _after_self_attention(block, h, encoder_hidden_states, encoder_attention_mask)
+    return _scatter(torch.empty_like(x), plan, h, cached_y)
+
+
+def _after_self_attention(
+    block: Any,
+    h: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    encoder_attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The rest of the block on the computed tokens: cross-attention then feed-forward, each
+    with its norm and residual."""
+    if block.attn2 is not None:
+        h = (
+            block.attn2(
+                block.norm2(h),
+                encoder_hidden_states=encoder_hidden_states,
+                attention_mask=encoder_attention_mask,
+            )
+            + h
+        )
+    # diffusers' optional feed-forward chunking computes the same numbers, so it is ignored
+    out: torch.Tensor = block.ff(block.norm3(h)) + h
+    return out
+
+
+@contextlib.contextmanager
+def patched_forwards(
+    blocks: Sequence[torch.nn.Module], forwards: Sequence[Callable[..., torch.Tensor] | None]
+) -> Iterator[None]:
+    """Give each block its replacement forward (None: leave it) for the ``with`` block;
+    every block's own forward comes back on exit, exceptions included."""
+    saved: list[tuple[torch.nn.Module, Any]] = []
+    try:
+        for block, forward in zip(blocks, forwards, strict=True):
+            if forward is not None:
+                saved.append((block, block.__dict__.get("forward")))
+                block.forward = forward
+        yield
+    finally:
+        for block, own in reversed(saved):
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
+
+
+class Replay:
+    """Replays ``record`` on a UNet for edits of ``region``: :meth:`step` patches the blocks
+    for one UNet call. ``use_cache`` (one bool per block, default all True) chooses, per
+    block, between the cached rows and computing every token; ``keys_values`` (default: the
+    record has them and :data:`DEFAULT_KEYS_VALUES`) takes self-attention's keys and values of
+    the cached tokens from the record too."""
+
+    def __init__(
+        self,
+        unet: torch.nn.Module,
+        record: ActivationRecord,
+        region: torch.Tensor,
+        *,
+        use_cache: Sequence[bool] | None = None,
+        keys_values: bool | None = None,
+    ) -> None:
+        self.blocks = transformer_blocks(unet)
+        for block in self.blocks:
+            check_block(block)
+        if use_cache is None:
+            use_cache = [True] * len(self.blocks)
+        if len(use_cache) != len(self.blocks):
+            raise ValueError(f"use_cache has {len(use_cache)} entries for {len(self.blocks)}")
+        self.use_cache = [bool(u) for u in use_cache]
+        if keys_values is None:
+            keys_values = record.keys_values and DEFAULT_KEYS_VALUES
+        if keys_values and not record.keys_values:
+            raise RecordMismatchError("keys and values asked for; the record has only Y")
+        self.keys_values = keys_values
+        self.record = record
+        device = next(unet.parameters()).device
+        self.plans = plan_tokens(region, record, device)
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Patch the blocks for one UNet call of step ``step`` (restored on exit)."""
+        forwards = [
+            self._forward(index, block, step) if use else None
+            for index, (block, use) in enumerate(zip(self.blocks, self.use_cache, strict=True))
+        ]
+        with patched_forwards(self.blocks, forwards):
+            yield
+
+    def _forward(self, index: int, block: Any, step: int) -> Callable[..., torch.Tensor]:
+        own = own_forward(block)
+
+        def forward(
+            hidden_states: torch.Tensor,
+            encoder_hidden_states: torch.Tensor | None,
+            encoder_attention_mask: torch.Tensor | None,
+        ) -> torch.Tensor:
+            found = self.replay(index, step, hidden_states.shape[1], hidden_states.shape[0])
+            if found is None:  # nothing to take from the record: the block's own forward
+                computed: torch.Tensor = own(
+                    hidden_states,
+                    encoder_hidden_states=encoder_hidden_states,
+                    encoder_attention_mask=encoder_attention_mask,
+                )
+                return computed
+            plan, cached_y = found
+            kv = None
+            if self.keys_values:
+                kv = (self.record.keys[(step, index)], self.record.values[(step, index)])
+            return masked_block_forward(
+                block,
+                hidden_states,
+                plan,
+                cached_y,
+                encoder_hidden_states,
+                encoder_attention_mask,
+                kv,
+            )
+
+        return block_forward(forward)
+
+    def replay(
+        self, index: int, step: int, tokens: int, rows: int
+    ) -> tuple[TokenPlan, torch.Tensor] | None:
+        """Block ``index`` of step ``step`` at ``tokens`` tokens on ``rows`` rows: its token
+        plan and recorded output rows, or None when the block computes every token (Algorithm
+        1 chose so, or the record covers nothing the edit keeps); :class:`RecordMismatchError`
+        when the record does not fit. A :class:`RowBlocks`."""
+        if not self.use_cache[index]:
+            return None
+        plan = self.plans.get(tokens)
+        if plan is None:
+            raise RecordMismatchError(
+                f"block {index}: the record covers no resolution of {tokens} tokens"
+            )
+        if plan.all_computed:
+            return None
+        key = (step, index)
+        if key not in self.record.outputs:
+            raise RecordMismatchError(f"the record has no step {step} block {index}")
+        cached_y = self.record.outputs[key]
+        if cached_y.shape[0] != rows:
+            raise RecordMismatchError(
+                f"the record's batch is {cached_y.shape[0]} (CFG branches), this run's {rows}"
+            )
+        return plan, cached_y
+
+    def keep(self, index: int, step: int, output: torch.Tensor) -> None:
+        """A block computed in full keeps nothing of a replay (a :class:`RowBlocks`)."""
+
+
+class ReplayPredictor:
+    """The default predictor's noise with the transformer blocks replayed from ``record``
+    for an edit of ``region`` (:class:`Replay`)."""
+
+    def __init__(
+        self,
+        model: DiffusionModel,
+        record: ActivationRecord,
+        region: torch.Tensor,
+        *,
+        use_cache: Sequence[bool] | None = None,
+        keys_values: bool | None = None,
+    ) -> None:
+        self.model = model
+        self.replay = Replay(
+            model.pipeline.unet, record, region, use_cache=use_cache, keys_values=keys_values
+        )
+
+    def __call__(
+        self, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, scheduler: Any, step: int
+    ) -> torch.Tensor:
+        with self.replay.step(step):
+            return self.model.predict_noise(latents, t, cond, scheduler, step)
+
+
+# -- a batch of requests in one UNet call --------------------------------------------------
+
+
+def own_forward(block: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """The block's class forward, bound to it: its computation whatever a patch put on the
+    instance."""
+    return functools.partial(type(block).forward, block)
+
+
+BlockCompute = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+"""A block's replacement computation: (hidden states, encoder hidden states, encoder mask)."""
+
+
+def block_forward(compute: BlockCompute) -> Callable[..., torch.Tensor]:
+    """``compute`` behind ``BasicTransformerBlock.forward``'s signature, as
+    ``Transformer2DModel`` calls it; a self-attention mask or cross-attention kwargs, which the
+    masked computation does not implement, raise :class:`UnsupportedBlockError`."""
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        timestep: Any = None,
+        cross_attention_kwargs: dict[str, Any] | None = None,
+        class_labels: Any = None,
+        added_cond_kwargs: Any = None,
+    ) -> torch.Tensor:
+        if attention_mask is not None or cross_attention_kwargs:
+            raise UnsupportedBlockError(
+                "masked transformer block: a self-attention mask or cross_attention_kwargs "
+                "is not implemented"
+            )
+        return compute(hidden_states, encoder_hidden_states, encoder_attention_mask)
+
+    return forward
+
+
+class RowBlocks(Protocol):
+    """One request's transformer blocks inside a batched UNet call (the step batcher,
+    :mod:`argus.worker.editing.step_batch`): per block and step of the request, whether it replays
+    (:meth:`replay`: its token plan and recorded rows) or computes every token, and what it
+    keeps of a block computed in full (:meth:`keep`: a recording)."""
+
+    def replay(
+        self, index: int, step: int, tokens: int, rows: int
+    ) -> tuple[TokenPlan, torch.Tensor] | None: ...
+
+    def keep(self, index: int, step: int, output: torch.Tensor) -> None: ...
+
+
+class RowRecorder:
+    """A recording run inside a batch: each block computed in full, its output for the tokens
+    outside ``region`` kept in :attr:`record` (Y only), as :func:`recording` keeps them for a
+    run alone."""
+
+    def __init__(self, region: torch.Tensor, *, dtype: torch.dtype = RECORD_DTYPE) -> None:
+        self.region = region
+        self.dtype = dtype
+        self.record = ActivationRecord((int(region.shape[-2]), int(region.shape[-1])))
+        self._levels = token_regions(region)
+
+    def replay(
+        self, index: int, step: int, tokens: int, rows: int
+    ) -> tuple[TokenPlan, torch.Tensor] | None:
+        return None
+
+    def keep(self, index: int, step: int, output: torch.Tensor) -> None:
+        size, edited = _level(self._levels, output.shape[1])
+        covered = ~edited
+        self.record.coverage[size] = covered
+        rows = covered.nonzero().flatten().to(output.device)
+        self.record.outputs[(step, index)] = output.index_select(1, rows).to("cpu", self.dtype)
+
+
+@dataclass(frozen=True)
+class RowPart:
+    """One request's share of a batched UNet call: its rows (in joining order), its blocks
+    (None: every block in full, nothing kept) and the index of the step it is at."""
+
+    rows: int
+    blocks: RowBlocks | None
+    step: int
+
+
+@contextlib.contextmanager
+def batched_blocks(blocks: Sequence[torch.nn.Module], parts: Sequence[RowPart]) -> Iterator[None]:
+    """Patch every transformer block for one batched UNet call whose rows are ``parts``, in
+    order. A block that no request replays runs its own forward on the whole batch (a
+    recording keeps its rows of the output); a block that some request replays runs once for
+    all rows on packed tokens (:func:`packed_block_forward`): each replaying request computes
+    its region's tokens only, each other request all its tokens, with no padding, so a step
+    costs the sum of its edits' work, as the cost model prices it. Everything outside the
+    blocks (convolutions, ResNets, the time embedding) runs on the whole batch. Restored on
+    exit, exceptions included."""
+    rows = _PartRows(parts)
+    forwards = [_batched_forward(index, block, parts, rows) for index, block in enumerate(blocks)]
+    with patched_forwards(blocks, forwards):
+        yield
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Batch rows that compute the same number of tokens: one attention call between them.
+    Their tokens are ``count`` consecutive packed tokens a row, from ``start``."""
+
+    rows: torch.Tensor  # long: the rows, in packed order
+    count: int
+    start: int
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """Where each row's computed tokens sit among the packed tokens of one block call."""
+
+    index: torch.Tensor  # long: flat (row · tokens + token) index of every packed token
+    groups: tuple[_Group, ...]
+
+
+class _PartRows:
+    """Per UNet call, the batch's row offsets and the packings its blocks ask for: made once
+    per set of plans (the blocks of one call share a few), as index tensors on the step's
+    device (on a GPU each new one is a copy to the device)."""
+
+    def __init__(self, parts: Sequence[RowPart]) -> None:
+        self.starts = [0]
+        for part in parts:
+            self.starts.append(self.starts[-1] + part.rows)
+        self._made: dict[tuple[Any, ...], _Packing] = {}
+
+    def packing(self, plans: Sequence[TokenPlan | None], tokens: int, device: Any) -> _Packing:
+        """The packing for the parts' ``plans`` (None: the part computes every token)."""
+        key = (tokens, tuple(id(plan) for plan in plans), device)
+        found = self._made.get(key)
+        if found is None:
+            found = self._made[key] = self._pack(plans, tokens, device)
+        return found
+
+    def _pack(self, plans: Sequence[TokenPlan | None], tokens: int, device: Any) -> _Packing:
+        every = torch.arange(tokens, device=device)
+        by_count: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for k, plan in enumerate(plans):
+            computed = every if plan is None else plan.computed.to(device)
+            for row in range(self.starts[k], self.starts[k + 1]):
+                by_count.setdefault(int(computed.numel()), []).append((row, computed))
+        pieces: list[torch.Tensor] = []
+        groups = []
+        start = 0
+        for count, members in by_count.items():
+            rows = [row for row, _ in members]
+            groups.append(_Group(torch.tensor(rows, dtype=torch.long, device=device), count, start))
+            pieces.extend(row * tokens + computed for row, computed in members)
+            start += count * len(rows)
+        return _Packing(torch.cat(pieces), tuple(groups))
+
+
+def _batched_forward(
+    index: int, block: Any, parts: Sequence[RowPart], part_rows: _PartRows
+) -> Callable[..., torch.Tensor]:
+    own = own_forward(block)
+    starts = part_rows.starts
+
+    def forward(
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        encoder_attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        tokens = hidden_states.shape[1]
+        found = [
+            None if part.blocks is None else part.blocks.replay(index, part.step, tokens, part.rows)
+            for part in parts
+        ]
+        full = [k for k, replay in enumerate(found) if replay is None]
+        if len(full) == len(parts):
+            output: torch.Tensor = own(
+                hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_attention_mask=encoder_attention_mask,
+            )
+        else:
+            plans = [None if replay is None else replay[0] for replay in found]
+            packing = part_rows.packing(plans, tokens, hidden_states.device)
+            output = packed_block_forward(
+                block, hidden_states, packing, encoder_hidden_states, encoder_attention_mask
+            )
+            for k, replay in enumerate(found):  # the replayed tokens' recorded rows
+                if replay is not None:
+                    _fill_cached(output[starts[k] : starts[k + 1]], *replay)
+        _keep(parts, starts, full, index, output)
+        return output
+
+    return block_forward(forward)
+
+
+def _keep(
+    parts: Sequence[RowPart],
+    starts: Sequence[int],
+    full: Sequence[int],
+    index: int,
+    output: torch.Tensor,
+) -> None:
+    """Each fully computed part with blocks of its own keeps what it wants of its rows."""
+    for k in full:
+        part = parts[k]
+        if part.blocks is not None:
+            part.blocks.keep(index, part.step, output[starts[k] : starts[k + 1]])
+
+
+def packed_block_forward(
+    block: Any,
+    hidden_states: torch.Tensor,
+    packing: _Packing,
+    encoder_hidden_states: torch.Tensor | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One ``BasicTransformerBlock`` (checked by :func:`check_block`) for a batch whose rows
+    compute different tokens: ``packing`` lists every row's computed tokens (all of them for a
+    row computed in full). Self-attention's keys and values are projected from every token of
+    every row; queries, both attentions' output projections, the norms, the feed-forward and
+    the residuals run once on the computed tokens of all rows packed together (no padding);
+    each attention runs per group of rows with as many computed tokens (queries against the
+    row's own keys or its own prompt). Returns batch × tokens × channels with the computed
+    tokens written; the others are left for the caller to fill from the records."""
+    x = hidden_states
+    batch, tokens, channels = x.shape
+    flat = x.reshape(batch * tokens, channels)
+    x_packed = flat.index_select(0, packing.index)
+    attn = block.attn1
+    normed = block.norm1(x)
+    query_in = normed.reshape(batch * tokens, channels).index_select(0, packing.index)
+    key, value = attn.to_k(normed), attn.to_v(normed)
+    h = _grouped_attend(attn, query_in, key, value, packing.groups) + x_packed
+    if block.attn2 is not None:
+        if encoder_hidden_states is None:  # the UNets served always give the prompt
+            raise UnsupportedBlockError(
+                "masked transformer block: cross-attention without encoder hidden states"
+            )
+        cross_attn = block.attn2
+        cross = _grouped_attend(
+            cross_attn,
+            block.norm2(h),
+            cross_attn.to_k(encoder_hidden_states),
+            cross_attn.to_v(encoder_hidden_states),
+            packing.groups,
+            encoder_attention_mask,
+        )
+        h = cross + h
+    h = block.ff(block.norm3(h)) + h
+    output = x.new_empty(batch, tokens, channels)  # contiguous, whatever x's strides
+    output.view(batch * tokens, channels).index_copy_(0, packing.index, h)
+    return output
+
+
+def _grouped_attend(
+    attn: Any,
+    query_in: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    groups: Sequence[_Group],
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``attn`` with the operations of diffusers' ``AttnProcessor2_0`` (so all tokens computed
+    give its very numbers) for packed queries: the query and output projections once for all
+    packed tokens, softmax(QKᵀ/√d)V per group of rows against each row's ``key`` and ``value``
+    (batch × length × inner, projected)."""
+    query = attn.to_q(query_in)
+    length, inner = key.shape[1:]
+    heads = attn.heads
+    head_dim = inner // heads
+    out = torch.empty(query.shape[0], inner, dtype=query.dtype, device=query.device)
+    for group in groups:
+        size = int(group.rows.numel())
+        span = slice(group.start, group.start + size * group.count)
+        q = query[span].view(size, group.count, heads, head_dim).transpose(1, 2)
+        k = _group_rows(key, group).view(size, length, heads, head_dim).transpose(1, 2)
+        v = _group_rows(value, group).view(size, length, heads, head_dim).transpose(1, 2)
+        mask = None
+        if attention_mask is not None:
+            mask = attn.prepare_attention_mask(_group_rows(attention_mask, group), length, size)
+            mask = mask.view(size, heads, -1, length)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+        out[span] = o.transpose(1, 2).reshape(size * group.count, inner).to(query.dtype)
+    projected: torch.Tensor = attn.to_out[1](attn.to_out[0](out))
+    return projected
+
+
+def _group_rows(tensor: torch.Tensor, group: _Group) -> torch.Tensor:
+    """The group's rows of ``tensor`` (itself when the group is every row, in order)."""
+    if int(group.rows.numel()) == tensor.shape[0]:  # rows are kept in order: no copy
+        return tensor
+    return tensor.index_select(0, group.rows)
