@@ -419,7 +419,8 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     )
     http = None
     if settings.http_port is not None:
-        from argus.router.http import HttpServer, create_app
+        from argus.router.http_app import create_app
+        from argus.router.http_server import HttpServer
 
         app = create_app(core, token=security.token)
         public_tls = None

@@ -33,7 +33,7 @@
 
 Refusals are :class:`~argus.router.values.RouterError` with a
 :class:`~argus.router.values.Refusal`; the gRPC servicer (:mod:`argus.router.service`) and
-the HTTP API (:mod:`argus.router.http`) each answer them in their protocol's words. The core
+the HTTP API (:mod:`argus.router.http_app`) each answer them in their protocol's words. The core
 imports neither grpc nor protobuf: the gRPC worker calls are :mod:`argus.router.worker_calls`'s,
 the message conversions :mod:`argus.contracts.router_api`'s. Plans come from ``install`` (wired to
 ``PlanWatcher``'s ``on_plan``). The clock is passed in.
