@@ -3,40 +3,39 @@
 :class:`RouterCore` serves one :class:`~argus.contracts.router_api.RouterRequest`, top to bottom:
 
 1. check the request (:func:`check_request`, INVALID naming the field; an edit's image and
-   mask are decoded and its size set from the image) and price it
-   (:func:`~argus.router.admission.request_cost`: pixels × steps over the profile's reference
-   request, img2img × its strength); a cost above ``max_cost`` is INVALID naming width,
-   height and steps;
+   mask are decoded and its size set from the image), resolve its steps once
+   (:meth:`RouterPolicy.steps_of`) and price it (pixels × steps over the profile's reference
+   request, img2img × its strength; above ``max_cost``, INVALID naming width, height and
+   steps). From here on the request travels as one :class:`InFlight` value;
 2. claim its request id (a retry joins or returns the first call);
 3. take an in-flight slot (OVERLOADED when the router holds its maximum);
-4. admit early, before the classifier: the earliest completion over the live workers, each at
-   the cheapest level it may serve the request at, with their queues, the requests being
-   classified ahead of it and the classifier's backlog. A request that cannot finish in time
-   even on an idle worker is DEADLINE naming its fields; one that cannot finish in time now is
-   OVERLOADED with a retry-after hint. Either way the refusal takes no classifier time, which
-   under overload is what keeps refusals fast and served throughput up. Refused or not, the
-   request is an arrival for the allocator's report, at its weight in full requests (1; an
-   inpainting edit placed by an edit balancer, its share of a batched step by the edit cost
-   model: :meth:`RouterCore._arrival_cost`, :meth:`RouterCore.take_report`);
+4. admit early, before the classifier (:meth:`RouterPolicy.admit_early`): a request that
+   cannot finish in time even on an idle worker is DEADLINE naming its fields, one that
+   cannot finish in time now is OVERLOADED with a retry-after hint, and neither takes
+   classifier time. Refused or not, it is an arrival for the allocator's report, at its
+   weight in full requests (:meth:`RouterCore._arrival_cost`);
 5. classify the prompt (AC and SM levels; both are reported to the allocator);
 6. route on the installed plan (PASM sample, Eq. 3 worker selection) and admit against the
-   deadline with the chosen worker's queue and the request's cost (OVERLOADED with a hint);
-   with an edit balancer configured (``edit_balancer``), an inpainting edit keeps the plan's
-   level and is placed among that level's workers by the balancer and admitted on the edit
-   cost model's predicted finish (:meth:`RouterPolicy.place_edit`), from the core's account of
-   each worker's requests in flight and the templates it answered edits of
-   (:class:`~argus.router.edit_loads.EditLoads`);
+   deadline on the chosen worker (:meth:`RouterPolicy.route`); with an edit balancer, an
+   inpainting edit keeps the plan's level and is placed among that level's workers
+   (:meth:`RouterPolicy.place_edit`, on the core's :class:`~argus.router.edit_loads.EditLoads`);
 7. forward to the worker through the :class:`WorkerTransport` with the remaining time as the
-   call's timeout (the worker drops the request if it expires in its queue and stops denoising
-   when it passes); a worker that is UNAVAILABLE mid-request is marked down and the request is
+   call's timeout; a worker that is UNAVAILABLE mid-request is marked down and the request is
    routed again to another worker while the deadline allows.
+
+Every decision sees the cluster as the core believes it: each worker's address, level,
+queue, down mark and last answered level, one record per worker
+(:class:`~argus.router.worker_beliefs.WorkerBeliefs`), with the service times learned from the
+workers' replies (:class:`~argus.router.service_times.ServiceTimes`), all under one lock.
+``docs/router-internals.md`` tells the path at length.
 
 Refusals are :class:`~argus.router.values.RouterError` with a
 :class:`~argus.router.values.Refusal`; the gRPC servicer (:mod:`argus.router.service`) and
-the HTTP API (:mod:`argus.router.http_app`) each answer them in their protocol's words. The core
-imports neither grpc nor protobuf: the gRPC worker calls are :mod:`argus.router.worker_calls`'s,
-the message conversions :mod:`argus.contracts.router_api`'s. Plans come from ``install`` (wired to
-``PlanWatcher``'s ``on_plan``). The clock is passed in.
+the HTTP app (:mod:`argus.router.http_app`) each answer them in their protocol's words. The
+core imports neither grpc nor protobuf: the gRPC worker calls are
+:mod:`argus.router.worker_calls`'s, the message conversions
+:mod:`argus.contracts.router_api`'s. Plans come from ``install`` (wired to ``PlanWatcher``'s
+``on_plan``). The clock is passed in.
 """
 
 from __future__ import annotations

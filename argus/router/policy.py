@@ -18,13 +18,17 @@ latencies; the simulator admits the baselines' choices with :func:`admit_on`, th
 So early refusals, caps and fallbacks are simulated as they are served.
 
 An inpainting edit, when the config names an edit balancer (``edit_balancer`` other than
-"plan"; issue 33, item 3), keeps the plan's level but not its worker: the balancer
+"plan"), keeps the plan's level but not its worker: the balancer
 (:mod:`argus.router.edit_balance`) chooses among that level's live workers on the snapshot's
 account of their requests in flight and the templates they hold (:mod:`argus.router.edit_loads`),
 and the edit is admitted on the edit cost model's predicted finish there
 (:func:`~argus.router.edit_balance.predict_finish_s`: a worker that holds the template runs it
 at its mask ratio, any other in full). The cost model's seconds on a worker are the request's
 learned service time there: scaled so that the edit in full, alone, takes it.
+
+A request's steps are worked out in one place, :meth:`RouterPolicy.steps_of` (a
+:class:`StepCount`); the core resolves them once and passes them to each decision, and a
+caller that passes none (the simulator's reference request) gets them resolved the same way.
 
 It imports neither grpc, protobuf nor prometheus_client.
 """
