@@ -12,7 +12,7 @@ Processes on this machine, as in a deployment with one router:
   behind both of its public endpoints as ``argus router`` builds them: the gRPC server of
   ``argus.router.app.create_server`` (sized by ``grpc_sizes``: the in-flight bound, the
   handler threads and gRPC's own ``maximum_concurrent_rpcs``, printed) and the HTTP API of
-  ``argus.router.http`` (``create_app`` in an ``HttpServer``), on loopback;
+  ``argus.router.http_app`` (``create_app`` in an ``HttpServer``), on loopback;
 * **the load generator** (this process): for each transport in turn, ``--requests``
   requests started together, each with ``deadline_ms`` = ``--deadline-ms``. gRPC: ``Generate``
   futures created back to back, spread over ``--grpc-channels`` channels (each its own
@@ -88,7 +88,8 @@ def start_router(
     from argus.router.app import create_server, grpc_sizes
     from argus.router.config import RouterServiceConfig
     from argus.router.core import RouterCore
-    from argus.router.http import HttpServer, create_app
+    from argus.router.http_app import create_app
+    from argus.router.http_server import HttpServer
     from argus.router.worker_calls import GrpcWorkers
 
     open_files = raise_open_files()

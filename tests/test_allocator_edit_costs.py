@@ -9,6 +9,7 @@ and the report is the one routers sent before."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -20,9 +21,10 @@ from argus.contracts.routers import RouterReport, router_report_from_pb, router_
 from argus.contracts.wire import FieldError
 from argus.profiles.edit_cost import EditCostModel, default_cost_model
 from argus.router.app import StatsReporter
-from argus.router.core import RouterCore, RouterStatistics, check_request_edit
+from argus.router.core import RouterCore, RouterStatistics, check_request
 from argus.router.edit_loads import arrival_cost
 from argus.router.values import Refusal, RouterError
+from argus.types import ProfileSet
 from tests.router_cluster import PROFILES, Cluster, FakeClock
 from tests.test_router_core import FakeWorkers
 from tests.test_router_edit_balance_live import edit_request, make_core
@@ -33,7 +35,7 @@ GENERATION = RouterRequest(prompt="a fox", steps=4)
 
 def mask_ratio(request: RouterRequest) -> float:
     """The mask ratio the router reads from ``request``'s mask."""
-    _, edit = check_request_edit(request)
+    _, edit = check_request(request)
     assert edit is not None
     return edit.mask_ratio
 
@@ -63,13 +65,22 @@ def test_an_edits_weight_is_its_share_of_a_batched_step() -> None:
 # -- the report across the wire ------------------------------------------------------------
 
 
+def sent_report(
+    ages: tuple[float, ...], costs: tuple[float, ...] = (), **fields: Any
+) -> RouterReport:
+    """Router r1's report of arrivals ``ages`` seconds old weighing ``costs``."""
+    return RouterReport(
+        "r1", arrivals=len(ages), arrival_ages_s=ages, arrival_costs=costs, **fields
+    )
+
+
 @pytest.mark.unit
 def test_arrival_costs_cross_the_wire_and_none_means_one_each() -> None:
-    message = router_report_to_pb("r1", arrival_ages_s=(0.5, 0.2), arrival_costs=(0.25, 1.0))
+    message = router_report_to_pb(sent_report((0.5, 0.2), (0.25, 1.0)), PROFILES)
     report = router_report_from_pb(message, PROFILES)
     assert report.arrival_costs == (0.25, 1.0)
     assert report.arrival_weights() == (0.25, 1.0)
-    old = router_report_from_pb(router_report_to_pb("r1", arrival_ages_s=(0.5, 0.2)), PROFILES)
+    old = router_report_from_pb(router_report_to_pb(sent_report((0.5, 0.2)), PROFILES), PROFILES)
     assert old.arrival_costs == ()
     assert old.arrival_weights() == (1.0, 1.0)
 
@@ -77,14 +88,14 @@ def test_arrival_costs_cross_the_wire_and_none_means_one_each() -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("value", [math.nan, math.inf, 0.0, -0.5, 1.5])
 def test_a_bad_arrival_cost_is_refused_naming_it(value: float) -> None:
-    message = router_report_to_pb("r1", arrival_ages_s=(0.5, 0.2), arrival_costs=(0.5, value))
+    message = router_report_to_pb(sent_report((0.5, 0.2), (0.5, value)), PROFILES)
     with pytest.raises(FieldError, match=r"arrival_costs\[1\]: must be finite, > 0 and <= 1"):
         router_report_from_pb(message, PROFILES)
 
 
 @pytest.mark.unit
 def test_arrival_costs_must_be_one_per_arrival() -> None:
-    message = router_report_to_pb("r1", arrival_ages_s=(0.5, 0.2), arrival_costs=(0.5,))
+    message = router_report_to_pb(sent_report((0.5, 0.2), (0.5,)), PROFILES)
     with pytest.raises(FieldError, match=r"arrival_costs: expected one weight per arrival \(2\)"):
         router_report_from_pb(message, PROFILES)
 
@@ -143,10 +154,10 @@ def test_with_plan_every_arrival_weighs_one_and_the_report_is_unchanged() -> Non
         assert core._arrival_costs == [1.0, 1.0, 1.0]
     report = core.take_report()
     assert report.arrival_costs == ()
-    ages = [1.0, 0.5, 0.25]
-    today = router_report_to_pb("r1", sequence=3, arrival_ages_s=ages, classifier="k")
+    ages = (1.0, 0.5, 0.25)
+    today = router_report_to_pb(sent_report(ages, sequence=3, classifier="k"), PROFILES)
     now = router_report_to_pb(
-        "r1", sequence=3, arrival_ages_s=ages, classifier="k", arrival_costs=report.arrival_costs
+        sent_report(ages, report.arrival_costs, sequence=3, classifier="k"), PROFILES
     )
     assert now.SerializeToString() == today.SerializeToString()
 
@@ -167,7 +178,7 @@ def demand_qpm(ages: tuple[float, ...], costs: tuple[float, ...] = ()) -> float:
     clock = FakeClock()
     control = AllocatorControl(PROFILES, ControlConfig(period_s=60.0), clock=clock)
     clock.now += 30.0
-    message = router_report_to_pb("r1", sequence=1, arrival_ages_s=ages, arrival_costs=costs)
+    message = router_report_to_pb(sent_report(ages, costs, sequence=1), PROFILES)
     control.report_router(router_report_from_pb(message, PROFILES))
     clock.now += 31.0  # the period has ended
     return control._allocator.forecast(clock.now).qpm
@@ -209,10 +220,10 @@ def test_the_predictor_refuses_a_weight_that_is_no_load() -> None:
 
 class RecordingClient:
     def __init__(self) -> None:
-        self.reports: list[dict[str, object]] = []
+        self.reports: list[RouterReport] = []
 
-    def report(self, router_id: str, **fields: object) -> None:
-        self.reports.append(fields)
+    def report(self, report: RouterReport, profiles: ProfileSet) -> None:
+        self.reports.append(report)
 
 
 @pytest.mark.unit
@@ -222,9 +233,9 @@ def test_the_reporter_sends_each_arrivals_weight() -> None:
     core.generate(GENERATION)
     client = RecordingClient()
     StatsReporter(core, client, core.now).report_once()  # type: ignore[arg-type]
-    (fields,) = client.reports
-    assert fields["arrival_costs"] == pytest.approx((arrival_cost(COST, 4, 1.0), 1.0))
-    assert len(fields["arrival_ages_s"]) == 2  # type: ignore[arg-type]
+    (sent,) = client.reports
+    assert sent.arrival_costs == pytest.approx((arrival_cost(COST, 4, 1.0), 1.0))
+    assert sent.arrivals == len(sent.arrival_ages_s) == 2
 
 
 @pytest.mark.integration
@@ -232,9 +243,7 @@ def test_weights_cross_grpc_to_the_allocators_demand() -> None:
     cluster = Cluster()
     try:
         cluster.clock.now += 30.0  # the arrivals fall after the allocator started
-        cluster.client.report(
-            "r1", sequence=1, arrival_ages_s=(3.0, 2.0), arrival_costs=(0.5, 0.25)
-        )
+        cluster.client.report(sent_report((3.0, 2.0), (0.5, 0.25), sequence=1), PROFILES)
         cluster.clock.now += 31.0  # its first period has ended
         assert cluster.allocator.control.tick() is not None
         assert cluster.client.get_plan().plan.forecast.ewma_qpm == pytest.approx(0.75)

@@ -40,7 +40,7 @@ from argus.classifier.serving import (
 from argus.cli.main import main
 from argus.contracts.allocator_client import AllocatorClient, PlanWatcher
 from argus.contracts.plans import ReplanReason, plan_from_pb, plan_to_pb
-from argus.contracts.routers import class_quality_to_pb
+from argus.contracts.routers import RouterReport, class_quality_to_pb
 from argus.contracts.workers import RetrievalReport, WorkerReport
 from argus.plumbing import rpc
 from argus.profiles import default_profiles
@@ -614,8 +614,9 @@ def test_clients_speak_typed_values(serve: Any) -> None:
         member = alloc.servicer.control._members.get("w0")
         assert member is not None and member.report.level == "ac-k5"
         assert member.report.retrieval == retrieval
-        ages = [0.5, 0.25]
-        got = client.report("r0", sequence=1, arrival_ages_s=ages, classified={Strategy.SM: []})
+        ages = (0.5, 0.25)
+        sent = RouterReport("r0", 1, len(ages), ages, classified=((Strategy.SM, ()),))
+        got = client.report(sent, PROFILES)
         assert (got.plan_version, got.duplicate) == (2, False)
         assert client.get_plan() == alloc.servicer.control.current
     finally:

@@ -33,10 +33,10 @@ REGION = region_of(0.25, 32)
 
 def test_an_edit_is_served_at_its_images_size() -> None:
     edit = RouterRequest(prompt="a fox", image=encode(RGB), mask=mask_png(REGION))
-    served = check_request(edit)
+    served, _ = check_request(edit)
     assert (served.width, served.height) == (32, 32)
     plain = RouterRequest(prompt="a fox")
-    assert check_request(plain) is plain
+    assert check_request(plain) == (plain, None)
 
 
 def test_a_retried_id_with_another_image_is_another_request() -> None:
@@ -50,10 +50,10 @@ def test_an_edit_costs_a_generation_of_its_size_and_img2img_its_share_of_the_ste
     policy = RouterPolicy(default_profiles(), RouterServiceConfig(default_steps=50))
     plain = policy.price(RouterRequest(prompt="x", width=32, height=32, steps=20))
     inpaint = policy.price(
-        check_request(RouterRequest(prompt="x", steps=20, image=with_alpha(RGB, REGION)))
+        check_request(RouterRequest(prompt="x", steps=20, image=with_alpha(RGB, REGION)))[0]
     )
     img2img = policy.price(
-        check_request(RouterRequest(prompt="x", steps=20, image=encode(RGB), strength=0.3))
+        check_request(RouterRequest(prompt="x", steps=20, image=encode(RGB), strength=0.3))[0]
     )
     defaulted = policy.price(
         RouterRequest(prompt="x", width=32, height=32, image=b"i", strength=0.5)
@@ -66,7 +66,7 @@ def test_an_edit_costs_a_generation_of_its_size_and_img2img_its_share_of_the_ste
 def test_an_edit_above_the_cost_cap_is_refused_naming_its_size() -> None:
     config = RouterServiceConfig(max_cost=1e-4)  # a 32×32 image of 50 steps costs about 1e-3
     refused = RouterPolicy(default_profiles(), config).price(
-        check_request(RouterRequest(prompt="x", steps=50, image=with_alpha(RGB, REGION)))
+        check_request(RouterRequest(prompt="x", steps=50, image=with_alpha(RGB, REGION)))[0]
     )
     assert not isinstance(refused, float)
     assert refused.error().kind is Refusal.INVALID

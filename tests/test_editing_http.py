@@ -26,7 +26,8 @@ from PIL import Image
 from argus.cli.main import main
 from argus.plumbing import rpc
 from argus.request_limits import MAX_EDIT_IMAGE_BYTES
-from argus.router.http import HttpServer, create_app
+from argus.router.http_app import create_app
+from argus.router.http_server import HttpServer
 from argus.worker.engine import Worker
 from tests.editing_factories import (
     SIZE,

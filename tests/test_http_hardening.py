@@ -28,11 +28,12 @@ from prometheus_client import CollectorRegistry
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult
 from argus.contracts.workers import WorkerReport
-from argus.router import http as router_http
+from argus.router import http_app, http_server
 from argus.router.app import PrometheusStats
 from argus.router.config import RouterServiceConfig
 from argus.router.core import ProgressSink, RouterCore
-from argus.router.http import HttpServer, create_app
+from argus.router.http_app import create_app
+from argus.router.http_server import HttpServer
 from argus.router.metrics import RouterMetrics
 from argus.router.stats import NO_STATS
 from tests.router_cluster import PROFILES, TIMEOUT, FakeClock, StubClassifier
@@ -329,11 +330,11 @@ def test_connections_beyond_uvicorns_limit_are_503_in_json(workers: FakeWorkers)
 
 def test_the_bounds_are_set_so_that_argus_refuses_before_uvicorn(server: HttpServer) -> None:
     config = server._server.config
-    assert config.limit_concurrency == router_http.MAX_CONNECTIONS
-    assert router_http.MAX_REQUESTS < router_http.MAX_CONNECTIONS
-    assert router_http.MAX_CONNECTIONS > 1000 and router_http.BACKLOG > 1000  # a burst of 1,000
-    assert config.backlog == router_http.BACKLOG
-    assert config.timeout_keep_alive == router_http.KEEP_ALIVE_S
+    assert config.limit_concurrency == http_server.MAX_CONNECTIONS
+    assert http_app.MAX_REQUESTS < http_server.MAX_CONNECTIONS
+    assert http_server.MAX_CONNECTIONS > 1000 and http_server.BACKLOG > 1000  # a burst of 1,000
+    assert config.backlog == http_server.BACKLOG
+    assert config.timeout_keep_alive == http_server.KEEP_ALIVE_S
 
 
 # -- routes and fields ----------------------------------------------------------------------

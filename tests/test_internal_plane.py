@@ -25,6 +25,7 @@ from argus.allocator.service import AllocatorServicer
 from argus.allocator.service import create_server as create_allocator
 from argus.cli.main import main
 from argus.contracts.allocator_client import AllocatorClient
+from argus.contracts.routers import RouterReport
 from argus.contracts.workers import WorkerReport
 from argus.plumbing import rpc
 from argus.plumbing.grpc_server import bind, new_server
@@ -107,6 +108,11 @@ def allocator(cluster_ca: TestCA) -> Iterator[Allocator]:
     server.stop(grace=None)
 
 
+def arrivals(router_id: str, sequence: int, count: int) -> RouterReport:
+    """A report of ``count`` arrivals just now from ``router_id``."""
+    return RouterReport(router_id, sequence, count, (0.0,) * count)
+
+
 def client(address: str, tls: InternalTLS | None) -> AllocatorClient:
     return AllocatorClient(address, timeout_s=TIMEOUT, tls=tls)
 
@@ -168,16 +174,16 @@ def test_a_router_id_belongs_to_the_identity_that_first_reported_it(
     allocator: Allocator, cluster_ca: TestCA
 ) -> None:
     owner = client(allocator.address, cluster_ca.tls("router", "router-a"))
-    owner.report("router-a", sequence=1, arrival_ages_s=[0.0] * 10)
+    owner.report(arrivals("router-a", 1, 10), PROFILES)
     forecast = allocator.forecast_qpm()
     rogue = client(allocator.address, cluster_ca.tls("router", "router-b"))
     with pytest.raises(grpc.RpcError) as err:  # a router of the cluster, speaking for another
-        rogue.report("router-a", sequence=2, arrival_ages_s=[0.0] * 5000)
+        rogue.report(arrivals("router-a", 2, 5000), PROFILES)
     assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
     assert "router_id: 'router-a'" in (err.value.details() or "")
     assert allocator.forecast_qpm() == forecast  # nothing of the forged report counted
-    rogue.report("router-b", sequence=1, arrival_ages_s=[0.0] * 10)  # its own id: fine
-    owner.report("router-a", sequence=2, arrival_ages_s=[0.0] * 10)  # the owner goes on
+    rogue.report(arrivals("router-b", 1, 10), PROFILES)  # its own id: fine
+    owner.report(arrivals("router-a", 2, 10), PROFILES)  # the owner goes on
     owner.close()
     rogue.close()
 
@@ -188,7 +194,7 @@ def test_only_routers_report_and_only_workers_heartbeat(
     forecast = allocator.forecast_qpm()
     worker = client(allocator.address, cluster_ca.tls("worker", "worker-4"))
     with pytest.raises(grpc.RpcError) as err:
-        worker.report("router-0", sequence=1, arrival_ages_s=[0.0] * 5000)
+        worker.report(arrivals("router-0", 1, 5000), PROFILES)
     assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
     assert "/argus.v1.Allocator/ReportRouter" in (err.value.details() or "")
     assert allocator.forecast_qpm() == forecast
@@ -197,7 +203,7 @@ def test_only_routers_report_and_only_workers_heartbeat(
         router.heartbeat(WorkerReport("worker-5", "127.0.0.1:7005", CLASS))
     assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
     assert "worker-5" not in allocator.workers()
-    router.report("router-0", sequence=1, arrival_ages_s=[0.0] * 50)  # a router may
+    router.report(arrivals("router-0", 1, 50), PROFILES)  # a router may
     assert allocator.forecast_qpm() > forecast
     assert router.get_plan().version >= 1
     with pytest.raises(grpc.RpcError) as err:

@@ -14,7 +14,7 @@ from argus.contracts.wire import FieldError
 from argus.contracts.workers import WorkerReport
 from argus.profiles import default_profiles
 from argus.router.app import StatsReporter
-from argus.types import MeasuredLatency, Strategy
+from argus.types import MeasuredLatency, ProfileSet, Strategy
 from tests.router_cluster import FakeClock
 from tests.test_router_core import FakeWorkers
 from tests.test_service_times import core_on, timed
@@ -58,7 +58,7 @@ def test_old_reports_are_forgotten_and_an_empty_one_keeps_the_last() -> None:
 
 
 def test_measured_latencies_cross_the_wire_and_bad_ones_are_named() -> None:
-    message = router_report_to_pb("r1", sequence=1)
+    message = router_report_to_pb(RouterReport("r1", sequence=1), PROFILES)
     message.measured.add(worker_class=CLASS, level=AC[0], latency_s=0.2, samples=7)
     report = router_report_from_pb(message, PROFILES)
     assert report.measured == (MeasuredLatency(CLASS, AC[0], 0.2, 7),)
@@ -68,7 +68,7 @@ def test_measured_latencies_cross_the_wire_and_bad_ones_are_named() -> None:
         ("latency_s", float("nan"), "measured[1].latency_s"),
         ("latency_s", 0.0, "measured[1].latency_s"),
     ):
-        bad = router_report_to_pb("r1", sequence=1)
+        bad = router_report_to_pb(RouterReport("r1", sequence=1), PROFILES)
         bad.measured.add(worker_class=CLASS, level=AC[0], latency_s=0.2)
         entry = bad.measured.add(worker_class=CLASS, level=AC[0], latency_s=0.2)
         setattr(entry, field, value)
@@ -101,10 +101,10 @@ def test_the_allocator_plans_the_capacity_of_the_measured_workers() -> None:
 
 class RecordingClient:
     def __init__(self) -> None:
-        self.reports: list[dict[str, object]] = []
+        self.reports: list[RouterReport] = []
 
-    def report(self, router_id: str, **fields: object) -> None:
-        self.reports.append(fields)
+    def report(self, report: RouterReport, profiles: ProfileSet) -> None:
+        self.reports.append(report)
 
 
 def test_the_router_reports_what_it_learned_of_its_workers() -> None:
@@ -116,6 +116,6 @@ def test_the_router_reports_what_it_learned_of_its_workers() -> None:
         core.generate(RouterRequest(prompt="a fox", width=64, height=64, steps=30))
     client = RecordingClient()
     StatsReporter(core, client, clock).report_once()  # type: ignore[arg-type]
-    (measured,) = client.reports[0]["measured"]  # type: ignore[misc]
+    (measured,) = client.reports[0].measured
     assert measured.worker_class == CLASS and measured.samples == 3
     assert measured.latency_s == pytest.approx(0.4)  # a request as served, not a 1024² one

@@ -4,6 +4,7 @@ that answers from a script), with its refusals typed and counted under gRPC's st
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from argus.router.app import PrometheusStats
 from argus.router.config import RouterServiceConfig
 from argus.router.core import (
     CallCancel,
+    InFlight,
     ProgressSink,
     RouterCore,
     WorkerError,
@@ -174,7 +176,7 @@ def test_an_overload_refusal_is_timed_in_the_refusal_histogram_and_nothing_else_
     core = make_core(workers, ("w1",), RouterMetrics(PROFILES, registry))
     with pytest.raises(RouterError):
         core.generate(RouterRequest(prompt="a fox", width=63))  # INVALID: not a refusal for load
-    core._queues["w1"] = 100  # a long queue: 64 × 64 requests cannot make a 1 s deadline now
+    core._beliefs["w1"].queue = 100  # a long queue: 64 × 64 requests cannot make a 1 s deadline now
     with pytest.raises(RouterError) as caught:
         core.generate(RouterRequest(prompt="a fox", width=64, height=64, deadline_ms=1000))
     assert caught.value.kind is Refusal.OVERLOADED
@@ -210,6 +212,14 @@ def test_a_cancelled_client_is_told_so_not_blamed_on_the_worker() -> None:
     )
 
 
+def in_flight(core: RouterCore, request: RouterRequest, cost: float) -> InFlight:
+    """``request`` as ``core`` holds it while serving it, at ``cost`` (its steps resolved, its
+    work counted as a generation's)."""
+    steps = core.policy.steps_of(request)
+    work = core._work(request, None, steps)
+    return InFlight(request, steps, cost, work, core.now(), math.inf, None, CallCancel())
+
+
 def test_the_cores_service_times_price_an_edit_at_the_steps_it_runs() -> None:
     """What admission sees of a worker at ac-k20 (50 steps): an edit's service time is 50/30
     of a generation's of the same cost, since the worker runs an edit's every step."""
@@ -219,8 +229,8 @@ def test_the_cores_service_times_price_an_edit_at_the_steps_it_runs() -> None:
     edit = replace(generation, image=b"png")
     now = core._clock()
     with core._lock:
-        plain = core._snapshot(generation, 1.0, now).service_s("w1", index)
-        edited = core._snapshot(edit, 1.0, now).service_s("w1", index)
+        plain = core._snapshot(in_flight(core, generation, 1.0), now).service_s("w1", index)
+        edited = core._snapshot(in_flight(core, edit, 1.0), now).service_s("w1", index)
     assert edited == pytest.approx(plain * 50 / 30)
 
 
@@ -235,7 +245,7 @@ def test_a_worker_still_answering_on_its_old_model_is_priced_at_that_level() -> 
 
     def price() -> float:
         with core._lock:
-            return core._snapshot(request, 1.0, core._clock()).service_s("w1", 0)
+            return core._snapshot(in_flight(core, request, 1.0), core._clock()).service_s("w1", 0)
 
     planned = price()
 

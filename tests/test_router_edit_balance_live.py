@@ -7,6 +7,7 @@ RouterCore with fake workers, and through the policy on hand-made snapshots."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ from argus.contracts.workers import WorkerReport
 from argus.profiles.edit_cost import default_cost_model
 from argus.router.app import PrometheusStats
 from argus.router.config import RouterServiceConfig
-from argus.router.core import ProgressSink, RouterCore, check_request
+from argus.router.core import CallCancel, InFlight, ProgressSink, RouterCore, check_request
 from argus.router.edit_balance import EditJob
 from argus.router.edit_loads import EditLoads, InFlightEdit, WorkerEdits, worker_snapshot
 from argus.router.metrics import RouterMetrics
@@ -98,7 +99,7 @@ def make_core(
         stats=stats or NO_STATS,
     )
     assert core.install(control.current)
-    assert set(core._plan_levels.values()) == {0}  # every worker at one level
+    assert set(core._beliefs.levels.values()) == {0}  # every worker at one level
     return core
 
 
@@ -131,11 +132,14 @@ def timed(call: GenerateCall, progress: ProgressSink | None) -> GenerateResult:
 
 def edit_service_s(core: RouterCore, request: RouterRequest) -> float:
     """``request``'s service time on w1 at level 0, as the core's snapshot gives it."""
-    checked = check_request(request)
-    cost = core.policy.price(checked)
+    checked, edit = check_request(request)
+    steps = core.policy.steps_of(checked)
+    cost = core.policy.price(checked, steps=steps)
     assert isinstance(cost, float)
+    work = core._work(checked, edit, steps)
+    flight = InFlight(checked, steps, cost, work, core.now(), math.inf, None, CallCancel())
     with core._lock:
-        return core._snapshot(checked, cost, core.now()).service_s("w1", 0)
+        return core._snapshot(flight, core.now()).service_s("w1", 0)
 
 
 # -- (a) the holder wins ------------------------------------------------------------------

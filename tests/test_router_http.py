@@ -21,7 +21,8 @@ from prometheus_client import CollectorRegistry
 
 from argus.router.config import RouterServiceConfig
 from argus.router.core import RouterCore
-from argus.router.http import HttpServer, create_app
+from argus.router.http_app import create_app
+from argus.router.http_server import HttpServer
 from argus.router.metrics import RouterMetrics
 from argus.router.worker_calls import GrpcWorkers
 from tests.router_cluster import PROFILES, TIMEOUT, Cluster, FakeClock, PngWorker, StubClassifier

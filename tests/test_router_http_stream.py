@@ -20,7 +20,8 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from argus.router.http import HttpServer, create_app
+from argus.router.http_app import create_app
+from argus.router.http_server import HttpServer
 from argus.router.metrics import RouterMetrics
 from argus.worker.engine import Worker
 from tests.router_cluster import PROFILES

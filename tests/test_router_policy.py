@@ -20,6 +20,7 @@ from argus.router.policy import (
     Refused,
     RouterPolicy,
     Snapshot,
+    StepCount,
     admit_on,
 )
 from argus.router.values import Refusal
@@ -101,6 +102,24 @@ def test_down_workers_are_never_chosen_and_none_left_is_unavailable() -> None:
     none = snapshot(decider, down=frozenset({"w1", "w2"}))
     early = decider.admit_early(REQUEST, 1.0, none, 10.0)
     assert isinstance(early, Refused) and early.kind is Refusal.UNAVAILABLE
+
+
+def test_a_requests_steps_are_worked_out_in_one_place() -> None:
+    """Its own steps, else the workers' default, else (to price it and predict its service
+    times) the reference request's; img2img runs the last ``strength`` of them. A decision
+    given resolved steps counts those."""
+    ref = PROFILES.reference.steps
+    plain = RouterPolicy(PROFILES, RouterServiceConfig())
+    assert plain.steps_of(RouterRequest(prompt="x", steps=20)) == StepCount(20, 20, 20)
+    assert plain.steps_of(REQUEST) == StepCount(None, ref, ref)
+    img2img = RouterRequest(prompt="x", image=b"png", strength=0.5)
+    assert plain.steps_of(img2img) == StepCount(None, ref, ref // 2)
+    defaulted = RouterPolicy(PROFILES, RouterServiceConfig(default_steps=30))
+    assert defaulted.steps_of(REQUEST) == StepCount(30, 30, 30)
+    four = defaulted.steps_of(RouterRequest(prompt="x", steps=4))
+    long = RouterRequest(prompt="x", steps=40)
+    assert defaulted.level_cap(Strategy.AC, long) == 5
+    assert defaulted.level_cap(Strategy.AC, long, steps=four) == 0
 
 
 def test_price_and_caps_refuse_what_the_deployment_cannot_run() -> None:

@@ -178,11 +178,11 @@ def test_a_worker_slower_than_its_peers_gets_less_of_the_levels_traffic() -> Non
     workers.answers["w2:1"] = timed(2.0)  # a cold cache, a slower card
     request = RouterRequest(prompt="a fox", width=64, height=64)
     for busy in (100, 0):  # each learned in turn: ties go to w1 unless it looks busy
-        core._queues["w1"] = busy
+        core._beliefs["w1"].queue = busy
         for _ in range(3):
             core.generate(request)
     assert Counter(address for address, _ in workers.calls) == {"w1:1": 3, "w2:1": 3}
-    core._queues["w1"] = 3  # w1 holds 3 requests, w2 none: (3 + 1) × 0.2 s < 1 × 2.0 s
+    core._beliefs["w1"].queue = 3  # w1 holds 3 requests, w2 none: (3 + 1) × 0.2 s < 1 × 2.0 s
     for _ in range(20):
         core.generate(request)
     assert Counter(address for address, _ in workers.calls[-20:]) == {"w1:1": 20}

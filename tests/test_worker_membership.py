@@ -437,19 +437,29 @@ def test_check_address_accepts_hosts_and_ipv6() -> None:
 
 
 def test_the_last_loads_parts_and_the_resident_parts_reach_the_allocator(
-    allocator: Callable[..., Allocator], join: Callable[..., Membership]
+    allocator: Callable[..., Allocator],
+    join: Callable[..., Membership],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A switch within the SD-1.x family loads only the UNet; the heartbeat carries that part
-    and its seconds, and the parts resident, through the proto to the allocator, which keeps
-    them with the worker."""
+    and its seconds, and the parts resident, through the proto to the allocator's control."""
     shared = make_worker(worker_id="w-parts", level="sm-sd-1.5", warm=True)
     try:
         shared.registry.activate("sd-1.4").result(timeout=60)
         alloc = allocator()
+        control = alloc.servicer.control
+        received: list[WorkerReport] = []
+        heartbeat = control.heartbeat
+
+        def receive(report: WorkerReport, owner: str = "") -> HeartbeatAnswer:
+            received.append(report)
+            return heartbeat(report, owner)
+
+        monkeypatch.setattr(control, "heartbeat", receive)
         membership = join(shared, alloc.address)
         assert membership.beat_once() is not None
-        kept = alloc.servicer.control.worker_report("w-parts")
-        assert kept is not None
+        kept = received[-1]
+        assert kept.worker_id == "w-parts"
         assert kept.last_load_model == "sd-1.4"
         assert [part for part, _ in kept.last_load_parts] == ["unet"]
         assert all(s > 0.0 for _, s in kept.last_load_parts)

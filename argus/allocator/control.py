@@ -150,13 +150,6 @@ class AllocatorControl:
         with self._lock:
             return len(self._members)
 
-    def worker_report(self, worker_id: str) -> WorkerReport | None:
-        """The latest heartbeat of a live worker (None: not a member): its level, queue and
-        what it holds, the last load's parts and their seconds included."""
-        with self._lock:
-            member = self._members.get(worker_id)
-            return member.report if member is not None else None
-
     def retrieval_healthy(self) -> bool:
         """False while the strategy monitor wants SM."""
         with self._lock:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -25,8 +25,7 @@ import grpc
 from argus.contracts.plans import PublishedPlan, plan_from_pb
 from argus.contracts.routers import (
     RouterAnswer,
-    class_quality_to_pb,
-    measured_to_pb,
+    RouterReport,
     router_answer_from_pb,
     router_report_to_pb,
 )
@@ -40,7 +39,7 @@ from argus.contracts.workers import (
 from argus.plumbing import rpc
 from argus.plumbing.grpc_server import reconnect_options
 from argus.plumbing.internal_tls import InternalTLS, channel
-from argus.types import ClassQuality, MeasuredLatency, Strategy
+from argus.types import ProfileSet
 
 allocator_pb2: Any = rpc.load("allocator_pb2")
 allocator_pb2_grpc: Any = rpc.load("allocator_pb2_grpc")
@@ -65,32 +64,10 @@ class AllocatorClient:
         reply = self._stub.Heartbeat(heartbeat_to_pb(report), timeout=self.timeout_s)
         return heartbeat_answer_from_pb(reply)
 
-    def report(
-        self,
-        router_id: str,
-        *,
-        sequence: int = 0,
-        arrival_ages_s: Sequence[float] = (),
-        classified: Mapping[Strategy, Sequence[str]] | None = None,
-        replan_wanted: bool = False,
-        classifier: str = "",
-        class_quality: Sequence[ClassQuality] = (),
-        measured: Sequence[MeasuredLatency] = (),
-        arrival_costs: Sequence[float] = (),
-    ) -> RouterAnswer:
-        """Send a router's statistics since its last report (see ``RouterReport``);
-        ``arrival_costs``: each arrival's weight in full requests (empty: 1 each)."""
-        request = router_report_to_pb(
-            router_id,
-            sequence=sequence,
-            arrival_ages_s=arrival_ages_s,
-            classified=classified,
-            replan_wanted=replan_wanted,
-            classifier=classifier,
-            arrival_costs=arrival_costs,
-        )
-        request.class_quality.extend(class_quality_to_pb(q) for q in class_quality)
-        request.measured.extend(measured_to_pb(m) for m in measured)
+    def report(self, report: RouterReport, profiles: ProfileSet) -> RouterAnswer:
+        """Send a router's statistics since its last report; its class indices are level
+        indices of ``profiles`` (the router's profile), sent as the levels' names."""
+        request = router_report_to_pb(report, profiles)
         return router_answer_from_pb(self._stub.ReportRouter(request, timeout=self.timeout_s))
 
     def get_plan(self) -> PublishedPlan:

@@ -1,7 +1,7 @@
 """The router's API as typed values: what a client asks for and what it gets back.
 
 A client reaches the router over gRPC (``argus.v1.Router``) or HTTP (the OpenAI-compatible
-API, :mod:`argus.router.http`); both become a :class:`RouterRequest`, which
+API, :mod:`argus.router.http_app`); both become a :class:`RouterRequest`, which
 :class:`~argus.router.core.RouterCore` serves into a :class:`RouterReply`. The values and both
 halves of their ``argus.v1`` conversion live here, as the Generate contract's do
 (:mod:`argus.contracts.generate`, whose field copies these reuse): a request and a worker

@@ -3,15 +3,15 @@
 Every report period a router sends the arrivals since its last report (each by its age and,
 optionally, by its weight in full requests: :attr:`RouterReport.arrival_costs`), the classes
 its classifiers chose, whether its queues call for an early re-plan and which classifier it
-runs (:func:`router_report_to_pb`). The allocator reads the report with
-:func:`router_report_from_pb`, which resolves level names to indices of the profile, and
-answers :class:`RouterAnswer`.
+runs: one :class:`RouterReport`, sent with :func:`router_report_to_pb`, which names each class
+by its level's name. The allocator reads it with :func:`router_report_from_pb`, which resolves
+the names to indices of its profile, and answers :class:`RouterAnswer`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,32 +212,27 @@ def router_answer_to_pb(answer: RouterAnswer) -> Any:
 # -- the router's side ---------------------------------------------------------------------
 
 
-def router_report_to_pb(
-    router_id: str,
-    *,
-    sequence: int = 0,
-    arrival_ages_s: Sequence[float] = (),
-    classified: Mapping[Strategy, Sequence[str]] | None = None,
-    replan_wanted: bool = False,
-    classifier: str = "",
-    arrival_costs: Sequence[float] = (),
-) -> Any:
-    """A ``RouterReport`` of the arrivals since the router's last one (each given by its age,
-    seconds before sending, and by ``arrival_costs``, its weight in full requests: empty when
-    every one weighs 1), the level names its classifiers chose and the identity of those
-    classifiers."""
+def router_report_to_pb(report: RouterReport, profiles: ProfileSet) -> Any:
+    """The ``RouterReport`` message of ``report``; :func:`router_report_from_pb` reverses it.
+    Its class indices become the level names of ``profiles`` (the router's profile), which the
+    allocator resolves against its own."""
     return allocator_pb2.RouterReport(
-        router_id=router_id,
-        sequence=sequence,
-        arrivals=len(arrival_ages_s),
-        arrival_ages_s=list(arrival_ages_s),
+        router_id=report.router_id,
+        sequence=report.sequence,
+        arrivals=report.arrivals,
+        arrival_ages_s=list(report.arrival_ages_s),
         classified=[
-            allocator_pb2.ClassifiedLevels(strategy=STRATEGY_TO_PB[s], levels=list(levels))
-            for s, levels in (classified or {}).items()
+            allocator_pb2.ClassifiedLevels(
+                strategy=STRATEGY_TO_PB[strategy],
+                levels=[profiles.levels_for(strategy)[i].name for i in indices],
+            )
+            for strategy, indices in report.classified
         ],
-        replan_wanted=replan_wanted,
-        classifier=classifier,
-        arrival_costs=list(arrival_costs),
+        replan_wanted=report.replan_wanted,
+        classifier=report.classifier,
+        class_quality=[class_quality_to_pb(quality) for quality in report.class_quality],
+        measured=[measured_to_pb(measured) for measured in report.measured],
+        arrival_costs=list(report.arrival_costs),
     )
 
 

@@ -23,6 +23,7 @@ from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import LevelClassifier
 from argus.classifier.serving import ClassifierSet
 from argus.contracts.allocator_client import AllocatorClient
+from argus.contracts.routers import RouterReport
 from argus.plumbing.grpc_server import (
     BearerTokenInterceptor,
     InFlightLimit,
@@ -263,26 +264,27 @@ class StatsReporter:
         """Send what happened since the last report. Lost on failure (the load is sampled)."""
         taken = self.core.take_report()
         now = self._clock()
-        by_strategy: dict[Strategy, list[str]] = {}
+        by_strategy: dict[Strategy, list[int]] = {}
         for item in taken.classified:
             for strategy, index in item.levels.items():
-                names = self.core.profiles.levels_for(strategy)
-                by_strategy.setdefault(strategy, []).append(names[index].name)
+                by_strategy.setdefault(strategy, []).append(index)
         key, quality = self.classifier_key, list[ClassQuality]()
         if self.drift is not None:
             key, quality = self.drift.report(self.classifier_key)
         self._sequence += 1
-        self.client.report(
+        report = RouterReport(
             self.core.config.router_id,
             sequence=self._sequence,
-            arrival_ages_s=[max(0.0, now - t) for t in taken.arrivals],
-            arrival_costs=taken.arrival_costs,
-            classified=by_strategy,
+            arrivals=len(taken.arrivals),
+            arrival_ages_s=tuple(max(0.0, now - t) for t in taken.arrivals),
+            classified=tuple((s, tuple(indices)) for s, indices in by_strategy.items()),
             replan_wanted=taken.replan_wanted,
             classifier=key,
-            class_quality=quality,
+            class_quality=tuple(quality),
             measured=self.core.measured_latencies(),
+            arrival_costs=taken.arrival_costs,
         )
+        self.client.report(report, self.core.profiles)
 
     def start(self) -> None:
         self._thread.start()
@@ -419,7 +421,8 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     )
     http = None
     if settings.http_port is not None:
-        from argus.router.http import HttpServer, create_app
+        from argus.router.http_app import create_app
+        from argus.router.http_server import HttpServer
 
         app = create_app(core, token=security.token)
         public_tls = None

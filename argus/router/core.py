@@ -3,40 +3,39 @@
 :class:`RouterCore` serves one :class:`~argus.contracts.router_api.RouterRequest`, top to bottom:
 
 1. check the request (:func:`check_request`, INVALID naming the field; an edit's image and
-   mask are decoded and its size set from the image) and price it
-   (:func:`~argus.router.admission.request_cost`: pixels × steps over the profile's reference
-   request, img2img × its strength); a cost above ``max_cost`` is INVALID naming width,
-   height and steps;
+   mask are decoded and its size set from the image), resolve its steps once
+   (:meth:`RouterPolicy.steps_of`) and price it (pixels × steps over the profile's reference
+   request, img2img × its strength; above ``max_cost``, INVALID naming width, height and
+   steps). From here on the request travels as one :class:`InFlight` value;
 2. claim its request id (a retry joins or returns the first call);
 3. take an in-flight slot (OVERLOADED when the router holds its maximum);
-4. admit early, before the classifier: the earliest completion over the live workers, each at
-   the cheapest level it may serve the request at, with their queues, the requests being
-   classified ahead of it and the classifier's backlog. A request that cannot finish in time
-   even on an idle worker is DEADLINE naming its fields; one that cannot finish in time now is
-   OVERLOADED with a retry-after hint. Either way the refusal takes no classifier time, which
-   under overload is what keeps refusals fast and served throughput up. Refused or not, the
-   request is an arrival for the allocator's report, at its weight in full requests (1; an
-   inpainting edit placed by an edit balancer, its share of a batched step by the edit cost
-   model: :meth:`RouterCore._arrival_cost`, :meth:`RouterCore.take_report`);
+4. admit early, before the classifier (:meth:`RouterPolicy.admit_early`): a request that
+   cannot finish in time even on an idle worker is DEADLINE naming its fields, one that
+   cannot finish in time now is OVERLOADED with a retry-after hint, and neither takes
+   classifier time. Refused or not, it is an arrival for the allocator's report, at its
+   weight in full requests (:meth:`RouterCore._arrival_cost`);
 5. classify the prompt (AC and SM levels; both are reported to the allocator);
 6. route on the installed plan (PASM sample, Eq. 3 worker selection) and admit against the
-   deadline with the chosen worker's queue and the request's cost (OVERLOADED with a hint);
-   with an edit balancer configured (``edit_balancer``), an inpainting edit keeps the plan's
-   level and is placed among that level's workers by the balancer and admitted on the edit
-   cost model's predicted finish (:meth:`RouterPolicy.place_edit`), from the core's account of
-   each worker's requests in flight and the templates it answered edits of
-   (:class:`~argus.router.edit_loads.EditLoads`);
+   deadline on the chosen worker (:meth:`RouterPolicy.route`); with an edit balancer, an
+   inpainting edit keeps the plan's level and is placed among that level's workers
+   (:meth:`RouterPolicy.place_edit`, on the core's :class:`~argus.router.edit_loads.EditLoads`);
 7. forward to the worker through the :class:`WorkerTransport` with the remaining time as the
-   call's timeout (the worker drops the request if it expires in its queue and stops denoising
-   when it passes); a worker that is UNAVAILABLE mid-request is marked down and the request is
+   call's timeout; a worker that is UNAVAILABLE mid-request is marked down and the request is
    routed again to another worker while the deadline allows.
+
+Every decision sees the cluster as the core believes it: each worker's address, level,
+queue, down mark and last answered level, one record per worker
+(:class:`~argus.router.worker_beliefs.WorkerBeliefs`), with the service times learned from the
+workers' replies (:class:`~argus.router.service_times.ServiceTimes`), all under one lock.
+``docs/router-internals.md`` tells the path at length.
 
 Refusals are :class:`~argus.router.values.RouterError` with a
 :class:`~argus.router.values.Refusal`; the gRPC servicer (:mod:`argus.router.service`) and
-the HTTP API (:mod:`argus.router.http`) each answer them in their protocol's words. The core
-imports neither grpc nor protobuf: the gRPC worker calls are :mod:`argus.router.worker_calls`'s,
-the message conversions :mod:`argus.contracts.router_api`'s. Plans come from ``install`` (wired to
-``PlanWatcher``'s ``on_plan``). The clock is passed in.
+the HTTP app (:mod:`argus.router.http_app`) each answer them in their protocol's words. The
+core imports neither grpc nor protobuf: the gRPC worker calls are
+:mod:`argus.router.worker_calls`'s, the message conversions
+:mod:`argus.contracts.router_api`'s. Plans come from ``install`` (wired to ``PlanWatcher``'s
+``on_plan``). The clock is passed in.
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ from argus.request_limits import (
     check_image,
     check_prompts,
     check_sampling,
-    img2img_steps,
 )
 from argus.router.config import RouterServiceConfig
 from argus.router.drift import RouterDrift
@@ -87,10 +85,12 @@ from argus.router.policy import (
     Refused,
     RouterPolicy,
     Snapshot,
+    StepCount,
 )
 from argus.router.service_times import ServiceTimes
 from argus.router.stats import NO_STATS, RouterStats, Served
 from argus.router.values import Refusal, RouterError
+from argus.router.worker_beliefs import WorkerBeliefs
 from argus.types import MeasuredLatency, ProfileSet, RouteDecision, Strategy
 
 if TYPE_CHECKING:  # its module reads plans from protobuf; the core only follows them
@@ -220,23 +220,18 @@ class RouterStatistics:
 # -- checks --------------------------------------------------------------------------------
 
 
-def check_request(request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS) -> RouterRequest:
-    """Raise RouterError(INVALID) naming the first bad field; return the request as served
-    otherwise: an edit's width and height are its image's (so that it is priced and admitted
-    at its size), every other request is returned as it is.
+def check_request(
+    request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS
+) -> tuple[RouterRequest, EditInput | None]:
+    """Raise RouterError(INVALID) naming the first bad field; otherwise return the request as
+    served and its checked edit (None for a generation). An edit's width and height are its
+    image's (so that it is priced and admitted at its size); every other request is returned
+    as it is. The edit's mask ratio and template digest place an inpainting edit.
 
     Prompts, image size, sampling and an edit's image and mask are checked by the rules the
     workers apply (:mod:`argus.request_limits`); a worker's defaults fill absent (None)
     fields.
     """
-    return check_request_edit(request, limits)[0]
-
-
-def check_request_edit(
-    request: RouterRequest, limits: ImageLimits = DEFAULT_LIMITS
-) -> tuple[RouterRequest, EditInput | None]:
-    """:func:`check_request`, with the checked edit (None for a generation): its mask ratio
-    and template digest place an inpainting edit."""
     try:
         if len(request.request_id) > MAX_ID_CHARS:
             raise InvalidRequestError(
@@ -336,15 +331,9 @@ class RouterCore:
         self.policy = RouterPolicy(profiles, config, rng)
         self._router = self.policy.router  # the plan and the backlog signal
         self._workers = workers
-        self._lock = threading.Lock()  # router, queues, down, addresses, observations
-        self._addresses: dict[str, str] = {}
-        self._queues: dict[str, int] = {}
-        self._head_started: dict[str, float] = {}  # when each worker began its current request
-        self._down_until: dict[str, float] = {}
-        # workers still finishing a request whose caller gave up (deadline, cancel), until when
-        self._abandoned_until: dict[str, float] = {}
+        self._lock = threading.Lock()  # router, beliefs, observations
+        self._beliefs = WorkerBeliefs()  # each worker's address, level, queue, down mark, ...
         self._times = ServiceTimes(profiles, config.service_times)
-        self._answered_at: dict[str, str] = {}  # the level of each worker's last reply
         self._plan_version = 0
         self._in_flight = threading.BoundedSemaphore(config.max_in_flight)
         self._ledger: RequestLedger[RouterReply] = RequestLedger(
@@ -359,9 +348,6 @@ class RouterCore:
         self._arrival_costs: list[float] = []  # one per arrival (see _arrival_cost)
         self._classified: list[Classified] = []
         self._serving = 0
-        # the plan's workers: level index and GPU class, set at install (read per decision)
-        self._plan_levels: dict[str, int] = {}
-        self._classes: dict[str, str] = {}
         self._classifying = 0  # requests admitted early and not yet routed
         # each worker's requests in flight and templates held: kept only for an edit balancer
         # (with "plan" nothing reads it, and an edit is placed and counted as a request)
@@ -399,7 +385,7 @@ class RouterCore:
         """A plan is installed and names at least one worker (workers join the allocator only
         once ready, so this is "some worker can take a request"); health reports this."""
         with self._lock:
-            return self._router.plan is not None and bool(self._addresses)
+            return self._router.plan is not None and self._beliefs.has_workers()
 
     def now(self) -> float:
         """The core's clock (the servicer turns gRPC deadlines into clock times with it)."""
@@ -418,30 +404,20 @@ class RouterCore:
             except KeyError as err:
                 log.error("plan %d refused: %s", published.version, err)
                 return False
-            self._addresses = {w.worker_id: w.address for w in published.workers}
-            self._plan_levels = published.plan.allocation.level_indices()
-            classes = published.worker_classes()
-            self._classes = {w: classes[w] for w in self._plan_levels}
-            self._queues = {w: self._queues.get(w, 0) for w in self._addresses}
-            self._head_started = {
-                w: t for w, t in self._head_started.items() if w in self._addresses
-            }
-            self._down_until = {w: t for w, t in self._down_until.items() if w in self._addresses}
-            self._abandoned_until = {
-                w: t for w, t in self._abandoned_until.items() if w in self._addresses
-            }
-            self._answered_at = {
-                w: level for w, level in self._answered_at.items() if w in self._addresses
-            }
-            self._times.forget(set(self._addresses))
+            addresses = {w.worker_id: w.address for w in published.workers}
+            beliefs = self._beliefs
+            beliefs.install(
+                addresses, published.plan.allocation.level_indices(), published.worker_classes()
+            )
+            self._times.forget(set(addresses))
             if self._edits is not None:
-                self._edits.keep(self._addresses)
+                self._edits.keep(addresses)
                 for worker, model in self._worker_models().items():
                     if models.get(worker, model) != model:  # its records were of another model
                         self._edits.forget_templates(worker)
             self._plan_version = published.version
-            queues = dict(self._queues)
-        self._workers.keep_only(set(self._addresses.values()))
+            queues = beliefs.queues()
+        self._workers.keep_only(beliefs.addresses())
         self.stats.plan_installed(published.version, published.plan.strategy, queues)
         return True
 
@@ -449,7 +425,7 @@ class RouterCore:
         """The model each planned worker runs on the installed plan. Under the lock."""
         if self._router.plan is None:
             return {}
-        return {w: self.policy.model_of(i) for w, i in self._plan_levels.items()}
+        return {w: self.policy.model_of(i) for w, i in self._beliefs.levels.items()}
 
     # statistics for the allocator ---------------------------------------------------------
 
@@ -463,8 +439,9 @@ class RouterCore:
             costs, self._arrival_costs = self._arrival_costs, []
             classified, self._classified = self._classified, []
             now = self._clock()
+            beliefs = self._beliefs
             wants = self._router.plan is not None and self._router.wants_replan(
-                now, self._queues, self._down(now)
+                now, beliefs.queues(), beliefs.down(now)
             )
         if all(cost == 1.0 for cost in costs):
             costs = []
@@ -493,25 +470,31 @@ class RouterCore:
         ``cancel`` is set when the caller goes away.
         """
         arrived = self._clock()
-        call = _Call(progress, cancel or CallCancel())
         try:
-            return self._generate(request, arrived, deadline_s, call)
+            return self._generate(request, arrived, deadline_s, progress, cancel or CallCancel())
         except RouterError as err:
             overloaded = err.kind is Refusal.OVERLOADED
             self.stats.failed(err.kind, self._clock() - arrived if overloaded else None)
             raise
 
     def _generate(
-        self, request: RouterRequest, arrived: float, deadline_s: float | None, call: _Call
+        self,
+        request: RouterRequest,
+        arrived: float,
+        deadline_s: float | None,
+        progress: ProgressSink | None,
+        cancel: CallCancel,
     ) -> RouterReply:
-        request, edit = check_request_edit(request, self.config.limits)
-        cost = self._price(request)
-        work = self._work(request, edit)
+        request, edit = check_request(request, self.config.limits)
+        steps = self.policy.steps_of(request)
+        cost = self._price(request, steps)
+        work = self._work(request, edit, steps)
         deadline = arrived + (request.deadline_ms or self.config.default_deadline_ms) / 1e3
         if deadline_s is not None:
             deadline = min(deadline, deadline_s)
+        flight = InFlight(request, steps, cost, work, arrived, deadline, progress, cancel)
         if not request.request_id:
-            return self._serve(request, arrived, deadline, cost, call, work)
+            return self._serve(flight)
         try:
             future, owner = self._ledger.claim(request.request_id, fingerprint(request))
         except IdConflictError as err:
@@ -524,7 +507,7 @@ class RouterCore:
         if not owner:
             return self._join(future, deadline)
         try:
-            response = self._serve(request, arrived, deadline, cost, call, work)
+            response = self._serve(flight)
         except BaseException as err:
             self._ledger.fail(request.request_id, err)
             raise
@@ -539,51 +522,40 @@ class RouterCore:
                 Refusal.DEADLINE, "the first call with this id is still running"
             ) from None
 
-    def _work(self, request: RouterRequest, edit: EditInput | None) -> _Work:
+    def _work(self, request: RouterRequest, edit: EditInput | None, steps: StepCount) -> _Work:
         """What ``request`` puts on a worker, as the edit balancer counts it: an inpainting
         edit at its mask ratio with its template's key (none with adapters: the worker's cache
         serves no edit with adapters; none without a balancer, which spares the digest of the
         template's pixels), anything else at ratio 1 with none; its steps are those it runs
         (img2img: the last ``strength`` of them)."""
-        steps = request.steps or self.config.default_steps or self.profiles.reference.steps
         if edit is None or edit.region is None:
-            if edit is not None:  # img2img
-                steps = img2img_steps(steps, edit.strength)
-            return _Work(EditJob(1.0, steps), inpainting=False)
+            return _Work(EditJob(1.0, steps.run), inpainting=False)
         template = None
         if self._edits is not None and not request.adapters:
             template = template_key(
                 edit.template_digest,
                 edit.width,
                 edit.height,
-                request.steps or self.config.default_steps,
+                steps.given,
                 request.guidance_scale,
             )
-        return _Work(EditJob(edit.mask_ratio, steps, template), inpainting=True)
+        return _Work(EditJob(edit.mask_ratio, steps.run, template), inpainting=True)
 
-    def _price(self, request: RouterRequest) -> float:
+    def _price(self, request: RouterRequest, steps: StepCount) -> float:
         """The request's cost in reference requests; INVALID above ``max_cost``."""
-        cost = self.policy.price(request)
+        cost = self.policy.price(request, steps=steps)
         if isinstance(cost, Refused):
             raise cost.error()
         return cost
 
-    def _serve(
-        self,
-        request: RouterRequest,
-        arrived: float,
-        deadline: float,
-        cost: float,
-        call: _Call,
-        work: _Work,
-    ) -> RouterReply:
+    def _serve(self, flight: InFlight) -> RouterReply:
         if not self._in_flight.acquire(blocking=False):
             self.stats.rejected("busy")
             raise busy_refusal(self.config.max_in_flight)
         with self._lock:
             self._serving += 1
         try:
-            return self._classify_route_forward(request, arrived, deadline, cost, call, work)
+            return self._classify_route_forward(flight)
         finally:
             with self._lock:
                 self._serving -= 1
@@ -603,27 +575,26 @@ class RouterCore:
         except BatcherClosed:
             raise RouterError(Refusal.UNAVAILABLE, "router shutting down", 1.0) from None
 
-    def _admit_early(
-        self, request: RouterRequest, arrived: float, deadline: float, cost: float, work: _Work
-    ) -> None:
+    def _admit_early(self, flight: InFlight) -> None:
         """Refuse, before the classifier sees the prompt, a request that cannot finish by
-        ``deadline`` (:meth:`RouterPolicy.admit_early`); otherwise count it among the requests
+        its deadline (:meth:`RouterPolicy.admit_early`); otherwise count it among the requests
         being classified (the caller uncounts it)."""
         backlog = getattr(self.classifier, "backlog_s", None)
         classifier_s = backlog() if backlog is not None else 0.0
         with self._lock:
             now = self._clock()
             # refused or not, it is load the allocator plans for, at its weight
-            self._arrivals.append(arrived)
-            self._arrival_costs.append(self._arrival_cost(work, now))
+            self._arrivals.append(flight.arrived)
+            self._arrival_costs.append(self._arrival_cost(flight.work, now))
             refused = self.policy.admit_early(
-                request,
-                cost,
-                self._snapshot(request, cost, now),
-                deadline - now,
+                flight.request,
+                flight.cost,
+                self._snapshot(flight, now),
+                flight.deadline - now,
                 classifying=self._classifying,
                 classifier_s=classifier_s,
-                edit=work.edit,
+                edit=flight.work.edit,
+                steps=flight.steps,
             )
             if refused is not None:
                 raise self._refusal(refused)
@@ -642,30 +613,26 @@ class RouterCore:
         edit, account = work.edit, self._edits
         if edit is None or account is None:
             return 1.0
-        live = set(self._plan_levels) - self._down(now)
+        live = set(self._beliefs.levels) - self._beliefs.down(now)
         hit = account.held_by_any(edit.template, live)
         ratio = edit.mask_ratio if hit else 1.0
         return arrival_cost(self.policy.edit_cost, self.config.edit_batch, ratio)
 
     def _snapshot(
-        self,
-        request: RouterRequest,
-        cost: float,
-        now: float,
-        tried: AbstractSet[str] = frozenset(),
+        self, flight: InFlight, now: float, tried: AbstractSet[str] = frozenset()
     ) -> Snapshot:
-        """The planned workers as a decision for ``request`` of ``cost`` sees them now (its
-        cost at each level by :meth:`RouterPolicy.level_cost`), the workers in ``tried``
-        counted down. Under the lock."""
-        started = self._head_started
+        """The planned workers as a decision for ``flight`` sees them now (its cost at each
+        level by :meth:`RouterPolicy.level_cost`), the workers in ``tried`` counted down.
+        Under the lock."""
+        beliefs = self._beliefs
 
         def elapsed_s(worker: str) -> float:
-            return now - started.get(worker, now)
+            return beliefs.elapsed_s(worker, now)
 
         def service_s(worker: str, index: int) -> float:
             level = self._router.level_name(index)
-            level = self.policy.serving_level(level, self._answered_at.get(worker))
-            return self._service_s(worker, level, self.policy.level_cost(request, cost, level), now)
+            level = self.policy.serving_level(level, beliefs.answered_level(worker))
+            return self._service_s(worker, level, self._level_cost(flight, level), now)
 
         account = self._edits
         edits = None  # plan: edits as requests
@@ -674,41 +641,26 @@ class RouterCore:
             def edits(worker: str) -> WorkerEdits:
                 return account.view(worker, now)
 
-        down = self._down(now) | tried
-        return Snapshot(self._plan_levels, self._queue_view(now), down, elapsed_s, service_s, edits)
+        down = beliefs.down(now) | tried
+        return Snapshot(beliefs.levels, beliefs.queue_view(now), down, elapsed_s, service_s, edits)
+
+    def _level_cost(self, flight: InFlight, level: str) -> float:
+        """``flight``'s cost as ``level``'s service times count it."""
+        return self.policy.level_cost(flight.request, flight.cost, level, steps=flight.steps)
 
     def _service_s(self, worker: str, level: str, cost: float, now: float) -> float:
         """A request of ``cost`` on ``worker`` at ``level``: the service time learned from the
         worker's replies (its seed until it has answered). Under the lock."""
-        return self._times.predict_s(worker, self._classes[worker], level, cost, now)
+        return self._times.predict_s(worker, self._beliefs.gpu_class(worker), level, cost, now)
 
-    def _queue_view(self, now: float) -> Mapping[str, int]:
-        """The router's queue per worker, one more on a worker still finishing a request whose
-        caller gave up (it stops at its next step, which the router waits out). Under the
-        lock."""
-        busy = [w for w, until in self._abandoned_until.items() if until > now]
-        if not busy:
-            return self._queues
-        view = dict(self._queues)
-        for worker in busy:
-            view[worker] = view.get(worker, 0) + 1
-        return view
-
-    def _classify_route_forward(
-        self,
-        request: RouterRequest,
-        arrived: float,
-        deadline: float,
-        cost: float,
-        call: _Call,
-        work: _Work,
-    ) -> RouterReply:
-        self._admit_early(request, arrived, deadline, cost, work)
+    def _classify_route_forward(self, flight: InFlight) -> RouterReply:
+        self._admit_early(flight)
         try:
-            levels = self._classify(request.prompt, deadline)
+            levels = self._classify(flight.request.prompt, flight.deadline)
         finally:
             with self._lock:
                 self._classifying -= 1
+        arrived = flight.arrived
         classified_at = self._clock()
         self.stats.classified(classified_at - arrived)
         with self._lock:
@@ -717,13 +669,12 @@ class RouterCore:
         admitted = False
         try:
             for attempt in range(1, self.config.max_attempts + 1):
-                routed = self._route(levels, deadline, tried, request, cost, work)
-                decision, strategy, address, token = routed
+                decision, strategy, address, token = self._route(flight, levels, tried)
                 admitted = True
                 routed_at = self._clock()
-                call.routed(decision, self._router.level_name, routed_at - arrived)
+                flight.routed(decision, self._router.level_name, routed_at - arrived)
                 try:
-                    reply = self._forward(request, decision, address, deadline, call, cost, token)
+                    reply = self._forward(flight, decision, address, token)
                 except RouterError as err:
                     if err.kind is not Refusal.UNAVAILABLE:
                         raise
@@ -734,7 +685,7 @@ class RouterCore:
                     continue
                 done = self._clock()
                 return self._response(
-                    request, reply, decision, strategy, attempt,
+                    flight, reply, decision, strategy, attempt,
                     (arrived, classified_at, routed_at, done),
                 )  # fmt: skip
         except RouterError as err:
@@ -744,13 +695,7 @@ class RouterCore:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _route(
-        self,
-        levels: Mapping[Strategy, int],
-        deadline: float,
-        tried: set[str],
-        request: RouterRequest,
-        cost: float,
-        work: _Work,
+        self, flight: InFlight, levels: Mapping[Strategy, int], tried: set[str]
     ) -> tuple[RouteDecision, Strategy, str, int]:
         """Route and admit under the lock (:meth:`RouterPolicy.route`); the chosen worker's
         queue and its requests in flight count this request, under the returned token."""
@@ -761,22 +706,21 @@ class RouterCore:
             now = self._clock()
             outcome = self.policy.route(
                 levels.get(plan.strategy, 0),
-                request,
-                self._snapshot(request, cost, now, tried),
-                deadline - now,
+                flight.request,
+                self._snapshot(flight, now, tried),
+                flight.deadline - now,
                 retry=bool(tried),
-                edit=work.edit,
+                edit=flight.work.edit,
+                steps=flight.steps,
             )
             if isinstance(outcome, Refused):
                 raise self._refusal(outcome)
             worker = outcome.decision.worker_id
-            if self._queues.get(worker, 0) == 0:
-                self._head_started[worker] = now
-            self._queues[worker] = self._queues.get(worker, 0) + 1
+            self._beliefs.sent(worker, now)
             token = next(self._sends)
             if self._edits is not None:
-                self._edits.sent(worker, token, work.job, now)
-            address = self._addresses[worker]
+                self._edits.sent(worker, token, flight.work.job, now)
+            address = self._beliefs.address(worker)
         if outcome.balancer:
             self.stats.edit_placed(outcome.balancer, held=outcome.held)
         decision = outcome.decision
@@ -786,43 +730,35 @@ class RouterCore:
         return decision, plan.strategy, address, token
 
     def _forward(
-        self,
-        request: RouterRequest,
-        decision: RouteDecision,
-        address: str,
-        deadline: float,
-        call: _Call,
-        cost: float,
-        token: int,
+        self, flight: InFlight, decision: RouteDecision, address: str, token: int
     ) -> WorkerReply:
         level = self._router.level_name(decision.served_level)
-        work = worker_call(request, level, previews=call.progress is not None)
+        work = worker_call(flight.request, level, previews=flight.progress is not None)
         with self._lock:
             self.worker_calls += 1
         answered = False
         try:
-            call.cancel.check()  # the client left while the request was classified or routed
+            flight.cancel.check()  # the client left while the request was classified or routed
             reply = self._workers.generate(
                 address,
                 work,
-                timeout_s=max(0.001, deadline - self._clock()),
-                cancel=call.cancel,
-                progress=call.progress,
+                timeout_s=max(0.001, flight.deadline - self._clock()),
+                cancel=flight.cancel,
+                progress=flight.progress,
             )
             served = reply.level or level
-            self._learn(
-                decision.worker_id, served, self.policy.level_cost(request, cost, served), reply
-            )
+            self._learn(decision.worker_id, served, self._level_cost(flight, served), reply)
             answered = True
             return reply
         except WorkerError as err:
             if err.kind is Refusal.UNAVAILABLE:
                 with self._lock:
-                    self._down_until[decision.worker_id] = self._clock() + self.config.down_for_s
+                    until = self._clock() + self.config.down_for_s
+                    self._beliefs.mark_down(decision.worker_id, until)
             if err.kind in (Refusal.DEADLINE, Refusal.CANCELLED):
-                at_level = self.policy.level_cost(request, cost, level)
-                self._abandoned(decision.worker_id, level, at_level, request)
-            if err.kind is Refusal.CANCELLED and call.cancel.cancelled:
+                at_level = self._level_cost(flight, level)
+                self._abandoned(decision.worker_id, level, at_level, flight.steps)
+            if err.kind is Refusal.CANCELLED and flight.cancel.cancelled:
                 raise RouterError(err.kind, "the client cancelled the request") from None
             if err.kind in (Refusal.INVALID, Refusal.NOT_FOUND):  # the field first, as ours
                 raise RouterError(
@@ -830,26 +766,23 @@ class RouterCore:
                 ) from None
             raise RouterError(err.kind, f"worker {decision.worker_id}: {err.details}") from None
         finally:
-            call.cancel.attach(None)
+            flight.cancel.attach(None)
             with self._lock:
                 now = self._clock()
                 if self._edits is not None:
                     self._edits.answered(decision.worker_id, token, ok=answered, now=now)
-                if self._queues.get(decision.worker_id, 0) > 0:
-                    self._queues[decision.worker_id] -= 1
-                    # a worker serves in order: the next request started as this one ended
-                    self._head_started[decision.worker_id] = now
+                self._beliefs.answered(decision.worker_id, now)
 
     def _learn(self, worker: str, level: str, cost: float, reply: WorkerReply) -> None:
         """Learn the worker's service time at ``level`` from its reply's timings."""
         timing = reply.timing
         with self._lock:
-            if worker not in self._classes:
+            if not self._beliefs.planned(worker):
                 return  # it left the plan while serving
-            self._answered_at[worker] = level
+            self._beliefs.replied(worker, level)
             self._times.observe(
                 worker,
-                self._classes[worker],
+                self._beliefs.gpu_class(worker),
                 level,
                 cost,
                 (timing.total_ms - timing.queue_ms) / 1e3,
@@ -857,21 +790,16 @@ class RouterCore:
                 self._clock(),
             )
 
-    def _abandoned(self, worker: str, level: str, cost: float, request: RouterRequest) -> None:
+    def _abandoned(self, worker: str, level: str, cost: float, steps: StepCount) -> None:
         """The call to ``worker`` ended without an answer (deadline, cancel): the worker stops
         at its next denoising step, so count it busy for one step's time more."""
-        steps = request.steps or self.config.default_steps or self.profiles.reference.steps
         with self._lock:
-            if worker not in self._classes:
+            if not self._beliefs.planned(worker):
                 return
             now = self._clock()
-            step_s = self._times.step_s(worker, self._classes[worker], level, cost, steps, now)
-            self._abandoned_until[worker] = max(
-                self._abandoned_until.get(worker, now), now + step_s
-            )
-
-    def _down(self, now: float) -> set[str]:
-        return {w for w, until in self._down_until.items() if until > now}
+            gpu_class = self._beliefs.gpu_class(worker)
+            step_s = self._times.step_s(worker, gpu_class, level, cost, steps.counted, now)
+            self._beliefs.abandoned(worker, now, now + step_s)
 
     def _refusal(self, refused: Refused) -> RouterError:
         """The policy's refusal as the error the caller gets, counted by its reason."""
@@ -881,7 +809,7 @@ class RouterCore:
 
     def _response(
         self,
-        request: RouterRequest,
+        flight: InFlight,
         reply: WorkerReply,
         decision: RouteDecision,
         strategy: Strategy,
@@ -904,7 +832,7 @@ class RouterCore:
             )
         )
         return RouterReply(
-            request_id=request.request_id,
+            request_id=flight.request.request_id,
             png=reply.png,
             level=level,
             level_index=decision.served_level,
@@ -939,12 +867,19 @@ class _Work:
         return self.job if self.inpainting else None
 
 
-@dataclass
-class _Call:
-    """What one caller of :meth:`RouterCore.generate` listens with."""
+@dataclass(frozen=True)
+class InFlight:
+    """One request being served, as checked and priced: what each step of
+    :meth:`RouterCore.generate` hands the next, and what its caller listens with."""
 
-    progress: ProgressSink | None
-    cancel: CallCancel
+    request: RouterRequest  # as served: checked, an edit's width and height its image's
+    steps: StepCount  # its denoising steps, resolved once (RouterPolicy.steps_of)
+    cost: float  # in reference requests (RouterPolicy.price)
+    work: _Work  # what it puts on a worker, for the edit balancer
+    arrived: float  # the core's clock when it arrived
+    deadline: float  # the core's clock by which it must be answered
+    progress: ProgressSink | None  # the caller's listener for progress events; None: none
+    cancel: CallCancel  # set when the caller goes away
 
     def routed(
         self, decision: RouteDecision, names: Callable[[int], str], elapsed_s: float

@@ -19,9 +19,8 @@ with a classifier identity that names the retrain, to the router's report to the
 which plans that strategy's classes with it from then on. Requests keep being classified by the
 old model until the swap, which is one reference assignment, so none waits or fails for it.
 The retrain does take CPU from the router's process while it runs (the MiniLM encoder in
-torch, beside the serving encoder): ``benchmarks/bench_drift_retrain.py`` measured 36 s and
-48 s from the first drifting window to the second strategy's swap, 400 prompts, on the shared
-2-core development machine at load averages of 17 to 18 and 23 to 27.
+torch, beside the serving encoder); ``benchmarks/bench_drift_retrain.py`` measures how long
+(figures in ``docs/router-internals.md``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Which worker gets an edit: the load balancers of issue 33, item 3, over a snapshot of the
-workers' states (pure; no grpc, no clock), so the simulator and the router run the same code.
+"""Which worker gets an edit: the edit load balancers, over a snapshot of the workers' states
+(pure; no grpc, no clock), so the simulator and the router run the same code.
 
 * ``mask-aware`` (InstGenIE §4.4, Algorithm 2): the worker where the new edit would finish
   first, predicted with the edit cost model (:mod:`argus.profiles.edit_cost`) by playing the

@@ -1,4 +1,4 @@
-"""What the live router knows of each worker's edits: :class:`EditLoads` (issue 33, item 3).
+"""What the live router knows of each worker's edits: :class:`EditLoads`.
 
 The edit balancers (:mod:`argus.router.edit_balance`) decide on a
 :class:`~argus.router.edit_balance.WorkerSnapshot` per worker: its running batch, its queue,

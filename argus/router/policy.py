@@ -18,13 +18,17 @@ latencies; the simulator admits the baselines' choices with :func:`admit_on`, th
 So early refusals, caps and fallbacks are simulated as they are served.
 
 An inpainting edit, when the config names an edit balancer (``edit_balancer`` other than
-"plan"; issue 33, item 3), keeps the plan's level but not its worker: the balancer
+"plan"), keeps the plan's level but not its worker: the balancer
 (:mod:`argus.router.edit_balance`) chooses among that level's live workers on the snapshot's
 account of their requests in flight and the templates they hold (:mod:`argus.router.edit_loads`),
 and the edit is admitted on the edit cost model's predicted finish there
 (:func:`~argus.router.edit_balance.predict_finish_s`: a worker that holds the template runs it
 at its mask ratio, any other in full). The cost model's seconds on a worker are the request's
 learned service time there: scaled so that the edit in full, alone, takes it.
+
+A request's steps are worked out in one place, :meth:`RouterPolicy.steps_of` (a
+:class:`StepCount`); the core resolves them once and passes them to each decision, and a
+caller that passes none (the simulator's reference request) gets them resolved the same way.
 
 It imports neither grpc, protobuf nor prometheus_client.
 """
@@ -87,6 +91,23 @@ class Admitted:
     predicted_s: float  # predicted completion on the chosen worker, seconds from now
     balancer: str = ""  # the edit balancer that chose the worker; "": the plan did
     held: bool = False  # the chosen worker was believed to hold the edit's template
+
+
+@dataclass(frozen=True)
+class StepCount:
+    """A request's denoising steps as the router counts them, resolved once per request
+    (:meth:`RouterPolicy.steps_of`, where the core has checked it) and passed on to every
+    decision that needs them."""
+
+    given: int | None
+    """The request's steps, else the workers' default when the config names one
+    (``default_steps``); None: left to a worker's default the router does not know."""
+    counted: int
+    """``given``, else the profile's reference request's steps: what the router prices and
+    predicts service times with."""
+    run: int
+    """The steps the worker denoises: ``counted``, or an img2img edit's last ``strength`` of
+    them (:func:`~argus.request_limits.img2img_steps`)."""
 
 
 ServiceTime = Callable[[str, int], float]
@@ -172,20 +193,30 @@ class RouterPolicy:
 
     # the decision ------------------------------------------------------------------------
 
-    def price(self, request: RouterRequest) -> float | Refused:
-        """The request's cost in reference requests; INVALID above ``max_cost``.
+    def steps_of(self, request: RouterRequest) -> StepCount:
+        """``request``'s steps as every decision on it counts them (the one place they are
+        worked out; a checked request asks for at least one step or none)."""
+        given = request.steps or self.config.default_steps
+        counted = given or self.profiles.reference.steps
+        run = counted
+        if request.image and request.strength is not None:  # img2img
+            run = img2img_steps(counted, request.strength)
+        return StepCount(given, counted, run)
+
+    def price(self, request: RouterRequest, *, steps: StepCount | None = None) -> float | Refused:
+        """The request's cost in reference requests; INVALID above ``max_cost``. ``steps``:
+        the request's, resolved (:meth:`steps_of`, which resolves them when not given; so for
+        the methods below).
 
         An edit costs as a generation of its size (the core has set it from the image) and
         steps: inpainting runs every step over the whole latent, so its mask does not make it
         cheaper (the mask-aware activation cache would); img2img runs the last ``strength`` of
-        the steps (:func:`~argus.request_limits.img2img_steps`)."""
+        the steps."""
+        steps = steps or self.steps_of(request)
         ref = self.profiles.reference
         size = self.config.default_size
-        steps = request.steps or self.config.default_steps
-        cost = request_cost(request.width or size, request.height or size, steps, ref)
-        if request.image and request.strength is not None:  # img2img
-            n = steps or ref.steps
-            cost *= img2img_steps(n, request.strength) / n
+        cost = request_cost(request.width or size, request.height or size, steps.given, ref)
+        cost *= steps.run / steps.counted  # img2img runs fewer; any other request, all (× 1)
         cap = self.config.max_cost
         if cap is not None and cost > cap:
             return Refused(
@@ -196,7 +227,9 @@ class RouterPolicy:
             )
         return cost
 
-    def level_cost(self, request: RouterRequest, cost: float, level: str) -> float:
+    def level_cost(
+        self, request: RouterRequest, cost: float, level: str, *, steps: StepCount | None = None
+    ) -> float:
         """``cost`` (:meth:`price`) as ``level``'s service times count it. A level's times are
         of runs that resume at its K; an edit never resumes from the cache (it starts from
         its own image), so on an AC level skipping K of its N steps it runs N/(N−K) times
@@ -206,10 +239,12 @@ class RouterPolicy:
         skip = self._skips.get(level, 0)
         if not request.image or skip == 0:
             return cost
-        steps = request.steps or self.config.default_steps or self.profiles.reference.steps
-        return cost * steps / (steps - skip) if steps > skip else cost
+        n = (steps or self.steps_of(request)).counted
+        return cost * n / (n - skip) if n > skip else cost
 
-    def level_cap(self, strategy: Strategy, request: RouterRequest) -> int | Refused | None:
+    def level_cap(
+        self, strategy: Strategy, request: RouterRequest, *, steps: StepCount | None = None
+    ) -> int | Refused | None:
         """The highest level index ``request`` may be served at: its ``max_level_index``, the
         levels that skip fewer steps than it runs and, when it names a ControlNet, the levels
         before the first whose model runs none (:data:`~argus.contracts.generate.
@@ -225,13 +260,13 @@ class RouterPolicy:
                     1.0,
                 )
             max_level = controlnet if max_level is None else min(max_level, controlnet)
-        steps = request.steps if request.steps is not None else self.config.default_steps
-        if steps is None:  # neither the request nor the workers' default is known
+        given = (steps or self.steps_of(request)).given
+        if given is None:  # neither the request nor the workers' default is known
             return max_level
-        runnable = self._runnable[strategy](steps)
+        runnable = self._runnable[strategy](given)
         if runnable < 0:
             return Refused(
-                Refusal.INVALID, f"steps: {steps} leaves no level of {strategy.value} runnable"
+                Refusal.INVALID, f"steps: {given} leaves no level of {strategy.value} runnable"
             )
         return runnable if max_level is None else min(max_level, runnable)
 
@@ -245,6 +280,7 @@ class RouterPolicy:
         classifying: int = 0,
         classifier_s: float = 0.0,
         edit: EditJob | None = None,
+        steps: StepCount | None = None,
     ) -> Refused | None:
         """Refuse, before the classifier sees the prompt, a request that cannot finish within
         ``budget_s`` on any live worker at the cheapest level it may be served at:
@@ -253,7 +289,7 @@ class RouterPolicy:
         requests passed this check ahead of it; the classifier's backlog is
         ``classifier_s``. ``edit``: the request is an inpainting edit, priced by the edit cost
         model when an edit balancer places it (:meth:`balances`)."""
-        cap = self._plan_cap(request)
+        cap = self._plan_cap(request, steps)
         if isinstance(cap, Refused):
             return cap
         serving = self._serving(cap, snapshot)
@@ -293,6 +329,7 @@ class RouterPolicy:
         *,
         retry: bool = False,
         edit: EditJob | None = None,
+        steps: StepCount | None = None,
     ) -> Admitted | Refused:
         """Route a prompt whose classified level for the plan's strategy is ``optimal``, no
         level above its cap, and admit it on the chosen worker (a ``retry``'s refusal is not
@@ -300,7 +337,7 @@ class RouterPolicy:
         are never chosen. ``edit``: the request is an inpainting edit, placed by the edit
         balancer among the routed level's workers when one is configured
         (:meth:`place_edit`)."""
-        cap = self._plan_cap(request)
+        cap = self._plan_cap(request, steps)
         if isinstance(cap, Refused):
             return cap
         decision = self._route_capped(optimal, snapshot, cap)
@@ -322,13 +359,13 @@ class RouterPolicy:
 
     # the parts ---------------------------------------------------------------------------
 
-    def _plan_cap(self, request: RouterRequest) -> int | Refused | None:
+    def _plan_cap(self, request: RouterRequest, steps: StepCount | None) -> int | Refused | None:
         """The request's level cap on the installed plan's strategy; UNAVAILABLE without a
         plan."""
         plan = self.router.plan
         if plan is None:
             return Refused(Refusal.UNAVAILABLE, NO_PLAN, 1.0)
-        return self.level_cap(plan.strategy, request)
+        return self.level_cap(plan.strategy, request, steps=steps)
 
     def _cap_note(self, request: RouterRequest) -> str:
         """Why a request finds no worker, when its ControlNet caps it below the strategy's

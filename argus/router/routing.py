@@ -15,8 +15,7 @@ levels, the router's queues grow and it asks the allocator for a plan through th
 signal rather than re-aligning locally. Why: with several routers, local re-alignment gave
 each its own PASM built from its own 200 prompts, so no single component decided where load
 went, and under the joint planner it replaced the program's per-class rows with ODA's answer
-to a different question. The simulator, which every evaluation figure comes from, never
-re-aligned either; the live router now routes the way it was evaluated.
+to a different question (``docs/router-internals.md`` has the history).
 
 A prompt-agnostic router (PAC, Proteus) uses F itself as every PASM row.
 """

@@ -3,7 +3,7 @@
 :class:`~argus.router.core.RouterCore` raises a :class:`RouterError` for every request it
 does not serve; the gRPC servicer answers it with a status code and a ``retry-after-ms``
 trailer (:mod:`argus.router.convert`), the HTTP API with a status and OpenAI's error body
-(:mod:`argus.router.http`). The requests and replies themselves are the router API's contract
+(:mod:`argus.router.openai_wire`). The requests and replies themselves are the router API's contract
 values (:mod:`argus.contracts.router_api`). Nothing here imports grpc.
 """
 
@@ -14,7 +14,7 @@ import enum
 
 class Refusal(enum.Enum):
     """Why a request was not served; :mod:`argus.router.convert` answers each with one gRPC
-    status and :mod:`argus.router.http` with one HTTP status."""
+    status and :mod:`argus.router.openai_wire` with one HTTP status."""
 
     INVALID = "invalid"  # a bad field; the details start with its name
     NOT_FOUND = "not_found"  # the worker has no such adapter
