@@ -83,7 +83,7 @@ def router_http_app() -> Any:
     """The router's HTTP app (Starlette), on a real router core with a stub classifier."""
     from argus.router.config import RouterServiceConfig
     from argus.router.core import RouterCore
-    from argus.router.http import create_app
+    from argus.router.http_app import create_app
     from argus.router.worker_calls import GrpcWorkers
     from tests.router_cluster import PROFILES, StubClassifier
 
