@@ -12,7 +12,7 @@ curve, at most N (:mod:`argus.profiles.batch_curve`; 1 where the table has no cu
 other request (generations, edits with LoRAs or ControlNets) takes today's path.
 
 **The device is still one.** The lane's own thread takes the worker's GPU slot
-(:class:`~argus.worker.engine.FifoSlot`) in its turn, like any request, and runs the batch's
+(:class:`~argus.worker.gpu_queue.FifoSlot`) in its turn, like any request, and runs the batch's
 steps on the worker's device thread until nothing is left to run. While a request outside the
 lane waits for the slot the batch *drains*: nobody new joins, the running edits finish, the slot
 goes to the waiting request, and the edits still waiting take a new turn behind it. So neither
