@@ -45,7 +45,8 @@ import torch
 
 if TYPE_CHECKING:
     from argus.worker.editing.activation_store import ActivationStore, CachePlan
-    from argus.worker.editing.masked_blocks import ActivationRecord, RowBlocks
+    from argus.worker.editing.masked_blocks import ActivationRecord
+    from argus.worker.editing.packed_blocks import RowBlocks
     from argus.worker.models.pipelines import DiffusionModel, GenerationSpec, NoisePredictor
 
 OUTCOMES = ("hit", "miss", "evicted")
@@ -68,7 +69,7 @@ class EditCacheEvents:
 @dataclass(frozen=True)
 class EditCacheUse:
     """One run's use of the cache (:meth:`EditCache.begin`): the predictor to denoise with
-    alone, or the blocks to run in a batch (:class:`~argus.worker.editing.masked_blocks.RowBlocks`,
+    alone, or the blocks to run in a batch (:class:`~argus.worker.editing.packed_blocks.RowBlocks`,
     for the step batcher), and what to call once the run finished (it stores what a recording
     run recorded)."""
 
@@ -164,8 +165,8 @@ class EditCache:
             ActivationRecord,
             RecordingPredictor,
             ReplayPredictor,
-            RowRecorder,
         )
+        from argus.worker.editing.packed_blocks import RowRecorder
 
         region = model.edit_region(spec)
         assert region is not None  # key() let only inpainting through

@@ -43,10 +43,10 @@ so a request's latents in a batch equal its latents alone to a tolerance, not bi
 steps); alone in the batch (bound 1) they are bit for bit the same.
 
 **Transformer blocks per request.** A request may bring its own transformer blocks
-(``on_join``'s answer, a :class:`~argus.worker.editing.masked_blocks.RowBlocks`): the mask-aware
+(``on_join``'s answer, a :class:`~argus.worker.editing.packed_blocks.RowBlocks`): the mask-aware
 activation cache's replay, which computes the request's region's tokens only, or its
 recording. The batched UNet call then runs every block on each request's rows apart
-(:func:`~argus.worker.editing.masked_blocks.batched_blocks`), neighbours without blocks of their own
+(:func:`~argus.worker.editing.packed_blocks.batched_blocks`), neighbours without blocks of their own
 together, and everything outside the blocks on the whole batch: a small mask makes its
 request's share of a step cheaper, as InstGenIE's batches of masked edits are priced.
 
@@ -74,12 +74,8 @@ from typing import Any
 
 import torch
 
-from argus.worker.editing.masked_blocks import (
-    RowBlocks,
-    RowPart,
-    batched_blocks,
-    transformer_blocks,
-)
+from argus.worker.editing.masked_blocks import transformer_blocks
+from argus.worker.editing.packed_blocks import RowBlocks, RowPart, batched_blocks
 from argus.worker.editing.scheduler import BatchEntry, ContinuousBatch
 from argus.worker.models.pipelines import (
     NEVER_CANCELLED,
@@ -221,7 +217,7 @@ class StepBatcher:
         ``on_join`` is called on the loop's thread when the request joins, under the model's
         lock, before its preparation; what it returns runs the request's transformer blocks
         on its own rows (the mask-aware activation cache's replay or recording:
-        :func:`~argus.worker.editing.masked_blocks.batched_blocks`; None: the blocks in full).
+        :func:`~argus.worker.editing.packed_blocks.batched_blocks`; None: the blocks in full).
         ``on_done`` is the future's done callback, added before the request can run, so it
         always runs on the loop's thread (after the step the request finished in)."""
         if key is None:
@@ -431,7 +427,7 @@ class StepBatcher:
 
     def _rows(self, running: list[_Request], inputs: list[torch.Tensor]) -> Any:
         """The batched UNet call's block patch when a running request brings its own blocks
-        (:func:`~argus.worker.editing.masked_blocks.batched_blocks`); else nothing."""
+        (:func:`~argus.worker.editing.packed_blocks.batched_blocks`); else nothing."""
         if all(r.rows is None for r in running):
             return contextlib.nullcontext()
         parts = [RowPart(x.shape[0], r.rows, r.step) for r, x in zip(running, inputs, strict=True)]
