@@ -615,7 +615,7 @@ class Worker:
     def _finish(self, ran: _Ran, cancel: CancelToken) -> GenerateResult:
         """The PNG of a run's image, encoded on the calling thread after the GPU slot was
         released (an SDXL image's PNG took 166-226 ms on an H200 host, docs/gpu.md, time the
-        next request's denoising no longer waits for); an inpainting edit's pixels outside
+        next request's denoising does not wait for); an inpainting edit's pixels outside
         its region are pasted back from its template first. Raises :class:`Cancelled` when
         ``cancel`` says stop before the encode starts (PIL's encoder cannot be interrupted:
         0.5 s at 2048×2048 on this project's CPU, measured). The decode time learned and
