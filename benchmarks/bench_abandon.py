@@ -21,7 +21,7 @@ Then, ``--repeats`` times per mode, it sends a 2048×2048 request of 50 steps wh
 Modes:
 
 * ``predicted``: the worker as it is; the 2048×2048 decode alone is predicted to need more
-  than 2 s (:class:`~argus.worker.engine.DecodeTimes`), so the request is refused on arrival;
+  than 2 s (:class:`~argus.worker.decode_times.DecodeTimes`), so the request is refused on arrival;
 * ``checkpoints``: the decode prediction off (a fresh ``DecodeTimes`` with seed 0), so the
   request denoises until its deadline and stops at the next checkpoint (block) of its step;
 * ``step-boundary`` (the baseline, off with ``--no-baseline``): also the checkpoints inside a
@@ -39,8 +39,10 @@ from typing import Any
 
 from _machine import load_line, machine_line
 
+from argus.contracts.generate import GenerateCall, GenerateResult
 from argus.worker.app import WorkerSettings, build_worker
-from argus.worker.engine import DecodeTimes, GenerateCall, GenerateResult, Worker
+from argus.worker.decode_times import DecodeTimes
+from argus.worker.engine import Worker
 from argus.worker.models.pipelines import CHECKPOINT_MODULES, CancelToken
 
 SIZE = 2048

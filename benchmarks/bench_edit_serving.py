@@ -23,7 +23,7 @@ batcher at bound 1, to compare with today's loop (the issue asks for it within 5
 
 Every engine uses the mask-aware activation cache (``--no-edit-cache``: none), as a worker
 with ``--edit-cache-bytes`` does: the first inpainting edit of a template records it, later
-ones replay it, alone or on their own rows of a batch (``masked_blocks.batched_blocks``); img2img
+ones replay it, alone or on their own rows of a batch (``packed_blocks.batched_blocks``); img2img
 runs in full. ``--model sd15`` swaps in the editing benchmark's SD-1.5-architecture UNet
 (``bench_editing.SD15_UNET``, random weights, with a 768-wide 2-layer text encoder and the tiny
 VAE) at ``--size`` (default 128 for it: one 512 step is ~19 s on one core); ``--model

@@ -45,12 +45,12 @@ from argus.worker.adapters.lora import (
     merge,
     requests_from_adapters,
     write_tiny_lora,
-    write_unfit_lora,
 )
 from argus.worker.adapters.lora.bound import first_below
 from argus.worker.adapters.lora.patch import patch_targets, weight_of
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 from argus.worker.models.sources import build_tiny_pipeline
+from tests.lora_factories import write_unfit_lora
 from tests.worker_factories import torch_threads
 
 pytestmark = pytest.mark.unit

@@ -1,5 +1,5 @@
 """InstGenIE's mask-aware activation cache, the compute side
-(argus/worker/editing/masked_blocks.py),
+(argus/worker/editing/masked_blocks.py, and packed_blocks.py for a batch),
 on the tiny real pipelines at 128 px (a latent of 16×16; the tiny SD-1.5's and SDXL's
 transformer blocks run at 8×8 tokens), 4 steps.
 
@@ -37,11 +37,8 @@ from argus.worker.editing.masked_blocks import (
     RecordMismatchError,
     Replay,
     ReplayPredictor,
-    RowPart,
-    RowRecorder,
     TokenPlan,
     UnsupportedBlockError,
-    batched_blocks,
     check_block,
     masked_block_forward,
     plan_tokens,
@@ -49,6 +46,7 @@ from argus.worker.editing.masked_blocks import (
     token_regions,
     transformer_blocks,
 )
+from argus.worker.editing.packed_blocks import RowPart, RowRecorder, batched_blocks
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 from tests.editing_factories import encode, mask_png, region_of, template_rgb
 from tests.worker_factories import tiny_model

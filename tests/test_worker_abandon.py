@@ -22,7 +22,8 @@ import torch
 from PIL import Image
 
 from argus.contracts.generate import GenerateCall, GenerateResult, Progress, Stage
-from argus.worker.engine import DecodeSkipped, DecodeTimes, Worker
+from argus.worker.decode_times import DecodeSkipped, DecodeTimes
+from argus.worker.engine import Worker
 from argus.worker.models.pipelines import (
     CHECKPOINT_MODULES,
     Cancelled,

@@ -24,9 +24,10 @@ from argus.contracts.generate import (
 )
 from argus.plumbing import rpc
 from argus.request_limits import InvalidRequestError
-from argus.worker.adapters.lora import LoraNotFoundError, write_tiny_lora, write_unfit_lora
+from argus.worker.adapters.lora import LoraNotFoundError, write_tiny_lora
 from argus.worker.adapters.workflow import AdapterSettings, WorkerAdapters
 from argus.worker.service import create_server
+from tests.lora_factories import write_unfit_lora
 from tests.worker_factories import make_worker
 
 pytestmark = pytest.mark.integration

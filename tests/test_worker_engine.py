@@ -16,7 +16,8 @@ from argus.contracts.generate import CacheOutcome, GenerateCall
 from argus.contracts.worker_control import LoadState
 from argus.request_limits import InvalidRequestError
 from argus.types import Strategy
-from argus.worker.engine import FifoSlot, QueueFullError
+from argus.worker.engine import QueueFullError
+from argus.worker.gpu_queue import FifoSlot
 from argus.worker.models.pipelines import CancelToken
 from argus.worker.models.registry import MemoryGuardError, UnknownModelError
 from argus.worker.models.sources import estimate_bytes

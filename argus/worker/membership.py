@@ -3,7 +3,7 @@
 :class:`Membership` runs one daemon thread per worker process. Every heartbeat interval (the
 allocator's reply says how long) it sends a ``WorkerHeartbeat`` with the worker's id,
 advertised address, class, queue length, current strategy, level and model, the loaded models,
-the parts its last model load loaded with their seconds and the parts resident (issue 35), and
+the parts its last model load loaded with their seconds and the parts resident, and
 the cache retrievals since the last accepted heartbeat; then it acts on the reply:
 
 1. **Follow the plan.** When the assigned level (or the plan's strategy) differs from what the

@@ -9,9 +9,9 @@ codes, and the work is the engine's:
 * :class:`~argus.worker.engine.QueueFullError` → ``RESOURCE_EXHAUSTED``;
 * an unknown variant → ``INVALID_ARGUMENT`` on ``variant``; a load that does not fit →
   ``RESOURCE_EXHAUSTED``;
-* :class:`~argus.worker.models.pipelines.Cancelled` → ``DEADLINE_EXCEEDED`` when the call's deadline
-  passed (in the queue or during its run) or its decode could not finish before it
-  (:class:`~argus.worker.engine.DecodeSkipped`, whose details say the predicted and the
+* :class:`~argus.worker.models.pipelines.Cancelled` → ``DEADLINE_EXCEEDED`` when the call's
+  deadline passed (in the queue or during its run) or its decode could not finish before it
+  (:class:`~argus.worker.decode_times.DecodeSkipped`, whose details say the predicted and the
   remaining time), ``CANCELLED`` when its client went away;
 * no model loaded yet → ``UNAVAILABLE``; anything else → ``INTERNAL`` with the error's type
   (its text, which may hold server paths, is logged, not sent), and the worker keeps serving.
@@ -57,7 +57,8 @@ from argus.plumbing.grpc_server import add_health_and_reflection, bind, new_serv
 from argus.plumbing.internal_tls import InternalTLS, server_security
 from argus.request_limits import InvalidRequestError
 from argus.worker.adapters.workflow import adapter_status
-from argus.worker.engine import DecodeSkipped, NoModelError, QueueFullError, Worker
+from argus.worker.decode_times import DecodeSkipped
+from argus.worker.engine import NoModelError, QueueFullError, Worker
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.models.pipelines import Cancelled, CancelToken
 from argus.worker.models.registry import MemoryGuardError, UnknownModelError

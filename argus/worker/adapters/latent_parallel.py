@@ -1,40 +1,27 @@
 """Latent parallelism (Katz §7): the two CFG branches of every denoising step on two devices.
 
-Classifier-free guidance evaluates the UNet twice per step, once on the negative (unconditional)
-text and once on the prompt, and mixes the two predictions. The two evaluations do not depend
-on each other, so Katz runs them on two GPUs at once instead of as a batch of two on one; it
-measures 1.36–1.71× on the base model (§9.5, Fig. 18-Left), more on weaker GPUs, because a
-batch of two already saturates a GPU (§3.3). ControlNets get the same treatment (§7,
-"Compatibility with adapter optimizations"): each device runs the ControlNets for its own
-branch, so residuals never cross devices.
+Classifier-free guidance evaluates the UNet twice per step, on the negative text and on the
+prompt, and mixes the two predictions. The evaluations are independent, so Katz runs them on
+two GPUs at once instead of as a batch of two on one (1.36–1.71× on the base model, §9.5,
+since a batch of two already saturates a GPU, §3.3). Each device runs the ControlNets for its
+own branch, so residuals never cross devices.
 
-Shape here:
-
-* **rank 0** is the worker process. It encodes the prompt, owns the scheduler, runs the
-  *negative* branch (the first of :class:`~argus.worker.models.pipelines.Conditioning`'s stacked
-  branches) and combines the two predictions with the usual CFG formula
-  (:meth:`DiffusionModel.guide`), so the peer needs no scheduler and no guidance scale;
-* **rank 1, the peer**, is a process started with the *spawn* context (the worker runs gRPC
-  threads; forking it would copy held locks). It holds the UNet of the same model source
-  (``tiny:<variant>`` is rebuilt from its seed; a diffusers directory has its ``unet/`` loaded
-  alone, since the text encoders and VAE run on rank 0) and runs the *prompt* branch.
-
-The two processes talk over two channels, so that each can use what it is good at:
-
-* a ``multiprocessing`` pipe carries small control messages (begin a request, run a step,
-  ok/error replies). Its end of file is how rank 0 learns at once that the peer died, and how
-  the peer learns that the worker died, whatever the tensor backend does; every wait on it has
-  a timeout, so a hung peer is an error, never a hang;
-* a ``torch.distributed`` process group carries the tensors: gloo on the CPU, NCCL between two
-  GPUs. The group is constructed directly (``ProcessGroupGloo(store, rank, 2, ...)``) instead
-  of through ``init_process_group``, so it leaves the process's default group alone and a
-  worker may stop and start peers (or run several, in tests) without global state.
-
-Per request rank 0 sends once: the peer's text embeddings, SDXL's added conditions for its
-branch, the ControlNet names, scales and control images, and fingerprints of the weights it
-uses (a peer that built different weights is refused loudly instead of producing a silently
-wrong image). Per step it sends the scaled latents and the timestep and receives the peer's
-noise prediction; while the peer computes, rank 0 computes its own branch.
+* **Rank 0** is the worker process: it encodes the prompt, owns the scheduler, runs the
+  *negative* branch (the first of :class:`~argus.worker.models.pipelines.Conditioning`'s
+  stacked branches) and combines the two predictions (:meth:`DiffusionModel.guide`).
+* **Rank 1, the peer**, is a process started with the *spawn* context (the worker runs gRPC
+  threads; forking would copy held locks). It holds the UNet of the same model source alone
+  and runs the *prompt* branch.
+* **Two channels**: a ``multiprocessing`` pipe carries small control messages, and its end of
+  file is how either side learns at once that the other died; every wait on it has a timeout,
+  so a hung peer is an error, never a hang. A ``torch.distributed`` group (gloo on the CPU,
+  NCCL between GPUs) carries the tensors; it is constructed directly, not through
+  ``init_process_group``, so the process's default group is left alone and peers can stop and
+  start without global state.
+* **Per request** rank 0 sends the peer's embeddings and conditions, the ControlNets and
+  fingerprints of the weights it uses (a peer with other weights is refused loudly); **per
+  step** the scaled latents and the timestep, receiving the peer's noise prediction while it
+  computes its own branch.
 
 Use (see :class:`LatentParallelGroup`)::
 
@@ -44,18 +31,10 @@ Use (see :class:`LatentParallelGroup`)::
     result = model.denoise(spec, predictor=group.predictor(model, controls))
     group.close()                             # at worker stop
 
-With guidance ≤ 1 there is one branch and the predictor runs it locally.
-
-Limits:
-
-* **LoRA.** BAL patches LoRA weights into the worker's UNet in place; the peer's UNet is not
-  patched, so a request with LoRAs must not use this predictor until the peer applies the same
-  patches (the worker should run it on one device). Fingerprints are taken once per module
-  object and do not notice in-place patches.
-* **Synchronous only.** Every step waits for the peer; Katz's pipelined asynchronous variant
-  for slow links (§5, stale ControlNet residuals) is not implemented. On NVLink the transfer
-  per step is one latent each way (< 1 MiB, §7).
-* One request at a time per group: steps of concurrent requests are serialised by a lock.
+With guidance ≤ 1 there is one branch and the predictor runs it locally. Limits: the peer's
+UNet is never LoRA-patched, so a request with LoRAs runs on one device; every step waits for
+the peer (Katz's asynchronous variant for slow links is not implemented); steps of concurrent
+requests are serialised by a lock.
 """
 
 from __future__ import annotations

@@ -1,3 +1,3 @@
 """Approximate caching (NIRVANA): earlier prompts' intermediate latents kept in a latent store
 (:mod:`.latent_store`), found by prompt similarity in a vector index (:mod:`.vector_index`),
-and resumed at step K by :mod:`.cache`."""
+resumed at step K by :mod:`.cache`; how one request uses it is :mod:`.use`."""

@@ -160,10 +160,6 @@ class LatentStore:
                 return False
             return True
 
-    def references(self, digest: str) -> int:
-        with self._lock:
-            return self._refs.get(digest, 0)
-
     def sweep(self) -> int:
         """Delete files without references and stray temporary files; returns how many.
 

@@ -1,10 +1,9 @@
 """Prompt-embedding indexes for the approximate cache: one protocol, two real Qdrant engines.
 
-:class:`VectorIndex` is what :class:`argus.worker.approx_cache.cache.ApproximateCache` needs: top-1
-cosine
-search restricted to one *key* (a keyword payload field, ``KEY_FIELD``, with a keyword payload
-index), upserts, partial payload updates, deletes and a scroll over everything (recovery after
-a restart). Point ids are UUID strings.
+:class:`VectorIndex` is what :class:`argus.worker.approx_cache.cache.ApproximateCache` needs:
+top-1 cosine search restricted to one *key* (a keyword payload field, ``KEY_FIELD``, with a
+keyword payload index), upserts, partial payload updates, deletes and a scroll over everything
+(recovery after a restart). Point ids are UUID strings.
 
 * :class:`EdgeVectorIndex` — the embedded default: Qdrant Edge (``qdrant-edge-py``), the real
   Qdrant engine in process, over a directory. Top-1 over 100k 384-d vectors answers in about a
@@ -19,14 +18,13 @@ GIL for its whole run — measured: a Python thread ticking every millisecond go
 a 6 s optimise — so a background *thread* would stop every gRPC thread of the worker, health
 checks included, for seconds to minutes. Instead, after ``optimize_after`` updates the index
 flushes, copies its live shard directory to the next *generation* (writers wait, searches go
-on), and a child process (``python -m argus.worker.approx_cache.vector_index optimize DIR``) builds
-the
-graph on the copy. Meanwhile updates go to the live shard and to a journal. When the child is
-done the optimised shard is loaded, the journal replayed into it and it replaces the live one;
-``CURRENT`` names the live generation, so a restart at any point opens a complete shard. What
-stays on the request path is ``EdgeShard.load`` of the new generation (it holds the GIL too;
-see ``benchmarks/bench_retrieval.py`` for its cost) once per rebuild, and the extra disk of one
-copy during a rebuild.
+on), and a child process (``python -m argus.worker.approx_cache.vector_index optimize DIR``)
+builds the graph on the copy. Meanwhile updates go to the live shard and to a journal. When the
+child is done the optimised shard is loaded, the journal replayed into it and it replaces the
+live one; ``CURRENT`` names the live generation, so a restart at any point opens a complete
+shard. What stays on the request path is ``EdgeShard.load`` of the new generation (it holds the
+GIL too; see ``benchmarks/bench_retrieval.py`` for its cost) once per rebuild, and the extra
+disk of one copy during a rebuild.
 
 Every Edge call also holds the GIL, so calls never overlap; a lock makes that explicit and
 guards the swap and ``close``.
@@ -755,8 +753,8 @@ class QdrantServerIndex:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m argus.worker.approx_cache.vector_index optimize DIR``: load the Edge shard in
-    ``DIR``,
-    build its HNSW graph, flush and exit (run by :class:`EdgeVectorIndex` in a child)."""
+    ``DIR``, build its HNSW graph, flush and exit (run by :class:`EdgeVectorIndex` in a
+    child)."""
     parser = argparse.ArgumentParser(
         prog="python -m argus.worker.approx_cache.vector_index", allow_abbrev=False
     )

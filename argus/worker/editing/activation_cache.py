@@ -3,12 +3,11 @@ what key, and how a run records or replays a template's activations.
 
 An inpainting edit of a template the worker has seen replays the template's recorded
 transformer-block outputs for the tokens outside its region
-(:mod:`argus.worker.editing.masked_blocks`)
-and computes attention and feed-forward for its region only. The first edit of a template runs
-in full and records them (its own region excepted: a later edit computes those tokens too);
-records live in an :class:`~argus.worker.editing.activation_store.ActivationStore` (host memory,
-LRU by
-bytes, then disk).
+(:mod:`argus.worker.editing.masked_blocks`) and computes attention and feed-forward for its
+region only. The first edit of a template runs in full and records them (its own region
+excepted: a later edit computes those tokens too); records live in an
+:class:`~argus.worker.editing.activation_store.ActivationStore` (host memory, LRU by bytes,
+then disk).
 
 * **Who uses it**: inpainting edits (a mask) without adapters, on a UNet whose transformer
   blocks the masked forward implements (:func:`~argus.worker.editing.masked_blocks.check_block`).
@@ -24,13 +23,12 @@ bytes, then disk).
   between then and the run makes the run a full one that records again, counted as
   ``evicted``; never an error.
 * **Which blocks replay** (Algorithm 1,
-:func:`~argus.worker.editing.activation_store.plan_cache_use`):
-  from measured costs. A block's full compute time is learned from the recording runs (forward
-  hooks on each block, one UNet call's worth per step, averaged); its time with the cache is
-  that × the share of its tokens the edit computes (Table 1: linear in the mask ratio); its load
-  time is the bytes of its cached rows per step over the host-to-device copy rate, measured
-  once per worker on the model's device and dtype (on a CPU worker that is the fp16-to-fp32
-  copy a replay makes).
+  :func:`~argus.worker.editing.activation_store.plan_cache_use`): from measured costs. A block's
+  full compute time is learned from the recording runs (forward hooks on each block, one UNet
+  call's worth per step, averaged); its time with the cache is that × the share of its tokens
+  the edit computes (Table 1: linear in the mask ratio); its load time is the bytes of its
+  cached rows per step over the host-to-device copy rate, measured once per worker on the
+  model's device and dtype (on a CPU worker that is the fp16-to-fp32 copy a replay makes).
 """
 
 from __future__ import annotations
@@ -45,7 +43,8 @@ import torch
 
 if TYPE_CHECKING:
     from argus.worker.editing.activation_store import ActivationStore, CachePlan
-    from argus.worker.editing.masked_blocks import ActivationRecord, RowBlocks
+    from argus.worker.editing.masked_blocks import ActivationRecord
+    from argus.worker.editing.packed_blocks import RowBlocks
     from argus.worker.models.pipelines import DiffusionModel, GenerationSpec, NoisePredictor
 
 OUTCOMES = ("hit", "miss", "evicted")
@@ -68,7 +67,7 @@ class EditCacheEvents:
 @dataclass(frozen=True)
 class EditCacheUse:
     """One run's use of the cache (:meth:`EditCache.begin`): the predictor to denoise with
-    alone, or the blocks to run in a batch (:class:`~argus.worker.editing.masked_blocks.RowBlocks`,
+    alone, or the blocks to run in a batch (:class:`~argus.worker.editing.packed_blocks.RowBlocks`,
     for the step batcher), and what to call once the run finished (it stores what a recording
     run recorded)."""
 
@@ -164,8 +163,8 @@ class EditCache:
             ActivationRecord,
             RecordingPredictor,
             ReplayPredictor,
-            RowRecorder,
         )
+        from argus.worker.editing.packed_blocks import RowRecorder
 
         region = model.edit_region(spec)
         assert region is not None  # key() let only inpainting through

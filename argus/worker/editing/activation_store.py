@@ -1,50 +1,35 @@
 """The mask-aware activation cache's storage: host memory, then disk; and Algorithm 1.
 
-InstGenIE (``shared/papers/004_*.txt`` §4.2) keeps each image template's recorded block
-activations in host memory under an LRU policy, demotes cold ones to secondary storage, and
-loads them back while an edit waits in the queue. :class:`ActivationStore` is that store. It
-holds a template's record opaquely, as a flat ``Mapping[str, torch.Tensor]`` of CPU tensors
-(names such as ``s3.b7.y``; what they mean is :mod:`argus.worker.editing.masked_blocks`'s business),
-keyed by a string (the template key). :func:`plan_cache_use` is the paper's Algorithm 1: which
-blocks load their cached activations and which recompute, given measured costs.
+InstGenIE (§4.2) keeps each image template's recorded block activations in host memory under
+an LRU policy, demotes cold ones to secondary storage, and loads them back while an edit waits
+in the queue. :class:`ActivationStore` is that store. It holds a template's record opaquely, as
+a flat ``Mapping[str, torch.Tensor]`` of CPU tensors (names such as ``s3.b7.y``; what they mean
+is :mod:`argus.worker.editing.masked_blocks`'s business), keyed by a string (the template key).
+:func:`plan_cache_use` is the paper's Algorithm 1: which blocks load their cached activations
+and which recompute, given measured costs.
 
-How the store behaves:
-
-* **Host tier**: an LRU bounded in bytes (the sum of the record's tensor bytes). A record
-  larger than the whole bound never enters it; it goes straight to disk when there is a disk
-  tier, and is dropped (counted) otherwise.
-* **Disk tier**: one safetensors file per record under ``disk_dir``, LRU, bounded in bytes (the
-  files' sizes). A record evicted from host is written once: if the same record is already on
-  disk (it was promoted from there) nothing is rewritten. Evicting from disk deletes the file.
-  A record is in both tiers after a disk hit promotes it; :meth:`ActivationStore.tier` names
-  the faster one.
+* **Tiers**: host memory, an LRU bounded in bytes; then, optionally, one safetensors file per
+  record under ``disk_dir``, an LRU bounded in bytes. A record evicted from host is written to
+  disk once; a disk hit promotes it back (:meth:`ActivationStore.tier` names the faster one). A
+  record larger than the host bound goes straight to disk, or is dropped (counted).
 * **Reads** fill one owned buffer with one ``readinto`` and hand out views of it
-  (:func:`read_record`), not a memory map: ``safetensors``' own loaders map the file and read
-  it lazily on first touch, so a "loaded" record would still be on disk.
-* **File names** are ``sha256(key, NUL, token).hex() + ".safetensors"``, where ``token`` is a
-  random per-record nonce: a key (an untrusted-ish string) never becomes a path, and two
-  versions of one key never share a file, so a slow write of an old version can never land on
-  top of a newer one. Files are written under a ``.tmp-`` name in ``disk_dir`` and renamed into
-  place (``os.replace``): a reader sees a whole file or none.
-* **Restart**: existing files are *indexed by their header*, not trusted by name. Each file's
-  safetensors metadata holds a format tag, the key, the token, the record's bytes and a CRC-32
-  of its tensor data; a file is indexed only when its name is the hash of the key and token in
-  its own header (oldest modification time = least recently used). Files with our name pattern
-  that fail this, and stray ``.tmp-`` files, are deleted; files with other names are left
-  alone. The CRC is checked on every load (``verify=True``), so a file whose data was flipped
-  or truncated after a restart is caught then.
+  (:func:`read_record`), not a memory map, which would leave a "loaded" record on disk.
+* **Files** are named ``sha256(key, NUL, token)`` with a random per-record ``token``: a key
+  never becomes a path, and a slow write of an old version never lands on a newer one. They
+  are written under a ``.tmp-`` name and renamed into place: a reader sees a whole file or none.
+* **Restart**: files are indexed by their header (format tag, key, token, bytes, CRC-32 of the
+  data), not trusted by name; files of our pattern that fail this, and stray ``.tmp-`` files,
+  are deleted, files with other names left alone. The CRC is checked on every load.
 * **Failures are misses**: an unreadable, truncated or corrupt file makes :meth:`get` return
-  ``None`` (counted as a miss and as a corrupt file; the file is deleted). A failed write (disk
-  full) drops the record (counted), never raises from :meth:`put`.
+  ``None`` (counted; the file is deleted). A failed write (disk full) drops the record
+  (counted); :meth:`put` never raises for it.
 * **Threads**: one lock guards the indexes and counters; no file is read, written or deleted
-  under it. Demotion writes run on the thread that caused them (the ``put`` or ``get`` whose
-  insertion evicted the record); while a record is being written, a ``get`` still finds it in
-  memory. :meth:`prefetch` loads on a small thread pool; a ``get`` for a key being loaded waits
-  for that load instead of reading the file again.
-* **Metrics**: a :class:`StoreListener` receives hits and misses by tier, evictions by tier,
-  load seconds, tier bytes; its methods run under the store's lock, so they must be quick and
-  must not call back into the store (a Prometheus counter's ``inc`` is fine). :meth:`stats`
-  returns the same counters as a frozen :class:`StoreStats`.
+  under it. Demotion writes run on the thread whose insertion evicted the record, which a
+  ``get`` still finds in memory meanwhile; :meth:`prefetch` loads on a small pool, and a
+  ``get`` for a key being loaded waits for that load.
+* **Metrics**: a :class:`StoreListener` hears hits, misses, evictions and loads, under the
+  store's lock (so it must be quick and must not call back); :meth:`stats` returns the same
+  counters as a frozen :class:`StoreStats`.
 
 The store keeps references to the tensors it is given and hands the same objects back from
 host hits: callers must treat records as read-only.

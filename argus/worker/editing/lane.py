@@ -1,26 +1,25 @@
-"""The worker's lane for edits: step-level continuous batching on the device (InstGenIE §4.3;
-issue 33, item 1).
+"""The worker's lane for edits: step-level continuous batching on the device (InstGenIE §4.3).
 
 With ``argus worker --edit-batch N`` (N > 1) an edit without adapters does not take the GPU
 slot for itself: it is handed to the lane, which keeps one
 :class:`~argus.worker.editing.step_batch.StepBatcher` per model and size. Waiting edits join the
 running batch at the next step boundary, up to the bound (compatible ones: same model,
-resolution and guidance mode), and finished ones leave, so a new edit no longer waits for the
+resolution and guidance mode), and finished ones leave, so a new edit does not wait for the
 edits ahead of it to finish. The bound of each model and size is N, or, with
 ``--edit-batch-table FILE``, the knee of that model's and size's measured latency-per-batch
 curve, at most N (:mod:`argus.profiles.batch_curve`; 1 where the table has no curve). Every
-other request (generations, edits with LoRAs or ControlNets) takes today's path.
+other request (generations, edits with LoRAs or ControlNets) takes the GPU slot for itself.
 
-**The device is still one.** The lane's own thread takes the worker's GPU slot
-(:class:`~argus.worker.engine.FifoSlot`) in its turn, like any request, and runs the batch's
+**One device.** The lane's own thread takes the worker's GPU slot
+(:class:`~argus.worker.gpu_queue.FifoSlot`) in its turn, like any request, and runs the batch's
 steps on the worker's device thread until nothing is left to run. While a request outside the
 lane waits for the slot the batch *drains*: nobody new joins, the running edits finish, the slot
 goes to the waiting request, and the edits still waiting take a new turn behind it. So neither
-side starves the other, and the GPU runs one thing at a time, as before.
+side starves the other, and the GPU runs one thing at a time.
 
 **Decoding** happens where the worker says (``--decode-thread``): on the device thread right
-after the step an edit finished in (the batch waits for it: one computing thread, as today),
-or on a decode thread of its own, so the next step starts at once (InstGenIE's pre- and
+after the step an edit finished in (the batch waits for it: one computing thread), or on a
+decode thread of its own, so the next step starts at once (InstGenIE's pre- and
 post-processing off the loop). The VAE has its own lock (:func:`~argus.worker.models.pipelines.
 vae_lock`), not the model's, and each thread checks its own request's cancel token, so the two
 threads never stop each other's work.

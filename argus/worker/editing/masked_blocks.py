@@ -1,4 +1,4 @@
-"""InstGenIE's mask-aware activation cache, the compute side (issue 32, item 3).
+"""InstGenIE's mask-aware activation cache, the compute side: one request's record and replay.
 
 An inpainting edit changes only the tokens of its region; every edit of one template sees the
 same latents outside it at every step (:meth:`DiffusionModel.start_edit` noises the unmasked
@@ -23,26 +23,16 @@ Two predictors (:class:`~argus.worker.models.pipelines.NoisePredictor`) for
 
 A block's tokens at h×w are masked when any latent pixel they cover is edited: the latent
 region max-pooled by 2 (ceil mode, as the UNet's stride-2 convolutions give ceil sizes) until
-it has as many pixels as the block has tokens.
-
-**Y or K/V.** §3.1's alternative also caches the keys and values of the unmasked tokens'
-self-attention, so a replay skips their norm and K/V projections. In a UNet the cached Y is
-still needed (the convolutions read every token), so K/V comes on top of Y: 3× the bytes (K and
-V are each Y's size in SD's blocks). Measured by ``benchmarks/bench_editing.py`` on SD-1.5's
-architecture at 512×512 (2 vCPU x86_64 shared with other agents, one torch thread): at m = 0.2
-a step took 11.4 s with K/V against 12.0 s with Y alone, 5% less (6.5% in a run on two threads
-under heavier load), for 132 MiB of record a step against 44 MiB (6.5 GiB against 2.2 GiB for
-50 steps). Three times the host memory, disk and load time for a few per cent of a step is a
-bad trade, so the default (:data:`DEFAULT_KEYS_VALUES`) is Y only, as InstGenIE chose (its
-Flux figure: 10% faster for twice the bytes).
-
-Records convert to and from a flat ``dict[str, torch.Tensor]`` (:meth:`ActivationRecord.
-to_tensors`), safetensors-able: ``latent_size``, ``coverage.{h}x{w}``, ``s{step}.b{block}.y``
-(and ``.k``, ``.v``).
+it has as many pixels as the block has tokens. Records keep Y only by default
+(:data:`DEFAULT_KEYS_VALUES`): self-attention's keys and values too would triple the bytes for
+a few per cent of a step (measured: ``docs/worker-internals.md``). Records convert to and from
+a flat ``dict[str, torch.Tensor]`` (:meth:`ActivationRecord.to_tensors`), safetensors-able:
+``latent_size``, ``coverage.{h}x{w}``, ``s{step}.b{block}.y`` (and ``.k``, ``.v``).
 
 The predictors patch each block instance's ``forward`` for the length of one UNet call and
 restore it on exit, exceptions included; ``denoise`` runs under the model's lock, so no other
-request sees the patch.
+request sees the patch. Several requests' blocks in one batched UNet call are
+:mod:`argus.worker.editing.packed_blocks`.
 """
 
 from __future__ import annotations
@@ -54,7 +44,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +99,8 @@ def check_block(block: torch.nn.Module) -> None:
     """Raise :class:`UnsupportedBlockError` unless ``block`` is the plain pre-norm block the
     masked forward implements: layer norms, self-attention then cross-attention then
     feed-forward, no positional embedding, GLIGEN fuser or ada-norm, and attentions that are
-    softmax(QKᵀ/√d)V alone (a batch computes them itself: :func:`packed_block_forward`)."""
+    softmax(QKᵀ/√d)V alone (a batch computes them itself:
+    :func:`~argus.worker.editing.packed_blocks.packed_block_forward`)."""
     from diffusers.models.attention import BasicTransformerBlock
 
     problems = []
@@ -171,7 +162,11 @@ def token_regions(region: torch.Tensor) -> dict[int, tuple[Size, torch.Tensor]]:
         level = F.max_pool2d(level, 2, 2, ceil_mode=True)
 
 
-def _level(levels: dict[int, tuple[Size, torch.Tensor]], tokens: int) -> tuple[Size, torch.Tensor]:
+def token_level(
+    levels: dict[int, tuple[Size, torch.Tensor]], tokens: int
+) -> tuple[Size, torch.Tensor]:
+    """The level of :func:`token_regions` that a block of ``tokens`` tokens runs at; raises
+    :class:`RecordMismatchError` when none has as many."""
     if tokens not in levels:
         sizes = sorted(size for size, _ in levels.values())
         raise RecordMismatchError(f"a block of {tokens} tokens matches no level of {sizes}")
@@ -266,7 +261,7 @@ def recording(
 
     def keep(key: tuple[int, int], into: dict[tuple[int, int], torch.Tensor]) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-            size, edited = _level(levels, output.shape[1])
+            size, edited = token_level(levels, output.shape[1])
             covered = ~edited
             record.coverage[size] = covered
             index = covered.nonzero().flatten().to(output.device)
@@ -374,10 +369,10 @@ def _attend(
     attn: Any, query_in: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> torch.Tensor:
     """softmax(QKᵀ/√d)V through ``attn``'s projections for every row's queries (batch ×
-    queries × channels) against its keys and values: :func:`_grouped_attend` with one group."""
+    queries × channels) against its keys and values: :func:`grouped_attend` with one group."""
     batch, count, channels = query_in.shape
-    rows = _Group(torch.arange(batch, device=query_in.device), count, 0)
-    out = _grouped_attend(attn, query_in.reshape(batch * count, channels), key, value, (rows,))
+    rows = RowGroup(torch.arange(batch, device=query_in.device), count, 0)
+    out = grouped_attend(attn, query_in.reshape(batch * count, channels), key, value, (rows,))
     return out.view(batch, count, out.shape[-1])
 
 
@@ -386,13 +381,13 @@ def _scatter(
 ) -> torch.Tensor:
     """``full`` (batch × tokens × channels) with the computed rows and the recorded rows put
     in their tokens' places."""
-    _fill_cached(full, plan, recorded)
+    fill_cached(full, plan, recorded)
     if computed.shape[1]:
         full.index_copy_(1, plan.computed, computed)
     return full
 
 
-def _fill_cached(full: torch.Tensor, plan: TokenPlan, recorded: torch.Tensor) -> None:
+def fill_cached(full: torch.Tensor, plan: TokenPlan, recorded: torch.Tensor) -> None:
     """The recorded rows put in the places of ``plan``'s cached tokens of ``full``."""
     if recorded.device != full.device:  # a host-held record for a UNet on an accelerator
         recorded = recorded.to(full.device)
@@ -454,6 +449,9 @@ def _after_self_attention(
     return out
 
 
+# -- patching blocks -----------------------------------------------------------------------
+
+
 @contextlib.contextmanager
 def patched_forwards(
     blocks: Sequence[torch.nn.Module], forwards: Sequence[Callable[..., torch.Tensor] | None]
@@ -473,6 +471,41 @@ def patched_forwards(
                 del block.forward
             else:
                 block.forward = own
+
+
+def own_forward(block: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """The block's class forward, bound to it: its computation whatever a patch put on the
+    instance."""
+    return functools.partial(type(block).forward, block)
+
+
+BlockCompute = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+"""A block's replacement computation: (hidden states, encoder hidden states, encoder mask)."""
+
+
+def block_forward(compute: BlockCompute) -> Callable[..., torch.Tensor]:
+    """``compute`` behind ``BasicTransformerBlock.forward``'s signature, as
+    ``Transformer2DModel`` calls it; a self-attention mask or cross-attention kwargs, which the
+    masked computation does not implement, raise :class:`UnsupportedBlockError`."""
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        timestep: Any = None,
+        cross_attention_kwargs: dict[str, Any] | None = None,
+        class_labels: Any = None,
+        added_cond_kwargs: Any = None,
+    ) -> torch.Tensor:
+        if attention_mask is not None or cross_attention_kwargs:
+            raise UnsupportedBlockError(
+                "masked transformer block: a self-attention mask or cross_attention_kwargs "
+                "is not implemented"
+            )
+        return compute(hidden_states, encoder_hidden_states, encoder_attention_mask)
+
+    return forward
 
 
 class Replay:
@@ -556,7 +589,8 @@ class Replay:
         """Block ``index`` of step ``step`` at ``tokens`` tokens on ``rows`` rows: its token
         plan and recorded output rows, or None when the block computes every token (Algorithm
         1 chose so, or the record covers nothing the edit keeps); :class:`RecordMismatchError`
-        when the record does not fit. A :class:`RowBlocks`."""
+        when the record does not fit. A
+        :class:`~argus.worker.editing.packed_blocks.RowBlocks`."""
         if not self.use_cache[index]:
             return None
         plan = self.plans.get(tokens)
@@ -577,7 +611,8 @@ class Replay:
         return plan, cached_y
 
     def keep(self, index: int, step: int, output: torch.Tensor) -> None:
-        """A block computed in full keeps nothing of a replay (a :class:`RowBlocks`)."""
+        """A block computed in full keeps nothing of a replay (a
+        :class:`~argus.worker.editing.packed_blocks.RowBlocks`)."""
 
 
 class ReplayPredictor:
@@ -605,109 +640,11 @@ class ReplayPredictor:
             return self.model.predict_noise(latents, t, cond, scheduler, step)
 
 
-# -- a batch of requests in one UNet call --------------------------------------------------
-
-
-def own_forward(block: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """The block's class forward, bound to it: its computation whatever a patch put on the
-    instance."""
-    return functools.partial(type(block).forward, block)
-
-
-BlockCompute = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
-"""A block's replacement computation: (hidden states, encoder hidden states, encoder mask)."""
-
-
-def block_forward(compute: BlockCompute) -> Callable[..., torch.Tensor]:
-    """``compute`` behind ``BasicTransformerBlock.forward``'s signature, as
-    ``Transformer2DModel`` calls it; a self-attention mask or cross-attention kwargs, which the
-    masked computation does not implement, raise :class:`UnsupportedBlockError`."""
-
-    def forward(
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-        timestep: Any = None,
-        cross_attention_kwargs: dict[str, Any] | None = None,
-        class_labels: Any = None,
-        added_cond_kwargs: Any = None,
-    ) -> torch.Tensor:
-        if attention_mask is not None or cross_attention_kwargs:
-            raise UnsupportedBlockError(
-                "masked transformer block: a self-attention mask or cross_attention_kwargs "
-                "is not implemented"
-            )
-        return compute(hidden_states, encoder_hidden_states, encoder_attention_mask)
-
-    return forward
-
-
-class RowBlocks(Protocol):
-    """One request's transformer blocks inside a batched UNet call (the step batcher,
-    :mod:`argus.worker.editing.step_batch`): per block and step of the request, whether it replays
-    (:meth:`replay`: its token plan and recorded rows) or computes every token, and what it
-    keeps of a block computed in full (:meth:`keep`: a recording)."""
-
-    def replay(
-        self, index: int, step: int, tokens: int, rows: int
-    ) -> tuple[TokenPlan, torch.Tensor] | None: ...
-
-    def keep(self, index: int, step: int, output: torch.Tensor) -> None: ...
-
-
-class RowRecorder:
-    """A recording run inside a batch: each block computed in full, its output for the tokens
-    outside ``region`` kept in :attr:`record` (Y only), as :func:`recording` keeps them for a
-    run alone."""
-
-    def __init__(self, region: torch.Tensor, *, dtype: torch.dtype = RECORD_DTYPE) -> None:
-        self.region = region
-        self.dtype = dtype
-        self.record = ActivationRecord((int(region.shape[-2]), int(region.shape[-1])))
-        self._levels = token_regions(region)
-
-    def replay(
-        self, index: int, step: int, tokens: int, rows: int
-    ) -> tuple[TokenPlan, torch.Tensor] | None:
-        return None
-
-    def keep(self, index: int, step: int, output: torch.Tensor) -> None:
-        size, edited = _level(self._levels, output.shape[1])
-        covered = ~edited
-        self.record.coverage[size] = covered
-        rows = covered.nonzero().flatten().to(output.device)
-        self.record.outputs[(step, index)] = output.index_select(1, rows).to("cpu", self.dtype)
+# -- attention over groups of rows ---------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class RowPart:
-    """One request's share of a batched UNet call: its rows (in joining order), its blocks
-    (None: every block in full, nothing kept) and the index of the step it is at."""
-
-    rows: int
-    blocks: RowBlocks | None
-    step: int
-
-
-@contextlib.contextmanager
-def batched_blocks(blocks: Sequence[torch.nn.Module], parts: Sequence[RowPart]) -> Iterator[None]:
-    """Patch every transformer block for one batched UNet call whose rows are ``parts``, in
-    order. A block that no request replays runs its own forward on the whole batch (a
-    recording keeps its rows of the output); a block that some request replays runs once for
-    all rows on packed tokens (:func:`packed_block_forward`): each replaying request computes
-    its region's tokens only, each other request all its tokens, with no padding, so a step
-    costs the sum of its edits' work, as the cost model prices it. Everything outside the
-    blocks (convolutions, ResNets, the time embedding) runs on the whole batch. Restored on
-    exit, exceptions included."""
-    rows = _PartRows(parts)
-    forwards = [_batched_forward(index, block, parts, rows) for index, block in enumerate(blocks)]
-    with patched_forwards(blocks, forwards):
-        yield
-
-
-@dataclass(frozen=True)
-class _Group:
+class RowGroup:
     """Batch rows that compute the same number of tokens: one attention call between them.
     Their tokens are ``count`` consecutive packed tokens a row, from ``start``."""
 
@@ -716,154 +653,12 @@ class _Group:
     start: int
 
 
-@dataclass(frozen=True)
-class _Packing:
-    """Where each row's computed tokens sit among the packed tokens of one block call."""
-
-    index: torch.Tensor  # long: flat (row · tokens + token) index of every packed token
-    groups: tuple[_Group, ...]
-
-
-class _PartRows:
-    """Per UNet call, the batch's row offsets and the packings its blocks ask for: made once
-    per set of plans (the blocks of one call share a few), as index tensors on the step's
-    device (on a GPU each new one is a copy to the device)."""
-
-    def __init__(self, parts: Sequence[RowPart]) -> None:
-        self.starts = [0]
-        for part in parts:
-            self.starts.append(self.starts[-1] + part.rows)
-        self._made: dict[tuple[Any, ...], _Packing] = {}
-
-    def packing(self, plans: Sequence[TokenPlan | None], tokens: int, device: Any) -> _Packing:
-        """The packing for the parts' ``plans`` (None: the part computes every token)."""
-        key = (tokens, tuple(id(plan) for plan in plans), device)
-        found = self._made.get(key)
-        if found is None:
-            found = self._made[key] = self._pack(plans, tokens, device)
-        return found
-
-    def _pack(self, plans: Sequence[TokenPlan | None], tokens: int, device: Any) -> _Packing:
-        every = torch.arange(tokens, device=device)
-        by_count: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for k, plan in enumerate(plans):
-            computed = every if plan is None else plan.computed.to(device)
-            for row in range(self.starts[k], self.starts[k + 1]):
-                by_count.setdefault(int(computed.numel()), []).append((row, computed))
-        pieces: list[torch.Tensor] = []
-        groups = []
-        start = 0
-        for count, members in by_count.items():
-            rows = [row for row, _ in members]
-            groups.append(_Group(torch.tensor(rows, dtype=torch.long, device=device), count, start))
-            pieces.extend(row * tokens + computed for row, computed in members)
-            start += count * len(rows)
-        return _Packing(torch.cat(pieces), tuple(groups))
-
-
-def _batched_forward(
-    index: int, block: Any, parts: Sequence[RowPart], part_rows: _PartRows
-) -> Callable[..., torch.Tensor]:
-    own = own_forward(block)
-    starts = part_rows.starts
-
-    def forward(
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None,
-        encoder_attention_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        tokens = hidden_states.shape[1]
-        found = [
-            None if part.blocks is None else part.blocks.replay(index, part.step, tokens, part.rows)
-            for part in parts
-        ]
-        full = [k for k, replay in enumerate(found) if replay is None]
-        if len(full) == len(parts):
-            output: torch.Tensor = own(
-                hidden_states,
-                encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask,
-            )
-        else:
-            plans = [None if replay is None else replay[0] for replay in found]
-            packing = part_rows.packing(plans, tokens, hidden_states.device)
-            output = packed_block_forward(
-                block, hidden_states, packing, encoder_hidden_states, encoder_attention_mask
-            )
-            for k, replay in enumerate(found):  # the replayed tokens' recorded rows
-                if replay is not None:
-                    _fill_cached(output[starts[k] : starts[k + 1]], *replay)
-        _keep(parts, starts, full, index, output)
-        return output
-
-    return block_forward(forward)
-
-
-def _keep(
-    parts: Sequence[RowPart],
-    starts: Sequence[int],
-    full: Sequence[int],
-    index: int,
-    output: torch.Tensor,
-) -> None:
-    """Each fully computed part with blocks of its own keeps what it wants of its rows."""
-    for k in full:
-        part = parts[k]
-        if part.blocks is not None:
-            part.blocks.keep(index, part.step, output[starts[k] : starts[k + 1]])
-
-
-def packed_block_forward(
-    block: Any,
-    hidden_states: torch.Tensor,
-    packing: _Packing,
-    encoder_hidden_states: torch.Tensor | None = None,
-    encoder_attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One ``BasicTransformerBlock`` (checked by :func:`check_block`) for a batch whose rows
-    compute different tokens: ``packing`` lists every row's computed tokens (all of them for a
-    row computed in full). Self-attention's keys and values are projected from every token of
-    every row; queries, both attentions' output projections, the norms, the feed-forward and
-    the residuals run once on the computed tokens of all rows packed together (no padding);
-    each attention runs per group of rows with as many computed tokens (queries against the
-    row's own keys or its own prompt). Returns batch × tokens × channels with the computed
-    tokens written; the others are left for the caller to fill from the records."""
-    x = hidden_states
-    batch, tokens, channels = x.shape
-    flat = x.reshape(batch * tokens, channels)
-    x_packed = flat.index_select(0, packing.index)
-    attn = block.attn1
-    normed = block.norm1(x)
-    query_in = normed.reshape(batch * tokens, channels).index_select(0, packing.index)
-    key, value = attn.to_k(normed), attn.to_v(normed)
-    h = _grouped_attend(attn, query_in, key, value, packing.groups) + x_packed
-    if block.attn2 is not None:
-        if encoder_hidden_states is None:  # the UNets served always give the prompt
-            raise UnsupportedBlockError(
-                "masked transformer block: cross-attention without encoder hidden states"
-            )
-        cross_attn = block.attn2
-        cross = _grouped_attend(
-            cross_attn,
-            block.norm2(h),
-            cross_attn.to_k(encoder_hidden_states),
-            cross_attn.to_v(encoder_hidden_states),
-            packing.groups,
-            encoder_attention_mask,
-        )
-        h = cross + h
-    h = block.ff(block.norm3(h)) + h
-    output = x.new_empty(batch, tokens, channels)  # contiguous, whatever x's strides
-    output.view(batch * tokens, channels).index_copy_(0, packing.index, h)
-    return output
-
-
-def _grouped_attend(
+def grouped_attend(
     attn: Any,
     query_in: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    groups: Sequence[_Group],
+    groups: Sequence[RowGroup],
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``attn`` with the operations of diffusers' ``AttnProcessor2_0`` (so all tokens computed
@@ -891,7 +686,7 @@ def _grouped_attend(
     return projected
 
 
-def _group_rows(tensor: torch.Tensor, group: _Group) -> torch.Tensor:
+def _group_rows(tensor: torch.Tensor, group: RowGroup) -> torch.Tensor:
     """The group's rows of ``tensor`` (itself when the group is every row, in order)."""
     if int(group.rows.numel()) == tensor.shape[0]:  # rows are kept in order: no copy
         return tensor

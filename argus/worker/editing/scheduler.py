@@ -1,8 +1,9 @@
-"""Step-level continuous batching (InstGenIE §4.3; issue 33, item 1): a running batch that
-waiting requests join at step boundaries, up to a bound, and finished ones leave.
+"""Step-level continuous batching (InstGenIE §4.3): a running batch that waiting requests join
+at step boundaries, up to a bound, and finished ones leave.
 
 :class:`ContinuousBatch` is pure bookkeeping, with no clock, no model and no threads, so the
-simulator (``argus/sim/edits.py``) and, later, the worker's denoising loop drive the same code:
+simulator (``argus/sim/edits.py``) and the worker's step batcher
+(:mod:`argus.worker.editing.step_batch`) drive the same code:
 
 1. :meth:`~ContinuousBatch.submit` queues a request (first in, first out);
 2. at a step boundary :meth:`~ContinuousBatch.join` admits waiting requests while the batch has
@@ -21,8 +22,7 @@ last request finishes. A bound of 1 serves one request at a time in arrival orde
 Incompatible requests wait until the batch drains (none of a different group joins a running
 batch), and a waiting request that does not fit yet keeps its place: admission is strictly
 first come, first served within a group, and a request of another group at the head does not
-block those behind it. It lives with the
-profiles (below the services, ``tests/test_layers.py``) so the worker can import it.
+block those behind it.
 """
 
 from __future__ import annotations

@@ -1,64 +1,41 @@
 """Step-level continuous batching over one :class:`~argus.worker.models.pipelines.DiffusionModel`
-(InstGenIE §4.3; issue 33, item 1).
+(InstGenIE §4.3).
 
 :class:`StepBatcher` runs the denoising loop of several requests at once, one step at a time.
-Every request (a :class:`~argus.worker.models.pipelines.GenerationSpec`: a generation, an img2img
-edit or an inpainting edit; any prompt, template, mask ratio, start step and step count) keeps
-its own scheduler instance, latents, conditioning and step index, exactly as
-:meth:`DiffusionModel.denoise` keeps them for one request. One call of :meth:`StepBatcher.step`
-is one step boundary followed by one step:
+Every request (a generation, an img2img edit or an inpainting edit; any prompt, template, mask
+ratio, start step and step count) keeps its own scheduler instance, latents, conditioning and
+step index, exactly as :meth:`DiffusionModel.denoise` keeps them for one request. One call of
+:meth:`StepBatcher.step` is one step boundary followed by one step:
 
-1. **boundary**: requests whose :class:`~argus.worker.models.pipelines.CancelToken` says stop (a
-   cancel, an expired deadline) leave, running or waiting, and their futures fail with
-   :class:`~argus.worker.models.pipelines.Cancelled`; then waiting requests are admitted while the
-   batch has room (``bound``) and they are compatible with it. Admission is
-   :class:`argus.worker.editing.scheduler.ContinuousBatch`'s, the policy code the simulator
-   (``argus/sim/edits.py``) runs, so worker and simulator admit alike: first come first
-   within a group, a group being (model, height, width, guidance mode); a request of another
-   group waits until the batch drains and does not block those behind it. An admitted request
-   is prepared then (its text encoded, its scheduler set to its timesteps, its starting
-   latents made: :meth:`DiffusionModel.start_edit` for an edit, the seed's noise otherwise);
-2. **one batched UNet call** over every running request's rows (both CFG branches of each):
-   the latents (each scaled by its own scheduler), the per-sample timesteps (a tensor of
-   shape (rows,): requests sit at different steps) and the text embeddings (and SDXL's added
-   conditioning) are concatenated; guidance scales may differ, guidance *mode* (CFG or not)
-   may not;
+1. **boundary**: requests whose :class:`~argus.worker.models.pipelines.CancelToken` says stop
+   leave, running or waiting, and their futures fail with
+   :class:`~argus.worker.models.pipelines.Cancelled`; then waiting requests are admitted while
+   the batch has room (``bound``) and they are compatible with it, by
+   :class:`argus.worker.editing.scheduler.ContinuousBatch`, the policy code the simulator runs
+   too. An admitted request is prepared then (its text encoded, its scheduler set, its starting
+   latents made);
+2. **one batched UNet call** over every running request's rows (both CFG branches of each),
+   with per-sample timesteps (requests sit at different steps); guidance scales may differ,
+   guidance *mode* (CFG or not) may not. A request may bring its own transformer blocks
+   (``on_join``'s answer: the activation cache's replay or recording), which run on its rows
+   apart (:func:`~argus.worker.editing.packed_blocks.batched_blocks`), so a small mask makes
+   its share of a step cheaper;
 3. per request, in joining order: guidance over its own rows, its own ``scheduler.step``, its
    hooks (inpainting's blend first, as in ``denoise``), ``on_step``;
-4. requests that ran their last step leave; their final latents (scheduler space) resolve
-   their :class:`concurrent.futures.Future` as a :class:`BatchResult` (the future's done
-   callbacks run on the loop's thread, after the step, outside the model's lock). Decoding is
-   not the loop's job: the caller decodes, in such a callback or on another thread.
+4. requests that ran their last step leave; their final latents resolve their
+   :class:`concurrent.futures.Future` as a :class:`BatchResult` (done callbacks run on the
+   loop's thread, after the step, outside the model's lock). The caller decodes.
 
-``bound`` 1 is today's one-request-at-a-time service (in arrival order, each request alone in
-its UNet calls, bit for bit the output of ``denoise``: tested). ``static=True`` is static
-batching, the baseline InstGenIE compares with: a batch forms only when the running one has
-drained, and runs until its last request finishes.
+``bound`` 1 serves one request at a time, bit for bit the output of ``denoise`` (tested); in a
+larger batch a request's latents equal its latents alone to a tolerance, since a batched matmul
+may sum in another order. ``static=True`` is static batching, the baseline InstGenIE compares
+with: a batch forms only when the running one has drained. A step that raises fails its
+requests and the batcher goes on; so does a request whose preparation raises.
 
-**Equality with a run alone.** A request's rows in a batch go through the same operators as
-alone, but on the CPU a batched matmul or convolution may sum in another order than the same
-rows alone (the tiny SD-1.5's UNet: up to 7e-7 absolute on one call, measured, torch 1 thread),
-so a request's latents in a batch equal its latents alone to a tolerance, not bit for bit
-(``tests/test_step_batch.py``: 1e-4; measured at most 1.4e-5 on latents up to 19 after 4-6
-steps); alone in the batch (bound 1) they are bit for bit the same.
-
-**Transformer blocks per request.** A request may bring its own transformer blocks
-(``on_join``'s answer, a :class:`~argus.worker.editing.masked_blocks.RowBlocks`): the mask-aware
-activation cache's replay, which computes the request's region's tokens only, or its
-recording. The batched UNet call then runs every block on each request's rows apart
-(:func:`~argus.worker.editing.masked_blocks.batched_blocks`), neighbours without blocks of their own
-together, and everything outside the blocks on the whole batch: a small mask makes its
-request's share of a step cheaper, as InstGenIE's batches of masked edits are priced.
-
-A step that raises fails its requests (their futures get the error) and the batcher goes on;
-so does a request whose preparation raises.
-
-**Not here**: adapters (LoRA patching, ControlNet predictors: ``denoise``'s ``before_step``
-and ``predictor``; the worker serves requests with adapters alone), latent capture for the
-approximate cache, cancellation inside a step (``denoise`` checks at every block; a batch
-shares its blocks, so a cancel here is seen at the next boundary) and CUDA graphs (the batched
-UNet call runs eagerly). The worker drives a batcher from its edit lane
-(:mod:`argus.worker.editing.lane`).
+**Not here**: adapters (the worker serves requests with adapters alone), latent capture for
+the approximate cache, cancellation inside a step (a batch shares its blocks, so a cancel is
+seen at the next boundary) and CUDA graphs. The worker drives a batcher from its edit lane
+(:mod:`argus.worker.editing.lane`); the measured tolerances are in ``docs/worker-internals.md``.
 """
 
 from __future__ import annotations
@@ -74,12 +51,8 @@ from typing import Any
 
 import torch
 
-from argus.worker.editing.masked_blocks import (
-    RowBlocks,
-    RowPart,
-    batched_blocks,
-    transformer_blocks,
-)
+from argus.worker.editing.masked_blocks import transformer_blocks
+from argus.worker.editing.packed_blocks import RowBlocks, RowPart, batched_blocks
 from argus.worker.editing.scheduler import BatchEntry, ContinuousBatch
 from argus.worker.models.pipelines import (
     NEVER_CANCELLED,
@@ -221,7 +194,7 @@ class StepBatcher:
         ``on_join`` is called on the loop's thread when the request joins, under the model's
         lock, before its preparation; what it returns runs the request's transformer blocks
         on its own rows (the mask-aware activation cache's replay or recording:
-        :func:`~argus.worker.editing.masked_blocks.batched_blocks`; None: the blocks in full).
+        :func:`~argus.worker.editing.packed_blocks.batched_blocks`; None: the blocks in full).
         ``on_done`` is the future's done callback, added before the request can run, so it
         always runs on the loop's thread (after the step the request finished in)."""
         if key is None:
@@ -431,7 +404,7 @@ class StepBatcher:
 
     def _rows(self, running: list[_Request], inputs: list[torch.Tensor]) -> Any:
         """The batched UNet call's block patch when a running request brings its own blocks
-        (:func:`~argus.worker.editing.masked_blocks.batched_blocks`); else nothing."""
+        (:func:`~argus.worker.editing.packed_blocks.batched_blocks`); else nothing."""
         if all(r.rows is None for r in running):
             return contextlib.nullcontext()
         parts = [RowPart(x.shape[0], r.rows, r.step) for r, x in zip(running, inputs, strict=True)]

@@ -1,10 +1,10 @@
 """The UNet step replayed from CUDA graphs: the launch cost of eager PyTorch taken off the host.
 
-On the H200 this project measured (``docs/gpu.md``), one guided SDXL step at 1024 px took
-58-117 ms run eagerly and 41.9 ms replayed from a CUDA graph: the GPU waited for the Python
-process to launch its kernels. :class:`GraphedUNet` captures the UNet's forward once per input
-shape (latent size, CFG rows, text length, dtype) and replays it afterwards: each step copies
-its inputs into the graph's static tensors, replays, and hands back a copy of the output.
+Run eagerly, a UNet step can leave the GPU waiting for the Python process to launch its kernels
+(``docs/gpu.md`` measures a guided SDXL step at 1024 px both ways on an H200).
+:class:`GraphedUNet` captures the UNet's forward once per input shape (latent size, CFG rows,
+text length, dtype) and replays it afterwards: each step copies its inputs into the graph's
+static tensors, replays, and hands back a copy of the output.
 
 What a graph cannot do, and what the worker does about it:
 

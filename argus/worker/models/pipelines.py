@@ -2,8 +2,8 @@
 
 :class:`DiffusionModel` wraps a diffusers ``StableDiffusionPipeline`` or
 ``StableDiffusionXLPipeline`` (real weights or tiny random ones) and runs the denoising loop
-itself rather than through ``pipeline.__call__``, because the worker needs three things the
-stock call does not give:
+itself rather than through ``pipeline.__call__``, because the worker needs what the stock call
+does not give:
 
 * **resume at step K** (approximate caching): start from a cached latent with the scheduler
   positioned at step K and run only the remaining N−K steps. The stock call always scales
@@ -17,33 +17,27 @@ stock call does not give:
   starts from the seed's noise and, after every step, puts back the template's latent noised
   to the next step outside the region (:class:`EditStart`);
 * **cancellation** inside steps and decodes: a :class:`CancelToken` whose client went away
-  or whose deadline passed stops the run with :class:`Cancelled` at its next *checkpoint*.
-  The loop checks it before every step; and every attention and ResNet block of the UNet and
-  of the VAE's decoder checks it before it runs (a forward pre-hook installed once per model),
-  so a request stops within one block's time, not one step's: one step of a 2048×2048 image on
-  the tiny models is 8 s on two CPU cores, six self-attentions over 128×128 latents of about
-  1 s each (measured). The checkpoints cover every path that runs this model's UNet: the
-  default predictor, ControlNet's split UNet and rank 0's branch of latent parallelism (the
-  ControlNet service's and the peer's halves of a step are theirs to finish).
+  or whose deadline passed stops the run with :class:`Cancelled` at its next *checkpoint*:
+  before every step, and before every attention and ResNet block of the UNet and of the VAE's
+  decoder (a forward pre-hook installed once per model), so a request stops within one block's
+  time, not one step's (a large image's step takes seconds on a CPU). The checkpoints cover
+  every path that runs this model's UNet: the default predictor, ControlNet's split UNet and
+  rank 0's branch of latent parallelism (the ControlNet service's and the peer's halves of a
+  step are theirs to finish).
 
-Decoding (:meth:`DiffusionModel.decode`) an image larger than the VAE's own tile (its
-``tile_latent_min_size``, at least :data:`MIN_DECODE_TILE` latent pixels) runs diffusers'
-tiled decode (overlapping tiles, blended) with the token checked before each tile: whole,
-the VAE decoder's mid-block attention over every latent pixel is one uninterruptible call (4 s
-of the tiny models' 6.9 s decode at 2048×2048, measured), while 36 tiles of 64 latent pixels
-decode the same image in 2.3 s, about 65 ms a tile. Images up to the tile are decoded whole,
-as diffusers does (real SD and SDXL VAEs tile only above 512 and 1024 pixels).
-
-Everything else is the pipeline's own: ``encode_prompt``, SDXL's time ids, the scheduler
-(a fresh instance per request, built from the pipeline's scheduler config, so requests never
-share scheduler state), the VAE's scaling and the image post-processor. A full run
-(``start_step=0``) matches ``pipeline(..., output_type="latent")`` for the same seed; this is
-tested.
+Decoding (:meth:`DiffusionModel.decode`) an image larger than the VAE's own tile (at least
+:data:`MIN_DECODE_TILE` latent pixels) runs diffusers' tiled decode with the token checked
+before each tile, since a whole decode's mid-block attention is one uninterruptible call.
+Everything else is the pipeline's own: ``encode_prompt``, SDXL's time ids, the scheduler (a
+fresh instance per request, so requests never share scheduler state), the VAE's scaling and
+the image post-processor. A full run (``start_step=0``) matches
+``pipeline(..., output_type="latent")`` for the same seed; this is tested.
 
 "Latents after K steps" are the scheduler's own sample after it has stepped K times, i.e. the
 input of step K. Resuming from them with the same scheduler reproduces the rest of the
 original trajectory exactly for first-order schedulers (Euler, DDIM). A multistep scheduler
-(DPM++) restarts its history at K, so its resumed run is close but not identical.
+(DPM++) restarts its history at K, so its resumed run is close but not identical. The figures
+behind the checkpoints and the tiles are in ``docs/worker-internals.md``.
 """
 
 from __future__ import annotations

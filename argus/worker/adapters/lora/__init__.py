@@ -49,7 +49,7 @@ from argus.worker.adapters.lora.session import (
     PendingLora,
     requests_from_adapters,
 )
-from argus.worker.adapters.lora.synthetic import write_tiny_lora, write_unfit_lora
+from argus.worker.adapters.lora.synthetic import write_tiny_lora
 
 __all__ = [
     "BoundProfile",
@@ -79,5 +79,4 @@ __all__ = [
     "profile_bound",
     "requests_from_adapters",
     "write_tiny_lora",
-    "write_unfit_lora",
 ]

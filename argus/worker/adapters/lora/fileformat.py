@@ -30,10 +30,12 @@ dtypes other than F16/BF16/F32/F64, and any header or offset the safetensors for
 allow. Whether the modules and shapes fit a given UNet is checked later, against that UNet
 (:func:`argus.worker.adapters.lora.patch.check_fits`).
 
-:func:`read_shared` runs inside a loader process: it parses and checks the header, then reads
-the file's whole data section with one ``readinto`` straight into a buffer in shared memory
-(torch's shared storage, as ``share_memory_()`` makes), which the parent process receives
-without a copy. Tensors are views into that buffer (:func:`tensor_view`).
+:func:`read_file` runs inside a loader process (``share=True``): it parses and checks the
+header, then reads the file's whole data section with one ``readinto`` straight into a buffer
+in shared memory (torch's shared storage, as ``share_memory_()`` makes), which the parent
+process receives without a copy, as a :class:`SharedRead`. With ``share=False`` it reads into
+ordinary memory, in the calling process. Tensors are views into that buffer
+(:func:`tensor_view`).
 """
 
 from __future__ import annotations

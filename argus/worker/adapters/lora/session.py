@@ -5,8 +5,8 @@ effect of a LoRA on the first steps (the "semantics-planning" stage) is negligib
 starts without them. A bound ``K`` caps the overlap: in the worst case, if a LoRA is still
 loading when step ``K`` is about to run (the ``(K+1)``-th step), the run waits for it. So at
 most the steps ``0 … K−1`` run without a LoRA, and every step from ``K`` on runs with all of
-them. ``K`` comes from profiling (:mod:`argus.worker.adapters.lora.bound`); ``K = 0`` is synchronous
-loading.
+them. ``K`` comes from profiling (:mod:`argus.worker.adapters.lora.bound`); ``K = 0`` is
+synchronous loading.
 
 A :class:`LoraSession` plugs into :meth:`DiffusionModel.denoise
 <argus.worker.models.pipelines.DiffusionModel.denoise>`::

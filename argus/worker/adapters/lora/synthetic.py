@@ -1,4 +1,4 @@
-"""Seeded random LoRA files that fit (or deliberately do not fit) a model's UNet.
+"""Seeded random LoRA files that fit a model's UNet.
 
 Nothing is downloaded, so tests, demos, ``argus profile-lora`` on tiny models and the LoRA
 benchmark need LoRA files made on the spot. :func:`write_tiny_lora` writes one in the exact
@@ -122,32 +122,3 @@ def write_tiny_lora(
     out = Path(path)
     save_file(tensors, str(out), metadata=metadata)
     return out
-
-
-def write_unfit_lora(
-    target: Any, path: str | Path, *, problem: str = "shape", rank: int = 4, seed: int = 0
-) -> tuple[Path, str]:
-    """Write a LoRA that does not fit ``target``'s UNet; returns the path and the bad key.
-
-    ``problem`` "shape": the first module's ``lora_A`` takes one input too many; "key": an
-    extra module path that the UNet does not have.
-    """
-    from safetensors.torch import save_file
-
-    tensors = tiny_lora_tensors(target, rank=rank, seed=seed)
-    first = min(k for k in tensors if k.endswith(".lora_A.weight"))
-    if problem == "shape":
-        down = tensors[first]
-        tensors[first] = torch.zeros((down.shape[0], down.shape[1] + 1, *down.shape[2:]))
-        bad = first
-    elif problem == "key":
-        bad = "unet.down_blocks.0.no_such_module.to_q.lora_A.weight"
-        tensors[bad] = tensors[first].clone()
-        tensors[bad.replace("lora_A", "lora_B")] = tensors[
-            first.replace("lora_A", "lora_B")
-        ].clone()
-    else:
-        raise ValueError(f"problem {problem!r}: expected 'shape' or 'key'")
-    out = Path(path)
-    save_file(tensors, str(out), metadata={"format": "pt"})
-    return out, bad
