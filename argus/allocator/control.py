@@ -57,7 +57,7 @@ from argus.allocator.allocator import Allocator
 from argus.allocator.config import ControlConfig, StrategyChoice
 from argus.allocator.measured import MeasuredSpeeds
 from argus.allocator.membership import Change, Membership, NotOwnerError
-from argus.allocator.solver import SolverFactory
+from argus.allocator.paper_eq1 import SolverFactory
 from argus.allocator.strategy import StrategyMonitor
 from argus.contracts.plans import PlannedWorker, PublishedPlan, ReplanReason
 from argus.contracts.routers import RouterAnswer, RouterReport
