@@ -210,9 +210,10 @@ def test_default_gap_stays_within_tolerance_of_the_exact_optimum(switching):
 
 
 def _named_one_at_a_time(problem: Any, counts: Any) -> dict[str, str]:
-    """The naming :func:`argus.allocator.allocation_problem.assign_workers` must match: each worker in
-    id order takes the first level it fits with a slot of its class left (its own level,
-    then its model's levels, then any level), spares the best level of the model they hold."""
+    """The naming :func:`argus.allocator.allocation_problem.assign_workers` must match: each
+    worker in id order takes the first level it fits with a slot of its class left (its own
+    level, then its model's levels, then any level), spares the best level of the model they
+    hold."""
     slots = dict(counts.workers)
     levels = problem.levels
     assignment: dict[str, str] = {}

@@ -252,7 +252,8 @@ def _workload(args: argparse.Namespace) -> Any:
     EVAL prompts in seed ``args.seed``'s order (``--prompts`` does not apply)."""
     import numpy as np
 
-    from argus.sim.workloads import Workload, workload_by_name
+    from argus.sim.named_workloads import workload_by_name
+    from argus.sim.workloads import Workload
 
     if args.quality == "genai-bench" and args.prompts is not None:
         raise CLIError("--prompts: the genai-bench world serves GenAI-Bench's own EVAL prompts")
@@ -304,8 +305,9 @@ def _refuse(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
 def run_live(args: argparse.Namespace) -> int:
     """``argus replay --live``: the workload through a running router, the simulator's reports."""
     from argus.profiles import ProfileError, load_profiles
+    from argus.sim.named_workloads import workload_by_name
     from argus.sim.report import format_table, is_synthetic, write_reports
-    from argus.sim.workloads import WorkloadError, workload_by_name
+    from argus.sim.workloads import WorkloadError
     from argus.tools.live import (
         NOT_SENT,
         LiveConfig,

@@ -53,6 +53,7 @@ from argus.profiles.quality_worlds import (
     world_quality_tables,
 )
 from argus.prompt_split import PromptSet, select
+from argus.sim.named_workloads import workload_by_name
 from argus.sim.offered_load import (
     EvaluationError,
     cluster_capacity_qpm,
@@ -60,7 +61,7 @@ from argus.sim.offered_load import (
     rescale_to_load,
 )
 from argus.sim.report import Summary, summarise
-from argus.sim.workloads import Workload, workload_by_name
+from argus.sim.workloads import Workload
 from argus.traces import PromptRecord
 from argus.types import ProfileSet, Strategy
 
@@ -201,13 +202,13 @@ def eval_prompts(
     """The evaluation-set prompts of the prompt file (PartiPrompts when None), or of
     GenAI-Bench in the genai-bench world; each seed permutes them, so their order here does
     not matter."""
-    from argus.sim.workloads import _default_prompts, load_prompt_file
+    from argus.sim.workloads import default_prompts, load_prompt_file
 
     if parse_world(quality) is QualityWorld.GENAI_BENCH:
         from argus.profiles.quality_worlds import genai_eval_records
 
         return genai_eval_records()
-    records = _default_prompts() if prompts_path is None else load_prompt_file(prompts_path)
+    records = default_prompts() if prompts_path is None else load_prompt_file(prompts_path)
     chosen = select(records, PromptSet.EVAL)
     if not chosen:
         where = prompts_path or "PartiPrompts"
@@ -333,13 +334,13 @@ def _uniform_calibrated(spec: str, classifier: Any, profiles: ProfileSet | None)
     need nothing."""
     from argus.profiles import default_profiles
     from argus.sim.classifiers import TrainedClassifier
-    from argus.sim.workloads import _default_prompts
+    from argus.sim.workloads import default_prompts
 
     if not isinstance(classifier, TrainedClassifier):
         return classifier
     key = f"{spec}@uniform"
     if key not in _CLASSIFIERS:
-        calibration = select(_default_prompts(), PromptSet.CALIBRATION)
+        calibration = select(default_prompts(), PromptSet.CALIBRATION)
         tables = world_quality_tables(
             QualityWorld.UNIFORM,
             profiles or default_profiles(),
