@@ -14,13 +14,13 @@ from prometheus_client import CollectorRegistry
 
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult, Progress, Stage
+from argus.contracts.progress import ProgressSink
 from argus.contracts.router_api import RouterRequest
 from argus.contracts.workers import WorkerReport
 from argus.router.app import PrometheusStats
 from argus.router.config import RouterServiceConfig
 from argus.router.core import (
     CallCancel,
-    ProgressSink,
     RouterCore,
     WorkerError,
 )

@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from argus.cli.evaluate import AC_ONLY, add_quality_argument
+from argus import defaults
 from argus.cli.main import CLIError
+from argus.cli.options import add_quality_argument, describe_gpus, parse_gpus
 from argus.plumbing.quoting import quoted
 
-DEFAULT_POLICIES = "argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana"
+DEFAULT_POLICIES = ",".join(defaults.EVALUATION_POLICIES)
 SIM_DEFAULTS: dict[str, Any] = {
     "policies": DEFAULT_POLICIES,
     "gpus": "8",
@@ -160,7 +161,7 @@ class ReplayCommand:
                 setattr(args, name, value)
                 if name == "policies" and args.quality == "genai-bench":
                     args.policies = ",".join(
-                        p for p in value.split(",") if p.strip() not in AC_ONLY
+                        p for p in value.split(",") if p.strip() not in defaults.AC_ONLY_POLICIES
                     )
         return self._simulate(args)
 
@@ -181,7 +182,7 @@ class ReplayCommand:
             names = [name.strip() for name in args.policies.split(",") if name.strip()]
             if not names:
                 raise CLIError("--policies: no policy named")
-            if genai and any(name in AC_ONLY for name in names):
+            if genai and any(name in defaults.AC_ONLY_POLICIES for name in names):
                 raise CLIError(
                     "--policies: nirvana serves AC levels only, and the genai-bench world "
                     "has none (SM only)"
@@ -432,42 +433,6 @@ def parse_faults(gpu_specs: list[str], retrieval_specs: list[str]) -> tuple[Any,
         extra = math.inf if len(parts) == 2 else _number(parts[2], spec)
         faults.append(RetrievalFault(_minutes(parts[0], spec), _minutes(parts[1], spec), extra))
     return tuple(faults)
-
-
-def parse_gpus(text: str, known: tuple[str, ...] | None) -> dict[str, int]:
-    """``--gpus``: ``N`` (N GPUs of the first known class, ``a100`` when ``known`` is None)
-    or ``CLASS=N,CLASS=N`` -> {class: count}, in the given order. Classes not in ``known``
-    (when given), counts below 1 and repeated classes are CLIErrors quoting the text."""
-    spec = text.strip()
-    if spec.isdigit():
-        count = int(spec)
-        if count < 1:
-            raise CLIError(f"--gpus: must be >= 1, got {quoted(text)}")
-        return {known[0] if known else "a100": count}
-    counts: dict[str, int] = {}
-    for part in spec.split(","):
-        name, equals, number = part.partition("=")
-        name = name.strip()
-        if not equals or not name or not number.strip().isdigit():
-            raise CLIError(f"--gpus: expected N or CLASS=N[,CLASS=N...], got {quoted(text)}")
-        if name in counts:
-            raise CLIError(f"--gpus: class {quoted(name)} given twice in {quoted(text)}")
-        if known is not None and name not in known:
-            raise CLIError(
-                f"--gpus: unknown GPU class {quoted(name)}; the profiles have {', '.join(known)}"
-            )
-        counts[name] = int(number)
-        if counts[name] < 1:
-            raise CLIError(f"--gpus: class {quoted(name)} needs >= 1 GPU, got {quoted(text)}")
-    return counts
-
-
-def describe_gpus(counts: dict[str, int]) -> str:
-    """``8 GPUs`` or ``8 GPUs (a100=4, h100=4)``."""
-    total = sum(counts.values())
-    if len(counts) == 1:
-        return f"{total} GPUs"
-    return f"{total} GPUs ({', '.join(f'{c}={n}' for c, n in counts.items())})"
 
 
 def _minutes(text: str, spec: str) -> float:

@@ -97,9 +97,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from argus.contracts.generate import Adapter, AdapterKind, Progress
+from argus.contracts.progress import ProgressSink
 from argus.contracts.router_api import RouterReply, RouterRequest
 from argus.request_limits import InvalidRequestError, check_image, parse_int, parse_size
-from argus.router.core import CallCancel, ProgressSink, RouterCore
+from argus.router.core import CallCancel, RouterCore
 from argus.router.values import Refusal, RouterError
 
 log = logging.getLogger(__name__)

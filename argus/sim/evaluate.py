@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from argus import defaults
 from argus.profiles.quality_worlds import (
     QualityWorld,
     parse_world,
@@ -70,9 +71,6 @@ if TYPE_CHECKING:
     from argus.profiles.synthetic_quality import SyntheticModel
     from argus.sim.classifiers import Classifier
 
-DEFAULT_LOADS = (0.3, 0.5, 0.7, 0.9, 1.1, 1.3, 1.5)
-DEFAULT_POLICIES = ("argus", "pac", "proteus", "clipper-ha", "clipper-ht", "sommelier", "nirvana")
-AC_ONLY_POLICIES = ("nirvana",)  # cannot run in a world without AC levels (genai-bench)
 ORACLE_POLICY = "argus-oracle"  # argus with make_classifier("oracle"), run beside argus and pac
 QUALITY_SEED_BASE = 1000  # quality tables of seed s are drawn with 1000 + s
 SYNTHETIC_SHAPES = ("poisson", "gamma", "bursty", "ramp")
@@ -102,10 +100,10 @@ class LoadPoint:
 class EvaluationConfig:
     """What ``argus evaluate`` runs (one field per flag)."""
 
-    loads: tuple[LoadPoint, ...] = tuple(LoadPoint(x) for x in DEFAULT_LOADS)
+    loads: tuple[LoadPoint, ...] = tuple(LoadPoint(x) for x in defaults.EVALUATION_LOADS)
     """Offered loads, multiples of the capacity (``--loads``, or ``--target-load``)."""
 
-    policies: tuple[str, ...] = DEFAULT_POLICIES
+    policies: tuple[str, ...] = defaults.EVALUATION_POLICIES
     """Policies by :func:`~argus.sim.policies.make_policy` name (``--policies``)."""
 
     seeds: int = 5
@@ -155,7 +153,7 @@ class EvaluationConfig:
             raise EvaluationError(f"quality: {exc}") from None
         object.__setattr__(self, "quality", world.value)
         if world is QualityWorld.GENAI_BENCH:
-            ac_only = [p for p in self.policies if p in AC_ONLY_POLICIES]
+            ac_only = [p for p in self.policies if p in defaults.AC_ONLY_POLICIES]
             if ac_only:
                 raise EvaluationError(
                     f"policies: {ac_only[0]!r} serves AC levels only, and the genai-bench "

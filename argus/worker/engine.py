@@ -123,6 +123,7 @@ from argus.contracts.generate import (
     Stage,
     Timing,
 )
+from argus.contracts.progress import ProgressSink
 from argus.contracts.worker_control import WorkerStats
 from argus.plumbing.quoting import quoted
 from argus.profiles.batch_curve import BatchTable
@@ -368,9 +369,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.edit_batch < 1:
             raise ValueError(f"edit_batch: must be >= 1, got {self.edit_batch}")
-
-
-ProgressSink = Callable[[Progress], None]
 
 
 @dataclass(frozen=True)
