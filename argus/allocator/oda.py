@@ -34,7 +34,7 @@ is refilled by nobody before it is visited. For a non-decreasing convex D with `
 (hence superadditive, ``D(a + b) >= D(a) + D(b)``), replacing any nested pair by the crossed
 pair never costs more, so the greedy attains the optimum of the transport problem
 ``min sum T[i][j] * D(j - i) over j > i`` for every such D at once. D is therefore not an
-argument of ``align``; ``expected_degradation`` evaluates Eq. 2 for any D. (For a D that is not
+argument of ``align``. (For a D that is not
 convex, e.g. ``D(2) < 2 * D(1)``, the greedy, like the paper's algorithm, may not be optimal.)
 
 Ambiguities of the printed Algorithm 1 and how they are resolved
@@ -79,11 +79,11 @@ Ambiguities of the printed Algorithm 1 and how they are resolved
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from argus.types import ShiftMap
 
-__all__ = ["align", "expected_degradation"]
+__all__ = ["align"]
 
 _DUST = 1e-12  # mass (out of a normalised total of 1) treated as zero
 
@@ -107,37 +107,6 @@ def align(
     n = len(levels)
     matrix = tuple(_row(origin, [pools[d][origin] for d in range(n)], f) for origin in range(n))
     return ShiftMap(levels, matrix)
-
-
-def expected_degradation(
-    histogram: Sequence[float],
-    shift_map_or_matrix: ShiftMap | Sequence[Sequence[float]],
-    degradation: Callable[[int], float],
-) -> float:
-    """Evaluate Argus Eq. 2 for a shift map: expected quality loss per prompt.
-
-    Called by tests, benchmarks and reports to score a PASM. Returns
-    ``sum_i sum_{j > i} P[i][j] * H[i] * D(j - i)`` with H normalised to sum 1; moves to
-    slower levels cost nothing. Raises ``ValueError`` for a bad histogram or a matrix whose
-    shape does not match it.
-    """
-    matrix = (
-        shift_map_or_matrix.matrix
-        if isinstance(shift_map_or_matrix, ShiftMap)
-        else shift_map_or_matrix
-    )
-    h = _normalised("histogram", histogram, len(histogram))
-    if len(matrix) != len(h) or any(len(row) != len(h) for row in matrix):
-        raise ValueError(
-            f"shift_map_or_matrix must be {len(h)}x{len(h)} to match histogram, "
-            f"got {len(matrix)} rows of lengths {[len(row) for row in matrix]}"
-        )
-    return math.fsum(
-        float(matrix[i][j]) * h[i] * degradation(j - i)
-        for i in range(len(h))
-        for j in range(i + 1, len(h))
-        if h[i] > 0.0 and matrix[i][j] != 0.0
-    )
 
 
 def _normalised(name: str, values: Sequence[float], expected_len: int) -> list[float]:

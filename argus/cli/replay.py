@@ -2,7 +2,9 @@
 ``--live ADDRESS`` through a running cluster's router (:mod:`argus.tools.live`).
 
 Writes ``summary.json``, ``per_minute.csv`` and ``timeseries.png`` into ``--out`` and prints
-the summary table (a live replay also writes ``requests.csv``, one row per request). Bad input
+the summary table (a live replay also writes ``requests.csv``, one row per request);
+``--save-trace PATH`` also writes the simulated workload as a trace file
+(:mod:`argus.sim.trace_files`), so ``--trace PATH`` replays it again. Bad input
 (trace, prompts, policy names, fault specs, flags of the other mode, an unreachable router)
 exits with code 2 and a one-line error.
 """
@@ -36,6 +38,7 @@ SIM_ONLY = (
     "gpu_failure",
     "retrieval_fault",
     "no_admission",
+    "save_trace",
 )
 LIVE_ONLY = ("speedup", "limit", "timeout_s", "max_outstanding", "auth_token_file", "tls_ca")
 DEFAULT_SPEEDUP = 60.0
@@ -117,6 +120,15 @@ class ReplayCommand:
             ),
         )
         add_quality_argument(parser)
+        parser.add_argument(
+            "--save-trace",
+            type=Path,
+            metavar="PATH",
+            help=(
+                "also write the workload replayed (arrivals and prompts) as a trace file; "
+                "--trace PATH replays it again"
+            ),
+        )
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--out", type=Path, default=Path("replay-out"))
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -173,6 +185,7 @@ class ReplayCommand:
         from argus.sim.cluster import SimConfig, Simulation
         from argus.sim.policies import make_policy
         from argus.sim.report import format_table, is_synthetic, write_reports
+        from argus.sim.trace_files import save_workload
         from argus.sim.workloads import WorkloadError
 
         genai = args.quality == "genai-bench"
@@ -204,6 +217,8 @@ class ReplayCommand:
                 adapters=adapters,
                 admission=not args.no_admission,
             )
+            if args.save_trace is not None:
+                save_workload(workload, args.save_trace)
         except (ProfileError, WorkloadError, ValueError) as exc:
             raise CLIError(str(exc)) from None
         quality = _quality(args.quality, profiles, workload.prompts, args.seed)
