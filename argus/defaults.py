@@ -32,6 +32,27 @@ QUALITY_WORLDS = ("synthetic", "uniform", "genai-bench")
 --quality``; ``argus.profiles.quality_worlds.QualityWorld``): the SYNTHETIC model, the same
 with every prompt degrading alike, or GenAI-Bench's human ratings; the first is the default."""
 
+# -- the simulator's evaluation (argus replay, argus evaluate) -----------------------------
+
+EVALUATION_POLICIES = (
+    "argus",
+    "pac",
+    "proteus",
+    "clipper-ha",
+    "clipper-ht",
+    "sommelier",
+    "nirvana",
+)
+"""Policies ``argus replay`` and ``argus evaluate`` compare unless ``--policies`` names others
+(``argus.sim.policies.make_policy``'s names)."""
+
+EVALUATION_LOADS = (0.3, 0.5, 0.7, 0.9, 1.1, 1.3, 1.5)
+"""Mean offered loads of ``argus evaluate``'s sweep, as multiples of the cluster's capacity."""
+
+AC_ONLY_POLICIES = ("nirvana",)
+"""Policies that serve AC levels only: they cannot run in a world without AC levels
+(genai-bench), whose default policies leave them out."""
+
 # -- allocator -----------------------------------------------------------------------------
 
 PLANNING_PERIOD_S = 60.0

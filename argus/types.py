@@ -99,7 +99,7 @@ class ProfileSet:
     table: Mapping[tuple[str, str], LevelProfile]
     source: str = "<memory>"  # file or "default", for reports
     reference: ReferenceRequest = ReferenceRequest()  # what the latencies were measured on
-    # model → its parts (issue 35); a model left out, or every model when empty, loads whole
+    # model → its parts; a model left out, or every model when empty, loads whole
     parts: Mapping[str, tuple[ModelPart, ...]] = field(default_factory=dict)
 
     def levels_for(self, strategy: Strategy) -> tuple[Level, ...]:

@@ -30,7 +30,7 @@ import numpy as np
 from _machine import load_line, machine_line
 from bench_solver import cluster, synthetic_profiles
 
-from argus.allocator import joint
+from argus.allocator import highs_session
 from argus.allocator.planner import PlannerConfig, make_plan
 from argus.allocator.queueing import QueueModel
 from argus.types import ClassQuality, ClusterView, LoadForecast, Plan, Strategy, WorkerState
@@ -55,18 +55,21 @@ class _Counter:
 
     def __init__(self) -> None:
         self.solves = self.branched = 0
-        solve, branch = joint.HighsSession.relaxation, joint.HighsSession.branch_and_bound
+        solve, branch = (
+            highs_session.HighsSession.relaxation,
+            highs_session.HighsSession.branch_and_bound,
+        )
 
-        def counted_solve(highs: joint.HighsSession) -> Any:
+        def counted_solve(highs: highs_session.HighsSession) -> Any:
             self.solves += 1
             return solve(highs)
 
-        def counted_branch(highs: joint.HighsSession, *args: Any) -> Any:
+        def counted_branch(highs: highs_session.HighsSession, *args: Any) -> Any:
             self.branched += 1
             return branch(highs, *args)
 
-        joint.HighsSession.relaxation = counted_solve  # type: ignore[method-assign,assignment]
-        joint.HighsSession.branch_and_bound = counted_branch  # type: ignore[method-assign,assignment]
+        highs_session.HighsSession.relaxation = counted_solve  # type: ignore[method-assign,assignment]
+        highs_session.HighsSession.branch_and_bound = counted_branch  # type: ignore[method-assign,assignment]
 
     def reset(self) -> None:
         self.solves = self.branched = 0

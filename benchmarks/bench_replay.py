@@ -46,9 +46,10 @@ from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.sim.adapters import adapter_model_by_name
 from argus.sim.classifiers import make_classifier
 from argus.sim.cluster import SimConfig, Simulation
+from argus.sim.named_workloads import workload_by_name
 from argus.sim.offered_load import cluster_capacity_qpm, planning_profiles, rescale_to_load
 from argus.sim.policies import PLANNED, make_policy
-from argus.sim.workloads import Workload, workload_by_name
+from argus.sim.workloads import Workload
 from argus.types import Strategy
 
 T = TypeVar("T")

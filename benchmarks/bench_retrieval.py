@@ -84,9 +84,9 @@ def sample(n: int, data: str, rng: np.random.Generator, centres: np.ndarray) -> 
 def real_embeddings(prompt_files: list[Path]) -> np.ndarray:
     """The unique prompts of PartiPrompts and ``prompt_files``, embedded, in a fixed order."""
     from argus.embedding import PromptEmbedder
-    from argus.sim.workloads import _default_prompts, load_prompt_file
+    from argus.sim.workloads import default_prompts, load_prompt_file
 
-    texts = [r.prompt for r in _default_prompts()]
+    texts = [r.prompt for r in default_prompts()]
     for path in prompt_files:
         texts += [r.prompt for r in load_prompt_file(path)]
     unique = sorted(set(texts))

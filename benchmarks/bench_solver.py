@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from _machine import load_line, machine_line
 
-from argus.allocator.solver import highs_solver, solve, solve_per_worker
+from argus.allocator.paper_eq1 import highs_solver, solve, solve_per_worker
 from argus.profiles import parse_profiles
 from argus.types import Allocation, ClusterView, ProfileSet, Strategy, WorkerState
 

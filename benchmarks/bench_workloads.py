@@ -18,15 +18,9 @@ from collections.abc import Callable
 
 from _machine import load_line, machine_line
 
-from argus.sim.workloads import (
-    Workload,
-    azure_trace,
-    bursty,
-    gamma_arrivals,
-    poisson,
-    ramp,
-    workload_by_name,
-)
+from argus.sim.arrivals import azure_trace, bursty, gamma_arrivals, poisson, ramp
+from argus.sim.named_workloads import workload_by_name
+from argus.sim.workloads import Workload
 
 CASES: list[tuple[str, Callable[[int], Workload]]] = [
     ("ramp 50->600 QPM, 800 min", lambda seed: ramp(50.0, 600.0, 800.0, seed)),

@@ -1,10 +1,12 @@
-"""Builders for control-plane tests: profile sets, clusters and random solver instances."""
+"""Builders for control-plane tests: profile sets, clusters and random solver instances; and
+the value comparison of quality tables."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
 
+from argus.contracts.quality import QualityTable
 from argus.profiles import parse_profiles
 from argus.types import ClusterView, ProfileSet, Strategy, WorkerState
 
@@ -83,3 +85,16 @@ def random_instance(
 
 
 STRATEGY_SM = Strategy.SM
+
+
+def same_quality_table(table: QualityTable, other: QualityTable) -> bool:
+    """Whether two quality tables hold the same values: every field equal and the scores
+    bit-identical (tables compare by identity, ``eq=False``)."""
+    return (
+        table.strategy is other.strategy
+        and table.levels == other.levels
+        and table.prompts == other.prompts
+        and table.source == other.source
+        and table.scores.shape == other.scores.shape
+        and table.scores.tobytes() == other.scores.tobytes()
+    )

@@ -29,10 +29,10 @@ from argus.sim.adapters import (
     with_adapter_costs,
     zipf_weights,
 )
+from argus.sim.arrivals import poisson
 from argus.sim.cluster import SimConfig, Simulation
 from argus.sim.policies import make_policy
 from argus.sim.report import summarise
-from argus.sim.workloads import poisson
 from argus.types import Strategy
 from tests.package_helpers import sample_adapters
 

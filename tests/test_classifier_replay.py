@@ -16,6 +16,7 @@ from argus.cli.main import main
 from argus.profiles import default_profiles
 from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.sim import classifiers
+from argus.sim.arrivals import poisson
 from argus.sim.cluster import SimConfig, Simulation
 from argus.sim.policies import (
     NoisyOracleClassifier,
@@ -25,7 +26,6 @@ from argus.sim.policies import (
     make_policy,
 )
 from argus.sim.report import summarise
-from argus.sim.workloads import poisson
 from argus.traces import default_prompt_trace, load_prompts
 from argus.types import Strategy
 from tests.classifier_factories import make_tiny_bert

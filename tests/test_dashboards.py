@@ -52,7 +52,7 @@ import pytest
 from PIL import Image
 
 from argus.plumbing import rpc
-from argus.plumbing.internal_tls import Identity
+from argus.plumbing.internal_tls import Identity, channel
 from argus.tools.client import Connection, RequestFailed, RouterClient
 from argus.tools.local_cluster import ClusterSpec, LocalCluster, free_port
 
@@ -510,8 +510,9 @@ class Load:
             if self.lookup_misses():
                 break
         router = Identity("router", "dashboards")  # reports come from routers only
-        with self.cluster.internal_channel(self.cluster.allocator, router) as channel:
-            stub = allocator_pb2_grpc.AllocatorStub(channel)
+        tls = self.cluster.internal_tls(router)
+        with channel(self.cluster.allocator, tls) as allocator:
+            stub = allocator_pb2_grpc.AllocatorStub(allocator)
             try:  # router_id must not be empty
                 stub.ReportRouter(allocator_pb2.RouterReport(router_id=""), timeout=10)
                 self.count("bad-report OK")

@@ -297,8 +297,8 @@ def test_the_live_replay_judges_by_the_simulators_slo(factor: float) -> None:
 
 def test_the_simulator_judges_by_the_rule_on_its_slowest_class() -> None:
     from argus.profiles.synthetic_quality import synthetic_quality_table
+    from argus.sim.arrivals import poisson
     from argus.sim.cluster import SimConfig, Simulation
-    from argus.sim.workloads import poisson
 
     assert SimConfig().slo_factor == defaults.SLO_FACTOR
     profiles = h100_first()

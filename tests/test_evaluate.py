@@ -17,6 +17,7 @@ from argus.profiles import default_profiles
 from argus.profiles.synthetic_quality import SYNTHETIC_MODELS
 from argus.prompt_split import PromptSet, prompt_set
 from argus.sim.adapters import AdapterModel, draw_adapters, with_adapter_costs
+from argus.sim.arrivals import azure_trace, bursty, poisson
 from argus.sim.classifiers import OracleClassifier
 from argus.sim.evaluate import (
     EvaluationConfig,
@@ -39,7 +40,7 @@ from argus.sim.offered_load import (
     whole_counts,
 )
 from argus.sim.report import Summary
-from argus.sim.workloads import Workload, azure_trace, bursty, poisson
+from argus.sim.workloads import Workload
 from argus.types import Strategy
 
 pytestmark = pytest.mark.unit

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult
+from argus.contracts.progress import ProgressSink
 from argus.contracts.workers import WorkerReport
 from argus.plumbing import rpc
 from argus.plumbing.grpc_server import InFlightLimit, bind, check_address, new_server
@@ -32,7 +33,7 @@ from argus.router.app import (
 )
 from argus.router.config import RouterServiceConfig
 from argus.router.convert import RETRY_AFTER_KEY
-from argus.router.core import CallCancel, ProgressSink, RouterCore
+from argus.router.core import CallCancel, RouterCore
 from argus.router.metrics import RouterMetrics
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 

@@ -27,11 +27,12 @@ from prometheus_client import CollectorRegistry
 
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult
+from argus.contracts.progress import ProgressSink
 from argus.contracts.workers import WorkerReport
 from argus.router import http_app, http_server
 from argus.router.app import PrometheusStats
 from argus.router.config import RouterServiceConfig
-from argus.router.core import ProgressSink, RouterCore
+from argus.router.core import RouterCore
 from argus.router.http_app import create_app
 from argus.router.http_server import HttpServer
 from argus.router.metrics import RouterMetrics

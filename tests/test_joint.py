@@ -1,4 +1,5 @@
-"""Tests of the joint program (argus.allocator.joint): the rounding against exact answers."""
+"""Tests of the joint program (argus.allocator.joint and the modules it solves with): the
+rounding against exact answers."""
 
 from __future__ import annotations
 
@@ -9,15 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from argus.allocator.joint import (
-    HighsOptions,
-    HighsSession,
-    JointPlan,
-    JointSolver,
-    _Ceiling,
-    _Solution,
-    rounded_counts,
-)
+from argus.allocator.highs_session import HighsOptions, HighsSession, LpSolution, ValueCeiling
+from argus.allocator.joint import JointPlan, JointSolver
+from argus.allocator.rounding_search import rounded_counts
 from argus.types import ClassQuality, ClusterView, ProfileSet, Strategy, WorkerState
 from tests.factories import make_profiles
 
@@ -203,7 +198,7 @@ def test_each_solve_gets_the_reused_highs_as_good_as_new() -> None:
     program then gets the same plan, bit for bit."""
     import highspy
 
-    from argus.allocator.joint import _cleared_highs
+    from argus.allocator.highs_session import _cleared_highs
 
     instance = Instance(random.Random(60310), 3, 6)
     first = instance.solve(EXACT)
@@ -256,7 +251,7 @@ def test_rounded_counts_keep_the_relaxed_capacity(
     assert float((counts * rate).sum()) >= served - 1e-9 * max(1.0, served)
 
 
-def _valued_counts(instance: Instance, rng: random.Random) -> list[_Solution]:
+def _valued_counts(instance: Instance, rng: random.Random) -> list[LpSolution]:
     """The relaxation of ``instance``'s program and the LPs of random counts near its
     rounding, all solved on one ``HighsSession`` as a solve's are."""
     solver = instance.solver()
@@ -291,7 +286,7 @@ def test_the_planes_of_solved_lps_lie_over_the_value_of_any_counts(seed: int) ->
     rng = random.Random(81260 + seed)
     solutions = _valued_counts(Instance(rng, 2, 24), rng)
     assert len(solutions) >= 3
-    ceiling = _Ceiling()
+    ceiling = ValueCeiling()
     for solution in solutions:
         ceiling.add(solution)
     for b in solutions[1:]:
@@ -311,7 +306,7 @@ def test_local_search_skips_only_counts_that_could_not_gain(
     valued = [0]
     with_counts = HighsSession.with_counts
 
-    def counted(highs: HighsSession, counts: np.ndarray) -> _Solution | None:
+    def counted(highs: HighsSession, counts: np.ndarray) -> LpSolution | None:
         valued[0] += 1
         return with_counts(highs, counts)
 
@@ -319,7 +314,7 @@ def test_local_search_skips_only_counts_that_could_not_gain(
     instances = [Instance(random.Random(82000 + seed), 2, 12) for seed in range(80)]
     skipping = [instance.solve(NO_BRANCHING).allocation for instance in instances]
     valued_skipping, valued[0] = valued[0], 0
-    monkeypatch.setattr(_Ceiling, "over", lambda self, counts: np.inf)
+    monkeypatch.setattr(ValueCeiling, "over", lambda self, counts: np.inf)
     solving = [instance.solve(NO_BRANCHING).allocation for instance in instances]
     assert valued[0] - valued_skipping >= 10
     for ours, theirs in zip(skipping, solving, strict=True):

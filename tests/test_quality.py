@@ -26,6 +26,7 @@ from argus.profiles.synthetic_quality import (
 )
 from argus.traces import PromptRecord, default_prompt_trace, load_prompts
 from argus.types import Strategy
+from tests.factories import same_quality_table
 
 pytestmark = pytest.mark.unit
 
@@ -137,7 +138,7 @@ def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
     path = tmp_path / "q.csv"
     save_quality_table(original, path)
     loaded = load_quality_table(path)
-    assert loaded.same_as(original)
+    assert same_quality_table(loaded, original)
     assert loaded.scores.tobytes() == original.scores.tobytes()
     assert path.read_text(encoding="utf-8").splitlines()[:3] == [
         "# argus-quality-table v1",
@@ -149,7 +150,7 @@ def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
 def test_round_trip_synthetic(tmp_path: Path, parti: list[PromptRecord]) -> None:
     original = synthetic_quality_table(parti[:200], Strategy.AC, ["a", "b", "c"], seed=5)
     save_quality_table(original, tmp_path / "s.csv")
-    assert load_quality_table(tmp_path / "s.csv").same_as(original)
+    assert same_quality_table(load_quality_table(tmp_path / "s.csv"), original)
 
 
 GOOD = "# argus-quality-table v1\n# strategy: AC\n# source: hand\nprompt,k0,k5\ncat,20.5,19.25\n"
@@ -221,7 +222,7 @@ def test_synthetic_is_deterministic_and_prompt_local(parti: list[PromptRecord]) 
     first = synthetic_quality_table(parti[:300], Strategy.SM, levels, seed=1)
     again = synthetic_quality_table(parti[:300], Strategy.SM, levels, seed=1)
     other = synthetic_quality_table(parti[:300], Strategy.SM, levels, seed=2)
-    assert first.same_as(again)
+    assert same_quality_table(first, again)
     assert not np.array_equal(first.scores, other.scores)
     assert first.source.startswith("synthetic: ")
     assert "SYNTHETIC" in first.source

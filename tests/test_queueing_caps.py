@@ -23,12 +23,12 @@ from argus.allocator.queueing import (
 from argus.profiles import default_profiles
 from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.sim.adapters import AdapterModel, draw_adapters, with_adapter_costs
+from argus.sim.arrivals import poisson
 from argus.sim.cluster import SimConfig, Simulation
 from argus.sim.planned import PlannedPolicy
 from argus.sim.policies import PLANNED
 from argus.sim.report import summarise
 from argus.sim.service_times import SimServiceSpread
-from argus.sim.workloads import poisson
 from argus.types import Strategy
 
 pytestmark = pytest.mark.unit

@@ -84,6 +84,8 @@ def test_faults_on_the_command_line(capsys, tmp_path):
         (["--gpus", "a100=x"], "expected N or CLASS=N"),
         (["--gpus", "a100=2,a100=2"], "given twice"),
         (["--gpus", "a100=0"], "needs >= 1 GPU"),
+        (["--live", "127.0.0.1:1", "--save-trace", "t.csv"], "--save-trace does not apply"),
+        (["--duration", "1", "--save-trace", "/no/such/dir/t.csv"], "cannot write the trace"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, tmp_path, args, needle):
@@ -109,6 +111,28 @@ def test_bad_trace_files(capsys, tmp_path, content, needle):
     assert code == 2
     assert len(err.strip().splitlines()) == 1
     assert needle in err.lower()
+
+
+def test_a_saved_trace_replays_the_same_run(capsys, tmp_path):
+    """``--save-trace`` writes the workload replayed; ``--trace`` of that file gives every
+    policy the same results, request for request, and the same workload description."""
+    trace = tmp_path / "trace.csv"
+    common = ("--policies", "argus,clipper-ht", "--seed", "4")
+    first = tmp_path / "first"
+    code, _, err = replay(
+        capsys,
+        *("--trace", "bursty", "--duration", "3", "--scale", "0.5", *common),
+        *("--save-trace", str(trace), "--out", str(first)),
+    )
+    assert code == 0, err
+    assert trace.read_text().startswith("# name: bursty\n")
+    again = tmp_path / "again"
+    code, _, err = replay(capsys, "--trace", str(trace), *common, "--out", str(again))
+    assert code == 0, err
+    saved, replayed = (json.loads((d / "summary.json").read_text()) for d in (first, again))
+    assert replayed["policies"] == saved["policies"]
+    assert replayed["description"]["trace"] == saved["description"]["trace"]
+    assert (again / "per_minute.csv").read_text() == (first / "per_minute.csv").read_text()
 
 
 def test_gpus_per_class(capsys, tmp_path):

@@ -22,8 +22,9 @@ import pytest
 from argus.cli.main import main
 from argus.plumbing import rpc
 from argus.profiles.synthetic_quality import synthetic_quality_table
+from argus.sim.arrivals import poisson
 from argus.sim.report import summarise, write_reports
-from argus.sim.workloads import Workload, poisson
+from argus.sim.workloads import Workload
 from argus.tools.live import (
     NOT_SENT,
     LiveConfig,

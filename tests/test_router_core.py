@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult, Progress, Stage
+from argus.contracts.progress import ProgressSink
 from argus.contracts.router_api import RouterRequest
 from argus.contracts.workers import WorkerReport
 from argus.router.app import PrometheusStats
@@ -22,7 +23,6 @@ from argus.router.config import RouterServiceConfig
 from argus.router.core import (
     CallCancel,
     InFlight,
-    ProgressSink,
     RouterCore,
     WorkerError,
 )

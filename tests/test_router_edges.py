@@ -182,8 +182,8 @@ def test_a_plan_with_an_unknown_worker_class_is_refused(cluster: Cluster) -> Non
 
 def test_slo_defaults_to_the_simulators_rule() -> None:
     from argus.profiles.synthetic_quality import synthetic_quality_table
+    from argus.sim.arrivals import poisson
     from argus.sim.cluster import SimConfig, Simulation
-    from argus.sim.workloads import poisson
 
     # the faster class first, at a speed no constant guesses: a router that took another
     # class, or another factor than the simulator's, would differ from it here

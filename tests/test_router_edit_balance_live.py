@@ -20,12 +20,13 @@ from argus.allocator.config import ControlConfig
 from argus.allocator.control import AllocatorControl
 from argus.cli.main import main
 from argus.contracts.generate import GenerateCall, GenerateResult, Timing
+from argus.contracts.progress import ProgressSink
 from argus.contracts.router_api import RouterRequest
 from argus.contracts.workers import WorkerReport
 from argus.profiles.edit_cost import default_cost_model
 from argus.router.app import PrometheusStats
 from argus.router.config import RouterServiceConfig
-from argus.router.core import CallCancel, InFlight, ProgressSink, RouterCore, check_request
+from argus.router.core import CallCancel, InFlight, RouterCore, check_request
 from argus.router.edit_balance import EditJob
 from argus.router.edit_loads import EditLoads, InFlightEdit, WorkerEdits, worker_snapshot
 from argus.router.metrics import RouterMetrics

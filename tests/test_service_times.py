@@ -9,10 +9,11 @@ import pytest
 
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.generate import GenerateCall, GenerateResult, Timing
+from argus.contracts.progress import ProgressSink
 from argus.contracts.router_api import RouterRequest
 from argus.contracts.workers import WorkerReport
 from argus.router.config import RouterServiceConfig
-from argus.router.core import ProgressSink, RouterCore, WorkerError
+from argus.router.core import RouterCore, WorkerError
 from argus.router.service_times import ServiceTimeConfig, ServiceTimes
 from argus.router.values import Refusal, RouterError
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier

@@ -15,6 +15,7 @@ from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.router.admission import AdmissionRule, admit, predicted_completion_s
 from argus.router.policy import Refused
 from argus.sim.adapters import AdapterModel
+from argus.sim.arrivals import bursty, poisson
 from argus.sim.cluster import (
     Dispatch,
     GpuFailure,
@@ -32,7 +33,7 @@ from argus.sim.policies import (
     make_policy,
 )
 from argus.sim.report import format_table, per_minute, summarise, write_reports
-from argus.sim.workloads import Workload, bursty, poisson
+from argus.sim.workloads import Workload
 from argus.types import ClusterView, Strategy, WorkerState
 
 pytestmark = pytest.mark.unit

@@ -9,10 +9,10 @@ import pytest
 from argus.profiles import default_profiles
 from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.sim.adapters import adapter_model_by_name
+from argus.sim.arrivals import poisson
 from argus.sim.classifiers import NoisyOracleClassifier
 from argus.sim.cluster import GpuFailure, RetrievalFault, RunResult, SimConfig, Simulation
 from argus.sim.policies import POLICIES, make_policy
-from argus.sim.workloads import poisson
 from argus.types import Strategy
 
 pytestmark = pytest.mark.unit

@@ -4,7 +4,7 @@ from typing import Any
 import pulp
 import pytest
 
-from argus.allocator.solver import highs_solver, solve, solve_per_worker
+from argus.allocator.paper_eq1 import highs_solver, solve, solve_per_worker
 from argus.profiles import default_profiles
 from argus.types import ClusterView, Strategy, WorkerState
 from tests.factories import make_profiles, random_instance
@@ -210,9 +210,10 @@ def test_default_gap_stays_within_tolerance_of_the_exact_optimum(switching):
 
 
 def _named_one_at_a_time(problem: Any, counts: Any) -> dict[str, str]:
-    """The naming :func:`argus.allocator.ilp.assign_workers` must match: each worker in
-    id order takes the first level it fits with a slot of its class left (its own level,
-    then its model's levels, then any level), spares the best level of the model they hold."""
+    """The naming :func:`argus.allocator.allocation_problem.assign_workers` must match: each
+    worker in id order takes the first level it fits with a slot of its class left (its own
+    level, then its model's levels, then any level), spares the best level of the model they
+    hold."""
     slots = dict(counts.workers)
     levels = problem.levels
     assignment: dict[str, str] = {}
@@ -248,10 +249,10 @@ def test_workers_are_named_as_one_at_a_time_would(
     classes and models, workers at a level or at none, more or fewer slots than workers)."""
     from collections import Counter
 
-    from argus.allocator import ilp
-    from argus.allocator.ilp import Counts, Problem, assign_workers
+    from argus.allocator import allocation_problem
+    from argus.allocator.allocation_problem import Counts, Problem, assign_workers
 
-    monkeypatch.setattr(ilp, "IN_TURN_UP_TO", in_turn_up_to)
+    monkeypatch.setattr(allocation_problem, "IN_TURN_UP_TO", in_turn_up_to)
     rng = random.Random(seed)
     profiles, view, _ = random_instance(rng, max_workers=40, switching=True)
     live = view.alive()

@@ -10,13 +10,13 @@ from collections.abc import Mapping
 
 import pytest
 
-from argus.allocator.ilp import Problem, rounded_switch_cost
+from argus.allocator.allocation_problem import Problem, rounded_switch_cost
 from argus.allocator.joint import JointSolver
-from argus.allocator.solver import highs_solver, solve, solve_per_worker
+from argus.allocator.paper_eq1 import highs_solver, solve, solve_per_worker
 from argus.profiles import ProfileError, load_profiles, parse_profiles
 from argus.profiles.synthetic_quality import synthetic_quality_table
+from argus.sim.arrivals import poisson
 from argus.sim.cluster import Policy, SimConfig, Simulation
-from argus.sim.workloads import poisson
 from argus.types import ClassQuality, ClusterView, ProfileSet, Strategy, WorkerState
 
 pytestmark = pytest.mark.unit

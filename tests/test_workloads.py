@@ -9,22 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from argus.sim.workloads import (
-    AZURE_ATTRIBUTION,
-    KNOWN_WORKLOADS,
-    Workload,
-    WorkloadError,
-    azure_trace,
-    bursty,
-    gamma_arrivals,
-    load_prompt_file,
-    load_workload,
-    poisson,
-    ramp,
-    rescale,
-    save_workload,
-    workload_by_name,
-)
+from argus.sim.arrivals import azure_trace, bursty, gamma_arrivals, poisson, ramp, rescale
+from argus.sim.named_workloads import KNOWN_WORKLOADS, workload_by_name
+from argus.sim.trace_files import load_workload, save_workload
+from argus.sim.workloads import AZURE_ATTRIBUTION, Workload, WorkloadError, load_prompt_file
 from argus.traces import (
     PromptRecord,
     default_arrival_trace,

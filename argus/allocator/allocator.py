@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from argus.allocator.config import ControlConfig
+from argus.allocator.paper_eq1 import SolverFactory
 from argus.allocator.planner import make_plan
 from argus.allocator.predictor import AffinityHistogram, LoadPredictor
-from argus.allocator.solver import SolverFactory
 from argus.types import ClassQuality, ClusterView, LoadForecast, Plan, ProfileSet, Strategy
 
 

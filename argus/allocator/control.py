@@ -8,14 +8,9 @@ simulator wires it (``argus.sim.planned.PlannedPolicy``):
   the plan (the joint program over class × level, or the paper's Eq. 1 + ODA), with
   headroom from queueing against the SLO;
 * :class:`~argus.allocator.strategy.StrategyMonitor`: AC↔SM from the workers' retrieval
-  reports (§4.6). While retrieval is healthy each plan solves AC and SM and keeps the better
-  objective, the strategy in force kept unless the other beats it by a margin
-  (``strategy_choice`` ``best``, the default; ``ac-first`` plans AC alone, as the paper's
-  prototype; a switch's model loads are charged only where workers stop to load); while
-  retrieval is slow or down only SM is allowed, and the plans of the first period after
-  leaving AC are made with a 1.5× load margin (``switch_margin``; the Allocator's
-  ``load_margin``) to cover the models still loading. When the probes of a whole window
-  are healthy AC comes back;
+  reports (§4.6): while retrieval is healthy each plan may solve AC and SM and keep the
+  better; while it is slow or down only SM is allowed (``docs/control-plane-internals.md``
+  says how the choice and the switch are made);
 * :class:`~argus.allocator.membership.Membership`: who is alive.
 
 The allocator is the PASM's one owner: the shift map is part of every plan it publishes, made
@@ -57,7 +52,7 @@ from argus.allocator.allocator import Allocator
 from argus.allocator.config import ControlConfig, StrategyChoice
 from argus.allocator.measured import MeasuredSpeeds
 from argus.allocator.membership import Change, Membership, NotOwnerError
-from argus.allocator.solver import SolverFactory
+from argus.allocator.paper_eq1 import SolverFactory
 from argus.allocator.strategy import StrategyMonitor
 from argus.contracts.plans import PlannedWorker, PublishedPlan, ReplanReason
 from argus.contracts.routers import RouterAnswer, RouterReport

@@ -23,67 +23,21 @@ level; initially pool ``l`` holds ``H[l]`` of origin ``l``. Levels are visited f
 Level 0 keeps whatever remains. The final pools are the transport matrix ``T[origin][dest]``
 and the PASM row of origin ``o`` is ``T[o] / H[o]``.
 
-Why this is optimal (and why ``align`` takes no D)
---------------------------------------------------
-For every boundary between levels ``t-1`` and ``t``, any plan must move at least
-``max(0, sum(F[t:]) - sum(H[t:]))`` of mass from origins below ``t`` to levels ``t`` and above.
-The greedy moves exactly that much and never moves mass across a boundary in both directions.
-Its upward moves never nest (no ``i1 < i2 < j2 < j1`` with ``i1 -> j1`` and ``i2 -> j2``),
-because a level that pulls past a pool empties it, and an emptied pool below the current level
-is refilled by nobody before it is visited. For a non-decreasing convex D with ``D(0) = 0``
-(hence superadditive, ``D(a + b) >= D(a) + D(b)``), replacing any nested pair by the crossed
-pair never costs more, so the greedy attains the optimum of the transport problem
-``min sum T[i][j] * D(j - i) over j > i`` for every such D at once. D is therefore not an
-argument of ``align``; ``expected_degradation`` evaluates Eq. 2 for any D. (For a D that is not
-convex, e.g. ``D(2) < 2 * D(1)``, the greedy, like the paper's algorithm, may not be optimal.)
-
-Ambiguities of the printed Algorithm 1 and how they are resolved
-----------------------------------------------------------------
-1. Indexing. The paper numbers levels v_1 (slowest) ... v_n (fastest) and walks "right to
-   left"; here index 0 is the slowest, so the walk is index n-1 down to 1 (``argus.types``).
-2. Different totals. H counts classified prompts, F is QPM, so their totals differ; the
-   pseudo-code compares them bar by bar as if they had one scale. Both are normalised to sum 1.
-3. Line 4 at the slowest level would write P(v_0 | v_1), a level that does not exist. Once the
-   totals match, the slowest level can only be left with float dust; it keeps what remains.
-4. The inner ``for all m in {1, 2, ...}`` has no stop, and the enclosing ``while`` re-tests its
-   condition only after the ``for`` ends. We stop as soon as the gap is filled or level 0 has
-   been drained (m = i); an empty pool on the way simply contributes nothing.
-5. Mixed pools. After a push, a pool holds prompts of several origins. The paper records step
-   probabilities (line 4: fraction of the *current* pool pushed) and composes them with its
-   chain product, which treats the pool as well mixed: natives get pushed out in proportion.
-   We track origins instead, push the fastest origins first and natives last, and read each
-   PASM entry directly as a fraction of the origin's H, with no chain product. The Eq. 2 value
-   is the same: moves to slower levels are free whoever makes them, and the upward moves are
-   identical because a pool below the level being visited only ever holds its own natives.
-   Origin tracking keeps more prompts on their optimal level.
-6. Mixed units of P. Line 4 divides by the running H(v_i) (a step probability) whereas lines
-   11 and 14 divide by H_old (a final probability); the two kinds are never reconciled. Every
-   entry here is a fraction of the origin's original mass ``H[o]``.
-7. The diagonal P(v_i | v_i) is set only by line 14, i.e. only for levels that were pulled
-   from, and line 14's value goes stale if that level later pushes excess. Levels that pushed
-   excess or were never touched have no diagonal at all. Here it is always ``T[o][o] / H[o]``
-   (1 for an untouched level).
-8. Zero affinity. Line 11 divides by H_old(v_{i-m}), which is 0 for a level nobody has been
-   classified to yet; its row would also stay empty, yet the router still needs a distribution
-   for a prompt classified there later. Such a row sends everything to its own level when that
-   level gets load (``F[o] > 0``), otherwise to the nearest level with load, ties broken
-   towards the slower level (free, no quality loss).
-9. D. The text says D is an explicit input while the pseudo-code never reads it, and Eq. 2 and
-   the text say "closest faster level". Nearest-first is optimal for every convex D (see above),
-   so D is not an input of ``align``.
-10. Float dust. Differences below ``_DUST`` (relative to the normalised total 1) are treated as
-   equality, tiny negatives are clipped and each row is renormalised, so every row sums to 1
-   within 1e-12 and ``H @ P`` reproduces F within 1e-9.
+The greedy attains the optimum of Eq. 2 for every non-decreasing convex D with ``D(0) = 0``
+at once, so D is not an argument of ``align``; for a D that is not convex the greedy, like
+the paper's algorithm, may not be optimal. Why, and how each ambiguity of the printed
+Algorithm 1 is resolved here (indexing, totals of different scales, the slowest level,
+mixed pools, zero affinity, float dust), is in ``docs/control-plane-internals.md``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from argus.types import ShiftMap
 
-__all__ = ["align", "expected_degradation"]
+__all__ = ["align"]
 
 _DUST = 1e-12  # mass (out of a normalised total of 1) treated as zero
 
@@ -107,37 +61,6 @@ def align(
     n = len(levels)
     matrix = tuple(_row(origin, [pools[d][origin] for d in range(n)], f) for origin in range(n))
     return ShiftMap(levels, matrix)
-
-
-def expected_degradation(
-    histogram: Sequence[float],
-    shift_map_or_matrix: ShiftMap | Sequence[Sequence[float]],
-    degradation: Callable[[int], float],
-) -> float:
-    """Evaluate Argus Eq. 2 for a shift map: expected quality loss per prompt.
-
-    Called by tests, benchmarks and reports to score a PASM. Returns
-    ``sum_i sum_{j > i} P[i][j] * H[i] * D(j - i)`` with H normalised to sum 1; moves to
-    slower levels cost nothing. Raises ``ValueError`` for a bad histogram or a matrix whose
-    shape does not match it.
-    """
-    matrix = (
-        shift_map_or_matrix.matrix
-        if isinstance(shift_map_or_matrix, ShiftMap)
-        else shift_map_or_matrix
-    )
-    h = _normalised("histogram", histogram, len(histogram))
-    if len(matrix) != len(h) or any(len(row) != len(h) for row in matrix):
-        raise ValueError(
-            f"shift_map_or_matrix must be {len(h)}x{len(h)} to match histogram, "
-            f"got {len(matrix)} rows of lengths {[len(row) for row in matrix]}"
-        )
-    return math.fsum(
-        float(matrix[i][j]) * h[i] * degradation(j - i)
-        for i in range(len(h))
-        for j in range(i + 1, len(h))
-        if h[i] > 0.0 and matrix[i][j] != 0.0
-    )
 
 
 def _normalised(name: str, values: Sequence[float], expected_len: int) -> list[float]:

@@ -7,7 +7,7 @@ Two planners (:class:`PlannerMode`):
   per class on a calibration split; the PASM is y. Given level averages for Q (every class
   alike) it is Eq. 1, which is how the prompt-agnostic baselines plan.
 * ``paper``: the paper's two steps, Eq. 1 with each level's average quality
-  (:mod:`argus.allocator.solver`), then ODA (Algorithm 1) for the PASM; kept for the ablation.
+  (:mod:`argus.allocator.paper_eq1`), then ODA (Algorithm 1) for the PASM; kept for the ablation.
 
 Both plan each level's utilisation with headroom from queueing
 (:mod:`argus.allocator.queueing`) when a queue model is given: the expected wait at the
@@ -29,10 +29,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from argus import defaults
-from argus.allocator.joint import HighsOptions, JointPlan, JointSolver
+from argus.allocator.highs_session import HighsOptions
+from argus.allocator.joint import JointPlan, JointSolver
 from argus.allocator.oda import align
+from argus.allocator.paper_eq1 import SolverFactory, solve
 from argus.allocator.queueing import QueueModel
-from argus.allocator.solver import SolverFactory, solve
 from argus.types import (
     Allocation,
     ClassQuality,

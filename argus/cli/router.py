@@ -15,7 +15,7 @@ token) and prints ``argus router http on http://HOST:PORT/v1`` once bound. The r
 the quality scores workers send (``argus worker --score-sample``) for drift, in windows of
 ``--drift-window`` scores (0: off), and on drift retrains the classifier in the background and
 swaps it in (``--no-drift-retrain``: watch only); see :mod:`argus.router.drift`.
-``--edit-balancer`` places inpainting edits (issue 33, item 3): "plan" (the default) routes
+``--edit-balancer`` places inpainting edits: "plan" (the default) routes
 them as generations; "mask-aware" keeps the plan's level and sends each to the worker of that
 level where the edit cost model predicts it finishes first, preferring one that answered an edit
 of its template, and refuses at once one that would miss its deadline; ``--edit-batch`` is the

@@ -15,7 +15,9 @@ its heartbeat answer and a router reads a plan without loading the allocator's s
 * :mod:`argus.contracts.generate`: the Generate call between a router and a worker
   (:class:`GenerateCall`, :class:`GenerateResult` with its :class:`Timing` and
   :class:`QualityScore`, :class:`Progress`, :class:`Adapter` and its :class:`AdapterKind`),
-  the one definition both sides use;
+  the one definition both sides use; :mod:`argus.contracts.progress`: the callback its
+  progress reaches the caller through (:data:`ProgressSink`);
+* :mod:`argus.contracts.router_api`: the router's client API, reusing the Generate fields;
 * :mod:`argus.contracts.worker_control`: a worker's Stats and Configure calls
   (:class:`WorkerStats`, :class:`ConfigureCall`, :class:`ModelInfo`);
 * :mod:`argus.contracts.controlnet`: what a worker and the ControlNet service exchange without
@@ -23,22 +25,14 @@ its heartbeat answer and a router reads a plan without loading the allocator's s
 * :mod:`argus.contracts.allocator_client`: the allocator's API as its callers use it
   (:class:`AllocatorClient`, :class:`PlanWatcher`), typed values in and out;
 * :mod:`argus.contracts.quality`: per-prompt quality tables and the δ rule that defines a
-  prompt's optimal level, shared by the profiler, the classifier, live replay and the
-  simulator.
+  prompt's optimal level, shared by the profiler, the classifier and the simulator.
 
 **One layout for every service.** A message family's values and both halves of their
-conversion (``*_to_pb``, ``*_from_pb``) live together in one module here; a servicer (the
-allocator's, a worker's, the ControlNet service's) and a client only call them, and map errors
-to status codes. So a field is added in one module and both sides see it. Readers only raise
-:class:`~argus.contracts.wire.FieldError` (or read an unknown enum as None where the contract
-says so); the servicer maps it to INVALID_ARGUMENT. Two things stay outside, each said where
-it lives: tensors (torch) cross in the ControlNet package's codec,
-:mod:`argus.worker.adapters.controlnet.transport`, which builds its messages around
-:mod:`argus.contracts.controlnet`'s conversions, since nothing here imports torch; and a
-refusal's gRPC status and retry trailer, which only the router's gRPC side speaks
-(:mod:`argus.router.convert`). The router's client API (``RouterGenerateRequest``,
-``RouterGenerateResponse``) is :mod:`argus.contracts.router_api`, reusing the Generate
-contract's field copies.
+conversion (``*_to_pb``, ``*_from_pb``) live together in one module here; servicers and
+clients only call them, and map errors to status codes, so a field is added in one module.
+Readers only raise :class:`~argus.contracts.wire.FieldError` (or read an unknown enum as None
+where the contract says so); the servicer maps it to INVALID_ARGUMENT. Tensors (torch) and a
+refusal's gRPC status stay outside (``docs/control-plane-internals.md`` says where).
 
 The basic values these are made of (levels, profiles, :class:`~argus.types.Plan`, the PASM)
 live in :mod:`argus.types`, which imports nothing of Argus. Nothing here imports a service

@@ -62,7 +62,7 @@ class QualityTable:
 
     ``scores[i, j]`` is the (PickScore-like) score of prompt ``i`` served at level ``j``; levels
     are slowest first. The array is copied to float64 and made read-only. Tables compare by
-    identity (``eq=False``): use :meth:`same_as` for a value comparison.
+    identity (``eq=False``).
     """
 
     strategy: Strategy
@@ -143,17 +143,6 @@ class QualityTable:
         if not chosen.any():
             return math.nan
         return float(self.scores[chosen, level_index].mean())
-
-    def same_as(self, other: QualityTable) -> bool:
-        """True when every field is equal and the scores are bit-identical."""
-        return (
-            self.strategy is other.strategy
-            and self.levels == other.levels
-            and self.prompts == other.prompts
-            and self.source == other.source
-            and self.scores.shape == other.scores.shape
-            and bool(np.all(self.scores.view(np.int64) == other.scores.view(np.int64)))
-        )
 
 
 def _check_delta(delta: float) -> None:

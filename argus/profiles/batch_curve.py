@@ -1,5 +1,4 @@
-"""Measured latency-per-batch curves of masked edits, and the batch bound they give (issue 33,
-item 2).
+"""Measured latency-per-batch curves of masked edits, and the batch bound they give.
 
 ``benchmarks/bench_edit_cost.py --write-table FILE`` runs the worker's step batcher
 (:mod:`argus.worker.editing.step_batch`) on each model at each size, batches of b edits at mask
@@ -8,7 +7,7 @@ ratio m replaying their template's record (m = 1: a full step, a miss), and writ
 measured (b, m). A worker started with ``--edit-batch-table FILE`` reads it
 (:func:`load_batch_table`) and takes each model's and size's bound from it
 (:meth:`BatchTable.bound`), capped by ``--edit-batch``; a model or size the table does not
-cover keeps bound 1, today's one request at a time.
+cover keeps bound 1, one request at a time.
 
 **The bound is the knee of the throughput curve.** At the expected mask ratio (the measured
 ratio nearest at or above it) a batch of b edits steps at ``b / t(b)`` edits per second-step.
@@ -166,7 +165,7 @@ class BatchTable:
         min_gain: float = MIN_GAIN,
     ) -> int:
         """The batch bound of ``model`` at ``width`` × ``height``: its curve's knee at most
-        ``cap``; 1 where the table has no curve for it (today's one at a time)."""
+        ``cap``; 1 where the table has no curve for it (one at a time)."""
         curve = self.curve(model, width, height)
         if curve is None:
             return 1

@@ -1,5 +1,5 @@
 """The cost model of a batch of masked edits: one denoising step's seconds from the batch's size
-and the sum of its edits' effective mask ratios (InstGenIE §4.4, Fig. 11; issue 33, item 3).
+and the sum of its edits' effective mask ratios (InstGenIE §4.4, Fig. 11).
 
 With the mask-aware activation cache an edit of a template whose record the worker holds
 computes only its region's tokens inside the transformer blocks; everything outside the blocks
@@ -17,7 +17,7 @@ full and records). :func:`fit_cost_model` fits the three by least squares on mea
 
 It lives with the profiles (below the services, ``tests/test_layers.py``) because the worker's
 batching, the router's balancing and admission, and the allocator's capacity all price edits
-with the same model; the simulator uses it as they will.
+with the same model, and the simulator prices them the same way.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ from argus.classifier.serving import BatcherClosed, BatcherFull
 from argus.contracts.generate import GenerateCall as WorkerCall
 from argus.contracts.generate import GenerateResult as WorkerReply
 from argus.contracts.generate import Progress, Stage
+from argus.contracts.progress import ProgressSink
 from argus.contracts.router_api import RouterReply, RouterRequest, RouterTiming
 from argus.request_limits import (
     EditInput,
@@ -103,7 +104,6 @@ MAX_ID_CHARS = defaults.MAX_REQUEST_ID_CHARS  # a client's request id
 CALLER_ERRORS = frozenset(
     {Refusal.INVALID, Refusal.NOT_FOUND, Refusal.ANSWER_DROPPED, Refusal.CANCELLED}
 )
-ProgressSink = Callable[[Progress], None]
 DEFAULT_LIMITS = ImageLimits()
 
 

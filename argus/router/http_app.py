@@ -53,8 +53,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from argus.contracts.generate import Progress
+from argus.contracts.progress import ProgressSink
 from argus.contracts.router_api import RouterReply, RouterRequest
-from argus.router.core import CallCancel, ProgressSink, RouterCore
+from argus.router.core import CallCancel, RouterCore
 from argus.router.http_server import DECLARED_CHUNK, MAX_HEAD_BYTES
 from argus.router.openai_wire import (
     CLOSE,

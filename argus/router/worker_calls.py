@@ -23,10 +23,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from argus.contracts import generate
 from argus.contracts.generate import GenerateCall, GenerateResult
+from argus.contracts.progress import ProgressSink
 from argus.plumbing import rpc
 from argus.plumbing.grpc_server import reconnect_options
 from argus.router import convert
-from argus.router.core import CallCancel, ProgressSink, WorkerError
+from argus.router.core import CallCancel, WorkerError
 from argus.router.values import Refusal
 
 worker_pb2: Any = rpc.load("worker_pb2")

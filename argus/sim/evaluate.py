@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from argus import defaults
 from argus.profiles.quality_worlds import (
     QualityWorld,
     parse_world,
@@ -53,6 +54,7 @@ from argus.profiles.quality_worlds import (
     world_quality_tables,
 )
 from argus.prompt_split import PromptSet, select
+from argus.sim.named_workloads import workload_by_name
 from argus.sim.offered_load import (
     EvaluationError,
     cluster_capacity_qpm,
@@ -60,7 +62,7 @@ from argus.sim.offered_load import (
     rescale_to_load,
 )
 from argus.sim.report import Summary, summarise
-from argus.sim.workloads import Workload, workload_by_name
+from argus.sim.workloads import Workload
 from argus.traces import PromptRecord
 from argus.types import ProfileSet, Strategy
 
@@ -69,9 +71,6 @@ if TYPE_CHECKING:
     from argus.profiles.synthetic_quality import SyntheticModel
     from argus.sim.classifiers import Classifier
 
-DEFAULT_LOADS = (0.3, 0.5, 0.7, 0.9, 1.1, 1.3, 1.5)
-DEFAULT_POLICIES = ("argus", "pac", "proteus", "clipper-ha", "clipper-ht", "sommelier", "nirvana")
-AC_ONLY_POLICIES = ("nirvana",)  # cannot run in a world without AC levels (genai-bench)
 ORACLE_POLICY = "argus-oracle"  # argus with make_classifier("oracle"), run beside argus and pac
 QUALITY_SEED_BASE = 1000  # quality tables of seed s are drawn with 1000 + s
 SYNTHETIC_SHAPES = ("poisson", "gamma", "bursty", "ramp")
@@ -101,10 +100,10 @@ class LoadPoint:
 class EvaluationConfig:
     """What ``argus evaluate`` runs (one field per flag)."""
 
-    loads: tuple[LoadPoint, ...] = tuple(LoadPoint(x) for x in DEFAULT_LOADS)
+    loads: tuple[LoadPoint, ...] = tuple(LoadPoint(x) for x in defaults.EVALUATION_LOADS)
     """Offered loads, multiples of the capacity (``--loads``, or ``--target-load``)."""
 
-    policies: tuple[str, ...] = DEFAULT_POLICIES
+    policies: tuple[str, ...] = defaults.EVALUATION_POLICIES
     """Policies by :func:`~argus.sim.policies.make_policy` name (``--policies``)."""
 
     seeds: int = 5
@@ -154,7 +153,7 @@ class EvaluationConfig:
             raise EvaluationError(f"quality: {exc}") from None
         object.__setattr__(self, "quality", world.value)
         if world is QualityWorld.GENAI_BENCH:
-            ac_only = [p for p in self.policies if p in AC_ONLY_POLICIES]
+            ac_only = [p for p in self.policies if p in defaults.AC_ONLY_POLICIES]
             if ac_only:
                 raise EvaluationError(
                     f"policies: {ac_only[0]!r} serves AC levels only, and the genai-bench "
@@ -201,13 +200,13 @@ def eval_prompts(
     """The evaluation-set prompts of the prompt file (PartiPrompts when None), or of
     GenAI-Bench in the genai-bench world; each seed permutes them, so their order here does
     not matter."""
-    from argus.sim.workloads import _default_prompts, load_prompt_file
+    from argus.sim.workloads import default_prompts, load_prompt_file
 
     if parse_world(quality) is QualityWorld.GENAI_BENCH:
         from argus.profiles.quality_worlds import genai_eval_records
 
         return genai_eval_records()
-    records = _default_prompts() if prompts_path is None else load_prompt_file(prompts_path)
+    records = default_prompts() if prompts_path is None else load_prompt_file(prompts_path)
     chosen = select(records, PromptSet.EVAL)
     if not chosen:
         where = prompts_path or "PartiPrompts"
@@ -333,13 +332,13 @@ def _uniform_calibrated(spec: str, classifier: Any, profiles: ProfileSet | None)
     need nothing."""
     from argus.profiles import default_profiles
     from argus.sim.classifiers import TrainedClassifier
-    from argus.sim.workloads import _default_prompts
+    from argus.sim.workloads import default_prompts
 
     if not isinstance(classifier, TrainedClassifier):
         return classifier
     key = f"{spec}@uniform"
     if key not in _CLASSIFIERS:
-        calibration = select(_default_prompts(), PromptSet.CALIBRATION)
+        calibration = select(default_prompts(), PromptSet.CALIBRATION)
         tables = world_quality_tables(
             QualityWorld.UNIFORM,
             profiles or default_profiles(),

@@ -34,24 +34,9 @@ last minute, so :func:`~argus.sim.report.summarise` and :func:`~argus.sim.report
 count it as offered, not served and violated, and leave it out of effective quality. The
 counts per outcome and per status go into the report's description and ``requests.csv``.
 
-Clocks. Arrival times (``arrivals_s``, the minutes of ``per_minute.csv``, offered QPM) stay on
-the trace's clock, so a live report lines up with a simulated one minute by minute. Latency is
-wall-clock time from when the request was due to leave until its answer, never multiplied by
-``speedup``: the SLO is judged on real seconds, and ``finish_s = arrival_s + latency`` puts the
-answer on the trace's clock. With ``speedup`` > 1 the cluster sees ``speedup`` × the trace's
-rate (60 × compresses an hour into a minute and multiplies the load by 60); to replay the
-trace's load level in less time, thin it as well (``--scale 1/speedup``).
-
-Quality is looked up as the simulator does: the served level's column of the quality table of
-the served strategy, at row ``i % len(prompts)``; with ``argus replay`` the tables are the
-SYNTHETIC model's (:func:`argus.profiles.synthetic_quality.synthetic_quality_table`), not
-images scored.
-
-What the client cannot see is estimated from the answers: workers = the workers that answered;
-busy time = each answer's worker time less its queue time, scaled by ``speedup`` onto the
-trace's clock; model switches = consecutive answers of one worker from different models; plan
-changes and strategy switches = changes of ``plan_version`` and strategy between answers in
-finish order.
+Arrivals stay on the trace's clock and latency on the wall clock; quality is looked up as the
+simulator does; what the client cannot see is estimated from the answers
+(``docs/control-plane-internals.md`` says how).
 """
 
 from __future__ import annotations

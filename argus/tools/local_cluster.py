@@ -16,8 +16,8 @@ order.
 The internal plane is mutual TLS, as in a deployment: the cluster creates a CA in
 ``WORKDIR/tls/ca`` and gives each part a directory ``WORKDIR/tls/NAME`` holding ``ca.crt`` and
 its own certificate (``argus://worker/worker-0``, ...), never the CA key. The cluster's own
-calls (the plan it waits on, :meth:`LocalCluster.internal_channel`) use an ``operator``
-certificate.
+calls (the plan it waits on) use an ``operator`` certificate (:meth:`LocalCluster.internal_tls`,
+which also issues a caller the certificate of another identity).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import IO, Any
 import grpc
 
 from argus import defaults
-from argus.plumbing.internal_tls import CA_KEY, Identity, InternalTLS, channel, generate_ca, issue
+from argus.plumbing.internal_tls import CA_KEY, Identity, InternalTLS, generate_ca, issue
 
 LISTENING = re.compile(r"listening on (\S+)")
 HTTP_ON = re.compile(r"argus router http on (\S+)")  # the router's OpenAI-compatible API
@@ -173,10 +173,6 @@ class LocalCluster:
         (which may read plans and stats, nothing else)."""
         who = identity or Identity("operator", "argus-up")
         return InternalTLS.load(self.tls_dir(who), who.role)
-
-    def internal_channel(self, address: str, identity: Identity | None = None) -> grpc.Channel:
-        """A mutual-TLS channel to an internal part (the allocator, a worker, ControlNet)."""
-        return channel(address, self.internal_tls(identity))
 
     # -- start ---------------------------------------------------------------------------
 

@@ -59,6 +59,7 @@ from argus.contracts.generate import (
     GenerateResult,
     Timing,
 )
+from argus.contracts.progress import ProgressSink
 from argus.contracts.worker_control import WorkerStats
 from argus.plumbing.quoting import quoted
 from argus.profiles.batch_curve import BatchTable
@@ -97,7 +98,7 @@ from argus.worker.models.pipelines import (
     paste_unmasked,
 )
 from argus.worker.models.registry import ModelRegistry
-from argus.worker.progress import ProgressSink, Reporter
+from argus.worker.progress import Reporter
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,9 +19,8 @@ import torch
 from PIL import Image
 
 from argus.contracts.generate import Progress, Stage
+from argus.contracts.progress import ProgressSink
 from argus.worker.models.pipelines import StepHook
-
-ProgressSink = Callable[[Progress], None]
 
 
 class Reporter:

@@ -1,4 +1,4 @@
-"""The allocator's solver: how many workers run each level, and the load each level gets.
+"""The paper's Eq. 1: how many workers run each level, and the load each level gets.
 
 Implements Argus Eq. 1 (§4.2): maximise the quality-weighted load Σ_v Q_v·F(v) subject to the
 load W_t being served, each worker's load bounded by the peak throughput P_th of the level it
@@ -14,7 +14,8 @@ Two formulations reach the same optimum:
   reference the tests compare against.
 
 Both decide worker counts per (class, level); the problem they read, the counts and the
-naming of workers from counts are shared with the joint program (:mod:`argus.allocator.ilp`).
+naming of workers from counts are shared with the joint program
+(:mod:`argus.allocator.allocation_problem`).
 
 Beyond the paper:
 
@@ -41,7 +42,7 @@ from dataclasses import replace
 import pulp
 
 from argus import defaults
-from argus.allocator.ilp import (
+from argus.allocator.allocation_problem import (
     Counts,
     InfeasiblePlanError,
     Problem,

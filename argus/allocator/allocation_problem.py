@@ -1,6 +1,6 @@
 """What the allocator's two programs share: the problem, the worker counts, naming workers.
 
-Eq. 1 (:mod:`argus.allocator.solver`) and the joint program (:mod:`argus.allocator.joint`)
+Eq. 1 (:mod:`argus.allocator.paper_eq1`) and the joint program (:mod:`argus.allocator.joint`)
 solve for the same thing, how many workers of each class run each level, from the same
 inputs. Both start from a :class:`Problem` (the strategy's levels, the live workers, the load
 served, the switching cost's weight, the utilisation caps), decide :class:`Counts` per
@@ -130,7 +130,7 @@ class Counts:
 
 def rounded_switch_cost(problem: Problem, workers: Counter[tuple[str, int]]) -> float:
     """The switching cost the aggregated programs would charge for these counts (their
-    model-load terms in :mod:`argus.allocator.solver` and :mod:`argus.allocator.joint`).
+    model-load terms in :mod:`argus.allocator.paper_eq1` and :mod:`argus.allocator.joint`).
 
     Per class: each model needs ``max(0, on it − holding it)`` loads. Within a family (models
     sharing parts) a load may come from a worker leaving another member, at the family's
