@@ -15,43 +15,11 @@ costs under two workflows.
 * LoRA population and tail, §3.2: A uses 6,980 LoRAs of which 6,968 (99.8 %) each take less
   than 1 % of the invocations, so 12 take 1 % or more; B uses 7,463, 14 of them at ≥ 1 %.
 
-**The fits.** The paper gives only these aggregates, so popularity is a simple family with one
-fitted parameter, fitted to the *invocation* shares a sampler produces. This matters: a
-request never names the same adapter twice, so with two ControlNets per request the most
-popular one can take at most 1/E[count] of the invocations, and the weights that give 98 %
-are not the shares. :func:`invocation_shares` computes the shares exactly for draws without
-replacement (one, two or three per request), and the fits solve on them:
-
-* ControlNets: Zipf, weight ∝ rank^-s, over the population; s solves "top-k share = target"
-  (A: s ≈ 3.46; the top ControlNet is in 88 % of first draws and takes 57 % of invocations);
-* LoRAs: Zipf–Mandelbrot, weight ∝ (rank + 1)^-s. With one parameter the count of LoRAs at
-  ≥ 1 % is a step function of s, so s solves "the geometric mean of the shares of ranks k and
-  k + 1 is 1 %" (k = 12 for A), taking the smaller root: the long-tail regime, in which most
-  invocations go to LoRAs under 1 % (§3.2: "a significant portion"). The head offset of 1 is
-  there because plain Zipf cannot give service B's 14 LoRAs at ≥ 1 % for any s (at most 12).
-  A: s ≈ 1.07, LoRAs under 1 % take 69 % of invocations; B: s ≈ 1.20, 56 %.
-
-``python -m argus.sim.adapters`` prints the fitted parameters and the statistics of a large
-sample against the targets; the tests check the same.
-
-**Names.** ControlNet ranks 1–8 take names that both tiny catalogs of
-:mod:`argus.worker.adapters.controlnet.models` serve for SD-1.5 and SDXL (canny, depth, openpose,
-…),
-then the family-specific ones, then ``cn-<rank>``. LoRAs are ``lora-<rank>`` (a LoRA library
-directory of ``<name>.safetensors`` files serves them). Scales are 1.0 (the paper gives none;
-1.0 is diffusers' default for both kinds).
-
-**Costs** (:class:`AdapterCosts`, :func:`adapter_cost`): Katz's latency model is Eq. (1)
-for the sequential workflow (load and patch every adapter, then run the m ControlNets and the
-UNet one after another at every step) and Eq. (2) for its own (ControlNet-as-a-Service on
-dedicated GPUs in parallel with the UNet, bounded asynchronous LoRA loading (BAL) with in-place
-patching). The figures come from SDXL on H800 (base 2.9 s, §3.1); compute terms are kept as
-*fractions of the level's latency*, so they scale with the GPU and with the steps a level
-actually runs (an AC level at K runs N−K steps), while load and fetch terms are seconds. See
-:class:`AdapterCosts` for each number and where it comes from. Not modelled: latent
-parallelism (a worker here is one GPU), the GPUs of the ControlNet service (dedicated, outside
-the simulated cluster), and the quality effect of a cached AC latent made without the
-request's LoRAs (Katz Table 3 shows Nirvana-style reuse loses LoRA style).
+**The fits**, the adapters' **names** and the workflows' **costs** (Katz's Eq. 1 for the
+sequential workflow, Eq. 2 for its own; SDXL on H800) are explained in
+``docs/control-plane-internals.md`` ("Adapters in the simulator"); :class:`AdapterCosts` cites
+each number. ``python -m argus.sim.adapters`` prints the fitted parameters and the statistics
+of a large sample against the targets; the tests check the same.
 
 In the simulator (:mod:`argus.sim.cluster`) each request pays its own adapter seconds, while
 policies plan with :func:`with_adapter_costs`: the profiles as they would be measured on such

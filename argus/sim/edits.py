@@ -1,4 +1,4 @@
-"""SYNTHETIC editing workload and its serving physics on a simulated cluster (issue 33, item 4).
+"""SYNTHETIC editing workload and its serving physics on a simulated cluster.
 
 Workload (:func:`make_edit_workload`), every part SYNTHETIC:
 

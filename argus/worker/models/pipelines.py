@@ -35,9 +35,8 @@ the image post-processor. A full run (``start_step=0``) matches
 
 "Latents after K steps" are the scheduler's own sample after it has stepped K times, i.e. the
 input of step K. Resuming from them with the same scheduler reproduces the rest of the
-original trajectory exactly for first-order schedulers (Euler, DDIM). A multistep scheduler
-(DPM++) restarts its history at K, so its resumed run is close but not identical. The figures
-behind the checkpoints and the tiles are in ``docs/worker-internals.md``.
+original trajectory exactly for first-order schedulers (Euler, DDIM); a multistep scheduler
+(DPM++) restarts its history at K (close, not identical). Figures: ``docs/worker-internals.md``.
 """
 
 from __future__ import annotations
