@@ -102,6 +102,7 @@ class EvaluateCommand:
             help="queue every request instead of refusing what would miss its deadline",
         )
         add_quality_argument(parser)
+        add_cache_argument(parser)
         add_edit_arguments(parser)  # --workload edits: argus/cli/edit_evaluate.py
         parser.add_argument(
             "--caps",
@@ -149,6 +150,7 @@ class EvaluateCommand:
                 quality=args.quality,
                 caps=args.caps,
                 strategy_choice=args.strategy_choice,
+                cache=args.cache,
             )
             progress = None if args.quiet else _Progress().update
             evaluation = evaluate(config, progress)
@@ -168,7 +170,7 @@ class EvaluateCommand:
             f"{config.seeds} seeds, {config.duration_min:g} min each) in "
             f"{time.perf_counter() - started:.1f} s; capacity {evaluation.capacity_qpm:.1f} QPM "
             f"on {_describe(evaluation.gpu_counts)}; SLO {evaluation.slo_s:g} s; quality model: "
-            f"{world_label(config.quality)}; files in {args.out}/"
+            f"{world_label(config.quality)}; cache: {config.cache}; files in {args.out}/"
         )
         return 0
 
@@ -234,6 +236,20 @@ def add_quality_argument(parser: argparse.ArgumentParser) -> None:
             "every prompt degrading alike: no per-prompt signal) or genai-bench (GenAI-Bench "
             "human ratings on an SM ladder SDXL-Base > SD-2.1 > SDXL-Turbo, 1-5 scale; "
             "its own EVAL prompts and profiles)"
+        ),
+    )
+
+
+def add_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """``--cache realistic|perfect`` (``argus evaluate`` and ``argus replay``)."""
+    parser.add_argument(
+        "--cache",
+        choices=("realistic", "perfect"),
+        default="realistic",
+        help=(
+            "what an AC request finds: realistic (default; each worker's own cache of the "
+            "prompts it generated, with misses, cold start and the K its nearest prompt's "
+            "similarity allows) or perfect (every AC request a hit at its routed K)"
         ),
     )
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from argus.cli.evaluate import AC_ONLY, add_quality_argument
+from argus.cli.evaluate import AC_ONLY, add_cache_argument, add_quality_argument
 from argus.cli.main import CLIError
 from argus.plumbing.quoting import quoted
 
@@ -116,6 +116,7 @@ class ReplayCommand:
             ),
         )
         add_quality_argument(parser)
+        add_cache_argument(parser)
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--out", type=Path, default=Path("replay-out"))
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -165,7 +166,7 @@ class ReplayCommand:
         return self._simulate(args)
 
     def _simulate(self, args: argparse.Namespace) -> int:
-        from argus.profiles import ProfileError
+        from argus.profiles import ProfileError, load_cache_rules
         from argus.profiles.quality_worlds import world_profiles
         from argus.sim.adapters import adapter_model_by_name
         from argus.sim.classifiers import make_classifier
@@ -202,6 +203,8 @@ class ReplayCommand:
                 seed=args.seed,
                 adapters=adapters,
                 admission=not args.no_admission,
+                cache=args.cache,
+                cache_rules=tuple(load_cache_rules(args.profiles).items()),
             )
         except (ProfileError, WorkloadError, ValueError) as exc:
             raise CLIError(str(exc)) from None
@@ -227,6 +230,7 @@ class ReplayCommand:
         description = _description(args, workload, quality, classifier, gpu_counts)
         description["slo_s"] = f"{sim.slo_s:g}"
         description["adapters"] = "none" if adapters is None else adapters.describe()
+        description["cache"] = args.cache
         description["admission"] = (
             "on: refuse what is predicted to miss its deadline, as the router does"
             if config.admission

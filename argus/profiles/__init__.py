@@ -11,6 +11,9 @@ An optional ``models`` table gives a model's parts (``models.<model>.parts.<part
 share }``): ``id`` names the weights (two models listing one id share that part, so a worker
 holding one loads only the other's remaining parts) and ``share`` the part's fraction of the
 model's load time and memory; a model's shares sum to 1. A model without parts loads whole.
+``models.<model>.cache`` holds the approximate cache's similarity → K rule for that model
+(``floors = { 5 = 0.65, … }``, :mod:`argus.profiles.cache_evidence`), read by
+:func:`load_cache_rules`.
 
 Every error is a :class:`ProfileError` whose message starts with the path of the bad field,
 for example ``levels[3].profiles.a100.throughput_qpm: must be > 0, got -1``.
@@ -28,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from argus.profiles.cache_evidence import KRule
 from argus.types import (
     Level,
     LevelProfile,
@@ -114,7 +118,12 @@ def _model_parts(value: Any, models: set[str]) -> dict[str, tuple[ModelPart, ...
         where = f"models.{model}"
         if model not in models:
             raise ProfileError(f"{where}: {model!r} is not the model of any level")
-        raw_parts = _mapping(_mapping(raw, where).get("parts"), f"{where}.parts")
+        entry = _mapping(raw, where)
+        if "cache" in entry:
+            _cache_rule(entry["cache"], f"{where}.cache")  # checked here, read by load_cache_rules
+            if "parts" not in entry:
+                continue
+        raw_parts = _mapping(entry.get("parts"), f"{where}.parts")
         if not raw_parts:
             raise ProfileError(f"{where}.parts: must name at least one part")
         parts = []
@@ -130,6 +139,28 @@ def _model_parts(value: Any, models: set[str]) -> dict[str, tuple[ModelPart, ...
             raise ProfileError(f"{where}.parts: the shares must sum to 1, got {total:.4f}")
         out[model] = tuple(parts)
     return out
+
+
+def load_cache_rules(source: str | Path) -> dict[str, KRule]:
+    """The approximate-cache rule of each model whose profile has a ``[models.X.cache]``
+    table (:class:`~argus.profiles.cache_evidence.KRule`), from the same sources as
+    :func:`load_profiles`; a model without one uses
+    :data:`~argus.profiles.cache_evidence.DEFAULT_RULE`. Raises ProfileError."""
+    text = str(source).removesuffix(MONOLITHIC_SUFFIX)
+    path = DEFAULT_PROFILE_PATH if text == "default" else Path(text)
+    models = _mapping(_read(path), "profile").get("models") or {}
+    return {
+        str(model): _cache_rule(entry["cache"], f"models.{model}.cache")
+        for model, entry in _mapping(models, "models").items()
+        if isinstance(entry, Mapping) and "cache" in entry
+    }
+
+
+def _cache_rule(value: Any, where: str) -> KRule:
+    try:
+        return KRule.from_section(_mapping(value, where), where)
+    except ValueError as exc:
+        raise ProfileError(str(exc)) from None
 
 
 def _reference(value: Any) -> ReferenceRequest:
