@@ -224,29 +224,30 @@ def format_evaluation(evaluation: Evaluation) -> str:
 
 
 def format_cache(rows: Sequence[RunRow], cache: str) -> list[str]:
-    """Per load and policy that looked latents up: hit rate and mean similarity over all the
-    seeds' lookups together, with their counts."""
+    """Per load and policy: hit rate and mean similarity over all the seeds' lookups
+    together, with their counts (``-`` where a policy looked nothing up)."""
     totals: dict[tuple[float, float | None, str], list[float]] = {}
     for row in rows:
         s = row.summary
-        if s.cache_lookups:
-            t = totals.setdefault((row.load, row.peak, row.policy), [0.0, 0.0, 0.0, 0.0])
-            t[0] += s.cache_lookups
-            t[1] += s.hit_rate * s.cache_lookups
-            t[2] += s.similarity_n
-            t[3] += s.mean_similarity * s.similarity_n
-    if not totals:
+        t = totals.setdefault((row.load, row.peak, row.policy), [0.0, 0.0, 0.0, 0.0])
+        t[0] += s.cache_lookups
+        t[1] += s.hit_rate * s.cache_lookups
+        t[2] += s.similarity_n
+        t[3] += s.mean_similarity * s.similarity_n
+    if not any(t[0] for t in totals.values()):
         return []
     lines = [
         "",
         f"{'load':>8} {'policy':<13} {'hit rate':>9} {'of n':>8} {'similarity':>10} {'of n':>8}",
     ]
+    # sorted by load; within a load the policies stay in the order they ran
     for (load, peak, policy), (n, hits, m, total) in sorted(
         totals.items(), key=lambda item: (item[0][0], item[0][1] or 0.0)
     ):
+        rate = f"{hits / n:.1%}" if n else "-"
         similarity = f"{total / m:.3f}" if m else "-"
         lines.append(
-            f"{_load_label(load, peak):>8} {policy:<13} {hits / n:>9.1%} {n:>8,.0f} "
+            f"{_load_label(load, peak):>8} {policy:<13} {rate:>9} {n:>8,.0f} "
             f"{similarity:>10} {m:>8,.0f}"
         )
     lines.append(
