@@ -29,7 +29,7 @@ from typing import Any
 from argus import defaults
 from argus.cli.edit_evaluate import add_edit_arguments, run_edits
 from argus.cli.main import CLIError
-from argus.cli.options import add_quality_argument, describe_gpus, parse_gpus
+from argus.cli.options import add_cache_argument, add_quality_argument, describe_gpus, parse_gpus
 from argus.plumbing.quoting import quoted
 
 DEFAULT_LOADS = ",".join(f"{load:g}" for load in defaults.EVALUATION_LOADS)
@@ -102,6 +102,7 @@ class EvaluateCommand:
             help="queue every request instead of refusing what would miss its deadline",
         )
         add_quality_argument(parser)
+        add_cache_argument(parser)
         add_edit_arguments(parser)  # --workload edits: argus/cli/edit_evaluate.py
         parser.add_argument(
             "--caps",
@@ -151,6 +152,7 @@ class EvaluateCommand:
                 quality=args.quality,
                 caps=args.caps,
                 strategy_choice=args.strategy_choice,
+                cache=args.cache,
             )
             progress = None if args.quiet else _Progress().update
             evaluation = evaluate(config, progress)
@@ -170,7 +172,7 @@ class EvaluateCommand:
             f"{config.seeds} seeds, {config.duration_min:g} min each) in "
             f"{time.perf_counter() - started:.1f} s; capacity {evaluation.capacity_qpm:.1f} QPM "
             f"on {_describe(evaluation.gpu_counts)}; SLO {evaluation.slo_s:g} s; quality model: "
-            f"{world_label(config.quality)}; files in {args.out}/"
+            f"{world_label(config.quality)}; cache: {config.cache}; files in {args.out}/"
         )
         return 0
 

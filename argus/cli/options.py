@@ -64,3 +64,17 @@ def describe_gpus(counts: dict[str, int]) -> str:
     if len(counts) == 1:
         return f"{total} GPUs"
     return f"{total} GPUs ({', '.join(f'{c}={n}' for c, n in counts.items())})"
+
+
+def add_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """``--cache realistic|perfect`` (``argus evaluate`` and ``argus replay``)."""
+    parser.add_argument(
+        "--cache",
+        choices=("realistic", "perfect"),
+        default="realistic",
+        help=(
+            "what an AC request finds: realistic (default; each worker's own cache of the "
+            "prompts it generated, with misses, cold start and the K its nearest prompt's "
+            "similarity allows) or perfect (every AC request a hit at its routed K)"
+        ),
+    )

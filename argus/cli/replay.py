@@ -20,7 +20,7 @@ from typing import Any
 
 from argus import defaults
 from argus.cli.main import CLIError
-from argus.cli.options import add_quality_argument, describe_gpus, parse_gpus
+from argus.cli.options import add_cache_argument, add_quality_argument, describe_gpus, parse_gpus
 from argus.plumbing.quoting import quoted
 
 DEFAULT_POLICIES = ",".join(defaults.EVALUATION_POLICIES)
@@ -129,6 +129,7 @@ class ReplayCommand:
                 "--trace PATH replays it again"
             ),
         )
+        add_cache_argument(parser)
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--out", type=Path, default=Path("replay-out"))
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -178,7 +179,7 @@ class ReplayCommand:
         return self._simulate(args)
 
     def _simulate(self, args: argparse.Namespace) -> int:
-        from argus.profiles import ProfileError
+        from argus.profiles import ProfileError, load_cache_rules
         from argus.profiles.quality_worlds import world_profiles
         from argus.sim.adapters import adapter_model_by_name
         from argus.sim.classifiers import make_classifier
@@ -216,6 +217,8 @@ class ReplayCommand:
                 seed=args.seed,
                 adapters=adapters,
                 admission=not args.no_admission,
+                cache=args.cache,
+                cache_rules=tuple(load_cache_rules(args.profiles).items()),
             )
             if args.save_trace is not None:
                 save_workload(workload, args.save_trace)
@@ -243,6 +246,7 @@ class ReplayCommand:
         description = _description(args, workload, quality, classifier, gpu_counts)
         description["slo_s"] = f"{sim.slo_s:g}"
         description["adapters"] = "none" if adapters is None else adapters.describe()
+        description["cache"] = args.cache
         description["admission"] = (
             "on: refuse what is predicted to miss its deadline, as the router does"
             if config.admission

@@ -31,6 +31,11 @@ during an outage the request waits ``retrieval_timeout_s`` and is then generated
 K = 0 latency and quality). Policies see every retrieval latency, or the failure, so that Argus
 can switch to SM (§4.6).
 
+What an AC request finds is ``SimConfig.cache`` (:mod:`argus.sim.cluster_cache`): ``perfect``
+(the default here) makes every AC request at K > 0 a hit at its routed K; ``realistic`` gives
+each worker a bounded cache of the prompts it generated in full, and the nearest one's
+similarity decides the K used (a miss is a full generation, which then feeds the cache).
+
 Requests may carry adapters (``SimConfig.adapters``, :mod:`argus.sim.adapters`): ControlNets
 and LoRAs drawn from Katz's production statistics, once per simulation so every policy sees
 the same ones, and the seconds they add under the chosen workflow join the service time. BAL
@@ -76,6 +81,7 @@ import numpy.typing as npt
 
 from argus import defaults
 from argus.contracts.quality import QualityTable
+from argus.profiles.cache_evidence import DEFAULT_RULE, KRule, ReuseQuality
 from argus.router.admission import AdmissionRule
 from argus.router.policy import Refused, admit_on
 from argus.sim.adapters import (
@@ -86,7 +92,16 @@ from argus.sim.adapters import (
     draw_adapters,
     with_adapter_costs,
 )
+from argus.sim.cluster_cache import (
+    CACHE_MODES,
+    CacheMode,
+    CacheSetup,
+    ClusterCache,
+    Embed,
+    adapter_keys,
+)
 from argus.sim.service_times import SimServiceSpread
+from argus.sim.worker_cache import Eviction
 from argus.sim.workloads import Workload
 from argus.slo import default_slo_s
 from argus.types import ClusterView, Level, ProfileSet, Strategy, WorkerState
@@ -161,6 +176,28 @@ class SimConfig:
     simulation's own service times (jitter, and adapters when on), as a deployment would
     measure it."""
 
+    cache: str = CacheMode.PERFECT.value
+    """``perfect``: every AC request at K > 0 is a hit at its routed K (the table's quality);
+    ``realistic``: per-worker caches of prompt embeddings decide hits, misses and the K used
+    (:mod:`argus.sim.cluster_cache`). ``argus evaluate`` and ``argus replay`` default to
+    realistic; this default keeps the simulations written before caches were modelled as
+    they were."""
+
+    cache_entries: int = defaults.CACHE_MAX_ENTRIES
+    """Realistic cache: prompts each worker's cache keeps at most (the live worker's bound)."""
+
+    cache_eviction: str = Eviction.LRU.value
+    """Realistic cache: ``lru`` (the live worker's) or ``lcbfu`` (NIRVANA's)."""
+
+    cache_rules: tuple[tuple[str, KRule], ...] = ()
+    """Realistic cache: (model, its similarity → K rule) pairs, from the profile's
+    ``[models.X.cache]`` tables (:func:`argus.profiles.load_cache_rules`); a model not named
+    uses :data:`argus.profiles.cache_evidence.DEFAULT_RULE`."""
+
+    cache_warm: tuple[str, ...] = ()
+    """Realistic cache: prompts every worker holds at the start, as full generations of every
+    AC model without adapters; empty: every cache starts cold."""
+
     @classmethod
     def with_classes(cls, counts: Mapping[str, int], **fields: Any) -> SimConfig:
         """A config with ``counts[class]`` workers of each class, in the mapping's order."""
@@ -193,6 +230,14 @@ class SimConfig:
             raise ValueError(f"jitter: must be >= 0, got {self.jitter}")
         if not self.slo_factor > 0.0:
             raise ValueError(f"slo_factor: must be > 0, got {self.slo_factor}")
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"cache: must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
+        if self.cache_entries < 1:
+            raise ValueError(f"cache_entries: must be >= 1, got {self.cache_entries}")
+        if self.cache_eviction not in tuple(Eviction):
+            raise ValueError(
+                f"cache_eviction: must be one of {', '.join(Eviction)}, got {self.cache_eviction!r}"
+            )
         for fault in self.faults:
             if not 0.0 <= fault.start_s < fault.end_s:
                 raise ValueError(f"faults: window must satisfy 0 <= start < end, got {fault}")
@@ -236,6 +281,7 @@ class SimContext:
     admission_rule: AdmissionRule = field(default_factory=AdmissionRule)  # the router's
     # the simulated service times, for measured queueing caps (None: not known)
     service_spread: SimServiceSpread | None = None
+    cache: str = CacheMode.PERFECT.value  # SimConfig.cache: what an AC request finds
 
     def optimal_level(self, strategy: Strategy, request: int) -> int:
         """The oracle's level index for a request (see :mod:`argus.sim.policies`)."""
@@ -348,6 +394,16 @@ class RunResult:
     load_s: float = 0.0  # their seconds: the profile's load time of what each switch loaded
     # True for the requests that waited on a model load: queued behind one on their worker
     load_waits: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    cache: str = CacheMode.PERFECT.value  # SimConfig.cache of the run
+    # True for the admitted requests served at an AC level of K > 0's ceiling: they looked a
+    # cached latent up (in perfect mode too, where each is a hit unless retrieval was down)
+    cache_lookup: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    cache_hit: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    # the looked-up requests' nearest cached prompt's cosine similarity; NaN where there was
+    # none (a cold cache, a ControlNet, retrieval down) or no lookup; 1 for perfect-mode hits
+    similarity: FloatArray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
+    cache_inserts: int = 0  # realistic mode: entries fed to the workers' caches (warm ones too)
+    cache_evictions: int = 0  # realistic mode: entries evicted to keep the bound
 
     def __post_init__(self) -> None:
         if len(self.refused) != len(self.arrivals_s):
@@ -356,8 +412,15 @@ class RunResult:
                     f"refused: {len(self.refused)} flags for {len(self.arrivals_s)} requests"
                 )
             self.refused = np.zeros(len(self.arrivals_s), dtype=np.bool_)
-        if len(self.load_waits) != len(self.arrivals_s):
-            self.load_waits = np.zeros(len(self.arrivals_s), dtype=np.bool_)
+        n = len(self.arrivals_s)
+        if len(self.load_waits) != n:
+            self.load_waits = np.zeros(n, dtype=np.bool_)
+        if len(self.cache_lookup) != n:
+            self.cache_lookup = np.zeros(n, dtype=np.bool_)
+        if len(self.cache_hit) != n:
+            self.cache_hit = np.zeros(n, dtype=np.bool_)
+        if len(self.similarity) != n:
+            self.similarity = np.full(n, math.nan)
 
     @property
     def admitted(self) -> npt.NDArray[np.bool_]:
@@ -433,7 +496,11 @@ class Simulation:
         quality: Mapping[Strategy, QualityTable],
         workload: Workload,
         config: SimConfig | None = None,
+        *,
+        embed: Embed | None = None,
     ) -> None:
+        """``embed``: prompt texts to their vectors for the realistic cache (None: the live
+        cache's encoder, :func:`argus.sim.prompt_vectors.embed_prompts`, run once here)."""
         self.profiles = with_table_quality(profiles, quality)
         self.quality = quality
         self.workload = workload
@@ -470,6 +537,54 @@ class Simulation:
             self.plan_profiles = with_adapter_costs(self.profiles, model, self.adapter_draws)
         self.admission_rule = self.config.admission_rule or AdmissionRule(
             service_scv=self._service_scv()
+        )
+        self.reuse_quality = ReuseQuality(total_steps=profiles.reference.steps)
+        # per AC model, its full-generation level and its level at each K
+        self.full_level: dict[str, Level] = {}
+        self.step_level: dict[tuple[str, int], Level] = {}
+        for level in profiles.levels_for(Strategy.AC):
+            self.step_level[(level.model, level.skip_steps)] = level
+            if level.skip_steps == 0:
+                self.full_level.setdefault(level.model, level)
+        self.cache_setup: CacheSetup | None = None
+        if self.config.cache == CacheMode.REALISTIC and self.step_level:
+            self.cache_setup = self._cache_setup(embed)
+
+    def _cache_setup(self, embed: Embed | None) -> CacheSetup:
+        """The realistic caches' inputs: the vectors of the prompts the requests use (the
+        first rows of the quality tables, request i being row i mod rows) and of the warm
+        prompts, embedded once; each AC model's rule and cached steps."""
+        models = tuple(dict.fromkeys(model for model, _ in self.step_level))
+        missing = [model for model in models if model not in self.full_level]
+        if missing:
+            raise ValueError(
+                f"cache: realistic needs a K = 0 AC level of every AC model, {missing[0]!r} "
+                "has none (a miss is served in full)"
+            )
+        if embed is None:
+            from argus.sim.prompt_vectors import embed_prompts
+
+            embed = embed_prompts
+        rows = min(len(t.prompts) for t in self.quality.values())
+        table = self.quality.get(Strategy.AC) or next(iter(self.quality.values()))
+        used = min(rows, len(self.workload))
+        texts = [*table.prompts[:used], *self.config.cache_warm]
+        vectors = np.asarray(embed(texts), dtype=np.float32)
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        rules = {model: DEFAULT_RULE for model in models} | dict(self.config.cache_rules)
+        cached = {
+            model: tuple(sorted(k for m, k in self.step_level if m == model and k > 0))
+            for model in models
+        }
+        return CacheSetup(
+            vectors=(vectors / np.where(norms > 0.0, norms, 1.0)).astype(np.float32),
+            warm=tuple(range(used, used + len(self.config.cache_warm))),
+            warm_models=models,
+            rules=rules,
+            cached_steps=cached,
+            adapter_keys=adapter_keys(self.adapter_draws, len(self.workload)),
+            capacity=self.config.cache_entries,
+            eviction=Eviction(self.config.cache_eviction),
         )
 
     def _service_scv(self) -> float:
@@ -529,6 +644,11 @@ class _Run:
         self.relative: list[float] = [0.0] * n
         self.refused: list[bool] = [False] * n
         self.load_waits: list[bool] = [False] * n
+        self.cache_lookup: list[bool] = [False] * n
+        self.cache_hit: list[bool] = [False] * n
+        self.similarity: list[float] = [math.nan] * n
+        setup = sim.cache_setup
+        self.caches = None if setup is None else ClusterCache(setup, len(self.workers))
         self._arrival_list: list[float] = self.arrivals.tolist()
         self._jitter_list: list[float] = self.jitter.tolist()
         self._row_list: list[int] = self.prompt_rows.tolist()
@@ -564,6 +684,7 @@ class _Run:
             {w.worker_id: w.worker_class for w in self.workers},
             sim.admission_rule,
             SimServiceSpread.of(sim.profiles, self.cfg.jitter, self.cfg.adapters),
+            self.cfg.cache,
         )
         self._latency_cache: dict[tuple[str, str], float] = {}
         self._adapter_costs: dict[tuple[str, str], AdapterCost] = {}
@@ -762,6 +883,12 @@ class _Run:
         self.worker[i] = -1
         self.score[i] = math.nan
         self.relative[i] = math.nan
+        self._forget_lookup(i)
+
+    def _forget_lookup(self, i: int) -> None:
+        """Request ``i`` was refused or is routed again: its earlier lookup no longer counts."""
+        self.cache_lookup[i] = self.cache_hit[i] = False
+        self.similarity[i] = math.nan
 
     def _plan_latency(self, worker_class: str, level_name: str) -> float:
         """The level's latency on a class in the profiles the policies plan with: the router's
@@ -787,7 +914,7 @@ class _Run:
         level = self.sim._levels[self._serving_level(worker, level_name)]
         if worker.model != level.model:  # a policy may route to a level the worker lacks
             self._set_level(worker, level_name, now)  # it loads it first
-        service, served = self._service_time(worker.worker_class, level, now)
+        service, served, similarity, feeds = self._service_time(worker, level, now, i)
         self.load_waits[i] = worker.load_until > now  # queued behind a model load
         start = max(worker.free_at, now)
         service += self._adapter_time(worker.worker_class, served, i, start - now)
@@ -800,8 +927,13 @@ class _Run:
         self.worker[i] = self.worker_index[worker.worker_id]
         row = self._row_list[i]
         score = self._scores[served.strategy][row][self.sim._strategy_index[served.name]]
+        best = self._best_scores[served.strategy][row]
+        if similarity is not None:  # resumed from a neighbour that is not the prompt itself
+            score = self.sim.reuse_quality.score(score, best, similarity, served.skip_steps)
+        if feeds and self.caches is not None:
+            self.caches.feed(self.worker[i], i, row, served.model, worker.free_at)
         self.score[i] = score
-        self.relative[i] = score / self._best_scores[served.strategy][row]
+        self.relative[i] = score / best
 
     def _add_busy(self, start: float, end: float) -> None:
         """Count [start, end) as busy GPU time, split over the minutes it spans."""
@@ -815,19 +947,51 @@ class _Run:
             busy[minute] += stop - start
             start = stop
 
-    def _service_time(self, worker_class: str, level: Level, now: float) -> tuple[float, Level]:
-        """Service seconds on a class and the level actually served (K=0 after a failed
-        retrieval)."""
+    def _service_time(
+        self, worker: _Worker, level: Level, now: float, i: int
+    ) -> tuple[float, Level, float | None, bool]:
+        """Request ``i`` at ``level`` on ``worker``: service seconds on its class, the level
+        actually served (K = 0 after a failed retrieval or a realistic-mode miss, the K the
+        neighbour allows after a realistic-mode hit), that neighbour's similarity (None: the
+        table's score holds) and whether the run feeds the cache (a full AC generation)."""
+        worker_class = worker.worker_class
         base = self._latency(worker_class, level.name)
-        if level.strategy is not Strategy.AC or level.skip_steps == 0:
-            return base, level
+        if level.strategy is not Strategy.AC:
+            return base, level, None, False
+        if level.skip_steps == 0:
+            return base, level, None, True
+        self.cache_lookup[i] = True
         extra = self._retrieval_extra(now)
         if math.isinf(extra):
             self.policy.observe_retrieval(now, None)
             full = self.sim.profiles.levels_for(Strategy.AC)[0]
-            return self.cfg.retrieval_timeout_s + self._latency(worker_class, full.name), full
+            if self.caches is not None:
+                full = self.sim.full_level[level.model]
+            timeout = self.cfg.retrieval_timeout_s
+            return timeout + self._latency(worker_class, full.name), full, None, False
         self.policy.observe_retrieval(now, self.cfg.retrieval_s + extra)
-        return base + extra, level
+        if self.caches is None:  # perfect: the prompt itself is cached at every K
+            self.cache_hit[i] = True
+            self.similarity[i] = 1.0
+            return base + extra, level, None, False
+        return self._look_up(worker, level, now, i, extra)
+
+    def _look_up(
+        self, worker: _Worker, level: Level, now: float, i: int, extra: float
+    ) -> tuple[float, Level, float | None, bool]:
+        """:meth:`_service_time` of a realistic-mode lookup (retrieval up, ``extra`` slower)."""
+        assert self.caches is not None
+        index = self.worker_index[worker.worker_id]
+        found = self.caches.look_up(index, i, self._row_list[i], level.model, level.skip_steps, now)
+        self.similarity[i] = found.similarity
+        if found.step == 0:  # a miss: the search ran, then the full generation
+            full = self.sim.full_level[level.model]
+            latency = self._latency(worker.worker_class, full.name)
+            return self.cfg.retrieval_s + extra + latency, full, None, True
+        self.cache_hit[i] = True
+        served = self.sim.step_level[(level.model, found.step)]
+        latency = self._latency(worker.worker_class, served.name)
+        return latency + extra, served, found.similarity, False
 
     def _adapter_time(self, worker_class: str, level: Level, i: int, wait_s: float) -> float:
         """Seconds request ``i``'s adapters add at ``level`` on a class after waiting
@@ -862,9 +1026,12 @@ class _Run:
         orphans: list[int] = []
         for worker in victims:
             worker.alive = False
+            if self.caches is not None:
+                self.caches.forget_unfinished(self.worker_index[worker.worker_id], now)
             for finish, request, _ in worker.finishes:
                 if finish > now and request >= 0:
                     orphans.append(request)
+                    self._forget_lookup(request)
             worker.finishes.clear()
             self._queues[worker.worker_id] = 0
             worker.free_at = worker.load_until = now
@@ -917,6 +1084,12 @@ class _Run:
             loads=self.loads,
             load_s=self.load_s,
             load_waits=np.array(self.load_waits, dtype=np.bool_) & ~refused,
+            cache=self.cfg.cache,
+            cache_lookup=np.array(self.cache_lookup, dtype=np.bool_),
+            cache_hit=np.array(self.cache_hit, dtype=np.bool_),
+            similarity=np.array(self.similarity, dtype=np.float64),
+            cache_inserts=0 if self.caches is None else self.caches.inserts,
+            cache_evictions=0 if self.caches is None else self.caches.evictions,
         )
 
 

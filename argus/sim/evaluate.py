@@ -24,6 +24,14 @@ draw the EVAL GenAI-Bench prompts; the classifier ``default`` there is trained i
 on the TRAIN and CALIBRATION GenAI-Bench prompts (:mod:`argus.sim.genai_classifier`) and its
 predictability on the EVAL prompts is part of the results; ``nirvana`` (AC only) cannot run.
 
+Caches (``cache``). ``realistic`` (the default): every worker keeps its own cache of the
+prompts it generated, cold at the start, and an AC request gets the K its nearest cached
+prompt's similarity allows under its routed ceiling, or a miss served in full
+(:mod:`argus.sim.cluster_cache`); runs.csv counts the lookups, the hit rate and the mean
+similarity. ``perfect`` makes every AC request a hit at its routed K, as before caches were
+modelled. The prompts cycle through the eval set, so a prompt recurs every ~320 requests and
+its later occurrences can find themselves in their worker's cache.
+
 Policies run through :func:`argus.sim.policies.make_policy` and the trained or oracle
 classifier of :func:`argus.sim.policies.make_classifier`, on :class:`~argus.sim.cluster.
 Simulation`, exactly as ``argus replay`` runs them. When both ``argus`` and ``pac`` run, an
@@ -146,6 +154,11 @@ class EvaluationConfig:
     """Strategy choice of the joint planner's policies, argus and pac (``--strategy-choice``):
     ac-first or best; None: theirs."""
 
+    cache: str = "realistic"
+    """What an AC request finds (``--cache``): ``realistic``, each worker's own cache of the
+    prompts it generated (hits, misses, cold start, similarity; :mod:`argus.sim.cluster_cache`),
+    or ``perfect``, every AC request a hit at its routed K."""
+
     def __post_init__(self) -> None:
         try:
             world = parse_world(self.quality)
@@ -180,6 +193,8 @@ class EvaluationConfig:
             raise EvaluationError(f"duration_min: must be > 0, got {self.duration_min!r}")
         if self.jobs < 1:
             raise EvaluationError(f"jobs: must be >= 1, got {self.jobs}")
+        if self.cache not in ("realistic", "perfect"):
+            raise EvaluationError(f"cache: must be realistic or perfect, got {self.cache!r}")
 
     @property
     def with_oracle(self) -> bool:
@@ -392,6 +407,8 @@ def run_point(
         seed=seed,
         adapters=adapter_model_by_name(config.adapters),
         admission=config.admission,
+        cache=config.cache,
+        cache_rules=cache_rules_of(config),
     )
     sim = Simulation(profiles, tables, workload, sim_config)
     if classifier is None:
@@ -423,6 +440,35 @@ def run_point(
         target = point.mean * capacity_qpm
         rows.append(RunRow(point.mean, point.peak, target, seed, name, summary, wall))
     return rows
+
+
+def cache_rules_of(config: EvaluationConfig) -> tuple[tuple[str, Any], ...]:
+    """The similarity → K rules of the profile's models (``[models.X.cache]``)."""
+    from argus.profiles import load_cache_rules
+
+    if parse_world(config.quality) is QualityWorld.GENAI_BENCH:
+        return ()  # SM only: no cache
+    return tuple(load_cache_rules(config.profiles).items())
+
+
+def cache_description(config: EvaluationConfig) -> str:
+    """The cache model of the results, named with its rule."""
+    if config.cache == "perfect":
+        return "perfect: every AC request at K > 0 is a hit at its routed K (table quality)"
+    from argus.profiles.cache_evidence import DEFAULT_RULE
+
+    rules = dict(cache_rules_of(config))
+    described = "; ".join(
+        f"{model}: " + ", ".join(f"K{k}>={s:g}" for k, s in rule.floors) + f" ({rule.source})"
+        for model, rule in rules.items()
+    )
+    default = ", ".join(f"K{k}>={s:g}" for k, s in DEFAULT_RULE.floors)
+    return (
+        "realistic: per-worker LRU caches of all-MiniLM-L6-v2 prompt embeddings, cold at the "
+        "start; K = the largest of the routed ceiling that the nearest cached prompt's "
+        f"similarity allows ({described or 'default ' + default}; other models {default}, "
+        "ASSUMED); SYNTHETIC reuse quality, argus/profiles/cache_evidence.py"
+    )
 
 
 def _relabel(summary: Summary, policy: str) -> Summary:
@@ -505,6 +551,7 @@ def check_inputs(config: EvaluationConfig) -> tuple[ProfileSet, float, str]:
     for name in config.policies:
         make_policy(name)  # unknown names fail here, quoted
     classifier = _classifier(config.classifier, config.quality, profiles)
+    cache_rules_of(config)  # the profile's cache tables read
     plan = planning_profiles(profiles, config.adapters)
     capacity = cluster_capacity_qpm(plan, counts, capacity_strategy(profiles))
     prompts = eval_prompts(config.prompts_path, config.quality)
@@ -513,6 +560,10 @@ def check_inputs(config: EvaluationConfig) -> tuple[ProfileSet, float, str]:
         # labels match, models load: one line
         prepare(quality_tables(profiles, prompts, 0, quality=config.quality))
     seeded_workload(config, config.loads[0], capacity, 0, prompts)  # the trace reads
+    if config.cache == "realistic" and profiles.levels_for(Strategy.AC):
+        from argus.sim.prompt_vectors import embed_prompts
+
+        embed_prompts([p.prompt for p in prompts])  # once, on disk before any worker process
     return profiles, capacity, str(classifier.label)
 
 

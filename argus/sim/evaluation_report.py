@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from argus.sim.evaluate import Evaluation, EvaluationConfig, RunRow
+from argus.sim.evaluate import Evaluation, EvaluationConfig, RunRow, cache_description
 from argus.sim.evaluation_plots import plot_metric
 from argus.sim.intervals import METRICS, Aggregate, Interval, Paired, aggregate, paired
 from argus.sim.report import is_synthetic
@@ -85,6 +85,7 @@ def describe(evaluation: Evaluation) -> dict[str, Any]:
         "classifier": evaluation.classifier_label,
         "adapters": config.adapters,
         "admission": config.admission,
+        "cache": cache_description(config),
         "wall_s": round(evaluation.wall_s, 2),
         "intervals": "mean ± t(0.975, n-1) · s / sqrt(n) over seeds",
     }
@@ -199,6 +200,7 @@ def format_evaluation(evaluation: Evaluation) -> str:
         "mean over the 'over n' requests served within the SLO (per run); late/adm and "
         "viol/all in %"
     )
+    lines += format_cache(evaluation.rows, config.cache)
     comparisons = paired(evaluation.rows)
     if comparisons:
         lines += [
@@ -219,6 +221,40 @@ def format_evaluation(evaluation: Evaluation) -> str:
         )
         lines.append(f"argus classifier: {evaluation.classifier_label}")
     return "\n".join(lines)
+
+
+def format_cache(rows: Sequence[RunRow], cache: str) -> list[str]:
+    """Per load and policy: hit rate and mean similarity over all the seeds' lookups
+    together, with their counts (``-`` where a policy looked nothing up)."""
+    totals: dict[tuple[float, float | None, str], list[float]] = {}
+    for row in rows:
+        s = row.summary
+        t = totals.setdefault((row.load, row.peak, row.policy), [0.0, 0.0, 0.0, 0.0])
+        t[0] += s.cache_lookups
+        t[1] += s.hit_rate * s.cache_lookups
+        t[2] += s.similarity_n
+        t[3] += s.mean_similarity * s.similarity_n
+    if not any(t[0] for t in totals.values()):
+        return []
+    lines = [
+        "",
+        f"{'load':>8} {'policy':<13} {'hit rate':>9} {'of n':>8} {'similarity':>10} {'of n':>8}",
+    ]
+    # sorted by load; within a load the policies stay in the order they ran
+    for (load, peak, policy), (n, hits, m, total) in sorted(
+        totals.items(), key=lambda item: (item[0][0], item[0][1] or 0.0)
+    ):
+        rate = f"{hits / n:.1%}" if n else "-"
+        similarity = f"{total / m:.3f}" if m else "-"
+        lines.append(
+            f"{_load_label(load, peak):>8} {policy:<13} {rate:>9} {n:>8,.0f} "
+            f"{similarity:>10} {m:>8,.0f}"
+        )
+    lines.append(
+        f"cache {cache}: hit rate over the AC lookups (requests routed at K > 0) of all seeds; "
+        "similarity: mean cosine of the nearest cached prompt over the lookups that found one"
+    )
+    return lines
 
 
 def _load_label(load: float, peak: float | None) -> str:

@@ -296,6 +296,8 @@ def planned_policies() -> dict[str, PlannedConfig]:
       classifier's calibration; each period it plans AC and SM and serves the better, SM
       alone on retrieval trouble (§4.6; ``StrategyChoice.BEST``); its workers load models in
       the background, so the planner charges a load no forgone work;
+    * ``argus-text``: ``argus`` deciding from the prompt's text alone; the same config as
+      ``argus`` today, named apart to stay the text-only baseline;
     * ``argus-paper``: the paper's prototype as an ablation: Eq. 1 with level averages, then
       ODA on the predicted optimal levels, AC while retrieval is healthy (``AC_FIRST``);
     * ``pac``: prompt-agnostic Argus: the same control loop and strategy choice, planning with
@@ -318,6 +320,7 @@ def planned_policies() -> dict[str, PlannedConfig]:
     )
     return {
         "argus": argus,
+        "argus-text": argus,
         "argus-paper": replace(argus, control=paper),
         "pac": replace(argus, prompt_aware=False),
         "proteus": PlannedConfig(

@@ -3,17 +3,24 @@
 Every policy implements :class:`~argus.sim.cluster.Policy`; :func:`make_policy` builds one by
 name and rejects unknown names quoting them.
 
-* ``argus``, ``argus-paper``, ``pac``, ``proteus``: one class, :class:`PlannedPolicy`, that
-  runs the allocator's and the router's own code on the simulated clock; they differ only by
-  configuration (:func:`argus.sim.planned.planned_policies` says how).
+* ``argus``, ``argus-text``, ``argus-paper``, ``pac``, ``proteus``: one class,
+  :class:`PlannedPolicy`, that runs the allocator's and the router's own code on the simulated
+  clock; they differ only by configuration (:func:`argus.sim.planned.planned_policies` says
+  how). ``argus-text`` is Argus deciding from the prompt's text alone, whatever the caches
+  hold: today that is ``argus`` itself, named apart so that it stays the text-only baseline
+  once ``argus`` learns what the caches hold.
 * ``clipper-ha`` / ``clipper-ht``: SDXL / Tiny-SD on every GPU, least-loaded routing.
 * ``sommelier``: each GPU decides alone: with uniform routing it expects 1/N of the forecast
   load and runs the best SM level that carries it within a queue of one's utilisation cap.
-* ``nirvana``: AC on every GPU with each prompt's own K (from the classifier), uniform routing,
-  no accuracy scaling beyond the prompt's K and no strategy switching.
+* ``nirvana``: AC on every GPU, uniform routing, no accuracy scaling and no strategy switching.
+  With the realistic cache every request goes at the largest K (NIRVANA's own ceiling) and
+  its worker's cache and similarity rule decide the K it gets, as NIRVANA does; the perfect
+  cache has no similarity to decide with, so there it stands in the prompt's optimal K from
+  the classifier (as before caches were modelled, kept for comparison).
 
-``argus`` and ``nirvana`` look at the prompt through a classifier (:mod:`argus.sim.classifiers`,
-chosen by :func:`make_classifier`).
+``argus`` (and ``argus-text``) look at the prompt through a classifier
+(:mod:`argus.sim.classifiers`, chosen by :func:`make_classifier`); ``nirvana`` only with the
+perfect cache.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from argus.sim.classifiers import (  # noqa: F401  (re-exported)
     make_classifier,
 )
 from argus.sim.cluster import Policy, SimContext
+from argus.sim.cluster_cache import CacheMode
 from argus.sim.planned import PlannedPolicy, planned_policies
 from argus.types import ClusterView, Strategy
 
@@ -159,8 +167,11 @@ class SommelierPolicy(_Uniform):
 
 
 class NirvanaPolicy(_Uniform):
-    """AC with each prompt's own K on every GPU, uniform routing. The K depends on the prompt
-    alone (quality does not depend on the GPU), so every class serves the same levels."""
+    """AC on every GPU, uniform routing. Realistic cache: every request at the largest K, the
+    ceiling, and each worker's cache and rule pick the K its neighbour allows (NIRVANA's own
+    K selection; no classifier). Perfect cache: each prompt's own K from the classifier
+    stands in for what its similarity would allow. The K depends on the prompt alone, so every
+    GPU class serves the same levels."""
 
     name = "nirvana"
 
@@ -170,15 +181,21 @@ class NirvanaPolicy(_Uniform):
 
     def reset(self, ctx: SimContext) -> None:
         super().reset(ctx)
-        self.classifier.reset(ctx)
         self.levels = ctx.profiles.levels_for(Strategy.AC)
+        self.by_similarity = ctx.cache == CacheMode.REALISTIC
+        if not self.by_similarity:
+            self.classifier.reset(ctx)
+        # the level every worker holds: the ceiling when the cache decides, else K = 0
+        self.held = self.levels[-1 if self.by_similarity else 0].name
 
     def replan(self, now_s: float, view: ClusterView) -> Mapping[str, str]:
-        return {w.worker_id: self.levels[0].name for w in view.alive()}
+        return {w.worker_id: self.held for w in view.alive()}
 
     def route(
         self, request: int, now_s: float, queues: Mapping[str, int], down: frozenset[str]
     ) -> tuple[str, str]:
+        if self.by_similarity:
+            return self._pick(down), self.held
         level = self.levels[self.classifier.predict_level(Strategy.AC, request)]
         return self._pick(down), level.name
 
@@ -191,7 +208,10 @@ BASELINES: dict[str, type[Policy]] = {
 }
 PLANNED = planned_policies()
 POLICIES: tuple[str, ...] = ("argus", "pac", "proteus", *BASELINES, "argus-paper")
-"""Every policy name; ``argus replay`` runs all but ``argus-paper`` by default."""
+"""The policies compared; ``argus replay`` runs all but ``argus-paper`` by default."""
+VARIANTS: tuple[str, ...] = ("argus-text",)
+"""Further names :func:`make_policy` knows: ``argus-text``, Argus deciding from the text
+alone (today's ``argus``, kept apart to compare a cache-aware ``argus`` against)."""
 
 
 def make_policy(
@@ -204,12 +224,13 @@ def make_policy(
 ) -> Policy:
     """Build a policy by name; unknown names raise ValueError quoting them.
 
-    The planned policies (``argus``, ``argus-paper``, ``pac``, ``proteus``) are one class
-    configured by :func:`argus.sim.planned.planned_policies`; the classifier matters to those
-    that look at the prompt (Argus and NIRVANA). ``caps`` (``analytic`` or ``measured``) sets
-    the queueing caps of every planned policy and of Sommelier's GPUs, ``strategy_choice``
-    (``ac-first`` or ``best``) that of the joint planner's policies that may run both
-    strategies (argus and pac); None leaves a policy's own.
+    The planned policies (``argus``, ``argus-text``, ``argus-paper``, ``pac``, ``proteus``)
+    are one class configured by :func:`argus.sim.planned.planned_policies`; the classifier
+    matters to those that look at the prompt (Argus, and NIRVANA with the perfect cache).
+    ``caps`` (``analytic`` or ``measured``) sets the queueing caps of every planned policy and
+    of Sommelier's GPUs, ``strategy_choice`` (``ac-first`` or ``best``) that of the joint
+    planner's policies that may run both strategies (argus and pac); None leaves a policy's
+    own.
     """
     if name in PLANNED:
         config = PLANNED[name]
@@ -223,7 +244,8 @@ def make_policy(
         return PlannedPolicy(name, config, classifier=classifier, seed=seed)
     cls = BASELINES.get(name)
     if cls is None:
-        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
+        known = ", ".join((*POLICIES, *VARIANTS))
+        raise ValueError(f"unknown policy {name!r}; known policies: {known}")
     if cls is NirvanaPolicy:
         return NirvanaPolicy(classifier=classifier, seed=seed)
     if cls is SommelierPolicy:

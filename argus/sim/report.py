@@ -19,7 +19,12 @@ Definitions (Argus §5, with the router's admission added):
   score / the prompt's score at the best level of its strategy, over the same requests;
 * utilisation: busy GPU seconds (serving and loading models) / (GPUs × simulated time);
 * adapter seconds: what ControlNets and LoRAs added to the service time, mean per request
-  (0 without adapters; :mod:`argus.sim.adapters`).
+  (0 without adapters; :mod:`argus.sim.adapters`);
+* cache: ``hit_rate`` is hits / ``cache_lookups``, the admitted requests served at an AC
+  level with K > 0 as their ceiling (a hit resumed from a cached latent; in the ``perfect``
+  cache every one is, unless retrieval was down); ``mean_similarity`` is the mean cosine
+  similarity of the nearest cached prompt over the ``similarity_n`` lookups that found one
+  (1 for a perfect-cache hit; :mod:`argus.sim.cluster_cache`).
 
 Per-minute series count arrivals, refusals, goodput, violations and quality by the minute the
 request *arrived*, and served QPM by the minute it finished. Every printed average says how
@@ -34,6 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -69,6 +75,11 @@ class Summary:
     spills: int = 0  # admitted at another level than routed: the chosen worker was too late
     # of the admitted requests, the share queued behind a model load on their worker
     load_wait_ratio: float = 0.0
+    cache: str = "perfect"  # SimConfig.cache: perfect or realistic
+    cache_lookups: int = 0  # admitted requests at an AC level of K > 0 (the hit rate's n)
+    hit_rate: float = 0.0  # of those, the share resumed from a cached latent (0 when none)
+    mean_similarity: float = 0.0  # nearest cached prompt's similarity, over similarity_n
+    similarity_n: int = 0  # lookups that found a cached prompt of their key
 
 
 def summarise(result: RunResult) -> Summary:
@@ -107,7 +118,24 @@ def summarise(result: RunResult) -> Summary:
         load_wait_ratio=(
             int(np.count_nonzero(result.load_waits)) / n_admitted if n_admitted else 0.0
         ),
+        **_cache_figures(result),
     )
+
+
+def _cache_figures(result: RunResult) -> dict[str, Any]:
+    """The cache columns of :class:`Summary` (see the module docstring)."""
+    looked = result.cache_lookup & result.admitted
+    lookups = int(np.count_nonzero(looked))
+    hits = int(np.count_nonzero(result.cache_hit & looked))
+    similarity = result.similarity[looked]
+    found = similarity[~np.isnan(similarity)]
+    return {
+        "cache": result.cache,
+        "cache_lookups": lookups,
+        "hit_rate": hits / lookups if lookups else 0.0,
+        "mean_similarity": float(found.mean()) if len(found) else 0.0,
+        "similarity_n": len(found),
+    }
 
 
 @dataclass(frozen=True)
