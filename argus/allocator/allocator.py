@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+from argus.allocator.cache_plan import CachePlanner
 from argus.allocator.config import ControlConfig
 from argus.allocator.paper_eq1 import SolverFactory
 from argus.allocator.planner import make_plan
 from argus.allocator.predictor import AffinityHistogram, LoadPredictor
+from argus.contracts.cache_outlook import CacheOutlook
 from argus.types import ClassQuality, ClusterView, LoadForecast, Plan, ProfileSet, Strategy
 
 
@@ -29,16 +31,21 @@ class Allocator:
         start_s: float = 0.0,
         backend: SolverFactory | None = None,
         class_quality: Mapping[Strategy, ClassQuality] | None = None,
+        cache: CachePlanner | None = None,
     ) -> None:
         """``config``: the allocator's (its planner's and forecast's configs are made from it,
         the SLO from ``profiles`` unless it gives one). ``class_quality``: Q(v | c) per
         strategy for the joint planner (the classifier's calibration); a strategy without one
-        plans with the level averages (Eq. 1)."""
+        plans with the level averages (Eq. 1). ``cache``: AC plans price each level by what
+        the caches find (:attr:`cache_outlook`, :mod:`argus.allocator.cache_plan`); None:
+        every AC request is planned as a hit at its level's K."""
         self.profiles = profiles
         self.config = config or ControlConfig()
         self._planner = self.config.planner_config(profiles)
         self._backend = backend
         self.class_quality = dict(class_quality or {})
+        self.cache = cache
+        self.cache_outlook = CacheOutlook()  # the lookups seen so far (aged by the control)
         self._load = LoadPredictor(
             self.config.forecast_config(), start_s=start_s, period_s=self.config.period_s
         )
@@ -125,8 +132,16 @@ class Allocator:
         planner = self._planner
         if load_margin != planner.load_margin:
             planner = replace(planner, load_margin=load_margin)
+        profiles, quality = self.profiles, self.class_quality.get(strategy)
+        if self.cache is not None and strategy is Strategy.AC:
+            quality = self.cache.quality(
+                profiles,
+                quality or ClassQuality.from_levels(profiles.levels_for(strategy)),
+                self.cache_outlook,
+            )
+            profiles = self.cache.profiles(profiles, self.cache_outlook)
         return make_plan(
-            self.profiles,
+            profiles,
             strategy,
             workers,
             forecast,
@@ -135,7 +150,7 @@ class Allocator:
             period_s=self.config.period_s,
             previous=self._last,
             backend=self._backend,
-            class_quality=self.class_quality.get(strategy),
+            class_quality=quality,
         )
 
     def histogram(self, strategy: Strategy) -> tuple[float, ...]:

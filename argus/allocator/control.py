@@ -49,11 +49,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from argus.allocator.allocator import Allocator
+from argus.allocator.cache_plan import CachePlanner
 from argus.allocator.config import ControlConfig, StrategyChoice
 from argus.allocator.measured import MeasuredSpeeds
 from argus.allocator.membership import Change, Membership, NotOwnerError
 from argus.allocator.paper_eq1 import SolverFactory
 from argus.allocator.strategy import StrategyMonitor
+from argus.contracts.cache_outlook import CacheOutlook
 from argus.contracts.plans import PlannedWorker, PublishedPlan, ReplanReason
 from argus.contracts.routers import RouterAnswer, RouterReport
 from argus.contracts.workers import HeartbeatAnswer, WorkerReport
@@ -91,13 +93,15 @@ class AllocatorControl:
         backend: SolverFactory | None = None,
         class_quality: Mapping[Strategy, ClassQuality] | None = None,
         classifier_key: str = "",
+        cache: CachePlanner | None = None,
     ) -> None:
         """Build the control plane and make the first plan (no workers yet) at once, so
         ``current`` always has one; ``listeners`` receive it and every later plan. ``clock``
         is ``time.monotonic`` unless given. ``class_quality`` is Q(v | c) per strategy, from
         the classifier's calibration, for the joint planner; ``classifier_key`` identifies
         that classifier, and a router that reports another one is logged (its classes are
-        priced with a Q that is not theirs). Empty: no check."""
+        priced with a Q that is not theirs). Empty: no check. ``cache``: price AC levels by
+        the cache lookups reported (:meth:`report_cache`); None: as hits at their K."""
         self.profiles = profiles
         self.classifier_key = classifier_key
         self.config = config or ControlConfig()
@@ -116,7 +120,9 @@ class AllocatorControl:
             start_s=start,
             backend=backend,
             class_quality=class_quality,
+            cache=cache,
         )
+        self._cache_at = start  # when the cache evidence was last aged
         self._monitor = StrategyMonitor(self.config.retrieval, start=Strategy.AC)
         self._speeds = MeasuredSpeeds()  # the routers' measured worker speeds
         self._members = Membership(self.config.dead_after_s, self.config.max_workers)
@@ -184,6 +190,21 @@ class AllocatorControl:
             elif self._switch_due(now):
                 self._attempt(now, ReplanReason.STRATEGY_SWITCH, self._switch_detail())
             return self._answer(report.worker_id)
+
+    def report_cache(self, lookups: CacheOutlook) -> None:
+        """The AC lookups seen since the last call: the evidence the next plans price AC
+        levels with (older evidence ages by the planner's half-life). Ignored without a
+        cache planner."""
+        with self._lock:
+            planner = self._allocator.cache
+            if planner is None:
+                return
+            now = self._clock()
+            allocator = self._allocator
+            allocator.cache_outlook = planner.merged(
+                allocator.cache_outlook, lookups, now - self._cache_at
+            )
+            self._cache_at = now
 
     def report_router(self, report: RouterReport, owner: str = "") -> RouterAnswer:
         """Feed a router's arrivals, each at its weight in full requests

@@ -282,6 +282,11 @@ class SimContext:
     # the simulated service times, for measured queueing caps (None: not known)
     service_spread: SimServiceSpread | None = None
     cache: str = CacheMode.PERFECT.value  # SimConfig.cache: what an AC request finds
+    # realistic cache: each AC model's similarity → K rule (empty in perfect mode)
+    cache_rules: Mapping[str, KRule] = field(default_factory=dict)
+    # what a hit at (similarity, K) scores
+    reuse_quality: ReuseQuality = field(default_factory=ReuseQuality)
+    lookup_s: float = 0.0  # the search a miss spends before its full generation
 
     def optimal_level(self, strategy: Strategy, request: int) -> int:
         """The oracle's level index for a request (see :mod:`argus.sim.policies`)."""
@@ -355,6 +360,10 @@ class Policy(ABC):
 
     def observe_retrieval(self, now_s: float, latency_s: float | None) -> None:  # noqa: B027
         """An AC retrieval took ``latency_s`` (None: it failed)."""
+
+    def observe_lookup(self, now_s: float, level: str, similarity: float) -> None:  # noqa: B027
+        """Realistic cache: a request routed to AC level ``level`` found its nearest cached
+        prompt at ``similarity`` (NaN: none), what a live worker's reply tells its router."""
 
     def next_timer(self) -> float | None:
         """Simulated time at which the policy wants an extra :meth:`replan`, if any."""
@@ -685,6 +694,9 @@ class _Run:
             sim.admission_rule,
             SimServiceSpread.of(sim.profiles, self.cfg.jitter, self.cfg.adapters),
             self.cfg.cache,
+            dict(setup.rules) if setup is not None else {},
+            sim.reuse_quality,
+            self.cfg.retrieval_s,
         )
         self._latency_cache: dict[tuple[str, str], float] = {}
         self._adapter_costs: dict[tuple[str, str], AdapterCost] = {}
@@ -984,6 +996,7 @@ class _Run:
         index = self.worker_index[worker.worker_id]
         found = self.caches.look_up(index, i, self._row_list[i], level.model, level.skip_steps, now)
         self.similarity[i] = found.similarity
+        self.policy.observe_lookup(now, level.name, found.similarity)
         if found.step == 0:  # a miss: the search ran, then the full generation
             full = self.sim.full_level[level.model]
             latency = self._latency(worker.worker_class, full.name)

@@ -30,18 +30,22 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from argus.allocator.cache_plan import CachePlanner
 from argus.allocator.config import ControlConfig, StrategyChoice
 from argus.allocator.control import AllocatorControl
 from argus.allocator.planner import PlannerMode
 from argus.allocator.queueing import CapSource
+from argus.contracts.cache_outlook import CacheOutlook
 from argus.contracts.router_api import RouterRequest
 from argus.contracts.routers import RouterReport
 from argus.contracts.workers import RetrievalReport, WorkerReport
+from argus.profiles.cache_evidence import SimilarityBins
 from argus.router.config import RouterServiceConfig, RoutingConfig
 from argus.router.policy import Refused, RouterPolicy, Snapshot
 from argus.router.values import Refusal
 from argus.sim.classifiers import Classifier, OracleClassifier
 from argus.sim.cluster import Dispatch, Policy, SimContext
+from argus.sim.cluster_cache import CacheMode
 from argus.types import ClusterView, Strategy, WorkerState
 
 SIM_ADDRESS = "sim"  # simulated workers have no address; the membership only stores it
@@ -93,9 +97,21 @@ class PlannedPolicy(Policy):
             self.classifier.reset(ctx)
             if control.planner is PlannerMode.JOINT:
                 quality = self.classifier.class_quality()
+        self.cache_planner = None
+        self._bins: dict[str, SimilarityBins] = {}  # AC level → its model's similarity bins
+        if ctx.cache == CacheMode.REALISTIC:
+            self.cache_planner = CachePlanner(ctx.cache_rules, ctx.reuse_quality, ctx.lookup_s)
+            for level in ctx.profiles.levels_for(Strategy.AC):
+                self._bins[level.name] = self.cache_planner.bins(level)
         self.control = AllocatorControl(
-            ctx.profiles, control, clock=self._clock, epoch="sim", class_quality=quality
+            ctx.profiles,
+            control,
+            clock=self._clock,
+            epoch="sim",
+            class_quality=quality,
+            cache=self.cache_planner,
         )
+        self._lookups: list[tuple[str, int, float]] = []  # (level, bin, similarity) to report
         routing = RoutingConfig(
             prompt_aware=self.config.prompt_aware,
             spill_on_refusal=self.config.spill_on_refusal,
@@ -143,6 +159,11 @@ class PlannedPolicy(Policy):
         else:
             self._retrievals.append(latency_s)
 
+    def observe_lookup(self, now_s: float, level: str, similarity: float) -> None:
+        bins = self._bins.get(level)
+        if bins is not None:
+            self._lookups.append((level, bins.index(similarity), similarity))
+
     def next_timer(self) -> float | None:
         return self._next_beat
 
@@ -152,6 +173,7 @@ class PlannedPolicy(Policy):
         self._now = now_s
         self._send_heartbeats(view)
         self._send_report(view)
+        self._send_lookups()
         self.control.tick()
         self._install(view)
         self._next_beat = now_s + self.control.config.heartbeat_s
@@ -273,6 +295,15 @@ class PlannedPolicy(Policy):
         )
         self._arrivals = []
         self._classified = {s: [] for s in Strategy}
+
+    def _send_lookups(self) -> None:
+        """The interval's cache lookups, as a live router would gather them from its workers'
+        replies (realistic cache only)."""
+        if self.cache_planner is None:
+            return
+        bins = {name: len(b) for name, b in self._bins.items()}
+        self.control.report_cache(CacheOutlook.of_lookups(self._lookups, bins))
+        self._lookups = []
 
     def _install(self, view: ClusterView) -> None:
         published = self.control.current
