@@ -63,7 +63,7 @@ def call(stub: Any, prompt: str, level: str, after: int | None = None, log: str 
 
 
 def test_the_workers_reply_carries_the_evidence_and_the_caches_changes(served: Any) -> None:
-    worker, stub, root = served
+    worker, stub, _ = served
     full = call(stub, "a red bus in the snow", "ac-k0", after=0)
     assert worker_pb2.CacheOutcome.Name(full.cache) == "CACHE_NOT_USED"
     assert (full.routed_step, full.start_step, full.HasField("similarity")) == (0, 0, False)

@@ -154,7 +154,10 @@ def test_a_result_without_a_neighbour_or_events_leaves_them_unset() -> None:
     typed = generate.result_from_pb(message)
     assert typed.similarity is None and typed.cache_events is None
     # a neighbour at similarity 0 is a neighbour
-    assert generate.result_from_pb(generate.result_to_pb(GenerateResult(similarity=0.0))).similarity == 0.0
+    assert (
+        generate.result_from_pb(generate.result_to_pb(GenerateResult(similarity=0.0))).similarity
+        == 0.0
+    )
 
 
 def test_a_call_without_a_cursor_asks_for_no_events() -> None:

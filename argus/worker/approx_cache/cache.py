@@ -41,7 +41,6 @@ memory per entry (tracemalloc), 120 MB at the worker's default bound of 100k ent
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -105,7 +104,23 @@ MISS_REASONS: Final = (
 )
 PHASES: Final = ("search", "fetch")
 # similarity histogram buckets: the default rule's floors (0.65 … 0.93) and room around them
-SIMILARITY_BUCKETS = (0.0, 0.3, 0.5, 0.6, 0.65, 0.7, 0.75, 0.8, 0.82, 0.85, 0.88, 0.9, 0.93, 0.96, 0.99)
+SIMILARITY_BUCKETS = (
+    0.0,
+    0.3,
+    0.5,
+    0.6,
+    0.65,
+    0.7,
+    0.75,
+    0.8,
+    0.82,
+    0.85,
+    0.88,
+    0.9,
+    0.93,
+    0.96,
+    0.99,
+)
 PAYLOAD_SCHEMA = 1  # bumped when the payload layout changes
 # retrieval histogram buckets: 50 µs (Edge top-1 on a small cache) to 1 s (a struggling server)
 RETRIEVAL_BUCKETS = (
@@ -302,9 +317,7 @@ class ApproximateCache:
 
     # -- the request path ------------------------------------------------------------------
 
-    def lookup(
-        self, embedding: npt.ArrayLike, key: CacheKey, ceiling: int
-    ) -> CacheHit | CacheMiss:
+    def lookup(self, embedding: npt.ArrayLike, key: CacheKey, ceiling: int) -> CacheHit | CacheMiss:
         """The latent of the cached prompt nearest to ``embedding`` among the entries of
         ``key``, at the largest cached step at most ``ceiling`` (the routed level's K) that
         its similarity allows under ``key.model``'s rule, or why there is none. Never raises
@@ -378,7 +391,9 @@ class ApproximateCache:
             raise ValueError(f"ceiling {ceiling} is not in 1 … {key.steps - 1} (K < N)")
         steps = tuple(k for k in self.cache_steps if k <= ceiling)
         if not steps:
-            raise ValueError(f"no cached step at most {ceiling}; the cache keeps {self.cache_steps}")
+            raise ValueError(
+                f"no cached step at most {ceiling}; the cache keeps {self.cache_steps}"
+            )
         return steps
 
     def _miss(

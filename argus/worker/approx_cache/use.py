@@ -26,9 +26,9 @@ skips, is then the request's own. What stays restricted, and why:
 * a LoRA run's cached latents are what bounded asynchronous loading made of it: the LoRAs may
   join after a few steps, up to the BAL bound, so the steps before are the base model's. That
   is the image BAL serves anyway, and a resumed run merges them as they load (waiting at its
-  first step when it starts past the bound); ControlNets' async mode (one step's residuals late) and latent
-  parallelism (the CFG branches on two devices) compute the same image within rounding, so
-  neither is in the key.
+  first step when it starts past the bound). ControlNets' async mode (each step using the
+  previous step's residuals) makes nearly the image sync mode makes, and latent parallelism
+  the same within rounding; neither is in the key, which a router computes from the request.
 
 These are functions of the worker's cache and prompt encoder, passed at each call: the worker
 owns both (and may swap its encoder, as a benchmark that times it does).
