@@ -240,6 +240,19 @@ def test_each_model_has_its_own_rule(backend: Backend) -> None:
         cache.close()
 
 
+def test_the_workers_rules_come_from_the_profile_and_min_similarity_only_raises_them() -> None:
+    from argus.profiles.cache_evidence import DEFAULT_RULE
+    from argus.worker.app import WorkerSettings, cache_rules
+
+    rules, default = cache_rules(WorkerSettings())
+    assert rules["sdxl"].floors == DEFAULT_RULE.floors and default is DEFAULT_RULE
+    strict, _ = cache_rules(WorkerSettings(min_similarity=0.8))
+    assert strict["sdxl"].floors == ((5, 0.8), (10, 0.8), (15, 0.82), (20, 0.88), (25, 0.93))
+    assert cache_rules(WorkerSettings(min_similarity=-1.0))[0]["sdxl"] == rules["sdxl"]
+    with pytest.raises(ValueError, match="min_similarity"):
+        WorkerSettings(min_similarity=1.5)
+
+
 def damage(path: Path, how: str) -> None:
     data = path.read_bytes()
     if how == "deleted":
