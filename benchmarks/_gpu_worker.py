@@ -7,7 +7,8 @@ worker's tiny variants, and serves through :meth:`Worker.generate`:
 
 * ``miss-k<K>``: one request at the smallest AC level with ``0 < K < steps`` on the empty
   cache: the prompt embedded, the index searched, nothing found, a full run that feeds the
-  cache (one sample: every later lookup finds a neighbour, ``min_similarity`` being 0);
+  cache (one sample: every later lookup resumes from a neighbour at its level's K: the
+  cache's rule is set to allow any similarity, since the random encoder's mean nothing);
 * ``miss``: full generations at ``ac-k0`` (no lookup: outcome ``not-used``) that fill the
   approximate cache (several prompts);
 * ``hit-k<K>``: a near-duplicate prompt at each AC level with ``0 < K < steps``, resumed from
@@ -257,6 +258,7 @@ def worker_path(
 
     from argus.contracts.generate import Adapter, AdapterKind, GenerateCall
     from argus.profiles import default_profiles
+    from argus.profiles.cache_evidence import KRule
     from argus.types import Strategy
     from argus.worker.adapters.workflow import AdapterSettings
     from argus.worker.app import WorkerSettings, build_worker
@@ -297,6 +299,9 @@ def worker_path(
         )
     )
     setup["build_worker_s"] = time.perf_counter() - began
+    # every neighbour resumes at its level's K: the random encoder's similarities mean
+    # nothing, and this times the resume path, not the similarity rule
+    worker.cache.rules, worker.cache.default_rule = {}, KRule(((1000, -1.0),))
     try:
         began = time.perf_counter()
         worker.registry.activate(VARIANT).result()  # both resident: max_resident=2

@@ -20,6 +20,16 @@ import torch
 from prometheus_client import CollectorRegistry
 from qdrant_client import QdrantClient
 
+from argus.contracts.generate import (
+    Adapter,
+    AdapterKind,
+    CacheCursor,
+    CacheEvents,
+    CacheEvict,
+    CacheInsert,
+    adapters_digest,
+)
+from argus.profiles.cache_evidence import KRule
 from argus.worker.approx_cache.cache import (
     MISS_REASONS,
     ApproximateCache,
@@ -27,6 +37,7 @@ from argus.worker.approx_cache.cache import (
     CacheKey,
     CacheMiss,
 )
+from argus.worker.approx_cache.events import CacheEventLog
 from argus.worker.approx_cache.latent_store import (
     LatentCorruptError,
     LatentMissingError,
@@ -47,6 +58,7 @@ pytestmark = pytest.mark.unit
 
 
 DIM = 16
+LORA = AdapterKind.LORA
 KEY = CacheKey("sd-1.5", "euler", 64, 64, 30)
 STEPS = (5, 10, 15, 20, 25)
 SHAPE = (1, 4, 8, 8)
@@ -153,8 +165,9 @@ def test_an_empty_cache_misses_as_empty(cache: ApproximateCache) -> None:
         CacheKey("sd-1.5", "euler", 64, 32, 30),
         CacheKey("sd-1.5", "euler", 32, 64, 30),
         CacheKey("sd-1.5", "euler", 64, 64, 50),
+        CacheKey("sd-1.5", "euler", 64, 64, 30, adapters_digest([Adapter(LORA, "ink", 1.0)])),
     ],
-    ids=["model", "scheduler", "width", "height", "steps"],
+    ids=["model", "scheduler", "width", "height", "steps", "lora"],
 )
 def test_entries_only_match_requests_with_the_same_key(
     cache: ApproximateCache, other: CacheKey
@@ -165,16 +178,79 @@ def test_entries_only_match_requests_with_the_same_key(
     assert isinstance(cache.lookup(unit(1), KEY, 5), CacheHit)
 
 
-def test_a_match_below_min_similarity_is_a_miss(backend: Backend) -> None:
-    cache = backend.cache(min_similarity=0.9)
+def at_similarity(vector: np.ndarray[Any, Any], s: float, seed: int = 7) -> np.ndarray[Any, Any]:
+    """A unit vector whose cosine similarity to the unit ``vector`` is exactly ``s``."""
+    other = unit(20_000 + seed)
+    other = other - float(other @ vector) * vector
+    other /= np.linalg.norm(other)
+    return (s * vector + np.sqrt(1.0 - s * s) * other).astype(np.float32)
+
+
+def test_a_neighbour_below_the_floor_is_a_miss_with_its_similarity(backend: Backend) -> None:
+    cache = backend.cache()  # DEFAULT_RULE: K = 5 needs 0.65
     try:
         cache.insert(unit(1), KEY, "a lighthouse", latents(1))
-        far = cache.lookup(unit(2), KEY, 5)  # random 16-d unit vectors: cosine ≈ 0 ± 0.25
-        assert isinstance(far, CacheMiss) and far.reason == "below-threshold"
-        assert isinstance(cache.lookup(near(unit(1), 0), KEY, 5), CacheHit)
-        assert cache.stats().misses["below-threshold"] == 1
+        far = cache.lookup(at_similarity(unit(1), 0.6), KEY, 25)
+        assert isinstance(far, CacheMiss) and far.reason == "below-floor"
+        assert far.similarity == pytest.approx(0.6, abs=1e-4)
+        assert far.fetch_s == 0.0  # nothing was read
+        assert cache.stats().misses["below-floor"] == 1 and cache.stats().hits == 0
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize(
+    ("similarity", "ceiling", "step"),
+    [
+        (0.70, 25, 5),  # same subject: only the layout steps
+        (0.80, 25, 10),
+        (0.85, 25, 15),
+        (0.90, 25, 20),
+        (0.95, 25, 25),  # a near paraphrase may skip all the level asks
+        (0.95, 10, 10),  # never above the routed K
+        (0.80, 12, 10),  # a ceiling between cached steps: the cached step below it
+    ],
+)
+def test_the_rule_resumes_where_the_similarity_allows_never_above_the_ceiling(
+    cache: ApproximateCache, similarity: float, ceiling: int, step: int
+) -> None:
+    stored = latents(1)
+    cache.insert(unit(1), KEY, "a lighthouse at dusk", stored)
+    found = cache.lookup(at_similarity(unit(1), similarity), KEY, ceiling)
+    assert isinstance(found, CacheHit)
+    assert found.step == step and found.similarity == pytest.approx(similarity, abs=1e-4)
+    assert torch.equal(found.latent, stored[step].half().float())
+    largest = max(k for k in STEPS if k <= ceiling)
+    assert cache.stats().k_reduced == (1 if step < largest else 0)
+
+
+def test_each_model_has_its_own_rule(backend: Backend) -> None:
+    strict = KRule(((5, 0.99), (10, 0.995)))
+    cache = backend.cache(rules={"sd-1.5": strict}, default_rule=KRule(((5, -1.0),)))
+    try:
+        other_model = CacheKey("tiny-sd", "euler", 64, 64, 30)
+        for key in (KEY, other_model):
+            cache.insert(unit(1), key, "a lighthouse", latents(1))
+        near_one = at_similarity(unit(1), 0.95)
+        found = cache.lookup(near_one, KEY, 10)
+        assert isinstance(found, CacheMiss) and found.reason == "below-floor"
+        lenient = cache.lookup(near_one, other_model, 10)  # the default rule: K = 5 only
+        assert isinstance(lenient, CacheHit) and lenient.step == 5
+    finally:
+        cache.close()
+
+
+def test_the_workers_rules_come_from_the_profile_and_min_similarity_only_raises_them() -> None:
+    from argus.profiles.cache_evidence import DEFAULT_RULE
+    from argus.worker.app import WorkerSettings, cache_rules
+
+    rules, default = cache_rules(WorkerSettings())
+    assert rules["sdxl"].floors == DEFAULT_RULE.floors and default is DEFAULT_RULE
+    strict, _ = cache_rules(WorkerSettings(min_similarity=0.8))
+    assert strict["sdxl"].floors == ((5, 0.8), (10, 0.8), (15, 0.82), (20, 0.88), (25, 0.93))
+    assert cache_rules(WorkerSettings(min_similarity=-1.0))[0]["sdxl"] == rules["sdxl"]
+    with pytest.raises(ValueError, match="min_similarity"):
+        WorkerSettings(min_similarity=1.5)
 
 
 def damage(path: Path, how: str) -> None:
@@ -299,10 +375,12 @@ def test_programming_errors_raise(cache: ApproximateCache) -> None:
         cache.lookup(np.ones(DIM + 1, np.float32), KEY, 5)
     with pytest.raises(ValueError, match="zero vector"):
         cache.lookup(np.zeros(DIM, np.float32), KEY, 5)
-    with pytest.raises(ValueError, match="not cached"):
-        cache.lookup(unit(1), KEY, 7)
-    with pytest.raises(ValueError, match="below"):
+    with pytest.raises(ValueError, match="no cached step"):
+        cache.lookup(unit(1), KEY, 3)
+    with pytest.raises(ValueError, match="K < N"):
         cache.lookup(unit(1), CacheKey("m", "euler", 64, 64, 10), 10)
+    with pytest.raises(ValueError, match="K < N"):
+        cache.lookup(unit(1), KEY, 0)
     with pytest.raises(ValueError, match="missing"):
         cache.insert(unit(1), KEY, "a kite", latents(1, (5, 10)))
     with pytest.raises(ValueError, match="finite"):
@@ -446,6 +524,67 @@ def test_reopening_with_another_dimension_fails(backend: Backend) -> None:
         backend.index(dim=DIM * 2)
 
 
+# -- the event log for routers' mirrors -------------------------------------------------------
+
+
+def test_inserts_and_evictions_are_published_in_order(backend: Backend) -> None:
+    cache = backend.cache(max_entries=2)
+    try:
+        start = CacheCursor()
+        assert cache.events.since(start).events == ()
+        a, b, c = (cache.insert(unit(s), KEY, f"prompt {s}", latents(s)) for s in (1, 2, 3))
+        got = cache.events.since(start)
+        assert [type(e) for e in got.events] == [CacheInsert, CacheInsert, CacheInsert, CacheEvict]
+        assert [e.entry_id for e in got.events] == [a, b, c, a]  # c's insert evicted a
+        first = got.events[0]
+        assert isinstance(first, CacheInsert) and first.tag == KEY.tag
+        assert np.array_equal(np.array(first.embedding, np.float32), unit(1))
+        assert (got.last, got.truncated) == (4, False)
+        # a caller up to date gets nothing more; a refresh of a cached prompt is no change
+        cursor = CacheCursor(got.log_id, got.last)
+        cache.insert(unit(2), KEY, "prompt 2", latents(2))
+        assert cache.events.since(cursor) == CacheEvents(got.log_id, 4)
+        # an entry purged for a bad latent file leaves the mirror too
+        damage(cache.store.path(_digest_of(cache, latents(3)[5])), "deleted")
+        assert isinstance(cache.lookup(unit(3), KEY, 5), CacheMiss)
+        cache.insert(unit(4), KEY, "prompt 4", latents(4))
+        later = cache.events.since(cursor).events
+        assert [(type(e), e.entry_id) for e in later][:1] == [(CacheEvict, c)]
+    finally:
+        cache.close()
+
+
+def test_a_log_past_its_bound_says_truncated_and_pages_replies() -> None:
+    log = CacheEventLog(3, per_reply=2, log_id="log-a")
+    log.evicted(f"e{i}" for i in range(1, 6))  # numbers 1 … 5; 1 and 2 fall out
+    behind = log.since(CacheCursor("log-a", 0))
+    assert behind.truncated and [e.entry_id for e in behind.events] == ["e3", "e4"]
+    assert behind.last == 4
+    rest = log.since(CacheCursor("log-a", behind.last))
+    assert not rest.truncated and [e.entry_id for e in rest.events] == ["e5"]
+    assert rest.last == 5
+    assert log.since(CacheCursor("log-a", 5)) == CacheEvents("log-a", 5)
+    # a cursor of another log (an earlier process) reads as 0
+    assert log.since(CacheCursor("log-b", 5)) == behind
+
+
+def test_a_recovered_cache_starts_its_log_with_a_gap(backend: Backend) -> None:
+    cache = backend.cache()
+    cache.insert(unit(1), KEY, "a kite", latents(1))
+    before = cache.events.log_id
+    cache.close()
+    reopened = backend.cache()
+    try:
+        assert reopened.events.log_id != before
+        fresh = reopened.events.since(CacheCursor())
+        assert fresh.truncated and fresh.events == ()  # the kite was never published
+        entry = reopened.insert(unit(2), KEY, "a bus", latents(2))
+        after = reopened.events.since(CacheCursor(fresh.log_id, fresh.last))
+        assert not after.truncated and [e.entry_id for e in after.events] == [entry]
+    finally:
+        reopened.close()
+
+
 # -- metrics, stats, threads -------------------------------------------------------------------
 
 
@@ -471,6 +610,9 @@ def test_metrics_appear_in_the_registry_with_both_phases(backend: Backend) -> No
     assert sample("argus_worker_cache_evictions_total") == 1
     assert sample("argus_worker_cache_entries") == 1
     assert sample("argus_worker_cache_bytes") == ENTRY_BYTES
+    assert sample("argus_worker_cache_similarity_count") == 1  # the empty lookup found none
+    assert sample("argus_worker_cache_similarity_bucket", {"le": "0.99"}) == 0  # it was 1.0
+    assert sample("argus_worker_cache_k_reduced_total") == 0
     stats = cache.stats()
     # the fake timer advances 1 ms per reading: every search and fetch took 1 ms
     assert (stats.search_p50_s, stats.search_p99_s, stats.window) == (1e-3, 1e-3, 2)

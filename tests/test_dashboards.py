@@ -89,6 +89,7 @@ NOT_IN_THIS_LOAD = {
     "argus_router_retries_total": "test_router_edges (an UNAVAILABLE worker)",
     "argus_router_spills_total": "test_router_core (one worker: nothing to spill to here)",
     "argus_worker_cache_evictions_total": "test_cache (a full cache)",
+    "argus_worker_cache_k_reduced_total": "test_worker_cache_path (a farther neighbour)",
     "argus_worker_substituted_total": "test_worker_engine (a level whose model is not loaded)",
     "argus_controlnet_cache_evictions_total": "none yet: one ControlNet never fills the cache",
     "argus_controlnet_cache_load_failures_total": "none yet: the tiny ControlNets always load",

@@ -19,6 +19,11 @@ from argus.contracts import generate
 from argus.contracts.generate import (
     Adapter,
     AdapterKind,
+    CacheCursor,
+    CacheEvents,
+    CacheEvict,
+    CacheInsert,
+    CacheKey,
     CacheOutcome,
     GenerateCall,
     GenerateResult,
@@ -51,6 +56,11 @@ CONTRACT_CLASSES = {
     "WorkerReply",
     "Timing",
     "WorkerTiming",
+    "CacheKey",
+    "CacheCursor",
+    "CacheInsert",
+    "CacheEvict",
+    "CacheEvents",
 }
 
 CALL = GenerateCall(
@@ -71,6 +81,7 @@ CALL = GenerateCall(
     image=b"\x89PNG template",
     mask=b"\x89PNG mask",
     strength=0.5,
+    cache_cursor=CacheCursor("log-1", 41),
 )
 RESULT = GenerateResult(
     request_id="r-1",
@@ -89,6 +100,13 @@ RESULT = GenerateResult(
     scheduler="ddim",
     adapter_path="controlnet",
     scores=(QualityScore("a cat", "ac-k0", 0.5, "q"),),
+    routed_step=15,
+    cache_events=CacheEvents(
+        log_id="log-1",
+        last=43,
+        events=(CacheInsert("e1", '["sdxl"]', (0.5, -0.25)), CacheEvict("e0")),
+        truncated=True,
+    ),
 )
 
 
@@ -128,6 +146,56 @@ def test_a_result_with_unset_enums_reads_none_and_writes_them_unset() -> None:
     assert generate.result_to_pb(typed) == message
     unknown = generate.result_from_pb(worker_pb2.GenerateResponse(strategy=9, cache=9))
     assert unknown.strategy is None and unknown.cache is None
+
+
+def test_a_result_without_a_neighbour_or_events_leaves_them_unset() -> None:
+    message = generate.result_to_pb(GenerateResult(similarity=None, cache_events=None))
+    assert not message.HasField("similarity") and not message.cache_log_id
+    typed = generate.result_from_pb(message)
+    assert typed.similarity is None and typed.cache_events is None
+    # a neighbour at similarity 0 is a neighbour
+    assert (
+        generate.result_from_pb(generate.result_to_pb(GenerateResult(similarity=0.0))).similarity
+        == 0.0
+    )
+
+
+def test_a_call_without_a_cursor_asks_for_no_events() -> None:
+    message = generate.call_to_pb(GenerateCall("x"))
+    assert not message.HasField("cache_events_after")
+    assert generate.call_from_pb(message).cache_cursor is None
+    fresh = generate.call_to_pb(GenerateCall("x", cache_cursor=CacheCursor()))
+    assert generate.call_from_pb(fresh).cache_cursor == CacheCursor("", 0)
+
+
+def test_an_event_of_an_unknown_kind_makes_the_batch_truncated() -> None:
+    message = generate.result_to_pb(GenerateResult(cache_events=CacheEvents("log", 3)))
+    message.cache_events.add()  # an event with no kind this reader knows
+    message.cache_events.add().evict.entry_id = "e9"
+    events = generate.result_from_pb(message).cache_events
+    assert events is not None and events.truncated
+    assert events.events == (CacheEvict("e9"),)
+
+
+def test_the_adapters_digest_ignores_order_and_tells_sets_apart() -> None:
+    ink, film = Adapter(AdapterKind.LORA, "ink", 0.75), Adapter(AdapterKind.LORA, "film", 1.0)
+    canny = Adapter(AdapterKind.CONTROLNET, "canny", 1.0, b"edges")
+    digest = generate.adapters_digest
+    assert digest([]) == ""
+    assert digest([ink, film, canny]) == digest([canny, film, ink])
+    assert digest([Adapter(AdapterKind.LORA, "film", 0.0)]) == digest([film])  # 0: default 1
+    others = [
+        [ink],
+        [ink, film],
+        [Adapter(AdapterKind.LORA, "ink", 0.5), film],
+        [ink, film, Adapter(AdapterKind.CONTROLNET, "canny", 1.0, b"other edges")],
+        [ink, film, Adapter(AdapterKind.CONTROLNET, "depth", 1.0, b"edges")],
+    ]
+    assert len({digest(a) for a in [*others, [ink, film, canny]]}) == len(others) + 1
+    plain = CacheKey("sdxl", "euler", 64, 64, 10)
+    assert plain.tag == '["sdxl", "euler", 64, 64, 10]'  # the tag caches were written with
+    styled = CacheKey("sdxl", "euler", 64, 64, 10, digest([ink]))
+    assert styled.tag != plain.tag and digest([ink]) in styled.tag
 
 
 @pytest.mark.parametrize("stage", list(Stage))

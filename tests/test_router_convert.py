@@ -93,6 +93,16 @@ def full_worker_response() -> Any:
         scheduler="ddim",
         adapter_path="controlnet",
         scores=[worker_pb2.QualityScore(prompt="a cat", level="ac-k0", score=0.5, request_id="q")],
+        routed_step=15,
+        cache_events=[
+            worker_pb2.CacheEvent(
+                insert=worker_pb2.CacheInsert(entry_id="e1", tag="t", embedding=[0.5])
+            ),
+            worker_pb2.CacheEvent(evict=worker_pb2.CacheEvict(entry_id="e0")),
+        ],
+        cache_events_truncated=True,
+        cache_log_id="log-1",
+        cache_events_last=7,
     )
 
 

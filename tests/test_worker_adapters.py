@@ -128,7 +128,7 @@ def test_bad_adapters_name_the_field(worker: Any) -> None:
     assert generate(worker).png  # still serving
 
 
-def test_adapters_and_the_approximate_cache(tmp_path: Path, lora_dir: Path) -> None:
+def test_adapters_are_part_of_the_cache_key(tmp_path: Path, lora_dir: Path) -> None:
     from prometheus_client import CollectorRegistry
 
     from argus.embedding import PromptEmbedder
@@ -146,20 +146,30 @@ def test_adapters_and_the_approximate_cache(tmp_path: Path, lora_dir: Path) -> N
     adapters = WorkerAdapters(settings, device="cpu", dtype=torch.float32)
     adapters.start()
     w = make_worker(cache=cache, encoder=encoder, default_steps=10, adapters=adapters)
+
+    def run(*request: Adapter, level: str = "ac-k5") -> Any:
+        result = generate(w, *request, level=level)
+        w.flush()  # a full run's insert is written before the next request looks
+        return result
+
+    def outcome(result: Any) -> tuple[CacheOutcome, str, int]:
+        return result.cache, result.cache_miss_reason, result.start_step
+
+    hit = (CacheOutcome.HIT, "", 5)
+    no_match = (CacheOutcome.MISS, "no-match", 0)
     try:
-        # a full run with adapters does not feed the cache: its latents are not the base model's
-        generate(w, lora("ink"), level="ac-k0")
-        w.flush()
-        assert cache.stats().entries == 0
-        generate(w, level="ac-k0")
-        w.flush()
-        assert cache.stats().entries == 1
-        # a LoRA request may resume from the base model's latent; a ControlNet one may not
-        resumed = generate(w, lora("ink"), level="ac-k5")
-        assert resumed.cache is CacheOutcome.HIT and resumed.start_step == 5
-        controlled = generate(w, controlnet("canny"), level="ac-k5")
-        assert controlled.cache is CacheOutcome.MISS
-        assert controlled.cache_miss_reason == "controlnet" and controlled.start_step == 0
+        run(level="ac-k0")  # the base model's latents, same prompt: similarity 1
+        # a LoRA request never resumes from another adapter set's latent; its full run feeds
+        # the cache under its own key, and the same set, in any order, resumes from it
+        assert outcome(run(lora("ink"), lora("film", 0.5))) == no_match
+        assert cache.stats().entries == 2
+        assert outcome(run(lora("film", 0.5), lora("ink"))) == hit
+        assert outcome(run(lora("film", 0.5))) == no_match  # another LoRA set
+        assert outcome(run(lora("film"), lora("ink"))) == no_match  # another scale
+        # a ControlNet request resumes only from latents made under the same control image
+        assert outcome(run(controlnet("canny"))) == no_match
+        assert outcome(run(controlnet("canny"))) == hit
+        assert outcome(run(controlnet("canny", seed=2))) == no_match
     finally:
         w.close()
 

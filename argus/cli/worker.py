@@ -98,7 +98,13 @@ class WorkerCommand:
         )
         parser.add_argument("--cache-max-entries", type=int, default=defaults.CACHE_MAX_ENTRIES)
         parser.add_argument("--cache-max-bytes", type=int)
-        parser.add_argument("--min-similarity", type=float, default=0.0)
+        parser.add_argument(
+            "--min-similarity",
+            type=float,
+            default=0.0,
+            help="raise every similarity floor of the profile's cache rule to at least this "
+            "(cosine; default 0: the rule as it is)",
+        )
         parser.add_argument(
             "--edit-cache-bytes",
             type=int,

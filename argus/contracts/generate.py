@@ -16,6 +16,13 @@ router's core (:func:`~argus.router.core.check_request`). Durations are millisec
 messages carry them, so a value converts to its message and back unchanged. Each enum's
 numbers come from the generated code by name (:func:`~argus.contracts.wire.pb_numbers`).
 
+The approximate cache's evidence travels here too: a result says what the cache gave the
+request (outcome, the neighbour's similarity, the step resumed at and the level's K, its
+ceiling), and a call that sends a :class:`CacheCursor` gets the cache's changes after it
+(:class:`CacheEvents`) for the router's mirror of what each worker caches. The
+:class:`CacheKey` whose tag those changes carry is defined here, so a router computes the same
+tag for a request as the worker that cached it (:func:`adapters_digest` included).
+
 The generated code loads with the first conversion (:func:`codec`), not with the values: the
 router's core serves on these values and loads no protobuf module (its messages are its
 transports' business).
@@ -25,6 +32,8 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -75,6 +84,96 @@ class Adapter:
 
 
 @dataclass(frozen=True)
+class CacheKey:
+    """What must be equal for a cached latent to be usable: entries only match requests with
+    the same key. ``adapters`` is :func:`adapters_digest` of the request's LoRAs and
+    ControlNets ("" without any), so a latent made under one LoRA set or control image never
+    serves another."""
+
+    model: str  # model name of the profile, e.g. "sdxl"
+    scheduler: str  # scheduler name, e.g. "euler"
+    height: int  # pixels
+    width: int  # pixels
+    steps: int  # N, total denoising steps
+    adapters: str = ""  # adapters_digest(...) of the request's adapters; "": none
+
+    def __post_init__(self) -> None:
+        if not self.model or not self.scheduler:
+            raise ValueError(f"cache key needs a model and a scheduler: {self}")
+        if min(self.height, self.width, self.steps) <= 0:
+            raise ValueError(f"cache key needs positive height, width and steps: {self}")
+
+    @property
+    def tag(self) -> str:
+        """The keyword the index filters on: an unambiguous encoding of every field (a key
+        without adapters keeps the five-field form the first caches were written with)."""
+        fields_ = [self.model, self.scheduler, self.height, self.width, self.steps]
+        return json.dumps([*fields_, self.adapters] if self.adapters else fields_)
+
+
+def adapters_digest(adapters: Iterable[Adapter]) -> str:
+    """A request's adapters as one hex digest, "" for none: each LoRA by name and scale, each
+    ControlNet by name, scale and the SHA-256 of its control image, in no particular order
+    (LoRA deltas add up and ControlNet residuals are summed, so the order does not shape the
+    image). An unset scale (0) counts as diffusers' default 1, as the worker runs it."""
+    entries = sorted(
+        json.dumps(
+            [
+                "" if a.kind is None else a.kind.value,
+                a.name,
+                float(a.scale or 1.0),
+                hashlib.sha256(a.control_image).hexdigest() if a.control_image else "",
+            ]
+        )
+        for a in adapters
+    )
+    if not entries:
+        return ""
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheCursor:
+    """Where a caller stands in a worker's log of cache changes: the log's id and the last
+    sequence number it applied (0: none yet). A cursor of another log reads as 0."""
+
+    log_id: str = ""
+    after: int = 0
+
+
+@dataclass(frozen=True)
+class CacheInsert:
+    """A prompt's latents were cached under ``tag`` (:attr:`CacheKey.tag`)."""
+
+    entry_id: str
+    tag: str
+    embedding: tuple[float, ...]  # the prompt's unit-norm embedding (float32 values)
+
+
+@dataclass(frozen=True)
+class CacheEvict:
+    """An entry left the cache (evicted by its bound, or purged with a bad latent file)."""
+
+    entry_id: str
+
+
+CacheEvent = CacheInsert | CacheEvict
+
+
+@dataclass(frozen=True)
+class CacheEvents:
+    """The cache's changes after a caller's cursor, oldest first. ``last`` is the caller's
+    next cursor in log ``log_id``; ``truncated``: changes after the cursor were dropped or
+    are unknown, so a mirror built from earlier events is incomplete (forget it, then apply
+    these)."""
+
+    log_id: str
+    last: int
+    events: tuple[CacheEvent, ...] = ()
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
 class GenerateCall:
     """What a router asks one worker for (``GenerateRequest``); None: absent, the worker's
     default applies. The worker checks it (:meth:`~argus.worker.engine.Worker.validate`)."""
@@ -94,6 +193,8 @@ class GenerateCall:
     image: bytes = b""  # the template: PNG, JPEG or WebP, of the size generated
     mask: bytes = b""  # PNG, fully transparent pixels edited; b"": the image's own alpha
     strength: float | None = None  # img2img (no mask), in (0, 1]
+    # where the caller stands in the worker's log of cache changes; None: send none back
+    cache_cursor: CacheCursor | None = None
 
 
 class Stage(enum.Enum):
@@ -174,16 +275,20 @@ class GenerateResult:
     strategy: Strategy | None = None
     model: str = ""
     steps_run: int = 0  # N - K on a hit, N otherwise
-    start_step: int = 0  # K on a hit, 0 otherwise
+    start_step: int = 0  # K on a hit (at most routed_step), 0 otherwise
     cache: CacheOutcome | None = None
     cache_miss_reason: str = ""
-    similarity: float = 0.0  # of the cached prompt, on a hit
+    # of the nearest cached prompt the lookup found (hit, or a miss below the floor or with a
+    # bad latent file); None: it found none, or made no lookup
+    similarity: float | None = None
     timing: Timing = field(default_factory=Timing)
     worker_id: str = ""
     substituted: bool = False  # the worker's active model served in place of the level's
     scheduler: str = ""
     adapter_path: str = ""  # "", "plain" (LoRAs only), "controlnet" or "latent-parallel"
     scores: tuple[QualityScore, ...] = ()  # earlier requests' scores
+    routed_step: int = 0  # the level's K, the cache's ceiling (0: an SM level)
+    cache_events: CacheEvents | None = None  # the cache's changes; None: the call asked none
 
 
 @dataclass(frozen=True)
@@ -300,12 +405,21 @@ def request_from_message(message: Any, optional: tuple[str, ...]) -> dict[str, A
 
 
 def call_to_pb(call: GenerateCall) -> Any:
-    return request_to_message(call, codec().worker_pb2.GenerateRequest(level=call.level), _OPTIONAL)
+    message = codec().worker_pb2.GenerateRequest(level=call.level)
+    if call.cache_cursor is not None:
+        message.cache_log_id = call.cache_cursor.log_id
+        message.cache_events_after = call.cache_cursor.after
+    return request_to_message(call, message, _OPTIONAL)
 
 
 def call_from_pb(message: Any) -> GenerateCall:
     """A router's ``GenerateRequest``, unchecked."""
-    return GenerateCall(level=message.level, **request_from_message(message, _OPTIONAL))
+    cursor = None
+    if message.HasField("cache_events_after"):
+        cursor = CacheCursor(message.cache_log_id, message.cache_events_after)
+    return GenerateCall(
+        level=message.level, cache_cursor=cursor, **request_from_message(message, _OPTIONAL)
+    )
 
 
 # -- progress ------------------------------------------------------------------------------
@@ -368,9 +482,53 @@ def score_from_pb(message: Any) -> QualityScore:
     )
 
 
+def cache_event_to_pb(event: CacheEvent) -> Any:
+    pb = codec().worker_pb2
+    if isinstance(event, CacheInsert):
+        insert = pb.CacheInsert(entry_id=event.entry_id, tag=event.tag, embedding=event.embedding)
+        return pb.CacheEvent(insert=insert)
+    return pb.CacheEvent(evict=pb.CacheEvict(entry_id=event.entry_id))
+
+
+def cache_event_from_pb(message: Any) -> CacheEvent | None:
+    """An event; None for one this reader does not know (a newer kind, or none set)."""
+    kind = message.WhichOneof("event")
+    if kind == "insert":
+        i = message.insert
+        return CacheInsert(i.entry_id, i.tag, tuple(i.embedding))
+    if kind == "evict":
+        return CacheEvict(message.evict.entry_id)
+    return None
+
+
+def _cache_events_to_pb(events: CacheEvents | None, message: Any) -> None:
+    if events is None:
+        return
+    message.cache_events.extend(cache_event_to_pb(e) for e in events.events)
+    message.cache_events_truncated = events.truncated
+    message.cache_log_id = events.log_id
+    message.cache_events_last = events.last
+
+
+def _cache_events_from_pb(message: Any) -> CacheEvents | None:
+    """The reply's cache events; None when it carries no log (the call asked for none). An
+    event of a kind this reader does not know makes the batch truncated: the mirror cannot
+    apply it."""
+    if not message.cache_log_id:
+        return None
+    events = [cache_event_from_pb(e) for e in message.cache_events]
+    known = tuple(e for e in events if e is not None)
+    return CacheEvents(
+        log_id=message.cache_log_id,
+        last=message.cache_events_last,
+        events=known,
+        truncated=message.cache_events_truncated or len(known) < len(events),
+    )
+
+
 def result_to_pb(result: GenerateResult) -> Any:
     c = codec()
-    return c.worker_pb2.GenerateResponse(
+    message = c.worker_pb2.GenerateResponse(
         request_id=result.request_id,
         png=result.png,
         level=result.level,
@@ -387,7 +545,10 @@ def result_to_pb(result: GenerateResult) -> Any:
         scheduler=result.scheduler,
         adapter_path=result.adapter_path,
         scores=[score_to_pb(s) for s in result.scores],
+        routed_step=result.routed_step,
     )
+    _cache_events_to_pb(result.cache_events, message)
+    return message
 
 
 def result_from_pb(message: Any) -> GenerateResult:
@@ -404,11 +565,13 @@ def result_from_pb(message: Any) -> GenerateResult:
         start_step=message.start_step,
         cache=c.cache_from_pb.get(message.cache),
         cache_miss_reason=message.cache_miss_reason,
-        similarity=message.similarity,
+        similarity=given(message, "similarity"),
         timing=timing_from_pb(message.timing),
         worker_id=message.worker_id,
         substituted=message.substituted,
         scheduler=message.scheduler,
         adapter_path=message.adapter_path,
         scores=tuple(score_from_pb(s) for s in message.scores),
+        routed_step=message.routed_step,
+        cache_events=_cache_events_from_pb(message),
     )

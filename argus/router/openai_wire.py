@@ -39,7 +39,7 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.responses import JSONResponse
 
-from argus.contracts.generate import Adapter, AdapterKind
+from argus.contracts.generate import Adapter, AdapterKind, CacheOutcome, GenerateResult
 from argus.contracts.router_api import RouterReply, RouterRequest
 from argus.request_limits import InvalidRequestError, check_image, parse_int, parse_size
 from argus.router.core import RouterCore
@@ -443,7 +443,7 @@ def _adapters(given: Any) -> tuple[Adapter, ...]:
 def image_entry(reply: RouterReply) -> dict[str, Any]:
     """One ``data`` item: the PNG and where and how fast it was made (the worker's timing
     without its zero entries, as protobuf's JSON mapping wrote it before the reply was
-    typed)."""
+    typed), and what the approximate cache gave it (:func:`cache_evidence`)."""
     timing = reply.timing
     return {
         "b64_json": base64.b64encode(reply.png).decode("ascii"),
@@ -461,6 +461,25 @@ def image_entry(reply: RouterReply) -> dict[str, Any]:
             "attempts": timing.attempts,
             "worker": {name: ms for name, ms in asdict(timing.worker).items() if ms},
         },
+        "cache": cache_evidence(reply.worker_response),
+    }
+
+
+def cache_evidence(worker: GenerateResult) -> dict[str, Any]:
+    """The ``cache`` object of a ``data`` item, an Argus extension (OpenAI's clients keep
+    unknown fields): ``outcome`` hit, miss or not_used (null if the worker did not say);
+    ``similarity`` of the nearest cached prompt the worker found, null when it found none or
+    did not look; ``resumed_step`` the K resumed at (0 unless a hit); ``routed_step`` the
+    routed level's K, the ceiling the similarity may lower; ``miss_reason`` ("" unless a
+    miss), e.g. below-floor."""
+    outcome = worker.cache
+    hit = outcome is CacheOutcome.HIT
+    return {
+        "outcome": None if outcome is None else outcome.value.replace("-", "_"),
+        "similarity": worker.similarity,
+        "resumed_step": worker.start_step if hit else 0,
+        "routed_step": worker.routed_step,
+        "miss_reason": worker.cache_miss_reason if outcome is CacheOutcome.MISS else "",
     }
 
 

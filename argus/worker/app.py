@@ -18,8 +18,9 @@ from typing import Any
 from argus import defaults
 from argus.plumbing.grpc_server import check_address, check_port, wait_for_shutdown
 from argus.plumbing.internal_tls import InternalTLS
-from argus.profiles import default_profiles, load_profiles
+from argus.profiles import default_profiles, load_cache_rules, load_profiles
 from argus.profiles.batch_curve import BatchTable, BatchTableError, load_batch_table
+from argus.profiles.cache_evidence import DEFAULT_RULE, KRule
 from argus.types import ProfileSet, Strategy
 from argus.worker.adapters.workflow import AdapterSettings, WorkerAdapters
 from argus.worker.editing.activation_cache import EditCache
@@ -71,6 +72,7 @@ class WorkerSettings:
     index_outage_file: str | None = None  # fault injection: index unreachable while it exists
     cache_max_entries: int | None = defaults.CACHE_MAX_ENTRIES
     cache_max_bytes: int | None = None
+    # raises every floor of the profile's similarity → K rule to at least this; 0: the rule
     min_similarity: float = 0.0
     encoder_dir: str | None = None  # BERT directory for prompt embeddings; None: MiniLM
     # the mask-aware activation cache of edits: host bytes (0: off), then a disk tier
@@ -121,6 +123,8 @@ class WorkerSettings:
                 f"edit_cache_disk_bytes: must be > 0 with a directory, got "
                 f"{self.edit_cache_disk_bytes}"
             )
+        if not -1.0 <= self.min_similarity <= 1.0:
+            raise ValueError(f"min_similarity: must be in [-1, 1], got {self.min_similarity}")
         if not 0.0 <= self.score_sample <= 1.0:
             raise ValueError(f"score_sample: must be in [0, 1], got {self.score_sample}")
 
@@ -149,6 +153,23 @@ def base_model_name(profiles: ProfileSet) -> str:
     return profiles.levels[0].model
 
 
+def cache_rules(settings: WorkerSettings) -> tuple[dict[str, KRule], KRule]:
+    """The similarity → K rule of each model (the profile's ``[models.X.cache]``) and the
+    rule of the others (:data:`~argus.profiles.cache_evidence.DEFAULT_RULE`), every floor
+    raised to at least ``min_similarity``."""
+    rules = load_cache_rules(settings.profile or "default")
+    floor = settings.min_similarity
+    return {m: raised(r, floor) for m, r in rules.items()}, raised(DEFAULT_RULE, floor)
+
+
+def raised(rule: KRule, floor: float) -> KRule:
+    """``rule`` with every similarity floor at least ``floor`` (itself when none is below)."""
+    if all(s >= floor for _, s in rule.floors):
+        return rule
+    floors = tuple((k, max(s, floor)) for k, s in rule.floors)
+    return KRule(floors, source=f"{rule.source}; floors raised to >= {floor:g}")
+
+
 def build_cache(settings: WorkerSettings, dim: int) -> Any:
     from argus.worker.approx_cache.cache import (
         ApproximateCache,
@@ -169,12 +190,14 @@ def build_cache(settings: WorkerSettings, dim: int) -> Any:
 
         index = OutageSwitch(index, settings.index_outage_file)
     store = LatentStore(root / "latents")
+    rules, default_rule = cache_rules(settings)
     return ApproximateCache(
         index,
         store,
         max_entries=settings.cache_max_entries,
         max_bytes=settings.cache_max_bytes,
-        min_similarity=settings.min_similarity,
+        rules=rules,
+        default_rule=default_rule,
     )
 
 

@@ -54,6 +54,8 @@ from PIL import Image
 
 from argus import defaults
 from argus.contracts.generate import (
+    CacheEvents,
+    CacheKey,
     CacheOutcome,
     GenerateCall,
     GenerateResult,
@@ -398,7 +400,7 @@ class Worker:
                 queue_ms=(started - admitted) * 1e3,
                 total_ms=(time.perf_counter() - admitted) * 1e3,
             )
-            result = replace(result, timing=timing)
+            result = replace(result, timing=timing, cache_events=self._cache_events(call))
             with self._lock:
                 self._counts["completed"] += 1
                 self._counts["substituted"] += result.substituted
@@ -417,6 +419,16 @@ class Worker:
             with self._lock:
                 self._queued -= 1
                 self._finished += 1
+
+    def _cache_events(self, call: GenerateCall) -> CacheEvents | None:
+        """The cache's changes after the call's cursor, for the caller's mirror of this
+        worker's cache (:mod:`argus.worker.approx_cache.events`); None when the call sent no
+        cursor or the worker has no cache. A run's own insert is written after its answer, so
+        it rides on a later reply."""
+        if call.cache_cursor is None or self.cache is None:
+            return None
+        events: CacheEvents = self.cache.events.since(call.cache_cursor)
+        return events
 
     def _on_device(self, work: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Run ``work`` on the device thread and wait for it; its exception is raised here."""
@@ -459,19 +471,19 @@ class Worker:
         ``queued_edit``: the activation cache's key of an inpainting edit when it was queued,
         and whether a record was there then (:meth:`WorkerEdits.queued`)."""
         model, substituted = self._pick_model(level)  # 1
-        key = cache_key(model, spec) if self.cache is not None else None
-        lookup = look_up(self.cache, self.encoder, spec, level, plan, key)  # 2
+        key = cache_key(model, spec, plan) if self.cache is not None else None
+        lookup = look_up(self.cache, self.encoder, spec, level, key)  # 2
         feeds = (
             feed_cache
             and spec.edit is None
-            and feeds_cache(self.cache, self.base_model, model, level, plan, lookup)
+            and feeds_cache(self.cache, self.base_model, model, level, lookup)
         )
         capture = capture_steps(self.cache, spec.steps) if feeds else ()  # 3
         result, path, adapter_ms = self._denoise(  # 4
             model, spec, plan, request_id, lookup, capture, cancel, report, queued_edit
         )
         image, vae_s = self._decode_in_time(model, spec, result, cancel, report)  # 5
-        if feeds and result.captured:  # 6
+        if feeds and key is not None and result.captured:  # 6
             self._insert_later(spec.prompt, lookup.embedding, key, result.captured)
         answer = self._answer(  # 7
             request_id, level, model, result, lookup, vae_s, substituted, path, adapter_ms
@@ -599,6 +611,7 @@ class Worker:
             cache=lookup.outcome,
             cache_miss_reason=lookup.miss_reason,
             similarity=lookup.similarity,
+            routed_step=level.skip_steps if level.strategy is Strategy.AC else 0,
             timing=Timing(
                 search_ms=lookup.search_ms,
                 fetch_ms=lookup.fetch_ms,
@@ -668,7 +681,7 @@ class Worker:
         self,
         prompt: str,
         embedding: npt.NDArray[np.float32] | None,
-        key: Any,
+        key: CacheKey,
         latents: dict[int, torch.Tensor],
     ) -> None:
         """Step 6: hand a run's captured latents to the cache's writer thread, off the request
@@ -685,7 +698,7 @@ class Worker:
         self,
         prompt: str,
         embedding: npt.NDArray[np.float32] | None,
-        key: Any,
+        key: CacheKey,
         latents: dict[int, torch.Tensor],
     ) -> None:
         if not insert(self.cache, self.encoder, prompt, embedding, key, latents):

@@ -23,12 +23,12 @@ Decisions:
 * **Bound K scales with the step count.** ``lora_bound`` is given for ``bound_reference_steps``
   steps (10 of 50 by default: the LoRA changes little in the first fifth of the steps, Katz
   §6); a request with N steps waits at ``round(lora_bound · N / reference)``.
-* **Adapters and the approximate cache.** A request with ControlNets never resumes from a
-  cached latent: the control's structure is laid down in the early steps the cache skips, and
-  the cached latent came from another request's control image. It runs from noise at the
-  level's model (counted as a miss with reason ``controlnet``). A request with LoRAs may
-  resume (the LoRA acts in the late steps; BAL merges at the run's first step); neither kind
-  feeds the cache, whose latents must be the base model's alone.
+* **Adapters and the approximate cache.** The adapters are part of the cache's key
+  (:func:`~argus.contracts.generate.adapters_digest`: LoRAs by name and scale, ControlNets by
+  name, scale and control image), so a request resumes only from, and feeds only, latents
+  made under the same adapters: a ControlNet's structure, laid down in the early steps a hit
+  skips, is then the request's own (:mod:`argus.worker.approx_cache.use` says what stays
+  restricted, and why).
 * **Errors keep their own classes** and :func:`adapter_status` maps them to gRPC codes: an
   unknown or bad LoRA or ControlNet is INVALID_ARGUMENT whose details start with the
   request's field, ``adapters[i]`` (the request named it, so it is the request's error, and

@@ -1,64 +1,46 @@
 """The worker's approximate cache (NIRVANA-style approximate caching, Argus §2.1 and §4.5).
 
 After a full generation the worker stores the intermediate latents at each K of
-``cache_steps`` (by default 5, 10, 15, 20, 25) and indexes the prompt's embedding; a later
-request at level K embeds its prompt, finds the most similar cached prompt generated with the
-same model, scheduler, resolution and step count, fetches that prompt's latent at step K, and
-the pipeline denoises only the remaining N−K steps.
+``cache_steps`` (5, 10, 15, 20, 25 by default) and indexes the prompt's embedding. A later
+request at a level of K embeds its prompt and finds the nearest cached prompt of its
+:class:`~argus.contracts.generate.CacheKey` (model, scheduler, size, steps, adapters); the
+level's K is a ceiling and the neighbour's similarity decides how much of it is used: the
+model's :class:`~argus.profiles.cache_evidence.KRule` gives the largest cached step at most K
+that the similarity allows, the pipeline resumes there, and below the rule's lowest floor the
+lookup is a miss (``below-floor``) served in full.
 
-Parts and where they live:
-
-* :class:`~argus.worker.approx_cache.vector_index.VectorIndex` — one point per entry: the prompt
-embedding
-  and a payload with the prompt, the :class:`CacheKey` fields, the digest of the latent per K,
-  the entry's bytes and its recency. Requests match entries through one keyword field
-  (``CacheKey.tag``) with a keyword payload index. Qdrant Edge in process by default, a Qdrant
-  server in production.
-* :class:`~argus.worker.approx_cache.latent_store.LatentStore` — fp16 safetensors files named by
-their
-  sha256, verified on every read.
-* :class:`ApproximateCache` (here) — the policy: lookups and inserts, LRU eviction under an
-  entry and/or byte bound, miss accounting, recovery after a restart, and the metrics.
+Parts: the :class:`~.vector_index.VectorIndex` (one point per entry: the embedding and a payload
+with the prompt, the key, the digest of the latent per K, the bytes and the recency, matched
+through the key's tag; Qdrant Edge in process, a Qdrant server in production); the
+:class:`~.latent_store.LatentStore` (fp16 safetensors named by their sha256, verified on every
+read); :class:`ApproximateCache` (here: lookups, inserts, LRU eviction, recovery, metrics);
+and the :class:`~.events.CacheEventLog` of its inserts and evictions, for routers' mirrors.
 
 Design decisions:
 
-* **Misses are values, not errors.** Every data-dependent failure of a lookup — nothing cached
-  for the key, a match below ``min_similarity``, a missing or corrupt latent file, an index
-  that raised — returns :class:`CacheMiss` with a reason from :data:`MISS_REASONS`, counted;
-  the worker then runs a full generation. Only programming errors raise (an embedding of the
-  wrong shape, a K the cache does not keep).
-* **Complete entries.** An entry holds a latent for every cached K below its step count, so
-  the nearest neighbour of a key can serve every level; an incomplete insert is refused.
-* **One entry per (key, prompt).** Inserting a prompt that is already cached for the key only
-  refreshes the existing entry: the K = 0 level feeds the cache on every request, and a
-  popular prompt would otherwise fill it with copies.
-* **LRU by last hit.** A hit moves the entry to the back of the eviction order; inserts evict
-  from the front until both bounds hold, deleting the point first and the files after (a
-  lookup racing an eviction sees a missing file: a counted miss, never wrong data). ``bytes``
-  counts every entry's files, so a file shared by two entries counts twice (conservative).
-* **Recency is persisted lazily.** Hits bump a logical clock in memory; the writer path
-  (:meth:`ApproximateCache.insert`) and :meth:`ApproximateCache.close` write the changed
-  ``last_used`` values to the index in one batch, so a hit costs no index write. After a crash
-  the order is as of the last insert: approximately LRU, as intended.
-* **Broken entries are purged off the request path.** A missing or corrupt latent marks its
-  entry; the next insert deletes it (the request itself only counts the miss).
-* **Restart recovery** scrolls the index, rebuilds entries, bytes, recency order and the
-  store's reference counts from the payloads, deletes files nothing references, and evicts if
-  the bounds shrank.
-* **One owner.** One cache owns its index collection and store directory (single writer);
-  sharing a collection between workers would need cross-worker eviction, which this does not do.
+* **Misses are values, not errors.** Nothing cached for the key, a neighbour below the floor,
+  a missing or corrupt latent, an index that raised: each is a :class:`CacheMiss` with a
+  reason from :data:`MISS_REASONS` (and the neighbour's similarity when there was one),
+  counted; the worker runs in full. Only programming errors raise.
+* **Complete entries, one per (key, prompt).** An entry holds a latent for every cached K
+  below its step count, so the neighbour can serve any K the rule allows; inserting a cached
+  prompt again only refreshes it.
+* **LRU by last hit**, persisted lazily (hits bump a clock in memory; the writer path writes
+  the changed recency in one batch). Evictions delete the point first and the files after,
+  so a lookup racing one sees a missing file: a counted miss, never wrong data.
+* **Broken entries are purged off the request path**, by the next insert.
+* **Restart recovery** rebuilds entries, bytes, recency and the store's reference counts from
+  the payloads, deletes unreferenced files, and evicts if the bounds shrank.
+* **One owner**: one cache owns its collection and directory (single writer).
 
-Thread safety: lookups run on gRPC threads and inserts on the engine's writer thread. One lock
-guards the in-memory state (entries in recency order, counters, latency windows); index and
-store calls run outside it (both are thread-safe), so a lookup never waits for an insert's
-file writes. Host memory is about 1.2 KB per entry (entry, digests, reference counts; measured
-with tracemalloc), about 120 MB for the worker's default bound of 100k entries.
+Thread safety: lookups run on gRPC threads, inserts on the engine's writer thread; one lock
+guards the in-memory state and index and store calls run outside it. About 1.2 KB of host
+memory per entry (tracemalloc), 120 MB at the worker's default bound of 100k entries.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -73,6 +55,9 @@ import numpy.typing as npt
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from argus.contracts.generate import CacheKey
+from argus.profiles.cache_evidence import DEFAULT_RULE, KRule
+from argus.worker.approx_cache.events import DEFAULT_CAPACITY, CacheEventLog
 from argus.worker.approx_cache.latent_store import (
     LatentCorruptError,
     LatentMissingError,
@@ -112,12 +97,30 @@ DEFAULT_CACHE_STEPS: Final = (5, 10, 15, 20, 25)
 MISS_REASONS: Final = (
     "empty",  # the cache holds no entry at all
     "no-match",  # entries exist, none with this request's key
-    "below-threshold",  # the nearest entry is less similar than min_similarity
+    "below-floor",  # the nearest entry is less similar than the rule's floor at any K allowed
     "missing-latent",  # the entry's latent file (or its digest) is gone
     "corrupt-latent",  # the latent file does not match its hash or does not parse
     "index-error",  # the vector index raised (server down, closed cache)
 )
 PHASES: Final = ("search", "fetch")
+# similarity histogram buckets: the default rule's floors (0.65 … 0.93) and room around them
+SIMILARITY_BUCKETS = (
+    0.0,
+    0.3,
+    0.5,
+    0.6,
+    0.65,
+    0.7,
+    0.75,
+    0.8,
+    0.82,
+    0.85,
+    0.88,
+    0.9,
+    0.93,
+    0.96,
+    0.99,
+)
 PAYLOAD_SCHEMA = 1  # bumped when the payload layout changes
 # retrieval histogram buckets: 50 µs (Edge top-1 on a small cache) to 1 s (a struggling server)
 RETRIEVAL_BUCKETS = (
@@ -140,32 +143,9 @@ FloatArray = npt.NDArray[np.float32]
 
 
 @dataclass(frozen=True)
-class CacheKey:
-    """What must be equal for a cached latent to be usable: entries only match requests with
-    the same key."""
-
-    model: str  # model name of the profile, e.g. "sd-xl"
-    scheduler: str  # scheduler name, e.g. "euler"
-    height: int  # pixels
-    width: int  # pixels
-    steps: int  # N, total denoising steps
-
-    def __post_init__(self) -> None:
-        if not self.model or not self.scheduler:
-            raise ValueError(f"cache key needs a model and a scheduler: {self}")
-        if min(self.height, self.width, self.steps) <= 0:
-            raise ValueError(f"cache key needs positive height, width and steps: {self}")
-
-    @property
-    def tag(self) -> str:
-        """The keyword the index filters on: an unambiguous encoding of all five fields."""
-        return json.dumps([self.model, self.scheduler, self.height, self.width, self.steps])
-
-
-@dataclass(frozen=True)
 class CacheHit:
     latent: torch.Tensor  # float32 on CPU, shape as stored (1, C, h, w)
-    step: int  # K: the latent is the scheduler's sample after K steps
+    step: int  # K resumed at: the latent is the scheduler's sample after K steps
     similarity: float  # cosine similarity of the matched prompt
     entry_id: str
     search_s: float  # time in the vector index
@@ -177,6 +157,7 @@ class CacheMiss:
     reason: str  # one of MISS_REASONS
     search_s: float  # 0 when no search ran
     fetch_s: float  # 0 when no fetch ran
+    similarity: float | None = None  # of the neighbour found (below-floor, bad latent); None: none
 
 
 @dataclass(frozen=True)
@@ -195,6 +176,7 @@ class CacheStats:
     fetch_p50_s: float
     fetch_p99_s: float
     window: int  # searches the percentiles cover
+    k_reduced: int = 0  # hits the rule resumed below the largest cached step of their ceiling
 
 
 class CacheMetrics:
@@ -225,6 +207,18 @@ class CacheMetrics:
         )
         self.entries = Gauge("argus_worker_cache_entries", "Cached prompts", registry=registry)
         self.bytes = Gauge("argus_worker_cache_bytes", "Bytes of cached latents", registry=registry)
+        self.k_reduced = Counter(
+            "argus_worker_cache_k_reduced",
+            "Hits the similarity rule resumed below the largest cached step of their level's K "
+            "(the routed ceiling): the neighbour allowed fewer skipped steps",
+            registry=registry,
+        )
+        self.similarity = Histogram(
+            "argus_worker_cache_similarity",
+            "Cosine similarity of the nearest cached prompt a lookup found (hits and misses)",
+            buckets=SIMILARITY_BUCKETS,
+            registry=registry,
+        )
         for phase in PHASES:
             self.retrieval.labels(phase)
         for reason in MISS_REASONS:
@@ -236,6 +230,8 @@ class CacheMetrics:
             self.evictions,
             self.entries,
             self.bytes,
+            self.k_reduced,
+            self.similarity,
         )
 
     def unregister(self) -> None:
@@ -257,6 +253,7 @@ class _Counts:
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
     evictions: int = 0
     inserts: int = 0
+    k_reduced: int = 0
 
 
 class ApproximateCache:
@@ -270,20 +267,23 @@ class ApproximateCache:
         *,
         max_entries: int | None,
         max_bytes: int | None,
-        min_similarity: float = 0.0,
+        rules: Mapping[str, KRule] | None = None,
+        default_rule: KRule = DEFAULT_RULE,
         cache_steps: Iterable[int] = DEFAULT_CACHE_STEPS,
         registry: CollectorRegistry | None = None,
         window: int = 1000,
+        events: int = DEFAULT_CAPACITY,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``rules``: the similarity → K rule of each model (the profile's
+        ``[models.X.cache]``); a model without one uses ``default_rule``. ``events``: the
+        changes the event log keeps for routers' mirrors (:mod:`.events`)."""
         steps = tuple(sorted(set(cache_steps)))
         if not steps or steps[0] <= 0:
             raise ValueError(f"cache_steps {tuple(cache_steps)} must be positive step numbers")
         for name, bound in (("max_entries", max_entries), ("max_bytes", max_bytes)):
             if bound is not None and bound <= 0:
                 raise ValueError(f"{name} {bound} must be positive or None")
-        if not -1.0 <= min_similarity <= 1.0:
-            raise ValueError(f"min_similarity {min_similarity} outside [-1, 1]")
         if window <= 0:
             raise ValueError(f"window {window} must be positive")
         self.index = index
@@ -291,7 +291,8 @@ class ApproximateCache:
         self.dim = index.dim
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self.min_similarity = min_similarity
+        self.rules: dict[str, KRule] = dict(rules or {})
+        self.default_rule = default_rule
         self.cache_steps: tuple[int, ...] = steps
         self._timer = timer
         self._lock = threading.Lock()
@@ -306,14 +307,23 @@ class ApproximateCache:
         self._closed = False
         self.metrics = CacheMetrics(registry if registry is not None else REGISTRY)
         self._recover()
+        # after recovery: the entries it found were never published, so the log starts with
+        # a gap (its evictions, if the bounds shrank, went nowhere)
+        self.events = CacheEventLog(events, recovered=bool(self._entries))
+
+    def rule_for(self, model: str) -> KRule:
+        """The similarity → K rule of ``model``."""
+        return self.rules.get(model, self.default_rule)
 
     # -- the request path ------------------------------------------------------------------
 
-    def lookup(self, embedding: npt.ArrayLike, key: CacheKey, step: int) -> CacheHit | CacheMiss:
-        """The latent at step ``step`` of the cached prompt nearest to ``embedding`` among the
-        entries of ``key``, or why there is none. Never raises for data-dependent failures."""
+    def lookup(self, embedding: npt.ArrayLike, key: CacheKey, ceiling: int) -> CacheHit | CacheMiss:
+        """The latent of the cached prompt nearest to ``embedding`` among the entries of
+        ``key``, at the largest cached step at most ``ceiling`` (the routed level's K) that
+        its similarity allows under ``key.model``'s rule, or why there is none. Never raises
+        for data-dependent failures."""
         vector = check_vector(embedding, self.dim)
-        self._check_step(key, step)
+        steps = self._steps_up_to(key, ceiling)
         began = self._timer()
         match: IndexMatch | None = None
         error = False
@@ -332,15 +342,23 @@ class ApproximateCache:
             with self._lock:
                 empty = not self._entries
             return self._miss("empty" if empty else "no-match", search_s)
-        if match.score < self.min_similarity:
-            return self._miss("below-threshold", search_s)
-        return self._fetch(match, step, search_s)
+        similarity = float(match.score)
+        self.metrics.similarity.observe(similarity)
+        step = self.rule_for(key.model).allowed_step(similarity, ceiling, steps)
+        if step == 0:
+            return self._miss("below-floor", search_s, similarity=similarity)
+        return self._fetch(match, step, search_s, reduced=step < steps[-1])
 
-    def _fetch(self, match: IndexMatch, step: int, search_s: float) -> CacheHit | CacheMiss:
+    def _fetch(
+        self, match: IndexMatch, step: int, search_s: float, *, reduced: bool
+    ) -> CacheHit | CacheMiss:
+        """Read the neighbour's latent at ``step``; ``reduced``: the rule chose a step below
+        the largest the ceiling allows (counted on a hit)."""
+        similarity = float(match.score)
         digest = _latent_digests(match.payload).get(step)
         if digest is None:
             self._mark_broken(match.id)
-            return self._miss("missing-latent", search_s)
+            return self._miss("missing-latent", search_s, similarity=similarity)
         began = self._timer()
         reason = ""
         try:
@@ -354,26 +372,41 @@ class ApproximateCache:
         self._observe("fetch", fetch_s)
         if reason:
             self._mark_broken(match.id)
-            return self._miss(reason, search_s, fetch_s)
+            return self._miss(reason, search_s, fetch_s, similarity)
         with self._lock:
             entry = self._entries.get(match.id)
             if entry is not None:
                 self._touch(match.id, entry)
             self._counts.hits += 1
+            self._counts.k_reduced += reduced
         self.metrics.hits.inc()
-        return CacheHit(latent, step, match.score, match.id, search_s, fetch_s)
+        if reduced:
+            self.metrics.k_reduced.inc()
+        return CacheHit(latent, step, similarity, match.id, search_s, fetch_s)
 
-    def _check_step(self, key: CacheKey, step: int) -> None:
-        if step not in self.cache_steps:
-            raise ValueError(f"step {step} is not cached; the cache keeps {self.cache_steps}")
-        if step >= key.steps:
-            raise ValueError(f"step {step} is not below the request's {key.steps} steps")
+    def _steps_up_to(self, key: CacheKey, ceiling: int) -> tuple[int, ...]:
+        """The cached steps at most ``ceiling`` (and below ``key.steps``), ascending; raises
+        ValueError when there is none (a level whose K the cache cannot serve)."""
+        if not 0 < ceiling < key.steps:
+            raise ValueError(f"ceiling {ceiling} is not in 1 … {key.steps - 1} (K < N)")
+        steps = tuple(k for k in self.cache_steps if k <= ceiling)
+        if not steps:
+            raise ValueError(
+                f"no cached step at most {ceiling}; the cache keeps {self.cache_steps}"
+            )
+        return steps
 
-    def _miss(self, reason: str, search_s: float, fetch_s: float = 0.0) -> CacheMiss:
+    def _miss(
+        self,
+        reason: str,
+        search_s: float,
+        fetch_s: float = 0.0,
+        similarity: float | None = None,
+    ) -> CacheMiss:
         with self._lock:
             self._counts.misses[reason] += 1
         self.metrics.misses.labels(reason).inc()
-        return CacheMiss(reason, search_s, fetch_s)
+        return CacheMiss(reason, search_s, fetch_s, similarity)
 
     def _observe(self, phase: str, seconds: float) -> None:
         with self._lock:
@@ -477,6 +510,7 @@ class ApproximateCache:
             self._bytes += nbytes
             self._counts.inserts += 1
             victims = self._pop_victims(keep=entry_id)
+        self.events.inserted(entry_id, key.tag, vector)
         self._drop(victims, evicted=True)
         return entry_id
 
@@ -498,9 +532,15 @@ class ApproximateCache:
         too_big = self.max_bytes is not None and self._bytes > self.max_bytes
         return too_many or too_big
 
-    def _drop(self, victims: list[tuple[str, _Entry]], *, evicted: bool) -> None:
-        """Delete entries already taken out of memory: the points first, then the files."""
+    def _drop(
+        self, victims: list[tuple[str, _Entry]], *, evicted: bool, publish: bool = True
+    ) -> None:
+        """Delete entries already taken out of memory: the points first, then the files; the
+        event log says they are gone (before the delete: a mirror that keeps an entry the
+        index lost would predict hits the worker cannot serve)."""
         if victims:
+            if publish:
+                self.events.evicted(entry_id for entry_id, _ in victims)
             try:
                 self.index.delete([entry_id for entry_id, _ in victims])
             except Exception:
@@ -571,7 +611,7 @@ class ApproximateCache:
             log.info("approximate cache: removed %d unreferenced latent files", swept)
         with self._lock:
             victims = self._pop_victims()
-        self._drop(victims, evicted=True)
+        self._drop(victims, evicted=True, publish=False)  # no log yet: nothing was published
 
     # -- stats and shutdown ----------------------------------------------------------------
 
@@ -586,7 +626,7 @@ class ApproximateCache:
             counts = self._counts
             entries, nbytes = len(self._entries), self._bytes
             hits, misses = counts.hits, dict(counts.misses)
-            evictions, inserts = counts.evictions, counts.inserts
+            evictions, inserts, k_reduced = counts.evictions, counts.inserts, counts.k_reduced
         search_p50, search_p99 = _percentiles(search)
         fetch_p50, fetch_p99 = _percentiles(fetch)
         return CacheStats(
@@ -601,6 +641,7 @@ class ApproximateCache:
             fetch_p50_s=fetch_p50,
             fetch_p99_s=fetch_p99,
             window=len(search),
+            k_reduced=k_reduced,
         )
 
     def recency_order(self) -> list[str]:
@@ -639,6 +680,7 @@ def _payload(key: CacheKey, prompt: str, entry: _Entry) -> dict[str, Any]:
         "height": key.height,
         "width": key.width,
         "steps": key.steps,
+        "adapters": key.adapters,
         "latents": {str(k): digest for k, digest in entry.latents.items()},  # K → sha256
         "latent_bytes": entry.nbytes,
         "last_used": entry.last_used,

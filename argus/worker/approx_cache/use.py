@@ -3,23 +3,32 @@ are stored for later requests.
 
 A request names a *level* of the worker's profile:
 
-* AC level with K > 0: embed the prompt, find the nearest cached prompt with the same model,
-  scheduler, resolution and steps (:func:`cache_key`), fetch its latent at step K and denoise
-  the remaining N−K steps (:func:`look_up`). A miss, or a missing or corrupt latent, falls back
-  to a full generation, counted; it is never an error.
-* AC level with K = 0, or a miss: a full generation. When it ran on the AC base model without
-  adapters, its latents at the cache's steps (:func:`capture_steps`) are stored
+* AC level with K > 0: embed the prompt, find the nearest cached prompt of the request's
+  :func:`cache_key` (model, scheduler, size, steps and adapters) and resume at the largest
+  cached step at most K that the neighbour's similarity allows under the model's rule
+  (:func:`look_up`; the level's K is a ceiling). A neighbour below the rule's floor, nothing
+  cached, a missing or corrupt latent, an index down or slow: a miss, generated in full and
+  counted, never an error.
+* AC level with K = 0, or a miss: a full generation. When it ran on the AC base model, its
+  latents at the cache's steps (:func:`capture_steps`) are stored under its key
   (:func:`feeds_cache`, :func:`insert`), off the request path: the worker hands them to a
   single writer thread with a bounded backlog, and a full backlog drops the insert, counted.
 * SM level: a full generation on that level's model; the cache is not used.
 
-An edit never uses the approximate cache (:attr:`CacheOutcome.NOT_USED`): the cache holds
-latents of other prompts generated from noise, and resuming one at step K would replace the
-template by another image, while the template's own steps are what an edit keeps; nor does an
-edit feed it, since its latents carry its template into any prompt that would resume from
-them. A request with ControlNets never resumes from a cached latent (the control's structure
-is set in the steps a hit would skip), and no adapter request feeds the cache (it holds the
-base model's latents alone).
+Adapters are part of the key, so a request with LoRAs or ControlNets resumes only from, and
+feeds only, latents made under the same LoRAs (names and scales) and the same ControlNets
+(names, scales and control images): the control's structure, laid down in the steps a hit
+skips, is then the request's own. What stays restricted, and why:
+
+* an edit never uses the cache (:attr:`CacheOutcome.NOT_USED`) nor feeds it: the cache holds
+  latents generated from noise, and resuming one would replace the template by another image,
+  while an edit's latents carry its template into any prompt that would resume from them;
+* a LoRA run's cached latents are what bounded asynchronous loading made of it: the LoRAs may
+  join after a few steps, up to the BAL bound, so the steps before are the base model's. That
+  is the image BAL serves anyway, and a resumed run merges them as they load (waiting at its
+  first step when it starts past the bound). ControlNets' async mode (each step using the
+  previous step's residuals) makes nearly the image sync mode makes, and latent parallelism
+  the same within rounding; neither is in the key, which a router computes from the request.
 
 These are functions of the worker's cache and prompt encoder, passed at each call: the worker
 owns both (and may swap its encoder, as a benchmark that times it does).
@@ -34,7 +43,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from argus.contracts.generate import CacheOutcome
+from argus.contracts.generate import (
+    Adapter,
+    AdapterKind,
+    CacheKey,
+    CacheOutcome,
+    adapters_digest,
+)
 from argus.types import Level, Strategy
 from argus.worker.adapters.workflow import AdapterPlan
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
@@ -47,17 +62,18 @@ class PromptEncoder(Protocol):
 @dataclass(frozen=True)
 class CacheLookup:
     """What the approximate cache gave a request (step 2 of the worker's run): a HIT
-    resumes ``latent`` at ``start_step`` (the level's K); a MISS (``miss_reason`` says why)
-    and NOT_USED (by design: SM, K = 0, no cache) start from noise at step 0, except an edit
-    (NOT_USED), which starts at its own step from its image (:attr:`GenerationSpec.start_step`)."""
+    resumes ``latent`` at ``start_step`` (at most the level's K); a MISS (``miss_reason``
+    says why) and NOT_USED (by design: SM, K = 0, no cache) start from noise at step 0,
+    except an edit (NOT_USED), which starts at its own step from its image
+    (:attr:`GenerationSpec.start_step`)."""
 
     outcome: CacheOutcome
-    start_step: int = 0  # K on a hit
-    latent: torch.Tensor | None = None  # the cached latent after K steps (hit)
-    similarity: float = 0.0  # cosine similarity of the cached prompt (hit)
-    miss_reason: str = (
-        ""  # one of argus.worker.approx_cache.cache.MISS_REASONS, "controlnet", "no-encoder"
-    )
+    start_step: int = 0  # the K resumed at, on a hit
+    latent: torch.Tensor | None = None  # the cached latent after start_step steps (hit)
+    # cosine similarity of the nearest cached prompt found (a hit, or a miss below the floor
+    # or with a bad latent); None: no neighbour found, or no lookup made
+    similarity: float | None = None
+    miss_reason: str = ""  # one of argus.worker.approx_cache.cache.MISS_REASONS, "no-encoder"
     search_ms: float = 0.0  # in the vector index (0 when no search ran)
     fetch_ms: float = 0.0  # reading the latent (0 when none was read)
     # the prompt's embedding when the lookup made one; a run that feeds the cache reuses it
@@ -70,6 +86,7 @@ class CacheLookup:
         search_ms: float = 0.0,
         fetch_ms: float = 0.0,
         embedding: npt.NDArray[np.float32] | None = None,
+        similarity: float | None = None,
     ) -> CacheLookup:
         return cls(
             CacheOutcome.MISS,
@@ -77,24 +94,31 @@ class CacheLookup:
             search_ms=search_ms,
             fetch_ms=fetch_ms,
             embedding=embedding,
+            similarity=similarity,
         )
 
 
 NOT_LOOKED_UP = CacheLookup(CacheOutcome.NOT_USED)
 
 
-def cache_key(model: DiffusionModel, spec: GenerationSpec) -> Any:
-    """The :class:`~argus.worker.approx_cache.cache.CacheKey` of ``spec`` run on ``model``:
-    a cached latent serves only a run of the same model, scheduler, size and step count."""
-    from argus.worker.approx_cache.cache import CacheKey
-
+def cache_key(model: DiffusionModel, spec: GenerationSpec, plan: AdapterPlan) -> CacheKey:
+    """The cache key of ``spec`` run on ``model`` with ``plan``'s adapters: a cached latent
+    serves only a run of the same model, scheduler, size, step count and adapters."""
     return CacheKey(
         model=model.name,
         scheduler=model.scheduler_name,
         height=spec.height,
         width=spec.width,
         steps=spec.steps,
+        adapters=adapters_digest(plan_adapters(plan)),
     )
+
+
+def plan_adapters(plan: AdapterPlan) -> list[Adapter]:
+    """A checked plan's adapters as the contract's values (scales as run), for the key."""
+    loras = [Adapter(AdapterKind.LORA, r.name, r.scale) for r in plan.loras]
+    controls = [Adapter(AdapterKind.CONTROLNET, u.name, u.scale, u.image) for u in plan.controls]
+    return loras + controls
 
 
 def look_up(
@@ -102,20 +126,17 @@ def look_up(
     encoder: PromptEncoder | None,
     spec: GenerationSpec,
     level: Level,
-    plan: AdapterPlan,
-    key: Any,
+    key: CacheKey | None,
 ) -> CacheLookup:
     """Step 2: where the run starts. An edit starts where its strength says, without the
-    cache (see the module's docstring). An AC level with K > 0 looks the prompt up in the
-    cache (embedding it); a request with ControlNets, or a worker without an encoder,
-    misses without a search; every other request does not use the cache."""
+    cache (see the module's docstring). An AC level with K > 0 embeds the prompt and looks it
+    up under ``key`` with K as the ceiling; a worker without an encoder misses without a
+    search; every other request does not use the cache."""
     if spec.edit is not None:
         return CacheLookup(CacheOutcome.NOT_USED, start_step=spec.start_step)
     if level.strategy is not Strategy.AC or level.skip_steps == 0 or cache is None:
         return NOT_LOOKED_UP
-    if plan.controls:  # the control's structure is set in the steps a hit would skip
-        return CacheLookup.miss("controlnet")
-    if encoder is None:
+    if encoder is None or key is None:
         return CacheLookup.miss("no-encoder")
     from argus.worker.approx_cache.cache import CacheHit
 
@@ -124,14 +145,16 @@ def look_up(
     if isinstance(found, CacheHit):
         return CacheLookup(
             CacheOutcome.HIT,
-            start_step=level.skip_steps,
+            start_step=found.step,
             latent=found.latent,
             similarity=float(found.similarity),
             search_ms=found.search_s * 1e3,
             fetch_ms=found.fetch_s * 1e3,
             embedding=embedding,
         )
-    return CacheLookup.miss(str(found.reason), found.search_s * 1e3, found.fetch_s * 1e3, embedding)
+    return CacheLookup.miss(
+        str(found.reason), found.search_s * 1e3, found.fetch_s * 1e3, embedding, found.similarity
+    )
 
 
 def feeds_cache(
@@ -139,18 +162,15 @@ def feeds_cache(
     base_model: str | None,
     model: DiffusionModel,
     level: Level,
-    plan: AdapterPlan,
     lookup: CacheLookup,
 ) -> bool:
-    """Step 3: whether the run's latents at the cache's steps are stored: a full run of
-    an AC level on the base model, without adapters (the cache holds the base model's
-    latents alone)."""
+    """Step 3: whether the run's latents at the cache's steps are stored: a full run of an
+    AC level on the base model, adapters or not (they are in its key)."""
     return (
         lookup.start_step == 0
         and cache is not None
         and model.name == base_model
         and level.strategy is Strategy.AC
-        and not plan
     )
 
 
@@ -164,7 +184,7 @@ def insert(
     encoder: PromptEncoder | None,
     prompt: str,
     embedding: npt.NDArray[np.float32] | None,
-    key: Any,
+    key: CacheKey,
     latents: dict[int, torch.Tensor],
 ) -> bool:
     """Step 6, on the writer thread: store a run's captured ``latents`` under ``prompt``'s
