@@ -1,6 +1,6 @@
 """Discrete-event simulation of a fixed GPU cluster, driven by a policy.
 
-The simulated data plane of DESIGN.md: workers take their latency, model load time and
+The simulated data plane: workers take their latency, model load time and
 retrieval time from the profiles, and the policy (Argus's own control plane or a baseline)
 decides levels and routes exactly as it would live.
 
@@ -9,21 +9,8 @@ A request's finish time is fixed when it is routed: ``max(now, worker free) + se
 service is the level's profiled latency on the worker's GPU class times a seeded log-normal
 jitter.
 
-Workers may be of several GPU classes (``SimConfig.with_classes``, e.g. 4 a100 + 4 h100):
-each worker's latency, model load time and throughput come from the profiles of its own class,
-and policies see every worker's class in the :class:`~argus.types.ClusterView` and in
-``SimContext.worker_classes``. The SLO is ``slo_factor`` × the best level's latency on the
-*slowest* class present (the class whose best level takes longest), so a request the cluster
-serves at full quality on any of its GPUs can meet it. Changing a worker to
-a level whose model it does not hold makes it load that model first (``load_time_s`` of the
-level on the worker's class, × the share of the model's parts the worker's current model does
-not share: within the SD-1.x family only the UNet, ``ProfileSet.switch_load_s``; profiles
-without parts, or ``ProfileSet.monolithic()``, charge the whole), during which it serves
-nothing; a change of K on the loaded model is free. This holds for every policy alike: a
-policy with ``background_loads`` (Argus, §4.6) keeps serving its old model while the new one
-loads, and the new level serves only once the load time has passed. :class:`RunResult` counts
-the loads completed and their seconds (``loads``, ``load_s``), and marks the requests queued
-behind a load on their worker (``load_waits``).
+Several GPU classes, model loads and admission are explained in
+``docs/control-plane-internals.md`` ("The simulated cluster").
 
 AC levels with K > 0 fetch a cached latent: the profiles' latency includes a nominal retrieval
 time (``SimConfig.retrieval_s``); during a retrieval fault the extra latency is added, and
@@ -42,19 +29,6 @@ the same ones, and the seconds they add under the chosen workflow join the servi
 fetches LoRAs from the request's arrival, so time spent queued on the worker hides them.
 Policies plan with profiles that include the mean adapter seconds of each level, as profiles
 measured on such traffic would; the SLO stays 3 × the adapter-free best latency.
-
-Admission (``SimConfig.admission``, on by default) is the router's: once the policy has chosen
-a worker and a level for a request, the simulator predicts the request's completion as the
-router does, with the router's :class:`argus.router.admission.AdmissionRule` (a quantile of the
-completion time from the worker's queue and the level's latency on the worker's class in the
-profiles the policies plan with, adapter seconds included when adapters are on), and admits
-it when that fits in the time left before the request's deadline (the SLO at arrival), the
-test of :func:`argus.router.admission.admit` without the record it builds. A refused request
-is not served and uses no worker time; :class:`RunResult` marks it ``refused`` (finish time,
-score and relative quality NaN, level and worker -1). This is what the live router answers
-with RESOURCE_EXHAUSTED. The prediction counts a model load queued on the worker as one
-request, as the policies' queue lengths do. ``admission=False`` queues everything (an
-ablation).
 
 GPU failures take workers down for a window: requests still queued on them are routed again
 at the failure time, and the policy re-plans at once without them; they come back idle, with

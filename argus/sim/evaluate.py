@@ -15,14 +15,8 @@ drawn with seed ``1000 + s``, never seed 0, on which the committed classifier wa
 policies of one (load, seed) see the same workload, tables and cluster, so differences between
 them are paired. Prompts come only from the evaluation set of :mod:`argus.prompt_split`.
 
-Quality worlds (``quality``, :mod:`argus.profiles.quality_worlds`). ``synthetic`` is the above.
-``uniform`` scores with the same tables after giving every prompt its level's mean drop (no
-prompt carries a signal of its tolerance). ``genai-bench`` is SM-only: GenAI-Bench's human
-ratings (1–5, mean of three raters) on the profile ``argus/profiles/genai_bench.toml``
-(SDXL-Base, SD-2.1, SDXL-Turbo); the capacity is then the fastest SM level's; the workloads
-draw the EVAL GenAI-Bench prompts; the classifier ``default`` there is trained in the process
-on the TRAIN and CALIBRATION GenAI-Bench prompts (:mod:`argus.sim.genai_classifier`) and its
-predictability on the EVAL prompts is part of the results; ``nirvana`` (AC only) cannot run.
+Quality worlds (``quality``, :mod:`argus.profiles.quality_worlds`): see the quality-worlds
+evaluation page; ``nirvana`` (AC only) cannot run in ``genai-bench``.
 
 Caches (``cache``). ``realistic`` (the default): every worker keeps its own cache of the
 prompts it generated, cold at the start, and an AC request gets the K its nearest cached
