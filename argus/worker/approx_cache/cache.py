@@ -535,9 +535,8 @@ class ApproximateCache:
     def _drop(
         self, victims: list[tuple[str, _Entry]], *, evicted: bool, publish: bool = True
     ) -> None:
-        """Delete entries already taken out of memory: the points first, then the files; the
-        event log says they are gone (before the delete: a mirror that keeps an entry the
-        index lost would predict hits the worker cannot serve)."""
+        """Delete entries already taken out of memory: the points first, then the files; with
+        ``publish``, the event log says they are gone (routers' mirrors drop them)."""
         if victims:
             if publish:
                 self.events.evicted(entry_id for entry_id, _ in victims)
