@@ -66,6 +66,12 @@ class ScoringWorker(StubWorker):
                 worker_pb2.QualityScore(prompt=request.prompt, level=other, score=score - 0.5),
             ]
         )
+        # what the worker's cache holds rides on replies too: other requests' prompt vectors
+        reply.cache_log_id = "log-1"
+        reply.cache_events_last = 1
+        reply.cache_events.add().insert.CopyFrom(
+            worker_pb2.CacheInsert(entry_id="e1", tag="t", embedding=[0.6, 0.8])
+        )
         return reply
 
 
@@ -126,7 +132,9 @@ def test_falling_scores_retrain_and_swap_the_classifier_while_serving(cluster: C
     # the stream falls after DRIFT_AFTER requests; a window closes every 5 requests
     for i in range(DRIFT_AFTER + 10):
         reply = generate(stub, i)
-        assert not reply.worker_response.scores  # other requests' prompts stay in the router
+        # other requests' prompts stay in the router, as scores or as cached vectors
+        assert not reply.worker_response.scores
+        assert not reply.worker_response.cache_events and not reply.worker_response.cache_log_id
     assert train.started.wait(TIMEOUT), f"no retrain started: {drift.stats()}"
     assert train.data is not None and len(train.data) >= 20
 

@@ -849,8 +849,9 @@ class RouterCore:
                 worker=reply.timing,
                 attempts=attempts,
             ),
-            # other requests' prompts in the scores: for the drift monitor only
-            worker_response=replace(reply, png=b"", scores=()),
+            # other requests' prompts in the scores (for the drift monitor) and in the cache's
+            # events (for the router's view of the worker's cache): never to the client
+            worker_response=replace(reply, png=b"", scores=(), cache_events=None),
         )
 
 
