@@ -1,39 +1,40 @@
 """The router's view of what each worker's approximate cache holds.
 
 A request at an AC level resumes from the latent of the nearest prompt its worker has cached
-for the same cache key (model, size, scheduler, steps, adapters: the *tag*), and the closer
-that neighbour, the more steps it may skip. :class:`CacheView` mirrors every worker's cached
-prompt embeddings from the inserts and evictions the workers report, so that before it picks
-a worker the router can ask, for a prompt, how similar each candidate's best neighbour is
+under the same cache key (the *tag*: model, size, scheduler, steps, adapters), and the closer
+that neighbour, the more of its planned steps it may skip. :class:`CacheView` mirrors every
+worker's cached prompt embeddings from the inserts and evictions the workers report, so that
+before it picks a worker the router can ask how similar each candidate's best neighbour is
 (:meth:`CacheView.best`), as LLM routers ask which replica holds a prompt's prefix.
 
-Why an inverted-file index and not a scan or a graph: the question is asked on every request
-over every worker's cache (8 workers x 100k prompts in the target), a scan of that many 384-d
-vectors reads hundreds of MB per query, and a memory-bandwidth-bound core here reads a few MB
-in a millisecond (``benchmarks/bench_cache_routing.py`` measures the scan). One index per tag
-holds the entries of all workers, so one search answers for all of them: entries sit in
-*lists*, each with a centroid (the normalised mean of its members); a query scores the
-centroids, searches the ``probes`` nearest lists exactly and keeps the best similarity per
-worker. What it may miss is a neighbour filed under a far centroid, rare for the close
-neighbours that decide a resume step, and a miss only understates one worker's evidence.
-An HNSW graph (Qdrant Edge, as the workers use) answers top-k, not best-per-worker, and its
-build holds the GIL for seconds; lists take inserts and evictions in microseconds.
+Why this index: the question comes with every request and covers every worker's cache (8 x
+100k prompts in the target); a float32 scan of that reads over a gigabyte per query, and an
+HNSW graph (Qdrant Edge, as the workers use) answers top-k rather than best-per-worker and
+holds the GIL for minutes while it builds. Here one inverted-file index per tag holds the
+entries of all workers, so one search answers for all of them:
 
-* **Lists split, never train.** There is no training pass: a tag starts with one list, and a
-  list that reaches ``2 x list_size`` entries splits in two by 2-means on its members, so
-  list sizes stay bounded (a query's cost with them) whatever order prompts arrive in, and
-  the lists follow the prompts the workers actually cache. An emptied list is dropped.
-* **Vectors are int8.** Each entry keeps its unit vector as int8 codes with one scale
-  (``max |x| / 127``), 388 bytes with the scale instead of 1,536: a query reads a quarter of
-  the bytes, and the similarity it computes is within about 0.002 of the float one.
-* **Similarities, not decisions.** :meth:`CacheView.best` answers a number per worker; which
-  resume step that number allows is the caller's rule.
+* **Lists, grouped in cells.** Entries sit in lists of ``list_size`` to twice that, each with
+  a centroid (the direction of its members' sum); lists sit in cells of ``cell_size`` to twice
+  that lists, each with its own centroid. A query scores the cells, then the lists of its
+  ``cell_probes`` nearest cells, scans its ``probes`` nearest lists in full and keeps each
+  worker's best. What it can miss is a neighbour filed in a list it did not probe: that
+  understates one worker, never overstates one.
+* **Split, never train.** A tag starts as one list in one cell; a full list splits in halves
+  along the line between two 2-means centres (halves, so no list is left tiny), a full cell
+  likewise, an emptied one is dropped. The index follows the prompts the workers cache, in
+  whatever order they come, with no training pass and no rebuild.
+* **int8 vectors.** An entry keeps its unit vector as int8 codes with one scale (388 bytes,
+  not 1,536): a query reads a quarter of the bytes, and its similarities are within about
+  0.002 of the float ones at 384 dimensions.
+* **Similarities, not decisions.** Which resume step a similarity allows is the caller's rule.
 
-Thread safety: one lock; a query holds it while it searches (well under a millisecond), an
-insert or eviction for tens of microseconds. :meth:`CacheView.forget` takes a worker out of
-every answer at once and then removes its entries list by list, letting queries in between.
-Control plane: numpy only (no grpc, torch or metrics); the numbers are the caller's to export
-from :meth:`CacheView.stats`.
+Costs (``benchmarks/bench_cache_routing.py``): a query reads a few hundred entries per probed
+list, about half a millisecond over 8 x 100k entries on one core of the 2-core machine here;
+an insert or eviction takes tens to a couple of hundred microseconds; an entry about 540 bytes.
+
+Thread safety: one lock, held by a query while it searches and by an event while it applies.
+:meth:`CacheView.forget` takes a worker out of every answer at once, then removes its entries
+a list at a time, letting queries in between. Control plane: numpy only.
 """
 
 from __future__ import annotations
@@ -67,17 +68,17 @@ class CacheViewConfig:
     dim: int = 384
     """Width of the prompt embeddings (all-MiniLM-L6-v2: 384)."""
 
-    list_size: int = 256
+    list_size: int = 128
     """A list splits in two when it reaches twice this many entries, so lists hold between
     this many and twice as many (fewer once evictions thin them)."""
 
-    probes: int = 8
+    probes: int = 6
     """Lists searched per query, the nearest centroids among the probed cells' lists."""
 
     cell_size: int = 32
     """A cell (a group of lists) splits in two when it reaches twice this many lists."""
 
-    cell_probes: int = 4
+    cell_probes: int = 6
     """Cells whose lists' centroids a query scores, nearest cell centroid first. With at most
     this many cells and ``probes`` lists in them, a search is exhaustive: exact up to the
     int8 rounding."""
@@ -498,10 +499,11 @@ class CacheView:
         return state
 
     def _assign(self, index: _TagIndex, vectors: FloatArray) -> list[tuple[_List, Rows]]:
-        """Rows of ``vectors`` grouped by the list each joins: the nearest list of the
-        ``_INSERT_CELLS`` cells with the nearest centroids (of one, entries near a cell's
-        border land in a list no query from the other side probes), or a new list in a new
-        cell when the tag has none. Resolved before any row goes in: splits renumber."""
+        """Rows of ``vectors`` grouped by the list each joins: the nearest list among those
+        of the ``_INSERT_CELLS`` nearest cells (looking in one cell only would file entries
+        near its border away from lists a query from across the border finds), or a new list
+        in a new cell when the tag has none. All resolved before any row goes in, since
+        splits renumber lists and cells."""
         dim = self.config.dim
         if not index.cells:
             cell = _Cell(index, dim)
@@ -509,26 +511,35 @@ class CacheView:
             lst = _List(cell, dim, _capacity(len(vectors)))
             cell.lists.add(lst)
             return [(lst, np.arange(len(vectors)))]
+        if len(vectors) == 1:  # the common case, an insert per reply: fewer numpy calls
+            return [(self._nearest_list(index, vectors[0]), np.zeros(1, dtype=np.intp))]
         cells = index.cells.members
         near = _nearest(index.cells.scores, vectors, min(_INSERT_CELLS, len(cells)))
         best = np.full(len(vectors), -np.inf, dtype=np.float32)
-        chosen: list[_List | None] = [None] * len(vectors)
+        chosen: dict[int, _List] = {}  # row → its list
         for column in near.T:
             for cell, rows in _grouped(cells, column):
                 scores = cell.lists.scores(vectors[rows])
                 top = np.argmax(scores, axis=1)
                 top_scores = scores[np.arange(len(rows)), top]
-                for row, position, score in zip(
-                    rows.tolist(), top.tolist(), top_scores.tolist(), strict=True
-                ):
-                    if score > best[row]:
-                        best[row] = score
-                        chosen[row] = cell.lists.members[position]
+                better = top_scores > best[rows]
+                best[rows[better]] = top_scores[better]
+                for row, position in zip(rows[better].tolist(), top[better].tolist(), strict=True):
+                    chosen[row] = cell.lists.members[position]
         groups: dict[int, tuple[_List, list[int]]] = {}
-        for row, lst in enumerate(chosen):
-            assert lst is not None
+        for row in range(len(vectors)):
+            lst = chosen[row]
             groups.setdefault(id(lst), (lst, []))[1].append(row)
         return [(lst, np.array(rows, dtype=np.intp)) for lst, rows in groups.values()]
+
+    def _nearest_list(self, index: _TagIndex, vector: FloatArray) -> _List:
+        """:meth:`_assign` for one vector."""
+        candidates = []
+        for cell in index.cells.nearest(vector, _INSERT_CELLS):
+            scores = cell.lists.scores(vector)
+            row = int(np.argmax(scores))
+            candidates.append((float(scores[row]), cell.lists.members[row]))
+        return max(candidates, key=lambda candidate: candidate[0])[1]
 
     def _changed(self, lst: _List, delta: npt.NDArray[np.float64]) -> None:
         """After ``lst``'s total moved by ``delta``: recentre it and its cell, or drop it
