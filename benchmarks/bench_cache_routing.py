@@ -14,7 +14,11 @@ exact best of at least 0.6 / 0.8 whose answer is within 0.01 of it, and share wh
 ``allowed_step`` at the top ceiling is the same); the same question answered by a float32
 brute-force scan of every worker's entries; the cost of one insert and one eviction (the
 events every reply brings) and of forgetting a worker; bytes per entry (the arrays, and all
-of it under tracemalloc on a 20,000-entry build).
+of it under tracemalloc on a 20,000-entry build); and the recall that matters most for routing:
+of a lone close neighbour planted in one worker (cosine 0.7 to 0.98 to the query), the share
+found within 0.01. ``--edge N``: the alternative measured, one Qdrant Edge HNSW shard over N
+entries of all workers (the workers' own engine and settings) asked for its top ``--edge-top``
+points, each worker's best read off them, against the view over the same entries.
 
 **(b) Routing a prompt stream.** ``--requests`` requests over PartiPrompts: ``--bases`` base
 prompts with Zipf(``--zipf``) popularity, each asked in one of ``--variants`` wordings (the
@@ -39,11 +43,12 @@ the router computes per request anyway) while the workers resume by full-encoder
 
     python benchmarks/bench_cache_routing.py [--entries 100000] [--workers 8] [--queries 300]
         [--settings 6:6,8:8] [--requests 3000] [--router-encoder full|student|both]
-        [--skip-index] [--skip-stream] [--json FILE]
+        [--edge 100000] [--skip-index] [--skip-stream] [--json FILE]
 
-Scale down with ``--entries 20000 --requests 1000``. The first run embeds about 4,000 texts
-(a minute or two on a busy 2-core machine); the vectors are kept in the embedding cache
-(``$ARGUS_CACHE_DIR/embeddings``) for the next.
+The default run takes about 2.5 minutes on the busy 2-core machine here (``--edge 100000``
+adds about 3: the HNSW build). Scale down with ``--entries 20000 --requests 1000``. The first
+run also embeds about 4,000 texts (a minute or two); the vectors are kept in the embedding
+cache (``$ARGUS_CACHE_DIR/embeddings``) for the next.
 """
 
 from __future__ import annotations
@@ -180,7 +185,13 @@ class Scale:
     brute_s: list[float] = field(default_factory=list)  # per timed query, all workers summed
 
 
-def build_scale(real: np.ndarray, args: argparse.Namespace, config: CacheViewConfig) -> Scale:
+def build_scale(
+    real: np.ndarray,
+    args: argparse.Namespace,
+    config: CacheViewConfig,
+    also: Callable[[int, str, np.ndarray], None] | None = None,
+) -> Scale:
+    """Build the view; ``also(worker, name, entries)`` sees each worker's entries too."""
     rng = np.random.default_rng(args.seed)
     half = args.queries // 2
     queries = np.concatenate(
@@ -194,6 +205,8 @@ def build_scale(real: np.ndarray, args: argparse.Namespace, config: CacheViewCon
     for column, name in enumerate(names):
         entries = synthetic(real, args.entries, rng)
         exact[:, column] = (entries @ queries.T).max(axis=0)
+        if also is not None:
+            also(column, name, entries)
         for row, query in enumerate(queries[: len(brute)]):
             began = time.perf_counter()
             _ = entries @ query  # the scan a brute-force view would do for this worker
@@ -234,6 +247,13 @@ def recall(scale: Scale, rule: AllowedStep) -> dict[str, float]:
         answer = scale.view.best(query, TAG, scale.names)
         for column, name in enumerate(scale.names):
             got[row, column] = answer.get(name, -2.0)
+    return compare(scale, got, rule)
+
+
+def compare(scale: Scale, got: np.ndarray, rule: AllowedStep) -> dict[str, float]:
+    """Answers ``got`` (queries x workers; -2 for none) against the exact bests: the share
+    within 0.01 among pairs whose exact best is at least 0.6 and 0.8, and the share whose
+    ``rule`` step at the top ceiling is the same."""
     out: dict[str, float] = {}
     for floor in (0.6, 0.8):
         mask = scale.exact >= floor
@@ -248,6 +268,30 @@ def recall(scale: Scale, rule: AllowedStep) -> dict[str, float]:
     ]
     out["same_step"] = float(np.mean(same))
     return out
+
+
+def planted(scale: Scale, seed: int) -> dict[str, float]:
+    """Recall of a lone close neighbour: for each query, one worker is given one new entry
+    at a chosen cosine to it (0.7 to 0.98), by the ordinary insert; the share of queries whose
+    answer for that worker is at least that cosine less 0.01, by band of cosine. Unlike the
+    bulk entries, which put many points at nearly the same cosine to a query, this is one
+    point to find, as a worker holding the only paraphrase of a prompt has."""
+    rng = np.random.default_rng(seed)
+    found: dict[str, list[bool]] = {"0.7-0.8": [], "0.8-0.9": [], "0.9-0.98": []}
+    for row, query in enumerate(scale.queries):
+        name = scale.names[row % len(scale.names)]
+        cosine = float(rng.uniform(0.7, 0.98))
+        other = rng.standard_normal(DIM).astype(np.float32)
+        other -= (other @ query) * query
+        other /= np.linalg.norm(other)
+        scale.view.insert(
+            name, f"planted-{row}", cosine * query + np.sqrt(1 - cosine**2) * other, TAG
+        )
+        answer = scale.view.best(query, TAG, [name]).get(name, -2.0)
+        band = "0.7-0.8" if cosine < 0.8 else "0.8-0.9" if cosine < 0.9 else "0.9-0.98"
+        found[band].append(answer >= cosine - 0.01)
+        scale.view.evict(name, f"planted-{row}")
+    return {band: float(np.mean(hits)) for band, hits in found.items() if hits}
 
 
 def time_events(view: CacheView, real: np.ndarray, name: str, count: int) -> dict[str, Any]:
@@ -309,6 +353,7 @@ def run_index(real: np.ndarray, args: argparse.Namespace) -> dict[str, Any]:
         scale.view.config = CacheViewConfig(probes=probes, cell_probes=cells)
         row = {"probes": probes, "cell_probes": cells} | time_queries(scale)
         row |= recall(scale, allowed_step)
+        row["planted"] = planted(scale, args.seed)
         result["settings"].append(row)
     scale.view.config = base
     result["events"] = time_events(scale.view, real, scale.names[0], args.events)
@@ -340,7 +385,8 @@ def print_index(result: dict[str, Any]) -> None:
             f"{row['cpu_p50_ms']:.3f} p99 {row['cpu_p99_ms']:.3f} ms | within 0.01 of exact: "
             f"{row['within_0.01_at_0.6']:.3f} of {row['pairs_at_0.6']} pairs >= 0.6, "
             f"{row['within_0.01_at_0.8']:.3f} of {row['pairs_at_0.8']} >= 0.8; same step "
-            f"{row['same_step']:.3f}"
+            f"{row['same_step']:.3f}; a lone planted neighbour found: "
+            + ", ".join(f"{share:.3f} at {band}" for band, share in row["planted"].items())
         )
     events = result["events"]
     print(
@@ -348,6 +394,103 @@ def print_index(result: dict[str, Any]) -> None:
         f"{events['insert']['p99_ms'] * 1e3:.0f} µs; one eviction p50 "
         f"{events['evict']['p50_ms'] * 1e3:.0f} µs p99 {events['evict']['p99_ms'] * 1e3:.0f} µs; "
         f"forgetting a worker of {result['forget']['entries']:,}: {result['forget']['s']:.2f} s"
+    )
+
+
+def run_edge(real: np.ndarray, args: argparse.Namespace) -> dict[str, Any]:
+    """The alternative: one Qdrant Edge HNSW shard per tag over all workers' entries (the
+    workers' own engine and settings, ``EdgeIndexConfig``, on one search thread), asked for
+    the top ``--edge-top`` points with their worker, each worker's best read off those;
+    against the view over the same entries."""
+    import shutil
+    import tempfile
+
+    import qdrant_edge as qe
+
+    from argus.worker.approx_cache.vector_index import EdgeIndexConfig
+
+    per_worker = args.edge // args.workers
+    print(f"(a') Qdrant Edge HNSW vs the view: {args.workers} x {per_worker:,} entries", flush=True)
+    edge_args = argparse.Namespace(**(vars(args) | {"entries": per_worker, "brute_queries": 0}))
+    config = EdgeIndexConfig(search_threads=1)
+    directory = Path(tempfile.mkdtemp(prefix="bench-cache-routing-"))
+    try:
+        shard = qe.EdgeShard.create(str(directory), config.edge_config(DIM, create=True))
+        upserts: list[float] = []
+
+        def upsert(worker: int, name: str, entries: np.ndarray) -> None:
+            began = time.perf_counter()
+            for start in range(0, len(entries), 1000):
+                points = [
+                    qe.Point(worker * per_worker + start + i + 1, row.tolist(), {"worker": name})
+                    for i, row in enumerate(entries[start : start + 1000])
+                ]
+                shard.update(qe.UpdateOperation.upsert_points(points))
+            upserts.append(time.perf_counter() - began)
+
+        scale = build_scale(real, edge_args, CacheViewConfig(), also=upsert)
+        upsert_s = sum(upserts)
+        began = time.perf_counter()
+        shard.optimize()
+        build_s = time.perf_counter() - began
+        result: dict[str, Any] = {
+            "entries": per_worker * args.workers,
+            "upsert_s": upsert_s,
+            "hnsw_s": build_s,
+            "tops": [
+                {"top": top} | edge_queries(shard, scale, config, top)
+                for top in (int(t) for t in args.edge_top.split(","))
+            ],
+        }
+        shard.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    result["view"] = time_queries(scale) | recall(scale, allowed_step)
+    result["view"]["planted"] = planted(scale, args.seed)
+    print(
+        f"  Edge: upsert {result['upsert_s']:.1f} s, HNSW build {result['hnsw_s']:.1f} s "
+        "(in process, holding the GIL)"
+    )
+    for row in result["tops"]:
+        print(
+            f"  Edge top {row['top']}: query p50 {row['wall_p50_ms']:.3f} p99 "
+            f"{row['wall_p99_ms']:.3f} ms; within 0.01 of exact: {row['within_0.01_at_0.6']:.3f}"
+            f" of pairs >= 0.6, {row['within_0.01_at_0.8']:.3f} >= 0.8; same step "
+            f"{row['same_step']:.3f}"
+        )
+    view = result["view"]
+    print(
+        f"  the view on the same entries: query p50 {view['wall_p50_ms']:.3f} p99 "
+        f"{view['wall_p99_ms']:.3f} ms; within 0.01: {view['within_0.01_at_0.6']:.3f} >= 0.6, "
+        f"{view['within_0.01_at_0.8']:.3f} >= 0.8; same step {view['same_step']:.3f}; planted: "
+        + ", ".join(f"{share:.3f} at {band}" for band, share in view["planted"].items())
+    )
+    return result
+
+
+def edge_queries(shard: Any, scale: Scale, config: Any, top: int) -> dict[str, float]:
+    import qdrant_edge as qe
+
+    got = np.full(scale.exact.shape, -2.0, dtype=np.float32)
+    wall: list[float] = []
+    column = {name: i for i, name in enumerate(scale.names)}
+    for row, query in enumerate(scale.queries):
+        request = qe.SearchRequest(
+            query=qe.Query.Nearest(query.tolist()),
+            limit=top,
+            params=config.search_params(),
+            with_payload=True,
+        )
+        began = time.perf_counter()
+        points = shard.search(request)
+        for point in points:  # best first: the first point of a worker is its best
+            where = column[point.payload["worker"]]
+            got[row, where] = max(got[row, where], float(point.score))
+        wall.append(time.perf_counter() - began)
+    measured = percentiles_ms(wall)
+    answer = Scale(scale.view, scale.queries, scale.exact, scale.names, 0.0)
+    return {"wall_p50_ms": measured["p50_ms"], "wall_p99_ms": measured["p99_ms"]} | compare(
+        answer, got, allowed_step
     )
 
 
@@ -627,6 +770,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--capacity", type=int, default=150, help="cached prompts per worker")
     parser.add_argument("--utilisation", type=float, default=0.8)
     parser.add_argument("--router-encoder", choices=("full", "student", "both"), default="both")
+    parser.add_argument(
+        "--edge", type=int, default=0, help="entries of a Qdrant Edge run (0: none)"
+    )
+    parser.add_argument("--edge-top", default="64,256", help="points an Edge query returns")
     parser.add_argument("--skip-index", action="store_true")
     parser.add_argument("--skip-stream", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -643,6 +790,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not args.skip_index:
         real = embed(real_prompts(), "full")
         results["index"] = run_index(real, args)
+        if args.edge:
+            results["edge"] = run_edge(real, args)
     if not args.skip_stream:
         results["stream"] = run_stream(args)
     print(load_line("end"))
