@@ -99,7 +99,8 @@ def test_random_events_keep_the_view_equal_to_an_exact_reference() -> None:
 def test_the_worker_holding_the_close_neighbour_is_named_at_scale() -> None:
     """Default settings (an approximate search over many lists and cells): for each query,
     the one worker given a near copy of it answers with that copy's similarity, far above
-    every other worker's best."""
+    every other worker's best. Half the copies come by single inserts, half inside a bulk
+    insert among other entries: both paths must file an entry where a query for it looks."""
     rng = np.random.default_rng(3)
     dim = 384
     view = CacheView(CacheViewConfig(dim=dim))
@@ -107,12 +108,19 @@ def test_the_worker_holding_the_close_neighbour_is_named_at_scale() -> None:
     for worker in workers:
         rows = rng.standard_normal((3000, dim)).astype(np.float32)
         view.insert_many(worker, [f"{worker}-{i}" for i in range(len(rows))], rows, "sdxl")
-    assert view.stats().lists > 8 * 4  # well past what one probe covers
-    for trial in range(20):
-        query = unit(rng, dim)
-        holder = workers[trial % len(workers)]
-        copy = near(rng, query, 0.3)
-        view.insert(holder, f"copy-{trial}", copy, "sdxl")
+    assert view.stats().lists > 8 * view.config.probes  # well past what the probes cover
+    queries = [unit(rng, dim) for _ in range(20)]
+    copies = [near(rng, query, 0.3) for query in queries]
+    holders = [workers[trial % len(workers)] for trial in range(len(queries))]
+    for trial in range(0, len(queries), 2):
+        view.insert(holders[trial], f"copy-{trial}", copies[trial], "sdxl")
+    for worker in workers:  # the odd copies, each in a bulk insert with 500 other entries
+        mine = [trial for trial in range(1, len(queries), 2) if holders[trial] == worker]
+        fillers = rng.standard_normal((500, dim)).astype(np.float32)
+        rows = np.concatenate([fillers, np.stack([copies[t] for t in mine])]) if mine else fillers
+        ids = [f"{worker}-more-{i}" for i in range(500)] + [f"copy-{t}" for t in mine]
+        view.insert_many(worker, ids, rows, "sdxl")
+    for query, copy, holder in zip(queries, copies, holders, strict=True):
         got = view.best(query, "sdxl", workers, floor=0.5)
         assert set(got) == {holder}
         assert got[holder] == pytest.approx(float(copy @ query), abs=0.005)
