@@ -106,6 +106,14 @@ class ProfileSet:
         """Levels of one strategy, slowest first."""
         return tuple(level for level in self.levels if level.strategy is strategy)
 
+    def ac_levels_by_model(self) -> dict[str, dict[int, Level]]:
+        """Each AC model's levels by the K they resume at (0: its full generation, where a
+        cache miss is served)."""
+        models: dict[str, dict[int, Level]] = {}
+        for level in self.levels_for(Strategy.AC):
+            models.setdefault(level.model, {}).setdefault(level.skip_steps, level)
+        return models
+
     def best_latency_s(self, worker_class: str) -> float:
         """Latency of the best (slowest) level of any strategy on ``worker_class``: the SLO's
         unit (the SLO is a multiple of it)."""

@@ -130,7 +130,7 @@ class CachePlanner:
         every class (a miss: the model's K = 0 latency plus ``lookup_s``), its throughput
         scaled inversely. Other levels, load times and memory are kept."""
         table = dict(profiles.table)
-        for by_step in _ac_models(profiles).values():
+        for by_step in profiles.ac_levels_by_model().values():
             full = by_step.get(0)
             if full is None:
                 continue  # no full level to miss to: nothing to price a miss with
@@ -160,7 +160,7 @@ class CachePlanner:
         module docstring); a level of K = 0 keeps its row entries."""
         index = {name: i for i, name in enumerate(quality.levels)}
         by_name = {level.name: level for level in profiles.levels_for(Strategy.AC)}
-        models = _ac_models(profiles)
+        models = profiles.ac_levels_by_model()
         rows = [list(row) for row in quality.quality]
         for v, name in enumerate(quality.levels):
             level = by_name.get(name)
@@ -178,11 +178,3 @@ class CachePlanner:
                     expected += p * self.reuse.score(at_step, best, similarity, step)
                 rows[c][v] = expected
         return replace(quality, quality=tuple(tuple(row) for row in rows))
-
-
-def _ac_models(profiles: ProfileSet) -> dict[str, dict[int, Level]]:
-    """AC model → its levels by K."""
-    models: dict[str, dict[int, Level]] = {}
-    for level in profiles.levels_for(Strategy.AC):
-        models.setdefault(level.model, {})[level.skip_steps] = level
-    return models

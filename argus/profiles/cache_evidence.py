@@ -92,11 +92,6 @@ class KRule:
         """The K of the table, ascending."""
         return tuple(k for k, _ in self.floors)
 
-    @property
-    def miss_below(self) -> float:
-        """The lowest floor: a neighbour less similar than this is a miss at any K."""
-        return self.floors[0][1]
-
     def floor_of(self, step: int) -> float | None:
         """The least similarity that may resume at ``step``: the floor of the smallest K of
         the table at or above it (a step between two K needs what the larger one needs);

@@ -522,23 +522,18 @@ class Simulation:
             service_scv=self._service_scv()
         )
         self.reuse_quality = ReuseQuality(total_steps=profiles.reference.steps)
-        # per AC model, its full-generation level and its level at each K
-        self.full_level: dict[str, Level] = {}
-        self.step_level: dict[tuple[str, int], Level] = {}
-        for level in profiles.levels_for(Strategy.AC):
-            self.step_level[(level.model, level.skip_steps)] = level
-            if level.skip_steps == 0:
-                self.full_level.setdefault(level.model, level)
+        # per AC model, its levels by K (K = 0: its full generation)
+        self.ac_levels = profiles.ac_levels_by_model()
         self.cache_setup: CacheSetup | None = None
-        if self.config.cache == CacheMode.REALISTIC and self.step_level:
+        if self.config.cache == CacheMode.REALISTIC and self.ac_levels:
             self.cache_setup = self._cache_setup(embed)
 
     def _cache_setup(self, embed: Embed | None) -> CacheSetup:
         """The realistic caches' inputs: the vectors of the prompts the requests use (the
         first rows of the quality tables, request i being row i mod rows) and of the warm
         prompts, embedded once; each AC model's rule and cached steps."""
-        models = tuple(dict.fromkeys(model for model, _ in self.step_level))
-        missing = [model for model in models if model not in self.full_level]
+        models = tuple(self.ac_levels)
+        missing = [model for model in models if 0 not in self.ac_levels[model]]
         if missing:
             raise ValueError(
                 f"cache: realistic needs a K = 0 AC level of every AC model, {missing[0]!r} "
@@ -556,8 +551,8 @@ class Simulation:
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
         rules = {model: DEFAULT_RULE for model in models} | dict(self.config.cache_rules)
         cached = {
-            model: tuple(sorted(k for m, k in self.step_level if m == model and k > 0))
-            for model in models
+            model: tuple(sorted(k for k in by_step if k > 0))
+            for model, by_step in self.ac_levels.items()
         }
         return CacheSetup(
             vectors=(vectors / np.where(norms > 0.0, norms, 1.0)).astype(np.float32),
@@ -952,7 +947,7 @@ class _Run:
             self.policy.observe_retrieval(now, None)
             full = self.sim.profiles.levels_for(Strategy.AC)[0]
             if self.caches is not None:
-                full = self.sim.full_level[level.model]
+                full = self.sim.ac_levels[level.model][0]
             timeout = self.cfg.retrieval_timeout_s
             return timeout + self._latency(worker_class, full.name), full, None, False
         self.policy.observe_retrieval(now, self.cfg.retrieval_s + extra)
@@ -972,11 +967,11 @@ class _Run:
         self.similarity[i] = found.similarity
         self.policy.observe_lookup(now, level.name, found.similarity)
         if found.step == 0:  # a miss: the search ran, then the full generation
-            full = self.sim.full_level[level.model]
+            full = self.sim.ac_levels[level.model][0]
             latency = self._latency(worker.worker_class, full.name)
             return self.cfg.retrieval_s + extra + latency, full, None, True
         self.cache_hit[i] = True
-        served = self.sim.step_level[(level.model, found.step)]
+        served = self.sim.ac_levels[level.model][found.step]
         latency = self._latency(worker.worker_class, served.name)
         return latency + extra, served, found.similarity, False
 

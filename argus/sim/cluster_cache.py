@@ -13,13 +13,13 @@
   as a full generation (the model's K = 0 level) that then feeds the cache; k > 0 resumes at
   level k, its score from :class:`~argus.profiles.cache_evidence.ReuseQuality` at (s, k).
 
-Keys and feeding mirror the live worker (:mod:`argus.worker.engine`): an entry is made by a full
-run of an AC level (K = 0 routed, or a miss), once the run has finished, under the model it ran
-on; an entry of another model never matches. With adapters drawn (:mod:`argus.sim.adapters`) a
-request's LoRA set is part of its key (the cache key carries what shapes the image, DESIGN.md),
-and a request with a ControlNet neither looks up nor feeds: its control sets the structure in
-the very steps a hit would skip, which is why the live worker misses it without a search. The
-ControlNets' condition images are not drawn, so nothing finer could be keyed on.
+Keys and feeding follow the live worker (:mod:`argus.worker.approx_cache.use`): an entry is
+made by a full run of an AC level (K = 0 routed, or a miss), once the run has finished, under
+the model it ran on; an entry of another model never matches. With adapters drawn
+(:mod:`argus.sim.adapters`) a request's LoRA set is part of its key. One difference: the live
+worker keys a ControlNet request on its control image and may resume it from an entry made
+with the same image, but the simulator draws no control images, so a request with a
+ControlNet here neither looks up nor feeds (as if every control image were new).
 """
 
 from __future__ import annotations

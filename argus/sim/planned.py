@@ -99,10 +99,12 @@ class PlannedPolicy(Policy):
                 quality = self.classifier.class_quality()
         self.cache_planner = None
         self._bins: dict[str, SimilarityBins] = {}  # AC level → its model's similarity bins
+        self._bin_counts: dict[str, int] = {}  # AC level → how many bins it has
         if ctx.cache == CacheMode.REALISTIC:
             self.cache_planner = CachePlanner(ctx.cache_rules, ctx.reuse_quality, ctx.lookup_s)
             for level in ctx.profiles.levels_for(Strategy.AC):
                 self._bins[level.name] = self.cache_planner.bins(level)
+            self._bin_counts = self.cache_planner.bin_counts(ctx.profiles)
         self.control = AllocatorControl(
             ctx.profiles,
             control,
@@ -301,8 +303,7 @@ class PlannedPolicy(Policy):
         replies (realistic cache only)."""
         if self.cache_planner is None:
             return
-        bins = {name: len(b) for name, b in self._bins.items()}
-        self.control.report_cache(CacheOutlook.of_lookups(self._lookups, bins))
+        self.control.report_cache(CacheOutlook.of_lookups(self._lookups, self._bin_counts))
         self._lookups = []
 
     def _install(self, view: ClusterView) -> None:

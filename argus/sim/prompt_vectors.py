@@ -11,14 +11,18 @@ must be embedded, so a replay whose prompts are on disk starts without it.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from argus.classifier.embedding_cache import EncoderIdentity
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -58,19 +62,29 @@ class _LazyEncoder:
         return vectors
 
 
+@functools.cache
+def _encoder() -> tuple[_LazyEncoder, EncoderIdentity]:
+    """The encoder and its identity, once per process: its weights are hashed (and, on the
+    first prompt not on disk, loaded) once, not at every batch of new prompts."""
+    from argus.classifier.embedding_cache import EncoderIdentity
+    from argus.classifier.model import encoder_sha256
+
+    directory = encoder_dir()
+    encoder = _LazyEncoder(directory)
+    identity = EncoderIdentity(
+        REFERENCE, encoder_sha256(directory), encoder.max_tokens, encoder.dim
+    )
+    return encoder, identity
+
+
 def embed_prompts(texts: Sequence[str]) -> FloatArray:
     """Unit vectors of ``texts`` in their order (rows), as the live cache embeds them."""
     with _lock:
         missing = sorted({t for t in texts if t not in _known})
         if missing:
-            from argus.classifier.embedding_cache import EmbeddingCache, EncoderIdentity
-            from argus.classifier.model import encoder_sha256
+            from argus.classifier.embedding_cache import EmbeddingCache
 
-            directory = encoder_dir()
-            encoder = _LazyEncoder(directory)
-            identity = EncoderIdentity(
-                REFERENCE, encoder_sha256(directory), encoder.max_tokens, encoder.dim
-            )
+            encoder, identity = _encoder()
             vectors = EmbeddingCache().embed(encoder, identity, missing)
             _known.update(zip(missing, vectors, strict=True))
         if not texts:

@@ -471,7 +471,10 @@ class Worker:
         ``queued_edit``: the activation cache's key of an inpainting edit when it was queued,
         and whether a record was there then (:meth:`WorkerEdits.queued`)."""
         model, substituted = self._pick_model(level)  # 1
-        key = cache_key(model, spec, plan) if self.cache is not None else None
+        # only an AC run outside an edit can look up or feed the cache: no key (and no hash of
+        # the control images) for the others
+        uses_cache = self.cache is not None and level.strategy is Strategy.AC and spec.edit is None
+        key = cache_key(model, spec, plan) if uses_cache else None
         lookup = look_up(self.cache, self.encoder, spec, level, key)  # 2
         feeds = (
             feed_cache
