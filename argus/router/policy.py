@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 
 from argus.contracts.generate import AdapterKind, runs_controlnets
 from argus.contracts.router_api import RouterRequest
+from argus.profiles.cache_evidence import KRule
 from argus.profiles.edit_cost import default_cost_model
 from argus.request_limits import img2img_steps
 from argus.router.admission import (
@@ -51,6 +52,7 @@ from argus.router.admission import (
     earliest_completion_s,
     request_cost,
 )
+from argus.router.cache_routing import CacheChoice, CacheRouting, Neighbours
 from argus.router.config import EDIT_BALANCER, RouterServiceConfig
 from argus.router.edit_balance import (
     EditBalancer,
@@ -91,6 +93,9 @@ class Admitted:
     predicted_s: float  # predicted completion on the chosen worker, seconds from now
     balancer: str = ""  # the edit balancer that chose the worker; "": the plan did
     held: bool = False  # the chosen worker was believed to hold the edit's template
+    cache: CacheChoice | None = None
+    """The cache-aware choice of worker (the step its neighbour allows, the similarity);
+    None: the worker was chosen without looking at the caches."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,9 @@ class Snapshot:
     edits: Callable[[str], WorkerEdits] | None = None
     """Each worker's requests in flight and templates held, for the edit balancer (None: not
     kept, as in the simulator's planned policies: edits are routed on the plan)."""
+    neighbours: Neighbours | None = None
+    """The request's nearest cached neighbour on each worker (:data:`~argus.router.
+    cache_routing.Neighbours`); None: the worker is chosen without looking at the caches."""
 
 
 def admit_on(
@@ -165,7 +173,12 @@ class RouterPolicy:
         profiles: ProfileSet,
         config: RouterServiceConfig,
         rng: random.Random | None = None,
+        cache_rules: Mapping[str, KRule] | None = None,
     ) -> None:
+        """``cache_rules``: each AC model's similarity → K rule; given, a request at an AC
+        level goes to the worker whose cached neighbour serves it soonest whenever the
+        snapshot says what the workers hold (:class:`~argus.router.cache_routing.
+        CacheRouting`)."""
         self.profiles = profiles
         self.config = config  # reads admission, default_steps, default_size, max_cost, routing
         self.router = PlanRouter(profiles, rng or random.Random(0), config.routing)
@@ -175,6 +188,7 @@ class RouterPolicy:
         self._skips = {level.name: level.skip_steps for level in profiles.levels}
         self.edit_cost = config.edit_cost or default_cost_model()
         self.balancer: EditBalancer | None = None  # None: edits are routed on the plan
+        self.cache = None if cache_rules is None else CacheRouting(profiles, cache_rules)
         if config.edit_balancer != EDIT_BALANCER:
             self.balancer = make_balancer(config.edit_balancer, self.edit_cost)
 
@@ -348,16 +362,40 @@ class RouterPolicy:
             return Refused(Refusal.UNAVAILABLE, NO_LIVE_WORKER, 1.0)
         if edit is not None and self.balances(snapshot):
             return self.place_edit(edit, decision, snapshot, budget_s, count=not retry)
-        t_proc = snapshot.service_s(worker, decision.served_level)
+        cache = self._cache_choice(decision, request, snapshot)
+        served = decision.served_level
+        if cache is not None:
+            worker, served = cache.worker_id, cache.index
+            decision = replace(decision, worker_id=worker, score=cache.score)
+        t_proc = snapshot.service_s(worker, served)
         queue, elapsed = snapshot.queues.get(worker, 0), snapshot.elapsed_s(worker)
         predicted = admit_on(
             self.config.admission, queue, elapsed, t_proc, budget_s, count=not retry
         )
         if isinstance(predicted, Refused):
             return self._spill(decision, snapshot, budget_s, cap) or predicted
-        return Admitted(decision, predicted)
+        return Admitted(decision, predicted, cache=cache)
 
     # the parts ---------------------------------------------------------------------------
+
+    def _cache_choice(
+        self, decision: RouteDecision, request: RouterRequest, snapshot: Snapshot
+    ) -> CacheChoice | None:
+        """The cache-aware choice among the live workers serving ``decision``'s level
+        (:meth:`CacheRouting.choose`), when the request looks the cache up there and the
+        snapshot says what the workers hold; None otherwise (an edit never resumes from the
+        cache). The decision's worker is always a candidate, also when it serves the level
+        from a slower planned level of the same model (a capped request)."""
+        plan, cache, neighbours = self.router.plan, self.cache, snapshot.neighbours
+        if cache is None or neighbours is None or plan is None or request.image:
+            return None
+        index = decision.served_level
+        if not cache.looks_up(plan.strategy, index):
+            return None
+        down = snapshot.down
+        workers = {w for w, i in snapshot.levels.items() if i == index and w not in down}
+        workers.add(decision.worker_id)
+        return cache.choose(index, sorted(workers), snapshot.queues, neighbours, snapshot.service_s)
 
     def _plan_cap(self, request: RouterRequest, steps: StepCount | None) -> int | Refused | None:
         """The request's level cap on the installed plan's strategy; UNAVAILABLE without a

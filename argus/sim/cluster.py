@@ -57,6 +57,7 @@ from argus import defaults
 from argus.contracts.quality import QualityTable
 from argus.profiles.cache_evidence import DEFAULT_RULE, KRule, ReuseQuality
 from argus.router.admission import AdmissionRule
+from argus.router.cache_routing import Neighbours
 from argus.router.policy import Refused, admit_on
 from argus.sim.adapters import (
     AdapterCost,
@@ -284,6 +285,9 @@ class Dispatch:
     latency_s: Callable[[str, str], float]
     admission: AdmissionRule | None  # None: everything is queued (the ablation)
     budget_s: float  # what is left of the request's SLO
+    # (worker, model) → similarity of the request's nearest neighbour in that worker's cache
+    # (None: it holds none); None: perfect cache, nothing to look at
+    neighbours: Neighbours | None = None
 
 
 class Policy(ABC):
@@ -822,6 +826,14 @@ class _Run:
             worker = by_id[worker_id]
             return self._plan_latency(worker.worker_class, self._serving_level(worker, level_name))
 
+        neighbours: Neighbours | None = None
+        caches = self.caches
+        if caches is not None:
+            row, worker_index = self._row_list[i], self.worker_index
+
+            def neighbours(worker_id: str, model: str) -> float | None:
+                return caches.similarity(worker_index[worker_id], i, row, model, now)
+
         dispatch = Dispatch(
             self._queue_view,
             self._down,
@@ -829,6 +841,7 @@ class _Run:
             latency_s,
             self.sim.admission_rule if self.cfg.admission else None,
             self.sim.slo_s - (now - self._arrival_list[i]),
+            neighbours,
         )
         outcome = self.policy.decide(i, now, dispatch)
         if isinstance(outcome, Refused):

@@ -129,6 +129,20 @@ class ClusterCache:
             cache.use(found.entry, step)
         return Resume(step, found.similarity)
 
+    def similarity(
+        self, worker: int, request: int, row: int, model: str, now: float
+    ) -> float | None:
+        """The similarity of request ``request``'s (prompt ``row``) nearest entry in
+        ``worker``'s cache under its key on ``model`` at ``now``, as a cache-aware router
+        sees it before choosing; None when the key holds none (or the request never looks
+        up). Records no use."""
+        adapters = self.setup.adapter_keys[request]
+        if adapters is UNCACHEABLE:
+            return None
+        self._settle(worker, now)
+        found = self.caches[worker].nearest((model, adapters), self.setup.vectors[row])
+        return None if found is None else found.similarity
+
     def feed(self, worker: int, request: int, row: int, model: str, finish_s: float) -> None:
         """A full AC generation of prompt ``row`` on ``worker`` ends at ``finish_s``: from
         then on the worker's cache holds it (unless the request has a ControlNet)."""

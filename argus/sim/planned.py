@@ -66,6 +66,11 @@ class PlannedConfig:
     """Route each prompt by its class through the PASM; False: by the load shares F alone
     (and plan with level averages: the classifier is not consulted at all)."""
 
+    cache_aware: bool = False
+    """Choose among a level's workers by what their caches hold (the realistic cache only;
+    :mod:`argus.router.cache_routing`): the worker whose neighbour serves the request
+    soonest, admitted at the step that neighbour allows. False: Eq. 3 on the routed K."""
+
     spill_on_refusal: bool = True
     """Admit a request the chosen worker cannot finish in time on the nearest level that can
     (``RoutingConfig.spill_on_refusal``, the live router's default); False: refuse it."""
@@ -120,10 +125,12 @@ class PlannedPolicy(Policy):
             backlog_replan_per_worker=control.backlog_replan_per_worker,
             min_replan_interval_s=control.min_replan_interval_s,
         )
+        aware = self.config.cache_aware and ctx.cache == CacheMode.REALISTIC
         self.decider = RouterPolicy(
             ctx.profiles,
             RouterServiceConfig(routing=routing, admission=ctx.admission_rule),
             random.Random(self._seed),
+            cache_rules=ctx.cache_rules if aware else None,
         )
         self.router = self.decider.router  # the installed plan and its backlog signal
         self._plan_levels: dict[str, int] = {}  # worker → its level index in the plan
@@ -190,7 +197,12 @@ class PlannedPolicy(Policy):
             return dispatch.latency_s(worker, decider.level_name(index))
 
         snapshot = Snapshot(
-            self._plan_levels, dispatch.queues, dispatch.down, dispatch.elapsed_s, service_s
+            self._plan_levels,
+            dispatch.queues,
+            dispatch.down,
+            dispatch.elapsed_s,
+            service_s,
+            neighbours=dispatch.neighbours if decider.cache is not None else None,
         )
         budget = dispatch.budget_s if dispatch.admission is not None else math.inf
         refused = decider.admit_early(SIM_REQUEST, 1.0, snapshot, budget)
@@ -327,9 +339,12 @@ def planned_policies() -> dict[str, PlannedConfig]:
     * ``argus``: the joint program over (classifier class × level) with Q(v | c) from the
       classifier's calibration; each period it plans AC and SM and serves the better, SM
       alone on retrieval trouble (§4.6; ``StrategyChoice.BEST``); its workers load models in
-      the background, so the planner charges a load no forgone work;
-    * ``argus-text``: ``argus`` deciding from the prompt's text alone; the same config as
-      ``argus`` today, named apart to stay the text-only baseline;
+      the background, so the planner charges a load no forgone work; with the realistic
+      cache it chooses among a level's workers by what their caches hold
+      (``cache_aware``);
+    * ``argus-text``: ``argus`` deciding from the prompt's text alone, Eq. 3 on the routed K
+      whatever the caches hold (what ``argus`` was before the router saw the caches); the
+      ablations and baselines below derive from it, so only ``argus`` looks at the caches;
     * ``argus-paper``: the paper's prototype as an ablation: Eq. 1 with level averages, then
       ODA on the predicted optimal levels, AC while retrieval is healthy (``AC_FIRST``);
     * ``pac``: prompt-agnostic Argus: the same control loop and strategy choice, planning with
@@ -346,15 +361,16 @@ def planned_policies() -> dict[str, PlannedConfig]:
     live allocator keeps the analytic caps (:class:`ControlConfig`'s default), having no
     service-time spread to simulate.
     """
-    argus = PlannedConfig(control=ControlConfig(caps=CapSource.MEASURED))
+    text = PlannedConfig(control=ControlConfig(caps=CapSource.MEASURED))
+    argus = replace(text, cache_aware=True)
     paper = replace(
-        argus.control, planner=PlannerMode.PAPER, strategy_choice=StrategyChoice.AC_FIRST
+        text.control, planner=PlannerMode.PAPER, strategy_choice=StrategyChoice.AC_FIRST
     )
     return {
         "argus": argus,
-        "argus-text": argus,
-        "argus-paper": replace(argus, control=paper),
-        "pac": replace(argus, prompt_aware=False),
+        "argus-text": text,
+        "argus-paper": replace(text, control=paper),
+        "pac": replace(text, prompt_aware=False),
         "proteus": PlannedConfig(
             control=ControlConfig(
                 strategies=(Strategy.SM,),

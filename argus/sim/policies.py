@@ -6,9 +6,10 @@ name and rejects unknown names quoting them.
 * ``argus``, ``argus-text``, ``argus-paper``, ``pac``, ``proteus``: one class,
   :class:`PlannedPolicy`, that runs the allocator's and the router's own code on the simulated
   clock; they differ only by configuration (:func:`argus.sim.planned.planned_policies` says
-  how). ``argus-text`` is Argus deciding from the prompt's text alone, whatever the caches
-  hold: today that is ``argus`` itself, named apart so that it stays the text-only baseline
-  once ``argus`` learns what the caches hold.
+  how). With the realistic cache ``argus`` chooses among a level's workers by what their
+  caches hold (:mod:`argus.router.cache_routing`); ``argus-text`` is Argus deciding from the
+  prompt's text alone, Eq. 3 at the routed K whatever the caches hold (``argus`` before the
+  router saw the caches). With the perfect cache the two are the same policy.
 * ``clipper-ha`` / ``clipper-ht``: SDXL / Tiny-SD on every GPU, least-loaded routing.
 * ``sommelier``: each GPU decides alone: with uniform routing it expects 1/N of the forecast
   load and runs the best SM level that carries it within a queue of one's utilisation cap.
@@ -211,7 +212,7 @@ POLICIES: tuple[str, ...] = ("argus", "pac", "proteus", *BASELINES, "argus-paper
 """The policies compared; ``argus replay`` runs all but ``argus-paper`` by default."""
 VARIANTS: tuple[str, ...] = ("argus-text",)
 """Further names :func:`make_policy` knows: ``argus-text``, Argus deciding from the text
-alone (today's ``argus``, kept apart to compare a cache-aware ``argus`` against)."""
+alone, blind to what the caches hold (to compare the cache-aware ``argus`` against)."""
 
 
 def make_policy(

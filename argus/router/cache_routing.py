@@ -1,0 +1,111 @@
+"""Worker choice that looks at the approximate caches: :class:`CacheRouting`.
+
+A request routed to an AC level of ceiling K resumes at the largest cached step its
+neighbour's similarity allows on the worker that serves it, and misses (a full generation)
+below the rule's floor (:class:`~argus.profiles.cache_evidence.KRule`). Two workers at the
+same level are therefore not interchangeable: the one holding a close neighbour serves the
+request sooner, and at the planned K. Eq. 3 picks the worker with the least
+``(queue + 1) · t_proc``; cache-aware, ``t_proc`` is the worker's service time at the step
+*its* neighbour allows (the K = 0 level's time on a miss), so a worker's close neighbour wins
+unless its queue costs more than the neighbour saves. Ties go to the larger step, then the
+closer neighbour, then the lowest worker id.
+
+The same similarity prices the request for admission: the router predicts the completion on
+the chosen worker at the step the request will resume at, not at the routed K.
+
+What a worker holds comes from a ``Neighbours`` function: live, the router's mirror of the
+workers' caches (:class:`~argus.router.cache_view.CacheView`, fed from the events on their
+replies); in the simulator, the simulated caches themselves. This module takes no lock and
+reads no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from argus.profiles.cache_evidence import DEFAULT_RULE, KRule
+from argus.types import ProfileSet, Strategy
+
+Neighbours = Callable[[str, str], "float | None"]
+"""``(worker, model)`` → the cosine similarity of the request's nearest neighbour in that
+worker's cache under the request's key on ``model``; None when it holds none (or the router
+cannot tell)."""
+
+
+@dataclass(frozen=True)
+class CacheChoice:
+    """The worker chosen for an AC request and where it is expected to resume."""
+
+    worker_id: str
+    step: int  # the step its neighbour allows, at most the level's K; 0: a miss
+    index: int  # the AC level index whose service time that step takes (its K = 0 on a miss)
+    similarity: float | None  # the neighbour's; None: the worker holds none
+    score: float  # (queue + 1) · t_proc at ``index``, seconds
+
+
+@dataclass(frozen=True)
+class _AcLevel:
+    model: str
+    ceiling: int  # K
+    rule: KRule
+    steps: tuple[int, ...]  # the K the model's AC levels resume at (> 0)
+    index_of_step: Mapping[int, int]  # step → AC level index
+
+
+class CacheRouting:
+    """The AC levels' rules, and the cache-aware choice among one level's workers."""
+
+    def __init__(self, profiles: ProfileSet, rules: Mapping[str, KRule]) -> None:
+        ac = profiles.levels_for(Strategy.AC)
+        index = {level.name: i for i, level in enumerate(ac)}
+        by_model = profiles.ac_levels_by_model()
+        self._levels: dict[int, _AcLevel] = {}
+        for level in ac:
+            steps = by_model[level.model]
+            if level.skip_steps == 0 or 0 not in steps:
+                continue  # a full generation, or a model with no full level to miss to
+            self._levels[index[level.name]] = _AcLevel(
+                level.model,
+                level.skip_steps,
+                rules.get(level.model, DEFAULT_RULE),
+                tuple(sorted(k for k in steps if k > 0)),
+                {k: index[lv.name] for k, lv in steps.items()},
+            )
+
+    def looks_up(self, strategy: Strategy, index: int) -> bool:
+        """Whether a request served at level ``index`` of ``strategy`` looks the cache up."""
+        return strategy is Strategy.AC and index in self._levels
+
+    def allowed(self, index: int, similarity: float | None) -> tuple[int, int]:
+        """(step, level index of that step) for a neighbour of ``similarity`` at AC level
+        ``index``: the K = 0 level's index on a miss."""
+        level = self._levels[index]
+        step = (
+            0
+            if similarity is None
+            else level.rule.allowed_step(similarity, level.ceiling, level.steps)
+        )
+        return step, level.index_of_step[step]
+
+    def choose(
+        self,
+        index: int,
+        workers: Iterable[str],
+        queues: Mapping[str, int],
+        neighbours: Neighbours,
+        service_s: Callable[[str, int], float],
+    ) -> CacheChoice | None:
+        """The worker of ``workers`` (all serving AC level ``index``) with the least
+        ``(queue + 1)`` times its service time at the step its neighbour allows; None when
+        ``workers`` is empty."""
+        model = self._levels[index].model
+        best: tuple[tuple[float, int, float, str], CacheChoice] | None = None
+        for worker in workers:
+            similarity = neighbours(worker, model)
+            step, served = self.allowed(index, similarity)
+            score = (queues.get(worker, 0) + 1) * service_s(worker, served)
+            rank = (score, -step, -(similarity if similarity is not None else -2.0), worker)
+            if best is None or rank < best[0]:
+                best = rank, CacheChoice(worker, step, served, similarity, score)
+        return None if best is None else best[1]
