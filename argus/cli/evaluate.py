@@ -29,7 +29,13 @@ from typing import Any
 from argus import defaults
 from argus.cli.edit_evaluate import add_edit_arguments, run_edits
 from argus.cli.main import CLIError
-from argus.cli.options import add_cache_argument, add_quality_argument, describe_gpus, parse_gpus
+from argus.cli.options import (
+    add_cache_argument,
+    add_cache_warm_argument,
+    add_quality_argument,
+    describe_gpus,
+    parse_gpus,
+)
 from argus.plumbing.quoting import quoted
 
 DEFAULT_LOADS = ",".join(f"{load:g}" for load in defaults.EVALUATION_LOADS)
@@ -103,6 +109,7 @@ class EvaluateCommand:
         )
         add_quality_argument(parser)
         add_cache_argument(parser)
+        add_cache_warm_argument(parser)
         add_edit_arguments(parser)  # --workload edits: argus/cli/edit_evaluate.py
         parser.add_argument(
             "--caps",
@@ -153,6 +160,7 @@ class EvaluateCommand:
                 caps=args.caps,
                 strategy_choice=args.strategy_choice,
                 cache=args.cache,
+                cache_warm=args.cache_warm,
             )
             progress = None if args.quiet else _Progress().update
             evaluation = evaluate(config, progress)

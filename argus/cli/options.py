@@ -66,6 +66,20 @@ def describe_gpus(counts: dict[str, int]) -> str:
     return f"{total} GPUs ({', '.join(f'{c}={n}' for c, n in counts.items())})"
 
 
+def add_cache_warm_argument(parser: argparse.ArgumentParser) -> None:
+    """``--cache-warm none|train`` (``argus evaluate``)."""
+    parser.add_argument(
+        "--cache-warm",
+        choices=("none", "train"),
+        default="none",
+        help=(
+            "what the realistic caches hold at the start: none (default, cold) or train (the "
+            "prompt file's TRAIN prompts, disjoint from the EVAL prompts served, dealt "
+            "round-robin over the workers)"
+        ),
+    )
+
+
 def add_cache_argument(parser: argparse.ArgumentParser) -> None:
     """``--cache realistic|perfect`` (``argus evaluate`` and ``argus replay``)."""
     parser.add_argument(

@@ -170,8 +170,12 @@ class SimConfig:
     uses :data:`argus.profiles.cache_evidence.DEFAULT_RULE`."""
 
     cache_warm: tuple[str, ...] = ()
-    """Realistic cache: prompts every worker holds at the start, as full generations of every
-    AC model without adapters; empty: every cache starts cold."""
+    """Realistic cache: prompts held at the start, as full generations of every AC model
+    without adapters; empty: every cache starts cold."""
+
+    cache_warm_dealt: bool = False
+    """Realistic cache: deal the warm prompts round-robin, each worker holding its share (a
+    cluster whose workers served different requests before); False: every worker holds all."""
 
     @classmethod
     def with_classes(cls, counts: Mapping[str, int], **fields: Any) -> SimConfig:
@@ -567,6 +571,7 @@ class Simulation:
             adapter_keys=adapter_keys(self.adapter_draws, len(self.workload)),
             capacity=self.config.cache_entries,
             eviction=Eviction(self.config.cache_eviction),
+            warm_dealt=self.config.cache_warm_dealt,
         )
 
     def _service_scv(self) -> float:
@@ -947,11 +952,12 @@ class _Run:
         """Request ``i`` at ``level`` on ``worker``: service seconds on its class, the level
         actually served (K = 0 after a failed retrieval or a realistic-mode miss, the K the
         neighbour allows after a realistic-mode hit), that neighbour's similarity (None: the
-        table's score holds) and whether the run feeds the cache (a full AC generation)."""
+        table's score holds) and whether the run feeds the cache (a full run on an AC model:
+        K = 0, a miss, or an SM level on that model)."""
         worker_class = worker.worker_class
         base = self._latency(worker_class, level.name)
-        if level.strategy is not Strategy.AC:
-            return base, level, None, False
+        if level.strategy is not Strategy.AC:  # a full run on an AC model feeds its cache
+            return base, level, None, level.model in self.sim.ac_levels
         if level.skip_steps == 0:
             return base, level, None, True
         self.cache_lookup[i] = True

@@ -14,8 +14,9 @@
   level k, its score from :class:`~argus.profiles.cache_evidence.ReuseQuality` at (s, k).
 
 Keys and feeding follow the live worker (:mod:`argus.worker.approx_cache.use`): an entry is
-made by a full run of an AC level (K = 0 routed, or a miss), once the run has finished, under
-the model it ran on; an entry of another model never matches. With adapters drawn
+made by a full run on an AC level's model (K = 0 routed, a miss, or an SM level on the same
+model, as SM's best level runs the AC base), once the run has finished, under the model it ran
+on; an entry of another model never matches. With adapters drawn
 (:mod:`argus.sim.adapters`) a request's LoRA set is part of its key. One difference: the live
 worker keys a ControlNet request on its control image and may resume it from an entry made
 with the same image, but the simulator draws no control images, so a request with a
@@ -72,13 +73,14 @@ class CacheSetup:
     """What every run of one simulation's realistic caches starts from."""
 
     vectors: FloatArray  # unit prompt vectors: the quality table's rows, then the warm prompts
-    warm: tuple[int, ...]  # rows of ``vectors`` every worker holds at the start
+    warm: tuple[int, ...]  # rows of ``vectors`` held at the start
     warm_models: tuple[str, ...]  # the models the warm prompts are cached under
     rules: Mapping[str, KRule]  # model -> its similarity → K rule
     cached_steps: Mapping[str, tuple[int, ...]]  # model -> the K its AC levels resume at
     adapter_keys: Sequence[Hashable | None]  # request -> its adapter key (adapter_keys)
     capacity: int  # entries per worker
     eviction: Eviction
+    warm_dealt: bool = False  # True: worker i holds warm[i::workers]; False: each holds all
 
 
 @dataclass(frozen=True)
@@ -103,9 +105,10 @@ class ClusterCache:
         self.caches = [WorkerCache(setup.capacity, dim, setup.eviction) for _ in range(workers)]
         # per worker, (finish time, key, prompt row) of the full runs that will feed it, FIFO
         self._pending: list[deque[tuple[float, Hashable, int]]] = [deque() for _ in self.caches]
-        for cache in self.caches:
+        for i, cache in enumerate(self.caches):
+            warm = setup.warm[i :: len(self.caches)] if setup.warm_dealt else setup.warm
             for model in setup.warm_models:
-                for row in setup.warm:
+                for row in warm:
                     cache.insert((model, ()), row, setup.vectors[row])
 
     def look_up(

@@ -153,6 +153,11 @@ class EvaluationConfig:
     prompts it generated (hits, misses, cold start, similarity; :mod:`argus.sim.cluster_cache`),
     or ``perfect``, every AC request a hit at its routed K."""
 
+    cache_warm: str = "none"
+    """What the realistic caches hold at the start (``--cache-warm``): ``none``, cold; ``train``,
+    the prompt file's TRAIN prompts (disjoint from the EVAL prompts the requests use), dealt
+    round-robin over the workers, as a cluster whose workers served them before."""
+
     def __post_init__(self) -> None:
         try:
             world = parse_world(self.quality)
@@ -189,6 +194,12 @@ class EvaluationConfig:
             raise EvaluationError(f"jobs: must be >= 1, got {self.jobs}")
         if self.cache not in ("realistic", "perfect"):
             raise EvaluationError(f"cache: must be realistic or perfect, got {self.cache!r}")
+        if self.cache_warm not in CACHE_WARM:
+            raise EvaluationError(
+                f"cache_warm: must be one of {', '.join(CACHE_WARM)}, got {self.cache_warm!r}"
+            )
+        if self.cache_warm != "none" and world is QualityWorld.GENAI_BENCH:
+            raise EvaluationError("cache_warm: the genai-bench world has no TRAIN prompts")
 
     @property
     def with_oracle(self) -> bool:
@@ -403,6 +414,8 @@ def run_point(
         admission=config.admission,
         cache=config.cache,
         cache_rules=cache_rules_of(config),
+        cache_warm=warm_prompts(config),
+        cache_warm_dealt=True,
     )
     sim = Simulation(profiles, tables, workload, sim_config)
     if classifier is None:
@@ -436,6 +449,21 @@ def run_point(
     return rows
 
 
+CACHE_WARM = ("none", "train")
+
+
+def warm_prompts(config: EvaluationConfig) -> tuple[str, ...]:
+    """The prompts the realistic caches start with (``cache_warm``): none, or the TRAIN
+    prompts of the prompt file (PartiPrompts when none is given; GenAI-Bench has none)."""
+    if config.cache_warm == "none" or config.cache != "realistic":
+        return ()
+    from argus.sim.workloads import default_prompts, load_prompt_file
+
+    path = config.prompts_path
+    records = default_prompts() if path is None else load_prompt_file(path)
+    return tuple(record.prompt for record in select(records, PromptSet.TRAIN))
+
+
 def cache_rules_of(config: EvaluationConfig) -> tuple[tuple[str, Any], ...]:
     """The similarity → K rules of the profile's models (``[models.X.cache]``)."""
     from argus.profiles import load_cache_rules
@@ -457,9 +485,12 @@ def cache_description(config: EvaluationConfig) -> str:
         for model, rule in rules.items()
     )
     default = ", ".join(f"K{k}>={s:g}" for k, s in DEFAULT_RULE.floors)
+    start = "cold at the start"
+    if config.cache_warm == "train":
+        start = "holding the TRAIN prompts at the start, dealt round-robin over the workers"
     return (
-        "realistic: per-worker LRU caches of all-MiniLM-L6-v2 prompt embeddings, cold at the "
-        "start; K = the largest of the routed ceiling that the nearest cached prompt's "
+        "realistic: per-worker LRU caches of all-MiniLM-L6-v2 prompt embeddings, "
+        f"{start}; K = the largest of the routed ceiling that the nearest cached prompt's "
         f"similarity allows ({described or 'default ' + default}; other models {default}, "
         "ASSUMED); SYNTHETIC reuse quality, argus/profiles/cache_evidence.py"
     )
