@@ -145,6 +145,13 @@ def test_a_close_neighbour_resumes_where_its_similarity_allows_never_above_the_c
     assert result.finish_s[1] - START - 10.0 == pytest.approx(k15)
 
 
+def test_a_full_run_of_sms_level_on_the_ac_model_feeds_the_cache_and_others_do_not() -> None:
+    result, _ = replay(["A", "A"], [0.0, 30.0], ["sm-sd-xl", "ac-k25"])
+    assert served(result, 1) == "ac-k25" and result.cache_hit[1]  # sm-sd-xl runs sdxl
+    other, _ = replay(["A", "A"], [0.0, 30.0], ["sm-sd-2.0", "ac-k25"])
+    assert served(other, 1) == "ac-k0" and not other.cache_hit[1]
+
+
 def test_warm_prompts_are_in_every_cache_from_the_start() -> None:
     result, _ = replay(["C"], [0.0], ["ac-k25"], cache_warm=("A",))
     assert served(result, 0) == "ac-k15" and result.cache_hit[0]
@@ -281,7 +288,7 @@ def test_nirvana_routes_at_its_ceiling_and_lets_the_cache_choose() -> None:
         perfect.run(make_policy("nirvana", classifier=RefusingClassifier(0.5)))
 
 
-def test_argus_text_is_argus_under_another_name() -> None:
+def test_with_the_perfect_cache_argus_text_is_argus_under_another_name() -> None:
     workload = poisson(mean_qpm=60.0, duration_min=1, seed=1)
     quality = {
         s: synthetic_quality_table(

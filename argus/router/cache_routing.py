@@ -4,7 +4,10 @@ A request routed to an AC level of ceiling K resumes at the largest cached step 
 neighbour's similarity allows on the worker that serves it, and misses (a full generation)
 below the rule's floor (:class:`~argus.profiles.cache_evidence.KRule`). Two workers at the
 same level are therefore not interchangeable: the one holding a close neighbour serves the
-request sooner, and at the planned K. Eq. 3 picks the worker with the least
+request sooner, and at the planned K. The AC levels of one model are that model with other
+ceilings, so every worker planned at any of them can serve the request at its routed ceiling:
+the PASM still decides how far a prompt may be approximated, the caches decide where. Eq. 3
+picks the worker with the least
 ``(queue + 1) · t_proc``; cache-aware, ``t_proc`` is the worker's service time at the step
 *its* neighbour allows (the K = 0 level's time on a miss), so a worker's close neighbour wins
 unless its queue costs more than the neighbour saves. Ties go to the larger step, then the
@@ -60,7 +63,8 @@ class CacheRouting:
         ac = profiles.levels_for(Strategy.AC)
         index = {level.name: i for i, level in enumerate(ac)}
         by_model = profiles.ac_levels_by_model()
-        self._levels: dict[int, _AcLevel] = {}
+        self._models = {index[level.name]: level.model for level in ac}
+        self._levels: dict[int, _AcLevel] = {}  # the levels that look up (K > 0)
         for level in ac:
             steps = by_model[level.model]
             if level.skip_steps == 0 or 0 not in steps:
@@ -72,6 +76,10 @@ class CacheRouting:
                 tuple(sorted(k for k in steps if k > 0)),
                 {k: index[lv.name] for k, lv in steps.items()},
             )
+
+    def model_of(self, index: int) -> str | None:
+        """The model of AC level ``index`` (None past the AC levels)."""
+        return self._models.get(index)
 
     def looks_up(self, strategy: Strategy, index: int) -> bool:
         """Whether a request served at level ``index`` of ``strategy`` looks the cache up."""
@@ -96,9 +104,9 @@ class CacheRouting:
         neighbours: Neighbours,
         service_s: Callable[[str, int], float],
     ) -> CacheChoice | None:
-        """The worker of ``workers`` (all serving AC level ``index``) with the least
-        ``(queue + 1)`` times its service time at the step its neighbour allows; None when
-        ``workers`` is empty."""
+        """The worker of ``workers`` (all running AC level ``index``'s model, at whatever
+        level of it) with the least ``(queue + 1)`` times its service time at the step its
+        neighbour allows under ``index``'s ceiling; None when ``workers`` is empty."""
         model = self._levels[index].model
         best: tuple[tuple[float, int, float, str], CacheChoice] | None = None
         for worker in workers:

@@ -373,7 +373,7 @@ class RouterPolicy:
             self.config.admission, queue, elapsed, t_proc, budget_s, count=not retry
         )
         if isinstance(predicted, Refused):
-            return self._spill(decision, snapshot, budget_s, cap) or predicted
+            return self._spill(decision, request, snapshot, budget_s, cap) or predicted
         return Admitted(decision, predicted, cache=cache)
 
     # the parts ---------------------------------------------------------------------------
@@ -381,19 +381,21 @@ class RouterPolicy:
     def _cache_choice(
         self, decision: RouteDecision, request: RouterRequest, snapshot: Snapshot
     ) -> CacheChoice | None:
-        """The cache-aware choice among the live workers serving ``decision``'s level
-        (:meth:`CacheRouting.choose`), when the request looks the cache up there and the
-        snapshot says what the workers hold; None otherwise (an edit never resumes from the
-        cache). The decision's worker is always a candidate, also when it serves the level
-        from a slower planned level of the same model (a capped request)."""
-        plan, cache, neighbours = self.router.plan, self.cache, snapshot.neighbours
-        if cache is None or neighbours is None or plan is None or request.image:
-            return None
+        """The cache-aware choice (:meth:`CacheRouting.choose`) among the live workers
+        whose planned AC level runs the model of ``decision``'s level, when the request looks
+        the cache up there and the snapshot says what the workers hold; None otherwise (an
+        edit never resumes from the cache). Every AC level of a model is the same model with
+        another ceiling, so any of its workers serves the request at the routed ceiling: the
+        PASM keeps choosing how far it may be approximated, the caches where it is served."""
         index = decision.served_level
-        if not cache.looks_up(plan.strategy, index):
+        looked = self._looks_up(index, request, snapshot)
+        if looked is None:
             return None
-        down = snapshot.down
-        workers = {w for w, i in snapshot.levels.items() if i == index and w not in down}
+        cache, neighbours = looked
+        down, model = snapshot.down, cache.model_of(index)
+        workers = {
+            w for w, i in snapshot.levels.items() if w not in down and cache.model_of(i) == model
+        }
         workers.add(decision.worker_id)
         return cache.choose(index, sorted(workers), snapshot.queues, neighbours, snapshot.service_s)
 
@@ -434,7 +436,12 @@ class RouterPolicy:
         return serving
 
     def _spill(
-        self, decision: RouteDecision, snapshot: Snapshot, budget_s: float, cap: int | None
+        self,
+        decision: RouteDecision,
+        request: RouterRequest,
+        snapshot: Snapshot,
+        budget_s: float,
+        cap: int | None,
     ) -> Admitted | None:
         """Admit elsewhere a request that ``decision``'s worker cannot finish within
         ``budget_s``: on the nearest level to the one chosen (that level's other workers
@@ -442,29 +449,57 @@ class RouterPolicy:
         quickest live worker the admission rule predicts finishes in time. None when no
         worker can, or ``spill_on_refusal`` is off. Why: a refusal should mean the cluster is
         full, not that one sampled level is; a request queued behind a burst at the slow
-        level it was sampled for is served a level away instead of being turned back."""
+        level it was sampled for is served a level away instead of being turned back. With
+        the caches in view, a worker at a level that looks up is priced at the step its
+        neighbour allows."""
         if not self.config.routing.spill_on_refusal:
             return None
         rule, chosen = self.config.admission, decision.worker_id
-        quickest: dict[int, tuple[float, str]] = {}  # level index → (completion, worker)
+        # level index → (completion, worker, its cache-aware pricing)
+        quickest: dict[int, tuple[float, str, CacheChoice | None]] = {}
         for worker, index in self._serving(cap, snapshot):
             if worker == chosen:
                 continue
-            load = self._load(worker, index, snapshot)
+            cache = self._priced(worker, index, request, snapshot)
+            load = self._load(worker, index if cache is None else cache.index, snapshot)
             done = rule.completion_s(load.queue_length, load.t_proc_s, load.head_elapsed_s)
             if not admit(done, budget_s).admitted:
                 continue
-            if index not in quickest or (done, worker) < quickest[index]:
-                quickest[index] = (done, worker)
+            if index not in quickest or (done, worker) < quickest[index][:2]:
+                quickest[index] = (done, worker, cache)
         plan = self.router.plan
         assert plan is not None  # route() decided on it
         order = nearest_first(decision.served_level, len(plan.allocation.levels))
         served = next((j for j in order if j in quickest), None)
         if served is None:
             return None
-        done, worker = quickest[served]
+        done, worker, cache = quickest[served]
         spilled = replace(decision, served_level=served, worker_id=worker, score=done, spilled=True)
-        return Admitted(spilled, done)
+        return Admitted(spilled, done, cache=cache)
+
+    def _priced(
+        self, worker: str, index: int, request: RouterRequest, snapshot: Snapshot
+    ) -> CacheChoice | None:
+        """``worker`` at level ``index`` priced at the step its neighbour allows, when the
+        request would look the cache up there and the caches are in view; None otherwise."""
+        looked = self._looks_up(index, request, snapshot)
+        if looked is None:
+            return None
+        cache, neighbours = looked
+        return cache.choose(index, (worker,), snapshot.queues, neighbours, snapshot.service_s)
+
+    def _looks_up(
+        self, index: int, request: RouterRequest, snapshot: Snapshot
+    ) -> tuple[CacheRouting, Neighbours] | None:
+        """The cache rules and the snapshot's view of the caches when ``request`` served at
+        level ``index`` of the installed plan looks the cache up (an AC level with K > 0, not
+        an edit) and the snapshot says what the workers hold; else None."""
+        plan, cache, neighbours = self.router.plan, self.cache, snapshot.neighbours
+        if cache is None or neighbours is None or plan is None or request.image:
+            return None
+        if not cache.looks_up(plan.strategy, index):
+            return None
+        return cache, neighbours
 
     @staticmethod
     def _load(worker: str, index: int, snapshot: Snapshot) -> WorkerLoad:
