@@ -126,6 +126,15 @@ def test_k0_and_sm_levels_do_not_search(cached_worker: Any) -> None:
     assert cached_worker.stats().cache.hits + sum(cached_worker.stats().cache.misses.values()) == 0
 
 
+def test_a_full_run_of_sms_level_on_the_base_model_feeds_the_cache(cached_worker: Any) -> None:
+    sm = generate(cached_worker, "a paper boat on a pond", level="sm-sd-xl")
+    assert sm.cache is CacheOutcome.NOT_USED  # SM never looks up...
+    cached_worker.flush()
+    assert cached_worker.stats().cache.inserts == 1  # ...but its SDXL run is a K = 0 run
+    again = generate(cached_worker, "a paper boat on a pond")
+    assert (again.cache, again.start_step) == (CacheOutcome.HIT, 5)
+
+
 def test_a_neighbour_below_the_floor_is_never_resumed(cached_worker: Any) -> None:
     generate(cached_worker, "a red bus in the snow", level="ac-k0")
     cached_worker.flush()

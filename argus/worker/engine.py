@@ -471,15 +471,19 @@ class Worker:
         ``queued_edit``: the activation cache's key of an inpainting edit when it was queued,
         and whether a record was there then (:meth:`WorkerEdits.queued`)."""
         model, substituted = self._pick_model(level)  # 1
-        # only an AC run outside an edit can look up or feed the cache: no key (and no hash of
-        # the control images) for the others
-        uses_cache = self.cache is not None and level.strategy is Strategy.AC and spec.edit is None
+        # only an AC run, or a run on the cache's base model, outside an edit can look up or
+        # feed the cache: no key (and no hash of the control images) for the others
+        uses_cache = (
+            self.cache is not None
+            and (level.strategy is Strategy.AC or model.name == self.base_model)
+            and spec.edit is None
+        )
         key = cache_key(model, spec, plan) if uses_cache else None
         lookup = look_up(self.cache, self.encoder, spec, level, key)  # 2
         feeds = (
             feed_cache
             and spec.edit is None
-            and feeds_cache(self.cache, self.base_model, model, level, lookup)
+            and feeds_cache(self.cache, self.base_model, model, lookup)
         )
         capture = capture_steps(self.cache, spec.steps) if feeds else ()  # 3
         result, path, adapter_ms = self._denoise(  # 4

@@ -13,7 +13,8 @@ A request names a *level* of the worker's profile:
   latents at the cache's steps (:func:`capture_steps`) are stored under its key
   (:func:`feeds_cache`, :func:`insert`), off the request path: the worker hands them to a
   single writer thread with a bounded backlog, and a full backlog drops the insert, counted.
-* SM level: a full generation on that level's model; the cache is not used.
+* SM level: a full generation on that level's model, never a lookup; when the model is the
+  AC base model (SM's best level on SDXL), it feeds the cache as a K = 0 run does.
 
 Adapters are part of the key, so a request with LoRAs or ControlNets resumes only from, and
 feeds only, latents made under the same LoRAs (names and scales) and the same ControlNets
@@ -161,17 +162,13 @@ def feeds_cache(
     cache: Any | None,
     base_model: str | None,
     model: DiffusionModel,
-    level: Level,
     lookup: CacheLookup,
 ) -> bool:
-    """Step 3: whether the run's latents at the cache's steps are stored: a full run of an
-    AC level on the base model, adapters or not (they are in its key)."""
-    return (
-        lookup.start_step == 0
-        and cache is not None
-        and model.name == base_model
-        and level.strategy is Strategy.AC
-    )
+    """Step 3: whether the run's latents at the cache's steps are stored: a full run on the
+    base model, adapters or not (they are in its key), whatever level asked for it: an AC
+    level at K = 0 or a miss, and SM's level on the same model, whose run is the same
+    denoising, so a cluster serving SM keeps its caches growing for when it returns to AC."""
+    return lookup.start_step == 0 and cache is not None and model.name == base_model
 
 
 def capture_steps(cache: Any, steps: int) -> tuple[int, ...]:
