@@ -14,14 +14,18 @@
    cannot finish in time now is OVERLOADED with a retry-after hint, and neither takes
    classifier time. Refused or not, it is an arrival for the allocator's report, at its
    weight in full requests (:meth:`RouterCore._arrival_cost`);
-5. classify the prompt (AC and SM levels; both are reported to the allocator);
-6. route on the installed plan (PASM sample, Eq. 3 worker selection) and admit against the
+5. classify the prompt (AC and SM levels; both are reported to the allocator); with
+   cache-aware routing, embed it and look it up in the mirror of the workers' caches
+   (:class:`~argus.router.cache_mirror.CacheMirror`) when that can matter, before the lock;
+6. route on the installed plan (PASM sample, Eq. 3 worker selection; at an AC level, on the
+   step each worker's cached neighbour allows) and admit against the
    deadline on the chosen worker (:meth:`RouterPolicy.route`); with an edit balancer, an
    inpainting edit keeps the plan's level and is placed among that level's workers
    (:meth:`RouterPolicy.place_edit`, on the core's :class:`~argus.router.edit_loads.EditLoads`);
 7. forward to the worker through the :class:`WorkerTransport` with the remaining time as the
-   call's timeout; a worker that is UNAVAILABLE mid-request is marked down and the request is
-   routed again to another worker while the deadline allows.
+   call's timeout (and the mirror's cursor in its cache log, whose changes the reply brings);
+   a worker that is UNAVAILABLE mid-request is marked down and the request is routed again to
+   another worker while the deadline allows.
 
 Every decision sees the cluster as the core believes it: each worker's address, level,
 queue, down mark and last answered level, one record per worker
