@@ -123,6 +123,11 @@ DEFAULT_SIZE = 64
 DEFAULT_STEPS = 50
 """Denoising steps of a request that sets none."""
 
+SCHEDULER = "euler"
+"""The workers' diffusion scheduler (``argus worker --scheduler``): part of every approximate
+cache key, so a router that mirrors the caches keys its lookups by the same name
+(``argus router --scheduler``)."""
+
 MAX_IMAGE_SIDE = 2048
 """Widest or tallest image served, pixels (the router and the worker refuse larger)."""
 

@@ -39,7 +39,7 @@ from argus.allocator.membership import MembershipFullError, NotOwnerError
 from argus.allocator.metrics import AllocatorMetrics
 from argus.allocator.paper_eq1 import SolverFactory
 from argus.contracts.plans import PublishedPlan, plan_to_pb
-from argus.contracts.routers import router_answer_to_pb, router_report_from_pb
+from argus.contracts.routers import RouterReport, router_answer_to_pb, router_report_from_pb
 from argus.contracts.wire import FieldError
 from argus.contracts.workers import heartbeat_answer_to_pb, heartbeat_from_pb
 from argus.plumbing import rpc
@@ -77,7 +77,18 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServicer):  # type: ignore[m
             answer = self.control.report_router(report, "" if who is None else str(who))
         except Exception as err:
             self._fail(context, "ReportRouter", err)
+        if report.cache_lookups.levels and not answer.duplicate:
+            self._report_cache(report)
         return router_answer_to_pb(answer)
+
+    def _report_cache(self, report: RouterReport) -> None:
+        """The router's cache probes to the evidence AC levels are priced with; probes binned
+        by other rules than the allocator's (a router on another profile) are dropped with a
+        warning, the rest of its report counted."""
+        try:
+            self.control.report_cache(report.cache_lookups)
+        except ValueError as err:
+            log.warning("router %s: cache probes dropped: %s", report.router_id, err)
 
     def Heartbeat(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:

@@ -39,7 +39,7 @@ class RouterCommand:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         # the drift flags' defaults are the configs' own (light modules: no torch, no grpc)
         from argus.classifier.drift import DriftConfig
-        from argus.router.config import EDIT_BALANCER, EDIT_BALANCERS, EDIT_BATCH
+        from argus.router.config import EDIT_BALANCER, EDIT_BALANCERS, EDIT_BATCH, RoutingConfig
         from argus.router.drift import DriftSettings
 
         parser.add_argument("--allocator", required=True, help="allocator HOST:PORT")
@@ -114,6 +114,32 @@ class RouterCommand:
             help="the workers' --default-size: requests without width or height are priced at "
             "this side (default: the profile's reference size)",
         )
+        cache = parser.add_argument_group("cache-aware routing (the workers' approximate caches)")
+        cache.add_argument(
+            "--cache-routing",
+            action=argparse.BooleanOptionalAction,
+            default=RoutingConfig.cache_aware,
+            help="mirror the workers' caches and send an AC request to the worker whose cached "
+            "neighbour serves it soonest; loads the workers' prompt encoder (default: "
+            "%(default)s)",
+        )
+        cache.add_argument(
+            "--cache-encoder",
+            metavar="DIR",
+            help="the workers' --encoder-dir (default: all-MiniLM-L6-v2, as the workers')",
+        )
+        cache.add_argument(
+            "--scheduler",
+            default=defaults.SCHEDULER,
+            help="the workers' --scheduler, part of the cache key (default: %(default)s)",
+        )
+        cache.add_argument(
+            "--cache-probe-interval-s",
+            type=float,
+            default=RoutingConfig.cache_probe_interval_s,
+            help="outside AC plans, embed a prompt to probe the caches for the allocator at most "
+            "this often (0: every prompt; default: %(default)s)",
+        )
         edits = parser.add_argument_group("inpainting edits")
         edits.add_argument(
             "--edit-balancer",
@@ -166,7 +192,7 @@ class RouterCommand:
     def run(self, args: argparse.Namespace) -> int:
         from argus.profiles import ProfileError
         from argus.router.app import RouterSettings, serve
-        from argus.router.config import RouterServiceConfig
+        from argus.router.config import RouterServiceConfig, RoutingConfig
 
         tls_dir = internal_tls_dir(args, "router")
         try:  # the settings check every value, before anything loads
@@ -178,6 +204,11 @@ class RouterCommand:
                 max_cost=args.max_cost,
                 default_steps=args.default_steps,
                 default_size=args.default_size,
+                scheduler=args.scheduler,
+                routing=RoutingConfig(
+                    cache_aware=args.cache_routing,
+                    cache_probe_interval_s=args.cache_probe_interval_s,
+                ),
                 edit_balancer=args.edit_balancer,
                 edit_batch=args.edit_batch,
                 edit_cost=edit_cost_model(args),
@@ -199,6 +230,7 @@ class RouterCommand:
                 http_host=args.http_host,
                 internal_tls_dir=tls_dir,
                 drift=drift_settings(args),
+                cache_encoder=args.cache_encoder,
             )
         except ValueError as err:
             raise config_error(err, args) from None

@@ -54,7 +54,7 @@ class WorkerCommand:
         parser.add_argument("--level", help="level served at start (default: the first AC level)")
         parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
         parser.add_argument("--dtype", default="auto", help="auto, fp32, fp16 or bf16")
-        parser.add_argument("--scheduler", default="euler", help="euler, ddim or dpm++")
+        parser.add_argument("--scheduler", default=defaults.SCHEDULER, help="euler, ddim or dpm++")
         parser.add_argument("--memory-budget-gib", type=float, help="model memory budget")
         parser.add_argument(
             "--max-resident",

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from argus.contracts.cache_outlook import BinCounts, CacheOutlook
 from argus.contracts.wire import (
     MAX_ARRIVALS,
     MAX_CLASSIFIED,
@@ -31,6 +32,7 @@ from argus.contracts.wire import (
 from argus.types import ClassQuality, MeasuredLatency, ProfileSet, Strategy
 
 MAX_MEASURED = 4096  # measured latencies per report: every (class, level) of a large profile
+MAX_BINS = 64  # similarity bins of one level's cache lookups (a rule's floors plus one)
 # an arrival's weight is a share of one full request (an edit's share of a batched step)
 MAX_ARRIVAL_COST = 1.0
 
@@ -56,6 +58,9 @@ class RouterReport:
     # of a batched step by the edit cost model (InstGenIE §4.4; argus.router.edit_loads.
     # arrival_cost); the allocator's demand is the sum of the weights (AllocatorControl).
     arrival_costs: tuple[float, ...] = ()
+    # the router's probes of its workers' caches, per AC level and similarity bin
+    # (argus.router.cache_mirror): what AC would find; empty: none probed
+    cache_lookups: CacheOutlook = field(default_factory=CacheOutlook)
 
     def arrival_weights(self) -> tuple[float, ...]:
         """One weight per arrival, in the order of :attr:`arrival_ages_s` (1 each when the
@@ -107,7 +112,47 @@ def router_report_from_pb(message: Any, profiles: ProfileSet) -> RouterReport:
             for i, entry in enumerate(message.measured[: _measured_count(message)])
         ),
         arrival_costs=tuple(_cost(c, f"arrival_costs[{i}]") for i, c in enumerate(costs)),
+        cache_lookups=cache_lookups_from_pb(message.cache_lookups, profiles),
     )
+
+
+def cache_lookups_from_pb(entries: Sequence[Any], profiles: ProfileSet) -> CacheOutlook:
+    """A report's cache probes, checked: each entry an AC level of the profile, once; 1 to
+    :data:`MAX_BINS` bins, as many sums as counts, all finite, counts >= 0. FieldError names
+    the field."""
+    ac = {level.name for level in profiles.levels_for(Strategy.AC)}
+    levels: dict[str, BinCounts] = {}
+    for i, entry in enumerate(entries):
+        where = f"cache_lookups[{i}]"
+        if entry.level not in ac:
+            raise FieldError(
+                f"{where}.level: {entry.level[:MAX_ID_CHARS]!r} is not an AC level of the profile"
+            )
+        if entry.level in levels:
+            raise FieldError(f"{where}.level: {entry.level!r} appears twice")
+        counts, sums = tuple(entry.counts), tuple(entry.similarity_sums)
+        if not 1 <= len(counts) <= MAX_BINS or len(sums) != len(counts):
+            raise FieldError(
+                f"{where}: expected 1 to {MAX_BINS} counts and as many similarity_sums, got "
+                f"{len(counts)} and {len(sums)}"
+            )
+        for name, values, least in (("counts", counts, 0.0), ("similarity_sums", sums, -math.inf)):
+            for j, value in enumerate(values):
+                if not (math.isfinite(value) and value >= least):
+                    rule = "finite and >= 0" if least == 0.0 else "finite"
+                    raise FieldError(f"{where}.{name}[{j}]: must be {rule}, got {value}")
+        levels[entry.level] = BinCounts(counts, sums)
+    return CacheOutlook(levels)
+
+
+def cache_lookups_to_pb(outlook: CacheOutlook) -> list[Any]:
+    """The router's side of :func:`cache_lookups_from_pb`."""
+    return [
+        allocator_pb2.CacheLookups(
+            level=level, counts=list(row.counts), similarity_sums=list(row.similarity_sums)
+        )
+        for level, row in sorted(outlook.levels.items())
+    ]
 
 
 def _cost(value: float, where: str) -> float:
@@ -233,6 +278,7 @@ def router_report_to_pb(report: RouterReport, profiles: ProfileSet) -> Any:
         class_quality=[class_quality_to_pb(quality) for quality in report.class_quality],
         measured=[measured_to_pb(measured) for measured in report.measured],
         arrival_costs=list(report.arrival_costs),
+        cache_lookups=cache_lookups_to_pb(report.cache_lookups),
     )
 
 

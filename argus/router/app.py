@@ -34,6 +34,8 @@ from argus.plumbing.grpc_server import (
     new_server,
     set_serving,
 )
+from argus.router.cache_mirror import Embedder
+from argus.router.cache_routing import CacheChoice
 from argus.router.config import RouterServiceConfig
 from argus.router.convert import retry_after_metadata
 from argus.router.core import RouterCore, busy_refusal
@@ -177,6 +179,21 @@ class PrometheusStats(RouterStats):
     def http_answered(self, route: str, status: int) -> None:
         self.metrics.observe_http(route, status)
 
+    def watch_cache_entries(self, read: Callable[[], int]) -> None:
+        self.metrics.cache_entries.set_function(read)
+
+    def cache_embedded(self, seconds: float) -> None:
+        self.metrics.cache_embed.observe(seconds)
+
+    def cache_routed(self, choice: CacheChoice) -> None:
+        self.metrics.observe_cache_routed(choice.step, choice.similarity, moved=choice.moved)
+
+    def cache_event_skipped(self, reason: str) -> None:
+        self.metrics.cache_skipped.labels(reason).inc()
+
+    def cache_forgotten(self, reason: str) -> None:
+        self.metrics.cache_forgotten.labels(reason).inc()
+
 
 def busy_limit(in_flight: int, stats: RouterStats = NO_STATS) -> InFlightLimit:
     """The router's in-flight bound on Generate and GenerateStream, refusing in the core's
@@ -283,6 +300,7 @@ class StatsReporter:
             class_quality=tuple(quality),
             measured=self.core.measured_latencies(),
             arrival_costs=taken.arrival_costs,
+            cache_lookups=taken.cache,
         )
         self.client.report(report, self.core.profiles)
 
@@ -325,6 +343,9 @@ class RouterSettings:
     http_host: str = defaults.LOOPBACK  # public like ``host``
     # drift retraining on the workers' quality scores (argus.router.drift); None: off
     drift: DriftSettings | None = None
+    # the workers' prompt encoder (their --encoder-dir), loaded when service.routing.cache_aware
+    # to look prompts up in the mirrored caches; None: all-MiniLM-L6-v2, as the workers'
+    cache_encoder: str | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -371,6 +392,21 @@ def build_drift(
     )
 
 
+def load_cache_encoder(directory: str | None) -> Embedder:
+    """The workers' prompt encoder for the cache mirror's lookups: their float32 BERT run as
+    ONNX on one thread (the same vectors to float32 rounding, about half torch's time per
+    prompt here), or with torch where it cannot be exported."""
+    from argus.embedding import PromptEmbedder
+
+    try:
+        encoder = PromptEmbedder(directory, runtime="onnx", threads=1)
+    except (ImportError, RuntimeError) as err:
+        log.warning("cache encoder: ONNX unavailable (%s), running it with torch", err)
+        encoder = PromptEmbedder(directory)
+    log.info("cache-aware routing: prompts embedded by %s (%s)", encoder.model_dir, encoder.runtime)
+    return encoder
+
+
 def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> int:
     """Run the router until SIGINT or SIGTERM; prints ``listening on HOST:PORT`` once bound,
     and ``http on http(s)://HOST:PORT/v1`` when the HTTP API is on. A taken HTTP port raises
@@ -405,6 +441,12 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
     channels = WorkerChannels(lambda address: channel(address, tls, reconnect_options()))
     drift = build_drift(settings.drift, classifier.classifiers, profiles, metrics)
     workers = GrpcWorkers(channels)
+    embedder, rules = None, None
+    if config.routing.cache_aware:
+        from argus.profiles import load_cache_rules
+
+        embedder = load_cache_encoder(settings.cache_encoder)
+        rules = load_cache_rules(settings.profile or "default")
     core = RouterCore(
         profiles,
         classifier,
@@ -412,6 +454,8 @@ def serve(settings: RouterSettings, *, ready: threading.Event | None = None) -> 
         workers=workers,
         stats=PrometheusStats(metrics),
         drift=drift,
+        embedder=embedder,
+        cache_rules=rules,
     )
     server, port, servicer = create_server(
         core,

@@ -45,6 +45,7 @@ class CacheChoice:
     index: int  # the AC level index whose service time that step takes (its K = 0 on a miss)
     similarity: float | None  # the neighbour's; None: the worker holds none
     score: float  # (queue + 1) · t_proc at ``index``, seconds
+    moved: bool = False  # another worker than Eq. 3's on the routed K (set by the policy)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,22 @@ class RoutingConfig:
     min_replan_interval_s: float = 10.0
     """Early re-plans are wanted at most this often, seconds."""
 
+    cache_aware: bool = True
+    """Mirror the workers' approximate caches (:mod:`argus.router.cache_mirror`) and send an
+    AC request to the worker of its level whose cached neighbour serves it soonest, admitted
+    at the step that neighbour allows (:mod:`argus.router.cache_routing`); the router then
+    loads the workers' prompt encoder. False: Eq. 3 on the routed K, no encoder."""
+
+    cache_probe_interval_s: float = 0.1
+    """Outside AC plans (where every prompt with a cached neighbour anywhere is embedded to
+    choose its worker), a prompt is embedded to probe the caches for the allocator at most
+    this often, seconds (0: every prompt): what AC would find, at a bounded encoder cost."""
+
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.cache_probe_interval_s) and self.cache_probe_interval_s >= 0):
+            raise ValueError(
+                f"cache_probe_interval_s: must be >= 0, got {self.cache_probe_interval_s}"
+            )
         if not self.backlog_replan_per_worker > 0.0:
             raise ValueError(
                 f"backlog_replan_per_worker: must be > 0, got {self.backlog_replan_per_worker}"
@@ -113,6 +128,10 @@ class RouterServiceConfig:
     """The workers' default image side (``argus worker --default-size``): a request without
     ``width`` or ``height`` is priced at it. None: priced at the profile's reference size."""
 
+    scheduler: str = defaults.SCHEDULER
+    """The workers' ``--scheduler``: part of the approximate cache's key, so the router looks a
+    prompt up in its mirror of the caches under the key the workers filed it with."""
+
     service_times: ServiceTimeConfig = field(default_factory=ServiceTimeConfig)
     """How the workers' service times are learned from their replies (admission and worker
     selection read them, not the profile's latencies, once a worker has answered)."""
@@ -138,6 +157,8 @@ class RouterServiceConfig:
     the paper-derived SDXL shape."""
 
     def __post_init__(self) -> None:
+        if not self.scheduler:
+            raise ValueError("scheduler: must not be empty")
         if self.edit_balancer not in EDIT_BALANCERS:
             known = ", ".join(EDIT_BALANCERS)
             raise ValueError(f"edit_balancer: unknown {self.edit_balancer!r}; known: {known}")

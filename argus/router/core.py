@@ -14,14 +14,18 @@
    cannot finish in time now is OVERLOADED with a retry-after hint, and neither takes
    classifier time. Refused or not, it is an arrival for the allocator's report, at its
    weight in full requests (:meth:`RouterCore._arrival_cost`);
-5. classify the prompt (AC and SM levels; both are reported to the allocator);
-6. route on the installed plan (PASM sample, Eq. 3 worker selection) and admit against the
+5. classify the prompt (AC and SM levels; both are reported to the allocator); with
+   cache-aware routing, embed it and look it up in the mirror of the workers' caches
+   (:class:`~argus.router.cache_mirror.CacheMirror`) when that can matter, before the lock;
+6. route on the installed plan (PASM sample, Eq. 3 worker selection; at an AC level, on the
+   step each worker's cached neighbour allows) and admit against the
    deadline on the chosen worker (:meth:`RouterPolicy.route`); with an edit balancer, an
    inpainting edit keeps the plan's level and is placed among that level's workers
    (:meth:`RouterPolicy.place_edit`, on the core's :class:`~argus.router.edit_loads.EditLoads`);
 7. forward to the worker through the :class:`WorkerTransport` with the remaining time as the
-   call's timeout; a worker that is UNAVAILABLE mid-request is marked down and the request is
-   routed again to another worker while the deadline allows.
+   call's timeout (and the mirror's cursor in its cache log, whose changes the reply brings);
+   a worker that is UNAVAILABLE mid-request is marked down and the request is routed again to
+   another worker while the deadline allows.
 
 Every decision sees the cluster as the core believes it: each worker's address, level,
 queue, down mark and last answered level, one record per worker
@@ -49,17 +53,19 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from argus import defaults
 from argus.classifier.prompts import InvalidPromptError
 from argus.classifier.serving import BatcherClosed, BatcherFull
+from argus.contracts.cache_outlook import CacheOutlook
 from argus.contracts.generate import GenerateCall as WorkerCall
 from argus.contracts.generate import GenerateResult as WorkerReply
 from argus.contracts.generate import Progress, Stage
 from argus.contracts.progress import ProgressSink
 from argus.contracts.router_api import RouterReply, RouterRequest, RouterTiming
+from argus.profiles.cache_evidence import KRule
 from argus.request_limits import (
     EditInput,
     ImageLimits,
@@ -71,6 +77,7 @@ from argus.request_limits import (
     check_prompts,
     check_sampling,
 )
+from argus.router.cache_mirror import CacheMirror, Embedder, Lookup
 from argus.router.config import RouterServiceConfig
 from argus.router.drift import RouterDrift
 from argus.router.edit_balance import EditJob
@@ -215,6 +222,9 @@ class RouterStatistics:
     arrival_costs: tuple[float, ...]
     classified: tuple[Classified, ...]
     replan_wanted: bool  # queues build up: re-plan early
+    # what the workers' caches would have found for the prompts probed (CacheMirror); empty
+    # without a mirror
+    cache: CacheOutlook = field(default_factory=CacheOutlook)
 
 
 # -- checks --------------------------------------------------------------------------------
@@ -320,7 +330,12 @@ class RouterCore:
         rng: random.Random | None = None,
         stats: RouterStats = NO_STATS,
         drift: RouterDrift | None = None,
+        embedder: Embedder | None = None,
+        cache_rules: Mapping[str, KRule] | None = None,
     ) -> None:
+        """``embedder``: the workers' prompt encoder; with it and ``routing.cache_aware`` the
+        core mirrors the workers' caches and routes AC requests by them, each AC model's
+        similarity → K rule from ``cache_rules`` (a model not named: the default rule)."""
         self.profiles = profiles
         self.classifier = classifier
         self.drift = drift  # takes the quality scores workers send on their replies
@@ -328,7 +343,24 @@ class RouterCore:
         self.slo_s = config.slo_for(profiles)
         self.stats = stats  # hears every request, refusal and plan
         self._clock = clock
-        self.policy = RouterPolicy(profiles, config, rng)
+        # the workers' caches as their replies tell them; None: routing ignores the caches
+        self.cache: CacheMirror | None = None
+        if config.routing.cache_aware and embedder is not None:
+            self.cache = CacheMirror(
+                profiles,
+                embedder,
+                cache_rules,
+                scheduler=config.scheduler,
+                default_size=config.default_size,
+                probe_interval_s=config.routing.cache_probe_interval_s,
+                clock=clock,
+                on_skipped=stats.cache_event_skipped,
+                on_forgotten=stats.cache_forgotten,
+            )
+            view = self.cache.view
+            stats.watch_cache_entries(lambda: view.stats().entries)
+        rules = None if self.cache is None else (cache_rules or {})
+        self.policy = RouterPolicy(profiles, config, rng, cache_rules=rules)
         self._router = self.policy.router  # the plan and the backlog signal
         self._workers = workers
         self._lock = threading.Lock()  # router, beliefs, observations
@@ -417,6 +449,8 @@ class RouterCore:
                         self._edits.forget_templates(worker)
             self._plan_version = published.version
             queues = beliefs.queues()
+        if self.cache is not None:  # off the lock: forgetting a large worker takes a while
+            self.cache.keep_only(addresses)
         self._workers.keep_only(beliefs.addresses())
         self.stats.plan_installed(published.version, published.plan.strategy, queues)
         return True
@@ -445,7 +479,8 @@ class RouterCore:
             )
         if all(cost == 1.0 for cost in costs):
             costs = []
-        return RouterStatistics(tuple(arrivals), tuple(costs), tuple(classified), wants)
+        cache = CacheOutlook() if self.cache is None else self.cache.take_outlook()
+        return RouterStatistics(tuple(arrivals), tuple(costs), tuple(classified), wants, cache)
 
     def measured_latencies(self) -> tuple[MeasuredLatency, ...]:
         """Each level's mean service time per request on each worker class, as the workers'
@@ -619,11 +654,16 @@ class RouterCore:
         return arrival_cost(self.policy.edit_cost, self.config.edit_batch, ratio)
 
     def _snapshot(
-        self, flight: InFlight, now: float, tried: AbstractSet[str] = frozenset()
+        self,
+        flight: InFlight,
+        now: float,
+        tried: AbstractSet[str] = frozenset(),
+        lookup: Lookup | None = None,
     ) -> Snapshot:
         """The planned workers as a decision for ``flight`` sees them now (its cost at each
-        level by :meth:`RouterPolicy.level_cost`), the workers in ``tried`` counted down.
-        Under the lock."""
+        level by :meth:`RouterPolicy.level_cost`), the workers in ``tried`` counted down, and
+        what their caches hold for its prompt (``lookup``; None: not looked at). Under the
+        lock."""
         beliefs = self._beliefs
 
         def elapsed_s(worker: str) -> float:
@@ -642,7 +682,10 @@ class RouterCore:
                 return account.view(worker, now)
 
         down = beliefs.down(now) | tried
-        return Snapshot(beliefs.levels, beliefs.queue_view(now), down, elapsed_s, service_s, edits)
+        neighbours = None if lookup is None else lookup.neighbours
+        return Snapshot(
+            beliefs.levels, beliefs.queue_view(now), down, elapsed_s, service_s, edits, neighbours
+        )
 
     def _level_cost(self, flight: InFlight, level: str) -> float:
         """``flight``'s cost as ``level``'s service times count it."""
@@ -665,11 +708,12 @@ class RouterCore:
         self.stats.classified(classified_at - arrived)
         with self._lock:
             self._classified.append(Classified(classified_at, dict(levels)))
+        lookup = self._look_up(flight)
         tried: set[str] = set()
         admitted = False
         try:
             for attempt in range(1, self.config.max_attempts + 1):
-                decision, strategy, address, token = self._route(flight, levels, tried)
+                decision, strategy, address, token = self._route(flight, levels, tried, lookup)
                 admitted = True
                 routed_at = self._clock()
                 flight.routed(decision, self._router.level_name, routed_at - arrived)
@@ -694,33 +738,61 @@ class RouterCore:
             raise
         raise AssertionError("unreachable: the last attempt returns or raises")
 
+    def _look_up(self, flight: InFlight) -> Lookup | None:
+        """``flight``'s nearest cached neighbour on each worker (:meth:`CacheMirror.look`),
+        before the lock is taken, when that can matter (:meth:`CacheMirror.wanted`); None
+        otherwise."""
+        cache = self.cache
+        plan = self._router.plan  # read without the lock: a plan installed meanwhile only
+        # changes whether this prompt is worth embedding
+        strategy = None if plan is None else plan.strategy
+        if cache is None or not cache.wanted(flight.request, strategy):
+            return None
+        lookup = cache.look(flight.request, flight.steps.given)
+        if lookup is not None:
+            self.stats.cache_embedded(lookup.embed_s)
+        return lookup
+
     def _route(
-        self, flight: InFlight, levels: Mapping[Strategy, int], tried: set[str]
+        self,
+        flight: InFlight,
+        levels: Mapping[Strategy, int],
+        tried: set[str],
+        lookup: Lookup | None = None,
     ) -> tuple[RouteDecision, Strategy, str, int]:
-        """Route and admit under the lock (:meth:`RouterPolicy.route`); the chosen worker's
-        queue and its requests in flight count this request, under the returned token."""
+        """Route and admit under the lock (:meth:`RouterPolicy.route`), with the workers'
+        cached neighbours of ``lookup`` when the plan is AC; the chosen worker's queue and
+        its requests in flight count this request, under the returned token. A first attempt
+        counts ``lookup``'s probes over the live workers, admitted or not."""
         with self._lock:
             plan = self._router.plan
             if plan is None:
                 raise RouterError(Refusal.UNAVAILABLE, NO_PLAN, 1.0)
             now = self._clock()
+            snapshot = self._snapshot(flight, now, tried, lookup)
+            live = [w for w in snapshot.levels if w not in snapshot.down]
             outcome = self.policy.route(
                 levels.get(plan.strategy, 0),
                 flight.request,
-                self._snapshot(flight, now, tried),
+                snapshot,
                 flight.deadline - now,
                 retry=bool(tried),
                 edit=flight.work.edit,
                 steps=flight.steps,
             )
-            if isinstance(outcome, Refused):
-                raise self._refusal(outcome)
-            worker = outcome.decision.worker_id
-            self._beliefs.sent(worker, now)
-            token = next(self._sends)
-            if self._edits is not None:
-                self._edits.sent(worker, token, flight.work.job, now)
-            address = self._beliefs.address(worker)
+            if not isinstance(outcome, Refused):
+                worker = outcome.decision.worker_id
+                self._beliefs.sent(worker, now)
+                token = next(self._sends)
+                if self._edits is not None:
+                    self._edits.sent(worker, token, flight.work.job, now)
+                address = self._beliefs.address(worker)
+        if lookup is not None and self.cache is not None and not tried:
+            self.cache.record(lookup, live)
+        if isinstance(outcome, Refused):
+            raise self._refusal(outcome)
+        if outcome.cache is not None:
+            self.stats.cache_routed(outcome.cache)
         if outcome.balancer:
             self.stats.edit_placed(outcome.balancer, held=outcome.held)
         decision = outcome.decision
@@ -734,6 +806,9 @@ class RouterCore:
     ) -> WorkerReply:
         level = self._router.level_name(decision.served_level)
         work = worker_call(flight.request, level, previews=flight.progress is not None)
+        cache = self.cache
+        if cache is not None:  # the worker answers with its cache's changes since then
+            work = replace(work, cache_cursor=cache.cursor(decision.worker_id))
         with self._lock:
             self.worker_calls += 1
         answered = False
@@ -747,6 +822,8 @@ class RouterCore:
                 progress=flight.progress,
             )
             served = reply.level or level
+            if cache is not None:
+                cache.apply(decision.worker_id, reply.cache_events)
             self._learn(decision.worker_id, served, self._level_cost(flight, served), reply)
             answered = True
             return reply

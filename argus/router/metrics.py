@@ -37,6 +37,10 @@ LATENCY_BUCKETS = (
 OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 QUALITY_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.975, 1.0)
 
+# the step a cache-routed request resumes at (K of the default profile's levels, 50 steps)
+STEP_BUCKETS = (0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0)
+SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.975, 1.0)
+
 REJECT_REASONS = ("deadline", "busy", "ids")
 TEMPLATE_BELIEFS = ("held", "not_held")  # the edits-placed counter's ``template`` label
 
@@ -158,6 +162,52 @@ class RouterMetrics:
             ["target", "served"],
             registry=reg,
         )
+        self.cache_moved = Counter(
+            "argus_router_cache_moved",
+            "AC requests the mirrored caches sent to another worker of their level than Eq. 3's "
+            "on the routed K (a worker holding a closer neighbour serves them sooner)",
+            registry=reg,
+        )
+        self.cache_step = Histogram(
+            "argus_router_cache_routed_step",
+            "Cache-routed AC requests by the step their neighbour on the chosen worker allows "
+            "(0: a predicted miss, a full generation)",
+            buckets=STEP_BUCKETS,
+            registry=reg,
+        )
+        self.cache_similarity = Histogram(
+            "argus_router_cache_routed_similarity",
+            "Cache-routed AC requests with a neighbour on the chosen worker, by the cosine "
+            "similarity of that neighbour as the router's mirror sees it",
+            buckets=SIMILARITY_BUCKETS,
+            registry=reg,
+        )
+        self.cache_entries = Gauge(
+            "argus_router_cache_entries",
+            "Cache entries the router mirrors from its workers' cache events, all workers",
+            registry=reg,
+        )
+        self.cache_skipped = Counter(
+            "argus_router_cache_events_skipped",
+            "Workers' cache events the router did not apply to its mirror, by reason (width, "
+            "not_finite, unknown_evict, error)",
+            ["reason"],
+            registry=reg,
+        )
+        self.cache_forgotten = Counter(
+            "argus_router_cache_forgotten",
+            "Times a worker's mirrored cache entries were dropped, by reason (restart, "
+            "truncated, left, error)",
+            ["reason"],
+            registry=reg,
+        )
+        self.cache_embed = Histogram(
+            "argus_router_cache_embed_seconds",
+            "Time to embed a prompt with the workers' encoder and look it up in the mirrored "
+            "caches (only prompts that route on them or probe them)",
+            buckets=OVERHEAD_BUCKETS,
+            registry=reg,
+        )
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         self.requests.labels("OK")
@@ -185,6 +235,14 @@ class RouterMetrics:
         """One edit placed by ``balancer`` (a name of a fixed set)."""
         belief = TEMPLATE_BELIEFS[0] if held else TEMPLATE_BELIEFS[1]
         self.edits_placed.labels(balancer, belief).inc()
+
+    def observe_cache_routed(self, step: int, similarity: float | None, *, moved: bool) -> None:
+        """One AC request routed on the mirrored caches."""
+        self.cache_step.observe(step)
+        if similarity is not None:
+            self.cache_similarity.observe(similarity)
+        if moved:
+            self.cache_moved.inc()
 
     def observe_http(self, route: str, status: int) -> None:
         """One HTTP answer; ``route`` is one of the app's paths or "other"."""

@@ -397,7 +397,12 @@ class RouterPolicy:
             w for w, i in snapshot.levels.items() if w not in down and cache.model_of(i) == model
         }
         workers.add(decision.worker_id)
-        return cache.choose(index, sorted(workers), snapshot.queues, neighbours, snapshot.service_s)
+        choice = cache.choose(
+            index, sorted(workers), snapshot.queues, neighbours, snapshot.service_s
+        )
+        if choice is None:
+            return None
+        return replace(choice, moved=choice.worker_id != decision.worker_id)
 
     def _plan_cap(self, request: RouterRequest, steps: StepCount | None) -> int | Refused | None:
         """The request's level cap on the installed plan's strategy; UNAVAILABLE without a

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from argus.router.cache_routing import CacheChoice
 from argus.router.values import Refusal
 from argus.types import Strategy
 
@@ -71,6 +72,24 @@ class RouterStats:
 
     def http_answered(self, route: str, status: int) -> None:
         """The HTTP API answered ``route`` (one of its paths, or "other") with ``status``."""
+
+    def watch_cache_entries(self, read: Callable[[], int]) -> None:
+        """``read()`` is the number of cache entries the router mirrors, all workers."""
+
+    def cache_embedded(self, seconds: float) -> None:
+        """A prompt was embedded and looked up in the mirrored caches in ``seconds``."""
+
+    def cache_routed(self, choice: CacheChoice) -> None:
+        """An AC request's worker was chosen by what the caches hold: ``choice`` says which,
+        the step its neighbour allows and whether Eq. 3 would have chosen another."""
+
+    def cache_event_skipped(self, reason: str) -> None:
+        """A worker's cache event was not applied to the mirror, for ``reason``
+        (:data:`~argus.router.cache_mirror.SKIP_REASONS`)."""
+
+    def cache_forgotten(self, reason: str) -> None:
+        """A worker's mirrored entries were dropped, for ``reason``
+        (:data:`~argus.router.cache_mirror.FORGET_REASONS`)."""
 
 
 NO_STATS = RouterStats()

@@ -50,7 +50,7 @@ class WorkerSettings:
     level: str | None = None  # the level served at start; None: the first AC level
     device: str = "auto"
     dtype: str = "auto"
-    scheduler: str = "euler"
+    scheduler: str = defaults.SCHEDULER
     memory_budget_gib: float | None = None
     # ready models kept resident at most (their shared parts once); 1: one model at a time
     max_resident: int = defaults.MAX_RESIDENT_MODELS
