@@ -866,3 +866,20 @@ def test_a_router_reporting_a_retrained_q_is_planned_with_it(
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert (caught.value.details() or "").startswith("class_quality[0].levels")
     assert control.class_quality(Strategy.AC) == retrained  # the bad report changed nothing
+
+
+def test_a_served_allocator_prices_ac_by_the_routers_cache_reports(serve: Any) -> None:
+    from argus.allocator.app import AllocatorSettings
+    from argus.allocator.cache_plan import CachePlanner
+    from argus.contracts.cache_outlook import CacheOutlook
+
+    assert AllocatorSettings().cache_plan  # the default the command serves with
+    blind = serve()
+    planned = serve(cache=CachePlanner())
+    level = next(lv for lv in PROFILES.levels_for(Strategy.AC) if lv.skip_steps > 0)
+    bins = CachePlanner().bins(level)
+    misses = CacheOutlook.of_lookups([(level.name, 0, math.nan)] * 50, {level.name: len(bins)})
+    for each in (blind, planned):
+        each.servicer.control.report_cache(misses)
+    assert blind.servicer.control._allocator.cache is None
+    assert planned.servicer.control._allocator.cache_outlook.levels[level.name].total == 50

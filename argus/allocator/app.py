@@ -49,6 +49,8 @@ class AllocatorSettings:
     classifier: str | None = None  # the routers' classifier directory, whose Q(v | c) prices
     # their classes; None: the committed default (as the router's); "none": level averages
     internal_tls_dir: str | None = None  # ca.crt, allocator.crt/.key; None: plaintext
+    cache_plan: bool = True  # price AC levels by what the routers' probes of the caches
+    # find (argus.allocator.cache_plan); False: every AC request a hit at its level's K
 
     def __post_init__(self) -> None:
         check_port(self.port, "port")
@@ -115,6 +117,12 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
     classes = settings.planning_classes(profiles)
     log_classes(classes)
     metrics = AllocatorMetrics(profiles)
+    cache = None
+    if settings.cache_plan:
+        from argus.allocator.cache_plan import CachePlanner
+        from argus.profiles import load_cache_rules
+
+        cache = CachePlanner(load_cache_rules(settings.profile or "default"))
     server, port, servicer = create_server(
         profiles,
         f"{settings.host}:{settings.port}",
@@ -124,6 +132,7 @@ def serve(settings: AllocatorSettings, *, ready: threading.Event | None = None) 
         class_quality=None if classes is None else classes.class_quality,
         classifier_key="" if classes is None else classes.key,
         tls=tls,
+        cache=cache,
     )
     if settings.metrics_port is not None:
         start_metrics(settings.host, settings.metrics_port)

@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health
 
+from argus.allocator.cache_plan import CachePlanner
 from argus.allocator.config import ControlConfig
 from argus.allocator.control import AllocatorControl, Clock, PlanListener, PlanStats
 from argus.allocator.feed import FeedClosedError, FeedFullError, LatestFeed
@@ -190,6 +191,7 @@ def create_server(
     class_quality: Mapping[Strategy, ClassQuality] | None = None,
     classifier_key: str = "",
     tls: InternalTLS | None = None,
+    cache: CachePlanner | None = None,
 ) -> tuple[grpc.Server, int, AllocatorServicer]:
     """A not-yet-started server bound to ``address``; returns it, the port and the servicer.
 
@@ -198,7 +200,8 @@ def create_server(
     reachable as ``servicer.control``; nothing calls its ``tick`` until a
     :class:`~argus.allocator.control.ControlLoop` is started (``argus.allocator.app`` does;
     tests with a fake ``clock`` call ``tick`` themselves). ``tls``: mutual TLS and the role
-    check; None serves plaintext to anyone (tests, ``--insecure-internal``).
+    check; None serves plaintext to anyone (tests, ``--insecure-internal``). ``cache``: the
+    planner that prices AC levels by the routers' cache reports (None: as hits at their K).
     """
     feed: LatestFeed[Any] = LatestFeed(max_watchers)
     listeners: list[PlanListener] = [_Publisher(feed)]
@@ -213,6 +216,7 @@ def create_server(
         backend=backend,
         class_quality=class_quality,
         classifier_key=classifier_key,
+        cache=cache,
     )
     if metrics is not None:
         metrics.watch(control, lambda: feed.readers)

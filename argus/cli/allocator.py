@@ -93,6 +93,12 @@ class AllocatorCommand:
             help="the SLO the queueing caps plan against, seconds (default: 3 × the best "
             "level's latency on the profile's first GPU class, the routers' rule)",
         )
+        parser.add_argument(
+            "--no-cache-plan",
+            action="store_true",
+            help="plan every AC request as a hit at its level's K instead of pricing the AC "
+            "levels by what the routers' probes of the workers' caches find",
+        )
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
         add_internal_tls_arguments(parser, "allocator")
 
@@ -122,6 +128,7 @@ class AllocatorCommand:
                 metrics_port=args.metrics_port,
                 classifier=args.classifier,
                 internal_tls_dir=tls_dir,
+                cache_plan=not args.no_cache_plan,
             )
         except ValueError as err:
             raise config_error(err, args) from None
