@@ -29,13 +29,13 @@ level's K ceiling, uniform over 0, 5, ..., 25 of 50 steps) and arrives by a Pois
 
 Each of the 8 simulated workers keeps an LRU cache of ``--capacity`` prompts filled by what
 it generates in full, resumes from its exact nearest cached prompt at
-``allowed_step(similarity, ceiling)`` (a stand-in rule with NIRVANA-like floors,
-:func:`allowed_step`; the real rule plugs in as that function), and serves at (50 - K) / 50 of
+``allowed_step(similarity, ceiling)`` (the product's rule, ``DEFAULT_RULE``, with its
+ASSUMED floors), and serves at (50 - K) / 50 of
 a full generation. Policies: ``least-loaded`` (fewest outstanding requests); ``cache-aware``
 (the highest step the view's similarities allow, ties to the least loaded); ``cache-aware+2``
 (the same among workers with at most 2 more outstanding requests than the least loaded);
-``eq3+evidence`` (Argus's worker choice, the least (outstanding + 1) x service time, priced at
-the step the view's evidence allows). Printed per policy: hit rate (K > 0 of the requests that
+``argus`` (the router's own code, :class:`argus.router.cache_routing.CacheRouting`: the least
+(outstanding + 1) x service time, priced at the step the view's evidence allows). Printed per policy: hit rate (K > 0 of the requests that
 planned one), the share served at their whole planned K, mean resumed step, mean latency (wait
 + service, in full generations). With ``--router-encoder student`` (or ``both``) the view is
 fed and asked with the router classifier's own vectors (the first 2 MiniLM layers, int8, which
@@ -75,32 +75,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _machine import load_line, machine_line
 
+from argus.profiles import default_profiles
+from argus.profiles.cache_evidence import DEFAULT_RULE
+from argus.router.cache_routing import CacheRouting
 from argus.router.cache_view import CacheView, CacheViewConfig
+from argus.types import Strategy
 
 DIM = 384
 TAG = json.dumps(["sd-xl", "euler", 1024, 1024, 50])  # one cache key: the worker's tag format
 STEPS = 50
 CEILINGS = (0, 5, 10, 15, 20, 25)  # planned resume steps of the AC levels
-STAND_IN_FLOORS = ((0.95, 25), (0.9, 20), (0.85, 15), (0.8, 10), (0.7, 5))
-"""Similarity floors of the stand-in rule, highest first: NIRVANA's shape (the closer the
-cached prompt, the more steps it may skip; below the lowest floor, none), not its numbers."""
-LOWEST_FLOOR = min(floor for floor, _ in STAND_IN_FLOORS)
+LOWEST_FLOOR = DEFAULT_RULE.floors[0][1]  # below it a neighbour allows no step
+PROFILES = default_profiles()
+AC_INDEX = {lv.skip_steps: i for i, lv in enumerate(PROFILES.levels_for(Strategy.AC))}
+ROUTING = CacheRouting(PROFILES, {lv.model: DEFAULT_RULE for lv in PROFILES.levels})
 PREFIXES = ("", "a photo of ", "a painting of ", "an illustration of ", "a close-up of ")
 SUFFIXES = ("", ", highly detailed", ", digital art", ", 4k", ", studio lighting", ", watercolor")
 
-POLICIES = ("least-loaded", "cache-aware", "cache-aware+2", "eq3+evidence")
+POLICIES = ("least-loaded", "cache-aware", "cache-aware+2", "argus")
 
 AllowedStep = Callable[[float, int], int]
 
 
 def allowed_step(similarity: float, ceiling: int) -> int:
     """The resume step a neighbour this similar allows under a planned ``ceiling``: the
-    largest stand-in step whose floor the similarity reaches, at most the ceiling; 0 when it
-    reaches none. A stand-in for the real rule (``argus/profiles/cache_evidence.py``)."""
-    for floor, step in STAND_IN_FLOORS:
-        if similarity >= floor:
-            return min(step, ceiling)
-    return 0
+    product's rule (``argus/profiles/cache_evidence.py``, ``DEFAULT_RULE``, ASSUMED floors)
+    over the cached steps of the AC levels."""
+    return DEFAULT_RULE.allowed_step(similarity, ceiling, CEILINGS[1:])
 
 
 # -- embeddings --------------------------------------------------------------------------------
@@ -144,9 +145,9 @@ def unit(rows: np.ndarray) -> np.ndarray:
 
 def real_prompts() -> list[str]:
     """PartiPrompts and the GenAI-Bench prompts, unique, sorted."""
-    from argus.sim.workloads import _default_prompts
+    from argus.sim.workloads import default_prompts
 
-    texts = {record.prompt for record in _default_prompts()}
+    texts = {record.prompt for record in default_prompts()}
     genai = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "genai_image.json"
     if genai.is_file():
         texts |= {item["prompt"] for item in json.loads(genai.read_text()).values()}
@@ -522,10 +523,10 @@ def variant(base: str, index: int, rng: np.random.Generator) -> str:
 
 
 def make_stream(args: argparse.Namespace) -> Stream:
-    from argus.sim.workloads import _default_prompts
+    from argus.sim.workloads import default_prompts
 
     rng = np.random.default_rng(args.seed)
-    records = _default_prompts()
+    records = default_prompts()
     bases = [records[i].prompt for i in rng.permutation(len(records))[: args.bases]]
     wordings = [[variant(b, v, rng) for v in range(args.variants)] for b in bases]
     texts = sorted({text for group in wordings for text in group})
@@ -608,15 +609,18 @@ def choose(
     order = sorted(range(len(workers)), key=lambda i: (loads[i], workers[i].free_at))
     if policy == "least-loaded" or ceiling == 0:
         return workers[order[0]]
-    if policy == "eq3+evidence":  # Argus's (queue + 1) x t_proc, t_proc at the allowed step
-        return workers[
-            min(
-                order,
-                key=lambda i: (
-                    (loads[i] + 1) * (STEPS - rule(evidence.get(workers[i].name, -1.0), ceiling))
-                ),
-            )
-        ]
+    if policy == "argus":  # the router's own choice: CacheRouting, (queue + 1) x t at the step
+        by_name = {w.name: (w, load) for w, load in zip(workers, loads, strict=True)}
+        steps_of = {i: k for k, i in AC_INDEX.items()}
+        choice = ROUTING.choose(
+            AC_INDEX[ceiling],
+            [workers[i].name for i in order],
+            {name: load for name, (_, load) in by_name.items()},
+            lambda worker, _model: evidence.get(worker),
+            lambda _worker, index: (STEPS - steps_of[index]) / STEPS,
+        )
+        assert choice is not None
+        return by_name[choice.worker_id][0]
     slack = 2 if policy == "cache-aware+2" else len(workers) * 10**6
     allowed = [i for i in order if loads[i] <= least + slack]
     steps = {i: rule(evidence.get(workers[i].name, -1.0), ceiling) for i in allowed}
@@ -785,7 +789,7 @@ def stream_row(policy: str, encoder: str, outcome: Outcome, seconds: float) -> d
 
 def encoder_agreement(stream: Stream, full: np.ndarray, student: np.ndarray) -> dict[str, float]:
     """For each text, its nearest other text by the full encoder: how the student's
-    similarity of that pair compares (correlation, and the same stand-in step at 25)."""
+    similarity of that pair compares (correlation, and the same allowed step at 25)."""
     scores = full @ full.T
     np.fill_diagonal(scores, -2.0)
     nearest = np.argmax(scores, axis=1)
