@@ -34,12 +34,13 @@ ASSUMED floors), and serves at (50 - K) / 50 of
 a full generation. Policies: ``least-loaded`` (fewest outstanding requests); ``cache-aware``
 (the highest step the view's similarities allow, ties to the least loaded); ``cache-aware+2``
 (the same among workers with at most 2 more outstanding requests than the least loaded);
-``argus`` (the router's own code, :class:`argus.router.cache_routing.CacheRouting`: the least
-(outstanding + 1) x service time, priced at the step the view's evidence allows). Printed per policy: hit rate (K > 0 of the requests that
-planned one), the share served at their whole planned K, mean resumed step, mean latency (wait
-+ service, in full generations). With ``--router-encoder student`` (or ``both``) the view is
-fed and asked with the router classifier's own vectors (the first 2 MiniLM layers, int8, which
-the router computes per request anyway) while the workers resume by full-encoder similarity.
+``argus`` (the router's own code, :class:`argus.router.cache_routing.CacheRouting`: the
+least (outstanding + 1) x service time, priced at the step the view's evidence allows).
+Printed per policy: hit rate (K > 0 of the requests that planned one), the share served at
+their whole planned K, mean resumed step, mean latency (wait + service, in full
+generations). With ``--router-encoder student`` (or ``both``) the view is fed and asked with
+the router classifier's own vectors (the first 2 MiniLM layers, int8) while the workers
+resume by full-encoder similarity: why the live router embeds with the full encoder.
 
     python benchmarks/bench_cache_routing.py [--entries 100000] [--workers 8] [--queries 300]
         [--settings 16:8,8:4,24:8] [--requests 3000] [--router-encoder full|student|both]

@@ -18,10 +18,9 @@
    cache-aware routing, embed it and look it up in the mirror of the workers' caches
    (:class:`~argus.router.cache_mirror.CacheMirror`) when that can matter, before the lock;
 6. route on the installed plan (PASM sample, Eq. 3 worker selection; at an AC level, on the
-   step each worker's cached neighbour allows) and admit against the
-   deadline on the chosen worker (:meth:`RouterPolicy.route`); with an edit balancer, an
-   inpainting edit keeps the plan's level and is placed among that level's workers
-   (:meth:`RouterPolicy.place_edit`, on the core's :class:`~argus.router.edit_loads.EditLoads`);
+   step each worker's cached neighbour allows) and admit against the deadline on the chosen
+   worker (:meth:`RouterPolicy.route`); an inpainting edit may be placed by the edit balancer
+   (:meth:`RouterPolicy.place_edit`);
 7. forward to the worker through the :class:`WorkerTransport` with the remaining time as the
    call's timeout (and the mirror's cursor in its cache log, whose changes the reply brings);
    a worker that is UNAVAILABLE mid-request is marked down and the request is routed again to
@@ -34,12 +33,9 @@ workers' replies (:class:`~argus.router.service_times.ServiceTimes`), all under 
 ``docs/router-internals.md`` tells the path at length.
 
 Refusals are :class:`~argus.router.values.RouterError` with a
-:class:`~argus.router.values.Refusal`; the gRPC servicer (:mod:`argus.router.service`) and
-the HTTP app (:mod:`argus.router.http_app`) each answer them in their protocol's words. The
-core imports neither grpc nor protobuf: the gRPC worker calls are
-:mod:`argus.router.worker_calls`'s, the message conversions
-:mod:`argus.contracts.router_api`'s. Plans come from ``install`` (wired to ``PlanWatcher``'s
-``on_plan``). The clock is passed in.
+:class:`~argus.router.values.Refusal`, answered in each protocol's words by the gRPC servicer
+and the HTTP app. The core imports neither grpc nor protobuf. Plans come from ``install``
+(wired to ``PlanWatcher``'s ``on_plan``). The clock is passed in.
 """
 
 from __future__ import annotations
