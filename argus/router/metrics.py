@@ -164,7 +164,7 @@ class RouterMetrics:
         )
         self.cache_moved = Counter(
             "argus_router_cache_moved",
-            "AC requests the mirrored caches sent to another worker of their level than Eq. 3's "
+            "AC requests the mirrored caches sent to another worker of their model than Eq. 3's "
             "on the routed K (a worker holding a closer neighbour serves them sooner)",
             registry=reg,
         )
