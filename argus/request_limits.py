@@ -321,8 +321,15 @@ def _header_of(data: bytes, formats: tuple[str, ...]) -> Any:
 
 _PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type → samples a pixel
 # Adam7's passes: first column and row, and the steps between the pixels each takes
-_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2))
-_ADAM7 += ((0, 1, 1, 2),)
+_ADAM7: tuple[tuple[int, int, int, int], ...] = (
+    (0, 0, 8, 8),
+    (4, 0, 8, 8),
+    (0, 4, 4, 8),
+    (2, 0, 4, 4),
+    (0, 2, 2, 4),
+    (1, 0, 2, 2),
+    (0, 1, 1, 2),
+)
 
 
 def _check_png_data(field: str, data: bytes) -> None:

@@ -98,8 +98,8 @@ def test_an_interlaced_png_and_every_png_colour_type_pass_the_pixel_data_check()
 
 def _interlaced_rgb_png(width: int, height: int) -> bytes:
     """A grey Adam7-interlaced PNG (PIL writes none): each pass's rows, filter byte 0."""
-    passes = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4))
-    passes += ((1, 0, 2, 2), (0, 1, 1, 2))
+    passes = [(0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4)]
+    passes += [(1, 0, 2, 2), (0, 1, 1, 2)]
     raw = b""
     for x0, y0, dx, dy in passes:
         cols, rows = len(range(x0, width, dx)), len(range(y0, height, dy))
