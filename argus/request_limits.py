@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import struct
+import zlib
 from collections.abc import Sized
 from dataclasses import dataclass
 from functools import cached_property
@@ -35,6 +37,11 @@ MAX_ADAPTERS = 16
 request, so 16 is several times what real requests use; each adapter costs a LoRA load and
 merge or a ControlNet run at every step, so the bound keeps one request from buying many
 requests' worth of work (or a 10,000-entry list from being walked at all)."""
+MAX_PREVIEWS = MAX_STEPS  # latent previews one stream may ask for: one a step at most
+MAX_LEVEL_INDEX = 2**31 - 1
+"""The largest ``max_level_index`` (int32's largest). The plan's strategy, and so how many
+levels there are, changes with each plan, and an index past the last level is any level (the
+policy clamps it), so a fixed bound keeps a request valid across plans."""
 MAX_INT_DIGITS = 9  # text numbers: sizes and counts are far below 10^9, so more is not one
 MAX_EDIT_IMAGE_BYTES = 3 * 1024 * 1024
 """An edit's image, and its mask, each at most this many bytes encoded: both together with the
@@ -97,6 +104,12 @@ def check_image(width: int | None, height: int | None, limits: ImageLimits) -> N
             raise InvalidRequestError(name, f"{value} exceeds the maximum {limits.max_side}")
     if width is not None and height is not None and width * height > limits.max_pixels:
         raise InvalidRequestError("width", f"{width}×{height} exceeds {limits.max_pixels} pixels")
+
+
+def check_range(field: str, value: int | None, low: int, high: int) -> None:
+    """A given integer ``value`` in ``low..high``: the words both APIs refuse one in."""
+    if value is not None and not low <= value <= high:
+        raise InvalidRequestError(field, f"{value} outside {low}..{high}")
 
 
 def check_sampling(steps: int | None, guidance_scale: float | None, seed: int) -> None:
@@ -252,16 +265,24 @@ def check_edit_size(edit: EditInput, width: int | None, height: int | None) -> N
 
 def _open(field: str, data: bytes, formats: tuple[str, ...], limits: ImageLimits) -> Any:
     """``data`` decoded as an image of one of ``formats`` within ``limits``; the size is
-    checked on the header, before the pixels are decoded."""
+    checked on the header, before the pixels are decoded, and pixel data that stops short
+    of the size (a truncated or damaged file) is refused rather than filled in."""
     from PIL import Image, UnidentifiedImageError
 
     if len(data) > MAX_EDIT_IMAGE_BYTES:
         raise InvalidRequestError(field, f"{len(data)} bytes; at most {MAX_EDIT_IMAGE_BYTES}")
     wanted = " or ".join(formats)
     try:
-        opened = Image.open(io.BytesIO(data), formats=list(formats))
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-        raise InvalidRequestError(field, f"not an image ({wanted} expected)") from None
+        opened: Any = Image.open(io.BytesIO(data), formats=list(formats))
+    except Image.DecompressionBombError:
+        # PIL refuses a header declaring over twice its own pixel bound without saying the
+        # size; this deployment's bound is far lower, so the header is read by the format's
+        # parser alone, to refuse the size in this deployment's words below
+        opened = _header_of(data, formats)
+    except (UnidentifiedImageError, OSError, ValueError):
+        opened = None
+    if opened is None:
+        raise InvalidRequestError(field, f"not an image ({wanted} expected)")
     width, height = opened.size
     if width % LATENT_FACTOR or height % LATENT_FACTOR:
         raise InvalidRequestError(
@@ -273,11 +294,83 @@ def _open(field: str, data: bytes, formats: tuple[str, ...], limits: ImageLimits
             f"{_dims(opened.size)} exceeds this deployment's {limits.max_side} pixels a side "
             f"or {limits.max_pixels} pixels",
         )
-    try:
+    try:  # raises on a cut file as long as PIL's LOAD_TRUNCATED_IMAGES stays False
         opened.load()
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         raise InvalidRequestError(field, f"a damaged {opened.format} image") from None
+    if opened.format == "PNG":
+        _check_png_data(field, data)
     return opened
+
+
+def _header_of(data: bytes, formats: tuple[str, ...]) -> Any:
+    """``data`` opened by the parser of the first of ``formats`` that takes it, without
+    PIL's decompression-bomb check (the caller checks the size); None if none takes it."""
+    from PIL import Image
+
+    for name in formats:
+        factory, accept = Image.OPEN[name]
+        if accept is not None and not accept(data[:16]):
+            continue
+        try:
+            return factory(io.BytesIO(data), "")
+        except (SyntaxError, OSError, ValueError, struct.error):
+            continue
+    return None
+
+
+_PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type → samples a pixel
+# Adam7's passes: first column and row, and the steps between the pixels each takes
+_ADAM7: tuple[tuple[int, int, int, int], ...] = (
+    (0, 0, 8, 8),
+    (4, 0, 8, 8),
+    (0, 4, 4, 8),
+    (2, 0, 4, 4),
+    (0, 2, 2, 4),
+    (1, 0, 2, 2),
+    (0, 1, 1, 2),
+)
+
+
+def _check_png_data(field: str, data: bytes) -> None:
+    """Refuse a PNG whose pixel data inflates to fewer bytes than its header's rows take.
+    PIL's decoder ends quietly where a complete zlib stream ends, leaving the rows after it
+    black, so a file cut and re-compressed (or damaged that way) decodes without an error;
+    ``data`` was opened and loaded by PIL, so its header is sound."""
+    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", data[16:29])
+    bits = depth * _PNG_SAMPLES.get(colour, 4)
+    passes = _ADAM7 if interlace else ((0, 0, 1, 1),)
+    expected = 0
+    for x0, y0, dx, dy in passes:
+        cols, rows = max(0, -(-(width - x0) // dx)), max(0, -(-(height - y0) // dy))
+        expected += rows * (1 + (cols * bits + 7) // 8) if cols else 0
+    inflate = zlib.decompressobj()
+    inflated = 0
+    try:
+        for chunk in _png_idat(data):
+            while chunk and inflated < expected:
+                inflated += len(inflate.decompress(chunk, 1 << 20))
+                chunk = inflate.unconsumed_tail
+    except zlib.error:
+        raise InvalidRequestError(field, "a damaged PNG image (its pixel data)") from None
+    if inflated < expected:
+        raise InvalidRequestError(
+            field,
+            f"a damaged PNG image: its pixel data stops short of its {width}×{height} pixels "
+            f"({inflated} of {expected} bytes)",
+        )
+
+
+def _png_idat(data: bytes) -> Any:
+    """The IDAT chunks' payloads of a PNG, in order."""
+    pos = 8  # past the signature
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        if kind == b"IEND":
+            return
+        if kind == b"IDAT":
+            yield data[pos + 8 : pos + 8 + length]
+        pos += 12 + length  # length and type, the payload, its CRC
 
 
 def _transparent(field: str, image: Any) -> npt.NDArray[np.bool_]:

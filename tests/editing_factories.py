@@ -4,6 +4,8 @@ templates, masks of a given region, and the pixels an answer must keep."""
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import numpy as np
 import numpy.typing as npt
@@ -11,6 +13,7 @@ from PIL import Image
 
 SIZE = 64  # the tiny models' side; a latent of 8×8
 STEPS = 4  # few steps: CI stays fast
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def template_rgb(size: int = SIZE, seed: int = 7) -> npt.NDArray[np.uint8]:
@@ -56,3 +59,26 @@ def pixels(png: bytes) -> npt.NDArray[np.uint8]:
     image = Image.open(io.BytesIO(png))
     assert image.format == "PNG"
     return np.asarray(image.convert("RGB"), dtype=np.uint8)
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    crc = zlib.crc32(kind + data)
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+
+def short_png(size: int = SIZE, rows: int = 10) -> bytes:
+    """A well-formed RGBA PNG of ``size``×``size`` whose pixel data (a complete zlib stream,
+    CRCs right) covers only its first ``rows`` rows, half of it transparent: a file cut
+    short and re-compressed, which PIL decodes without an error, the rest black."""
+    row = b"\x00" + bytes([200, 10, 10, 0, 200, 10, 10, 255] * (size // 2))
+    header = struct.pack(">IIBBBBB", size, size, 8, 6, 0, 0, 0)
+    idat = zlib.compress(row * rows)
+    return PNG_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
+
+
+def declaring_png(width: int, height: int) -> bytes:
+    """A small PNG whose header declares ``width``×``height`` (one row of pixel data): what a
+    decompression bomb looks like before it is decoded."""
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * (width + 1))
+    return PNG_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")

@@ -32,10 +32,12 @@ from argus.worker.engine import Worker
 from tests.editing_factories import (
     SIZE,
     STEPS,
+    declaring_png,
     encode,
     mask_png,
     pixels,
     region_of,
+    short_png,
     template_rgb,
     with_alpha,
 )
@@ -191,6 +193,11 @@ BAD = {  # what is sent → the field the refusal names
     "mask with nothing to edit": ({"image": encode(RGB), "mask": OPAQUE}, "mask"),
     "image without alpha or mask": ({"image": encode(RGB)}, "image"),
     "image not an image": ({"image": NOT_AN_IMAGE, "strength": 0.5}, "image"),
+    "image whose pixel data covers 10 of its rows": ({"image": short_png(rows=10)}, "image"),
+    "image declaring 30000x30000": (
+        {"image": declaring_png(30000, 30000), "strength": 0.5},
+        "image",
+    ),
     "image over the byte limit": (
         {"image": b"\x89PNG" + bytes(MAX_EDIT_IMAGE_BYTES), "strength": 0.5},
         "image",
@@ -252,6 +259,34 @@ def test_bad_input_is_refused_over_grpc_naming_the_field(stub: Any, case: str) -
     assert refused.value.details().startswith(f"{named_field}:"), refused.value.details()
 
 
+# what each refusal says, the same over both APIs: the limit, not "not an image"
+SAID = {
+    "image whose pixel data covers 10 of its rows": (
+        f"image: a damaged PNG image: its pixel data stops short of its {SIZE}×{SIZE} pixels"
+    ),
+    "image declaring 30000x30000": (
+        "image: 30000×30000 exceeds this deployment's 2048 pixels a side or 4194304 pixels"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAID))
+def test_damaged_or_huge_images_are_refused_in_the_same_words_on_both_apis(
+    server: HttpServer, stub: Any, case: str
+) -> None:
+    fields, _ = BAD[case]
+    data, files = form(fields)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    url = f"{server.base_url}/images/edits"
+    answer = httpx.post(url, data=data, files=files, headers=headers, timeout=BOUND_S)
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 400 and message.startswith(SAID[case]), message
+    request = router_pb2.RouterGenerateRequest(prompt="a lighthouse", steps=STEPS, **fields)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Generate(request, timeout=BOUND_S)
+    assert refused.value.details() == message
+
+
 def test_form_errors_name_their_field_and_the_router_serves_on(
     server: HttpServer, api: openai.OpenAI
 ) -> None:
@@ -271,6 +306,17 @@ def test_form_errors_name_their_field_and_the_router_serves_on(
     assert (steps.status_code, steps.json()["error"]["param"]) == (400, "steps")
     adapters = post(data={"prompt": "x", "adapters": "[]"}, files={"image": ("i", encode(RGB))})
     assert (adapters.status_code, adapters.json()["error"]["param"]) == (400, "adapters")
+    three_files = {"image": ("i.png", encode(RGB)), "mask": ("m.png", mask_png(REGION))}
+    prompt_file = post(files={**three_files, "prompt": ("prompt.txt", b"a boat")})
+    assert (prompt_file.status_code, prompt_file.json()["error"]) == (
+        400,
+        {
+            "message": "prompt: must be a text field, not a file",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "invalid_value",
+        },
+    )
     # and an edit still goes through
     after = api.images.edit(
         image=named(with_alpha(RGB, REGION), "t.png"), prompt="x", extra_body={"steps": 2}

@@ -126,6 +126,27 @@ def test_bad_fields_are_400_naming_them(served: Any, body: dict[str, Any], param
     assert answer.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [  # the bounds the gRPC API refuses in the same words (its previews: partial_images)
+        ({"max_level_index": 2**31}, "max_level_index: 2147483648 outside 0..2147483647"),
+        ({"stream": True, "partial_images": 1001}, "partial_images: 1001 outside 0..1000"),
+    ],
+)
+def test_bounds_are_refused_naming_the_real_bound(
+    served: Any, body: dict[str, Any], message: str
+) -> None:
+    _, server, _ = served
+    answer = httpx.post(
+        f"{server.base_url}/images/generations",
+        json={"prompt": "x", **body},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=TIMEOUT,
+    )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == message
+
+
 def test_malformed_json_400_and_large_body_413(served: Any) -> None:
     _, server, _ = served
     auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}

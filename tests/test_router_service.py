@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from argus.contracts.router_api import MAX_REQUEST_BYTES
 from argus.plumbing import rpc
 from argus.router.admission import AdmissionRule, admit
 from argus.router.app import StatsReporter
@@ -176,6 +177,12 @@ def test_duplicate_request_id_calls_the_worker_once(cluster: Cluster) -> None:
         ({"prompt": "x" * (1 << 20)}, "prompt"),
         ({"request_id": "r" * 500}, "request_id"),
         ({"adapters": [{"kind": 1}]}, "adapters[0]"),
+        ({"previews": 1001}, "previews: 1001 outside 0..1000"),  # the HTTP API's bound
+        ({"max_level_index": 2**31}, "max_level_index: 2147483648 outside 0..2147483647"),
+        (
+            {"adapters": [{"kind": 99, "name": "sketch"}]},
+            "adapters[0]: unknown or unset kind; known kinds: LORA, CONTROLNET",
+        ),
     ],
 )
 def test_garbage_gets_invalid_argument(cluster: Cluster, fields: Any, field: str) -> None:
@@ -185,6 +192,32 @@ def test_garbage_gets_invalid_argument(cluster: Cluster, fields: Any, field: str
     assert code is grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith(field)
     assert ask(stub).png == PNG  # still serving
+
+
+def test_a_request_over_the_byte_bound_is_invalid_argument_naming_its_field(
+    cluster: Cluster,
+) -> None:
+    """A 20 MB prompt (and a 9 MiB image) is the client's error, not overload: gRPC's own
+    RESOURCE_EXHAUSTED ("Received message larger than max") made clients retry it. Both
+    Generate and GenerateStream answer it before the core, and the router serves on."""
+    cluster.add_worker("w1")
+    stub = cluster.router()
+    limit = f"a request has at most {MAX_REQUEST_BYTES} bytes"
+    code, details, trailing = code_of(stub, prompt="x" * 20_000_000)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details.startswith("prompt: 20000000 bytes of a ") and details.endswith(limit)
+    assert RETRY_AFTER_KEY not in trailing
+    code, details, _ = code_of(stub, image=b"\x89PNG" + bytes(9 << 20))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith("image: ")
+    stream = stub.GenerateStream(
+        router_pb2.RouterGenerateRequest(prompt="y" * 20_000_000), timeout=TIMEOUT
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream)
+    err: Any = info.value
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt")
+    assert ask(stub).png == PNG
+    assert cluster.workers["w1"].calls[-1].prompt == "a red fox in the snow"
 
 
 def test_an_empty_or_blank_prompt_is_refused_naming_prompt(cluster: Cluster) -> None:

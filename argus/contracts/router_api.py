@@ -31,6 +31,12 @@ from argus.contracts.generate import (
 )
 from argus.types import Strategy
 
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+"""The most bytes one request may have, on either API: the gRPC message, or the HTTP body (JSON,
+or an edit's form). Both prompts and an edit's image and mask at their limits fit in it
+(:mod:`argus.request_limits`); a larger request is the client's error
+(INVALID_ARGUMENT, or 413 over HTTP), not an overload to retry."""
+
 # the request's fields a message may leave unset
 _OPTIONAL = (
     "width",

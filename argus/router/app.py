@@ -23,6 +23,7 @@ from argus.classifier.labels import LabelledPrompts
 from argus.classifier.model import LevelClassifier
 from argus.classifier.serving import ClassifierSet
 from argus.contracts.allocator_client import AllocatorClient
+from argus.contracts.router_api import MAX_REQUEST_BYTES
 from argus.contracts.routers import RouterReport
 from argus.plumbing.grpc_server import (
     BearerTokenInterceptor,
@@ -48,7 +49,15 @@ from argus.types import ClassQuality, ProfileSet, Strategy
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 8 * 1024 * 1024
+MAX_RECEIVE_BYTES = 4 * MAX_REQUEST_BYTES
+"""The gRPC transport's bound on a request message, above the API's :data:`MAX_REQUEST_BYTES`
+on purpose: gRPC refuses a message over its bound before any handler sees it, with
+RESOURCE_EXHAUSTED ("Received message larger than max"), which clients read as overload and
+retry. Between the two bounds the servicer refuses the request itself, INVALID_ARGUMENT naming
+its largest field and the limit (:func:`argus.router.service.check_size`), as HTTP answers 413.
+Four times the API's bound covers the oversized requests clients make by mistake (a prompt or
+image of tens of MB) while keeping what one handler thread may hold at 32 MiB; beyond it
+gRPC's own refusal stands (no bound would let a client make the router read any size)."""
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # an image and its worker's answer
 REFUSAL_THREADS = 64
 """Handler threads beside the ``max_in_flight`` that Generate calls may hold: refusals and
@@ -121,7 +130,7 @@ def router_server(
     return new_server(
         threads=threads,
         thread_prefix=prefix,
-        max_receive_bytes=MAX_REQUEST_BYTES,
+        max_receive_bytes=MAX_RECEIVE_BYTES,
         max_send_bytes=MAX_REPLY_BYTES,
         interceptors=interceptors,
         max_concurrent_rpcs=threads + backlog,

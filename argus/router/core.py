@@ -56,13 +56,15 @@ from argus import defaults
 from argus.classifier.prompts import InvalidPromptError
 from argus.classifier.serving import BatcherClosed, BatcherFull
 from argus.contracts.cache_outlook import CacheOutlook
+from argus.contracts.generate import AdapterKind, Progress, Stage
 from argus.contracts.generate import GenerateCall as WorkerCall
 from argus.contracts.generate import GenerateResult as WorkerReply
-from argus.contracts.generate import Progress, Stage
 from argus.contracts.progress import ProgressSink
 from argus.contracts.router_api import RouterReply, RouterRequest, RouterTiming
 from argus.profiles.cache_evidence import KRule
 from argus.request_limits import (
+    MAX_LEVEL_INDEX,
+    MAX_PREVIEWS,
     EditInput,
     ImageLimits,
     InvalidRequestError,
@@ -71,6 +73,7 @@ from argus.request_limits import (
     check_edit_size,
     check_image,
     check_prompts,
+    check_range,
     check_sampling,
 )
 from argus.router.cache_mirror import CacheMirror, Embedder, Lookup
@@ -249,13 +252,17 @@ def check_request(
         check_adapters(request.adapters)  # before any walk of a list that may be huge
         if request.deadline_ms is not None and request.deadline_ms <= 0:
             raise InvalidRequestError("deadline_ms", "must be > 0")
-        for name in ("max_level_index", "previews"):  # unsigned on the wire
-            value = getattr(request, name)
-            if value is not None and value < 0:
-                raise InvalidRequestError(name, f"must be >= 0, got {value}")
+        # the HTTP API's bounds too (its partial_images is previews)
+        check_range("max_level_index", request.max_level_index, 0, MAX_LEVEL_INDEX)
+        check_range("previews", request.previews, 0, MAX_PREVIEWS)
         for i, adapter in enumerate(request.adapters):
-            if adapter.kind is None or not adapter.name:
-                raise InvalidRequestError(f"adapters[{i}]", "needs a kind and a name")
+            if adapter.kind is None:  # unset, or a value this router's enum does not have
+                known = ", ".join(kind.name for kind in AdapterKind)
+                raise InvalidRequestError(
+                    f"adapters[{i}]", f"unknown or unset kind; known kinds: {known}"
+                )
+            if not adapter.name:
+                raise InvalidRequestError(f"adapters[{i}]", "needs a name")
         edit = check_edit(request.image, request.mask, request.strength, limits)
         if edit is None:
             return request, None

@@ -40,12 +40,20 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.responses import JSONResponse
 
 from argus.contracts.generate import Adapter, AdapterKind, CacheOutcome, GenerateResult
-from argus.contracts.router_api import RouterReply, RouterRequest
-from argus.request_limits import InvalidRequestError, check_image, parse_int, parse_size
+from argus.contracts.router_api import MAX_REQUEST_BYTES, RouterReply, RouterRequest
+from argus.request_limits import (
+    MAX_LEVEL_INDEX,
+    MAX_PREVIEWS,
+    InvalidRequestError,
+    check_image,
+    check_range,
+    parse_int,
+    parse_size,
+)
 from argus.router.core import RouterCore
 from argus.router.values import Refusal, RouterError
 
-MAX_BODY_BYTES = 8 * 1024 * 1024  # the gRPC endpoint's bound on a request
+MAX_BODY_BYTES = MAX_REQUEST_BYTES  # the gRPC endpoint's bound on a request too
 MAX_IMAGES = 10  # OpenAI's bound on n
 MAX_USER_CHARS = 256
 # The body nests at most 3 deep ({"adapters": [{...}]}); 32 leaves room for clients that wrap
@@ -94,7 +102,6 @@ _FILES = frozenset({"image", "mask"})
 _FORM_INTS = frozenset({"n", "seed", "steps", "deadline_ms", "max_level_index", "partial_images"})
 _FORM_FLOATS = frozenset({"guidance_scale", "strength"})
 MAX_FORM_FIELDS = 32  # an edit has 17 fields; each is given once
-MAX_PREVIEWS = 1000  # one per step at most (steps are at most 1000)
 
 
 class ApiError(Exception):
@@ -279,7 +286,7 @@ def parse_images_request(
     seed = _int(body, "seed", 0, 2**64 - 1) or 0
     steps = _int(body, "steps", 1, 1000)
     deadline_ms = _int(body, "deadline_ms", 1, 2**32 - 1)
-    max_level_index = _int(body, "max_level_index", 0, 2**31)
+    max_level_index = _int(body, "max_level_index", 0, MAX_LEVEL_INDEX)
     guidance = _optional(body, "guidance_scale", (int, float))
     adapters = _adapters(body.get("adapters"))
     stream = bool(_optional(body, "stream", bool))
@@ -317,7 +324,7 @@ def parse_edit_request(
             supported = ", ".join(sorted(_EDIT_FIELDS))
             raise invalid(shown, f"unknown field; supported: {supported}")
         if (name in _FILES) is not isinstance(value, bytes):
-            kind = "a file" if name in _FILES else "a text value, not a file"
+            kind = "a file" if name in _FILES else "a text field, not a file"
             raise invalid(name, f"must be {kind}")
         body[name] = value if isinstance(value, bytes) else _form_value(name, value)
     image, mask = body.pop("image", b""), body.pop("mask", b"")
@@ -353,8 +360,10 @@ def _form_value(name: str, text: str) -> Any:
 async def parse_form(body: bytes, headers: Headers) -> dict[str, str | bytes]:
     """A ``multipart/form-data`` body, already read (and so bounded in bytes), as its fields:
     text values as text, files as their bytes. 400 naming body when it is not such a form or
-    has more than :data:`MAX_FORM_FIELDS` fields or more than two files, and naming a field
-    given twice (``image[]``, as OpenAI's client names a list of images, is ``image``)."""
+    has more than :data:`MAX_FORM_FIELDS` fields, and naming a field given twice (``image[]``,
+    as OpenAI's client names a list of images, is ``image``). Files are counted as fields,
+    not apart: the body's bytes bound them already, and a text field sent as a file (a
+    third file) is then refused by :func:`parse_edit_request` naming it, not the body."""
     if not headers.get("content-type", "").startswith("multipart/form-data"):
         raise invalid("body", "an edit is a multipart/form-data form (image, mask, prompt, ...)")
 
@@ -362,7 +371,9 @@ async def parse_form(body: bytes, headers: Headers) -> dict[str, str | bytes]:
         yield body
         yield b""
 
-    parser = MultiPartParser(headers, stream(), max_files=len(_FILES), max_fields=MAX_FORM_FIELDS)
+    parser = MultiPartParser(
+        headers, stream(), max_files=MAX_FORM_FIELDS, max_fields=MAX_FORM_FIELDS
+    )
     try:
         form = await parser.parse()
     except MultiPartException as err:
@@ -395,8 +406,10 @@ def _int(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(name, f"must be an integer, got {type(value).__name__}")
-    if not low <= value <= high:
-        raise invalid(name, f"{value} outside {low}..{high}")
+    try:
+        check_range(name, value, low, high)  # in the core's words (gRPC's previews, ...)
+    except InvalidRequestError as err:
+        raise invalid(name, str(err).removeprefix(f"{name}: ")) from None
     return value
 
 
