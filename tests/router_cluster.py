@@ -11,12 +11,13 @@ from __future__ import annotations
 import io
 import threading
 from concurrent import futures
+from dataclasses import replace
 from typing import Any
 
 import grpc
 from PIL import Image
 
-from argus.allocator.control import ControlConfig
+from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.allocator.service import create_server as create_allocator
 from argus.contracts.allocator_client import AllocatorClient
 from argus.contracts.workers import WorkerReport
@@ -25,9 +26,10 @@ from argus.profiles import default_profiles
 from argus.router.app import PrometheusStats, ServerSecurity, create_server
 from argus.router.config import RouterServiceConfig
 from argus.router.core import RouterCore
+from argus.router.policy import RouterPolicy
 from argus.router.stats import NO_STATS
 from argus.router.worker_calls import GrpcWorkers
-from argus.types import Strategy
+from argus.types import ShiftMap, Strategy
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
@@ -175,3 +177,30 @@ class Cluster:
         self.allocator.close()
         for server in self.servers:
             server.stop(grace=None)
+
+
+def assigned_policy(assignment: dict[str, str], strategy: Strategy, **options: Any) -> RouterPolicy:
+    """A router policy on a ``strategy`` plan whose workers serve ``assignment``'s levels,
+    every prompt targeting its classified level (an identity shift map); ``options`` go to
+    :class:`~argus.router.policy.RouterPolicy` (``cache_rules``)."""
+    control = AllocatorControl(
+        PROFILES,
+        ControlConfig(period_s=60.0, heartbeat_s=1.0, strategies=(strategy,)),
+        clock=FakeClock(),
+        epoch="t",
+    )
+    worker_class = PROFILES.worker_classes[0]
+    for worker_id in assignment:
+        control.heartbeat(WorkerReport(worker_id, f"{worker_id}:1", worker_class))
+    decider = RouterPolicy(PROFILES, RouterServiceConfig(), **options)
+    plan = control.current.plan
+    assert plan.strategy is strategy
+    levels = plan.allocation.levels
+    allocation = replace(
+        plan.allocation,
+        assignment=dict(assignment),
+        workers_per_level=tuple(sum(v == level for v in assignment.values()) for level in levels),
+    )
+    routed = replace(plan, allocation=allocation, shift_map=ShiftMap.identity(levels))
+    decider.install(routed, dict.fromkeys(assignment, worker_class), 0.0)
+    return decider

@@ -12,14 +12,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from argus.allocator.config import ControlConfig
-from argus.allocator.control import AllocatorControl
 from argus.contracts.router_api import RouterRequest
-from argus.contracts.workers import WorkerReport
 from argus.profiles.cache_evidence import DEFAULT_RULE
 from argus.profiles.synthetic_quality import synthetic_quality_table
 from argus.router.cache_routing import CacheRouting
-from argus.router.config import RouterServiceConfig
 from argus.router.policy import Admitted, RouterPolicy, Snapshot
 from argus.sim.arrivals import poisson
 from argus.sim.classifiers import NoisyOracleClassifier
@@ -29,8 +25,8 @@ from argus.sim.policies import make_policy
 from argus.sim.report import summarise
 from argus.sim.worker_cache import Eviction
 from argus.sim.workloads import Workload
-from argus.types import ShiftMap, Strategy
-from tests.router_cluster import PROFILES, FakeClock
+from argus.types import Strategy
+from tests.router_cluster import PROFILES, assigned_policy
 
 pytestmark = pytest.mark.unit
 
@@ -48,28 +44,7 @@ def latency(level: str) -> float:
 def ac_policy(assignment: dict[str, str], *, cache_aware: bool = True) -> RouterPolicy:
     """A policy on an AC plan whose workers serve ``assignment``'s levels, every prompt
     targeting its classified level (an identity shift map)."""
-    control = AllocatorControl(
-        PROFILES,
-        ControlConfig(period_s=60.0, heartbeat_s=1.0, strategies=(Strategy.AC,)),
-        clock=FakeClock(),
-        epoch="t",
-    )
-    for worker_id in assignment:
-        control.heartbeat(WorkerReport(worker_id, f"{worker_id}:1", CLASS))
-    decider = RouterPolicy(
-        PROFILES, RouterServiceConfig(), cache_rules=RULES if cache_aware else None
-    )
-    plan = control.current.plan
-    assert plan.strategy is Strategy.AC
-    levels = plan.allocation.levels
-    allocation = replace(
-        plan.allocation,
-        assignment=dict(assignment),
-        workers_per_level=tuple(sum(v == level for v in assignment.values()) for level in levels),
-    )
-    routed = replace(plan, allocation=allocation, shift_map=ShiftMap.identity(levels))
-    decider.install(routed, dict.fromkeys(assignment, CLASS), 0.0)
-    return decider
+    return assigned_policy(assignment, Strategy.AC, cache_rules=RULES if cache_aware else None)
 
 
 ASKED: list[tuple[str, str]] = []  # (worker, model) the last view's neighbours were asked

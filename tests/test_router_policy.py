@@ -24,8 +24,8 @@ from argus.router.policy import (
     admit_on,
 )
 from argus.router.values import Refusal
-from argus.types import ShiftMap, Strategy
-from tests.router_cluster import PROFILES, FakeClock
+from argus.types import Strategy
+from tests.router_cluster import PROFILES, FakeClock, assigned_policy
 
 pytestmark = pytest.mark.unit
 
@@ -246,26 +246,7 @@ def test_a_worker_still_loading_its_planned_model_is_priced_at_the_level_it_answ
 def sm_policy(assignment: dict[str, str]) -> RouterPolicy:
     """A policy on an SM plan whose workers serve ``assignment``'s levels, each prompt
     targeting its classified level (an identity shift map)."""
-    control = AllocatorControl(
-        PROFILES,
-        ControlConfig(period_s=60.0, heartbeat_s=1.0, strategies=(Strategy.SM,)),
-        clock=FakeClock(),
-        epoch="t",
-    )
-    for worker_id in assignment:
-        control.heartbeat(WorkerReport(worker_id, f"{worker_id}:1", CLASS))
-    decider = RouterPolicy(PROFILES, RouterServiceConfig())
-    plan = control.current.plan
-    assert plan.strategy is Strategy.SM
-    levels = plan.allocation.levels
-    allocation = replace(
-        plan.allocation,
-        assignment=dict(assignment),
-        workers_per_level=tuple(sum(v == level for v in assignment.values()) for level in levels),
-    )
-    routed = replace(plan, allocation=allocation, shift_map=ShiftMap.identity(levels))
-    decider.install(routed, dict.fromkeys(assignment, CLASS), 0.0)
-    return decider
+    return assigned_policy(assignment, Strategy.SM)
 
 
 CONTROLNET = RouterRequest(
