@@ -94,10 +94,12 @@ class AllocatorCommand:
             "level's latency on the profile's first GPU class, the routers' rule)",
         )
         parser.add_argument(
-            "--no-cache-plan",
-            action="store_true",
-            help="plan every AC request as a hit at its level's K instead of pricing the AC "
-            "levels by what the routers' probes of the workers' caches find",
+            "--cache-plan",
+            action=argparse.BooleanOptionalAction,
+            default=True,  # AllocatorSettings.cache_plan (tests/test_defaults.py checks)
+            help="price the AC levels by what the routers' probes of the workers' caches find; "
+            "--no-cache-plan plans every AC request as a hit at its level's K (default: "
+            "%(default)s)",
         )
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
         add_internal_tls_arguments(parser, "allocator")
@@ -128,7 +130,7 @@ class AllocatorCommand:
                 metrics_port=args.metrics_port,
                 classifier=args.classifier,
                 internal_tls_dir=tls_dir,
-                cache_plan=not args.no_cache_plan,
+                cache_plan=args.cache_plan,
             )
         except ValueError as err:
             raise config_error(err, args) from None
