@@ -106,6 +106,7 @@ class CachingWorkers:
         self.calls: list[tuple[str, GenerateCall]] = []
         self.down_once = set(down_once)
         self.extra: dict[str, tuple[object, ...]] = {}
+        self.miss_reason: dict[str, str] = {}  # a worker's next reply's miss reason, once
         self.cached = 0
         self.held: dict[str, list[npt.NDArray[np.float32]]] = {}
 
@@ -143,6 +144,7 @@ class CachingWorkers:
             level=call.level,
             worker_id=worker,
             cache_events=events,
+            cache_miss_reason=self.miss_reason.pop(worker, ""),
         )
 
     def keep_only(self, addresses: set[str]) -> None:
@@ -248,6 +250,39 @@ def test_the_cache_choice_is_counted_in_the_metrics() -> None:
     assert registry.get_sample_value("argus_router_cache_routed_similarity_count") == 1.0
     # FOX came to an empty mirror: not embedded
     assert registry.get_sample_value("argus_router_cache_embed_seconds_count") == 1.0
+
+
+def test_a_worker_whose_index_failed_is_not_routed_on_until_it_may_have_recovered() -> None:
+    workers = CachingWorkers()
+    core, clock = make_core(workers)
+    warm_w2(core, workers, clock)
+    workers.miss_reason["w2"] = "index-error"  # its search fails: served in full, said so
+    assert ask(core, FOX_AT_DUSK).worker_id == "w2"
+    # w2 still holds FOX, but its index cannot find it: priced as a miss, Eq. 3 picks w1
+    assert ask(core, FOX_AT_DUSK).worker_id == "w1"
+    assert core.cache is not None and core.cache.view.entries("w2") >= 1  # kept, not forgotten
+    m = mirror()
+    m.apply("w2", CacheEvents("log-1", 1, (insert("e1"),)))
+    request = RouterRequest(prompt=FOX_AT_DUSK, width=SIZE, height=SIZE, steps=STEPS)
+    found = m.look(request, STEPS)
+    assert found is not None and found.neighbours("w2", "sdxl") is not None
+    m.answered("w2", "below-floor")  # any other miss says nothing of the index
+    m.answered("w2", "index-error")
+    found = m.look(request, STEPS)
+    assert found is not None and found.neighbours("w2", "sdxl") is None
+
+
+def test_the_index_is_trusted_again_after_its_pause() -> None:
+    now = [0.0]
+    m = CacheMirror(
+        PROFILES, FakeEncoder(), scheduler="euler", default_size=SIZE, clock=lambda: now[0]
+    )
+    m.apply("w2", CacheEvents("log-1", 1, (insert("e1"),)))
+    request = RouterRequest(prompt=FOX, width=SIZE, height=SIZE, steps=STEPS)
+    m.answered("w2", "index-error")
+    assert m.look(request, STEPS).neighbours("w2", "sdxl") is None  # type: ignore[union-attr]
+    now[0] += m.index_down_s + 0.1
+    assert m.look(request, STEPS).neighbours("w2", "sdxl") == pytest.approx(1.0)  # type: ignore[union-attr]
 
 
 # -- (b) restarts and gaps forget -----------------------------------------------------------

@@ -234,6 +234,11 @@ class CacheOutcome(enum.Enum):
     MISS = "miss"  # wanted a cached latent, fell back to a full generation
 
 
+MISS_INDEX_ERROR = "index-error"
+"""The miss reason of a lookup whose vector index failed (down, closed, too slow): the one a
+router reads, to stop counting on that worker's cache for a while."""
+
+
 @dataclass(frozen=True)
 class Timing:
     """The worker's own breakdown of a request, milliseconds (``argus.v1.Timing``).

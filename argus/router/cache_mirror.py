@@ -44,6 +44,7 @@ import numpy.typing as npt
 
 from argus.contracts.cache_outlook import CacheOutlook
 from argus.contracts.generate import (
+    MISS_INDEX_ERROR,
     CacheCursor,
     CacheEvents,
     CacheInsert,
@@ -131,13 +132,16 @@ class CacheMirror:
         scheduler: str,
         default_size: int | None = None,
         probe_interval_s: float = 0.1,
+        index_down_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         view: CacheView | None = None,
         on_skipped: Callable[[str], None] = lambda reason: None,
         on_forgotten: Callable[[str], None] = lambda reason: None,
     ) -> None:
         """``on_skipped`` and ``on_forgotten`` hear each skipped event and each forgotten
-        worker by reason (:data:`SKIP_REASONS`, :data:`FORGET_REASONS`), as counted."""
+        worker by reason (:data:`SKIP_REASONS`, :data:`FORGET_REASONS`), as counted.
+        ``index_down_s``: how long a worker whose reply says its index failed is left out of
+        the lookups (:meth:`answered`)."""
         self.embedder = embedder
         self.view = view or CacheView(CacheViewConfig(dim=embedder.dim))
         if self.view.config.dim != embedder.dim:
@@ -148,7 +152,9 @@ class CacheMirror:
         self.scheduler = scheduler
         self.default_size = default_size
         self.probe_interval_s = probe_interval_s
+        self.index_down_s = index_down_s
         self._clock = clock
+        self._index_down: dict[str, float] = {}  # worker → until when its index is not trusted
         self._on_skipped, self._on_forgotten = on_skipped, on_forgotten
         rules = rules or {}
         levels: dict[str, list[_ProbeLevel]] = {}
@@ -194,6 +200,34 @@ class CacheMirror:
                 log.exception("cache events of worker %s: forgetting its entries", worker)
                 self._cursors.pop(worker, None)
                 self._forget(worker, "error")
+
+    def answered(self, worker: str, miss_reason: str) -> None:
+        """``worker`` answered a request with ``miss_reason`` ("" unless a miss). A miss
+        because its vector index failed (down or too slow) means its entries cannot be found
+        for now: it is left out of the lookups for ``index_down_s`` (renewed by each such
+        miss), so the router prices it as a miss, which it serves in full, and stops sending
+        it requests for neighbours it cannot reach. Its entries stay mirrored."""
+        if miss_reason != MISS_INDEX_ERROR:
+            return
+        with self._lock:
+            if worker not in self._index_down:
+                log.warning(
+                    "worker %s: its cache index failed; not routing on its cache for %.0f s",
+                    worker,
+                    self.index_down_s,
+                )
+            self._index_down[worker] = self._clock() + self.index_down_s
+
+    def _reachable(self, workers: Iterable[str]) -> list[str]:
+        """``workers`` less those whose index failed lately (:meth:`answered`)."""
+        with self._lock:
+            if not self._index_down:
+                return list(workers)
+            now = self._clock()
+            for worker, until in list(self._index_down.items()):
+                if until <= now:
+                    del self._index_down[worker]
+            return [w for w in workers if w not in self._index_down]
 
     def keep_only(self, workers: Iterable[str]) -> None:
         """The plan names only ``workers``: forget the others' entries."""
@@ -280,7 +314,7 @@ class CacheMirror:
         started = time.perf_counter()
         vector = self.embedder.embed_one(request.prompt)
         embed_s = time.perf_counter() - started
-        workers = self.view.workers()
+        workers = self._reachable(self.view.workers())
         found = {}
         for model in self._levels:
             tag = CacheKey(model, self.scheduler, height, width, steps, adapters).tag

@@ -827,6 +827,7 @@ class RouterCore:
             served = reply.level or level
             if cache is not None:
                 cache.apply(decision.worker_id, reply.cache_events)
+                cache.answered(decision.worker_id, reply.cache_miss_reason)
             self._learn(decision.worker_id, served, self._level_cost(flight, served), reply)
             answered = True
             return reply

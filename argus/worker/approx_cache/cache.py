@@ -55,7 +55,7 @@ import numpy.typing as npt
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from argus.contracts.generate import CacheKey
+from argus.contracts.generate import MISS_INDEX_ERROR, CacheKey
 from argus.profiles.cache_evidence import DEFAULT_RULE, KRule
 from argus.worker.approx_cache.events import DEFAULT_CAPACITY, CacheEventLog
 from argus.worker.approx_cache.latent_store import (
@@ -100,7 +100,7 @@ MISS_REASONS: Final = (
     "below-floor",  # the nearest entry is less similar than the rule's floor at any K allowed
     "missing-latent",  # the entry's latent file (or its digest) is gone
     "corrupt-latent",  # the latent file does not match its hash or does not parse
-    "index-error",  # the vector index raised (server down, closed cache)
+    MISS_INDEX_ERROR,  # the vector index raised (server down, closed cache)
 )
 PHASES: Final = ("search", "fetch")
 # similarity histogram buckets: the default rule's floors (0.65 … 0.93) and room around them
@@ -337,7 +337,7 @@ class ApproximateCache:
         search_s = self._timer() - began
         self._observe("search", search_s)
         if error:
-            return self._miss("index-error", search_s)
+            return self._miss(MISS_INDEX_ERROR, search_s)
         if match is None:
             with self._lock:
                 empty = not self._entries
