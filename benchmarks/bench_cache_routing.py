@@ -89,6 +89,7 @@ CEILINGS = (0, 5, 10, 15, 20, 25)  # planned resume steps of the AC levels
 LOWEST_FLOOR = DEFAULT_RULE.floors[0][1]  # below it a neighbour allows no step
 PROFILES = default_profiles()
 AC_INDEX = {lv.skip_steps: i for i, lv in enumerate(PROFILES.levels_for(Strategy.AC))}
+STEP_OF_INDEX = {i: k for k, i in AC_INDEX.items()}
 ROUTING = CacheRouting(PROFILES, {lv.model: DEFAULT_RULE for lv in PROFILES.levels})
 PREFIXES = ("", "a photo of ", "a painting of ", "an illustration of ", "a close-up of ")
 SUFFIXES = ("", ", highly detailed", ", digital art", ", 4k", ", studio lighting", ", watercolor")
@@ -611,17 +612,16 @@ def choose(
     if policy == "least-loaded" or ceiling == 0:
         return workers[order[0]]
     if policy == "argus":  # the router's own choice: CacheRouting, (queue + 1) x t at the step
-        by_name = {w.name: (w, load) for w, load in zip(workers, loads, strict=True)}
-        steps_of = {i: k for k, i in AC_INDEX.items()}
+        by_name = {w.name: w for w in workers}
         choice = ROUTING.choose(
             AC_INDEX[ceiling],
             [workers[i].name for i in order],
-            {name: load for name, (_, load) in by_name.items()},
+            {w.name: load for w, load in zip(workers, loads, strict=True)},
             lambda worker, _model: evidence.get(worker),
-            lambda _worker, index: (STEPS - steps_of[index]) / STEPS,
+            lambda _worker, index: (STEPS - STEP_OF_INDEX[index]) / STEPS,
         )
         assert choice is not None
-        return by_name[choice.worker_id][0]
+        return by_name[choice.worker_id]
     slack = 2 if policy == "cache-aware+2" else len(workers) * 10**6
     allowed = [i for i in order if loads[i] <= least + slack]
     steps = {i: rule(evidence.get(workers[i].name, -1.0), ceiling) for i in allowed}

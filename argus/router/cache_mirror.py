@@ -17,7 +17,7 @@ prompt with the workers' own encoder and asks the view, once per AC model, for e
 nearest neighbour under the request's cache key: the :class:`Lookup` answers the policy's
 ``neighbours`` question (:mod:`argus.router.cache_routing`) and is also a *probe*: the best
 similarity over the live workers, counted once per AC level of K > 0 of that model in its
-similarity bin (:meth:`Lookup.probes`), which the router reports to the allocator as a
+similarity bin (:meth:`CacheRouting.probes`), which the router reports to the allocator as a
 :class:`~argus.contracts.cache_outlook.CacheOutlook`. It embeds only where it can matter:
 while the plan is AC (the answer picks the worker), and otherwise at most once per
 ``cache_probe_interval_s`` (the probe alone), because the encoder costs milliseconds per
@@ -52,7 +52,8 @@ from argus.contracts.generate import (
     adapters_digest,
 )
 from argus.contracts.router_api import RouterRequest
-from argus.profiles.cache_evidence import DEFAULT_RULE, KRule, SimilarityBins
+from argus.profiles.cache_evidence import KRule
+from argus.router.cache_routing import CacheRouting
 from argus.router.cache_view import CacheView, CacheViewConfig
 from argus.types import ProfileSet, Strategy
 
@@ -84,33 +85,15 @@ class MirrorStats:
 
 
 @dataclass(frozen=True)
-class _ProbeLevel:
-    name: str  # an AC level of K > 0
-    bins: SimilarityBins  # its model's rule's
-
-
-@dataclass(frozen=True)
 class Lookup:
     """One request's nearest cached neighbour on each worker, per AC model."""
 
     found: Mapping[str, Mapping[str, float]]  # model → worker → similarity
-    levels: Mapping[str, tuple[_ProbeLevel, ...]] = field(repr=False)  # model → probed levels
     embed_s: float = 0.0  # the encoder's time on the prompt, seconds
 
     def neighbours(self, worker: str, model: str) -> float | None:
         """The policy's ``Neighbours``: None when ``worker`` holds nothing under the key."""
         return self.found.get(model, {}).get(worker)
-
-    def probes(self, live: Iterable[str]) -> list[tuple[str, int, float]]:
-        """``(level, bin, similarity)`` for each AC level of K > 0: the best similarity over
-        the ``live`` workers on the level's model (NaN, bin 0, when none holds a neighbour)."""
-        workers = set(live)
-        out: list[tuple[str, int, float]] = []
-        for model, levels in self.levels.items():
-            near = [s for w, s in self.found.get(model, {}).items() if w in workers]
-            best = max(near) if near else math.nan
-            out.extend((level.name, level.bins.index(best), best) for level in levels)
-        return out
 
 
 @dataclass
@@ -156,19 +139,9 @@ class CacheMirror:
         self._clock = clock
         self._index_down: dict[str, float] = {}  # worker → until when its index is not trusted
         self._on_skipped, self._on_forgotten = on_skipped, on_forgotten
-        rules = rules or {}
-        levels: dict[str, list[_ProbeLevel]] = {}
-        for model, by_step in profiles.ac_levels_by_model().items():
-            if 0 not in by_step:
-                continue  # no full level to miss to: the policy never looks these up
-            bins = rules.get(model, DEFAULT_RULE).bins()
-            probed = [_ProbeLevel(by_step[k].name, bins) for k in sorted(by_step) if k > 0]
-            if probed:
-                levels[model] = probed
-        self._levels = {model: tuple(found) for model, found in levels.items()}
-        self._bin_counts = {
-            level.name: len(level.bins) for found in self._levels.values() for level in found
-        }
+        # the AC levels that look up, their rules and bins: which models to look at, and
+        # where a probe counts (CacheRouting.probes, as the simulator counts them)
+        self.routing = CacheRouting(profiles, rules or {})
         self._lock = threading.Lock()  # cursors, members, the order events apply in
         self._cursors: dict[str, _Cursor] = {}
         self._members: set[str] | None = None  # None: no plan yet, every worker is taken
@@ -290,7 +263,7 @@ class CacheMirror:
         """Whether :meth:`look` is worth its encoder time for ``request`` under a plan of
         ``strategy`` (None: no plan): the view holds entries, the request is a generation,
         and the plan is AC or a probe is due (which this claims)."""
-        if strategy is None or request.image or not self._levels:
+        if strategy is None or request.image or not self.routing.models:
             return False
         if not self.view.workers():
             return False
@@ -316,16 +289,16 @@ class CacheMirror:
         embed_s = time.perf_counter() - started
         workers = self._reachable(self.view.workers())
         found = {}
-        for model in self._levels:
+        for model in self.routing.models:
             tag = CacheKey(model, self.scheduler, height, width, steps, adapters).tag
             found[model] = self.view.best(vector, tag, workers)
-        return Lookup(found, self._levels, embed_s)
+        return Lookup(found, embed_s)
 
     # -- the allocator's evidence ----------------------------------------------------------
 
     def record(self, lookup: Lookup, live: Iterable[str]) -> None:
-        """Count ``lookup``'s probes (:meth:`Lookup.probes`) over the ``live`` workers."""
-        probes = lookup.probes(live)
+        """Count ``lookup``'s probes (:meth:`CacheRouting.probes`) over the ``live`` workers."""
+        probes = self.routing.probes(lookup.neighbours, live)
         with self._probe_lock:
             self._probes.extend(probes)
 
@@ -333,7 +306,7 @@ class CacheMirror:
         """The probes since the last call, as lookups per AC level and similarity bin."""
         with self._probe_lock:
             probes, self._probes = self._probes, []
-        return CacheOutlook.of_lookups(probes, self._bin_counts)
+        return CacheOutlook.of_lookups(probes, self.routing.bin_counts)
 
     def stats(self) -> MirrorStats:
         with self._lock:

@@ -24,10 +24,11 @@ reads no clock.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from argus.profiles.cache_evidence import DEFAULT_RULE, KRule
+from argus.profiles.cache_evidence import DEFAULT_RULE, KRule, SimilarityBins
 from argus.types import ProfileSet, Strategy
 
 Neighbours = Callable[[str, str], "float | None"]
@@ -77,6 +78,35 @@ class CacheRouting:
                 tuple(sorted(k for k in steps if k > 0)),
                 {k: index[lv.name] for k, lv in steps.items()},
             )
+        # model → (name, bins) of its levels that look up: where a probe counts
+        self._probed: dict[str, list[tuple[str, SimilarityBins]]] = {}
+        for i, found in self._levels.items():
+            self._probed.setdefault(found.model, []).append((ac[i].name, found.rule.bins()))
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The AC models whose levels look the cache up."""
+        return tuple(self._probed)
+
+    @property
+    def bin_counts(self) -> dict[str, int]:
+        """Each level that looks up → its number of similarity bins (for
+        :meth:`~argus.contracts.cache_outlook.CacheOutlook.of_lookups`)."""
+        return {name: len(bins) for found in self._probed.values() for name, bins in found}
+
+    def probes(self, neighbours: Neighbours, live: Iterable[str]) -> list[tuple[str, int, float]]:
+        """A request's probe, the plan's evidence whatever level it is served at:
+        ``(level, bin, similarity)`` for every AC level that looks up, the similarity the
+        closest neighbour any of the ``live`` workers holds on the level's model (NaN, bin 0,
+        when none holds one). The step a level allows follows from the similarity alone, so
+        one probe counts at every level of the model."""
+        workers = list(live)
+        out: list[tuple[str, int, float]] = []
+        for model, levels in self._probed.items():
+            near = [s for w in workers if (s := neighbours(w, model)) is not None]
+            best = max(near) if near else math.nan
+            out.extend((name, bins.index(best), best) for name, bins in levels)
+        return out
 
     def model_of(self, index: int) -> str | None:
         """The model of AC level ``index`` (None past the AC levels)."""

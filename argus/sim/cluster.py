@@ -835,9 +835,13 @@ class _Run:
         caches = self.caches
         if caches is not None:
             row, worker_index = self._row_list[i], self.worker_index
+            asked: dict[tuple[str, str], float | None] = {}  # the probe and the choice share
 
             def neighbours(worker_id: str, model: str) -> float | None:
-                return caches.similarity(worker_index[worker_id], i, row, model, now)
+                key = (worker_id, model)
+                if key not in asked:
+                    asked[key] = caches.similarity(worker_index[worker_id], i, row, model, now)
+                return asked[key]
 
         dispatch = Dispatch(
             self._queue_view,

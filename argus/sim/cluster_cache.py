@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 from argus.profiles.cache_evidence import KRule
 from argus.sim.adapters import AdapterDraws
-from argus.sim.worker_cache import Eviction, WorkerCache
+from argus.sim.worker_cache import Eviction, Neighbour, WorkerCache
 
 FloatArray = npt.NDArray[np.float32]
 Embed = Callable[[Sequence[str]], FloatArray]
@@ -117,19 +117,14 @@ class ClusterCache:
         """Request ``request`` (prompt ``row``) routed to ``worker`` at an AC level of ``model``
         with ceiling ``ceiling``, at ``now``: where it resumes. A hit counts as a use of its
         entry."""
-        adapters = self.setup.adapter_keys[request]
-        if adapters is UNCACHEABLE:
-            return MISS_COLD
-        self._settle(worker, now)
-        cache = self.caches[worker]
-        found = cache.nearest((model, adapters), self.setup.vectors[row])
+        found = self._nearest(worker, request, row, model, now)
         if found is None:
             return MISS_COLD
         step = self.setup.rules[model].allowed_step(
             found.similarity, ceiling, self.setup.cached_steps[model]
         )
         if step > 0:
-            cache.use(found.entry, step)
+            self.caches[worker].use(found.entry, step)
         return Resume(step, found.similarity)
 
     def similarity(
@@ -139,12 +134,20 @@ class ClusterCache:
         ``worker``'s cache under its key on ``model`` at ``now``, as a cache-aware router
         sees it before choosing; None when the key holds none (or the request never looks
         up). Records no use."""
+        found = self._nearest(worker, request, row, model, now)
+        return None if found is None else found.similarity
+
+    def _nearest(
+        self, worker: int, request: int, row: int, model: str, now: float
+    ) -> Neighbour | None:
+        """The entry of ``worker``'s cache nearest request ``request`` (prompt ``row``)
+        under its key on ``model`` at ``now``; None when the key holds none or the request
+        never looks up (a ControlNet)."""
         adapters = self.setup.adapter_keys[request]
         if adapters is UNCACHEABLE:
             return None
         self._settle(worker, now)
-        found = self.caches[worker].nearest((model, adapters), self.setup.vectors[row])
-        return None if found is None else found.similarity
+        return self.caches[worker].nearest((model, adapters), self.setup.vectors[row])
 
     def feed(self, worker: int, request: int, row: int, model: str, finish_s: float) -> None:
         """A full AC generation of prompt ``row`` on ``worker`` ends at ``finish_s``: from

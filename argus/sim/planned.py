@@ -119,13 +119,6 @@ class PlannedPolicy(Policy):
             cache=self.cache_planner,
         )
         self._lookups: list[tuple[str, int, float]] = []  # (level, bin, similarity) to report
-        # AC model → (its levels with K > 0, their bins): where a cache-aware probe counts
-        self._probe_levels: dict[str, list[tuple[str, SimilarityBins]]] = {}
-        for level in ctx.profiles.levels_for(Strategy.AC):
-            if level.skip_steps > 0 and level.name in self._bins:
-                self._probe_levels.setdefault(level.model, []).append(
-                    (level.name, self._bins[level.name])
-                )
         routing = RoutingConfig(
             prompt_aware=self.config.prompt_aware,
             spill_on_refusal=self.config.spill_on_refusal,
@@ -181,20 +174,16 @@ class PlannedPolicy(Policy):
             self._lookups.append((level, bins.index(similarity), similarity))
 
     def _probe(self, dispatch: Dispatch) -> None:
-        """A cache-aware router's evidence for the plan: for every request, whatever level it
-        is routed to, the closest neighbour any live worker holds under each AC model,
-        counted at every AC level of that model (the step each allows follows from the
-        similarity alone). So a plan serving SM still learns what AC would find now, and a
-        cold start or a retreat to SM does not lock AC out for want of lookups."""
-        neighbours = dispatch.neighbours
-        if neighbours is None:
+        """A cache-aware router's evidence for the plan, as the live router gathers it
+        (:meth:`~argus.router.cache_routing.CacheRouting.probes`): for every request, whatever
+        level it is routed to, the closest neighbour any live worker holds. So a plan serving
+        SM still learns what AC would find now, and a cold start or a retreat to SM does not
+        lock AC out for want of lookups."""
+        cache, neighbours = self.decider.cache, dispatch.neighbours
+        if cache is None or neighbours is None:
             return
         live = [w for w in self.ctx.worker_ids if w not in dispatch.down]
-        for model, levels in self._probe_levels.items():
-            found = [s for w in live if (s := neighbours(w, model)) is not None]
-            similarity = max(found) if found else math.nan
-            for level, bins in levels:
-                self._lookups.append((level, bins.index(similarity), similarity))
+        self._lookups.extend(cache.probes(neighbours, live))
 
     def next_timer(self) -> float | None:
         return self._next_beat
@@ -215,8 +204,7 @@ class PlannedPolicy(Policy):
         """As the live router: refuse early what no worker can finish in time, else classify
         the prompt, then route and admit it through :class:`RouterPolicy`."""
         decider = self.decider
-        if decider.cache is not None:
-            self._probe(dispatch)
+        self._probe(dispatch)
 
         def service_s(worker: str, index: int) -> float:
             return dispatch.latency_s(worker, decider.level_name(index))
