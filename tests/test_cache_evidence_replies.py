@@ -13,16 +13,14 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
 
 from argus.embedding import PromptEmbedder
 from argus.plumbing import rpc
 from argus.router.http_app import create_app
 from argus.router.http_server import HttpServer
-from argus.worker.approx_cache.cache import ApproximateCache, EdgeVectorIndex, LatentStore
 from argus.worker.service import create_server
 from tests.router_cluster import TIMEOUT, Cluster, PngWorker
-from tests.worker_factories import STEPS, make_worker
+from tests.worker_factories import STEPS, edge_cache, make_worker
 
 pytestmark = pytest.mark.integration
 
@@ -38,13 +36,7 @@ router_pb2: Any = rpc.load("router_pb2")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Path]]:
     root = tmp_path_factory.mktemp("cache")
     encoder = PromptEmbedder()
-    cache = ApproximateCache(
-        EdgeVectorIndex(root / "edge", encoder.dim, optimize_after=None),
-        LatentStore(root / "latents", fsync=False),
-        max_entries=100,
-        max_bytes=None,
-        registry=CollectorRegistry(),
-    )
+    cache = edge_cache(root, encoder.dim)
     worker = make_worker(cache=cache, encoder=encoder, warm=True)
     server, port, _ = create_server(worker, "127.0.0.1:0", threads=4)
     server.start()

@@ -11,7 +11,6 @@ from typing import Any
 
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry
 
 from argus.allocator.control import AllocatorControl, ControlConfig
 from argus.contracts.router_api import RouterRequest
@@ -22,12 +21,11 @@ from argus.router.config import RouterServiceConfig
 from argus.router.core import RouterCore
 from argus.router.worker_calls import GrpcWorkers
 from argus.types import Strategy
-from argus.worker.approx_cache.cache import ApproximateCache, EdgeVectorIndex, LatentStore
 from argus.worker.engine import Worker
 from argus.worker.service import create_server
 from tests.router_cluster import PROFILES, FakeClock, StubClassifier
 from tests.test_router_cache import plan_at
-from tests.worker_factories import STEPS, make_worker
+from tests.worker_factories import STEPS, edge_cache, make_worker
 
 pytestmark = pytest.mark.integration
 
@@ -44,13 +42,7 @@ def encoder() -> PromptEmbedder:
 
 
 def serve_worker(name: str, root: Path, encoder: PromptEmbedder) -> tuple[Worker, grpc.Server, str]:
-    cache = ApproximateCache(
-        EdgeVectorIndex(root / "edge", encoder.dim, optimize_after=None),
-        LatentStore(root / "latents", fsync=False),
-        max_entries=100,
-        max_bytes=None,
-        registry=CollectorRegistry(),
-    )
+    cache = edge_cache(root, encoder.dim)
     worker = make_worker(cache=cache, encoder=encoder, warm=True, worker_id=name)
     server, port, _ = create_server(worker, "127.0.0.1:0", threads=4)
     server.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,3 +88,19 @@ def make_tiny_clip(directory: Any) -> Any:
     from argus.worker.scoring import write_tiny_clip
 
     return write_tiny_clip(directory)
+
+
+def edge_cache(root: Path, dim: int) -> Any:
+    """A small approximate cache under ``root``: Qdrant Edge for the index, 100 entries, the
+    latent store without fsync, its own metrics registry."""
+    from prometheus_client import CollectorRegistry
+
+    from argus.worker.approx_cache.cache import ApproximateCache, EdgeVectorIndex, LatentStore
+
+    return ApproximateCache(
+        EdgeVectorIndex(root / "edge", dim, optimize_after=None),
+        LatentStore(root / "latents", fsync=False),
+        max_entries=100,
+        max_bytes=None,
+        registry=CollectorRegistry(),
+    )
