@@ -42,6 +42,9 @@ generations). With ``--router-encoder student`` (or ``both``) the view is fed an
 the router classifier's own vectors (the first 2 MiniLM layers, int8) while the workers
 resume by full-encoder similarity: why the live router embeds with the full encoder.
 
+**(c) The router's encoder.** The median time to embed a short and a long prompt with the
+encoder the router loads for cache routing (the workers' MiniLM), run every time.
+
     python benchmarks/bench_cache_routing.py [--entries 100000] [--workers 8] [--queries 300]
         [--settings 16:8,8:4,24:8] [--requests 3000] [--router-encoder full|student|both]
         [--edge 100000] [--skip-index] [--skip-stream] [--json FILE]
@@ -839,6 +842,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+ENCODER_PROMPTS = (
+    "a red fox",
+    "a high-quality oil painting of a psychedelic hamster dragon sitting on a stack of old "
+    "books beside a window at dusk, warm light, detailed",
+)
+
+
+def time_router_encoder(rounds: int = 50) -> dict[str, float]:
+    """(c) What embedding one prompt costs the router: the encoder it loads for cache routing
+    (:func:`argus.router.app.load_cache_encoder`, the workers' MiniLM), median over
+    ``rounds`` calls, for a short and a long prompt."""
+    from argus.router.app import load_cache_encoder
+
+    encoder = load_cache_encoder(None)
+    out = {}
+    for prompt in ENCODER_PROMPTS:
+        encoder.embed_one(prompt)  # first call: sessions and buffers
+        times = []
+        for _ in range(rounds):
+            began = time.perf_counter()
+            encoder.embed_one(prompt)
+            times.append(time.perf_counter() - began)
+        words = len(prompt.split())
+        out[f"{words}_words_ms"] = float(np.median(times)) * 1e3
+        print(f"(c) the router's encoder: {words} words, median {out[f'{words}_words_ms']:.1f} ms")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
@@ -852,6 +883,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             results["edge"] = run_edge(real, args)
     if not args.skip_stream:
         results["stream"] = run_stream(args)
+    results["encoder"] = time_router_encoder()
     print(load_line("end"))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
