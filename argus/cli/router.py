@@ -81,6 +81,14 @@ class RouterCommand:
             help="requests served at once; more: busy (default: %(default)s)",
         )
         parser.add_argument(
+            "--late-binding-window",
+            type=int,
+            default=RoutingConfig.late_binding_window,
+            help="requests sent to a worker at once; the router holds the rest and sends each "
+            "to the first worker of its level with room, refusing at once what can no longer "
+            "finish in time (0: send every request at once; default: %(default)s)",
+        )
+        parser.add_argument(
             "--max-id-bytes",
             type=int,
             default=defaults.MAX_ID_BYTES,
@@ -208,6 +216,7 @@ class RouterCommand:
                 routing=RoutingConfig(
                     cache_aware=args.cache_routing,
                     cache_probe_interval_s=args.cache_probe_interval_s,
+                    late_binding_window=args.late_binding_window,
                 ),
                 edit_balancer=args.edit_balancer,
                 edit_batch=args.edit_batch,

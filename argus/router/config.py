@@ -58,7 +58,16 @@ class RoutingConfig:
     choose its worker), a prompt is embedded to probe the caches for the allocator at most
     this often, seconds (0: every prompt): what AC would find, at a bounded encoder cost."""
 
+    late_binding_window: int = 2
+    """Requests sent to a worker at once, the one it runs included; the router holds the rest
+    and sends each to the first worker of its level with room, refusing at once one that can
+    no longer finish by its deadline (:mod:`argus.router.late_binding`). 0: every admitted
+    request is sent to its worker at once. With an edit balancer a worker is sent at least
+    ``edit_batch``, so that its edits can batch."""
+
     def __post_init__(self) -> None:
+        if self.late_binding_window < 0:
+            raise ValueError(f"late_binding_window: must be >= 0, got {self.late_binding_window}")
         if not (math.isfinite(self.cache_probe_interval_s) and self.cache_probe_interval_s >= 0):
             raise ValueError(
                 f"cache_probe_interval_s: must be >= 0, got {self.cache_probe_interval_s}"

@@ -81,6 +81,7 @@ from argus.router.config import RouterServiceConfig
 from argus.router.drift import RouterDrift
 from argus.router.edit_balance import EditJob
 from argus.router.edit_loads import EditLoads, WorkerEdits, arrival_cost, template_key
+from argus.router.late_binding import Held
 from argus.router.ledger import (
     AnswerDroppedError,
     IdConflictError,
@@ -89,6 +90,7 @@ from argus.router.ledger import (
 )
 from argus.router.policy import (
     NO_PLAN,
+    Admitted,
     Refused,
     RouterPolicy,
     Snapshot,
@@ -451,6 +453,8 @@ class RouterCore:
                     if models.get(worker, model) != model:  # its records were of another model
                         self._edits.forget_templates(worker)
             self._plan_version = published.version
+            now = self._clock()
+            self._drop_held(set(beliefs.levels) - beliefs.down(now), now)
             queues = beliefs.queues()
         if self.cache is not None:  # off the lock: forgetting a large worker takes a while
             self.cache.keep_only(addresses)
@@ -716,8 +720,16 @@ class RouterCore:
         admitted = False
         try:
             for attempt in range(1, self.config.max_attempts + 1):
-                decision, strategy, address, token = self._route(flight, levels, tried, lookup)
+                decision, strategy, held, token = self._route(flight, levels, tried, lookup)
                 admitted = True
+                try:
+                    decision, address = self._bind(flight, decision, held)
+                except RouterError as err:
+                    if err.kind is not Refusal.UNAVAILABLE or attempt == self.config.max_attempts:
+                        raise
+                    tried.add(decision.worker_id)  # it left the plan or went down meanwhile
+                    self.stats.retried()
+                    continue
                 routed_at = self._clock()
                 flight.routed(decision, self._router.level_name, routed_at - arrived)
                 try:
@@ -762,11 +774,13 @@ class RouterCore:
         levels: Mapping[Strategy, int],
         tried: set[str],
         lookup: Lookup | None = None,
-    ) -> tuple[RouteDecision, Strategy, str, int]:
+    ) -> tuple[RouteDecision, Strategy, Held | None, int]:
         """Route and admit under the lock (:meth:`RouterPolicy.route`), with the workers'
         cached neighbours of ``lookup`` when the plan is AC; the chosen worker's queue and
-        its requests in flight count this request, under the returned token. A first attempt
-        counts ``lookup``'s probes over the live workers, admitted or not."""
+        its requests in flight count this request, under the returned token. With late
+        binding the request is sent at once only when that worker has room; else it is held
+        (the returned :class:`Held`, None when sent at once). A first attempt counts
+        ``lookup``'s probes over the live workers, admitted or not."""
         with self._lock:
             plan = self._router.plan
             if plan is None:
@@ -789,7 +803,7 @@ class RouterCore:
                 token = next(self._sends)
                 if self._edits is not None:
                     self._edits.sent(worker, token, flight.work.job, now)
-                address = self._beliefs.address(worker)
+                held = self._hold(flight, outcome, snapshot, token)
         if lookup is not None and self.cache is not None and not tried:
             self.cache.record(lookup, live)
         if isinstance(outcome, Refused):
@@ -802,7 +816,149 @@ class RouterCore:
         if decision.spilled:
             names = self._router.level_name
             self.stats.spilled(names(decision.target_level), names(decision.served_level))
-        return decision, plan.strategy, address, token
+        return decision, plan.strategy, held, token
+
+    def _hold(
+        self, flight: InFlight, outcome: Admitted, snapshot: Snapshot, token: int
+    ) -> Held | None:
+        """Send the admitted request at once when its worker has room and no request is held
+        for it (None); else hold it there (:class:`Held`). Tied to its worker when the
+        caches or an edit balancer chose it. Under the lock."""
+        binder = self.policy.binder
+        worker = outcome.decision.worker_id
+        if binder is None:
+            return None
+        if binder.has_room(worker) and not binder.line(worker):
+            binder.send(worker)
+            return None
+        served = outcome.decision.served_level if outcome.cache is None else outcome.cache.index
+        service_s = snapshot.service_s
+
+        def held_s(target: str) -> float:
+            return service_s(target, served)
+
+        pinned = outcome.cache is not None or self._edits is not None
+        held = Held(
+            token,
+            worker,
+            snapshot.levels[worker],
+            flight.deadline,
+            held_s,
+            pinned=pinned,
+            waiting=[threading.Event()],
+        )
+        binder.hold(held)
+        if not pinned:  # another worker of its level may have room for it already
+            now = self._clock()
+            for other, level in snapshot.levels.items():
+                if other != worker and level == held.level and binder.has_room(other):
+                    self._dispatch(other, now)
+        return held
+
+    def _bind(
+        self, flight: InFlight, decision: RouteDecision, held: Held | None
+    ) -> tuple[RouteDecision, str]:
+        """Wait until a worker with room takes ``flight``'s held request (none held: sent at
+        once), and return the decision with that worker and its address. Refused OVERLOADED,
+        with the excess as the retry hint, as soon as the router predicts it cannot finish by
+        its deadline; UNAVAILABLE when its worker leaves the plan or goes down (the caller
+        routes it again); CANCELLED when the client leaves."""
+        binder = self.policy.binder
+        if held is None or binder is None:
+            with self._lock:
+                return decision, self._beliefs.address(decision.worker_id)
+        wake = held.waiting[0]
+        assert isinstance(wake, threading.Event)
+        flight.cancel.attach(wake.set)
+        try:
+            while True:
+                with self._lock:
+                    wake.clear()
+                    now = self._clock()
+                    waiting = held.sent_to is None and not held.late and not held.dropped
+                    if waiting and (flight.cancel.cancelled or now >= binder.expires_at(held)):
+                        self._withdraw(held, now, late=not flight.cancel.cancelled)
+                    if held.sent_to is not None:
+                        worker = held.sent_to
+                        return replace(decision, worker_id=worker), self._beliefs.address(worker)
+                    waiting = not held.late and not held.dropped
+                    wait_s = binder.expires_at(held) - now if waiting else 0.0
+                flight.cancel.check()
+                if held.late:
+                    self.stats.rejected("late")
+                    raise RouterError(
+                        Refusal.OVERLOADED,
+                        f"deadline: predicted {held.predicted_s * 1e3:.0f} ms exceeds the "
+                        f"{held.budget_s * 1e3:.0f} ms left while held for a worker",
+                        max(held.predicted_s - max(held.budget_s, 0.0), 0.05),
+                    )
+                if held.dropped:
+                    raise RouterError(
+                        Refusal.UNAVAILABLE, f"worker {held.worker} left while the request waited"
+                    )
+                wake.wait(max(wait_s, 0.001))
+        finally:
+            flight.cancel.attach(None)
+
+    def _withdraw(self, held: Held, now: float, *, late: bool) -> None:
+        """Stop holding ``held`` (``late``: it can no longer finish in time; else its caller
+        left) and uncount it from its worker. Under the lock."""
+        binder = self.policy.binder
+        if binder is None or binder.withdraw(held.token) is None:
+            return
+        if late:
+            idle = binder.rule.completion_s(0, held.service_s(held.worker))
+            held.late, held.predicted_s, held.budget_s = True, idle, held.deadline - now
+        else:
+            held.dropped = True
+        self._uncount([held], now)
+
+    def _uncount(self, gone: list[Held], now: float) -> None:
+        """Uncount requests no longer held and never sent from the workers they were counted
+        on, and wake their callers. Under the lock."""
+        for held in gone:
+            self._beliefs.withdrawn(held.worker)
+            if self._edits is not None:
+                self._edits.answered(held.worker, held.token, ok=False, now=now)
+            for wake in held.waiting:
+                assert isinstance(wake, threading.Event)
+                wake.set()
+
+    def _dispatch(self, worker: str, now: float) -> None:
+        """``worker`` may have room: predict its held requests again on the newest service
+        times (refusing those now late) and let it take held requests while it has room.
+        Under the lock."""
+        binder = self.policy.binder
+        if binder is None:
+            return
+        level = self._beliefs.levels.get(worker)
+        if level is None or worker in self._beliefs.down(now):
+            return
+        late = binder.overdue(worker, now, self._beliefs.elapsed_s(worker, now))
+        while True:
+            taken, also_late = binder.take(worker, level, now)
+            late += also_late
+            if taken is None:
+                break
+            if taken.worker != worker:
+                self._beliefs.moved(taken.worker, worker, now)
+            for wake in taken.waiting:
+                assert isinstance(wake, threading.Event)
+                wake.set()
+        self._uncount(late, now)
+
+    def _drop_held(self, keep: AbstractSet[str], now: float) -> None:
+        """Give the held requests counted on a worker not in ``keep`` back to be routed again,
+        and let every worker in ``keep`` take held requests. Under the lock."""
+        binder = self.policy.binder
+        if binder is None:
+            return
+        gone = binder.forget(set(keep))
+        for held in gone:
+            held.dropped = True
+        self._uncount(gone, now)
+        for worker in keep:
+            self._dispatch(worker, now)
 
     def _forward(
         self, flight: InFlight, decision: RouteDecision, address: str, token: int
@@ -834,8 +990,9 @@ class RouterCore:
         except WorkerError as err:
             if err.kind is Refusal.UNAVAILABLE:
                 with self._lock:
-                    until = self._clock() + self.config.down_for_s
-                    self._beliefs.mark_down(decision.worker_id, until)
+                    now = self._clock()
+                    self._beliefs.mark_down(decision.worker_id, now + self.config.down_for_s)
+                    self._drop_held(set(self._beliefs.levels) - self._beliefs.down(now), now)
             if err.kind in (Refusal.DEADLINE, Refusal.CANCELLED):
                 at_level = self._level_cost(flight, level)
                 self._abandoned(decision.worker_id, level, at_level, flight.steps)
@@ -853,6 +1010,9 @@ class RouterCore:
                 if self._edits is not None:
                     self._edits.answered(decision.worker_id, token, ok=answered, now=now)
                 self._beliefs.answered(decision.worker_id, now)
+                if self.policy.binder is not None:
+                    self.policy.binder.done(decision.worker_id)
+                    self._dispatch(decision.worker_id, now)
 
     def _learn(self, worker: str, level: str, cost: float, reply: WorkerReply) -> None:
         """Learn the worker's service time at ``level`` from its reply's timings."""

@@ -41,7 +41,7 @@ QUALITY_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.975, 1.0)
 STEP_BUCKETS = (0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0)
 SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.975, 1.0)
 
-REJECT_REASONS = ("deadline", "busy", "ids")
+REJECT_REASONS = ("deadline", "late", "busy", "ids")  # "late": refused while held
 TEMPLATE_BELIEFS = ("held", "not_held")  # the edits-placed counter's ``template`` label
 
 

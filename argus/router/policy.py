@@ -62,6 +62,7 @@ from argus.router.edit_balance import (
     predict_finish_s,
 )
 from argus.router.edit_loads import NO_EDITS, WorkerEdits, time_scale, worker_snapshot
+from argus.router.late_binding import LateBinder
 from argus.router.routing import PlanRouter
 from argus.router.scheduler import NoLiveWorkerError, nearest_first
 from argus.router.values import Refusal, RouterError
@@ -191,6 +192,13 @@ class RouterPolicy:
         self.cache = None if cache_rules is None else CacheRouting(profiles, cache_rules)
         if config.edit_balancer != EDIT_BALANCER:
             self.balancer = make_balancer(config.edit_balancer, self.edit_cost)
+        # the admitted requests held until a worker has room (None: sent at once)
+        self.binder: LateBinder | None = None
+        window = config.routing.late_binding_window
+        if window:
+            if self.balancer is not None:
+                window = max(window, config.edit_batch)
+            self.binder = LateBinder(window, config.admission)
 
     # the plan ----------------------------------------------------------------------------
 

@@ -148,6 +148,19 @@ class WorkerBeliefs:
             belief.queue -= 1
             belief.head_started = now
 
+    def withdrawn(self, worker: str) -> None:
+        """A request counted on ``worker`` and not yet sent there will not be (refused while
+        the router held it, or routed again). Nothing for a worker no longer counted."""
+        belief = self._workers.get(worker)
+        if belief is not None and belief.queue > 0:
+            belief.queue -= 1
+
+    def moved(self, source: str, target: str, now: float) -> None:
+        """A request counted on ``source`` and not yet sent there goes to ``target`` (one the
+        plan names) instead."""
+        self.withdrawn(source)
+        self.sent(target, now)
+
     def mark_down(self, worker: str, until: float) -> None:
         """``worker`` answered UNAVAILABLE: believe it down until ``until``. Kept for a worker
         that has left the plan too, in case the next plan names it again."""
