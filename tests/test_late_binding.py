@@ -136,7 +136,7 @@ class GatedWorkers:
         assert gate[0].wait(10.0), "the test never answered"
         total_ms = gate[1][0]
         timing = Timing(total_ms=total_ms)
-        return GenerateResult(call.request_id, b"png", call.level, "w1", timing=timing)
+        return GenerateResult(call.request_id, b"png", call.level, worker_id="w1", timing=timing)
 
     def answer(self, index: int, service_ms: float) -> None:
         with self._lock:
