@@ -166,3 +166,6 @@ CACHE_MAX_ENTRIES = 100_000
 
 SCORE_SAMPLE = 0.05
 """Share of a worker's images it scores for the router's drift monitor (0: none)."""
+
+# requests the router sends a worker at once (late binding; the rest wait at the router)
+LATE_BINDING_WINDOW = 2

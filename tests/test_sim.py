@@ -805,3 +805,45 @@ def test_a_worker_loading_in_the_background_is_priced_at_the_level_it_still_serv
     assert {PROFILES.levels[i].name for i in run.level[admitted]} == {"sm-sd-xl"}
     late = run.finish_s[admitted] - arrivals[admitted] > run.slo_s
     assert not late.any()
+
+
+# -- late binding -----------------------------------------------------------------------------
+
+
+def test_late_binding_lets_the_first_free_worker_of_the_level_take_a_held_request():
+    """Every request is routed to w0 (a bad router); with late binding (one request a worker)
+    the held one goes to the idle w1 of the same level at once, so four fit the SLO instead
+    of three and none waits behind w0's queue."""
+    early = simulate(burst(10), _AllTo("sm-sd-xl"), gpus=2, jitter=0.0)
+    late = simulate(burst(10), _AllTo("sm-sd-xl"), gpus=2, jitter=0.0, late_binding_window=1)
+    sdxl = PROFILES.profile("a100", "sm-sd-xl").latency_s
+    assert early.worker.tolist()[:3] == [0, 0, 0] and (~early.refused).sum() == 3
+    assert late.worker.tolist()[:4] == [0, 1, 0, 1] and (~late.refused).sum() == 4
+    latency = late.finish_s[:4] - late.arrivals_s[:4]
+    assert latency == pytest.approx([sdxl, sdxl, 2 * sdxl, 2 * sdxl])
+    assert late.refused_held == 0 and not late.late.any()
+
+
+def test_late_binding_refuses_held_requests_their_worker_can_no_longer_finish_in_time():
+    """Services run long (log-normal jitter 0.4): queued at the worker when routed, a request
+    behind a long one is served late; held by the router, it is refused when its worker
+    answers and it no longer fits."""
+    workload = burst(200, gap_s=0.25)
+    queued = simulate(workload, "clipper-ha", gpus=2, jitter=0.4)
+    held = simulate(workload, "clipper-ha", gpus=2, jitter=0.4, late_binding_window=1)
+    assert queued.late.sum() >= 1 and queued.refused_held == 0
+    assert held.late.sum() == 0 and held.refused_held > 0
+    assert held.refused_held <= held.refused.sum()
+
+
+def test_the_late_binding_window_is_checked():
+    with pytest.raises(ValueError, match="late_binding_window"):
+        SimConfig(late_binding_window=-1)
+
+
+def test_the_planned_policies_hold_requests_by_their_router_policy():
+    policy = make_policy("argus")
+    result = simulate(burst(40, gap_s=0.5), policy, gpus=2, late_binding_window=2)
+    assert policy.binder is not None and policy.binder is policy.decider.binder
+    assert len(policy.binder) == 0  # every held request was sent or refused by the end
+    assert (~result.refused).sum() > 0

@@ -32,6 +32,7 @@ from argus.cli.main import CLIError
 from argus.cli.options import (
     add_cache_argument,
     add_cache_warm_argument,
+    add_late_binding_argument,
     add_quality_argument,
     describe_gpus,
     parse_gpus,
@@ -110,6 +111,7 @@ class EvaluateCommand:
         add_quality_argument(parser)
         add_cache_argument(parser)
         add_cache_warm_argument(parser)
+        add_late_binding_argument(parser)
         add_edit_arguments(parser)  # --workload edits: argus/cli/edit_evaluate.py
         parser.add_argument(
             "--caps",
@@ -161,6 +163,7 @@ class EvaluateCommand:
                 strategy_choice=args.strategy_choice,
                 cache=args.cache,
                 cache_warm=args.cache_warm,
+                late_binding_window=args.late_binding_window,
             )
             progress = None if args.quiet else _Progress().update
             evaluation = evaluate(config, progress)

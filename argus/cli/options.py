@@ -80,6 +80,22 @@ def add_cache_warm_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_late_binding_argument(parser: argparse.ArgumentParser) -> None:
+    """``--late-binding-window N`` (``argus evaluate`` and ``argus replay``), the live
+    router's flag and default."""
+    parser.add_argument(
+        "--late-binding-window",
+        type=int,
+        default=defaults.LATE_BINDING_WINDOW,
+        help=(
+            "requests sent to a worker at once; the router holds the rest and a worker with "
+            "room takes the first by deadline, refusing what can no longer finish in time, as "
+            "argus router does (0: every request queued on its worker when routed; default: "
+            "%(default)s)"
+        ),
+    )
+
+
 def add_cache_argument(parser: argparse.ArgumentParser) -> None:
     """``--cache realistic|perfect`` (``argus evaluate`` and ``argus replay``)."""
     parser.add_argument(

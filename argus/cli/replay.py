@@ -20,7 +20,13 @@ from typing import Any
 
 from argus import defaults
 from argus.cli.main import CLIError
-from argus.cli.options import add_cache_argument, add_quality_argument, describe_gpus, parse_gpus
+from argus.cli.options import (
+    add_cache_argument,
+    add_late_binding_argument,
+    add_quality_argument,
+    describe_gpus,
+    parse_gpus,
+)
 from argus.plumbing.quoting import quoted
 
 DEFAULT_POLICIES = ",".join(defaults.EVALUATION_POLICIES)
@@ -130,6 +136,7 @@ class ReplayCommand:
             ),
         )
         add_cache_argument(parser)
+        add_late_binding_argument(parser)
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--out", type=Path, default=Path("replay-out"))
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -219,6 +226,7 @@ class ReplayCommand:
                 admission=not args.no_admission,
                 cache=args.cache,
                 cache_rules=tuple(load_cache_rules(args.profiles).items()),
+                late_binding_window=0 if args.no_admission else args.late_binding_window,
             )
             if args.save_trace is not None:
                 save_workload(workload, args.save_trace)

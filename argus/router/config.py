@@ -58,7 +58,7 @@ class RoutingConfig:
     choose its worker), a prompt is embedded to probe the caches for the allocator at most
     this often, seconds (0: every prompt): what AC would find, at a bounded encoder cost."""
 
-    late_binding_window: int = 2
+    late_binding_window: int = defaults.LATE_BINDING_WINDOW
     """Requests sent to a worker at once, the one it runs included; the router holds the rest
     and sends each to the first worker of its level with room, refusing at once one that can
     no longer finish by its deadline (:mod:`argus.router.late_binding`). 0: every admitted

@@ -59,6 +59,7 @@ class LateBinder:
         self.rule = rule
         self._held: dict[int, Held] = {}  # by token, in the order they were held
         self._sent: Counter[str] = Counter()  # requests sent to each worker, not answered
+        self._lines: Counter[str] = Counter()  # held requests counted on each worker
 
     def __len__(self) -> int:
         return len(self._held)
@@ -77,7 +78,7 @@ class LateBinder:
 
     def line(self, worker: str) -> int:
         """Held requests counted on ``worker``."""
-        return sum(1 for h in self._held.values() if h.worker == worker)
+        return self._lines[worker]
 
     def send(self, worker: str) -> None:
         """A request goes to ``worker`` now, without waiting."""
@@ -92,11 +93,15 @@ class LateBinder:
 
     def hold(self, held: Held) -> None:
         self._held[held.token] = held
+        self._lines[held.worker] += 1
 
     def withdraw(self, token: int) -> Held | None:
         """Stop holding the request of ``token`` (its caller left, or it expired); None when
         it is no longer held."""
-        return self._held.pop(token, None)
+        held = self._held.pop(token, None)
+        if held is not None:
+            self._unline(held)
+        return held
 
     def take(
         self, worker: str, level: int, now: float, busy: int = 0
@@ -112,7 +117,7 @@ class LateBinder:
             if not candidates:
                 return None, late
             held = min(candidates, key=lambda h: (h.deadline, h.token))
-            del self._held[held.token]
+            self._remove(held)
             completion = self.rule.completion_s(self._sent[worker] + busy, held.service_s(worker))
             if completion > held.deadline - now:
                 late.append(self._late(held, completion, held.deadline - now))
@@ -126,6 +131,8 @@ class LateBinder:
         """The held requests counted on ``worker`` that can no longer finish in time, predicted
         again now (each with the requests sent there and those ahead of it in its line as its
         queue, the one running there for ``elapsed_s``): removed and marked ``late``."""
+        if not self._lines[worker]:
+            return []
         line = sorted(
             (h for h in self._held.values() if h.worker == worker),
             key=lambda h: (h.deadline, h.token),
@@ -135,7 +142,7 @@ class LateBinder:
             queue = self._sent[worker] + busy + ahead
             completion = self.rule.completion_s(queue, held.service_s(worker), elapsed_s)
             if completion > held.deadline - now:
-                del self._held[held.token]
+                self._remove(held)
                 late.append(self._late(held, completion, held.deadline - now))
         return late
 
@@ -149,7 +156,7 @@ class LateBinder:
         late = []
         for held in list(self._held.values()):
             if now >= self.expires_at(held):
-                del self._held[held.token]
+                self._remove(held)
                 idle = self.rule.completion_s(0, held.service_s(held.worker))
                 late.append(self._late(held, idle, held.deadline - now))
         return late
@@ -159,10 +166,19 @@ class LateBinder:
         down), removed: the caller routes them again."""
         gone = [h for h in self._held.values() if h.worker not in workers]
         for held in gone:
-            del self._held[held.token]
+            self._remove(held)
         for worker in [w for w in self._sent if w not in workers]:
             del self._sent[worker]
         return gone
+
+    def _remove(self, held: Held) -> None:
+        del self._held[held.token]
+        self._unline(held)
+
+    def _unline(self, held: Held) -> None:
+        self._lines[held.worker] -= 1
+        if not self._lines[held.worker]:
+            del self._lines[held.worker]
 
     def _may_take(self, held: Held, worker: str, level: int) -> bool:
         if held.worker == worker:

@@ -58,6 +58,7 @@ from argus.contracts.quality import QualityTable
 from argus.profiles.cache_evidence import DEFAULT_RULE, KRule, ReuseQuality
 from argus.router.admission import AdmissionRule
 from argus.router.cache_routing import Neighbours
+from argus.router.late_binding import Held, LateBinder
 from argus.router.policy import Refused, admit_on
 from argus.sim.adapters import (
     AdapterCost,
@@ -177,6 +178,14 @@ class SimConfig:
     """Realistic cache: deal the warm prompts round-robin, each worker holding its share (a
     cluster whose workers served different requests before); False: every worker holds all."""
 
+    late_binding_window: int = 0
+    """Requests a worker is sent at once; the router holds the rest and a worker with room
+    takes the first by deadline, refusing those that can no longer finish in time
+    (:mod:`argus.router.late_binding`, through the planned policies' ``RouterPolicy``; the
+    same rule for the other policies). 0: every request is queued on its worker when routed
+    (``argus evaluate`` and ``argus replay`` default to the live router's 2; this default
+    keeps the simulations written before as they were). Needs ``admission``."""
+
     @classmethod
     def with_classes(cls, counts: Mapping[str, int], **fields: Any) -> SimConfig:
         """A config with ``counts[class]`` workers of each class, in the mapping's order."""
@@ -207,6 +216,8 @@ class SimConfig:
             raise ValueError(f"period_s: must be > 0, got {self.period_s}")
         if not self.jitter >= 0.0:
             raise ValueError(f"jitter: must be >= 0, got {self.jitter}")
+        if self.late_binding_window < 0:
+            raise ValueError(f"late_binding_window: must be >= 0, got {self.late_binding_window}")
         if not self.slo_factor > 0.0:
             raise ValueError(f"slo_factor: must be > 0, got {self.slo_factor}")
         if self.cache not in CACHE_MODES:
@@ -266,6 +277,7 @@ class SimContext:
     # what a hit at (similarity, K) scores
     reuse_quality: ReuseQuality = field(default_factory=ReuseQuality)
     lookup_s: float = 0.0  # the search a miss spends before its full generation
+    late_binding_window: int = 0  # SimConfig.late_binding_window (0 without admission)
 
     def optimal_level(self, strategy: Strategy, request: int) -> int:
         """The oracle's level index for a request (see :mod:`argus.sim.policies`)."""
@@ -305,6 +317,14 @@ class Policy(ABC):
     background_loads = False
     """True: a worker moved to another model keeps serving its old level while the new model
     loads beside it (GPU memory holds two, Argus §4.6); False: it stops while loading."""
+
+    binder: LateBinder | None = None
+    """The router's late binding, when the policy's own router has it (the planned policies'
+    ``RouterPolicy``); None: the simulator holds requests by the same rule itself."""
+
+    tied_last = False
+    """Whether the last request :meth:`decide` admitted is tied to its worker (its cached
+    neighbour is there): held only for that worker under late binding."""
 
     @abstractmethod
     def reset(self, ctx: SimContext) -> None:
@@ -379,6 +399,7 @@ class RunResult:
     refused: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
     worker_classes: tuple[str, ...] = ()  # GPU class of each worker index; () when unknown
     refused_early: int = 0  # of the refused: before classification (the router's early check)
+    refused_held: int = 0  # of the refused: admitted, held by late binding, then found late
     fallbacks: int = 0  # routed to a worker of another level than the PASM's target
     spills: int = 0  # admitted at another level than routed: the chosen worker was too late
     loads: int = 0  # model loads completed (a background load cancelled before it ends: none)
@@ -648,6 +669,8 @@ class _Run:
         # due ones instead of looking at every worker (stale after a failure, and harmless)
         self._due: list[tuple[float, int]] = []
         self._plan_latency_cache: dict[tuple[str, str], float] = {}
+        self._held_levels: dict[int, str] = {}  # late binding: held request → routed level
+        self.refused_held = 0
         self.model_switches = 0
         self.loads = 0
         self.load_s = 0.0
@@ -675,7 +698,9 @@ class _Run:
             dict(setup.rules) if setup is not None else {},
             sim.reuse_quality,
             self.cfg.retrieval_s,
+            self.cfg.late_binding_window if self.cfg.admission else 0,
         )
+        self.binder: LateBinder | None = None  # set in execute, once the policy is reset
         self._latency_cache: dict[tuple[str, str], float] = {}
         self._adapter_costs: dict[tuple[str, str], AdapterCost] = {}
         self._adapter_lists: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
@@ -687,6 +712,9 @@ class _Run:
 
     def execute(self) -> RunResult:
         self.policy.reset(self.context)
+        window = self.context.late_binding_window
+        if window:
+            self.binder = self.policy.binder or LateBinder(window, self.sim.admission_rule)
         self._schedule_events()
         self._replan(0.0)
         for i, now in enumerate(self.arrivals.tolist()):
@@ -695,6 +723,12 @@ class _Run:
             self._dispatch(i, now)
             if self.progress is not None and i % 10_000 == 9_999:
                 self.progress(i + 1)
+        if self.binder is not None:
+            while len(self.binder) and self._due:  # the held requests left at the end
+                self._finish_due(self._due[0][0])
+            for held in list(self.binder):  # no worker will take these
+                self.binder.withdraw(held.token)
+                self._refuse(held.token)
         return self._result()
 
     def _advance(self, now: float) -> None:
@@ -713,6 +747,8 @@ class _Run:
             due = min(self.next_tick, fault_at, timer_at)
             if due > now:
                 return
+            if self.binder is not None:  # held requests taken before the event sees them
+                self._finish_due(due)
             if fault_at == due:
                 at, _, kind, payload = heapq.heappop(self.events)
                 self._event(at, kind, payload)
@@ -858,24 +894,106 @@ class _Run:
             return
         worker_id, level_name = outcome
         self.refused[i] = False  # a request routed again after a failure may be admitted now
+        binder = self.binder
+        if binder is not None:
+            if not binder.has_room(worker_id) or binder.line(worker_id):
+                self._hold(i, now, by_id[worker_id], level_name, latency_s)
+                return
+            binder.send(worker_id)
         self._serve(i, now, by_id[worker_id], level_name)
+
+    def _hold(
+        self,
+        i: int,
+        now: float,
+        worker: _Worker,
+        level_name: str,
+        latency_s: Callable[[str, str], float],
+    ) -> None:
+        """Late binding: hold request ``i``, routed to ``worker`` at ``level_name``, until a
+        worker has room (:meth:`_finish_due`)."""
+        assert self.binder is not None
+        level = self.sim._level_index[worker.level or level_name]
+
+        def service_s(worker_id: str) -> float:
+            return latency_s(worker_id, level_name)
+
+        deadline = self._arrival_list[i] + self.sim.slo_s
+        pinned = self.policy.tied_last
+        self.binder.hold(Held(i, worker.worker_id, level, deadline, service_s, pinned=pinned))
+        self._held_levels[i] = level_name
+        self._queues[worker.worker_id] += 1
+        if not pinned:  # another worker of its level may have room for it already
+            for other in self.workers:
+                if (
+                    other is not worker
+                    and other.alive
+                    and other.level is not None
+                    and self.sim._level_index[other.level] == level
+                    and self.binder.has_room(other.worker_id)
+                ):
+                    self._take_held(other, now)
 
     def _finish_due(self, now: float) -> None:
         """Take off the workers' queues what has finished by ``now``: only the workers with an
         entry due, found on the ``_due`` heap."""
         due = self._due
+        binder = self.binder
+        if binder is None:
+            while due and due[0][0] <= now:
+                worker = self.workers[heapq.heappop(due)[1]]
+                finishes = worker.finishes
+                while finishes and finishes[0][0] <= now:
+                    finishes.popleft()
+                self._queues[worker.worker_id] = len(finishes)
+            return
+        # late binding: in time order, each answer frees room for a held request then
         while due and due[0][0] <= now:
-            worker = self.workers[heapq.heappop(due)[1]]
-            finishes = worker.finishes
-            while finishes and finishes[0][0] <= now:
-                finishes.popleft()
-            self._queues[worker.worker_id] = len(finishes)
+            at, index = heapq.heappop(due)
+            worker = self.workers[index]
+            finishes, freed = worker.finishes, False
+            while finishes and finishes[0][0] <= at:
+                if finishes.popleft()[1] >= 0:
+                    binder.done(worker.worker_id)
+                    freed = True
+            self._queues[worker.worker_id] = len(finishes) + binder.line(worker.worker_id)
+            if len(binder):
+                self._refuse_held(binder.expired(at))
+                if freed and worker.alive and worker.level is not None:
+                    self._take_held(worker, at)
+        if len(binder):
+            self._refuse_held(binder.expired(now))
+
+    def _take_held(self, worker: _Worker, now: float) -> None:
+        """Late binding: ``worker`` answered at ``now``; its held requests are predicted again
+        and it takes held requests while it has room."""
+        binder = self.binder
+        assert binder is not None and worker.level is not None
+        finishes = worker.finishes
+        elapsed = now - finishes[0][2] if finishes else 0.0
+        self._refuse_held(binder.overdue(worker.worker_id, now, elapsed))
+        level = self.sim._level_index[worker.level]
+        while True:
+            held, late = binder.take(worker.worker_id, level, now)
+            self._refuse_held(late)
+            if held is None:
+                return
+            self._queues[held.worker] -= 1
+            self._serve(held.token, now, worker, self._held_levels.pop(held.token))
+
+    def _refuse_held(self, late: list[Held]) -> None:
+        self.refused_held += len(late)
+        for held in late:
+            self._queues[held.worker] -= 1
+            self._held_levels.pop(held.token, None)
+            self._refuse(held.token)
 
     def _enqueue(self, worker: _Worker, request: int, start: float) -> None:
         """Queue ``request`` (-1: a model load) on ``worker``, from ``start`` to its
         ``free_at``."""
         worker.finishes.append((worker.free_at, request, start))
-        self._queues[worker.worker_id] = len(worker.finishes)
+        held = 0 if self.binder is None else self.binder.line(worker.worker_id)
+        self._queues[worker.worker_id] = len(worker.finishes) + held
         heapq.heappush(self._due, (worker.free_at, self.worker_index[worker.worker_id]))
 
     def _refuse(self, i: int) -> None:
@@ -1044,6 +1162,10 @@ class _Run:
             worker.model = None
             worker.pending = None
         self._down = frozenset(w.worker_id for w in self.workers if not w.alive)
+        if self.binder is not None:  # their held requests are routed again too
+            for held in self.binder.forget({w.worker_id for w in self.workers if w.alive}):
+                self._held_levels.pop(held.token, None)
+                orphans.append(held.token)
         for request in sorted(orphans):  # the router retries them elsewhere at once
             self._dispatch(request, now)
 
@@ -1084,6 +1206,7 @@ class _Run:
             refused=refused,
             worker_classes=tuple(w.worker_class for w in self.workers),
             refused_early=int(getattr(self.policy, "early_refusals", 0)),
+            refused_held=self.refused_held,
             fallbacks=int(getattr(self.policy, "fallbacks", 0)),
             spills=int(getattr(self.policy, "spills", 0)),
             loads=self.loads,

@@ -158,7 +158,15 @@ class EvaluationConfig:
     the prompt file's TRAIN prompts (disjoint from the EVAL prompts the requests use), dealt
     round-robin over the workers, as a cluster whose workers served them before."""
 
+    late_binding_window: int = defaults.LATE_BINDING_WINDOW
+    """Requests a worker is sent at once, the rest held by the router (``--late-binding-window``;
+    :attr:`argus.sim.cluster.SimConfig.late_binding_window`); 0: queued when routed."""
+
     def __post_init__(self) -> None:
+        if self.late_binding_window < 0:
+            raise EvaluationError(
+                f"late_binding_window: must be >= 0, got {self.late_binding_window}"
+            )
         try:
             world = parse_world(self.quality)
         except ValueError as exc:
@@ -416,6 +424,7 @@ def run_point(
         cache_rules=cache_rules_of(config),
         cache_warm=warm_prompts(config),
         cache_warm_dealt=True,
+        late_binding_window=config.late_binding_window if config.admission else 0,
     )
     sim = Simulation(profiles, tables, workload, sim_config)
     if classifier is None:

@@ -124,6 +124,7 @@ class PlannedPolicy(Policy):
             spill_on_refusal=self.config.spill_on_refusal,
             backlog_replan_per_worker=control.backlog_replan_per_worker,
             min_replan_interval_s=control.min_replan_interval_s,
+            late_binding_window=ctx.late_binding_window,
         )
         aware = self.config.cache_aware and ctx.cache == CacheMode.REALISTIC
         self.decider = RouterPolicy(
@@ -133,6 +134,7 @@ class PlannedPolicy(Policy):
             cache_rules=ctx.cache_rules if aware else None,
         )
         self.router = self.decider.router  # the installed plan and its backlog signal
+        self.binder = self.decider.binder
         self._plan_levels: dict[str, int] = {}  # worker → its level index in the plan
         self.early_refusals = 0
         self.fallbacks = 0
@@ -226,6 +228,7 @@ class PlannedPolicy(Policy):
         if isinstance(outcome, Refused):
             return outcome
         decision = outcome.decision
+        self.tied_last = outcome.cache is not None
         self.fallbacks += decision.fallback
         self.spills += decision.spilled
         return decision.worker_id, decider.level_name(decision.served_level)
