@@ -249,7 +249,7 @@ def report(
             f"p50 {pct(times, 50):.3f}, p90 {pct(times, 90):.3f}, max {max(times):.3f}"
         )
 
-    def share(n: int) -> float:
+    def of_offered(n: int) -> float:
         return n / len(outcomes) if outcomes else 0.0
 
     figures = {
@@ -265,9 +265,9 @@ def report(
         "late": len(late),
         "late_share": len(late) / len(admitted) if admitted else 0.0,
         "deadline_exceeded_at_full_deadline": len(at_deadline),
-        "at_full_deadline_or_unanswered_share": share(len(at_deadline) + len(unanswered)),
+        "at_full_deadline_or_unanswered_share": of_offered(len(at_deadline) + len(unanswered)),
         "refused_after_1s": len(slow_refusals),
-        "refused_after_1s_share": share(len(slow_refusals)),
+        "refused_after_1s_share": of_offered(len(slow_refusals)),
         "min_window_share": min(windows) if windows else math.nan,
         "served_share_of_capacity": served_in_run / seconds / capacity,
         "unanswered": len(unanswered),
