@@ -1,40 +1,40 @@
 """Concurrency: 1,000 requests at the same instant, over HTTP and over gRPC, to one router. Who
-answers each one, how fast a refusal comes, and whether any answer comes after its deadline.
+answers each one, how fast a refusal comes, whether any answer comes after its deadline, and
+whether health stays its own path meanwhile. Processes on this machine:
 
-Processes on this machine, as in a deployment with one router:
+* **stub workers** (``bench_overload``'s, one process each): the real ``argus.v1.Worker``
+  interface, one request at a time for its level's profiled latency × ``--time-scale``;
+* **the router** (another child): ``RouterCore`` on the plan an in-process allocator made,
+  stub classifier (``--classifier default``: the committed one), behind the gRPC server of
+  ``argus.router.app.create_server`` (its ``grpc_sizes`` printed) and the HTTP API of
+  ``argus.router.http_app`` in an ``HttpServer``, as ``argus router`` builds them;
+* **the load generator** (this process): per transport, ``--requests`` requests started
+  together with ``deadline_ms`` = ``--deadline-ms``. gRPC: ``Generate`` futures over
+  ``--grpc-channels`` connections; HTTP: one asyncio task and connection per request
+  (``Connection: close``). Clients wait the deadline + 10 s, so a late answer is seen;
+* **a health prober** (its own process), during each burst: ``GET /healthz`` on a new
+  connection, as a kubelet does, and a ``grpc.health.v1`` ``Check``, every ``--probe-ms``
+  each, with the Helm chart's probe timeout (5 s).
 
-* **stub workers**, one child process each (``bench_overload``'s): the real
-  ``argus.v1.Worker`` interface serving one request at a time for its level's profiled
-  latency × ``--time-scale`` (a sleep, no model), dropping a request whose deadline passes in
-  its queue;
-* **the router** (another child): ``RouterCore`` on the plan an in-process allocator made for
-  the workers, with the stub classifier (``--classifier default`` loads the committed one),
-  behind both of its public endpoints as ``argus router`` builds them: the gRPC server of
-  ``argus.router.app.create_server`` (sized by ``grpc_sizes``: the in-flight bound, the
-  handler threads and gRPC's own ``maximum_concurrent_rpcs``, printed) and the HTTP API of
-  ``argus.router.http_app`` (``create_app`` in an ``HttpServer``), on loopback;
-* **the load generator** (this process): for each transport in turn, ``--requests``
-  requests started together, each with ``deadline_ms`` = ``--deadline-ms``. gRPC: ``Generate``
-  futures created back to back, spread over ``--grpc-channels`` channels (each its own
-  connection, as separate clients). HTTP: one asyncio task per request, each on its own
-  connection (HTTP/1.1, ``Connection: close``), all started before any is awaited. Clients
-  wait up to the deadline + 10 s, so that a late answer is seen rather than cut off.
+Placement (the header says which ran): unpinned by default. ``--pin``: the router alone on
+the first CPU; workers, prober and load generator on the others, as a node honouring the Helm
+chart's CPU requests would (``_pinning``). ``--noisy-neighbour``: a CPU-bound busy loop on the
+workers' CPUs (any CPU unpinned) at ``argus up``'s ``compute_nice``, the whole run.
 
-Per transport it prints: answered (a status or HTTP answer came back), served (OK / 200),
-refused by Argus with a retry hint (gRPC RESOURCE_EXHAUSTED or UNAVAILABLE with the
-``retry-after-ms`` trailer; HTTP 429/503 with Argus's JSON error and ``Retry-After``), refused
-by the transport (gRPC's own words: RESOURCE_EXHAUSTED without the trailer, as gRPC's
-"Concurrent RPC limit exceeded!" comes, or a connection failure; HTTP: an answer whose body is
-not Argus's JSON error, or no answer at all), the remaining answers by code, the latency
-p50 / p95 / max of each kind of refusal (client side, from the moment the burst began), and
-how many answers of any kind came after their request's deadline.
+Per transport it prints: answered, served (OK / 200), refused by Argus with a retry hint
+(``retry-after-ms`` trailer; HTTP 429/503 with Argus's JSON error and ``Retry-After``),
+refused by the transport (gRPC's own RESOURCE_EXHAUSTED, a connection failure; HTTP: a body
+that is not Argus's error, or no answer), other answers by code, each refusal kind's latency
+p50 / p95 / max (from the burst's start and from the request's own send), answers after the
+deadline, and the health probes' p50 / p99 / max per protocol with the failed ones.
 
     .venv/bin/python benchmarks/bench_concurrency.py [--requests 1000] [--deadline-ms 5000]
         [--workers 2] [--time-scale 0.025] [--classifier stub|default] [--grpc-channels 10]
-        [--transports grpc,http] [--max-in-flight 256]
+        [--transports grpc,http] [--max-in-flight 256] [--probe-ms 10] [--pin]
+        [--noisy-neighbour]
 
-These are figures for stub workers on this machine: the router, the workers and the load
-generator share its CPUs, so the load average is printed with them.
+Figures for stub workers on this machine: its processes share its CPUs; the load average is
+printed with them.
 """
 
 from __future__ import annotations
@@ -43,21 +43,26 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import resource
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
 from typing import Any
 
 import grpc
 import numpy as np
 from _machine import load_line, machine_line
+from _pinning import NoisyNeighbour, mode_line, pin_this_process, split_cpus
 from _plan import allocator_plan, scaled_profiles
 from bench_overload import load_classifier, stub_cluster
 
 from argus.plumbing import rpc
+from argus.tools.local_cluster import ClusterSpec, inherited_affinity
 
 router_pb2: Any = rpc.load("router_pb2")
 router_pb2_grpc: Any = rpc.load("router_pb2_grpc")
@@ -66,6 +71,7 @@ READY_TIMEOUT_S = 300.0  # the real classifier imports torch and loads MiniLM
 SLACK_S = 10.0  # clients wait this long past the deadline, so a late answer is seen
 RETRY_KEY = "retry-after-ms"
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
+PROBE_TIMEOUT_S = 5.0  # the Helm chart's probes.timeoutSeconds
 
 
 # -- the router ----------------------------------------------------------------------------
@@ -136,8 +142,9 @@ def start_router(
     return info, close
 
 
-def processes(args: argparse.Namespace) -> Any:
-    """The stub workers and this benchmark's router (a context manager)."""
+def processes(args: argparse.Namespace, pinned: tuple[Sequence[int], Sequence[int]] | None) -> Any:
+    """The stub workers and this benchmark's router (a context manager); ``pinned``: (the
+    router's CPUs, the workers') or None."""
     return stub_cluster(
         args.workers,
         args.time_scale,
@@ -145,7 +152,117 @@ def processes(args: argparse.Namespace) -> Any:
         args.classifier,
         args.time_scale,
         args.max_in_flight,
+        router_cpus=None if pinned is None else pinned[0],
+        worker_cpus=None if pinned is None else pinned[1],
     )
+
+
+# -- the health prober ---------------------------------------------------------------------
+
+
+Probe = tuple[float, bool]  # (latency in ms, answered healthy within the timeout)
+
+
+def probe_loop(check: Callable[[], bool], period_s: float, stop: Any, out: list[Probe]) -> None:
+    """Call ``check`` every ``period_s`` (at once after a slower one) until ``stop`` is set."""
+    next_at = time.perf_counter()
+    while not stop.is_set():
+        began = time.perf_counter()
+        try:
+            healthy = check()
+        except Exception:  # a refused connection, a timeout, an RPC error: a failed probe
+            healthy = False
+        out.append(((time.perf_counter() - began) * 1e3, healthy))
+        next_at = max(next_at + period_s, time.perf_counter())
+        stop.wait(next_at - time.perf_counter())
+
+
+def run_prober(
+    http_port: int, grpc_port: int, period_s: float, stop: Any, conn: Connection
+) -> None:
+    """The prober's process: HTTP ``/healthz`` and gRPC ``Check`` probes, one thread each,
+    until ``stop`` is set; sends "ready" once both can start, then {"http": [...], "grpc":
+    [...]} of :data:`Probe`."""
+    import http.client
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    grpc.channel_ready_future(channel).result(timeout=30)
+    health = health_pb2_grpc.HealthStub(channel)
+    serving = health_pb2.HealthCheckResponse.SERVING
+
+    def http_check() -> bool:
+        connection = http.client.HTTPConnection("127.0.0.1", http_port, timeout=PROBE_TIMEOUT_S)
+        try:
+            connection.request("GET", "/healthz")
+            answer = connection.getresponse()
+            answer.read()
+            return answer.status == 200
+        finally:
+            connection.close()
+
+    def grpc_check() -> bool:
+        request = health_pb2.HealthCheckRequest(service="")
+        return bool(health.Check(request, timeout=PROBE_TIMEOUT_S).status == serving)
+
+    results: dict[str, list[Probe]] = {"http": [], "grpc": []}
+    threads = [
+        threading.Thread(target=probe_loop, args=(check, period_s, stop, results[name]))
+        for name, check in (("http", http_check), ("grpc", grpc_check))
+    ]
+    conn.send("ready")
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    channel.close()
+    conn.send(results)
+
+
+class HealthProber:
+    """:func:`run_prober` in a spawned process of its own (so the load generator's threads
+    never delay a probe), on ``cpus``; probing from construction until :meth:`stop`."""
+
+    def __init__(
+        self, http_port: int, grpc_port: int, period_s: float, cpus: Sequence[int] | None
+    ) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(
+            target=run_prober,
+            args=(http_port, grpc_port, period_s, self._stop, theirs),
+            name="health-prober",
+            daemon=True,
+        )
+        with inherited_affinity(cpus):
+            self.process.start()
+        theirs.close()
+        try:
+            ready = self._conn.poll(60.0) and self._conn.recv() == "ready"
+        except EOFError:  # it died first
+            ready = False
+        if not ready:
+            self.close()
+            raise RuntimeError("the health prober did not start")
+
+    def stop(self) -> dict[str, list[Probe]]:
+        """Stop probing; the probes of each protocol."""
+        self._stop.set()
+        if not self._conn.poll(PROBE_TIMEOUT_S + 10.0):
+            raise RuntimeError("the health prober sent no results")
+        results: dict[str, list[Probe]] = self._conn.recv()
+        self.close()
+        return results
+
+    def close(self) -> None:
+        self._stop.set()
+        self.process.join(PROBE_TIMEOUT_S + 5.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._conn.close()
 
 
 # -- the bursts ----------------------------------------------------------------------------
@@ -302,6 +419,30 @@ def spread(values: list[float]) -> str:
     return f"p50 {p50:.0f} / p95 {p95:.0f} / max {max(values):.0f} ms"
 
 
+def summarize_probes(probes: dict[str, list[Probe]]) -> dict[str, Any]:
+    """Per protocol: probes made, failed (unhealthy, error or timeout), latency of the
+    healthy ones; printed as one line each."""
+    figures: dict[str, Any] = {}
+    for protocol, made in probes.items():
+        healthy = [ms for ms, ok in made if ok]
+        p50, p99 = np.percentile(healthy, [50, 99]) if healthy else (math.nan, math.nan)
+        figures[protocol] = {
+            "probes": len(made),
+            "failed": len(made) - len(healthy),
+            "p50_ms": float(p50),
+            "p99_ms": float(p99),
+            "max_ms": max(healthy, default=math.nan),
+        }
+        f = figures[protocol]
+        label = "HTTP GET /healthz" if protocol == "http" else "gRPC health Check"
+        print(
+            f"   {label} during the burst: {f['probes']} probes, {f['failed']} failed or over "
+            f"{PROBE_TIMEOUT_S:g} s; p50 {f['p50_ms']:.1f} / p99 {f['p99_ms']:.1f} / max "
+            f"{f['max_ms']:.1f} ms"
+        )
+    return figures
+
+
 def summarize(name: str, outcomes: list[Outcome], deadline_ms: int) -> dict[str, Any]:
     kinds = Counter(o.kind for o in outcomes)
     answered = sum(1 for o in outcomes if o.code != "none")
@@ -316,6 +457,7 @@ def summarize(name: str, outcomes: list[Outcome], deadline_ms: int) -> dict[str,
     print(f"-- {name}: {len(outcomes)} requests at once, deadline {deadline_ms} ms")
     print(f"   answered {answered}, served {kinds['served']}")
     print(f"   the last request left the client {sent_last:.0f} ms after the first")
+    p50, p95 = np.percentile(argus_own, [50, 95]) if argus_own else (math.nan, math.nan)
     print(f"   refused by Argus with a retry hint: {kinds['argus']}")
     print(f"      latency from the burst's start: {spread(argus)}")
     print(f"      from the request's own send:    {spread(argus_own)}")
@@ -336,6 +478,8 @@ def summarize(name: str, outcomes: list[Outcome], deadline_ms: int) -> dict[str,
         "late": late.total(),
         "argus_refusal_ms": argus,
         "argus_refusal_own_ms": argus_own,
+        "argus_refusal_own_p50_ms": float(p50),
+        "argus_refusal_own_p95_ms": float(p95),
         "transport_refusal_ms": transport,
     }
 
@@ -350,7 +494,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--grpc-channels", type=int, default=10, help="gRPC connections")
     parser.add_argument("--transports", default="grpc,http", help="bursts, in this order")
     parser.add_argument("--max-in-flight", type=int, default=256, help="the router's max_in_flight")
+    parser.add_argument(
+        "--probe-ms", type=float, default=10.0, help="health probe period, each protocol"
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the router on the first CPU alone; stub workers and the load generator on the rest",
+    )
+    parser.add_argument(
+        "--noisy-neighbour",
+        action="store_true",
+        help="a CPU-bound busy loop on the workers' CPUs at argus up's compute nice, the whole run",
+    )
     args = parser.parse_args(argv)
+    if not (math.isfinite(args.probe_ms) and args.probe_ms > 0):
+        parser.error("--probe-ms: must be a positive number")
     if not (math.isfinite(args.time_scale) and args.time_scale > 0):
         parser.error("--time-scale: must be a positive number")
     for name in ("requests", "deadline_ms", "workers", "grpc_channels", "max_in_flight"):
@@ -365,9 +524,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     print(machine_line())
+    pinned = split_cpus() if args.pin else None
+    others = None if pinned is None else pinned[1]
+    neighbour = NoisyNeighbour(others, ClusterSpec.compute_nice)
+    print(mode_line(pinned, "the stub workers, the health prober and the load generator"))
+    print(neighbour.describe() if args.noisy_neighbour else "noisy neighbour: none")
+    if others is not None:
+        pin_this_process(others)  # before any channel or pool starts a thread
     raise_open_files()
-    results: dict[str, Any] = {}
-    with processes(args) as router:
+    results: dict[str, Any] = {"pinned": pinned, "noisy_neighbour": args.noisy_neighbour}
+    with neighbour if args.noisy_neighbour else nullcontext(), processes(args, pinned) as router:
         in_flight, threads, max_rpcs = router["sizes"]
         capacity = sum(1.0 / s for s in router["service_s"].values())
         print(f"classifier: {router['classifier']}")
@@ -380,15 +546,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for transport in args.transports:
             time.sleep(1.0)  # the previous burst's held requests have drained by now
             print(load_line(f"{transport} burst"))
-            if transport == "grpc":
-                outcomes = grpc_burst(
-                    router["grpc_port"], args.requests, args.deadline_ms, args.grpc_channels
-                )
-            else:
-                outcomes = http_burst(router["http_port"], args.requests, args.deadline_ms)
+            prober = HealthProber(
+                router["http_port"], router["grpc_port"], args.probe_ms / 1e3, others
+            )
+            try:
+                if transport == "grpc":
+                    outcomes = grpc_burst(
+                        router["grpc_port"], args.requests, args.deadline_ms, args.grpc_channels
+                    )
+                else:
+                    outcomes = http_burst(router["http_port"], args.requests, args.deadline_ms)
+            finally:
+                probes = prober.stop()
             results[transport] = summarize(transport, outcomes, args.deadline_ms)
+            results[transport]["health"] = summarize_probes(probes)
             wait_s = args.deadline_ms / 1e3
             time.sleep(min(wait_s, 5.0))
+        if args.noisy_neighbour:
+            print(neighbour.usage_line())
     print(load_line("end"))
     print("figures for stub workers on this machine; every process shares its CPUs")
     return results

@@ -175,11 +175,17 @@ def load_classifier(name: str, threads: int) -> tuple[Any, str]:
 
 @contextmanager
 def stub_cluster(
-    workers: int, time_scale: float, router: Callable[..., Any], *router_args: Any
+    workers: int,
+    time_scale: float,
+    router: Callable[..., Any],
+    *router_args: Any,
+    router_cpus: Sequence[int] | None = None,
+    worker_cpus: Sequence[int] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Start ``workers`` stub workers at the profile's latencies × ``time_scale``, then
     ``router(addresses, *router_args)`` in its own process; yields the router's info; stops
-    them all."""
+    them all. ``router_cpus`` / ``worker_cpus``: the CPU sets they run on (None: anywhere
+    this thread may)."""
     ctx = multiprocessing.get_context("spawn")
     profiles = scaled_profiles(time_scale)
     worker_class = profiles.worker_classes[0]
@@ -189,10 +195,12 @@ def stub_cluster(
     try:
         addresses = []
         for i in range(workers):
-            child = Child(ctx, f"worker-{i}", start_worker, f"stub-{i}", service_s)
+            child = Child(
+                ctx, f"worker-{i}", start_worker, f"stub-{i}", service_s, cpus=worker_cpus
+            )
             children.append(child)
             addresses.append(child.wait_ready(60.0))
-        child = Child(ctx, "router", router, addresses, *router_args)
+        child = Child(ctx, "router", router, addresses, *router_args, cpus=router_cpus)
         children.append(child)
         yield child.wait_ready(READY_TIMEOUT_S)
     finally:

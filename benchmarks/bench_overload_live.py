@@ -1,41 +1,39 @@
 """Overload on a real cluster: ``argus up``'s processes (allocator, ControlNet service, tiny-model
 workers running diffusers on this CPU, the router with its default classifier), offered more
-than they can serve.
+than they can serve. Unlike ``bench_overload.py`` (stub workers), the workers really denoise,
+and the profile the router starts from (GPU latencies) is wrong for them: the run shows
+whether the router learns their real speed in time to keep overload to fast refusals.
 
-Unlike ``bench_overload.py`` (stub workers that sleep the profile's latency), the workers here
-really denoise, so their speed is whatever this machine gives them, and the profile the router
-starts from (GPU latencies) is wrong for them: the run shows whether the router learns the
-workers' real speed in time to keep overload to fast refusals.
+1. **Closed loop**: after ``--warmup-s`` of traffic, ``4 × workers`` clients send back to
+   back for ``--capacity-s``: a first capacity.
+2. **Settling**: Poisson arrivals at ``--load`` × that for ``--settle-s`` (longer than the
+   allocator's 60 s period, so it plans for the overload). **Capacity** is then Σ over
+   workers of 1 / their mean service time (``total_ms - queue_ms``) over the last 20 s.
+3. **Overload**: Poisson arrivals at ``--load`` × capacity for ``--duration-s``, each with
+   ``deadline_ms`` = ``--deadline-ms`` and a gRPC timeout 5 s longer (a DEADLINE_EXCEEDED is
+   the router's answer, not the client giving up); then the open calls are waited for.
 
-1. **Closed loop**: after ``--warmup-s`` of traffic, ``4 × workers`` clients send requests back
-   to back (every worker busy, three more queued) for ``--capacity-s``: a first capacity.
-2. **Settling**: open-loop Poisson arrivals at ``--load`` × that for ``--settle-s`` (longer
-   than the allocator's 60 s planning period): the allocator sees the overload and plans for
-   it (faster levels, whose cache hits make requests cheaper), so the cluster's capacity
-   changes. **Capacity** is then measured at the levels the workers serve: Σ over workers of
-   1 / their mean service time over the settling's last 20 s (each reply's ``total_ms -
-   queue_ms``), the most they can serve a second whatever the router does.
-3. **Overload**: Poisson arrivals at ``--load`` × that capacity for ``--duration-s``, each
-   request with ``deadline_ms`` = ``--deadline-ms`` (the router's default, 30 s, unless given)
-   and a gRPC timeout 5 s longer, so that a DEADLINE_EXCEEDED is the router's own answer, not
-   the client giving up; then the calls still open are waited for.
+Per ``--window-s`` window (by completion) it prints served/s, its share of capacity and how
+busy the workers were; then over the overload's requests: each worker's service times; the
+refusals (RESOURCE_EXHAUSTED with a ``retry-after-ms`` hint, or DEADLINE_EXCEEDED in under
+1 s) and their p50 / p95; the admitted (served, or failed after 1 s) and the share late; the
+share of offered requests answered DEADLINE_EXCEEDED at the full deadline or never answered,
+and refused only after more than 1 s; served throughput over the run as a share of capacity.
+Targets: ≥ 90% of capacity in every window, late ≤ 1% of admitted, refusal p95 ≤ 50 ms, no
+answer at the full deadline that the router could have refused at arrival.
 
-Per ``--window-s`` window (by completion time) it prints the answers served a second and their
-share of the capacity and how busy the workers were (served ÷ Σ 1 / mean service time in that
-window); then over the overload's requests: each worker's service times, the requests refused
-(RESOURCE_EXHAUSTED with its ``retry-after-ms`` hint, or DEADLINE_EXCEEDED answered in under a
-second: refused at arrival as infeasible) and their latency p50 / p95; the admitted requests
-(served, or failed after a second) and the share of them late (served after their deadline, or
-failed at it); and the DEADLINE_EXCEEDED answers that came at the full deadline.
-Targets (issue 29): served ≥ 90% of capacity in every window, late ≤ 1% of admitted, refusal
-p95 ≤ 50 ms, no answer at the full deadline that the router could have refused at arrival.
+Placement (the header says which ran): unpinned by default. ``--pin``: the router alone on
+the first CPU; workers, ControlNet, allocator and this load generator on the others, as a
+node honouring the Helm chart's CPU requests would (``_pinning``). ``--noisy-neighbour``: a
+CPU-bound busy loop on the workers' CPUs (any CPU unpinned) at their nice, started before
+the cluster, so the capacity is measured beside it; its CPU share is printed.
 
     .venv/bin/python benchmarks/bench_overload_live.py [--workers 2] [--steps 30] [--load 3]
         [--duration-s 60] [--capacity-s 20] [--warmup-s 10] [--settle-s 90]
         [--deadline-ms 30000] [--window-s 10] [--no-controlnet] [--compute-nice 10] [--seed 0]
+        [--pin] [--noisy-neighbour]
 
-Figures are for this machine: the cluster's processes, the load generator and anything else
-share its cores, so the load average is printed with them.
+Figures are for this machine: its processes share its cores; the load average is printed.
 """
 
 from __future__ import annotations
@@ -50,12 +48,14 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 from _machine import load_line, machine_line
+from _pinning import NoisyNeighbour, mode_line, pin_this_process, split_cpus
 
 from argus.plumbing import rpc
 from argus.tools.client import generate_request, retry_after
@@ -177,6 +177,16 @@ def overload(offered: Offered, rate: float, seconds: float, seed: int) -> float:
     return start
 
 
+def served_some(capacity: float, when: str) -> None:
+    """SystemExit unless ``capacity`` > 0: with no request served there is no rate to offer
+    a multiple of (the phase was shorter than one request on this machine)."""
+    if not capacity > 0:
+        raise SystemExit(
+            f"no request was served {when}: a request takes longer than that phase here; "
+            "give --warmup-s, --capacity-s and --settle-s more seconds (or --steps fewer)"
+        )
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return math.nan
@@ -224,6 +234,9 @@ def report(
         if o.code is grpc.StatusCode.DEADLINE_EXCEEDED and o.latency_s >= 0.9 * deadline_s
     ]
     served = [o for o in admitted if o.code is ok]
+    unanswered = [o for o in outcomes if o.code is None]
+    slow_refusals = [o for o in refusals if o.latency_s > EARLY_S]
+    served_in_run = sum(1 for o in every if o.code is ok and start <= o.done < start + seconds)
     answers = Counter(
         f"{'?' if o.code is None else o.code.name}{'+hint' if o.retry_hint else ''}"
         for o in outcomes
@@ -235,6 +248,10 @@ def report(
             f"{worker}: {len(times)} served, service time mean {sum(times) / len(times):.3f} s, "
             f"p50 {pct(times, 50):.3f}, p90 {pct(times, 90):.3f}, max {max(times):.3f}"
         )
+
+    def of_offered(n: int) -> float:
+        return n / len(outcomes) if outcomes else 0.0
+
     figures = {
         "requests": len(outcomes),
         "served": len(served),
@@ -248,8 +265,12 @@ def report(
         "late": len(late),
         "late_share": len(late) / len(admitted) if admitted else 0.0,
         "deadline_exceeded_at_full_deadline": len(at_deadline),
+        "at_full_deadline_or_unanswered_share": of_offered(len(at_deadline) + len(unanswered)),
+        "refused_after_1s": len(slow_refusals),
+        "refused_after_1s_share": of_offered(len(slow_refusals)),
         "min_window_share": min(windows) if windows else math.nan,
-        "unanswered": sum(1 for o in outcomes if o.code is None),
+        "served_share_of_capacity": served_in_run / seconds / capacity,
+        "unanswered": len(unanswered),
     }
     print(
         f"served {figures['served']} of {figures['requests']} (latency p50 "
@@ -260,6 +281,14 @@ def report(
         f"DEADLINE_EXCEEDED at the full deadline: {figures['deadline_exceeded_at_full_deadline']}"
         f"; unanswered {figures['unanswered']}; lowest window {figures['min_window_share']:.0%} "
         "of capacity"
+    )
+    print(
+        f"of the {figures['requests']} offered: at the full deadline or never answered "
+        f"{len(at_deadline) + len(unanswered)} "
+        f"({figures['at_full_deadline_or_unanswered_share']:.2%}); refused after more than "
+        f"{EARLY_S:g} s {figures['refused_after_1s']} ({figures['refused_after_1s_share']:.2%}); "
+        f"served {served_in_run / seconds:.2f} requests/s over the {seconds:.0f} s = "
+        f"{figures['served_share_of_capacity']:.0%} of the capacity"
     )
     return figures
 
@@ -312,6 +341,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="as argus up --compute-nice (0: the workers compete with the router as equals)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the router on the first CPU alone; workers, ControlNet, allocator and this load "
+        "generator on the others",
+    )
+    parser.add_argument(
+        "--noisy-neighbour",
+        action="store_true",
+        help="a CPU-bound busy loop on the workers' CPUs at their nice value, the whole run",
+    )
     return parser.parse_args(argv)
 
 
@@ -319,6 +359,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     prompts = [record.prompt for record in load_prompts(default_prompt_trace())]
     random.Random(args.seed).shuffle(prompts)
+    pinned = split_cpus() if args.pin else None
+    neighbour = NoisyNeighbour(None if pinned is None else pinned[1], args.compute_nice)
+    print(mode_line(pinned, "workers, ControlNet, allocator and the load generator"))
+    print(neighbour.describe() if args.noisy_neighbour else "noisy neighbour: none")
     with tempfile.TemporaryDirectory(prefix="argus-overload-") as workdir:
         spec = ClusterSpec(
             workdir=Path(workdir),
@@ -327,9 +371,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             controlnet=not args.no_controlnet,
             router_http_port=None,
             compute_nice=args.compute_nice,
+            router_cpus=None if pinned is None else pinned[0],
+            compute_cpus=None if pinned is None else pinned[1],
         )
+        if pinned is not None:
+            pin_this_process(pinned[1])  # before the cluster's channels start their threads
         began = time.monotonic()
-        with LocalCluster(spec) as cluster:  # started, every worker ready
+        with (
+            neighbour if args.noisy_neighbour else nullcontext(),
+            LocalCluster(spec) as cluster,  # started, every worker ready
+        ):
             print(f"cluster ready in {time.monotonic() - began:.1f} s; {machine_line()}")
             with cluster.channel() as channel:
                 stub = router_pb2_grpc.RouterStub(channel)
@@ -341,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"closed-loop capacity {closed:.2f} requests/s ({clients} clients back to "
                     f"back, {args.capacity_s:.0f} s, {args.steps} steps, 64 × 64)"
                 )
+                served_some(closed, "in --capacity-s")
                 start = overload(offered, args.load * closed, args.settle_s, args.seed)
                 settled = time.monotonic()
                 capacity = served_capacity(offered.outcomes, settled - 20.0, settled)
@@ -349,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"of each worker's last 20 s, after {args.settle_s:.0f} s at "
                     f"{args.load:g} × {closed:.2f})"
                 )
+                served_some(capacity, "in the settling's last 20 s")
                 first = len(offered.outcomes)
                 start = overload(offered, args.load * capacity, args.duration_s, args.seed + 1)
                 offered.wait_all(args.deadline_ms / 1e3 + 15.0)
@@ -357,11 +410,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"deadline {args.deadline_ms} ms; {load_line('end')}"
                 )
                 print(router_refusals(cluster.parts["router"].metrics_port))
+                if args.noisy_neighbour:
+                    print(neighbour.usage_line())
                 figures = report(
                     offered.outcomes, first, start, args.duration_s, args.window_s, capacity,
                     args.deadline_ms / 1e3,
                 )  # fmt: skip
-        return {"closed_loop_capacity": closed, "capacity": capacity, **figures}
+        placement = {"pinned": pinned, "noisy_neighbour": args.noisy_neighbour}
+        return {"closed_loop_capacity": closed, "capacity": capacity, **placement, **figures}
 
 
 if __name__ == "__main__":

@@ -51,6 +51,12 @@ process's CPU per request).
 ``--metrics`` also gives the core the ``RouterMetrics`` that ``argus router`` counts in
 (prometheus_client; nothing scrapes them here).
 
+``--pin`` runs the router processes (and the floor's) alone on the first CPU, and the stub
+workers and this load generator on the others, as a node honouring the Helm chart's CPU
+requests would (``_pinning``; the header says which placement ran); ``--noisy-neighbour``
+adds a CPU-bound busy loop on the workers' CPUs (any CPU unpinned) at ``argus up``'s
+``compute_nice`` for the whole run, its CPU share printed at the end.
+
 Admission works as in production (``--deadline-ms router``, the default): requests carry no
 deadline, so the router gives them its default (30 s) and refuses with RESOURCE_EXHAUSTED
 what its admission rule or its in-flight bound refuses. The profile the allocator plans with
@@ -67,7 +73,7 @@ wall time (first send to last answer).
     .venv/bin/python benchmarks/bench_router.py [--rates 10,100,500] [--seconds 10]
         [--workers 4] [--routers 1] [--classifier default|stub|DIR] [--deadline-ms router|auto|MS]
         [--request-ids unique|none] [--metrics] [--no-gc-freeze] [--router-threads 320]
-        [--time-scale 0.00025]
+        [--time-scale 0.00025] [--pin] [--noisy-neighbour]
         [--json PATH]
 
 These are figures for stub-fast workers on this machine: every process shares its CPUs.
@@ -96,12 +102,14 @@ from typing import Any
 import grpc
 import numpy as np
 from _machine import machine_line
+from _pinning import NoisyNeighbour, mode_line, pin_this_process, split_cpus
 from _plan import allocator_plan, scaled_profiles, serve_router
 from grpc_health.v1 import health, health_pb2_grpc
 
 from argus import defaults
 from argus.plumbing import rpc
 from argus.router.app import grpc_sizes
+from argus.tools.local_cluster import ClusterSpec, inherited_affinity
 from argus.traces import default_prompt_trace, load_prompts
 
 router_pb2: Any = rpc.load("router_pb2")
@@ -390,15 +398,24 @@ def classifier_counters() -> dict[str, float]:
 
 
 class Child:
-    """A spawned child process that runs ``body`` until closed; ``info`` is what it sent."""
+    """A spawned child process that runs ``body`` until closed; ``info`` is what it sent.
+    ``cpus``: the CPU set every thread of it runs on (None: this thread's)."""
 
-    def __init__(self, ctx: Any, name: str, body: Callable[..., Any], *args: Any) -> None:
+    def __init__(
+        self,
+        ctx: Any,
+        name: str,
+        body: Callable[..., Any],
+        *args: Any,
+        cpus: Sequence[int] | None = None,
+    ) -> None:
         self.name = name
         self._conn, theirs = ctx.Pipe()
         self.process = ctx.Process(
             target=_child, args=(body, theirs, *args), name=name, daemon=True
         )
-        self.process.start()
+        with inherited_affinity(cpus):  # pinned from its first instruction (spawn: fork + exec)
+            self.process.start()
         theirs.close()
         self.info: Any = None
 
@@ -727,9 +744,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="router processes (replicas, as the Helm chart runs several); request i goes to "
         "replica i mod N (default 1)",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the router processes on the first CPU alone; stub workers and the load generator "
+        "on the others",
+    )
+    parser.add_argument(
+        "--noisy-neighbour",
+        action="store_true",
+        help="a CPU-bound busy loop on the workers' CPUs at argus up's compute nice, the whole run",
+    )
     parser.add_argument("--seed", type=int, default=0, help="arrival times")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
+    args.pinned = split_cpus() if args.pin else None
     args.rates = [float(r) for r in args.rates.split(",")]
     if args.workers < 1 or args.routers < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates):
         parser.error("--workers, --routers, --seconds and every rate must be > 0")
@@ -771,8 +800,9 @@ def processes(
     floor; stops every child on the way out, Ctrl-C included."""
     ctx = multiprocessing.get_context("spawn")
     children: list[Child] = []
+    router_cpus, worker_cpus = args.pinned or (None, None)
     try:
-        workers = Child(ctx, "stub-workers", start_workers, args.workers)
+        workers = Child(ctx, "stub-workers", start_workers, args.workers, cpus=worker_cpus)
         children.append(workers)
         addresses = workers.wait_ready(60.0)
         routers = []
@@ -787,13 +817,16 @@ def processes(
                 args.gc_freeze,
                 args.router_threads,
                 args.time_scale,
+                cpus=router_cpus,
             )
             children.append(router)
             router.wait_ready(READY_TIMEOUT_S)
             routers.append(router)
         floor = None
         if args.floor:
-            floor = Child(ctx, "floor", start_floor, addresses, args.router_threads)
+            floor = Child(
+                ctx, "floor", start_floor, addresses, args.router_threads, cpus=router_cpus
+            )
             children.append(floor)
             floor.wait_ready(60.0)
         pids = {
@@ -867,7 +900,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prompts = [p.prompt for p in load_prompts(default_prompt_trace())]
     print(machine_line())
     print(f"load average at start: {load_average()}")
-    with processes(args) as (routers, pids, floor):
+    others = None if args.pinned is None else args.pinned[1]
+    print(mode_line(args.pinned, "the stub workers and the load generator"))
+    neighbour = NoisyNeighbour(others, ClusterSpec.compute_nice)
+    print(neighbour.describe() if args.noisy_neighbour else "noisy neighbour: none")
+    if others is not None:
+        pin_this_process(others)  # before any channel or pool starts a thread
+    with (
+        neighbour if args.noisy_neighbour else contextlib.nullcontext(),
+        processes(args) as (routers, pids, floor),
+    ):
         info = routers[0].info
         deadline_ms = deadline_for(args.deadline_ms, info["max_t_proc_s"])
         print(
@@ -922,6 +964,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     rows.append(measure(*offered, [floor], floor_pids, label="floor"))
                 rows.append(measure(stubs, rate, times, args, fresh, deadline_ms, routers, pids))
                 used += len(times)
+        if args.noisy_neighbour:
+            print(neighbour.usage_line())
     print_tables(rows)
     print_floor(rows)
     for r in rows:
@@ -952,6 +996,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "router_gc_objects": info["gc_objects"],
         "deadline_ms": deadline_ms,
         "time_scale": args.time_scale,
+        "pinned": args.pinned,
+        "noisy_neighbour": args.noisy_neighbour,
         "plan": {"strategy": info["strategy"], "assignment": info["assignment"]},
         "rates": rows,
     }

@@ -13,6 +13,11 @@ router stops taking requests first, the allocator goes last. Children run in the
 sessions, so a Ctrl-C in the terminal reaches ``argus up`` alone, which then stops them in
 order.
 
+``router_cpus`` and ``compute_cpus`` pin the parts to CPU sets, as a node that gives the router
+cores of its own (the Helm chart's CPU requests) would: the router on one set; the workers,
+the ControlNet service and the allocator on the other. A part is pinned from its first
+instruction (:func:`inherited_affinity`), so every thread it ever starts runs on its set.
+
 The internal plane is mutual TLS, as in a deployment: the cluster creates a CA in
 ``WORKDIR/tls/ca`` and gives each part a directory ``WORKDIR/tls/NAME`` holding ``ca.crt`` and
 its own certificate (``argus://worker/worker-0``, ...), never the CA key. The cluster's own
@@ -30,7 +35,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -79,6 +85,10 @@ class ClusterSpec:
     # the workers' and the ControlNet service's --nice: on one machine the control plane
     # (router, allocator) runs ahead of denoising, as on cores of its own
     compute_nice: int = 10
+    # CPU sets (Linux CPU numbers, each among this process's): the router's, and the one the
+    # workers, the ControlNet service and the allocator share; None: the part runs anywhere
+    router_cpus: tuple[int, ...] | None = None
+    compute_cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -89,6 +99,54 @@ class ClusterSpec:
             raise ValueError(f"router_http_port: {self.router_http_port} outside 0..65535")
         if not 0 <= self.compute_nice <= 19:
             raise ValueError(f"compute_nice: {self.compute_nice} outside 0..19")
+        check_cpus("router_cpus", self.router_cpus)
+        check_cpus("compute_cpus", self.compute_cpus)
+
+    def cpus_for(self, name: str) -> tuple[int, ...] | None:
+        """The CPU set of the part ``name`` (``router``, ``worker-0``, ...)."""
+        return self.router_cpus if name == "router" else self.compute_cpus
+
+
+def check_cpus(name: str, cpus: tuple[int, ...] | None) -> None:
+    """ValueError naming ``name`` unless ``cpus`` is None or a non-empty set of CPUs this
+    process may run on."""
+    if cpus is None:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"{name}: pinning to CPUs needs Linux's sched_setaffinity")
+    if not cpus:
+        raise ValueError(f"{name}: an empty CPU set (None runs the parts unpinned)")
+    allowed = os.sched_getaffinity(0)
+    outside = sorted(set(cpus) - allowed)
+    if outside:
+        raise ValueError(
+            f"{name}: CPU {', '.join(map(str, outside))} is not among this process's CPUs "
+            f"{sorted(allowed)}"
+        )
+
+
+@contextmanager
+def inherited_affinity(cpus: Sequence[int] | None) -> Iterator[None]:
+    """While inside, the calling thread runs on ``cpus`` only, so that a process it starts
+    inherits that set; the thread's own set is back on exit. None changes nothing.
+
+    On Linux a CPU set belongs to a thread: fork copies the forking thread's set to the child,
+    exec keeps it, and every thread inherits its creator's. A child started here is therefore
+    pinned before its first instruction, with every thread it will have (torch's and
+    OpenBLAS's pools start while modules import, before any code of ours could pin them).
+    ``preexec_fn`` would do the same in the child, but it is unsafe in a process with threads
+    (the benchmarks hold gRPC threads), and ``taskset -c`` needs a binary a slim image may lack.
+    The other threads of this process keep their sets.
+    """
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @dataclass
@@ -331,13 +389,14 @@ class LocalCluster:
         offset = log.seek(0, os.SEEK_END)
         self._logs.append(log)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "argus", *full],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # a terminal's Ctrl-C reaches `argus up` only
-        )
+        with inherited_affinity(spec.cpus_for(name)):  # restarts too land on the part's set
+            process = subprocess.Popen(
+                [sys.executable, "-m", "argus", *full],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches `argus up` only
+            )
         part = Part(
             name, process, log_path, metrics_port=metrics_port, args=tuple(full), log_offset=offset
         )
