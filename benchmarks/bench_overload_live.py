@@ -31,7 +31,7 @@ the cluster, so the capacity is measured beside it; its CPU share is printed.
     .venv/bin/python benchmarks/bench_overload_live.py [--workers 2] [--steps 30] [--load 3]
         [--duration-s 60] [--capacity-s 20] [--warmup-s 10] [--settle-s 90]
         [--deadline-ms 30000] [--window-s 10] [--no-controlnet] [--compute-nice 10] [--seed 0]
-        [--pin] [--noisy-neighbour]
+        [--late-binding-window N] [--pin] [--noisy-neighbour]
 
 Figures are for this machine: its processes share its cores; the load average is printed.
 """
@@ -342,6 +342,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--late-binding-window",
+        type=int,
+        default=None,
+        help="the router's --late-binding-window (default: its own; 0: every admitted request "
+        "sent to its worker at once, the router before late binding)",
+    )
+    parser.add_argument(
         "--pin",
         action="store_true",
         help="the router on the first CPU alone; workers, ControlNet, allocator and this load "
@@ -363,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     neighbour = NoisyNeighbour(None if pinned is None else pinned[1], args.compute_nice)
     print(mode_line(pinned, "workers, ControlNet, allocator and the load generator"))
     print(neighbour.describe() if args.noisy_neighbour else "noisy neighbour: none")
+    window = "default" if args.late_binding_window is None else args.late_binding_window
+    print(f"router late-binding window: {window}")
     with tempfile.TemporaryDirectory(prefix="argus-overload-") as workdir:
         spec = ClusterSpec(
             workdir=Path(workdir),
@@ -371,6 +380,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             controlnet=not args.no_controlnet,
             router_http_port=None,
             compute_nice=args.compute_nice,
+            router_args=()
+            if args.late_binding_window is None
+            else ("--late-binding-window", str(args.late_binding_window)),
             router_cpus=None if pinned is None else pinned[0],
             compute_cpus=None if pinned is None else pinned[1],
         )
