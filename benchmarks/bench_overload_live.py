@@ -75,6 +75,7 @@ class Outcome:
     retry_hint: bool = False
     worker: str = ""  # the worker that served it
     service_s: float = 0.0  # its time there from taking the worker's slot to the answer
+    details: str = ""  # a refusal's or failure's words
 
     @property
     def latency_s(self) -> float:
@@ -115,6 +116,7 @@ class Offered:
             err = done.exception()
             outcome.code = grpc.StatusCode.OK if err is None else err.code()
             outcome.retry_hint = err is not None and retry_after(err) is not None
+            outcome.details = "" if err is None else str(err.details() or "")
             if err is None:
                 response = done.result()
                 timing = response.timing.worker
@@ -290,6 +292,8 @@ def report(
         f"served {served_in_run / seconds:.2f} requests/s over the {seconds:.0f} s = "
         f"{figures['served_share_of_capacity']:.0%} of the capacity"
     )
+    for o in slow_refusals[:5]:  # why the router refused them so late
+        print(f"  refused after {o.latency_s:.1f} s: {o.details[:160]}")
     return figures
 
 

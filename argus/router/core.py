@@ -907,7 +907,7 @@ class RouterCore:
         if binder is None or binder.withdraw(held.token) is None:
             return
         if late:
-            idle = binder.rule.completion_s(0, held.service_s(held.worker))
+            idle = binder.mean.completion_s(0, held.service_s(held.worker))
             held.late, held.predicted_s, held.budget_s = True, idle, held.deadline - now
         else:
             held.dropped = True

@@ -11,11 +11,13 @@ is not tied there. A request tied to its worker (its cached neighbour or its edi
 there) waits for that one.
 
 Every decision is taken with the newest service times: when a worker answers, the requests in
-its line are predicted again by the admission rule (their place in line as the queue) and
-those that can no longer finish by their deadlines are given back to be refused at once; a
-request about to be sent that could not finish even on the now-free worker is refused too;
-and each held request has an expiry (its deadline less its service time on an idle worker)
-after which no wait could save it.
+its line are predicted again (their place in line as the queue) and those that can no longer
+finish by their deadlines are given back to be refused at once; a request about to be sent
+that could not finish even on the now-free worker is refused too; and each held request has
+an expiry (its deadline less its service time on an idle worker) after which no wait could
+save it. These checks use the mean completion, not admission's quantile: admission's margin
+covers the whole wait it admitted, and asking for it again at every answer refuses each time
+the requests whose wait ran a little long, most of which would still finish in time.
 
 Pure control-plane code with no clock and no threads of its own: the live core calls it under
 its lock and wakes the held requests' threads; the simulator calls the same methods from its
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from argus.router.admission import AdmissionRule
 
@@ -56,7 +58,8 @@ class LateBinder:
         if window < 1:
             raise ValueError(f"window: must be >= 1, got {window}")
         self.window = window
-        self.rule = rule
+        self.rule = rule  # admission's
+        self.mean = replace(rule, confidence=0.5)  # the rule these re-checks predict with
         self._held: dict[int, Held] = {}  # by token, in the order they were held
         self._sent: Counter[str] = Counter()  # requests sent to each worker, not answered
         self._lines: Counter[str] = Counter()  # held requests counted on each worker
@@ -118,7 +121,7 @@ class LateBinder:
                 return None, late
             held = min(candidates, key=lambda h: (h.deadline, h.token))
             self._remove(held)
-            completion = self.rule.completion_s(self._sent[worker] + busy, held.service_s(worker))
+            completion = self.mean.completion_s(self._sent[worker] + busy, held.service_s(worker))
             if completion > held.deadline - now:
                 late.append(self._late(held, completion, held.deadline - now))
                 continue
@@ -140,7 +143,7 @@ class LateBinder:
         late = []
         for ahead, held in enumerate(line):
             queue = self._sent[worker] + busy + ahead
-            completion = self.rule.completion_s(queue, held.service_s(worker), elapsed_s)
+            completion = self.mean.completion_s(queue, held.service_s(worker), elapsed_s)
             if completion > held.deadline - now:
                 self._remove(held)
                 late.append(self._late(held, completion, held.deadline - now))
@@ -149,7 +152,7 @@ class LateBinder:
     def expires_at(self, held: Held) -> float:
         """The clock time after which ``held`` cannot finish by its deadline even started at
         once on the worker it is counted on."""
-        return held.deadline - self.rule.completion_s(0, held.service_s(held.worker))
+        return held.deadline - self.mean.completion_s(0, held.service_s(held.worker))
 
     def expired(self, now: float) -> list[Held]:
         """The held requests past :meth:`expires_at`: removed and marked ``late``."""
@@ -157,7 +160,7 @@ class LateBinder:
         for held in list(self._held.values()):
             if now >= self.expires_at(held):
                 self._remove(held)
-                idle = self.rule.completion_s(0, held.service_s(held.worker))
+                idle = self.mean.completion_s(0, held.service_s(held.worker))
                 late.append(self._late(held, idle, held.deadline - now))
         return late
 
