@@ -87,7 +87,11 @@ def raise_open_files() -> int:
 
 
 def start_router(
-    workers: list[tuple[str, str]], classifier_name: str, time_scale: float, max_in_flight: int
+    workers: list[tuple[str, str]],
+    classifier_name: str,
+    time_scale: float,
+    max_in_flight: int,
+    late_binding_window: int | None = None,
 ) -> tuple[dict[str, Any], Callable[[], None]]:
     """The router's gRPC server and HTTP API on one core, on the plan an allocator made for
     ``workers``; returns their ports, the gRPC sizes and a closer."""
@@ -103,6 +107,9 @@ def start_router(
     published = allocator_plan(profiles, workers, "concurrency")
     classifier, label = load_classifier(classifier_name, 1)
     config = RouterServiceConfig(router_id="concurrency", max_in_flight=max_in_flight)
+    if late_binding_window is not None:
+        routing = replace(config.routing, late_binding_window=late_binding_window)
+        config = replace(config, routing=routing)
     core = RouterCore(profiles, classifier, config, workers=GrpcWorkers())
     core.install(published)
     server, grpc_port, _ = create_server(core)
@@ -152,6 +159,7 @@ def processes(args: argparse.Namespace, pinned: tuple[Sequence[int], Sequence[in
         args.classifier,
         args.time_scale,
         args.max_in_flight,
+        args.late_binding_window,
         router_cpus=None if pinned is None else pinned[0],
         worker_cpus=None if pinned is None else pinned[1],
     )
@@ -494,6 +502,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--grpc-channels", type=int, default=10, help="gRPC connections")
     parser.add_argument("--transports", default="grpc,http", help="bursts, in this order")
     parser.add_argument("--max-in-flight", type=int, default=256, help="the router's max_in_flight")
+    parser.add_argument(
+        "--late-binding-window",
+        type=int,
+        default=None,
+        help="the router's late-binding window (default: its own; 0: sent at once)",
+    )
     parser.add_argument(
         "--probe-ms", type=float, default=10.0, help="health probe period, each protocol"
     )

@@ -26,12 +26,14 @@ Placement (the header says which ran): unpinned by default. ``--pin``: the route
 the first CPU; workers, ControlNet, allocator and this load generator on the others, as a
 node honouring the Helm chart's CPU requests would (``_pinning``). ``--noisy-neighbour``: a
 CPU-bound busy loop on the workers' CPUs (any CPU unpinned) at their nice, started before
-the cluster, so the capacity is measured beside it; its CPU share is printed.
+the cluster, so the capacity is measured beside it; its CPU share is printed. With
+``--neighbour-joins-s S`` it starts S s into the overload instead: the workers slow while
+requests wait for them, the case the router's late binding is for.
 
     .venv/bin/python benchmarks/bench_overload_live.py [--workers 2] [--steps 30] [--load 3]
         [--duration-s 60] [--capacity-s 20] [--warmup-s 10] [--settle-s 90]
         [--deadline-ms 30000] [--window-s 10] [--no-controlnet] [--compute-nice 10] [--seed 0]
-        [--late-binding-window N] [--pin] [--noisy-neighbour]
+        [--late-binding-window N] [--pin] [--noisy-neighbour [--neighbour-joins-s S]]
 
 Figures are for this machine: its processes share its cores; the load average is printed.
 """
@@ -346,6 +348,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--neighbour-joins-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --noisy-neighbour: start it S seconds into the overload instead of before "
+        "the cluster, so the workers slow while requests wait for them",
+    )
+    parser.add_argument(
         "--late-binding-window",
         type=int,
         default=None,
@@ -373,7 +383,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     pinned = split_cpus() if args.pin else None
     neighbour = NoisyNeighbour(None if pinned is None else pinned[1], args.compute_nice)
     print(mode_line(pinned, "workers, ControlNet, allocator and the load generator"))
-    print(neighbour.describe() if args.noisy_neighbour else "noisy neighbour: none")
+    joins = args.neighbour_joins_s if args.noisy_neighbour else None
+    when = "" if joins is None else f", joining {joins:g} s into the overload"
+    print(neighbour.describe() + when if args.noisy_neighbour else "noisy neighbour: none")
     window = "default" if args.late_binding_window is None else args.late_binding_window
     print(f"router late-binding window: {window}")
     with tempfile.TemporaryDirectory(prefix="argus-overload-") as workdir:
@@ -394,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             pin_this_process(pinned[1])  # before the cluster's channels start their threads
         began = time.monotonic()
         with (
-            neighbour if args.noisy_neighbour else nullcontext(),
+            neighbour if args.noisy_neighbour and joins is None else nullcontext(),
             LocalCluster(spec) as cluster,  # started, every worker ready
         ):
             print(f"cluster ready in {time.monotonic() - began:.1f} s; {machine_line()}")
@@ -419,15 +431,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 )
                 served_some(capacity, "in the settling's last 20 s")
                 first = len(offered.outcomes)
-                start = overload(offered, args.load * capacity, args.duration_s, args.seed + 1)
-                offered.wait_all(args.deadline_ms / 1e3 + 15.0)
+                late_neighbour = (
+                    None if joins is None else threading.Timer(joins, neighbour.__enter__)
+                )
+                if late_neighbour is not None:
+                    late_neighbour.start()
+                try:
+                    start = overload(offered, args.load * capacity, args.duration_s, args.seed + 1)
+                    offered.wait_all(args.deadline_ms / 1e3 + 15.0)
+                    if args.noisy_neighbour:
+                        print(neighbour.usage_line())
+                finally:
+                    if late_neighbour is not None:
+                        late_neighbour.cancel()
+                        late_neighbour.join()
+                        neighbour.__exit__(None, None, None)
                 print(
                     f"{args.load:g} × {capacity:.2f} requests/s for {args.duration_s:.0f} s, "
                     f"deadline {args.deadline_ms} ms; {load_line('end')}"
                 )
                 print(router_refusals(cluster.parts["router"].metrics_port))
-                if args.noisy_neighbour:
-                    print(neighbour.usage_line())
                 figures = report(
                     offered.outcomes, first, start, args.duration_s, args.window_s, capacity,
                     args.deadline_ms / 1e3,

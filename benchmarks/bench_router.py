@@ -94,7 +94,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -281,6 +281,7 @@ def start_router(
     gc_freeze: bool,
     threads: int,
     time_scale: float,
+    late_binding_window: int | None = None,
 ) -> tuple[dict[str, Any], Callable[[], None]]:
     """A router serving on a plan the allocator made for ``workers``; returns its port, the
     plan's summary and a closer. ``gc_freeze``: move every object made so far out of the
@@ -294,6 +295,9 @@ def start_router(
 
     classifier, label = load_classifier(classifier_name)
     config = RouterServiceConfig(router_id="bench-router", max_in_flight=MAX_IN_FLIGHT)
+    if late_binding_window is not None:
+        routing = replace(config.routing, late_binding_window=late_binding_window)
+        config = replace(config, routing=routing)
     extra: dict[str, Any] = {}
     if with_metrics:
         from argus.router.app import PrometheusStats
@@ -733,6 +737,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the profile's latencies × this, as the router admits by (default: %(default)g)",
     )
     parser.add_argument(
+        "--late-binding-window",
+        type=int,
+        default=None,
+        help="the router's late-binding window (default: its own; 0: sent at once)",
+    )
+    parser.add_argument(
         "--floor",
         action="store_true",
         help="also offer each rate's arrivals to a pass-through router (the transport alone)",
@@ -817,6 +827,7 @@ def processes(
                 args.gc_freeze,
                 args.router_threads,
                 args.time_scale,
+                args.late_binding_window,
                 cpus=router_cpus,
             )
             children.append(router)
