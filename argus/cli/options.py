@@ -81,17 +81,17 @@ def add_cache_warm_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_late_binding_argument(parser: argparse.ArgumentParser) -> None:
-    """``--late-binding-window N`` (``argus evaluate`` and ``argus replay``), the live
-    router's flag and default."""
+    """``--late-binding-window N`` (``argus evaluate`` and ``argus replay``): the live
+    router's flag; off by default here (see docs/concepts/policies.md)."""
     parser.add_argument(
         "--late-binding-window",
         type=int,
-        default=defaults.LATE_BINDING_WINDOW,
+        default=0,
         help=(
             "requests sent to a worker at once; the router holds the rest and a worker with "
             "room takes the first by deadline, refusing what can no longer finish in time, as "
-            "argus router does (0: every request queued on its worker when routed; default: "
-            "%(default)s)"
+            f"argus router does (its default: {defaults.LATE_BINDING_WINDOW}); 0, the default "
+            "here: every request queued on its worker when routed"
         ),
     )
 

@@ -15,9 +15,11 @@ its line are predicted again (their place in line as the queue) and those that c
 finish by their deadlines are given back to be refused at once; a request about to be sent
 that could not finish even on the now-free worker is refused too; and each held request has
 an expiry (its deadline less its service time on an idle worker) after which no wait could
-save it. These checks use the mean completion, not admission's quantile: admission's margin
-covers the whole wait it admitted, and asking for it again at every answer refuses each time
-the requests whose wait ran a little long, most of which would still finish in time.
+save it. A request is sent only if admission's rule (its quantile) still admits it there, the
+standard it was admitted by; while it waits, it is refused only when even its mean
+completion is late: admission's margin covers the whole wait it admitted, and asking for it
+again at every answer refused each time the requests whose wait ran a little long, most of
+which would still have finished in time.
 
 Pure control-plane code with no clock and no threads of its own: the live core calls it under
 its lock and wakes the held requests' threads; the simulator calls the same methods from its
@@ -59,7 +61,7 @@ class LateBinder:
             raise ValueError(f"window: must be >= 1, got {window}")
         self.window = window
         self.rule = rule  # admission's
-        self.mean = replace(rule, confidence=0.5)  # the rule these re-checks predict with
+        self.mean = replace(rule, confidence=0.5)  # the rule waiting requests are re-checked by
         self._held: dict[int, Held] = {}  # by token, in the order they were held
         self._sent: Counter[str] = Counter()  # requests sent to each worker, not answered
         self._lines: Counter[str] = Counter()  # held requests counted on each worker
@@ -121,7 +123,7 @@ class LateBinder:
                 return None, late
             held = min(candidates, key=lambda h: (h.deadline, h.token))
             self._remove(held)
-            completion = self.mean.completion_s(self._sent[worker] + busy, held.service_s(worker))
+            completion = self.rule.completion_s(self._sent[worker] + busy, held.service_s(worker))
             if completion > held.deadline - now:
                 late.append(self._late(held, completion, held.deadline - now))
                 continue

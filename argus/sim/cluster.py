@@ -182,9 +182,9 @@ class SimConfig:
     """Requests a worker is sent at once; the router holds the rest and a worker with room
     takes the first by deadline, refusing those that can no longer finish in time
     (:mod:`argus.router.late_binding`, through the planned policies' ``RouterPolicy``; the
-    same rule for the other policies). 0: every request is queued on its worker when routed
-    (``argus evaluate`` and ``argus replay`` default to the live router's 2; this default
-    keeps the simulations written before as they were). Needs ``admission``."""
+    same rule for the other policies). 0: every request is queued on its worker when routed,
+    as the simulations written before (``argus evaluate --late-binding-window 2`` runs the
+    live router's default). Needs ``admission``."""
 
     @classmethod
     def with_classes(cls, counts: Mapping[str, int], **fields: Any) -> SimConfig:

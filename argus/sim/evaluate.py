@@ -158,7 +158,7 @@ class EvaluationConfig:
     the prompt file's TRAIN prompts (disjoint from the EVAL prompts the requests use), dealt
     round-robin over the workers, as a cluster whose workers served them before."""
 
-    late_binding_window: int = defaults.LATE_BINDING_WINDOW
+    late_binding_window: int = 0
     """Requests a worker is sent at once, the rest held by the router (``--late-binding-window``;
     :attr:`argus.sim.cluster.SimConfig.late_binding_window`); 0: queued when routed."""
 

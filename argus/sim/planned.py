@@ -135,6 +135,7 @@ class PlannedPolicy(Policy):
         )
         self.router = self.decider.router  # the installed plan and its backlog signal
         self.binder = self.decider.binder
+        self._router_queues: Mapping[str, int] = {}  # the router's queues, held ones in them
         self._plan_levels: dict[str, int] = {}  # worker → its level index in the plan
         self.early_refusals = 0
         self.fallbacks = 0
@@ -206,6 +207,7 @@ class PlannedPolicy(Policy):
         """As the live router: refuse early what no worker can finish in time, else classify
         the prompt, then route and admit it through :class:`RouterPolicy`."""
         decider = self.decider
+        self._router_queues = dispatch.queues
         self._probe(dispatch)
 
         def service_s(worker: str, index: int) -> float:
@@ -310,7 +312,10 @@ class PlannedPolicy(Policy):
 
     def _send_report(self, view: ClusterView) -> None:
         self._report_seq += 1
-        queues = {w.worker_id: w.queue_length for w in view.workers}
+        # the router's own count, as live: the requests it holds for a worker (late binding)
+        # are in it, where a worker's queue shows only what it was sent
+        seen = self._router_queues
+        queues = {w.worker_id: seen.get(w.worker_id, w.queue_length) for w in view.workers}
         down = {w.worker_id for w in view.workers if not w.alive}
         wants = self.router.plan is not None and self.router.wants_replan(self._now, queues, down)
         self.control.report_router(
