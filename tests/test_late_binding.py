@@ -81,6 +81,21 @@ def test_held_requests_are_predicted_again_when_their_worker_slows() -> None:
     assert [h.token for h in late] == [1] and [h.token for h in binder] == [2, 3]
 
 
+def test_waiting_requests_are_checked_on_their_expected_time_and_sent_on_admissions() -> None:
+    """Admission prices a request with a margin (2 s here); while it waits it is refused only
+    when its expected time (1 s) says it is late, and it is sent only if the margin still
+    fits."""
+    binder = LateBinder(1, RULE)
+    binder.send("a")
+    request = Held(1, "a", 0, 3.0, lambda _w: 2.0, expected_s=lambda _w: 1.0)
+    binder.hold(request)
+    assert binder.overdue("a", now=0.0, elapsed_s=0.0) == []  # 2 × 1 s fits the 3 s
+    assert binder.expires_at(request) == 2.0
+    binder.done("a")
+    taken, late = binder.take("a", 0, now=1.5)  # 2 s with the margin > the 1.5 s left
+    assert taken is None and late == [request] and request.predicted_s == 2.0
+
+
 def test_a_held_request_expires_when_no_wait_could_save_it() -> None:
     binder = LateBinder(1, RULE)
     request = held(1, "a", deadline=10.0, t=4.0)

@@ -837,6 +837,15 @@ class RouterCore:
         def held_s(target: str) -> float:
             return service_s(target, served)
 
+        def expected_s(target: str) -> float:  # as learned, without admission's headroom
+            level = self._router.level_name(served)
+            level = self.policy.serving_level(level, self._beliefs.answered_level(target))
+            cost = self._level_cost(flight, level)
+            gpu_class = self._beliefs.gpu_class(target)
+            return self._times.predict_s(
+                target, gpu_class, level, cost, self._clock(), headroom=False
+            )
+
         pinned = outcome.cache is not None or self._edits is not None
         held = Held(
             token,
@@ -846,6 +855,7 @@ class RouterCore:
             held_s,
             pinned=pinned,
             waiting=[threading.Event()],
+            expected_s=expected_s,
         )
         binder.hold(held)
         if not pinned:  # another worker of its level may have room for it already
@@ -907,7 +917,7 @@ class RouterCore:
         if binder is None or binder.withdraw(held.token) is None:
             return
         if late:
-            idle = binder.mean.completion_s(0, held.service_s(held.worker))
+            idle = binder.mean.completion_s(0, (held.expected_s or held.service_s)(held.worker))
             held.late, held.predicted_s, held.budget_s = True, idle, held.deadline - now
         else:
             held.dropped = True

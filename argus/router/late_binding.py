@@ -15,9 +15,10 @@ its line are predicted again (their place in line as the queue) and those that c
 finish by their deadlines are given back to be refused at once; a request about to be sent
 that could not finish even on the now-free worker is refused too; and each held request has
 an expiry (its deadline less its service time on an idle worker) after which no wait could
-save it. A request is sent only if admission's rule (its quantile) still admits it there, the
-standard it was admitted by; while it waits, it is refused only when even its mean
-completion is late: admission's margin covers the whole wait it admitted, and asking for it
+save it. A request is sent only if admission's rule (its quantile, on its service time with
+admission's headroom) still admits it there, the standard it was admitted by; while it
+waits, it is refused only when even its expected completion (the mean, on the service time
+as learned) is late: admission's margin covers the whole wait it admitted, and asking for it
 again at every answer refused each time the requests whose wait ran a little long, most of
 which would still have finished in time.
 
@@ -43,7 +44,7 @@ class Held:
     worker: str  # the worker it is counted on: the one routed to, until another takes it
     level: int  # the level index it was admitted at
     deadline: float  # the clock time by which it must be answered
-    service_s: Callable[[str], float]  # its service time at ``level`` on a worker
+    service_s: Callable[[str], float]  # its service time at ``level`` on a worker, as admitted
     pinned: bool = False  # only ``worker`` may take it (its neighbour or template is there)
     sent_to: str | None = None  # set when a worker takes it
     late: bool = False  # set when it can no longer finish in time: refuse it
@@ -51,6 +52,9 @@ class Held:
     predicted_s: float = 0.0  # when ``late``: its predicted completion, seconds from then
     budget_s: float = 0.0  # when ``late``: the time it had left then
     waiting: list[object] = field(default_factory=list)  # the caller's wake-up handle, if any
+    expected_s: Callable[[str], float] | None = None
+    """Its expected service time on a worker, for the checks while it waits, when admission
+    prices it with a margin (the live router's headroom); None: ``service_s``."""
 
 
 class LateBinder:
@@ -145,7 +149,7 @@ class LateBinder:
         late = []
         for ahead, held in enumerate(line):
             queue = self._sent[worker] + busy + ahead
-            completion = self.mean.completion_s(queue, held.service_s(worker), elapsed_s)
+            completion = self.mean.completion_s(queue, self._expected(held, worker), elapsed_s)
             if completion > held.deadline - now:
                 self._remove(held)
                 late.append(self._late(held, completion, held.deadline - now))
@@ -154,7 +158,7 @@ class LateBinder:
     def expires_at(self, held: Held) -> float:
         """The clock time after which ``held`` cannot finish by its deadline even started at
         once on the worker it is counted on."""
-        return held.deadline - self.mean.completion_s(0, held.service_s(held.worker))
+        return held.deadline - self.mean.completion_s(0, self._expected(held, held.worker))
 
     def expired(self, now: float) -> list[Held]:
         """The held requests past :meth:`expires_at`: removed and marked ``late``."""
@@ -162,7 +166,7 @@ class LateBinder:
         for held in list(self._held.values()):
             if now >= self.expires_at(held):
                 self._remove(held)
-                idle = self.mean.completion_s(0, held.service_s(held.worker))
+                idle = self.mean.completion_s(0, self._expected(held, held.worker))
                 late.append(self._late(held, idle, held.deadline - now))
         return late
 
@@ -175,6 +179,10 @@ class LateBinder:
         for worker in [w for w in self._sent if w not in workers]:
             del self._sent[worker]
         return gone
+
+    @staticmethod
+    def _expected(held: Held, worker: str) -> float:
+        return (held.expected_s or held.service_s)(worker)
 
     def _remove(self, held: Held) -> None:
         del self._held[held.token]

@@ -160,13 +160,21 @@ class ServiceTimes:
         self._classes = {w: c for w, c in self._classes.items() if w in keep}
 
     def predict_s(
-        self, worker: str, worker_class: str, level: str, cost: float, now: float
+        self,
+        worker: str,
+        worker_class: str,
+        level: str,
+        cost: float,
+        now: float,
+        *,
+        headroom: bool = True,
     ) -> float:
         """Seconds ``worker`` (of ``worker_class``) takes to serve a request of ``cost`` at
         ``level``: its own figure, or its seed (see the module docstring), raised by
-        ``headroom`` when learned (a profile's figure is taken as it is)."""
+        ``headroom`` when learned (a profile's figure is taken as it is); ``headroom=False``:
+        the figure as learned, its expected time."""
         learned = self.learned(worker, worker_class, level, now)
-        scale = 1.0 + self.config.headroom if learned.measured else 1.0
+        scale = 1.0 + self.config.headroom if learned.measured and headroom else 1.0
         return learned.seconds(cost) * scale
 
     def learned(self, worker: str, worker_class: str, level: str, now: float) -> LearnedTime:
