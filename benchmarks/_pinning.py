@@ -15,6 +15,7 @@ pid at the end; the CPU time it got is printed, so a run shows the neighbour rea
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import subprocess
@@ -113,3 +114,15 @@ def mode_line(pinned: tuple[Sequence[int], Sequence[int]] | None, rest: str) -> 
         )
     router, others = pinned
     return f"mode: pinned (the router on {cpu_list(router)}; {rest} on {cpu_list(others)})"
+
+
+def add_window_argument(parser: argparse.ArgumentParser) -> None:
+    """``--late-binding-window N``: the router's, for an A/B against sending every admitted
+    request at once (0); None leaves the router's own default."""
+    parser.add_argument(
+        "--late-binding-window",
+        type=int,
+        default=None,
+        help="the router's late-binding window (default: its own; 0: every admitted request "
+        "sent to its worker at once, the router before late binding)",
+    )

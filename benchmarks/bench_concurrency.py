@@ -57,7 +57,13 @@ from typing import Any
 import grpc
 import numpy as np
 from _machine import load_line, machine_line
-from _pinning import NoisyNeighbour, mode_line, pin_this_process, split_cpus
+from _pinning import (
+    NoisyNeighbour,
+    add_window_argument,
+    mode_line,
+    pin_this_process,
+    split_cpus,
+)
 from _plan import allocator_plan, scaled_profiles
 from bench_overload import load_classifier, stub_cluster
 
@@ -502,12 +508,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--grpc-channels", type=int, default=10, help="gRPC connections")
     parser.add_argument("--transports", default="grpc,http", help="bursts, in this order")
     parser.add_argument("--max-in-flight", type=int, default=256, help="the router's max_in_flight")
-    parser.add_argument(
-        "--late-binding-window",
-        type=int,
-        default=None,
-        help="the router's late-binding window (default: its own; 0: sent at once)",
-    )
+    add_window_argument(parser)
     parser.add_argument(
         "--probe-ms", type=float, default=10.0, help="health probe period, each protocol"
     )

@@ -57,7 +57,13 @@ from typing import Any
 
 import grpc
 from _machine import load_line, machine_line
-from _pinning import NoisyNeighbour, mode_line, pin_this_process, split_cpus
+from _pinning import (
+    NoisyNeighbour,
+    add_window_argument,
+    mode_line,
+    pin_this_process,
+    split_cpus,
+)
 
 from argus.plumbing import rpc
 from argus.tools.client import generate_request, retry_after
@@ -355,13 +361,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="with --noisy-neighbour: start it S seconds into the overload instead of before "
         "the cluster, so the workers slow while requests wait for them",
     )
-    parser.add_argument(
-        "--late-binding-window",
-        type=int,
-        default=None,
-        help="the router's --late-binding-window (default: its own; 0: every admitted request "
-        "sent to its worker at once, the router before late binding)",
-    )
+    add_window_argument(parser)
     parser.add_argument(
         "--pin",
         action="store_true",

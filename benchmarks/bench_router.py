@@ -102,7 +102,13 @@ from typing import Any
 import grpc
 import numpy as np
 from _machine import machine_line
-from _pinning import NoisyNeighbour, mode_line, pin_this_process, split_cpus
+from _pinning import (
+    NoisyNeighbour,
+    add_window_argument,
+    mode_line,
+    pin_this_process,
+    split_cpus,
+)
 from _plan import allocator_plan, scaled_profiles, serve_router
 from grpc_health.v1 import health, health_pb2_grpc
 
@@ -736,12 +742,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=TIME_SCALE,
         help="the profile's latencies × this, as the router admits by (default: %(default)g)",
     )
-    parser.add_argument(
-        "--late-binding-window",
-        type=int,
-        default=None,
-        help="the router's late-binding window (default: its own; 0: sent at once)",
-    )
+    add_window_argument(parser)
     parser.add_argument(
         "--floor",
         action="store_true",
