@@ -22,9 +22,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 
+from argus.router.config import RouterServiceConfig
 from argus.tools.local_cluster import inherited_affinity
 
 BUSY_LOOP = "import os, sys\nos.nice(int(sys.argv[1]))\nwhile True:\n    pass\n"
@@ -83,9 +85,7 @@ class NoisyNeighbour:
         )
 
     def __enter__(self) -> NoisyNeighbour:
-        with inherited_affinity(self.cpus):
-            self.process = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(self.nice)])
-        self.started = time.monotonic()
+        self.start()
         return self
 
     def __exit__(
@@ -94,6 +94,15 @@ class NoisyNeighbour:
         err: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        with inherited_affinity(self.cpus):
+            self.process = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(self.nice)])
+        self.started = time.monotonic()
+
+    def stop(self) -> None:
+        """Stop it, if started (by its own pid)."""
         process = self.process
         if process is None:
             return
@@ -126,3 +135,11 @@ def add_window_argument(parser: argparse.ArgumentParser) -> None:
         help="the router's late-binding window (default: its own; 0: every admitted request "
         "sent to its worker at once, the router before late binding)",
     )
+
+
+def with_window(config: RouterServiceConfig, window: int | None) -> RouterServiceConfig:
+    """``config`` with the late-binding window of :func:`add_window_argument` (None: as it
+    is)."""
+    if window is None:
+        return config
+    return replace(config, routing=replace(config.routing, late_binding_window=window))

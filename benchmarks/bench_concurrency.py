@@ -63,6 +63,7 @@ from _pinning import (
     mode_line,
     pin_this_process,
     split_cpus,
+    with_window,
 )
 from _plan import allocator_plan, scaled_profiles
 from bench_overload import load_classifier, stub_cluster
@@ -113,9 +114,7 @@ def start_router(
     published = allocator_plan(profiles, workers, "concurrency")
     classifier, label = load_classifier(classifier_name, 1)
     config = RouterServiceConfig(router_id="concurrency", max_in_flight=max_in_flight)
-    if late_binding_window is not None:
-        routing = replace(config.routing, late_binding_window=late_binding_window)
-        config = replace(config, routing=routing)
+    config = with_window(config, late_binding_window)
     core = RouterCore(profiles, classifier, config, workers=GrpcWorkers())
     core.install(published)
     server, grpc_port, _ = create_server(core)

@@ -431,9 +431,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 )
                 served_some(capacity, "in the settling's last 20 s")
                 first = len(offered.outcomes)
-                late_neighbour = (
-                    None if joins is None else threading.Timer(joins, neighbour.__enter__)
-                )
+                late_neighbour = None if joins is None else threading.Timer(joins, neighbour.start)
                 if late_neighbour is not None:
                     late_neighbour.start()
                 try:
@@ -445,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     if late_neighbour is not None:
                         late_neighbour.cancel()
                         late_neighbour.join()
-                        neighbour.__exit__(None, None, None)
+                        neighbour.stop()
                 print(
                     f"{args.load:g} × {capacity:.2f} requests/s for {args.duration_s:.0f} s, "
                     f"deadline {args.deadline_ms} ms; {load_line('end')}"

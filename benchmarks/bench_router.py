@@ -94,7 +94,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,7 @@ from _pinning import (
     mode_line,
     pin_this_process,
     split_cpus,
+    with_window,
 )
 from _plan import allocator_plan, scaled_profiles, serve_router
 from grpc_health.v1 import health, health_pb2_grpc
@@ -301,9 +302,7 @@ def start_router(
 
     classifier, label = load_classifier(classifier_name)
     config = RouterServiceConfig(router_id="bench-router", max_in_flight=MAX_IN_FLIGHT)
-    if late_binding_window is not None:
-        routing = replace(config.routing, late_binding_window=late_binding_window)
-        config = replace(config, routing=routing)
+    config = with_window(config, late_binding_window)
     extra: dict[str, Any] = {}
     if with_metrics:
         from argus.router.app import PrometheusStats

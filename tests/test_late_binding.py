@@ -29,7 +29,7 @@ RULE = AdmissionRule(service_scv=0.0)  # completion = (queue + 1) × t − elaps
 
 def held(token: int, worker: str, deadline: float, *, t: float = 1.0, level: int = 0,
          pinned: bool = False) -> Held:  # fmt: skip
-    return Held(token, worker, level, deadline, lambda _worker: t, pinned=pinned)
+    return Held(token, worker, level, level, deadline, lambda _worker: t, pinned=pinned)
 
 
 # the rule alone -------------------------------------------------------------------------
@@ -74,7 +74,7 @@ def test_held_requests_are_predicted_again_when_their_worker_slows() -> None:
     binder.send("a")
     times = {"t": 1.0}
     for token, deadline in ((1, 5.0), (2, 9.0), (3, 100.0)):
-        binder.hold(Held(token, "a", 0, deadline, lambda _w: times["t"]))
+        binder.hold(Held(token, "a", 0, 0, deadline, lambda _w: times["t"]))
     assert binder.overdue("a", now=0.0, elapsed_s=0.0) == []  # 2, 3 and 4 s: all in time
     times["t"] = 3.0  # the worker's replies now say 3 s a request
     late = binder.overdue("a", now=0.0, elapsed_s=0.0)  # 6, 9 and 12 s
@@ -87,7 +87,7 @@ def test_waiting_requests_are_checked_on_their_expected_time_and_sent_on_admissi
     fits."""
     binder = LateBinder(1, RULE)
     binder.send("a")
-    request = Held(1, "a", 0, 3.0, lambda _w: 2.0, expected_s=lambda _w: 1.0)
+    request = Held(1, "a", 0, 0, 3.0, lambda _w: 2.0, expected_s=lambda _w: 1.0)
     binder.hold(request)
     assert binder.overdue("a", now=0.0, elapsed_s=0.0) == []  # 2 × 1 s fits the 3 s
     assert binder.expires_at(request) == 2.0

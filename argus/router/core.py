@@ -677,9 +677,7 @@ class RouterCore:
             return beliefs.elapsed_s(worker, now)
 
         def service_s(worker: str, index: int) -> float:
-            level = self._router.level_name(index)
-            level = self.policy.serving_level(level, beliefs.answered_level(worker))
-            return self._service_s(worker, level, self._level_cost(flight, level), now)
+            return self._request_s(flight, worker, index, now)
 
         account = self._edits
         edits = None  # plan: edits as requests
@@ -698,10 +696,24 @@ class RouterCore:
         """``flight``'s cost as ``level``'s service times count it."""
         return self.policy.level_cost(flight.request, flight.cost, level, steps=flight.steps)
 
-    def _service_s(self, worker: str, level: str, cost: float, now: float) -> float:
+    def _service_s(
+        self, worker: str, level: str, cost: float, now: float, *, headroom: bool = True
+    ) -> float:
         """A request of ``cost`` on ``worker`` at ``level``: the service time learned from the
-        worker's replies (its seed until it has answered). Under the lock."""
-        return self._times.predict_s(worker, self._beliefs.gpu_class(worker), level, cost, now)
+        worker's replies (its seed until it has answered), with admission's headroom unless
+        ``headroom`` is False. Under the lock."""
+        gpu_class = self._beliefs.gpu_class(worker)
+        return self._times.predict_s(worker, gpu_class, level, cost, now, headroom=headroom)
+
+    def _request_s(
+        self, flight: InFlight, worker: str, index: int, now: float, *, headroom: bool = True
+    ) -> float:
+        """``flight``'s service time on ``worker`` at level ``index`` (at the level its last
+        reply came from while its planned model loads), as :meth:`_service_s`."""
+        level = self._router.level_name(index)
+        level = self.policy.serving_level(level, self._beliefs.answered_level(worker))
+        cost = self._level_cost(flight, level)
+        return self._service_s(worker, level, cost, now, headroom=headroom)
 
     def _classify_route_forward(self, flight: InFlight) -> RouterReply:
         self._admit_early(flight)
@@ -832,29 +844,22 @@ class RouterCore:
             binder.send(worker)
             return None
         served = outcome.decision.served_level if outcome.cache is None else outcome.cache.index
-        service_s = snapshot.service_s
 
         def held_s(target: str) -> float:
-            return service_s(target, served)
+            return self._request_s(flight, target, served, self._clock())
 
         def expected_s(target: str) -> float:  # as learned, without admission's headroom
-            level = self._router.level_name(served)
-            level = self.policy.serving_level(level, self._beliefs.answered_level(target))
-            cost = self._level_cost(flight, level)
-            gpu_class = self._beliefs.gpu_class(target)
-            return self._times.predict_s(
-                target, gpu_class, level, cost, self._clock(), headroom=False
-            )
+            return self._request_s(flight, target, served, self._clock(), headroom=False)
 
         pinned = outcome.cache is not None or self._edits is not None
         held = Held(
             token,
             worker,
             snapshot.levels[worker],
+            served,
             flight.deadline,
             held_s,
             pinned=pinned,
-            waiting=[threading.Event()],
             expected_s=expected_s,
         )
         binder.hold(held)
@@ -877,17 +882,20 @@ class RouterCore:
         if held is None or binder is None:
             with self._lock:
                 return decision, self._beliefs.address(decision.worker_id)
-        wake = held.waiting[0]
-        assert isinstance(wake, threading.Event)
+        wake = threading.Event()
+        with self._lock:  # any change to its state after this wakes it
+            held.wake = wake.set
         flight.cancel.attach(wake.set)
         try:
             while True:
                 with self._lock:
                     wake.clear()
                     now = self._clock()
-                    waiting = held.sent_to is None and not held.late and not held.dropped
-                    if waiting and (flight.cancel.cancelled or now >= binder.expires_at(held)):
-                        self._withdraw(held, now, late=not flight.cancel.cancelled)
+                    if flight.cancel.cancelled and binder.withdraw(held.token) is not None:
+                        held.dropped = True
+                        self._uncount([held], now)
+                    elif binder.expire(held, now):
+                        self._uncount([held], now)
                     if held.sent_to is not None:
                         worker = held.sent_to
                         return replace(decision, worker_id=worker), self._beliefs.address(worker)
@@ -910,19 +918,6 @@ class RouterCore:
         finally:
             flight.cancel.attach(None)
 
-    def _withdraw(self, held: Held, now: float, *, late: bool) -> None:
-        """Stop holding ``held`` (``late``: it can no longer finish in time; else its caller
-        left) and uncount it from its worker. Under the lock."""
-        binder = self.policy.binder
-        if binder is None or binder.withdraw(held.token) is None:
-            return
-        if late:
-            idle = binder.mean.completion_s(0, (held.expected_s or held.service_s)(held.worker))
-            held.late, held.predicted_s, held.budget_s = True, idle, held.deadline - now
-        else:
-            held.dropped = True
-        self._uncount([held], now)
-
     def _uncount(self, gone: list[Held], now: float) -> None:
         """Uncount requests no longer held and never sent from the workers they were counted
         on, and wake their callers. Under the lock."""
@@ -930,9 +925,7 @@ class RouterCore:
             self._beliefs.withdrawn(held.worker)
             if self._edits is not None:
                 self._edits.answered(held.worker, held.token, ok=False, now=now)
-            for wake in held.waiting:
-                assert isinstance(wake, threading.Event)
-                wake.set()
+            held.wake()
 
     def _dispatch(self, worker: str, now: float) -> None:
         """``worker`` may have room: predict its held requests again on the newest service
@@ -952,9 +945,7 @@ class RouterCore:
                 break
             if taken.worker != worker:
                 self._beliefs.moved(taken.worker, worker, now)
-            for wake in taken.waiting:
-                assert isinstance(wake, threading.Event)
-                wake.set()
+            taken.wake()
         self._uncount(late, now)
 
     def _drop_held(self, keep: AbstractSet[str], now: float) -> None:

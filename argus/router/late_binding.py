@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from argus.router.admission import AdmissionRule
 
@@ -40,18 +40,19 @@ from argus.router.admission import AdmissionRule
 class Held:
     """A routed, admitted request waiting for room on a worker."""
 
-    token: int  # the core's token of the request in flight
+    token: int  # the caller's key for the request
     worker: str  # the worker it is counted on: the one routed to, until another takes it
-    level: int  # the level index it was admitted at
+    level: int  # the planned level of ``worker``: a worker of this level may take it
+    served: int  # the level index it is to be served at
     deadline: float  # the clock time by which it must be answered
-    service_s: Callable[[str], float]  # its service time at ``level`` on a worker, as admitted
+    service_s: Callable[[str], float]  # its service time on a worker, as admission prices it
     pinned: bool = False  # only ``worker`` may take it (its neighbour or template is there)
     sent_to: str | None = None  # set when a worker takes it
     late: bool = False  # set when it can no longer finish in time: refuse it
     dropped: bool = False  # set when it is given back unsent: route it again
     predicted_s: float = 0.0  # when ``late``: its predicted completion, seconds from then
     budget_s: float = 0.0  # when ``late``: the time it had left then
-    waiting: list[object] = field(default_factory=list)  # the caller's wake-up handle, if any
+    wake: Callable[[], object] = lambda: None  # called when any of the above changes
     expected_s: Callable[[str], float] | None = None
     """Its expected service time on a worker, for the checks while it waits, when admission
     prices it with a margin (the live router's headroom); None: ``service_s``."""
@@ -80,10 +81,9 @@ class LateBinder:
         """Requests sent to ``worker`` and not yet answered."""
         return self._sent[worker]
 
-    def has_room(self, worker: str, busy: int = 0) -> bool:
-        """Whether ``worker`` may be sent one more request now; ``busy``: requests it still
-        runs that were not sent through the binder (one whose caller gave up)."""
-        return self._sent[worker] + busy < self.window
+    def has_room(self, worker: str) -> bool:
+        """Whether ``worker`` may be sent one more request now."""
+        return self._sent[worker] < self.window
 
     def line(self, worker: str) -> int:
         """Held requests counted on ``worker``."""
@@ -112,22 +112,20 @@ class LateBinder:
             self._unline(held)
         return held
 
-    def take(
-        self, worker: str, level: int, now: float, busy: int = 0
-    ) -> tuple[Held | None, list[Held]]:
+    def take(self, worker: str, level: int, now: float) -> tuple[Held | None, list[Held]]:
         """The held request ``worker`` (serving ``level``, with room) takes now, marked sent
         there, and the held requests found late on the way (removed and marked ``late``):
         those that ``worker``, free now, could not finish by their deadlines. First by
         deadline among those counted on ``worker`` and those not pinned counted on another
         worker of ``level`` that has no room itself."""
         late: list[Held] = []
-        while self.has_room(worker, busy):
+        while self.has_room(worker):
             candidates = [h for h in self._held.values() if self._may_take(h, worker, level)]
             if not candidates:
                 return None, late
             held = min(candidates, key=lambda h: (h.deadline, h.token))
             self._remove(held)
-            completion = self.rule.completion_s(self._sent[worker] + busy, held.service_s(worker))
+            completion = self.rule.completion_s(self._sent[worker], held.service_s(worker))
             if completion > held.deadline - now:
                 late.append(self._late(held, completion, held.deadline - now))
                 continue
@@ -136,7 +134,7 @@ class LateBinder:
             return held, late
         return None, late
 
-    def overdue(self, worker: str, now: float, elapsed_s: float, busy: int = 0) -> list[Held]:
+    def overdue(self, worker: str, now: float, elapsed_s: float) -> list[Held]:
         """The held requests counted on ``worker`` that can no longer finish in time, predicted
         again now (each with the requests sent there and those ahead of it in its line as its
         queue, the one running there for ``elapsed_s``): removed and marked ``late``."""
@@ -148,7 +146,7 @@ class LateBinder:
         )
         late = []
         for ahead, held in enumerate(line):
-            queue = self._sent[worker] + busy + ahead
+            queue = self._sent[worker] + ahead
             completion = self.mean.completion_s(queue, self._expected(held, worker), elapsed_s)
             if completion > held.deadline - now:
                 self._remove(held)
@@ -162,13 +160,17 @@ class LateBinder:
 
     def expired(self, now: float) -> list[Held]:
         """The held requests past :meth:`expires_at`: removed and marked ``late``."""
-        late = []
-        for held in list(self._held.values()):
-            if now >= self.expires_at(held):
-                self._remove(held)
-                idle = self.mean.completion_s(0, self._expected(held, held.worker))
-                late.append(self._late(held, idle, held.deadline - now))
-        return late
+        return [h for h in list(self._held.values()) if self.expire(h, now)]
+
+    def expire(self, held: Held, now: float) -> bool:
+        """Remove ``held`` and mark it ``late`` if it is held and past :meth:`expires_at`;
+        whether it was."""
+        if held.token not in self._held or now < self.expires_at(held):
+            return False
+        self._remove(held)
+        idle = self.mean.completion_s(0, self._expected(held, held.worker))
+        self._late(held, idle, held.deadline - now)
+        return True
 
     def forget(self, workers: set[str]) -> list[Held]:
         """The held requests counted on a worker not in ``workers`` (it left the plan or is

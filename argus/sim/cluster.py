@@ -669,7 +669,6 @@ class _Run:
         # due ones instead of looking at every worker (stale after a failure, and harmless)
         self._due: list[tuple[float, int]] = []
         self._plan_latency_cache: dict[tuple[str, str], float] = {}
-        self._held_levels: dict[int, str] = {}  # late binding: held request → routed level
         self.refused_held = 0
         self.model_switches = 0
         self.loads = 0
@@ -920,8 +919,9 @@ class _Run:
 
         deadline = self._arrival_list[i] + self.sim.slo_s
         pinned = self.policy.tied_last
-        self.binder.hold(Held(i, worker.worker_id, level, deadline, service_s, pinned=pinned))
-        self._held_levels[i] = level_name
+        served = self.sim._level_index[level_name]
+        held = Held(i, worker.worker_id, level, served, deadline, service_s, pinned=pinned)
+        self.binder.hold(held)
         self._queues[worker.worker_id] += 1
         if not pinned:  # another worker of its level may have room for it already
             for other in self.workers:
@@ -979,13 +979,12 @@ class _Run:
             if held is None:
                 return
             self._queues[held.worker] -= 1
-            self._serve(held.token, now, worker, self._held_levels.pop(held.token))
+            self._serve(held.token, now, worker, self.sim.profiles.levels[held.served].name)
 
     def _refuse_held(self, late: list[Held]) -> None:
         self.refused_held += len(late)
         for held in late:
             self._queues[held.worker] -= 1
-            self._held_levels.pop(held.token, None)
             self._refuse(held.token)
 
     def _enqueue(self, worker: _Worker, request: int, start: float) -> None:
@@ -1163,9 +1162,8 @@ class _Run:
             worker.pending = None
         self._down = frozenset(w.worker_id for w in self.workers if not w.alive)
         if self.binder is not None:  # their held requests are routed again too
-            for held in self.binder.forget({w.worker_id for w in self.workers if w.alive}):
-                self._held_levels.pop(held.token, None)
-                orphans.append(held.token)
+            alive = {w.worker_id for w in self.workers if w.alive}
+            orphans.extend(held.token for held in self.binder.forget(alive))
         for request in sorted(orphans):  # the router retries them elsewhere at once
             self._dispatch(request, now)
 
