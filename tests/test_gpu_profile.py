@@ -15,25 +15,32 @@ import gpu_profile
 
 from argus.profiles import load_profiles
 from argus.types import Strategy
+from tests.worker_factories import torch_threads
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One run on the tiny variants. One torch thread: the suite runs two test processes on
+    two cores, and with a thread per core each the tiny models' operators wait for each
+    other's threads (a run once took 17 minutes for its AC levels). The time budget is
+    unbounded: a budget spent skips sections, and the tests check every section ran."""
     out = tmp_path_factory.mktemp("gpu")
-    data = gpu_profile.main(
-        [
-            "--tiny",
-            "--models", "sdxl,sd-1.5,tiny-sd",
-            "--steps", "30",
-            "--batches", "1,2",
-            "--repeats", "1",
-            "--out", str(out),
-            "--write-profile", str(out / "cpu-measured.toml"),
-            "--write-markdown", str(out / "gpu.md"),
-        ]
-    )  # fmt: skip
+    with torch_threads(1):
+        data = gpu_profile.main(
+            [
+                "--tiny",
+                "--models", "sdxl,sd-1.5,tiny-sd",
+                "--steps", "30",
+                "--batches", "1,2",
+                "--repeats", "1",
+                "--budget-s", "1e9",
+                "--out", str(out),
+                "--write-profile", str(out / "cpu-measured.toml"),
+                "--write-markdown", str(out / "gpu.md"),
+            ]
+        )  # fmt: skip
     return data, out
 
 
