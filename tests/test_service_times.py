@@ -58,9 +58,49 @@ def test_one_very_slow_reply_counts_as_four_times_the_median_only() -> None:
 
 def test_a_long_tail_stays_in_the_figure() -> None:
     times = ServiceTimes(PROFILES, EXACT)
-    learn(times, "w1", service_s=1.0, denoise_s=1.0, n=16)
-    learn(times, "w1", service_s=3.0, denoise_s=3.0, n=4)  # one in five runs 3x longer
+    for _ in range(4):  # one in five runs 3x longer
+        learn(times, "w1", service_s=1.0, denoise_s=1.0, n=4)
+        learn(times, "w1", service_s=3.0, denoise_s=3.0, n=1)
     assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(1.4)
+
+
+def test_a_worker_that_slowed_is_priced_from_its_newest_replies() -> None:
+    times = ServiceTimes(PROFILES, EXACT)
+    learn(times, "w1", service_s=1.0, denoise_s=0.8, n=56)
+    learn(times, "w1", service_s=1.4, denoise_s=1.2, n=8)  # a neighbour arrived on its host
+    # the window's mean would still say 1.05 s; the newest eight say 1.4
+    assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(1.4)
+    assert times.predict_s("w1", CLASS, LEVEL, 2.0, now=0.0) == pytest.approx(0.2 + 2.4)
+    (measured,) = times.measured(now=0.0)
+    assert measured.latency_s == pytest.approx(1.4)
+
+
+def test_a_slowdown_needs_most_of_the_newest_replies_and_more_than_the_margin() -> None:
+    times = ServiceTimes(PROFILES, EXACT)
+    learn(times, "w1", service_s=1.0, denoise_s=1.0, n=60)
+    learn(times, "w1", service_s=4.0, denoise_s=4.0, n=3)  # three LoRA loads in a row
+    learn(times, "w1", service_s=1.0, denoise_s=1.0, n=1)
+    assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(73 / 64)
+    gently = ServiceTimes(PROFILES, EXACT)
+    learn(gently, "w1", service_s=1.0, denoise_s=1.0, n=56)
+    learn(gently, "w1", service_s=1.1, denoise_s=1.1, n=8)  # 10%: within the margin
+    assert gently.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(64.8 / 64)
+
+
+def test_a_noisy_worker_is_not_taken_for_a_slowed_one() -> None:
+    times = ServiceTimes(PROFILES, EXACT)
+    for _ in range(28):  # mean 1.0 s, but one reply in two takes 1.3 s
+        learn(times, "w1", service_s=0.7, denoise_s=0.7, n=1)
+        learn(times, "w1", service_s=1.3, denoise_s=1.3, n=1)
+    learn(times, "w1", service_s=1.2, denoise_s=1.2, n=8)  # 20% over the mean, within the spread
+    assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(65.6 / 64)
+
+
+def test_a_worker_that_sped_up_is_learned_at_the_windows_pace() -> None:
+    times = ServiceTimes(PROFILES, EXACT)
+    learn(times, "w1", service_s=2.0, denoise_s=2.0, n=56)
+    learn(times, "w1", service_s=1.0, denoise_s=1.0, n=8)
+    assert times.predict_s("w1", CLASS, LEVEL, 1.0, now=0.0) == pytest.approx(120 / 64)
 
 
 def test_the_figure_follows_a_worker_that_changed_speed_within_its_window() -> None:

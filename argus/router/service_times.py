@@ -22,6 +22,11 @@ timings every reply already carries (:class:`~argus.contracts.generate.Timing`):
   and admitted requests that then ran late), forgotten once its newest sample is
   ``max_age_s`` old (decayed by window and age), so a worker whose speed changed is learned
   again;
+* a worker that **slowed down** (a neighbour arrived on its host) is learned from its last
+  ``recent`` replies when their median service time is over ``slowdown`` above the window's
+  mean and above the 90th percentile of the replies before them: the requests held for it
+  are priced at its new speed within a handful of replies, not dozens, and one slow reply (a
+  LoRA load) does not move the median. Speed-ups are learned at the window's pace;
 * until a worker has ``min_samples`` at a level, its figure is **seeded**: from the median of
   the workers of the same class already learned at that level, else from the profile scaled
   by how the learned workers compare with the profile (the median ratio of their unit cost to
@@ -61,6 +66,14 @@ class ServiceTimeConfig:
     min_samples: int = 3
     """Replies at a level before a worker's own figure replaces its seed."""
 
+    recent: int = 8
+    """Newest replies whose median can show a slowdown (0, or not fewer than ``window``: the
+    window's mean alone)."""
+
+    slowdown: float = 0.15
+    """Share by which the newest replies' median must exceed the window's mean service time
+    for the figure to be theirs."""
+
     headroom: float = 0.1
     """Share by which a learned figure is raised when the router predicts with it. Workers slow
     down as load rises (a host's CPU shared with more work, a cache turning over), and the
@@ -73,6 +86,10 @@ class ServiceTimeConfig:
                 f"window, min_samples: need 1 <= min_samples <= window, got {self.window}, "
                 f"{self.min_samples}"
             )
+        if self.recent < 0:
+            raise ValueError(f"recent: must be >= 0, got {self.recent}")
+        if not (math.isfinite(self.slowdown) and self.slowdown >= 0.0):
+            raise ValueError(f"slowdown: must be a finite number >= 0, got {self.slowdown}")
         if not (math.isfinite(self.max_age_s) and self.max_age_s > 0.0):
             raise ValueError(f"max_age_s: must be a finite number > 0, got {self.max_age_s}")
         if not (math.isfinite(self.headroom) and self.headroom >= 0.0):
@@ -145,13 +162,7 @@ class ServiceTimes:
         held.unit.append(denoise_s / cost)
         held.served.append(service_s)
         held.last_at = now
-        factor = self.config.outlier_factor
-        held.learned = LearnedTime(
-            _clipped_mean(held.fixed, factor),
-            _clipped_mean(held.unit, factor),
-            len(held.unit),
-            _clipped_mean(held.served, factor),
-        )
+        held.learned = self._learn(held)
 
     def forget(self, keep: set[str]) -> None:
         """Drop the workers not in ``keep`` (they left the plan)."""
@@ -209,6 +220,24 @@ class ServiceTimes:
 
     # -- internals ------------------------------------------------------------------------
 
+    def _learn(self, held: _Samples) -> LearnedTime:
+        """The window's clipped means, or the newest replies' when they show a slowdown."""
+        factor, recent = self.config.outlier_factor, self.config.recent
+        served = _clipped_mean(held.served, factor)
+        fixed, unit = held.fixed, held.unit
+        if recent > 0 and 2 * recent <= len(held.served):
+            older, newest = list(held.served)[:-recent], list(held.served)[-recent:]
+            # beyond the margin and beyond what the older replies' own spread gives (their
+            # 90th percentile: a steady worker's median of 8 passes it less than 1 time in 200)
+            bar = max(served * (1.0 + self.config.slowdown), _quantile(older, 0.9))
+            if statistics.median(newest) > bar:
+                fixed = deque(list(held.fixed)[-recent:])
+                unit = deque(list(held.unit)[-recent:])
+                served = _clipped_mean(deque(newest), factor)
+        return LearnedTime(
+            _clipped_mean(fixed, factor), _clipped_mean(unit, factor), len(held.unit), served
+        )
+
     def _fresh(self, worker: str, level: str, now: float) -> LearnedTime | None:
         held = self._samples.get((worker, level))
         if held is None or held.learned is None:
@@ -255,6 +284,15 @@ class ServiceTimes:
     def _profiled_s(self, worker_class: str, level: str) -> float | None:
         entry = self.profiles.table.get((worker_class, level))
         return None if entry is None else entry.latency_s
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (linear between order statistics)."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
 def _clipped_mean(values: deque[float], factor: float) -> float:
