@@ -460,6 +460,26 @@ def test_a_probe_is_embedded_outside_ac_plans_at_most_once_per_interval() -> Non
     assert core.take_report().cache.levels[LEVEL].total == 2.0
 
 
+def test_a_prompt_asked_again_is_not_embedded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from argus.router import cache_mirror
+
+    monkeypatch.setattr(cache_mirror, "PROMPT_MEMORY", 2)
+    workers = CachingWorkers()
+    encoder = FakeEncoder()
+    core, clock = make_core(workers, encoder=encoder)
+    warm_w2(core, workers, clock)
+    encoder.embedded.clear()  # (an empty mirror embeds nothing; w2 holds FOX now)
+    ask(core, FOX_AT_DUSK)
+    again = ask(core, FOX_AT_DUSK)  # the same vector: the same close neighbour on w2
+    assert again.worker_id == "w2"
+    assert encoder.embedded == [FOX_AT_DUSK]
+    ask(core, BOAT)
+    ask(core, FOX)  # a third prompt in a memory of two: FOX_AT_DUSK, the oldest, goes
+    ask(core, BOAT)
+    ask(core, FOX_AT_DUSK)
+    assert encoder.embedded == [FOX_AT_DUSK, BOAT, FOX, FOX_AT_DUSK]
+
+
 def test_bad_cache_lookups_in_a_report_name_the_field() -> None:
     bad = allocator_pb2.RouterReport(
         router_id="r",
