@@ -54,7 +54,7 @@ from typing import Any
 import grpc
 import numpy as np
 from _machine import load_line, machine_line
-from _pinning import cpu_list, cpu_seconds, split_cpus
+from _pinning import cpu_list, cpu_seconds, pin_this_process, split_cpus
 from bench_concurrency import (
     RETRY_KEY,
     grpc_burst,
@@ -329,7 +329,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     if unknown:
         parser.error(f"--servers: unknown {unknown}; known: {', '.join(SERVERS)}")
     server_cpus, client_cpus = split_cpus()
-    os.sched_setaffinity(0, client_cpus)
+    before = sorted(os.sched_getaffinity(0))
+    pin_this_process(client_cpus)  # every thread of this process, gRPC's included
+    try:
+        results = _measure(args, kinds, server_cpus, client_cpus)
+    finally:
+        pin_this_process(before)  # a caller (a test) gets its CPUs back
+    print(load_line("after"))
+    return results
+
+
+def _measure(
+    args: argparse.Namespace,
+    kinds: list[str],
+    server_cpus: Sequence[int],
+    client_cpus: Sequence[int],
+) -> dict[str, list[dict[str, Any]]]:
     raise_open_files()
     print(machine_line())
     print(load_line("before"))
@@ -354,7 +369,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
                 print(f"{'':13s} other answers: {r['others']}")
     if any(kind.endswith("-argus") for kind in kinds):
         print(f"the core's own refusal, in a loop on one thread: {core_refusal_ms():.3f} ms CPU")
-    print(load_line("after"))
     return results
 
 

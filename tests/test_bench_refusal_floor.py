@@ -27,7 +27,9 @@ def floor() -> Iterator[Any]:
 def test_every_design_refuses_a_small_burst_with_the_hint(
     floor: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    before = os.sched_getaffinity(0)
     results = floor.main(["--requests", "12", "--rounds", "1", "--grpc-channels", "2"])
+    assert os.sched_getaffinity(0) == before  # it pinned its load generator, then gave back
     printed = capsys.readouterr().out
     assert set(results) == set(floor.SERVERS)
     for kind, rounds in results.items():
