@@ -98,9 +98,8 @@ class Loss:
 def losses(runs: Runs) -> list[Loss]:
     """Every (load, policy) where argus is clearly below in quality or above in violations."""
     out = []
-    for load, _, policy in sorted({(lo, 0, p) for (lo, _, p) in runs}, key=lambda k: float(k[0])):
-        if policy in ("argus", "argus-oracle"):
-            continue
+    pairs = {(lo, p) for (lo, _, p) in runs if p not in ("argus", "argus-oracle")}
+    for load, policy in sorted(pairs, key=lambda k: (float(k[0]), k[1])):
         quality = paired(runs, "argus", runs, policy, load, "effective_quality")
         violations = paired(runs, "argus", runs, policy, load, "slo_violation_ratio")
         if quality.hi < 0 or violations.lo > 0:
