@@ -43,7 +43,8 @@ the router classifier's own vectors (the first 2 MiniLM layers, int8) while the 
 resume by full-encoder similarity: why the live router embeds with the full encoder.
 
 **(c) The router's encoder.** The median time to embed a short and a long prompt with the
-encoder the router loads for cache routing (the workers' MiniLM), run every time.
+encoder the router loads for cache routing (the workers' MiniLM), run every time, and with
+the worker's (torch on a CPU), whose time the router's vector on the call saves.
 
     python benchmarks/bench_cache_routing.py [--entries 100000] [--workers 8] [--queries 300]
         [--settings 16:8,8:4,24:8] [--requests 3000] [--router-encoder full|student|both]
@@ -852,21 +853,30 @@ ENCODER_PROMPTS = (
 def time_router_encoder(rounds: int = 50) -> dict[str, float]:
     """(c) What embedding one prompt costs the router: the encoder it loads for cache routing
     (:func:`argus.router.app.load_cache_encoder`, the workers' MiniLM), median over
-    ``rounds`` calls, for a short and a long prompt."""
+    ``rounds`` calls, for a short and a long prompt; beside it what the same prompts cost the
+    worker's encoder as ``argus worker`` loads it on a CPU (torch), which the worker skips
+    when the call carries the router's vector (``GenerateRequest.prompt_embedding``)."""
+    from argus.embedding import PromptEmbedder
     from argus.router.app import load_cache_encoder
 
-    encoder = load_cache_encoder(None)
     out = {}
-    for prompt in ENCODER_PROMPTS:
-        encoder.embed_one(prompt)  # first call: sessions and buffers
-        times = []
-        for _ in range(rounds):
-            began = time.perf_counter()
-            encoder.embed_one(prompt)
-            times.append(time.perf_counter() - began)
-        words = len(prompt.split())
-        out[f"{words}_words_ms"] = float(np.median(times)) * 1e3
-        print(f"(c) the router's encoder: {words} words, median {out[f'{words}_words_ms']:.1f} ms")
+    router = load_cache_encoder(None)
+    worker = PromptEmbedder()
+    assert worker.vectors_id == router.vectors_id  # the worker takes the router's vectors
+    for name, encoder in (("router", router), ("worker", worker)):
+        for prompt in ENCODER_PROMPTS:
+            encoder.embed_one(prompt)  # first call: sessions and buffers
+            times = []
+            for _ in range(rounds):
+                began = time.perf_counter()
+                encoder.embed_one(prompt)
+                times.append(time.perf_counter() - began)
+            words = len(prompt.split())
+            ms = out[f"{name}_{words}_words_ms"] = float(np.median(times)) * 1e3
+            print(
+                f"(c) the {name}'s encoder ({encoder.runtime}): {words} words, median {ms:.1f} ms"
+                + ("" if name == "router" else ", skipped when the call carries the router's")
+            )
     return out
 
 

@@ -82,6 +82,8 @@ CALL = GenerateCall(
     mask=b"\x89PNG mask",
     strength=0.5,
     cache_cursor=CacheCursor("log-1", 41),
+    prompt_embedding=(0.5, -0.75),
+    prompt_encoder="minilm-1",
 )
 RESULT = GenerateResult(
     request_id="r-1",

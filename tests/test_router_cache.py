@@ -78,6 +78,7 @@ class FakeEncoder:
     hashed direction for any other."""
 
     dim = DIM
+    vectors_id = "fake-encoder-1"
 
     def __init__(self) -> None:
         self.embedded: list[str] = []
@@ -236,6 +237,17 @@ def test_a_prompt_goes_to_the_worker_holding_its_close_neighbour() -> None:
     # every call carried the worker's cursor, advanced by the replies
     assert all(call.cache_cursor is not None for _, call in workers.calls)
     assert workers.calls[-1][1].cache_cursor.after == 1  # type: ignore[union-attr]
+
+
+def test_the_call_carries_the_vector_the_router_embedded_so_the_worker_need_not() -> None:
+    workers = CachingWorkers()
+    core, clock = make_core(workers)
+    warm_w2(core, workers, clock)
+    ask(core, FOX_AT_DUSK)
+    (_, fox), (_, dusk) = workers.calls[-2], workers.calls[-1]
+    assert (fox.prompt_embedding, fox.prompt_encoder) == ((), "")  # an empty mirror: not embedded
+    assert dusk.prompt_encoder == FakeEncoder.vectors_id
+    assert dusk.prompt_embedding == pytest.approx(VECTORS[FOX_AT_DUSK], abs=1e-6)
 
 
 def test_the_cache_choice_is_counted_in_the_metrics() -> None:

@@ -96,5 +96,11 @@ def test_the_router_sends_a_paraphrase_to_the_worker_that_cached_the_prompt(
         near = ask(BUS_NEAR)  # Eq. 3 alone: w1, the lower id of two idle workers
         assert near.worker_id == "w2"
         assert near.worker_response.start_step == 5  # resumed from BUS's latent
+        # the router embedded BUS_NEAR for its lookup; w2 took that vector, not its encoder's
+        assert w2.cache is not None
+        routed = w2.cache.metrics.registry.get_sample_value(
+            "argus_worker_cache_prompt_vectors_total", {"source": "router"}
+        )
+        assert routed == 1.0
     finally:
         core.close()

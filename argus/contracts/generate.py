@@ -19,7 +19,9 @@ numbers come from the generated code by name (:func:`~argus.contracts.wire.pb_nu
 The approximate cache's evidence travels here too: a result says what the cache gave the
 request (outcome, the neighbour's similarity, the step resumed at and the level's K, its
 ceiling), and a call that sends a :class:`CacheCursor` gets the cache's changes after it
-(:class:`CacheEvents`) for the router's mirror of what each worker caches. The
+(:class:`CacheEvents`) for the router's mirror of what each worker caches; the prompt's
+embedding the router made for its lookup rides on the call, so the worker need not embed it
+again. The
 :class:`CacheKey` whose tag those changes carry is defined here, so a router computes the same
 tag for a request as the worker that cached it (:func:`adapters_digest` included).
 
@@ -195,6 +197,10 @@ class GenerateCall:
     strength: float | None = None  # img2img (no mask), in (0, 1]
     # where the caller stands in the worker's log of cache changes; None: send none back
     cache_cursor: CacheCursor | None = None
+    # the prompt's unit-norm embedding as the router made it for its cache lookup, and its
+    # encoder's vectors_id: a worker with that encoder uses it instead of embedding again
+    prompt_embedding: tuple[float, ...] = ()
+    prompt_encoder: str = ""
 
 
 class Stage(enum.Enum):
@@ -414,6 +420,9 @@ def call_to_pb(call: GenerateCall) -> Any:
     if call.cache_cursor is not None:
         message.cache_log_id = call.cache_cursor.log_id
         message.cache_events_after = call.cache_cursor.after
+    if call.prompt_embedding:
+        message.prompt_embedding.extend(call.prompt_embedding)
+        message.prompt_encoder = call.prompt_encoder
     return request_to_message(call, message, _OPTIONAL)
 
 
@@ -423,7 +432,11 @@ def call_from_pb(message: Any) -> GenerateCall:
     if message.HasField("cache_events_after"):
         cursor = CacheCursor(message.cache_log_id, message.cache_events_after)
     return GenerateCall(
-        level=message.level, cache_cursor=cursor, **request_from_message(message, _OPTIONAL)
+        level=message.level,
+        cache_cursor=cursor,
+        prompt_embedding=tuple(message.prompt_embedding),
+        prompt_encoder=message.prompt_encoder,
+        **request_from_message(message, _OPTIONAL),
     )
 
 

@@ -412,7 +412,12 @@ def load_cache_encoder(directory: str | None) -> Embedder:
     except (ImportError, RuntimeError) as err:
         log.warning("cache encoder: ONNX unavailable (%s), running it with torch", err)
         encoder = PromptEmbedder(directory)
-    log.info("cache-aware routing: prompts embedded by %s (%s)", encoder.model_dir, encoder.runtime)
+    log.info(
+        "cache-aware routing: prompts embedded by %s (%s, vectors %s, sent to the workers)",
+        encoder.model_dir,
+        encoder.runtime,
+        encoder.vectors_id,  # hashed now, not on the first request
+    )
     return encoder
 
 

@@ -24,7 +24,9 @@ while the plan is AC (the answer picks the worker), and otherwise at most once p
 prompt (``docs/router-internals.md`` has the figures); never for an edit, which does not
 resume from the cache, nor for a request whose size or steps the router cannot tell. The
 vectors of the last :data:`PROMPT_MEMORY` prompts are kept, so a prompt asked again is not
-embedded again.
+embedded again. The vector also travels with the call to the chosen worker
+(:meth:`CacheMirror.vector_for`), whose lookup and insert then skip the encoder: the prompt
+is embedded once per request, at the router, not once at each end.
 
 Thread safety: one lock orders each worker's cursor and the events applied with it (the
 view has its own lock, which queries take); the probes and the kept vectors have their own.
@@ -77,9 +79,13 @@ About 1.6 KB each at 384 dimensions."""
 
 
 class Embedder(Protocol):
-    """The workers' prompt encoder as the mirror uses it (``PromptEmbedder``)."""
+    """The workers' prompt encoder as the mirror uses it (``PromptEmbedder``): ``vectors_id``
+    names the vectors it makes, which the worker checks before it takes one for its own."""
 
     dim: int
+
+    @property
+    def vectors_id(self) -> str: ...
 
     def embed_one(self, prompt: str) -> npt.NDArray[np.float32]: ...
 
@@ -98,6 +104,8 @@ class Lookup:
 
     found: Mapping[str, Mapping[str, float]]  # model → worker → similarity
     embed_s: float = 0.0  # the encoder's time on the prompt, seconds
+    # the prompt's vector, which the call to the worker carries (it need not embed again)
+    vector: npt.NDArray[np.float32] | None = field(default=None, compare=False, repr=False)
 
     def neighbours(self, worker: str, model: str) -> float | None:
         """The policy's ``Neighbours``: None when ``worker`` holds nothing under the key."""
@@ -300,7 +308,15 @@ class CacheMirror:
         for model in self.routing.models:
             tag = CacheKey(model, self.scheduler, height, width, steps, adapters).tag
             found[model] = self.view.best(vector, tag, workers)
-        return Lookup(found, embed_s)
+        return Lookup(found, embed_s, vector)
+
+    def vector_for(self, lookup: Lookup | None) -> tuple[tuple[float, ...], str]:
+        """What the call to the worker carries of ``lookup``: the prompt's vector and the
+        encoder's ``vectors_id`` (``GenerateCall.prompt_embedding``, ``prompt_encoder``);
+        empty when the prompt was not embedded."""
+        if lookup is None or lookup.vector is None:
+            return (), ""
+        return tuple(lookup.vector.tolist()), self.embedder.vectors_id
 
     def _embed(self, prompt: str) -> tuple[npt.NDArray[np.float32], float]:
         """``prompt``'s vector and the encoder's seconds on it: 0 for a prompt among the last

@@ -745,7 +745,7 @@ class RouterCore:
                 routed_at = self._clock()
                 flight.routed(decision, self._router.level_name, routed_at - arrived)
                 try:
-                    reply = self._forward(flight, decision, address, token)
+                    reply = self._forward(flight, decision, address, token, lookup)
                 except RouterError as err:
                     if err.kind is not Refusal.UNAVAILABLE:
                         raise
@@ -962,13 +962,25 @@ class RouterCore:
             self._dispatch(worker, now)
 
     def _forward(
-        self, flight: InFlight, decision: RouteDecision, address: str, token: int
+        self,
+        flight: InFlight,
+        decision: RouteDecision,
+        address: str,
+        token: int,
+        lookup: Lookup | None,
     ) -> WorkerReply:
         level = self._router.level_name(decision.served_level)
         work = worker_call(flight.request, level, previews=flight.progress is not None)
         cache = self.cache
-        if cache is not None:  # the worker answers with its cache's changes since then
-            work = replace(work, cache_cursor=cache.cursor(decision.worker_id))
+        if cache is not None:  # the worker answers with its cache's changes since then, and
+            # takes the prompt's vector from ``lookup`` instead of embedding it again
+            vector, encoder = cache.vector_for(lookup)
+            work = replace(
+                work,
+                cache_cursor=cache.cursor(decision.worker_id),
+                prompt_embedding=vector,
+                prompt_encoder=encoder,
+            )
         with self._lock:
             self.worker_calls += 1
         answered = False

@@ -84,6 +84,7 @@ from argus.worker.approx_cache.use import (
     feeds_cache,
     insert,
     look_up,
+    router_vector,
 )
 from argus.worker.decode_times import DECODE_SEED_S_PER_PIXEL, DecodeSkipped, DecodeTimes
 from argus.worker.editing.activation_cache import EditCache
@@ -282,6 +283,7 @@ class Worker:
         with self._slots:
             if self.encoder is not None:
                 self._on_device(self.encoder.embed_one, WARM_UP_PROMPT)
+                getattr(self.encoder, "vectors_id", None)  # hashed once, not on a request
             ran = self._on_device(self._run, spec, level, plan, "warm-up", feed_cache=False)
         self._finish(ran, NEVER_CANCELLED)
         self._warm.set()
@@ -340,6 +342,7 @@ class Worker:
         the GPU slot is free when it raises. ``progress`` hears each :class:`Progress` event
         (see the module's docstring)."""
         spec, level, plan = self.validate(call)
+        vector = router_vector(self.encoder, call.prompt_embedding, call.prompt_encoder)
         queued_edit = self._edits.queued(spec, level, plan)
         with self._lock:
             if self._queued >= self.config.max_queue:
@@ -391,6 +394,7 @@ class Worker:
                         cancel=cancel,
                         report=report,
                         queued_edit=queued_edit,
+                        vector=vector,
                     )
                 finally:
                     self._slots.release()
@@ -461,6 +465,7 @@ class Worker:
         cancel: CancelToken = NEVER_CANCELLED,
         report: Reporter | None = None,
         queued_edit: tuple[str, bool] | None = None,
+        vector: npt.NDArray[np.float32] | None = None,
     ) -> _Ran:
         """Serve one checked request on the device thread (the GPU slot is held), in the
         numbered steps of diffusers' ``__call__``: 1. pick the model; 2. look the prompt up in
@@ -469,7 +474,9 @@ class Worker:
         request path; 7. answer, without the PNG: :meth:`_finish` encodes it on the caller's
         thread once the GPU slot is free. ``feed_cache``: False for the warm-up.
         ``queued_edit``: the activation cache's key of an inpainting edit when it was queued,
-        and whether a record was there then (:meth:`WorkerEdits.queued`)."""
+        and whether a record was there then (:meth:`WorkerEdits.queued`). ``vector``: the
+        prompt's embedding from the router (:func:`router_vector`), used in place of the
+        encoder's by the lookup and the insert."""
         model, substituted = self._pick_model(level)  # 1
         # only an AC run, or a run on the cache's base model, outside an edit can look up or
         # feed the cache: no key (and no hash of the control images) for the others
@@ -479,7 +486,7 @@ class Worker:
             and spec.edit is None
         )
         key = cache_key(model, spec, plan) if uses_cache else None
-        lookup = look_up(self.cache, self.encoder, spec, level, key)  # 2
+        lookup = look_up(self.cache, self.encoder, spec, level, key, vector)  # 2
         feeds = (
             feed_cache
             and spec.edit is None
@@ -491,7 +498,11 @@ class Worker:
         )
         image, vae_s = self._decode_in_time(model, spec, result, cancel, report)  # 5
         if feeds and key is not None and result.captured:  # 6
-            self._insert_later(spec.prompt, lookup.embedding, key, result.captured)
+            embedding = lookup.embedding
+            if embedding is None and vector is not None and self.cache is not None:
+                self.cache.count_vector("router")  # no lookup ran: the router's vector
+                embedding = vector
+            self._insert_later(spec.prompt, embedding, key, result.captured)
         answer = self._answer(  # 7
             request_id, level, model, result, lookup, vae_s, substituted, path, adapter_ms
         )

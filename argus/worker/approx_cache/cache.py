@@ -103,6 +103,7 @@ MISS_REASONS: Final = (
     MISS_INDEX_ERROR,  # the vector index raised (server down, closed cache)
 )
 PHASES: Final = ("search", "fetch")
+VECTOR_SOURCES: Final = ("router", "worker")  # where a lookup's or insert's prompt vector came from
 # similarity histogram buckets: the default rule's floors (0.65 … 0.93) and room around them
 SIMILARITY_BUCKETS = (
     0.0,
@@ -219,8 +220,17 @@ class CacheMetrics:
             buckets=SIMILARITY_BUCKETS,
             registry=registry,
         )
+        self.prompt_vectors = Counter(
+            "argus_worker_cache_prompt_vectors",
+            "Prompts whose embedding the cache's lookup or insert used, by source (router: "
+            "the vector the router sent with the call; worker: embedded here)",
+            ["source"],
+            registry=registry,
+        )
         for phase in PHASES:
             self.retrieval.labels(phase)
+        for source in VECTOR_SOURCES:
+            self.prompt_vectors.labels(source)
         for reason in MISS_REASONS:
             self.misses.labels(reason)
         self._collectors = (
@@ -232,6 +242,7 @@ class CacheMetrics:
             self.bytes,
             self.k_reduced,
             self.similarity,
+            self.prompt_vectors,
         )
 
     def unregister(self) -> None:
@@ -316,6 +327,10 @@ class ApproximateCache:
         return self.rules.get(model, self.default_rule)
 
     # -- the request path ------------------------------------------------------------------
+
+    def count_vector(self, source: str) -> None:
+        """One prompt vector used, from ``source`` (:data:`VECTOR_SOURCES`)."""
+        self.metrics.prompt_vectors.labels(source).inc()
 
     def lookup(self, embedding: npt.ArrayLike, key: CacheKey, ceiling: int) -> CacheHit | CacheMiss:
         """The latent of the cached prompt nearest to ``embedding`` among the entries of

@@ -51,13 +51,65 @@ from argus.contracts.generate import (
     CacheOutcome,
     adapters_digest,
 )
+from argus.request_limits import InvalidRequestError
 from argus.types import Level, Strategy
 from argus.worker.adapters.workflow import AdapterPlan
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 
 
 class PromptEncoder(Protocol):
+    """The worker's prompt encoder (``PromptEmbedder``). One that also has a ``vectors_id``
+    (the id of the vectors it makes) can take a router's vector of the same id instead of
+    embedding (:func:`router_vector`)."""
+
+    dim: int
+
     def embed_one(self, prompt: str) -> npt.NDArray[np.float32]: ...
+
+
+# how far a vector's norm may stray from 1 (float32 rounding over 384 values is ~1e-7)
+UNIT_TOLERANCE = 1e-3
+
+
+def router_vector(
+    encoder: PromptEncoder | None, values: tuple[float, ...], encoder_id: str
+) -> npt.NDArray[np.float32] | None:
+    """The prompt's vector as the router sent it (``GenerateCall.prompt_embedding`` and
+    ``prompt_encoder``), checked, when this worker's encoder makes the same vectors; None when
+    none was sent, when this worker has no encoder, or when its encoder is another (the worker
+    then embeds the prompt itself). Raises :class:`InvalidRequestError` naming the field for a
+    vector without its encoder's id, or one of this encoder that is of another width, not
+    finite or not of unit norm: such a vector would file the prompt under a wrong direction."""
+    if not values:
+        return None
+    if not encoder_id:
+        raise InvalidRequestError("prompt_encoder", "required with prompt_embedding")
+    if encoder is None or getattr(encoder, "vectors_id", None) != encoder_id:
+        return None
+    vector = np.asarray(values, dtype=np.float32)
+    if vector.shape != (encoder.dim,):
+        raise InvalidRequestError(
+            "prompt_embedding", f"{vector.size} values; this encoder's vectors have {encoder.dim}"
+        )
+    norm = float(np.linalg.norm(vector))
+    if not np.isfinite(vector).all() or abs(norm - 1.0) > UNIT_TOLERANCE:
+        raise InvalidRequestError(
+            "prompt_embedding", f"must be a finite unit vector, got norm {norm:.4g}"
+        )
+    vector.flags.writeable = False
+    return vector
+
+
+def _embedding(
+    cache: Any,
+    encoder: PromptEncoder,
+    prompt: str,
+    given: npt.NDArray[np.float32] | None,
+) -> npt.NDArray[np.float32]:
+    """``given`` (the router's vector) or the encoder's, counted by where it came from."""
+    source = "router" if given is not None else "worker"
+    cache.count_vector(source)
+    return given if given is not None else encoder.embed_one(prompt)
 
 
 @dataclass(frozen=True)
@@ -128,11 +180,13 @@ def look_up(
     spec: GenerationSpec,
     level: Level,
     key: CacheKey | None,
+    embedding: npt.NDArray[np.float32] | None = None,
 ) -> CacheLookup:
     """Step 2: where the run starts. An edit starts where its strength says, without the
-    cache (see the module's docstring). An AC level with K > 0 embeds the prompt and looks it
-    up under ``key`` with K as the ceiling; a worker without an encoder misses without a
-    search; every other request does not use the cache."""
+    cache (see the module's docstring). An AC level with K > 0 embeds the prompt (or takes
+    ``embedding``, the router's vector of it) and looks it up under ``key`` with K as the
+    ceiling; a worker without an encoder misses without a search; every other request does
+    not use the cache."""
     if spec.edit is not None:
         return CacheLookup(CacheOutcome.NOT_USED, start_step=spec.start_step)
     if level.strategy is not Strategy.AC or level.skip_steps == 0 or cache is None:
@@ -141,7 +195,7 @@ def look_up(
         return CacheLookup.miss("no-encoder")
     from argus.worker.approx_cache.cache import CacheHit
 
-    embedding = encoder.embed_one(spec.prompt)
+    embedding = _embedding(cache, encoder, spec.prompt, embedding)
     found = cache.lookup(embedding, key, level.skip_steps)
     if isinstance(found, CacheHit):
         return CacheLookup(
@@ -185,14 +239,15 @@ def insert(
     latents: dict[int, torch.Tensor],
 ) -> bool:
     """Step 6, on the writer thread: store a run's captured ``latents`` under ``prompt``'s
-    embedding (made now when the lookup made none). Returns False when the cache refused or
-    failed the insert (the worker counts it); a worker without a cache or encoder stores
-    nothing."""
+    ``embedding`` (the lookup's or the router's; made now when there is none). Returns False
+    when the cache refused or failed the insert (the worker counts it); a worker without a
+    cache or encoder stores nothing."""
     if encoder is None or cache is None:
         return True
-    vector = encoder.embed_one(prompt) if embedding is None else embedding
     try:
-        cache.insert(vector, key, prompt, latents)
+        if embedding is None:
+            embedding = _embedding(cache, encoder, prompt, None)
+        cache.insert(embedding, key, prompt, latents)
     except Exception:
         return False
     return True
