@@ -69,6 +69,20 @@ def test_a_request_the_free_worker_cannot_finish_in_time_is_refused_not_sent() -
     assert taken is not None and taken.token == 2
 
 
+def test_the_check_at_sending_counts_what_the_running_request_has_done() -> None:
+    binder = LateBinder(2, RULE)
+    binder.send("a")  # running for 3 of its 4 s
+    binder.hold(held(1, "a", deadline=6.0, t=4.0))  # 1 s left of it, then 4 s: in time
+    taken, late = binder.take("a", 0, now=0.0, elapsed_s=3.0)
+    assert late == [] and taken is not None and taken.token == 1
+    binder.hold(held(2, "a", deadline=4.5, t=4.0))
+    assert binder.take("a", 0, now=0.0, elapsed_s=3.0) == (None, [])  # a full window
+    binder.done("a")  # one left running for 3 s: 1 + 4 s is still too late for 2
+    taken, late = binder.take("a", 0, now=0.0, elapsed_s=3.0)
+    assert taken is None and [h.token for h in late] == [2]
+    assert (late[0].predicted_s, late[0].budget_s) == (5.0, 4.5)
+
+
 def test_held_requests_are_predicted_again_when_their_worker_slows() -> None:
     binder = LateBinder(1, RULE)
     binder.send("a")

@@ -937,9 +937,10 @@ class RouterCore:
         level = self._beliefs.levels.get(worker)
         if level is None or worker in self._beliefs.down(now):
             return
-        late = binder.overdue(worker, now, self._beliefs.elapsed_s(worker, now))
+        elapsed = self._beliefs.elapsed_s(worker, now)
+        late = binder.overdue(worker, now, elapsed)
         while True:
-            taken, also_late = binder.take(worker, level, now)
+            taken, also_late = binder.take(worker, level, now, elapsed)
             late += also_late
             if taken is None:
                 break

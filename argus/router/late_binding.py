@@ -112,10 +112,13 @@ class LateBinder:
             self._unline(held)
         return held
 
-    def take(self, worker: str, level: int, now: float) -> tuple[Held | None, list[Held]]:
+    def take(
+        self, worker: str, level: int, now: float, elapsed_s: float = 0.0
+    ) -> tuple[Held | None, list[Held]]:
         """The held request ``worker`` (serving ``level``, with room) takes now, marked sent
         there, and the held requests found late on the way (removed and marked ``late``):
-        those that ``worker``, free now, could not finish by their deadlines. First by
+        those that ``worker``, with the requests sent there still ahead (the one running for
+        ``elapsed_s``, as admission counts it), could not finish by their deadlines. First by
         deadline among those counted on ``worker`` and those not pinned counted on another
         worker of ``level`` that has no room itself."""
         late: list[Held] = []
@@ -125,7 +128,9 @@ class LateBinder:
                 return None, late
             held = min(candidates, key=lambda h: (h.deadline, h.token))
             self._remove(held)
-            completion = self.rule.completion_s(self._sent[worker], held.service_s(worker))
+            completion = self.rule.completion_s(
+                self._sent[worker], held.service_s(worker), elapsed_s
+            )
             if completion > held.deadline - now:
                 late.append(self._late(held, completion, held.deadline - now))
                 continue

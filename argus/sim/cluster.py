@@ -974,7 +974,7 @@ class _Run:
         self._refuse_held(binder.overdue(worker.worker_id, now, elapsed))
         level = self.sim._level_index[worker.level]
         while True:
-            held, late = binder.take(worker.worker_id, level, now)
+            held, late = binder.take(worker.worker_id, level, now, elapsed)
             self._refuse_held(late)
             if held is None:
                 return
