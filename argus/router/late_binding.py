@@ -13,7 +13,8 @@ there) waits for that one.
 Every decision is taken with the newest service times: when a worker answers, the requests in
 its line are predicted again (their place in line as the queue) and those that can no longer
 finish by their deadlines are given back to be refused at once; a request about to be sent
-that could not finish even on the now-free worker is refused too; and each held request has
+that could not finish behind what still runs there (counted as admission counts it, less what
+the running request has done) is refused too; and each held request has
 an expiry (its deadline less its service time on an idle worker) after which no wait could
 save it. A request is sent only if admission's rule (its quantile, on its service time with
 admission's headroom) still admits it there, the standard it was admitted by; while it
