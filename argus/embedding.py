@@ -182,21 +182,36 @@ def _content_key(
     )
     if layers is not None:  # absent for the full encoder, so its cached files keep their names
         settings += f";layers={layers}"
-    digest.update(f"{settings};onnxruntime={onnxruntime.__version__};".encode())
-    _hash_weights(digest, model_dir, layer_weights)
+    weights = _weights_sha256(model_dir, layer_weights)
+    digest.update(f"{settings};onnxruntime={onnxruntime.__version__};{weights}".encode())
     return digest.hexdigest()
 
 
-def _hash_weights(digest: Any, model_dir: Path, layer_weights: Path | None) -> None:
-    """Feed ``digest`` the encoder's weights and config, and a student's distilled layers."""
+def _weights_sha256(model_dir: Path, layer_weights: Path | None) -> str:
+    """SHA-256 of the encoder's weights and config, and a student's distilled layers: read once
+    per process for files of the same path, size and modification time (the ONNX export's key
+    and :attr:`PromptEmbedder.vectors_id` both ask for it)."""
     files = sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"])
     if layer_weights is not None:
         files.append(layer_weights)
+    signature = []
     for file in files:
-        digest.update(file.name.encode() + b"\0")
-        with file.open("rb") as handle:
+        real = file.resolve()
+        stat = real.stat()
+        signature.append((str(real), stat.st_size, stat.st_mtime_ns))
+    return _files_sha256(tuple(signature))
+
+
+@functools.lru_cache(maxsize=16)
+def _files_sha256(files: tuple[tuple[str, int, int], ...]) -> str:
+    """SHA-256 of each file's name and bytes, in order (``files``: path, size, mtime)."""
+    digest = hashlib.sha256()
+    for path, _, _ in files:
+        digest.update(Path(path).name.encode() + b"\0")
+        with open(path, "rb") as handle:
             while chunk := handle.read(1 << 20):
                 digest.update(chunk)
+    return digest.hexdigest()
 
 
 def export_onnx(model: torch.nn.Module, path: Path, *, int8: bool) -> None:
@@ -458,6 +473,14 @@ class PromptEmbedder:
         # rounds its own way, differing from float32 in the second decimal
         self.precision = precision if vectors_of(runtime) == "fp32" else runtime
         self.runtime = runtime
+        # Which vectors this encoder makes: its weights (a student's layers included), token
+        # limit and precision, the same for every runtime of one precision (torch and ONNX
+        # float32 agree to rounding). Encoders of one id give a prompt the same vector, so a
+        # worker takes the router's for its own (``GenerateRequest.prompt_embedding``).
+        weights = _weights_sha256(self.model_dir, self.layer_weights)
+        self.vectors_id = hashlib.sha256(
+            f"max_tokens={self.max_tokens};layers={layers};vectors={self.precision};{weights}".encode()
+        ).hexdigest()[:32]
         # Dynamic int8 quantises each matrix product's input with one scale over the whole
         # batch, so a prompt's vector (and class) would depend on the prompts batched with it
         # and on their padding: int8 runtimes run each prompt alone.
@@ -544,17 +567,3 @@ class PromptEmbedder:
     def embed_one(self, prompt: str) -> FloatArray:
         row: FloatArray = self.embed([prompt])[0]
         return row
-
-    @functools.cached_property
-    def vectors_id(self) -> str:
-        """Which vectors this encoder makes: a digest of its weights and config (a student's
-        layer count and distilled layers included), token limit and precision, the same for
-        every runtime of one precision (torch and ONNX float32 agree to rounding). Two
-        encoders with one id give one prompt the same vector, so a worker can take the
-        router's vector for its own (``GenerateRequest.prompt_embedding``). Reads the weights
-        once, the first time it is asked (about a tenth of a second for MiniLM)."""
-        digest = hashlib.sha256(
-            f"max_tokens={self.max_tokens};layers={self.layers};vectors={self.precision};".encode()
-        )
-        _hash_weights(digest, self.model_dir, self.layer_weights)
-        return digest.hexdigest()[:32]

@@ -416,7 +416,7 @@ def load_cache_encoder(directory: str | None) -> Embedder:
         "cache-aware routing: prompts embedded by %s (%s, vectors %s, sent to the workers)",
         encoder.model_dir,
         encoder.runtime,
-        encoder.vectors_id,  # hashed now, not on the first request
+        encoder.vectors_id,
     )
     return encoder
 

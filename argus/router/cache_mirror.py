@@ -83,9 +83,7 @@ class Embedder(Protocol):
     names the vectors it makes, which the worker checks before it takes one for its own."""
 
     dim: int
-
-    @property
-    def vectors_id(self) -> str: ...
+    vectors_id: str
 
     def embed_one(self, prompt: str) -> npt.NDArray[np.float32]: ...
 

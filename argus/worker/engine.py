@@ -283,7 +283,6 @@ class Worker:
         with self._slots:
             if self.encoder is not None:
                 self._on_device(self.encoder.embed_one, WARM_UP_PROMPT)
-                getattr(self.encoder, "vectors_id", None)  # hashed once, not on a request
             ran = self._on_device(self._run, spec, level, plan, "warm-up", feed_cache=False)
         self._finish(ran, NEVER_CANCELLED)
         self._warm.set()
@@ -498,11 +497,7 @@ class Worker:
         )
         image, vae_s = self._decode_in_time(model, spec, result, cancel, report)  # 5
         if feeds and key is not None and result.captured:  # 6
-            embedding = lookup.embedding
-            if embedding is None and vector is not None and self.cache is not None:
-                self.cache.count_vector("router")  # no lookup ran: the router's vector
-                embedding = vector
-            self._insert_later(spec.prompt, embedding, key, result.captured)
+            self._insert_later(spec.prompt, lookup.embedding, vector, key, result.captured)
         answer = self._answer(  # 7
             request_id, level, model, result, lookup, vae_s, substituted, path, adapter_ms
         )
@@ -699,27 +694,30 @@ class Worker:
         self,
         prompt: str,
         embedding: npt.NDArray[np.float32] | None,
+        given: npt.NDArray[np.float32] | None,
         key: CacheKey,
         latents: dict[int, torch.Tensor],
     ) -> None:
         """Step 6: hand a run's captured latents to the cache's writer thread, off the request
-        path; a full backlog drops them, counted (``dropped_inserts``)."""
+        path (:func:`insert`: ``embedding`` the lookup's, ``given`` the router's); a full
+        backlog drops them, counted (``dropped_inserts``)."""
         with self._lock:
             self._pending = {f for f in self._pending if not f.done()}
             if len(self._pending) >= self.config.pending_inserts:
                 self._counts["dropped_inserts"] += 1
                 return
-            future = self._writer.submit(self._insert, prompt, embedding, key, latents)
+            future = self._writer.submit(self._insert, prompt, embedding, given, key, latents)
             self._pending.add(future)
 
     def _insert(
         self,
         prompt: str,
         embedding: npt.NDArray[np.float32] | None,
+        given: npt.NDArray[np.float32] | None,
         key: CacheKey,
         latents: dict[int, torch.Tensor],
     ) -> None:
-        if not insert(self.cache, self.encoder, prompt, embedding, key, latents):
+        if not insert(self.cache, self.encoder, prompt, embedding, key, latents, given):
             self._count("failed_inserts")
 
     def flush(self, timeout_s: float | None = None) -> None:

@@ -237,16 +237,18 @@ def insert(
     embedding: npt.NDArray[np.float32] | None,
     key: CacheKey,
     latents: dict[int, torch.Tensor],
+    given: npt.NDArray[np.float32] | None = None,
 ) -> bool:
     """Step 6, on the writer thread: store a run's captured ``latents`` under ``prompt``'s
-    ``embedding`` (the lookup's or the router's; made now when there is none). Returns False
-    when the cache refused or failed the insert (the worker counts it); a worker without a
-    cache or encoder stores nothing."""
+    ``embedding`` (the lookup's, already counted); without one, under ``given`` (the router's
+    vector) or one made now, counted as the lookup counts its own. Returns False when the
+    cache refused or failed the insert (the worker counts it); a worker without a cache or
+    encoder stores nothing."""
     if encoder is None or cache is None:
         return True
     try:
         if embedding is None:
-            embedding = _embedding(cache, encoder, prompt, None)
+            embedding = _embedding(cache, encoder, prompt, given)
         cache.insert(embedding, key, prompt, latents)
     except Exception:
         return False
