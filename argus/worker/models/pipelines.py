@@ -201,6 +201,27 @@ def install_checkpoints(
 StepHook = Callable[[int, torch.Tensor], torch.Tensor | None]
 # called before every step with the index of the step about to run; may block (LoRA BAL waits)
 StepStart = Callable[[int], None]
+"""Runs before a step, under the model's lock. One that changes weights must change them in
+place (``addmm_``, ``copy_``): a CUDA graph or compiled forward replays over the same storage."""
+
+UNetCall = Callable[
+    [torch.Tensor, "torch.Tensor | float", torch.Tensor, "dict[str, torch.Tensor] | None"],
+    torch.Tensor,
+]
+"""A UNet's forward as ``(sample, t, embeds, added) -> noise``: :meth:`DiffusionModel.fast_unet`."""
+
+
+def _call_unet(
+    unet: Any,
+    sample: torch.Tensor,
+    t: torch.Tensor | float,
+    embeds: torch.Tensor,
+    added: dict[str, torch.Tensor] | None,
+) -> torch.Tensor:
+    out: torch.Tensor = unet(
+        sample, t, encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False
+    )[0]
+    return out
 
 
 class NoisePredictor(Protocol):
@@ -323,6 +344,7 @@ class DiffusionModel:
             self._hooks += install_checkpoints(vae_decoder, self._watch.checkpoint)
         self.checkpoints = len(self._hooks)
         self.graphs: GraphedUNet | None = None  # use_cuda_graphs() sets it
+        self.compiled_unet: Any = None  # use_compile() sets it: torch.compile(unet)
 
     # -- parts -----------------------------------------------------------------------------
 
@@ -474,13 +496,14 @@ class DiffusionModel:
         scheduler: Any,
         step: int = 0,
         *,
-        graphs: GraphedUNet | None = None,
+        unet: UNetCall | None = None,
     ) -> torch.Tensor:
-        """One UNet evaluation with classifier-free guidance (the default predictor); with
-        ``graphs``, the UNet replayed from its CUDA graph."""
+        """One UNet evaluation with classifier-free guidance (the default predictor); ``unet``
+        replaces the eager module's forward (:meth:`fast_unet`: its CUDA graphs or its
+        compiled forward)."""
         sample = self.unet_input(latents, t, cond, scheduler)
-        if graphs is not None:
-            return self.guide(graphs(sample, t, cond.embeds, cond.added), cond)
+        if unet is not None:
+            return self.guide(unet(sample, t, cond.embeds, cond.added), cond)
         noise: torch.Tensor = self.pipeline.unet(
             sample,
             t,
@@ -490,12 +513,33 @@ class DiffusionModel:
         )[0]
         return self.guide(noise, cond)
 
+    def fast_unet(self) -> UNetCall | None:
+        """The UNet's forward for runs that do not patch its blocks (plain and LoRA runs, whose
+        in-place merge keeps every weight's storage): its CUDA graphs if it has them, else its
+        compiled forward if it has one, else None (eager)."""
+        if self.graphs is not None:
+            return self.graphs
+        if self.compiled_unet is not None:
+            return functools.partial(_call_unet, self.compiled_unet)
+        return None
+
+    def use_compile(self, mode: str = "default", backend: str = "inductor") -> None:
+        """Run plain and LoRA runs' UNet through ``torch.compile(unet, mode=, backend=)`` from
+        now on (compiled lazily, by the first call of each shape;
+        :mod:`argus.worker.models.compiled` warms it up and times it). CUDA graphs taken
+        before are retaken over the compiled forward."""
+        self.compiled_unet = torch.compile(self.pipeline.unet, mode=mode, backend=backend)
+        if self.graphs is not None:
+            self.use_cuda_graphs(self.graphs.max_graphs)
+
     def use_cuda_graphs(self, max_graphs: int = 4) -> None:
-        """Replay the UNet's step from CUDA graphs in plain runs from now on
-        (:mod:`argus.worker.models.cuda_graphs`); ValueError off CUDA."""
+        """Replay the UNet's step from CUDA graphs in plain and LoRA runs from now on
+        (:mod:`argus.worker.models.cuda_graphs`); the graphs capture the compiled forward when
+        :meth:`use_compile` ran first. ValueError off CUDA."""
         from argus.worker.models.cuda_graphs import GraphedUNet
 
-        self.graphs = GraphedUNet(self.pipeline.unet, max_graphs)
+        unet = self.compiled_unet if self.compiled_unet is not None else self.pipeline.unet
+        self.graphs = GraphedUNet(unet, max_graphs)
 
     def start_run(
         self,
@@ -574,9 +618,9 @@ class DiffusionModel:
         exits = tuple(on_exit)
         if predictor is not None:
             predict = predictor
-        elif self.graphs is not None and not starts:
-            # a plain run: the weights stay as captured
-            predict = functools.partial(self.predict_noise, graphs=self.graphs)
+        elif (fast := self.fast_unet()) is not None:
+            # no block is patched: LoRA's before_step merges in place, which a graph sees
+            predict = functools.partial(self.predict_noise, unet=fast)
         else:
             predict = self.predict_noise
         with self.lock, torch.inference_mode(), self._watch.watching(cancel):
