@@ -149,17 +149,67 @@ DECODE_THREAD = False
 """Whether a worker's batched edits decode on a thread of their own instead of the device
 thread (argus/worker/editing/lane.py)."""
 
-CUDA_GRAPHS = 0
-"""UNet step shapes a worker keeps captured as CUDA graphs (argus/worker/models/cuda_graphs.py); 0
-runs
-every step eagerly. CUDA only: 2.1-2.8x on SDXL's step on an H200 (docs/gpu.md)."""
+CUDA_GRAPHS: int | None = None
+"""UNet work shapes a worker keeps captured as CUDA graphs (argus/worker/models/cuda_graphs.py);
+None: :data:`CUDA_GRAPHS_ON_CUDA` on a CUDA device and 0 (every step eager) elsewhere. On an
+H200 a graph halved SDXL's and SD-1.5's whole-image times (docs/gpu.md)."""
 
-EDIT_CACHE_HOST_BYTES = 2**30
+CUDA_GRAPHS_ON_CUDA = 4
+"""Graphs kept by default on a CUDA device: a worker's few serving sizes, plain and with
+ControlNet's two halves, least recently used leaving first."""
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""The ``torch.compile`` modes ``argus worker --compile`` accepts
+(argus/worker/models/compiled.py); a worker compiles nothing unless given one."""
+
+COMPILE_BACKEND = "inductor"
+"""``torch.compile``'s backend with ``--compile``; eager and aot_eager skip code generation."""
+
+EDIT_CACHE_HOST_BYTES: int | str = "auto"
 """Host memory a worker gives the mask-aware activation cache of edits (templates' recorded
-transformer-block outputs, :mod:`argus.worker.editing.activation_cache`); 0: no cache."""
+transformer-block outputs, :mod:`argus.worker.editing.activation_cache`), bytes; 0: no cache;
+"auto": :data:`EDIT_CACHE_HOST_SHARE` of the machine's memory (its cgroup limit when lower), at
+least :data:`EDIT_CACHE_HOST_FLOOR`.
 
-EDIT_CACHE_DISK_BYTES = 16 * 2**30
-"""The activation cache's disk tier, bytes, when it has a directory."""
+What a record costs: per step, 2 bytes (float16) × CFG branches × the sum over transformer
+blocks of covered tokens × channels. The tiny SDXL at 128 px (6 blocks of 64 tokens × 64
+channels) records 98,304 bytes a step, 393,296 for 4 steps with its coverage masks (measured).
+SDXL at 1024 px has 10 blocks of 4,096 tokens × 640 channels and 60 of 1,024 × 1,280: 400 MiB a
+step, 19.5 GiB for 50 steps, as measured on an H200 (``docs/gpu.md``; keys and values too: 58.6
+GiB). A quarter of a 128 GiB machine (32 GiB) holds one such record, or two of 30 steps; 1 GiB
+holds none. Several workers on one machine without per-worker memory limits each take the
+share: give them explicit bytes."""
+
+EDIT_CACHE_HOST_SHARE = 0.25
+"""Share of the machine's memory the "auto" host tier takes: the rest is the process's (a
+model's weights pass through host memory as it loads; pinned staging buffers), the page cache
+the disk tier reads through, and other processes'."""
+
+EDIT_CACHE_HOST_FLOOR = 2**30
+"""The "auto" host tier's least bytes, on a machine with little memory."""
+
+EDIT_CACHE_DISK_BYTES: int | str = "auto"
+"""The activation cache's disk tier, bytes, when it has a directory; "auto":
+:data:`EDIT_CACHE_DISK_SHARE` of the directory's free space plus the records already in it,
+measured when the worker starts (a 50-step SDXL record at 1024 px is a 19.5 GiB file, so a
+1 TB disk half free holds a dozen)."""
+
+EDIT_CACHE_DISK_SHARE = 0.5
+"""Share of the disk tier directory's free space the "auto" disk tier takes."""
+
+EDIT_CACHE_DEVICE_BYTES: int | str = "auto"
+"""Device memory a worker keeps templates' records in (the activation cache's device tier:
+a repeated template's rows never cross PCIe), bytes; 0: none; "auto": on CUDA
+:data:`EDIT_CACHE_DEVICE_SHARE` of the memory free once the model has loaded, on a CPU 0 (its
+device is the host memory the host tier holds)."""
+
+EDIT_CACHE_DEVICE_SHARE = 0.25
+"""Share of the free device memory the "auto" device tier takes. The rest is left for what
+the memory guard does not see: a batch's activations (SDXL at 1024 px peaks 2.4 GiB above its
+weights at batch 1, ``docs/gpu.md``), CUDA graphs' memory pools, a second model during a
+switch, and two steps of staged rows. On an H200 with SDXL loaded (about 130 GiB free) it is
+about 33 GiB: one 50-step SDXL record at 1024 px, or fifteen 50-step SD-1.5 records at 512 px
+(2.2 GiB each); on a 24 GiB GPU with SDXL it holds no SDXL record at 1024 px."""
 
 CACHE_MAX_ENTRIES = 100_000
 """Prompts the approximate cache keeps at most."""

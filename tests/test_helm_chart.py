@@ -963,16 +963,22 @@ def test_the_workers_resident_models_are_a_value() -> None:
         render({"worker": {"maxResidentModels": 0}})
 
 
-def test_cuda_graphs_are_a_value_off_by_default() -> None:
-    """worker.cudaGraphs reaches every worker as --cuda-graphs when set (left out at 0, the
-    binary's default); the schema refuses a negative count."""
+def test_cuda_graphs_are_a_value_auto_by_default() -> None:
+    """worker.cudaGraphs reaches every worker as --cuda-graphs when it is a count, 0 included
+    (left out at auto, the binary's default: graphs on a GPU worker, none on a CPU one); the
+    schema refuses a negative count and other words."""
     args = main_container(workloads(render({}))["worker"])["args"]
     assert "--cuda-graphs" not in args
-    assert cli_parser("worker").parse_args([]).cuda_graphs == 0
-    args = main_container(workloads(render({"worker": {"cudaGraphs": 4}}))["worker"])["args"]
-    assert arg_value(args, "--cuda-graphs") == "4"
-    with pytest.raises(helm.HelmValuesError, match="cudaGraphs"):
-        render({"worker": {"cudaGraphs": -1}})
+    assert cli_parser("worker").parse_args([]).cuda_graphs is None
+    for count in (0, 4):
+        rendered_args = main_container(
+            workloads(render({"worker": {"cudaGraphs": count}}))["worker"]
+        )["args"]
+        assert arg_value(rendered_args, "--cuda-graphs") == str(count)
+        assert cli_parser("worker").parse_args(["--cuda-graphs", str(count)]).cuda_graphs == count
+    for bad in (-1, "always"):
+        with pytest.raises(helm.HelmValuesError, match="cudaGraphs"):
+            render({"worker": {"cudaGraphs": bad}})
 
 
 def test_edit_batching_is_a_value_off_by_default() -> None:
@@ -1017,13 +1023,15 @@ def test_the_routers_edit_balancer_is_a_value_plan_by_default() -> None:
 
 
 def test_the_workers_edit_cache_is_a_value_with_an_optional_disk_tier() -> None:
-    """worker.editCache reaches every worker as --edit-cache-bytes (the binary's default by
-    default, host memory only); its disk tier mounts a node-local emptyDir at the directory it
-    passes; the schema refuses a negative bound."""
+    """worker.editCache reaches every worker as --edit-cache-bytes when it is a count (left
+    out at auto, the binary's default: host memory only); its disk tier mounts a node-local
+    emptyDir at the directory it passes, with an explicit bound (auto would measure the node's
+    disk, not the emptyDir's limit); the schema refuses a negative bound."""
     parser = cli_parser("worker")
     worker = workloads(render({}))["worker"]
     args = main_container(worker)["args"]
-    assert arg_value(args, "--edit-cache-bytes") == str(parser.parse_args([]).edit_cache_bytes)
+    assert "--edit-cache-bytes" not in args
+    assert parser.parse_args([]).edit_cache_bytes == "auto"
     assert "--edit-cache-dir" not in args
     disk = {"enabled": True, "bytes": 2**31, "sizeLimit": "3Gi"}
     worker = workloads(render({"worker": {"editCache": {"hostBytes": 0, "disk": disk}}}))["worker"]

@@ -31,11 +31,37 @@ if TYPE_CHECKING:
     from argus.worker.app import WorkerSettings
 
 
+def byte_bound(text: str) -> int | str:
+    """A tier's bound on the command line: a count of bytes, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes or auto, got {quoted(text)}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected bytes >= 0 or auto, got {value}")
+    return value
+
+
 def parse_variant(text: str) -> tuple[str, str]:
     name, sep, directory = text.partition("=")
     if not sep or not name or not directory:
         raise CLIError(f"--variant: expected NAME=DIR, got {quoted(text)}")
     return name, directory
+
+
+def _graphs(text: str) -> int | None:
+    """``--cuda-graphs``: ``auto`` (None: the device decides) or a count >= 0."""
+    if text == "auto":
+        return None
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a count >= 0, got {text!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected auto or a count >= 0, got {count}")
+    return count
 
 
 class WorkerCommand:
@@ -65,10 +91,31 @@ class WorkerCommand:
         )
         parser.add_argument(
             "--cuda-graphs",
-            type=int,
+            type=_graphs,
             default=defaults.CUDA_GRAPHS,
-            help="UNet step shapes kept as CUDA graphs and replayed (CUDA only; a request is "
-            "then stopped between steps, not inside one; default 0: eager)",
+            metavar="N|auto",
+            help="UNet work shapes kept as CUDA graphs and replayed: plain and LoRA steps, "
+            "batched steps, ControlNet's halves (CUDA only; a request is then stopped between "
+            f"steps, not inside one; default auto: {defaults.CUDA_GRAPHS_ON_CUDA} on CUDA, "
+            "0 (eager) elsewhere)",
+        )
+        parser.add_argument(
+            "--compile",
+            metavar="MODE",
+            choices=defaults.COMPILE_MODES,
+            help=f"run plain and LoRA steps through torch.compile(unet, mode=MODE), MODE one of "
+            f"{', '.join(defaults.COMPILE_MODES)}; each model is compiled and warmed up at "
+            "--default-size when it loads, the time logged and in argus_worker_compile_seconds "
+            "(runs with a predictor of their own, the edit cache's, ControlNet's and latent "
+            "parallelism's, are not compiled; a request is then stopped between steps, not "
+            "inside one; default: off)",
+        )
+        parser.add_argument(
+            "--compile-backend",
+            metavar="NAME",
+            default=defaults.COMPILE_BACKEND,
+            help=f"torch.compile's backend with --compile (default {defaults.COMPILE_BACKEND}; "
+            "eager and aot_eager skip code generation, for tests)",
         )
         parser.add_argument(
             "--edit-batch",
@@ -107,15 +154,28 @@ class WorkerCommand:
         )
         parser.add_argument(
             "--edit-cache-bytes",
-            type=int,
+            type=byte_bound,
             default=defaults.EDIT_CACHE_HOST_BYTES,
-            help="host memory for templates' recorded activations (mask-aware edit cache; 0: off)",
+            help="host memory for templates' recorded activations (mask-aware edit cache; 0: "
+            "off; default auto: a quarter of the machine's memory, at least 1 GiB)",
         )
         parser.add_argument(
             "--edit-cache-dir", help="the edit cache's disk tier (default: host memory only)"
         )
         parser.add_argument(
-            "--edit-cache-disk-bytes", type=int, default=defaults.EDIT_CACHE_DISK_BYTES
+            "--edit-cache-disk-bytes",
+            type=byte_bound,
+            default=defaults.EDIT_CACHE_DISK_BYTES,
+            help="bytes of the edit cache's disk tier at most (default auto: half the "
+            "directory's free space)",
+        )
+        parser.add_argument(
+            "--edit-cache-device-bytes",
+            type=byte_bound,
+            default=defaults.EDIT_CACHE_DEVICE_BYTES,
+            help="device memory for templates' records, so a repeated template's rows never "
+            "cross PCIe (0: none; default auto: on CUDA a quarter of the memory free once the "
+            "model has loaded, on a CPU 0)",
         )
         parser.add_argument(
             "--default-size", type=int, default=defaults.DEFAULT_SIZE, help="pixels (tiny: 64)"
@@ -201,6 +261,8 @@ class WorkerCommand:
             memory_budget_gib=args.memory_budget_gib,
             max_resident=args.max_resident,
             cuda_graphs=args.cuda_graphs,
+            compile_mode=args.compile,
+            compile_backend=args.compile_backend,
             edit_batch=args.edit_batch,
             decode_thread=args.decode_thread,
             edit_batch_table=args.edit_batch_table,
@@ -214,6 +276,7 @@ class WorkerCommand:
             edit_cache_bytes=args.edit_cache_bytes,
             edit_cache_dir=args.edit_cache_dir,
             edit_cache_disk_bytes=args.edit_cache_disk_bytes,
+            edit_cache_device_bytes=args.edit_cache_device_bytes,
             default_size=args.default_size,
             default_steps=args.default_steps,
             max_queue=args.max_queue,

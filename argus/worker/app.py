@@ -32,6 +32,7 @@ from argus.worker.membership import (
     default_advertise,
 )
 from argus.worker.metrics import WorkerMetrics
+from argus.worker.models.compiled import check_compile_mode
 from argus.worker.models.registry import ModelRegistry
 from argus.worker.models.sources import TINY_PREFIX, TINY_VARIANTS
 from argus.worker.scoring import ScoreSampler, load_scorer
@@ -54,7 +55,10 @@ class WorkerSettings:
     memory_budget_gib: float | None = None
     # ready models kept resident at most (their shared parts once); 1: one model at a time
     max_resident: int = defaults.MAX_RESIDENT_MODELS
-    cuda_graphs: int = defaults.CUDA_GRAPHS  # step shapes kept as CUDA graphs; 0: eager
+    cuda_graphs: int | None = defaults.CUDA_GRAPHS  # graphs kept; 0: eager; None: 4 on CUDA
+    # torch.compile of the UNet (argus/worker/models/compiled.py): its mode; None: eager
+    compile_mode: str | None = None
+    compile_backend: str = defaults.COMPILE_BACKEND  # eager and aot_eager: for tests
     edit_batch: int = defaults.EDIT_BATCH  # edits batched at step boundaries; 1: one at a time
     decode_thread: bool = defaults.DECODE_THREAD  # batched edits decode off the device thread
     # measured latency-per-batch curves (benchmarks/bench_edit_cost.py --write-table): each
@@ -75,10 +79,13 @@ class WorkerSettings:
     # raises every floor of the profile's similarity → K rule to at least this; 0: the rule
     min_similarity: float = 0.0
     encoder_dir: str | None = None  # BERT directory for prompt embeddings; None: MiniLM
-    # the mask-aware activation cache of edits: host bytes (0: off), then a disk tier
-    edit_cache_bytes: int = defaults.EDIT_CACHE_HOST_BYTES
+    # the mask-aware activation cache of edits: host bytes (0: off), then a disk tier; each
+    # bound a count of bytes or "auto" (argus.defaults says what auto means for each)
+    edit_cache_bytes: int | str = defaults.EDIT_CACHE_HOST_BYTES
     edit_cache_dir: str | None = None  # None: host memory only
-    edit_cache_disk_bytes: int = defaults.EDIT_CACHE_DISK_BYTES
+    edit_cache_disk_bytes: int | str = defaults.EDIT_CACHE_DISK_BYTES
+    # records kept on the model's device in front of the host tier (0: none)
+    edit_cache_device_bytes: int | str = defaults.EDIT_CACHE_DEVICE_BYTES
     # request path
     default_size: int = defaults.DEFAULT_SIZE
     default_steps: int = defaults.DEFAULT_STEPS
@@ -106,8 +113,12 @@ class WorkerSettings:
                 check_address(value, name)
         if self.max_resident < 1:
             raise ValueError(f"max_resident: must be >= 1, got {self.max_resident}")
-        if self.cuda_graphs < 0:
+        if self.cuda_graphs is not None and self.cuda_graphs < 0:
             raise ValueError(f"cuda_graphs: must be >= 0, got {self.cuda_graphs}")
+        if self.compile_mode is not None:
+            check_compile_mode(self.compile_mode, "compile_mode")
+        if not self.compile_backend:
+            raise ValueError("compile_backend: must name a torch.compile backend, got ''")
         if self.edit_batch < 1:
             raise ValueError(f"edit_batch: must be >= 1, got {self.edit_batch}")
         if self.edit_batch_table is not None:  # read now: a bad table stops the start at once
@@ -116,9 +127,9 @@ class WorkerSettings:
             except BatchTableError as err:
                 raise ValueError(f"edit_batch_table: {err}") from None
             object.__setattr__(self, "edit_batch_curves", curves)  # frozen: set once, here
-        if self.edit_cache_bytes < 0:
-            raise ValueError(f"edit_cache_bytes: must be >= 0, got {self.edit_cache_bytes}")
-        if self.edit_cache_dir is not None and self.edit_cache_disk_bytes <= 0:
+        for name in ("edit_cache_bytes", "edit_cache_disk_bytes", "edit_cache_device_bytes"):
+            check_byte_bound(name, getattr(self, name))
+        if self.edit_cache_dir is not None and self.edit_cache_disk_bytes == 0:
             raise ValueError(
                 f"edit_cache_disk_bytes: must be > 0 with a directory, got "
                 f"{self.edit_cache_disk_bytes}"
@@ -279,6 +290,11 @@ def build_worker(
         max_resident=settings.max_resident,
         cuda_graphs=settings.cuda_graphs,
         on_load=metrics.observe_load if metrics is not None else None,
+        on_capture=metrics.observe_capture if metrics is not None else None,
+        compile_mode=settings.compile_mode,
+        compile_backend=settings.compile_backend,
+        serving_size=settings.default_size,
+        on_compile=metrics.observe_compile if metrics is not None else None,
     )
     cache = encoder = None
     if settings.cache:
@@ -321,20 +337,41 @@ def build_worker(
     return worker
 
 
+def check_byte_bound(name: str, value: object) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is a count of bytes >= 0 or "auto"."""
+    if value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}: must be a count of bytes >= 0 or 'auto', got {value!r}")
+
+
 def build_edit_cache(settings: WorkerSettings, metrics: WorkerMetrics | None) -> EditCache | None:
-    """The activation cache of edits (None with ``edit_cache_bytes`` 0 and no directory)."""
+    """The activation cache of edits (None with ``edit_cache_bytes`` 0 and no directory). The
+    host and disk tiers' "auto" bounds are sized now; the device tier's when the first edit
+    meets it, on the model's device, once the model has loaded."""
     if settings.edit_cache_bytes == 0 and settings.edit_cache_dir is None:
         return None
-    from argus.worker.editing.activation_store import ActivationStore
+    from argus.worker.editing.activation_store import (
+        ActivationStore,
+        DeviceTier,
+        auto_disk_bytes,
+        auto_host_bytes,
+        resolve_bytes,
+    )
 
     listener = metrics.edit_cache if metrics is not None else None
-    store = ActivationStore(
-        settings.edit_cache_bytes,
-        settings.edit_cache_dir,
-        settings.edit_cache_disk_bytes if settings.edit_cache_dir is not None else 0,
-        listener=listener,
-    )
-    return EditCache(store, listener)
+    directory = settings.edit_cache_dir
+    host_bytes = resolve_bytes(settings.edit_cache_bytes, auto_host_bytes)
+    disk_bytes = 0
+    if directory is not None:
+        disk_bytes = resolve_bytes(
+            settings.edit_cache_disk_bytes, lambda: auto_disk_bytes(directory)
+        )
+    log.info("edit cache: host tier %d bytes, disk tier %d bytes", host_bytes, disk_bytes)
+    store = ActivationStore(host_bytes, directory, disk_bytes, listener=listener)
+    device_bytes = settings.edit_cache_device_bytes
+    device = DeviceTier(None if device_bytes == "auto" else int(device_bytes), listener=listener)
+    return EditCache(store, listener, device)
 
 
 def build_score_sampler(settings: WorkerSettings, device: str) -> ScoreSampler | None:

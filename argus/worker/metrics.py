@@ -105,6 +105,29 @@ class WorkerMetrics:
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 20, 40, 80, 160),
             registry=reg,
         )
+        # argus/worker/models/cuda_graphs.py: paid once per model, piece of work and shape
+        self.graph_captures = Counter(
+            "argus_worker_cuda_graph_captures",
+            "CUDA graphs captured, by model and piece of work (unet, controlnet-encode, "
+            "controlnet-decode)",
+            ["model", "work"],
+            registry=reg,
+        )
+        self.graph_capture_seconds = Histogram(
+            "argus_worker_cuda_graph_capture_seconds",
+            "Time to capture one CUDA graph (its warm-up calls and the recording)",
+            ["model"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+            registry=reg,
+        )
+        # argus/worker/models/compiled.py: torch.compile and its warm-up run, once per load
+        self.compile_seconds = Gauge(
+            "argus_worker_compile_seconds",
+            "Time the last load of a model spent compiling its UNet (torch.compile and one "
+            "warm-up run at the serving size; --compile), by model",
+            ["model"],
+            registry=reg,
+        )
 
         self.edit_cache = EditCacheMetrics(reg)
         self.lane = LaneMetrics(reg)
@@ -135,6 +158,15 @@ class WorkerMetrics:
         self.model_load_seconds.labels(model).observe(seconds)
         for part, part_s in parts.items():
             self.part_load_seconds.labels(part).observe(part_s)
+
+    def observe_capture(self, model: str, work: str, seconds: float) -> None:
+        """A CUDA graph captured for ``work`` on ``model`` in ``seconds``."""
+        self.graph_captures.labels(model, work).inc()
+        self.graph_capture_seconds.labels(model).observe(seconds)
+
+    def observe_compile(self, model: str, seconds: float) -> None:
+        """``model``'s UNet compiled and warmed up in ``seconds`` at its load."""
+        self.compile_seconds.labels(model).set(seconds)
 
 
 class LaneMetrics(LaneEvents):
@@ -168,20 +200,20 @@ class EditCacheMetrics(StoreListener, EditCacheEvents):
         )
         self.lookups = Counter(
             "argus_worker_edit_cache_lookups",
-            "Record lookups by the tier that answered (host, disk) or miss",
+            "Record lookups by the tier that answered (device, host, disk) or miss",
             ["tier"],
             registry=reg,
         )
         self.evictions = Counter(
             "argus_worker_edit_cache_evictions",
-            "Records pushed out of a tier by its byte bound (host: demoted to disk or dropped; "
-            "disk: deleted)",
+            "Records pushed out of a tier by its byte bound (device: freed, the host or disk "
+            "tier still holds them; host: demoted to disk or dropped; disk: deleted)",
             ["tier"],
             registry=reg,
         )
         self.bytes = Gauge(
             "argus_worker_edit_cache_bytes",
-            "Bytes of records held, by tier",
+            "Bytes of records held, by tier (device, host, disk)",
             ["tier"],
             registry=reg,
         )

@@ -22,28 +22,38 @@ then disk).
   the request waits for the GPU (§4.2), and notes where the record was. A record evicted
   between then and the run makes the run a full one that records again, counted as
   ``evicted``; never an error.
+* **The device tier** (:class:`~argus.worker.editing.activation_store.DeviceTier`, optional):
+  records whose rows are on the model's device, looked up before the store. A recording run
+  keeps its rows on the device too while they fit the tier's bound, and a replay of a record
+  from the host gathers the rows it brings to the device step by step; either is put in the
+  tier once the run finished, so the template's later edits read nothing over PCIe.
+* **Staging**: a replay brings each step's rows to the device while the step before runs
+  (:class:`~argus.worker.editing.masked_blocks.RowStager`; on CUDA from pinned memory on a side
+  stream).
 * **Which blocks replay** (Algorithm 1,
   :func:`~argus.worker.editing.activation_store.plan_cache_use`): from measured costs. A block's
   full compute time is learned from the recording runs (forward hooks on each block, one UNet
   call's worth per step, averaged); its time with the cache is that × the share of its tokens
   the edit computes (Table 1: linear in the mask ratio); its load time is the bytes of its
   cached rows per step over the host-to-device copy rate, measured once per worker on the
-  model's device and dtype (on a CPU worker that is the fp16-to-fp32 copy a replay makes).
+  model's device and dtype (on a CPU worker that is the fp16-to-fp32 copy a replay makes), and
+  0 for a record held on a CUDA device.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from argus.worker.editing.activation_store import ActivationStore, CachePlan
-    from argus.worker.editing.masked_blocks import ActivationRecord
+    from argus.worker.editing.activation_store import ActivationStore, CachePlan, DeviceTier
+    from argus.worker.editing.masked_blocks import ActivationRecord, Replay
     from argus.worker.editing.packed_blocks import RowBlocks
     from argus.worker.models.pipelines import DiffusionModel, GenerationSpec, NoisePredictor
 
@@ -69,7 +79,7 @@ class EditCacheUse:
     """One run's use of the cache (:meth:`EditCache.begin`): the predictor to denoise with
     alone, or the blocks to run in a batch (:class:`~argus.worker.editing.packed_blocks.RowBlocks`,
     for the step batcher), and what to call once the run finished (it stores what a recording
-    run recorded)."""
+    run recorded, and puts a record a replay gathered on the device in the device tier)."""
 
     outcome: str  # one of OUTCOMES
     predictor: NoisePredictor | None
@@ -80,10 +90,17 @@ class EditCacheUse:
 
 
 class EditCache:
-    """The activation cache of one worker: keys, queue-time prefetch, record or replay."""
+    """The activation cache of one worker: keys, queue-time prefetch, record or replay.
+    ``device``: the device tier in front of ``store`` (None: none)."""
 
-    def __init__(self, store: ActivationStore, events: EditCacheEvents | None = None) -> None:
+    def __init__(
+        self,
+        store: ActivationStore,
+        events: EditCacheEvents | None = None,
+        device: DeviceTier | None = None,
+    ) -> None:
         self.store = store
+        self.device = device
         self._events = events or EditCacheEvents()
         self._lock = threading.Lock()
         self._supported: dict[int, bool] = {}  # id(unet) -> whether its blocks can replay
@@ -139,7 +156,10 @@ class EditCache:
 
     def queued(self, key: str) -> bool:
         """A request of ``key`` joined the queue: start loading its record from disk into
-        host memory while it waits. Returns whether a record was there."""
+        host memory while it waits (unless the device tier holds it). Returns whether a
+        record was there."""
+        if self.device is not None and key in self.device:
+            return True
         present = self.store.tier(key) is not None
         if present:
             self.store.prefetch(key)
@@ -168,21 +188,28 @@ class EditCache:
 
         region = model.edit_region(spec)
         assert region is not None  # key() let only inpainting through
-        found = self.store.get(key)
+        found, on_device = self._find(model, key)
         if found is not None:
             record = ActivationRecord.from_tensors(dict(found))
             use = self.plan(model, spec, record, region)
             self._count("hit")
-            predictor = ReplayPredictor(model, record, region, use_cache=use)
-            return EditCacheUse(
-                "hit", predictor, lambda: None, sum(use), len(use), rows=predictor.replay
-            )
+            collect = not on_device and self._room_on_device(model, record)
+            predictor = ReplayPredictor(model, record, region, use_cache=use, collect=collect)
+            replay = predictor.replay
+            kept = functools.partial(self._keep_on_device, key, replay) if collect else _nothing
+            return EditCacheUse("hit", predictor, kept, sum(use), len(use), rows=replay)
         outcome = "evicted" if was_present else "miss"
         self._count(outcome)
+        device_bytes = self._device_bound(model)
         if batched:
-            rows = RowRecorder(region)
-            return EditCacheUse(outcome, None, lambda: self._store(key, rows.record), rows=rows)
-        recorder = RecordingPredictor(model, region)
+            rows = RowRecorder(region, device_bytes=device_bytes)
+            return EditCacheUse(
+                outcome,
+                None,
+                lambda: self._store(key, rows.record, rows.device_copy.tensors()),
+                rows=rows,
+            )
+        recorder = RecordingPredictor(model, region, device_bytes=device_bytes)
         timed = _TimedBlocks(model)
 
         def predict(
@@ -193,14 +220,49 @@ class EditCache:
 
         def finish() -> None:
             self._learn(self._shape_key(model, spec), timed)
-            self._store(key, recorder.record)
+            self._store(key, recorder.record, recorder.device_copy.tensors())
 
         return EditCacheUse(outcome, predict, finish)
 
-    def _store(self, key: str, record: ActivationRecord) -> None:
+    def _find(self, model: DiffusionModel, key: str) -> tuple[Mapping[str, Any] | None, bool]:
+        """The record of ``key`` and whether it came from the device tier (looked up first);
+        the store's lookup counts a miss."""
+        if self.device is not None and self._device_bound(model) > 0:
+            held = self.device.get(key)
+            if held is not None:
+                return held, True
+        return self.store.get(key), False
+
+    def _device_bound(self, model: DiffusionModel) -> int:
+        """The device tier's bound on ``model``'s device (0: no tier)."""
+        return 0 if self.device is None else self.device.bound(model.device)
+
+    def _room_on_device(self, model: DiffusionModel, record: ActivationRecord) -> bool:
+        """Whether a replay of ``record`` from the host gathers it on the device: the tier
+        takes a record of its size, and has made room for it beside what it holds."""
+        if self._device_bound(model) == 0:
+            return False
+        assert self.device is not None
+        return self.device.make_room(record.nbytes)
+
+    def _keep_on_device(self, key: str, replay: Replay) -> None:
+        """After a replay that gathered its record on the device: put it in the device tier
+        (a run stopped before its last step gathered only part of it, and is not kept)."""
+        tensors = replay.device_record()
+        if tensors is not None and self.device is not None:
+            self.device.put(key, tensors)
+
+    def _store(
+        self,
+        key: str,
+        record: ActivationRecord,
+        on_device: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         tensors = record.to_tensors()
         self._events.on_record(sum(t.nbytes for t in tensors.values()))
         self.store.put(key, tensors)
+        if on_device is not None and self.device is not None:
+            self.device.put(key, on_device)
 
     # -- Algorithm 1 -----------------------------------------------------------------------
 
@@ -234,7 +296,8 @@ class EditCache:
             computed = 1.0 if token_plan is None else token_plan.computed.numel() / count
             with_cache.append(block_s * computed)
             rows = record.outputs.get((step, index))
-            load.append(0.0 if rows is None else rows.nbytes / rate)
+            resident = rows is not None and rows.device.type == "cuda"  # the device tier's
+            load.append(0.0 if rows is None or resident else rows.nbytes / rate)
         chosen: CachePlan = plan_cache_use(seconds, with_cache, load)
         return list(chosen.use)
 
@@ -328,6 +391,10 @@ class _TimedBlocks:
         if not self.calls:
             return [], []
         return [s / self.calls for s in self.seconds], list(self.tokens)
+
+
+def _nothing() -> None:
+    """A use's finish that has nothing to store."""
 
 
 def _synchronize(device: Any) -> None:

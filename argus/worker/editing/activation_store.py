@@ -1,4 +1,5 @@
-"""The mask-aware activation cache's storage: host memory, then disk; and Algorithm 1.
+"""The mask-aware activation cache's storage: device memory, host memory, then disk; their
+sizes; and Algorithm 1.
 
 InstGenIE (§4.2) keeps each image template's recorded block activations in host memory under
 an LRU policy, demotes cold ones to secondary storage, and loads them back while an edit waits
@@ -30,6 +31,14 @@ and which recompute, given measured costs.
 * **Metrics**: a :class:`StoreListener` hears hits, misses, evictions and loads, under the
   store's lock (so it must be quick and must not call back); :meth:`stats` returns the same
   counters as a frozen :class:`StoreStats`.
+* **The device tier** (:class:`DeviceTier`) sits in front of the store: records whose row
+  tensors are on the model's device, an LRU bounded in bytes under the store's keys, so an
+  edit of a template held there reads nothing over PCIe. It is filled by the cache
+  (:mod:`argus.worker.editing.activation_cache`), not by the store, and reports to the same
+  listener as tier ``"device"``.
+* **Sizes**: :func:`auto_host_bytes`, :func:`auto_disk_bytes` and :func:`auto_device_bytes`
+  are what ``"auto"`` means for each tier (:mod:`argus.defaults` has the shares and the
+  record size arithmetic).
 
 The store keeps references to the tensors it is given and hands the same objects back from
 host hits: callers must treat records as read-only.
@@ -44,6 +53,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import tempfile
 import threading
 import time
@@ -58,9 +68,11 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
+from argus import defaults
+
 log = logging.getLogger(__name__)
 
-Tier = Literal["host", "disk"]
+Tier = Literal["device", "host", "disk"]
 Record = Mapping[str, torch.Tensor]
 
 SUFFIX = ".safetensors"
@@ -89,10 +101,11 @@ class StoreListener:
         """A file failed to load (unreadable, truncated, CRC mismatch) and was deleted."""
 
     def on_evict(self, tier: Tier, nbytes: int) -> None:
-        """A record left ``tier`` to make room (host: demoted to disk or dropped; disk: deleted)."""
+        """A record left ``tier`` to make room (host: demoted to disk or dropped; disk: deleted;
+        device: freed, the store still holds it)."""
 
     def on_load(self, tier: Tier, seconds: float, nbytes: int) -> None:
-        """A record was read from ``tier`` (only ``"disk"`` today) in ``seconds``."""
+        """A record was read from ``tier`` (only ``"disk"``) in ``seconds``."""
 
     def on_bytes(self, tier: Tier, nbytes: int) -> None:
         """``tier`` now holds ``nbytes`` bytes."""
@@ -585,6 +598,239 @@ _COUNTERS = (
     "disk_loads",
     "dropped",
 )
+
+
+# -- the device tier -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceTierStats:
+    """A snapshot of the device tier's counters since it was created (bytes: now)."""
+
+    hits: int  # gets answered from device memory
+    puts: int  # records admitted
+    evictions: int  # records freed by the byte bound
+    skipped: int  # records larger than the bound, not admitted
+    bytes: int  # tensor bytes held now
+    records: int  # records held now
+    max_bytes: int | None  # the bound (None: "auto", not sized yet)
+
+
+class DeviceTier:
+    """Template records whose row tensors live on the model's device: an LRU bounded in bytes,
+    keyed as :class:`ActivationStore` keys records, in front of it.
+
+    ``max_bytes``: the bound on the tensor bytes held; 0 keeps nothing; None is "auto",
+    sized by :func:`auto_device_bytes` the first time :meth:`bound` sees the model's device
+    (after the model loaded, so the share is of what the model left free). A record larger
+    than the bound is not admitted (counted ``skipped``; the store still holds it).
+
+    Records are flat mappings as the store's, but their tensors may be on any device; the
+    tier does not copy them, and callers treat them as read-only. Thread-safe: gets run on the
+    device thread, puts on the worker's writer thread. The ``listener`` hears hits, evictions
+    and bytes as tier ``"device"`` (misses are the store's to count)."""
+
+    def __init__(
+        self,
+        max_bytes: int | None = 0,
+        *,
+        listener: StoreListener | None = None,
+        auto: Callable[[Any], int] | None = None,
+    ) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None (auto), got {max_bytes}")
+        self._max_bytes = max_bytes
+        self._auto = auto or auto_device_bytes
+        self._listener = listener or StoreListener()
+        self._lock = threading.Lock()
+        self._held: OrderedDict[str, tuple[Record, int]] = OrderedDict()
+        self._used = 0
+        self._counts = {"hits": 0, "puts": 0, "evictions": 0, "skipped": 0}
+
+    def bound(self, device: Any) -> int:
+        """The bound in bytes; "auto" is sized now, for ``device``, the first time."""
+        with self._lock:
+            if self._max_bytes is not None:
+                return self._max_bytes
+        sized = int(self._auto(device))
+        with self._lock:
+            if self._max_bytes is None:
+                self._max_bytes = max(sized, 0)
+                log.info("edit cache device tier: %d bytes on %s", self._max_bytes, device)
+            return self._max_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a record of ``nbytes`` can be admitted (0 < nbytes <= the bound)."""
+        with self._lock:
+            return self._max_bytes is not None and 0 < nbytes <= self._max_bytes
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._held
+
+    def get(self, key: str) -> Record | None:
+        """The record of ``key`` (now the most recent), or None; a hit is counted."""
+        with self._lock:
+            found = self._held.get(key)
+            if found is None:
+                return None
+            self._held.move_to_end(key)
+            self._counts["hits"] += 1
+            self._listener.on_hit("device", found[1])
+            return found[0]
+
+    def make_room(self, nbytes: int) -> bool:
+        """Evict least recently used records until a record of ``nbytes`` fits beside the
+        rest; returns whether it can be admitted at all. Called before a record is gathered
+        on the device, so the gathering never holds more than the bound beside the tier."""
+        with self._lock:
+            if self._max_bytes is None or not 0 < nbytes <= self._max_bytes:
+                return False
+            self._evict_locked(self._max_bytes - nbytes)
+            return True
+
+    def put(self, key: str, tensors: Record) -> bool:
+        """Hold ``tensors`` as the record of ``key`` (most recent), replacing any earlier one
+        and evicting least recently used records to stay within the bound. Returns False,
+        counted ``skipped``, when the record is larger than the bound."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self._lock:
+            old = self._held.pop(key, None)
+            if old is not None:
+                self._used -= old[1]
+            if self._max_bytes is None or not 0 < nbytes <= self._max_bytes:
+                self._counts["skipped"] += 1
+                self._listener.on_bytes("device", self._used)
+                return False
+            self._evict_locked(self._max_bytes - nbytes)
+            self._held[key] = (dict(tensors), nbytes)
+            self._used += nbytes
+            self._counts["puts"] += 1
+            self._listener.on_bytes("device", self._used)
+            return True
+
+    def discard(self, key: str) -> bool:
+        """Forget ``key``; returns whether it was held."""
+        with self._lock:
+            old = self._held.pop(key, None)
+            if old is None:
+                return False
+            self._used -= old[1]
+            self._listener.on_bytes("device", self._used)
+            return True
+
+    def keys(self) -> list[str]:
+        """The keys held, least recently used first."""
+        with self._lock:
+            return list(self._held)
+
+    @property
+    def bytes_used(self) -> int:
+        with self._lock:
+            return self._used
+
+    def stats(self) -> DeviceTierStats:
+        with self._lock:
+            return DeviceTierStats(
+                **self._counts,
+                bytes=self._used,
+                records=len(self._held),
+                max_bytes=self._max_bytes,
+            )
+
+    def _evict_locked(self, limit: int) -> None:
+        while self._held and self._used > limit:
+            _, (_, nbytes) = self._held.popitem(last=False)
+            self._used -= nbytes
+            self._counts["evictions"] += 1
+            self._listener.on_evict("device", nbytes)
+        self._listener.on_bytes("device", self._used)
+
+
+# -- sizing the tiers ------------------------------------------------------------------------------
+
+_CGROUP_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),  # cgroup v2
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # cgroup v1
+)
+
+
+def physical_memory_bytes(cgroup_files: Sequence[Path] = _CGROUP_LIMITS) -> int:
+    """The machine's memory (``SC_PHYS_PAGES`` × ``SC_PAGE_SIZE``), or the process's cgroup
+    memory limit when that is lower: a container sees the node's memory in ``sysconf``, and
+    going past its own limit gets it killed."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in cgroup_files:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) or a huge number (v1) means no limit
+            total = min(total, int(text))
+    return int(total)
+
+
+def auto_host_bytes(
+    physical: int | None = None,
+    *,
+    share: float = defaults.EDIT_CACHE_HOST_SHARE,
+    floor: int = defaults.EDIT_CACHE_HOST_FLOOR,
+) -> int:
+    """The host tier's "auto" bound: ``share`` of :func:`physical_memory_bytes` (or of
+    ``physical``), at least ``floor``."""
+    memory = physical_memory_bytes() if physical is None else physical
+    return max(int(memory * share), floor)
+
+
+def auto_disk_bytes(
+    directory: Path | str,
+    *,
+    share: float = defaults.EDIT_CACHE_DISK_SHARE,
+    usage: Callable[[Path], Any] = shutil.disk_usage,
+) -> int:
+    """The disk tier's "auto" bound: ``share`` of what the filesystem of ``directory``
+    (created if missing) has free, plus the record files already in it (an earlier run's,
+    which the store indexes and would otherwise evict to fit a bound they shrank); at least
+    1 MiB, so a full disk still gives a valid tier (its failed writes count as dropped)."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    held = sum(
+        path.stat().st_size
+        for path in root.iterdir()
+        if _FILE_NAME.fullmatch(path.name) and path.is_file()
+    )
+    return max(int((usage(root).free + held) * share), 2**20)
+
+
+def auto_device_bytes(
+    device: Any,
+    *,
+    share: float = defaults.EDIT_CACHE_DEVICE_SHARE,
+    free: Callable[[torch.device], int] | None = None,
+) -> int:
+    """The device tier's "auto" bound: on CUDA, ``share`` of the memory free on ``device``
+    now (the driver's free memory plus what torch's allocator holds unused); elsewhere 0, as
+    a CPU worker's device is the host memory the host tier already holds."""
+    where = torch.device(device)
+    if where.type != "cuda":
+        return 0
+    available = (free or _cuda_free_bytes)(where)
+    return max(int(available * share), 0)
+
+
+def _cuda_free_bytes(device: torch.device) -> int:
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + max(unused, 0))
+
+
+def resolve_bytes(value: int | str, auto: Callable[[], int]) -> int:
+    """A tier's bound as configured: the given bytes, or ``auto()`` for ``"auto"``."""
+    if value == "auto":
+        return auto()
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(f"a byte bound is a count >= 0 or 'auto', got {value!r}")
 
 
 # -- helpers ---------------------------------------------------------------------------------------

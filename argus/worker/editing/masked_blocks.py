@@ -13,13 +13,19 @@ Two predictors (:class:`~argus.worker.models.pipelines.NoisePredictor`) for
 
 * :class:`RecordingPredictor` runs the UNet in full and keeps, per (step, block), the block's
   output Y for the tokens outside its run's region (the record's *coverage*), both CFG
-  branches, in float16 on the CPU: an :class:`ActivationRecord`;
+  branches, in float16 on the CPU: an :class:`ActivationRecord` (and, while they fit a bound,
+  the same rows on the UNet's device: :class:`DeviceCopy`);
 * :class:`ReplayPredictor` runs every block in ``use_cache`` on the tokens it must compute
   (the request's region, plus any token the record does not cover) and scatters them into the
   recorded rows. Self-attention takes its queries from the computed tokens and its keys and
   values from all of them; norms, cross-attention, feed-forward and residuals run on the
   computed tokens only. A block whose ``use_cache`` is False computes all its tokens
   (InstGenIE's bubble-free pipeline, Algorithm 1, plans that list elsewhere).
+
+A replay stages its rows (:class:`RowStager`): each step's rows for every block that may
+replay are brought to the UNet's device and dtype while the step before runs, on CUDA from
+pinned memory on a side stream, elsewhere with plain copies; the latents are the same to the
+bit as when each block copies its own rows.
 
 A block's tokens at h×w are masked when any latent pixel they cover is edited: the latent
 region max-pooled by 2 (ceil mode, as the UNet's stride-2 convolutions give ceil sizes) until
@@ -39,10 +45,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +59,8 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from argus.worker.models.pipelines import Conditioning, DiffusionModel
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KEYS_VALUES = False
 """Whether records keep self-attention's keys and values besides Y (see the module's docstring:
@@ -248,24 +258,30 @@ def recording(
     *,
     keys_values: bool = DEFAULT_KEYS_VALUES,
     dtype: torch.dtype = RECORD_DTYPE,
+    on_device: ActivationRecord | None = None,
 ) -> Iterator[None]:
     """Record into ``record`` what the UNet's transformer blocks compute for step ``step``
     during the block (one full UNet call): each block's output, and with ``keys_values`` its
     self-attention's keys and values, for the tokens outside ``region`` (None: all tokens),
-    as ``dtype`` on the CPU. Hooks are removed on exit."""
+    as ``dtype`` on the CPU; ``on_device`` (None: none) receives the same rows as they were
+    on the UNet's device, before the copy to the CPU. Hooks are removed on exit."""
     h, w = record.latent_size
     levels = token_regions(torch.zeros(1, 1, h, w) if region is None else region)
     if region is not None and tuple(region.shape[-2:]) != record.latent_size:
         raise RecordMismatchError(f"region {tuple(region.shape[-2:])} ≠ {record.latent_size}")
     handles = []
 
-    def keep(key: tuple[int, int], into: dict[tuple[int, int], torch.Tensor]) -> Any:
+    def keep(key: tuple[int, int], kind: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
             size, edited = token_level(levels, output.shape[1])
             covered = ~edited
             record.coverage[size] = covered
             index = covered.nonzero().flatten().to(output.device)
-            into[key] = output.index_select(1, index).to("cpu", dtype)
+            rows = output.index_select(1, index).to(dtype)
+            _kind(record, kind)[key] = rows.to("cpu")
+            if on_device is not None:
+                on_device.coverage[size] = covered
+                _kind(on_device, kind)[key] = rows
 
         return hook
 
@@ -273,21 +289,51 @@ def recording(
         for index, block in enumerate(transformer_blocks(unet)):
             check_block(block)
             key = (step, index)
-            handles.append(block.register_forward_hook(keep(key, record.outputs)))
+            handles.append(block.register_forward_hook(keep(key, "y")))
             if keys_values:
-                handles.append(block.attn1.to_k.register_forward_hook(keep(key, record.keys)))
-                handles.append(block.attn1.to_v.register_forward_hook(keep(key, record.values)))
+                handles.append(block.attn1.to_k.register_forward_hook(keep(key, "k")))
+                handles.append(block.attn1.to_v.register_forward_hook(keep(key, "v")))
         yield
     finally:
         for handle in handles:
             handle.remove()
 
 
+def _kind(record: ActivationRecord, kind: str) -> dict[tuple[int, int], torch.Tensor]:
+    """The record's tensors of ``kind``: ``"y"`` outputs, ``"k"`` keys, ``"v"`` values."""
+    return {"y": record.outputs, "k": record.keys, "v": record.values}[kind]
+
+
+class DeviceCopy:
+    """The rows of a recording as they were on the model's device, kept while they fit
+    ``max_bytes`` (the activation cache's device tier, so the template's next edit reads
+    nothing over PCIe); once they outgrow it, dropped for the rest of the run."""
+
+    def __init__(self, latent_size: Size, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.record: ActivationRecord | None = (
+            ActivationRecord(latent_size) if max_bytes > 0 else None
+        )
+
+    def check(self) -> None:
+        """Drop the copy when it holds more than ``max_bytes`` (after each UNet call)."""
+        if self.record is None:
+            return
+        kinds = (self.record.outputs, self.record.keys, self.record.values)
+        if sum(t.nbytes for rows in kinds for t in rows.values()) > self.max_bytes:
+            self.record = None
+
+    def tensors(self) -> dict[str, torch.Tensor] | None:
+        """The copy as flat tensors (:meth:`ActivationRecord.to_tensors`), None if dropped."""
+        return None if self.record is None else self.record.to_tensors()
+
+
 class RecordingPredictor:
     """The default predictor's noise, with every step's transformer-block outputs of the
     tokens outside ``region`` (1×1×H×W, the edit's
     :attr:`~argus.worker.models.pipelines.EditStart.region`; zeros for a template run with nothing
-    edited) kept in :attr:`record`."""
+    edited) kept in :attr:`record`, and on the device in :attr:`device_copy` while they fit
+    ``device_bytes`` (0: not kept)."""
 
     def __init__(
         self,
@@ -296,12 +342,14 @@ class RecordingPredictor:
         *,
         keys_values: bool = DEFAULT_KEYS_VALUES,
         dtype: torch.dtype = RECORD_DTYPE,
+        device_bytes: int = 0,
     ) -> None:
         self.model = model
         self.region = region
         self.keys_values = keys_values
         self.dtype = dtype
         self.record = ActivationRecord((int(region.shape[-2]), int(region.shape[-1])))
+        self.device_copy = DeviceCopy(self.record.latent_size, device_bytes)
 
     def __call__(
         self, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, scheduler: Any, step: int
@@ -314,8 +362,11 @@ class RecordingPredictor:
             self.region,
             keys_values=self.keys_values,
             dtype=self.dtype,
+            on_device=self.device_copy.record,
         ):
-            return self.model.predict_noise(latents, t, cond, scheduler, step)
+            noise = self.model.predict_noise(latents, t, cond, scheduler, step)
+        self.device_copy.check()
+        return noise
 
 
 # -- replaying -----------------------------------------------------------------------------
@@ -508,12 +559,155 @@ def block_forward(compute: BlockCompute) -> Callable[..., torch.Tensor]:
     return forward
 
 
+# -- staging rows on the device ------------------------------------------------------------
+
+RowName = tuple[str, int]  # (kind: "y", "k" or "v"; block index)
+
+
+@dataclass(frozen=True)
+class StagedRows:
+    """One step's recorded rows on the model's device: ``rows`` in the blocks' dtype, what the
+    step's replay reads; ``resident`` in the record's dtype, what a device copy of the record
+    keeps (the same tensors when the two dtypes agree)."""
+
+    rows: dict[RowName, torch.Tensor]
+    resident: dict[RowName, torch.Tensor]
+
+
+class RowStager:
+    """Brings a replay's recorded rows to the model's device and dtype one step ahead of the
+    step that reads them (InstGenIE's bubble-free pipeline, §4.2): :meth:`stage` starts a
+    step's copies, :meth:`take` hands them over, ready on the calling thread's stream.
+
+    ``streamed`` (default: on CUDA) runs the copies on a side stream, issued by a thread of
+    their own (:class:`_SideCopier`, one per device): rows on the host are copied into pinned
+    memory on that thread and cross with ``non_blocking`` copies, so the compute stream and the
+    Python thread launching the step wait for neither. Otherwise :meth:`stage` copies at once on
+    the calling thread with plain ``.to``: the same values, nothing overlapped."""
+
+    def __init__(
+        self, device: torch.device | str, dtype: torch.dtype, *, streamed: bool | None = None
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        if streamed is None:
+            streamed = self.device.type == "cuda"
+        if streamed and self.device.type != "cuda":
+            raise ValueError(f"streamed staging needs a CUDA device, got {self.device}")
+        self.streamed = streamed
+        self._pending: dict[int, StagedRows | Future[tuple[StagedRows, Any]]] = {}
+
+    def stage(self, step: int, rows: dict[RowName, torch.Tensor]) -> None:
+        """Start bringing step ``step``'s ``rows`` to the device (nothing if already started)."""
+        if step in self._pending:
+            return
+        if self.streamed:
+            self._pending[step] = _side_copier(self.device).submit(rows, self.dtype)
+            return
+        resident = {name: tensor.to(self.device) for name, tensor in rows.items()}
+        converted = {name: tensor.to(self.dtype) for name, tensor in resident.items()}
+        self._pending[step] = StagedRows(converted, resident)
+
+    @property
+    def started(self) -> list[int]:
+        """The steps whose rows were staged and not yet taken, in the order they started."""
+        return list(self._pending)
+
+    def take(self, step: int, rows: dict[RowName, torch.Tensor]) -> StagedRows:
+        """Step ``step``'s rows on the device, staged now if :meth:`stage` was not called for
+        it. On a side stream: the current stream waits for the copies' event, and every tensor
+        they made is marked used by it (``record_stream``), so the allocator does not reuse
+        their memory before the step that reads them has run."""
+        self.stage(step, rows)
+        pending = self._pending.pop(step)
+        if isinstance(pending, StagedRows):
+            return pending
+        staged, copied = pending.result()
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(copied)
+        for tensor in (*staged.rows.values(), *staged.resident.values()):
+            tensor.record_stream(stream)
+        return staged
+
+
+class _SideCopier:
+    """One CUDA device's side stream for staged rows, and the thread that issues its copies
+    (the copy into pinned memory takes the host's time, which the step's launches need)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"row-stager-{device}")
+
+    def submit(
+        self, rows: dict[RowName, torch.Tensor], dtype: torch.dtype
+    ) -> Future[tuple[StagedRows, Any]]:
+        """Copy ``rows`` after the work queued on the calling thread's stream so far (a record
+        already on the device is read after its writes), on the side stream."""
+        queued = torch.cuda.Event()
+        queued.record(torch.cuda.current_stream(self.device))
+        return self.pool.submit(self._copy, dict(rows), dtype, queued)
+
+    def _copy(
+        self, rows: dict[RowName, torch.Tensor], dtype: torch.dtype, queued: Any
+    ) -> tuple[StagedRows, Any]:
+        converted: dict[RowName, torch.Tensor] = {}
+        resident: dict[RowName, torch.Tensor] = {}
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(queued)
+            for name, tensor in rows.items():
+                resident[name] = _pinned(tensor).to(self.device, non_blocking=True)
+                converted[name] = resident[name].to(dtype)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return StagedRows(converted, resident), copied
+
+
+def _pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in pinned host memory, so its transfer runs beside the compute stream: a
+    copy when it is in pageable host memory (freed once its transfer is done: torch's host
+    allocator waits for the transfer's stream before reusing it); itself when it is pinned, on
+    a device, or when pinned memory cannot be had (its transfer then holds the thread)."""
+    if tensor.device.type != "cpu" or tensor.is_pinned():
+        return tensor
+    try:
+        pinned = torch.empty_like(tensor, pin_memory=True)
+    except RuntimeError:
+        log.warning("no pinned memory for staged rows: copying from pageable memory")
+        return tensor
+    return pinned.copy_(tensor)
+
+
+_SIDE_COPIERS: dict[torch.device, _SideCopier] = {}
+_SIDE_COPIERS_GUARD = threading.Lock()
+
+
+def _side_copier(device: torch.device) -> _SideCopier:
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _SIDE_COPIERS_GUARD:
+        copier = _SIDE_COPIERS.get(device)
+        if copier is None:
+            copier = _SIDE_COPIERS[device] = _SideCopier(device)
+        return copier
+
+
+# -- replaying a record --------------------------------------------------------------------
+
+
 class Replay:
     """Replays ``record`` on a UNet for edits of ``region``: :meth:`step` patches the blocks
     for one UNet call. ``use_cache`` (one bool per block, default all True) chooses, per
     block, between the cached rows and computing every token; ``keys_values`` (default: the
     record has them and :data:`DEFAULT_KEYS_VALUES`) takes self-attention's keys and values of
-    the cached tokens from the record too."""
+    the cached tokens from the record too.
+
+    With ``stage`` (the default) a :class:`RowStager` brings each step's rows of every block
+    that may replay to the UNet's device and dtype while the step before runs (the first
+    step's from construction on, while the prompt is encoded); without, each block copies its
+    rows when it runs. The results are the same to the bit. ``streamed`` is the stager's.
+    ``collect`` stages every row of the record (every block, keys and values too) and keeps
+    them, so that once every step ran :meth:`device_record` is the record on the device."""
 
     def __init__(
         self,
@@ -523,6 +717,9 @@ class Replay:
         *,
         use_cache: Sequence[bool] | None = None,
         keys_values: bool | None = None,
+        stage: bool = True,
+        streamed: bool | None = None,
+        collect: bool = False,
     ) -> None:
         self.blocks = transformer_blocks(unet)
         for block in self.blocks:
@@ -538,8 +735,18 @@ class Replay:
             raise RecordMismatchError("keys and values asked for; the record has only Y")
         self.keys_values = keys_values
         self.record = record
-        device = next(unet.parameters()).device
-        self.plans = plan_tokens(region, record, device)
+        parameter = next(unet.parameters())
+        self.plans = plan_tokens(region, record, parameter.device)
+        self.steps = record.steps
+        self.collect = collect
+        self._needed = self._blocks_read()
+        self.stager: RowStager | None = None
+        if stage:
+            self.stager = RowStager(parameter.device, parameter.dtype, streamed=streamed)
+        self._staged: dict[int, StagedRows] = {}
+        self._collected: dict[tuple[str, int, int], torch.Tensor] = {}
+        if self.stager is not None and self.steps:
+            self.stager.stage(self.steps[0], self._step_rows(self.steps[0]))
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -548,8 +755,79 @@ class Replay:
             self._forward(index, block, step) if use else None
             for index, (block, use) in enumerate(zip(self.blocks, self.use_cache, strict=True))
         ]
-        with patched_forwards(self.blocks, forwards):
+        with self.staged(step), patched_forwards(self.blocks, forwards):
             yield
+
+    @contextlib.contextmanager
+    def staged(self, step: int) -> Iterator[None]:
+        """Step ``step``'s rows on the device for the ``with`` block (one UNet call), once the
+        copies started a step ahead are done; the next recorded step's copies start now, so
+        they run beside this step. A :class:`~argus.worker.editing.packed_blocks.RowBlocks`."""
+        if self.stager is not None:
+            staged = self.stager.take(step, self._step_rows(step))
+            self._staged[step] = staged
+            if self.collect:
+                for (kind, index), tensor in staged.resident.items():
+                    self._collected[(kind, step, index)] = tensor
+            following = next((s for s in self.steps if s > step), None)
+            if following is not None:
+                self.stager.stage(following, self._step_rows(following))
+        try:
+            yield
+        finally:
+            self._staged.pop(step, None)
+
+    def device_record(self) -> dict[str, torch.Tensor] | None:
+        """With ``collect``, once every step was staged: the record as flat tensors
+        (:meth:`ActivationRecord.to_tensors`) whose rows are the copies on the UNet's device,
+        in the record's dtype; else None."""
+        if not self.collect:
+            return None
+        copy = ActivationRecord(self.record.latent_size, dict(self.record.coverage))
+        for kind in ("y", "k", "v"):
+            for step, index in _kind(self.record, kind):
+                found = self._collected.get((kind, step, index))
+                if found is None:
+                    return None
+                _kind(copy, kind)[(step, index)] = found
+        return copy.to_tensors()
+
+    def _blocks_read(self) -> list[bool]:
+        """Per block, whether a replay may read its recorded rows: it replays, and some
+        resolution with as many covered tokens as the block has rows in the record keeps
+        tokens cached (its token count is known only when it runs)."""
+        plans_by_rows: dict[int, list[TokenPlan]] = {}
+        for plan in self.plans.values():
+            rows = int(self.record.coverage[plan.size].sum())
+            plans_by_rows.setdefault(rows, []).append(plan)
+        first = self.steps[0] if self.steps else None
+        needed = []
+        for index, use in enumerate(self.use_cache):
+            found = self.record.outputs.get((first, index)) if first is not None else None
+            plans = plans_by_rows.get(int(found.shape[1]), []) if found is not None else []
+            needed.append(use and (not plans or any(not p.all_computed for p in plans)))
+        return needed
+
+    def _step_rows(self, step: int) -> dict[RowName, torch.Tensor]:
+        """The record's rows of ``step`` that the stager brings: those of the blocks that may
+        replay (with their keys and values when replayed too), or every row with ``collect``."""
+        kinds = ("y", "k", "v") if self.keys_values or self.collect else ("y",)
+        rows = {}
+        for index in range(len(self.blocks)):
+            if not (self.collect or self._needed[index]):
+                continue
+            for kind in kinds:
+                found = _kind(self.record, kind).get((step, index))
+                if found is not None:
+                    rows[(kind, index)] = found
+        return rows
+
+    def _rows(self, kind: str, step: int, index: int) -> torch.Tensor:
+        """Block ``index``'s recorded rows of ``kind`` at ``step``: as staged on the device,
+        or the record's own."""
+        staged = self._staged.get(step)
+        found = None if staged is None else staged.rows.get((kind, index))
+        return _kind(self.record, kind)[(step, index)] if found is None else found
 
     def _forward(self, index: int, block: Any, step: int) -> Callable[..., torch.Tensor]:
         own = own_forward(block)
@@ -570,7 +848,7 @@ class Replay:
             plan, cached_y = found
             kv = None
             if self.keys_values:
-                kv = (self.record.keys[(step, index)], self.record.values[(step, index)])
+                kv = (self._rows("k", step, index), self._rows("v", step, index))
             return masked_block_forward(
                 block,
                 hidden_states,
@@ -587,10 +865,10 @@ class Replay:
         self, index: int, step: int, tokens: int, rows: int
     ) -> tuple[TokenPlan, torch.Tensor] | None:
         """Block ``index`` of step ``step`` at ``tokens`` tokens on ``rows`` rows: its token
-        plan and recorded output rows, or None when the block computes every token (Algorithm
-        1 chose so, or the record covers nothing the edit keeps); :class:`RecordMismatchError`
-        when the record does not fit. A
-        :class:`~argus.worker.editing.packed_blocks.RowBlocks`."""
+        plan and recorded output rows (staged on the device when :meth:`staged` brought them),
+        or None when the block computes every token (Algorithm 1 chose so, or the record
+        covers nothing the edit keeps); :class:`RecordMismatchError` when the record does not
+        fit. A :class:`~argus.worker.editing.packed_blocks.RowBlocks`."""
         if not self.use_cache[index]:
             return None
         plan = self.plans.get(tokens)
@@ -603,7 +881,7 @@ class Replay:
         key = (step, index)
         if key not in self.record.outputs:
             raise RecordMismatchError(f"the record has no step {step} block {index}")
-        cached_y = self.record.outputs[key]
+        cached_y = self._rows("y", step, index)
         if cached_y.shape[0] != rows:
             raise RecordMismatchError(
                 f"the record's batch is {cached_y.shape[0]} (CFG branches), this run's {rows}"
@@ -617,7 +895,7 @@ class Replay:
 
 class ReplayPredictor:
     """The default predictor's noise with the transformer blocks replayed from ``record``
-    for an edit of ``region`` (:class:`Replay`)."""
+    for an edit of ``region`` (:class:`Replay`, which takes the other keywords)."""
 
     def __init__(
         self,
@@ -627,10 +905,20 @@ class ReplayPredictor:
         *,
         use_cache: Sequence[bool] | None = None,
         keys_values: bool | None = None,
+        stage: bool = True,
+        streamed: bool | None = None,
+        collect: bool = False,
     ) -> None:
         self.model = model
         self.replay = Replay(
-            model.pipeline.unet, record, region, use_cache=use_cache, keys_values=keys_values
+            model.pipeline.unet,
+            record,
+            region,
+            use_cache=use_cache,
+            keys_values=keys_values,
+            stage=stage,
+            streamed=streamed,
+            collect=collect,
         )
 
     def __call__(

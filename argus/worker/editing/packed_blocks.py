@@ -15,7 +15,9 @@ call, whose rows are a list of :class:`RowPart`\\ s:
   other request all its tokens, with no padding, and the replayed tokens' recorded rows are
   filled in after. So a step costs the sum of its edits' work, as the cost model prices it.
 
-Rows that compute the same number of tokens attend in one call
+Around the call each request's blocks are entered (:meth:`RowBlocks.staged`): a replay's rows
+of the step are on the device by then, staged while the step before ran, and the next step's
+start. Rows that compute the same number of tokens attend in one call
 (:func:`~argus.worker.editing.masked_blocks.grouped_attend`); a row's queries meet its own
 keys and values, or its own prompt. Everything outside the blocks (convolutions, ResNets, the
 time embedding) runs on the whole batch. Patches are restored on exit, exceptions included.
@@ -35,6 +37,7 @@ import torch
 from argus.worker.editing.masked_blocks import (
     RECORD_DTYPE,
     ActivationRecord,
+    DeviceCopy,
     RowGroup,
     TokenPlan,
     UnsupportedBlockError,
@@ -51,8 +54,10 @@ from argus.worker.editing.masked_blocks import (
 class RowBlocks(Protocol):
     """One request's transformer blocks inside a batched UNet call (the step batcher,
     :mod:`argus.worker.editing.step_batch`): per block and step of the request, whether it replays
-    (:meth:`replay`: its token plan and recorded rows) or computes every token, and what it
-    keeps of a block computed in full (:meth:`keep`: a recording)."""
+    (:meth:`replay`: its token plan and recorded rows) or computes every token, what it
+    keeps of a block computed in full (:meth:`keep`: a recording), and what it needs around
+    the UNet call (:meth:`staged`: a replay's rows brought to the device, the next step's
+    started)."""
 
     def replay(
         self, index: int, step: int, tokens: int, rows: int
@@ -60,16 +65,22 @@ class RowBlocks(Protocol):
 
     def keep(self, index: int, step: int, output: torch.Tensor) -> None: ...
 
+    def staged(self, step: int) -> contextlib.AbstractContextManager[None]: ...
+
 
 class RowRecorder:
     """A recording run inside a batch: each block computed in full, its output for the tokens
     outside ``region`` kept in :attr:`record` (Y only), as :func:`recording` keeps them for a
-    run alone."""
+    run alone, and on the device in :attr:`device_copy` while they fit ``device_bytes`` (0:
+    not kept)."""
 
-    def __init__(self, region: torch.Tensor, *, dtype: torch.dtype = RECORD_DTYPE) -> None:
+    def __init__(
+        self, region: torch.Tensor, *, dtype: torch.dtype = RECORD_DTYPE, device_bytes: int = 0
+    ) -> None:
         self.region = region
         self.dtype = dtype
         self.record = ActivationRecord((int(region.shape[-2]), int(region.shape[-1])))
+        self.device_copy = DeviceCopy(self.record.latent_size, device_bytes)
         self._levels = token_regions(region)
 
     def replay(
@@ -81,8 +92,22 @@ class RowRecorder:
         size, edited = token_level(self._levels, output.shape[1])
         covered = ~edited
         self.record.coverage[size] = covered
-        rows = covered.nonzero().flatten().to(output.device)
-        self.record.outputs[(step, index)] = output.index_select(1, rows).to("cpu", self.dtype)
+        index_rows = covered.nonzero().flatten().to(output.device)
+        rows = output.index_select(1, index_rows).to(self.dtype)
+        self.record.outputs[(step, index)] = rows.to("cpu")
+        copy = self.device_copy.record
+        if copy is not None:
+            copy.coverage[size] = covered
+            copy.outputs[(step, index)] = rows
+
+    @contextlib.contextmanager
+    def staged(self, step: int) -> Iterator[None]:
+        """Nothing to bring to the device; after the UNet call the device copy is checked
+        against its bound."""
+        try:
+            yield
+        finally:
+            self.device_copy.check()
 
 
 @dataclass(frozen=True)
@@ -104,11 +129,16 @@ def batched_blocks(blocks: Sequence[torch.nn.Module], parts: Sequence[RowPart]) 
     its region's tokens only, each other request all its tokens, with no padding, so a step
     costs the sum of its edits' work, as the cost model prices it. Everything outside the
     blocks (convolutions, ResNets, the time embedding) runs on the whole batch. Restored on
-    exit, exceptions included."""
+    exit, exceptions included. Each part's :meth:`RowBlocks.staged` is entered around the call
+    (a replay's rows staged on the device a step ahead)."""
     rows = _PartRows(parts)
     forwards = [_batched_forward(index, block, parts, rows) for index, block in enumerate(blocks)]
-    with patched_forwards(blocks, forwards):
-        yield
+    with contextlib.ExitStack() as around:
+        for part in parts:  # each replay's rows of this step on the device, the next started
+            if part.blocks is not None:
+                around.enter_context(part.blocks.staged(part.step))
+        with patched_forwards(blocks, forwards):
+            yield
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,13 @@ may sum in another order. ``static=True`` is static batching, the baseline InstG
 with: a batch forms only when the running one has drained. A step that raises fails its
 requests and the batcher goes on; so does a request whose preparation raises.
 
+A batch whose requests bring no blocks of their own runs its UNet call through
+:meth:`~argus.worker.models.pipelines.DiffusionModel.fast_unet` (CUDA graphs, one per batch
+shape, or the compiled forward) when the model has one.
+
 **Not here**: adapters (the worker serves requests with adapters alone), latent capture for
-the approximate cache, cancellation inside a step (a batch shares its blocks, so a cancel is
-seen at the next boundary) and CUDA graphs. The worker drives a batcher from its edit lane
+the approximate cache, and cancellation inside a step (a batch shares its blocks, so a cancel
+is seen at the next boundary). The worker drives a batcher from its edit lane
 (:mod:`argus.worker.editing.lane`); the measured tolerances are in ``docs/worker-internals.md``.
 """
 
@@ -288,15 +292,20 @@ class StepBatcher:
                     added.append(r.cond.added)
             extra = {name: _cat([a[name] for a in added]) for name in added[0]} if added else None
             unet_began = self.clock()
+            # no request brings its own blocks: the model's CUDA graphs (or compiled forward)
+            fast = model.fast_unet() if all(r.rows is None for r in running) else None
             try:
-                with self._rows(running, inputs):
-                    noise: torch.Tensor = model.pipeline.unet(
-                        _cat(inputs),
-                        _cat(times),
-                        encoder_hidden_states=_cat(embeds),
-                        added_cond_kwargs=extra,
-                        return_dict=False,
-                    )[0]
+                if fast is not None:
+                    noise = fast(_cat(inputs), _cat(times), _cat(embeds), extra)
+                else:
+                    with self._rows(running, inputs):
+                        noise = model.pipeline.unet(
+                            _cat(inputs),
+                            _cat(times),
+                            encoder_hidden_states=_cat(embeds),
+                            added_cond_kwargs=extra,
+                            return_dict=False,
+                        )[0]
             except Exception as error:  # the step failed: its requests fail, the loop goes on
                 self._abort(list(running), error)
                 self.stats.total_s += self.clock() - began

@@ -1,79 +1,108 @@
-"""The UNet step replayed from CUDA graphs: the launch cost of eager PyTorch taken off the host.
+"""UNet work replayed from CUDA graphs: the launch cost of eager PyTorch taken off the host.
 
 Run eagerly, a UNet step can leave the GPU waiting for the Python process to launch its kernels
 (``docs/gpu.md`` measures a guided SDXL step at 1024 px both ways on an H200).
-:class:`GraphedUNet` captures the UNet's forward once per input shape (latent size, CFG rows,
-text length, dtype) and replays it afterwards: each step copies its inputs into the graph's
-static tensors, replays, and hands back a copy of the output.
+:class:`GraphedUNet` captures a piece of UNet work once per input signature and replays it
+afterwards: each call copies its inputs into the graph's static tensors, replays, and hands
+back copies of the outputs. A piece of work is a function of tensors (nested in tuples, lists,
+dicts or registered dataclasses) named by the caller; the signature is that name, the nesting,
+every tensor's shape, dtype and device, and the value of every other leaf (a flag such as
+"the latent size is odd" is part of what was captured). The worker graphs:
+
+* the UNet's forward (:meth:`GraphedUNet.__call__`): plain runs and LoRA runs of
+  :meth:`~argus.worker.models.pipelines.DiffusionModel.denoise`, and batched steps of the step
+  batcher when no request in the batch brings its own transformer blocks;
+* ControlNet's two halves
+  (:class:`~argus.worker.adapters.controlnet.predictor.ControlNetPredictor`): the down and mid
+  blocks, then the up blocks with the step's residuals as static inputs.
 
 What a graph cannot do, and what the worker does about it:
 
-* Python inside the UNet does not run on replay, so the cancellation checkpoints inside the
-  UNet (``install_checkpoints``) are not heard: a request is stopped between steps only.
-* Weights must stay where they were at capture. LoRA's in-place merge, ControlNet residuals
-  and the edit cache's replay change what a step computes, so
-  :meth:`~argus.worker.models.pipelines.DiffusionModel.denoise` uses the graph only for a plain
-  request (no predictor, no step-start callbacks).
-* A graph keeps the activations of its shape in a memory pool. All graphs of one UNet share
-  one pool, and at most ``max_graphs`` are kept (least recently used leaves first), so a
-  worker serving several sizes holds a bounded number of them. Sharing is safe because a
-  step's output is copied out right after its replay: one graph's replay may overwrite what
-  another graph left in the pool, never what a caller still holds.
+* Python inside the captured work does not run on replay, so the cancellation checkpoints
+  inside the UNet are not heard: a request is stopped between steps (and, with ControlNet,
+  between the halves of a step). The checkpoints stay silent while a capture records.
+* Weights must stay where they were at capture. LoRA merges into the weights in place and
+  restores them with ``copy_`` (:mod:`argus.worker.adapters.lora.patch`), so a replay computes
+  with whatever the weights hold at that moment: a LoRA run replays the base model's graph.
+  The edit cache's replay patches block methods and computes a request-dependent set of
+  tokens, so edits run eagerly.
+* A graph keeps the activations of its signature in a memory pool. All graphs of one UNet
+  share one pool, and at most ``max_graphs`` are kept (least recently used leaves first), so a
+  worker serving several sizes holds a bounded number of them. Sharing is safe because outputs
+  are copied out right after a replay: one graph's replay may overwrite what another graph
+  left in the pool, never what a caller holds.
 
-Off by default (``argus worker --cuda-graphs``); CUDA devices only.
+A capture costs ``warmup`` eager calls plus the recording; it is paid once per signature and
+reported through ``on_capture(name, seconds)`` (the worker's
+``argus_worker_cuda_graph_captures_total`` and ``argus_worker_cuda_graph_capture_seconds``).
+
+On by default on CUDA devices (``argus worker --cuda-graphs``, :data:`argus.defaults.CUDA_GRAPHS`),
+off elsewhere. ``capture="eager"`` is the stand-in the CPU tests use: the same static buffers,
+keys and eviction, with the function re-run on the static inputs instead of a replay.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 GraphKey = tuple[Any, ...]
+CAPTURES = ("cuda", "eager")
 
 
 @dataclass
 class _Captured:
-    graph: Any  # torch.cuda.CUDAGraph
-    sample: torch.Tensor
-    timestep: torch.Tensor
-    embeds: torch.Tensor
-    added: dict[str, torch.Tensor] | None
-    out: torch.Tensor
+    graph: Any  # torch.cuda.CUDAGraph, or None for the eager stand-in
+    fn: Callable[..., Any]
+    inputs: list[Any]  # the flattened static inputs (tensors cloned at capture)
+    in_spec: Any
+    outputs: list[Any]  # the flattened static outputs
+    out_spec: Any
 
 
 class GraphedUNet:
-    """A UNet's forward, captured per input shape and replayed (see the module docstring).
+    """A UNet's work, captured per signature and replayed (see the module docstring).
 
     ``__call__(sample, t, embeds, added)`` returns what ``unet(sample, t,
-    encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False)[0]`` returns.
-    Not thread-safe by itself: the model's lock serialises its steps, and a lock here guards
-    the table against a concurrent :meth:`clear`."""
+    encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False)[0]`` returns;
+    :meth:`run` replays any other function of tensors. Not thread-safe by itself: the model's
+    lock serialises its steps, and a lock here guards the table against a concurrent
+    :meth:`clear`."""
 
-    def __init__(self, unet: torch.nn.Module, max_graphs: int = 4, warmup: int = 2) -> None:
+    def __init__(
+        self,
+        unet: torch.nn.Module,
+        max_graphs: int = 4,
+        warmup: int = 2,
+        *,
+        capture: str = "cuda",
+        on_capture: Callable[[str, float], None] | None = None,
+    ) -> None:
         if max_graphs < 1:
             raise ValueError(f"max_graphs {max_graphs}: at least 1")
+        if capture not in CAPTURES:
+            raise ValueError(f"capture {capture!r}: expected one of {', '.join(CAPTURES)}")
         device = next(unet.parameters()).device
-        if device.type != "cuda":
+        if capture == "cuda" and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the UNet is on {device}")
         self.unet = unet
         self.max_graphs = max_graphs
         self.warmup = warmup
+        self.capture = capture
+        self.on_capture = on_capture
         self.captures = 0
+        self.capture_s = 0.0  # seconds spent capturing, all signatures together
         self.replays = 0
         self._graphs: OrderedDict[GraphKey, _Captured] = OrderedDict()
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle() if capture == "cuda" else None
         self._lock = threading.Lock()
-
-    @staticmethod
-    def key(
-        sample: torch.Tensor, embeds: torch.Tensor, added: dict[str, torch.Tensor] | None
-    ) -> GraphKey:
-        shapes = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in (added or {}).items()))
-        return (tuple(sample.shape), sample.dtype, tuple(embeds.shape), embeds.dtype, shapes)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -86,22 +115,28 @@ class GraphedUNet:
         added: dict[str, torch.Tensor] | None,
     ) -> torch.Tensor:
         timestep = torch.as_tensor(t, device=sample.device)
-        key = self.key(sample, embeds, added)
+        out: torch.Tensor = self.run("unet", self._forward, sample, timestep, embeds, added)
+        return out
+
+    def run(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, from the graph captured for ``name`` and ``args``' signature (captured
+        now if there is none). ``fn`` must read nothing but its arguments and the UNet's
+        weights, and must do the same work whenever the signature is the same."""
+        leaves, in_spec = pytree.tree_flatten(args)
+        key = (name, str(in_spec), *(_leaf_key(leaf) for leaf in leaves))
         with self._lock:
             captured = self._graphs.get(key)
             if captured is None:
-                captured = self._capture(key, sample, timestep, embeds, added)
+                captured = self._capture(key, name, fn, leaves, in_spec)
             else:
                 self._graphs.move_to_end(key)
-            captured.sample.copy_(sample)
-            captured.timestep.copy_(timestep.to(captured.timestep.dtype))
-            captured.embeds.copy_(embeds)
-            if added is not None and captured.added is not None:
-                for name, value in added.items():
-                    captured.added[name].copy_(value)
-            captured.graph.replay()
+            for static, given in zip(captured.inputs, leaves, strict=True):
+                if isinstance(static, torch.Tensor):
+                    static.copy_(given)
+            self._replay(captured)
             self.replays += 1
-            return captured.out.clone()
+            fresh = [o.clone() if isinstance(o, torch.Tensor) else o for o in captured.outputs]
+        return pytree.tree_unflatten(fresh, captured.out_spec)
 
     def clear(self) -> None:
         """Drop every graph (their memory goes back to the pool)."""
@@ -124,31 +159,57 @@ class GraphedUNet:
         )[0]
         return out
 
+    def _replay(self, captured: _Captured) -> None:
+        if captured.graph is not None:
+            captured.graph.replay()
+            return
+        # the eager stand-in: the function on the static inputs, into the static outputs
+        args = pytree.tree_unflatten(captured.inputs, captured.in_spec)
+        values = pytree.tree_leaves(captured.fn(*args))
+        for static, value in zip(captured.outputs, values, strict=True):
+            if isinstance(static, torch.Tensor):
+                static.copy_(value)
+
     def _capture(
-        self,
-        key: GraphKey,
-        sample: torch.Tensor,
-        timestep: torch.Tensor,
-        embeds: torch.Tensor,
-        added: dict[str, torch.Tensor] | None,
+        self, key: GraphKey, name: str, fn: Callable[..., Any], leaves: list[Any], in_spec: Any
     ) -> _Captured:
-        static_sample = sample.clone()
-        static_t = timestep.clone()
-        static_embeds = embeds.clone()
-        static_added = None if added is None else {k: v.clone() for k, v in added.items()}
-        # warm-up on a side stream, as PyTorch's capture recipe asks (lazy init, autotuning)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                self._forward(static_sample, static_t, static_embeds, static_added)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(static_sample, static_t, static_embeds, static_added)
-        captured = _Captured(graph, static_sample, static_t, static_embeds, static_added, out)
+        began = time.perf_counter()
+        inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        args = pytree.tree_unflatten(inputs, in_spec)
+        graph = None
+        if self.capture == "cuda":
+            # warm-up on a side stream, as PyTorch's capture recipe asks (lazy init, autotuning)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(self.warmup):
+                    fn(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = fn(*args)
+            torch.cuda.synchronize()
+        else:
+            out = fn(*args)
+        outputs, out_spec = pytree.tree_flatten(out)
+        captured = _Captured(graph, fn, inputs, in_spec, outputs, out_spec)
         self._graphs[key] = captured
-        self.captures += 1
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
+        seconds = time.perf_counter() - began
+        self.captures += 1
+        self.capture_s += seconds
+        if self.on_capture is not None:
+            self.on_capture(name, seconds)
         return captured
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device)
+    return (type(leaf).__name__, leaf)
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream records a graph (Python checks must stay silent)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -154,7 +154,9 @@ class _Watch:
 
     def checkpoint(self, module: torch.nn.Module, args: Any) -> None:
         """A forward pre-hook: raise :class:`Cancelled` if the calling thread's run should
-        stop."""
+        stop. Silent while a CUDA graph records: a capture is never left half done."""
+        if _capturing():
+            return
         self.token.check(self.steps_done)
 
     @contextlib.contextmanager
@@ -209,6 +211,10 @@ UNetCall = Callable[
     torch.Tensor,
 ]
 """A UNet's forward as ``(sample, t, embeds, added) -> noise``: :meth:`DiffusionModel.fast_unet`."""
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _call_unet(
@@ -530,16 +536,26 @@ class DiffusionModel:
         before are retaken over the compiled forward."""
         self.compiled_unet = torch.compile(self.pipeline.unet, mode=mode, backend=backend)
         if self.graphs is not None:
-            self.use_cuda_graphs(self.graphs.max_graphs)
+            self.use_cuda_graphs(self.graphs.max_graphs, capture=self.graphs.capture)
 
-    def use_cuda_graphs(self, max_graphs: int = 4) -> None:
-        """Replay the UNet's step from CUDA graphs in plain and LoRA runs from now on
-        (:mod:`argus.worker.models.cuda_graphs`); the graphs capture the compiled forward when
-        :meth:`use_compile` ran first. ValueError off CUDA."""
+    def use_cuda_graphs(
+        self,
+        max_graphs: int = 4,
+        *,
+        capture: str = "cuda",
+        on_capture: Callable[[str, float], None] | None = None,
+    ) -> None:
+        """Replay the UNet's work from CUDA graphs from now on: plain and LoRA runs, batched
+        steps and ControlNet's halves (:mod:`argus.worker.models.cuda_graphs`; ``capture`` and
+        ``on_capture`` are :class:`~argus.worker.models.cuda_graphs.GraphedUNet`'s). The graphs
+        capture the compiled forward when :meth:`use_compile` ran first. ValueError off CUDA
+        (unless ``capture="eager"``, the tests' stand-in)."""
         from argus.worker.models.cuda_graphs import GraphedUNet
 
         unet = self.compiled_unet if self.compiled_unet is not None else self.pipeline.unet
-        self.graphs = GraphedUNet(unet, max_graphs)
+        if self.graphs is not None:
+            on_capture = on_capture or self.graphs.on_capture
+        self.graphs = GraphedUNet(unet, max_graphs, capture=capture, on_capture=on_capture)
 
     def start_run(
         self,

@@ -29,6 +29,7 @@ budget is the device's memory × ``memory_fraction`` on CUDA, and ``MemAvailable
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,7 +40,15 @@ from typing import Any
 
 import torch
 
+from argus import defaults
 from argus.contracts.worker_control import ComponentInfo, LoadState, ModelInfo
+from argus.worker.models.compiled import (
+    GRAPHED_MODES,
+    check_compile_backend,
+    check_compile_mode,
+    compile_and_warm,
+    warm_up,
+)
 from argus.worker.models.components import Component, ComponentStore, part_bytes, source_digests
 from argus.worker.models.pipelines import DiffusionModel
 from argus.worker.models.sources import (
@@ -52,6 +61,8 @@ from argus.worker.models.sources import (
     tiny_spec,
     tiny_tokenizer,
 )
+
+log = logging.getLogger(__name__)
 
 
 class MemoryGuardError(RuntimeError):
@@ -73,6 +84,12 @@ def resolve_device(device: str) -> str:
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"device {device!r}: expected auto, cpu or cuda[:N]")
     return device
+
+
+def default_cuda_graphs(device: str) -> int:
+    """The graphs a worker keeps when its settings do not say (:data:`argus.defaults.CUDA_GRAPHS`
+    None): :data:`argus.defaults.CUDA_GRAPHS_ON_CUDA` on a CUDA device, none elsewhere."""
+    return defaults.CUDA_GRAPHS_ON_CUDA if str(device).startswith("cuda") else 0
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -109,6 +126,7 @@ class _Entry:
     error: str = ""
     future: Future[DiffusionModel] | None = None
     loaded_parts: dict[str, float] = field(default_factory=dict)  # part -> load seconds
+    compile_s: float = 0.0  # torch.compile and its warm-up run (compiled.py), part of load_s
     used_at: int = 0  # a use counter's value at its last activation or use (LRU order)
 
 
@@ -125,14 +143,19 @@ class ModelRegistry:
         memory_budget_bytes: int | None = None,
         memory_fraction: float = 0.9,
         max_resident: int = 1,
-        cuda_graphs: int = 0,
+        cuda_graphs: int | None = None,
         on_load: Callable[[str, float, Mapping[str, float]], None] | None = None,
+        on_capture: Callable[[str, str, float], None] | None = None,
+        compile_mode: str | None = None,
+        compile_backend: str = defaults.COMPILE_BACKEND,
+        serving_size: int = defaults.DEFAULT_SIZE,
+        on_compile: Callable[[str, float], None] | None = None,
     ) -> None:
         if not sources:
             raise ValueError("sources: at least one model is needed")
         if max_resident < 1:
             raise ValueError(f"max_resident {max_resident}: at least 1")
-        if cuda_graphs < 0:
+        if cuda_graphs is not None and cuda_graphs < 0:
             raise ValueError(f"cuda_graphs {cuda_graphs}: at least 0")
         self.sources = dict(sources)
         self.device = resolve_device(device)
@@ -144,10 +167,11 @@ class ModelRegistry:
             else default_memory_budget(self.device, memory_fraction)
         )
         self.max_resident = max_resident
-        self.cuda_graphs = cuda_graphs
-        if cuda_graphs and not str(self.device).startswith("cuda"):
+        self.cuda_graphs = default_cuda_graphs(self.device) if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not str(self.device).startswith("cuda"):
             raise ValueError(f"cuda_graphs {cuda_graphs}: needs a CUDA device, not {self.device}")
         self._on_load = on_load
+        self._on_capture = on_capture
         self._entries: dict[str, _Entry] = {}
         self._parts = ComponentStore()
         self._digests: dict[str, dict[str, str]] = {}  # source -> part -> digest, once known
@@ -158,6 +182,33 @@ class ModelRegistry:
         self._outside: Callable[[], int] = lambda: 0  # bytes held beside the models
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
+        self._use_compile(compile_mode, compile_backend, serving_size, on_compile)
+
+    def _use_compile(
+        self,
+        mode: str | None,
+        backend: str,
+        size: int,
+        on_compile: Callable[[str, float], None] | None,
+    ) -> None:
+        """Compile every model this registry loads with ``torch.compile(mode=, backend=)``
+        and warm it up at ``size`` × ``size`` (:mod:`argus.worker.models.compiled`); None:
+        eager. Mode ``reduce-overhead`` replays CUDA graphs of its own, so the registry's own
+        (``cuda_graphs``) are then not taken."""
+        self.compile_mode = None if mode is None else check_compile_mode(mode)
+        self.compile_backend = backend if mode is None else check_compile_backend(backend)
+        if size < 1:
+            raise ValueError(f"serving_size {size}: at least 1 pixel")
+        self.serving_size = size
+        self._on_compile = on_compile
+        if mode in GRAPHED_MODES and self.cuda_graphs:
+            log.info(
+                "compile mode %s replays CUDA graphs of its own: the worker's own "
+                "(cuda_graphs %d) are not taken",
+                mode,
+                self.cuda_graphs,
+            )
+            self.cuda_graphs = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -219,6 +270,18 @@ class ModelRegistry:
         with self._lock:
             name, parts = self._last_load
             return name, dict(parts)
+
+    def compile_seconds(self) -> dict[str, float]:
+        """Each ready model's compile time (``torch.compile`` and its warm-up run, seconds;
+        part of its load's); empty when the registry does not compile."""
+        if self.compile_mode is None:
+            return {}
+        with self._lock:
+            return {
+                name: e.compile_s
+                for name, e in sorted(self._entries.items())
+                if e.state is LoadState.READY
+            }
 
     def components(self) -> list[ComponentInfo]:
         """The resident parts, each with the models that share it."""
@@ -310,8 +373,18 @@ class ModelRegistry:
             model = DiffusionModel(
                 name, self._assemble(entry.source, parts), device=self.device, source=entry.source
             )
+            if self.compile_mode is not None:  # before the graphs: they capture its forward
+                entry.compile_s = compile_and_warm(
+                    model,
+                    self.compile_mode,
+                    self.compile_backend,
+                    self.serving_size,
+                    self.serving_size,
+                )
             if self.cuda_graphs:
-                model.use_cuda_graphs(self.cuda_graphs)
+                model.use_cuda_graphs(self.cuda_graphs, on_capture=self._capture_callback(name))
+                # the serving size's graph is captured now, not by the first request
+                warm_up(model, self.serving_size, self.serving_size)
         except Exception as err:
             with self._lock:
                 entry.state = LoadState.FAILED
@@ -335,6 +408,8 @@ class ModelRegistry:
                 self._trim()
         if self._on_load is not None:
             self._on_load(name, elapsed, dict(entry.loaded_parts))
+        if self._on_compile is not None and self.compile_mode is not None:
+            self._on_compile(name, entry.compile_s)
         return model
 
     def _load_part(self, source: str, part: str) -> Any:
@@ -357,6 +432,13 @@ class ModelRegistry:
         return pipeline
 
     # -- residency -------------------------------------------------------------------------
+
+    def _capture_callback(self, model: str) -> Callable[[str, float], None] | None:
+        """``on_capture`` for ``model``'s graphs: the registry's callback with the model named."""
+        report = self._on_capture
+        if report is None:
+            return None
+        return lambda work, seconds: report(model, work, seconds)
 
     def _touch(self, entry: _Entry) -> None:
         self._uses += 1

@@ -46,7 +46,12 @@ from argus.worker.adapters.controlnet.executor import (
     SessionSpec,
 )
 from argus.worker.adapters.controlnet.models import base_family
-from argus.worker.adapters.controlnet.unet_split import Residuals, SplitUNet
+from argus.worker.adapters.controlnet.unet_split import (
+    Encoded,
+    Residuals,
+    SplitUNet,
+    check_residuals,
+)
 from argus.worker.models.pipelines import Conditioning, DiffusionModel
 
 
@@ -118,21 +123,42 @@ class ControlNetPredictor:
         last = step >= len(scheduler.timesteps) - 1
         if self.mode is ControlNetMode.SYNC or self._latest is None:
             running = session.submit(step, x, t)
-            encoded = self.split.encode(x, t, cond.embeds, cond.added)
+            encoded = self._encode(x, t, cond)
             residuals = self._wait(running)
         else:
             previous, self._pending = self._pending, None
             if not last:
                 self._pending = session.submit(step, x, t)  # for step + 1
-            encoded = self.split.encode(x, t, cond.embeds, cond.added)
+            encoded = self._encode(x, t, cond)
             residuals = self._wait(previous) if previous is not None else self._latest
             self.stats.stale_steps += 1
         self._latest = residuals
         self.stats.steps += 1
-        noise = self.split.decode(encoded, residuals.to(x.device, x.dtype))
+        noise = self._decode(encoded, residuals.to(x.device, x.dtype))
         if last:
             self.close()
         return DiffusionModel.guide(noise, cond)
+
+    def _encode(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> Encoded:
+        """The down and mid blocks: replayed from the model's CUDA graphs when it has them."""
+        graphs = self.model.graphs
+        if graphs is None:
+            return self.split.encode(x, t, cond.embeds, cond.added)
+        timestep = torch.as_tensor(t, device=x.device)
+        encoded: Encoded = graphs.run(
+            "controlnet-encode", self.split.encode, x, timestep, cond.embeds, cond.added
+        )
+        return encoded
+
+    def _decode(self, encoded: Encoded, residuals: Residuals) -> torch.Tensor:
+        """The up blocks with the residuals added: replayed from the model's CUDA graphs, the
+        residuals copied into the graph's static inputs, when it has them."""
+        graphs = self.model.graphs
+        if graphs is None:
+            return self.split.decode(encoded, residuals)
+        check_residuals(residuals, encoded)  # a replay runs no Python: check before it
+        noise: torch.Tensor = graphs.run("controlnet-decode", self.split.decode, encoded, residuals)
+        return noise
 
     def _open(self, x: torch.Tensor, cond: Conditioning) -> ControlNetSession:
         factor = self.model.vae_scale_factor

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from argus.worker.adapters.controlnet.errors import InvalidControlNetRequest
 
@@ -57,6 +58,11 @@ class Encoded:
     emb: torch.Tensor  # time (+ added) embedding, after time_embed_act
     encoder_hidden_states: torch.Tensor
     forward_upsample_size: bool  # the latent size is not a multiple of the total upsampling
+
+
+# both cross a CUDA graph's boundary as nested tensors (argus.worker.models.cuda_graphs)
+pytree.register_dataclass(Residuals)
+pytree.register_dataclass(Encoded)
 
 
 def sum_residuals(parts: Sequence[Residuals]) -> Residuals:

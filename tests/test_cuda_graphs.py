@@ -1,0 +1,356 @@
+"""CUDA graphs for the worker's UNet work (argus/worker/models/cuda_graphs.py): on by default
+on CUDA, off elsewhere; plain, LoRA, batched and ControlNet steps replayed.
+
+On this machine (no GPU) the graphs run through ``capture="eager"``, the stand-in with the
+same static buffers, signatures and eviction: what the worker puts into a graph and takes out
+of it is checked here, bit for bit against the eager runs. What only a GPU can show (a real
+capture replays the same latents; the checkpoints stay silent while recording) is in the tests
+marked ``cuda``, which skip without one. The invariant a LoRA run under a graph rests on (a
+merge and its restore write into the weights' own storage) is checked on the CPU.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from prometheus_client import CollectorRegistry
+
+from argus import defaults
+from argus.contracts.controlnet import ControlUnit
+from argus.worker.adapters.controlnet.executor import LocalControlNetExecutor
+from argus.worker.adapters.controlnet.models import ControlNetCatalog
+from argus.worker.adapters.controlnet.predictor import ControlNetPredictor
+from argus.worker.adapters.lora import LoraLibrary, WeightBackup, load_now, merge, write_tiny_lora
+from argus.worker.adapters.lora.patch import patch_targets, weight_of
+from argus.worker.editing.step_batch import StepBatcher
+from argus.worker.metrics import WorkerMetrics
+from argus.worker.models.cuda_graphs import GraphedUNet
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.registry import default_cuda_graphs
+from argus.worker.models.sources import build_tiny_pipeline
+from tests.worker_factories import make_registry, torch_threads
+
+pytestmark = pytest.mark.unit
+
+STEPS = 3
+SIZE = 32
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    with torch_threads(1):  # bit-for-bit comparisons: one summation order
+        yield
+
+
+def fresh(variant: str = "sd-1.5", device: str = "cpu") -> DiffusionModel:
+    """A private tiny model (the tests give it graphs and patch its weights)."""
+    source = f"tiny:{variant}"
+    pipeline = build_tiny_pipeline(source).to(device)
+    return DiffusionModel(variant, pipeline, device=device, source=source)
+
+
+def spec(seed: int = 3, **kwargs: Any) -> GenerationSpec:
+    kwargs.setdefault("steps", STEPS)
+    kwargs.setdefault("height", SIZE)
+    kwargs.setdefault("width", SIZE)
+    return GenerationSpec("a lighthouse at dusk", seed=seed, **kwargs)
+
+
+def eager_and_graphed(model: DiffusionModel, run: Any, capture: str = "eager") -> tuple[Any, Any]:
+    """``run(model)`` eagerly, then with the model's graphs; the graphs are dropped after."""
+    eager = run(model)
+    model.use_cuda_graphs(2, capture=capture)
+    try:
+        graphed = run(model)
+    finally:
+        model.graphs = None
+    return eager, graphed
+
+
+# -- defaults ----------------------------------------------------------------------------------
+
+
+def test_graphs_are_on_by_default_on_cuda_and_off_elsewhere() -> None:
+    assert defaults.CUDA_GRAPHS is None  # the device decides
+    assert default_cuda_graphs("cuda") == default_cuda_graphs("cuda:1") == 4
+    assert default_cuda_graphs("cpu") == 0
+    registry = make_registry()  # this machine's default device: the CPU
+    assert registry.cuda_graphs == 0
+    with pytest.raises(ValueError, match="cuda_graphs 2: needs a CUDA device"):
+        make_registry(cuda_graphs=2)
+
+
+def test_the_cli_takes_auto_or_a_count(capsys: pytest.CaptureFixture[str]) -> None:
+    from argus.cli.main import OneLineParser, load_command
+
+    parser = OneLineParser(prog="argus worker")
+    load_command("worker").add_arguments(parser)
+    assert parser.parse_args([]).cuda_graphs is None
+    assert parser.parse_args(["--cuda-graphs", "auto"]).cuda_graphs is None
+    assert parser.parse_args(["--cuda-graphs", "0"]).cuda_graphs == 0
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--cuda-graphs", bad])
+        assert "--cuda-graphs" in capsys.readouterr().err
+
+
+# -- the table of graphs -----------------------------------------------------------------------
+
+
+def test_a_signature_is_captured_once_and_replayed_with_new_inputs() -> None:
+    model = fresh()
+    seen: list[tuple[str, float]] = []
+    graphs = GraphedUNet(
+        model.pipeline.unet, 2, capture="eager", on_capture=lambda *a: seen.append(a)
+    )
+    unet = model.pipeline.unet
+    torch.manual_seed(0)
+    embeds = torch.randn(2, 77, int(unet.config.cross_attention_dim))
+    with torch.inference_mode():
+        for seed in range(3):
+            x = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(seed))
+            t = torch.tensor(900.0 - 100 * seed)
+            expected = unet(x, t, encoder_hidden_states=embeds, return_dict=False)[0]
+            assert torch.equal(graphs(x, t, embeds, None), expected)
+        assert (graphs.captures, graphs.replays, len(graphs)) == (1, 3, 1)
+        assert [work for work, _ in seen] == ["unet"]
+        # a per-row timestep (a batched step) is another signature than one timestep
+        graphs(x, t.reshape(1).expand(2), embeds, None)
+        assert graphs.captures == 2
+        # least recently used leaves first: a third signature evicts the scalar-t graph
+        graphs(torch.randn(2, 4, 6, 6), t, embeds, None)
+        assert (graphs.captures, len(graphs)) == (3, 2)
+        graphs(x, t, embeds, None)
+        assert graphs.captures == 4
+    assert graphs.capture_s > 0
+
+
+def test_an_output_handed_out_is_never_overwritten_by_the_next_replay() -> None:
+    model = fresh()
+    graphs = GraphedUNet(model.pipeline.unet, 1, capture="eager")
+    embeds = torch.randn(1, 77, int(model.pipeline.unet.config.cross_attention_dim))
+    with torch.inference_mode():
+        first = graphs(torch.randn(1, 4, 4, 4), torch.tensor(500.0), embeds, None)
+        kept = first.clone()
+        graphs(torch.randn(1, 4, 4, 4), torch.tensor(100.0), embeds, None)
+    assert torch.equal(first, kept)
+
+
+def test_the_stand_in_is_refused_nowhere_and_real_graphs_off_cuda() -> None:
+    model = fresh()
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        GraphedUNet(model.pipeline.unet)
+    with pytest.raises(ValueError, match="capture 'fake'"):
+        GraphedUNet(model.pipeline.unet, capture="fake")
+    with pytest.raises(ValueError, match="max_graphs 0"):
+        GraphedUNet(model.pipeline.unet, 0, capture="eager")
+
+
+# -- what the worker puts through the graphs ---------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["sd-1.5", "sdxl"])
+def test_a_plain_run_replays_its_steps_bit_for_bit(variant: str) -> None:
+    model = fresh(variant)
+    eager, graphed = eager_and_graphed(model, lambda m: (m.denoise(spec()).latents, m.graphs))
+    assert torch.equal(graphed[0], eager[0])
+    assert graphed[1].replays == STEPS and graphed[1].captures == 1
+
+
+def test_a_lora_run_replays_the_base_models_graph(tmp_path: Path) -> None:
+    model = fresh("tiny-sd")
+    write_tiny_lora(model, tmp_path / "style.safetensors", rank=4, seed=1, alpha=2.0)
+    lora = load_now(LoraLibrary(tmp_path), "style")
+
+    def with_lora(m: DiffusionModel) -> tuple[torch.Tensor, int]:
+        backup = WeightBackup()
+
+        def before(step: int) -> None:
+            if step == 1:  # merged between steps, as a LoRA session merges a late load
+                merge(m.pipeline.unet, lora, 0.8, backup)
+
+        try:
+            latents = m.denoise(spec(), before_step=[before]).latents
+        finally:
+            backup.restore()
+        return latents, m.graphs.replays if m.graphs is not None else 0
+
+    eager, graphed = eager_and_graphed(model, with_lora)
+    assert graphed[1] == STEPS  # every step, the merged ones included, replayed
+    assert torch.equal(graphed[0], eager[0])
+    assert not torch.equal(eager[0], model.denoise(spec()).latents)  # the LoRA did something
+
+
+def test_a_lora_merge_and_restore_keep_every_weights_storage(tmp_path: Path) -> None:
+    """A graph reads the weights' memory at replay: a merge that replaced a tensor instead of
+    writing into it would leave a replayed run on the base model."""
+    model = fresh("tiny-sd")
+    write_tiny_lora(model, tmp_path / "style.safetensors", rank=4, seed=1, alpha=2.0)
+    lora = load_now(LoraLibrary(tmp_path), "style")
+    unet = model.pipeline.unet
+    targets = patch_targets(unet)
+    weights = {m.module: weight_of(targets[m.module]) for m in lora.modules}
+    where = {name: (w.data_ptr(), w.clone()) for name, w in weights.items()}
+    backup = WeightBackup()
+    with torch.inference_mode():
+        merge(unet, lora, 0.8, backup)
+        for name, module in patch_targets(unet).items():
+            if name in where:
+                assert weight_of(module).data_ptr() == where[name][0], name
+        assert any(not torch.equal(weights[n], where[n][1]) for n in where)
+        backup.restore()
+    for name, module in patch_targets(unet).items():
+        if name in where:
+            assert weight_of(module).data_ptr() == where[name][0], name
+            assert torch.equal(weight_of(module), where[name][1]), name
+
+
+def _png(seed: int, size: int = SIZE) -> bytes:
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray((rng.random((size, size, 3)) * 255).astype(np.uint8))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("variant", ["sd-1.5", "sdxl"])
+def test_a_controlnet_run_replays_both_halves_with_the_residuals_as_inputs(variant: str) -> None:
+    model = fresh(variant)
+    units = (ControlUnit("canny", 1.0, _png(1)), ControlUnit("depth", 0.5, _png(2)))
+    executor = LocalControlNetExecutor(ControlNetCatalog.tiny())
+    try:
+
+        def controlled(m: DiffusionModel) -> tuple[torch.Tensor, dict[str, int]]:
+            captured: dict[str, int] = {}
+            if m.graphs is not None:
+                m.graphs.on_capture = lambda work, s: captured.update(
+                    {work: captured.get(work, 0) + 1}
+                )
+            predictor = ControlNetPredictor(m, executor, units)
+            return m.denoise(spec(), predictor=predictor).latents, captured
+
+        eager, graphed = eager_and_graphed(model, controlled)
+    finally:
+        executor.close()
+    assert graphed[1] == {"controlnet-encode": 1, "controlnet-decode": 1}
+    assert torch.equal(graphed[0], eager[0])
+
+
+def test_a_batched_step_replays_a_graph_per_batch_shape() -> None:
+    model = fresh()
+    specs = [spec(seed=1), spec(seed=2, steps=STEPS + 1)]
+
+    def batched(m: DiffusionModel) -> tuple[list[torch.Tensor], int]:
+        batcher = StepBatcher(m, bound=2)
+        futures = [batcher.submit(s, key=str(i)) for i, s in enumerate(specs)]
+        batcher.run_until_idle()
+        return [f.result().latents for f in futures], m.graphs.captures if m.graphs else 0
+
+    eager, graphed = eager_and_graphed(model, batched)
+    assert graphed[1] == 2  # two rows' worth of CFG (4), then the longer request alone (2)
+    for one, other in zip(graphed[0], eager[0], strict=True):
+        assert torch.equal(one, other)
+
+
+def test_an_edit_replaying_its_template_runs_eagerly() -> None:
+    """A predictor of its own (the edit cache's, ControlNet's) bypasses the UNet's graph."""
+    model = fresh()
+    model.use_cuda_graphs(2, capture="eager")
+    assert model.graphs is not None
+    calls: list[int] = []
+
+    def predictor(latents: Any, t: Any, cond: Any, scheduler: Any, step: int) -> torch.Tensor:
+        calls.append(step)
+        return model.predict_noise(latents, t, cond, scheduler, step)
+
+    model.denoise(spec(), predictor=predictor)
+    assert calls == list(range(STEPS)) and model.graphs.captures == 0
+
+
+def test_captures_reach_the_workers_metrics() -> None:
+    reg = CollectorRegistry()
+    metrics = WorkerMetrics(reg)
+    registry = make_registry(on_capture=metrics.observe_capture)
+    model = fresh()
+    callback = registry._capture_callback("sd-1.5")
+    model.use_cuda_graphs(2, capture="eager", on_capture=callback)
+    model.denoise(spec())
+    labels = {"model": "sd-1.5", "work": "unet"}
+    assert reg.get_sample_value("argus_worker_cuda_graph_captures_total", labels) == 1
+    count = reg.get_sample_value(
+        "argus_worker_cuda_graph_capture_seconds_count", {"model": "sd-1.5"}
+    )
+    assert count == 1
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("variant", ["sd-1.5", "sdxl"])
+def test_real_graphs_replay_a_plain_run_bit_for_bit(variant: str) -> None:
+    model = fresh(variant, "cuda")
+    eager, graphed = eager_and_graphed(model, lambda m: m.denoise(spec()).latents, "cuda")
+    assert torch.equal(graphed, eager)
+
+
+@cuda
+def test_real_graphs_see_a_lora_merged_in_place(tmp_path: Path) -> None:
+    model = fresh("tiny-sd", "cuda")
+    write_tiny_lora(model, tmp_path / "style.safetensors", rank=4, seed=1, alpha=2.0)
+    lora = load_now(LoraLibrary(tmp_path), "style")
+
+    def with_lora(m: DiffusionModel) -> torch.Tensor:
+        backup = WeightBackup()
+        try:
+            return m.denoise(
+                spec(),
+                before_step=[
+                    lambda step: merge(m.pipeline.unet, lora, 0.8, backup) if step == 1 else None
+                ],
+            ).latents
+        finally:
+            backup.restore()
+
+    eager, graphed = eager_and_graphed(model, with_lora, "cuda")
+    assert torch.equal(graphed, eager)
+
+
+@cuda
+def test_real_graphs_replay_controlnet_halves() -> None:
+    model = fresh("sdxl", "cuda")
+    units = (ControlUnit("canny", 1.0, _png(1)),)
+    executor = LocalControlNetExecutor(ControlNetCatalog.tiny(), device="cuda")
+    try:
+        eager, graphed = eager_and_graphed(
+            model,
+            lambda m: m.denoise(spec(), predictor=ControlNetPredictor(m, executor, units)).latents,
+            "cuda",
+        )
+    finally:
+        executor.close()
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+
+
+@cuda
+def test_a_cuda_worker_has_graphs_by_default_and_captures_its_serving_size_at_load() -> None:
+    seen: list[tuple[str, str]] = []
+    registry = make_registry(
+        device="cuda", serving_size=SIZE, on_capture=lambda m, work, s: seen.append((m, work))
+    )
+    try:
+        assert registry.cuda_graphs == defaults.CUDA_GRAPHS_ON_CUDA
+        model = registry.activate("sd-1.5").result(timeout=300)
+        assert model.graphs is not None and seen == [("sd-1.5", "unet")]
+        model.denoise(spec())  # the serving size: replayed, nothing captured
+        assert seen == [("sd-1.5", "unet")]
+    finally:
+        registry.close()
