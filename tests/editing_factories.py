@@ -9,7 +9,11 @@ import zlib
 
 import numpy as np
 import numpy.typing as npt
+import torch
 from PIL import Image
+
+from argus.request_limits import ImageLimits, check_edit
+from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 
 SIZE = 64  # the tiny models' side; a latent of 8×8
 STEPS = 4  # few steps: CI stays fast
@@ -82,3 +86,29 @@ def declaring_png(width: int, height: int) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     idat = zlib.compress(b"\x00" * (width + 1))
     return PNG_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
+
+
+BLOCK_SIZE = 128  # the tiny UNets' blocks see 8×8 tokens: masks with edges inside the grid
+BLOCK_PROMPT = "a red boat on a lake"
+
+
+def block_edit_spec(ratio: float, seed: int, template_seed: int = 7) -> GenerationSpec:
+    """An inpainting edit of ``ratio`` of a :data:`BLOCK_SIZE` template, :data:`STEPS` steps
+    (the activation cache's block-level tests)."""
+    edit = check_edit(
+        encode(template_rgb(BLOCK_SIZE, template_seed)),
+        mask_png(region_of(ratio, BLOCK_SIZE)),
+        None,
+        ImageLimits(),
+    )
+    return GenerationSpec(
+        BLOCK_PROMPT, seed=seed, steps=STEPS, height=BLOCK_SIZE, width=BLOCK_SIZE, edit=edit
+    )
+
+
+def latent_region(model: DiffusionModel, spec: GenerationSpec) -> torch.Tensor:
+    """The latent-space region of ``spec``'s edit on ``model``."""
+    with model.lock, torch.inference_mode():
+        region = model.start_edit(spec).region
+    assert region is not None
+    return region

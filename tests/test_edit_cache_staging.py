@@ -30,7 +30,6 @@ from prometheus_client import CollectorRegistry
 from argus import defaults
 from argus.cli.worker import byte_bound
 from argus.contracts.generate import GenerateCall
-from argus.request_limits import ImageLimits, check_edit
 from argus.worker.app import WorkerSettings, build_edit_cache
 from argus.worker.editing import masked_blocks
 from argus.worker.editing.activation_cache import EditCache
@@ -56,32 +55,27 @@ from argus.worker.editing.masked_blocks import (
 from argus.worker.editing.packed_blocks import RowPart, RowRecorder, batched_blocks
 from argus.worker.engine import Worker
 from argus.worker.metrics import WorkerMetrics
-from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
+from argus.worker.models.pipelines import DiffusionModel
+from tests.editing_factories import (
+    BLOCK_PROMPT,
+    BLOCK_SIZE,
+    encode,
+    latent_region,
+    mask_png,
+    pixels,
+    region_of,
+    template_rgb,
+)
+from tests.editing_factories import STEPS as BLOCK_STEPS
 from tests.editing_factories import STEPS as WORKER_STEPS
-from tests.editing_factories import encode, mask_png, pixels, region_of, template_rgb
+from tests.editing_factories import block_edit_spec as edit_spec
 from tests.worker_factories import make_worker, tiny_model
 
 pytestmark = pytest.mark.unit
 
-SIZE = 128
-STEPS = 4
-PROMPT = "a red boat on a lake"
+SIZE, STEPS, PROMPT = BLOCK_SIZE, BLOCK_STEPS, BLOCK_PROMPT  # block_edit_spec's
 GiB = 2**30
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def edit_spec(ratio: float, seed: int) -> GenerationSpec:
-    edit = check_edit(
-        encode(template_rgb(SIZE)), mask_png(region_of(ratio, SIZE)), None, ImageLimits()
-    )
-    return GenerationSpec(PROMPT, seed=seed, steps=STEPS, height=SIZE, width=SIZE, edit=edit)
-
-
-def latent_region(model: DiffusionModel, spec: GenerationSpec) -> torch.Tensor:
-    with model.lock, torch.inference_mode():
-        region = model.start_edit(spec).region
-    assert region is not None
-    return region
 
 
 def template_record(model: DiffusionModel, **kwargs: Any) -> ActivationRecord:

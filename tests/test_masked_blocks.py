@@ -30,7 +30,6 @@ from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import SlicedAttnProcessor
 from safetensors.torch import load_file, save_file
 
-from argus.request_limits import ImageLimits, check_edit
 from argus.worker.editing.masked_blocks import (
     ActivationRecord,
     RecordingPredictor,
@@ -48,31 +47,14 @@ from argus.worker.editing.masked_blocks import (
 )
 from argus.worker.editing.packed_blocks import RowPart, RowRecorder, batched_blocks
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
-from tests.editing_factories import encode, mask_png, region_of, template_rgb
+from tests.editing_factories import BLOCK_PROMPT, BLOCK_SIZE, latent_region
+from tests.editing_factories import STEPS as BLOCK_STEPS
+from tests.editing_factories import block_edit_spec as edit_spec
 from tests.worker_factories import tiny_model
 
 pytestmark = pytest.mark.unit
 
-SIZE = 128  # the tiny UNets' blocks see 8×8 tokens: masks with edges inside the grid
-STEPS = 4
-PROMPT = "a red boat on a lake"
-
-
-def edit_spec(ratio: float, seed: int, template_seed: int = 7) -> GenerationSpec:
-    edit = check_edit(
-        encode(template_rgb(SIZE, template_seed)),
-        mask_png(region_of(ratio, SIZE)),
-        None,
-        ImageLimits(),
-    )
-    return GenerationSpec(PROMPT, seed=seed, steps=STEPS, height=SIZE, width=SIZE, edit=edit)
-
-
-def latent_region(model: DiffusionModel, spec: GenerationSpec) -> torch.Tensor:
-    with model.lock, torch.inference_mode():
-        region = model.start_edit(spec).region
-    assert region is not None
-    return region
+SIZE, STEPS, PROMPT = BLOCK_SIZE, BLOCK_STEPS, BLOCK_PROMPT  # block_edit_spec's
 
 
 def record_of(

@@ -31,17 +31,28 @@ if TYPE_CHECKING:
     from argus.worker.app import WorkerSettings
 
 
-def byte_bound(text: str) -> int | str:
-    """A tier's bound on the command line: a count of bytes, or ``auto``."""
+def count_or_auto(text: str, what: str) -> int | None:
+    """A count >= 0 of ``what`` on the command line, or None for ``auto``."""
     if text == "auto":
-        return text
+        return None
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bytes or auto, got {quoted(text)}") from None
+        raise argparse.ArgumentTypeError(f"expected {what} or auto, got {quoted(text)}") from None
     if value < 0:
-        raise argparse.ArgumentTypeError(f"expected bytes >= 0 or auto, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what} >= 0 or auto, got {value}")
     return value
+
+
+def byte_bound(text: str) -> int | str:
+    """A tier's bound on the command line: a count of bytes, or ``auto``."""
+    value = count_or_auto(text, "bytes")
+    return "auto" if value is None else value
+
+
+def _graphs(text: str) -> int | None:
+    """``--cuda-graphs``: a count of graphs, or None for ``auto`` (the device decides)."""
+    return count_or_auto(text, "a count")
 
 
 def parse_variant(text: str) -> tuple[str, str]:
@@ -49,19 +60,6 @@ def parse_variant(text: str) -> tuple[str, str]:
     if not sep or not name or not directory:
         raise CLIError(f"--variant: expected NAME=DIR, got {quoted(text)}")
     return name, directory
-
-
-def _graphs(text: str) -> int | None:
-    """``--cuda-graphs``: ``auto`` (None: the device decides) or a count >= 0."""
-    if text == "auto":
-        return None
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a count >= 0, got {text!r}") from None
-    if count < 0:
-        raise argparse.ArgumentTypeError(f"expected auto or a count >= 0, got {count}")
-    return count
 
 
 class WorkerCommand:
