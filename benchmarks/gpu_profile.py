@@ -21,30 +21,45 @@ not depend on its weights' values) and measures, in order of importance, as long
    captured at K, against (N - K) / N (Argus §2.1), and the latent's fetch to the device; a
    rank-64 LoRA's read, copy and patch and an SDXL ControlNet's added time per step
    (``_gpu_adapters.py``, the worker's own LoRA and ControlNet code);
-3. with ``--worker``, the worker's whole path (``_gpu_worker.py``): cache miss, hit at K, an
-   SM level, a LoRA, a ControlNet, timed per stage;
+3. with ``--worker``, the worker's whole path: in process (``_gpu_worker.py``: cache miss,
+   hit at K, an SM level, a LoRA, a ControlNet, timed per stage), or with ``--worker-via cli``
+   through ``python -m argus worker`` processes and gRPC with their defaults
+   (``_gpu_cli_worker.py``: SDXL plain, with a LoRA, with a ControlNet, an inpainting edit
+   recorded, replayed and with the cache off, hits at K, the SM variants; ``--worker-args``
+   passes flags on to the workers), under the key ``worker_cli``;
 4. each model's load from a local diffusers directory (the worker's loader);
 5. ``torch.compile`` on the UNets named by ``--compile`` (the first call takes minutes).
 
+``--floor-only`` measures only the first item's floor: the guided UNet step replayed from a
+CUDA graph (on a CPU, the eager step at batch 1), which the summary divides by.
+
 Everything lands in ``OUT/gpu_profile.json`` as it is measured (a run cut short keeps what
-it had); ``--write-profile FILE`` and ``--write-markdown FILE`` turn that JSON into the
-profile ``argus plan --profiles FILE`` reads and the table of ``docs/gpu.md``, here or later
-(``--from-json``).
+it had; SIGTERM stops the worker processes first); ``--write-profile FILE`` and
+``--write-markdown FILE`` turn that JSON into the profile ``argus plan --profiles FILE`` reads
+and the tables of ``docs/gpu.md``, here or later (``--from-json``, given again to merge the
+JSONs of several runs). The profile takes its figures from the CLI path where it measured
+them (:func:`cli_figures`), else from the in-process runs. The markdown opens with the
+summary of :func:`summary_lines` (:func:`read_summary` reads it back); ``--edit-share-json``
+names a ``bench_editing.py`` JSON whose ``s`` (the transformer blocks' share of a step) gives
+the edit's bound. ``benchmarks/gpu_device_check.sh`` runs it all on a GPU in one go.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
 import math
 import platform
+import re
+import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -364,6 +379,16 @@ def profile_model(name: str, args: argparse.Namespace, run: Run, clock: Clock) -
         weights = (p for m in modules(pipe).values() for p in m.parameters())
         entry["weights_gib"] = sum(p.numel() * p.element_size() for p in weights) / GIB
     run.data["models"][name] = entry
+    if args.floor_only:
+        if clock.cuda:
+            entry["cuda_graph"] = run.section(
+                f"cuda graph {name}", 15, lambda: graphed_step(pipe, clock, size, 10)
+            )
+        else:  # no CUDA graph on a CPU: the eager step stands in for the floor, measured
+            # twice since the first round also pays the CPU kernels' first calls
+            batch_table(pipe, clock, size, (1,), 1)
+            entry["batches"] = batch_table(pipe, clock, size, (1,), max(5, args.repeats))
+        return
     model = DiffusionModel(name, pipe, device=args.device, source=f"full:{name}")
     spec = GenerationSpec(PROMPT, seed=1, height=size, width=size, steps=args.steps)
     entry["image"] = image_latency(model, clock, spec, args.repeats)
@@ -412,6 +437,33 @@ def adapters(pipe: Any, args: argparse.Namespace, size: int, out: Path) -> dict[
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def worker_cli(args: argparse.Namespace, run: Run) -> None:
+    """The worker's default path through ``argus worker`` processes and gRPC; its report
+    lands in ``run.data["worker_cli"]`` after every case (:mod:`_gpu_cli_worker`)."""
+    import shlex
+
+    from _gpu_cli_worker import CliPlan, cli_path
+
+    def save(report: dict[str, Any]) -> None:
+        run.data["worker_cli"] = report
+        run.save()
+
+    with tempfile.TemporaryDirectory(prefix="argus-cli-") as folder:
+        plan = CliPlan(
+            device=args.device,
+            dtype_name=args.dtype,
+            tiny=args.tiny,
+            workdir=Path(folder),
+            steps=args.worker_steps or args.steps,
+            sm_steps=args.steps,
+            repeats=args.worker_repeats,
+            sm_models=args.worker_sm_models,
+            edit_ratio=args.edit_ratio,
+            worker_args=tuple(shlex.split(args.worker_args)),
+        )
+        cli_path(plan, time_left=run.left, save=save)
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from _gpu_worker import install_minilm_stub
 
@@ -431,7 +483,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.models:
         run.section(f"model {name}", 30 if name == "sdxl" else 12,
                     lambda name=name: profile_model(name, args, run, clock))  # fmt: skip
-    if args.worker:
+    if args.worker and args.worker_via == "cli":
+        run.section("worker cli", 60, lambda: worker_cli(args, run))
+    elif args.worker:
 
         def worker() -> Any:
             from _gpu_worker import worker_path
@@ -475,7 +529,13 @@ def ac_fit(cache: dict[str, Any], steps: int) -> tuple[float, float] | None:
     part it leaves out; neither part below zero (noisy points can tilt a free line below the
     origin: then the line through it). None with fewer than two K."""
     points = [(steps - int(k), row["latency_s"]) for k, row in cache.items() if k != "fetch"]
-    if len(points) < 2:
+    return line_fit(points)
+
+
+def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """:func:`ac_fit`'s line through (steps run, seconds) points: ``(fixed, per_step)``, both
+    non-negative; None with fewer than two distinct step counts."""
+    if len({x for x, _ in points}) < 2:
         return None
     mean_x = statistics.fmean(x for x, _ in points)
     mean_y = statistics.fmean(y for _, y in points)
@@ -488,11 +548,20 @@ def ac_fit(cache: dict[str, Any], steps: int) -> tuple[float, float] | None:
 
 
 def level_figures(data: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Latency, load seconds and memory of every level of the default profile, from the
-    measurements: AC at K from the line fitted to the resumed runs (:func:`ac_fit`: one run
-    per K is too noisy to order the levels on a host-bound GPU) plus the measured latent
-    fetch, SM from each model's whole image; SD-1.4 takes SD-1.5's figures (same
-    architecture)."""
+    """Latency, load seconds and memory of every level of the default profile: the CLI
+    path's figures where it measured them (:func:`cli_figures`), else the in-process ones
+    (:func:`process_figures`); a figure neither measured is absent."""
+    out = process_figures(data)
+    for name, got in cli_figures(data).items():
+        out[name] = {**out.get(name, {}), **got}
+    return out
+
+
+def process_figures(data: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The in-process measurements' figures: AC at K from the line fitted to the resumed runs
+    (:func:`ac_fit`: one run per K is too noisy to order the levels on a host-bound GPU) plus
+    the measured latent fetch, SM from each model's whole image; SD-1.4 takes SD-1.5's
+    figures (same architecture)."""
     models = data["models"]
     cache = data.get("cache") or {}
     fetch_s = (cache.get("fetch") or {}).get("to_device_ms", 0.0) / 1e3
@@ -518,6 +587,64 @@ def level_figures(data: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _sdxl_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The CLI path's plain SDXL cases: at K = 0 (``plain``, ``plain-short``) and resumed."""
+    cases = (data.get("worker_cli") or {}).get("cases") or {}
+    return [
+        row
+        for case, row in cases.items()
+        if (case in ("plain", "plain-short") or case.startswith("hit-k")) and not row["substituted"]
+    ]
+
+
+def cli_line(data: dict[str, Any]) -> tuple[float, float] | None:
+    """``(fixed s, per step s)`` of an SDXL request through the CLI path: the line through
+    its SDXL requests at K = 0 and resumed at K (wall time on steps run, :func:`line_fit`);
+    with one step count, that case's own fixed time and reply step time. None without any."""
+    rows = _sdxl_rows(data)
+    fit = line_fit([(row["steps_run"], row["wall_ms"] / 1e3) for row in rows])
+    if fit is not None or not rows:
+        return fit
+    return rows[0]["fixed_ms"] / 1e3, rows[0]["step_ms"] / 1e3
+
+
+def cli_figures(data: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The levels' figures from the CLI path (``data["worker_cli"]``) at the profile's N:
+    AC at K < N and SDXL's SM level from :func:`cli_line`, fixed + per step × (N − K) (the
+    hits' lookup and fetch are inside their wall time); each SM variant's from its case, fixed +
+    step × N (its own wall time where it ran N steps); load seconds and bytes from the
+    worker's ``Stats`` (its loader from a local directory whose pages were dropped). SD-1.4
+    takes SD-1.5's figures."""
+    cli = data.get("worker_cli") or {}
+    cases = cli.get("cases") or {}
+    states = cli.get("models") or {}
+    steps = data["settings"]["steps"]
+    line = cli_line(data)
+    out: dict[str, dict[str, float]] = {}
+    for level in default_profiles().levels:
+        model = "sd-1.5" if level.model == "sd-1.4" else level.model
+        got: dict[str, float] = {}
+        state = states.get(model) or {}
+        if state.get("load_s"):
+            got["load_time_s"] = state["load_s"]
+        if state.get("bytes"):
+            got["gpu_memory_gib"] = state["bytes"] / GIB
+        row = cases.get(f"sm-{model}")
+        if model == "sdxl" and line is not None:
+            if level.skip_steps >= steps:
+                continue
+            fixed, per_step = line
+            got["latency_s"] = fixed + per_step * (steps - level.skip_steps)
+        elif row is not None and not row["substituted"]:
+            whole = row["steps_run"] == steps and row["start_step"] == 0
+            got["latency_s"] = (
+                row["wall_ms"] / 1e3 if whole else (row["fixed_ms"] + row["step_ms"] * steps) / 1e3
+            )
+        if got:
+            out[level.name] = got
+    return out
+
+
 def profile_toml(data: dict[str, Any]) -> str:
     """The measured profile: the default profile's levels, qualities and parts, with this
     GPU's class and figures. Levels keep the default's order (the classifiers' labels follow
@@ -533,11 +660,8 @@ def profile_toml(data: dict[str, Any]) -> str:
         f"{data['settings']['dtype']}).",
         "# Full-size architectures with random weights (benchmarks/_fullsize.py), batch 1, "
         f"N = {data['settings']['steps']} steps; SDXL at 1024 px, the SM models at 512 px.",
-        "# latency_s: a whole image through the worker's DiffusionModel (AC: the line fitted to",
-        "# the runs resumed at each K, fixed + per step x (N - K), plus the measured latent copy",
-        f"# to the GPU: {_fit_note(data)}); load_time_s: the worker's loader from a local",
-        "# directory; gpu_memory_gib:",
-        "# the weights on the GPU. sd-1.4 takes sd-1.5's figures (same architecture). quality",
+        *_source_note(data),
+        "# sd-1.4 takes sd-1.5's figures (same architecture). quality",
         "# and parts are the default profile's. Where a figure could not be measured, the",
         "# A100 figure of argus/profiles/default.toml stands, marked [paper].",
         f'worker_classes = ["{cls}"]',
@@ -583,6 +707,33 @@ def profile_toml(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _source_note(data: dict[str, Any]) -> list[str]:
+    """The profile's comment lines on where its figures come from."""
+    if not cli_figures(data):
+        return [
+            "# latency_s: a whole image through the worker's DiffusionModel (AC: the line fitted",
+            "# to the runs resumed at each K, fixed + per step x (N - K), plus the measured latent",
+            f"# copy to the GPU: {_fit_note(data)}); load_time_s: the worker's loader from a",
+            "# local directory; gpu_memory_gib: the weights on the GPU.",
+        ]
+    cli = data["worker_cli"]
+    line = cli_line(data)
+    fit = (
+        "not measured" if line is None else f"fixed {line[0]:.3f} s, {line[1] * 1e3:.1f} ms a step"
+    )
+    flags = " ".join(cli.get("worker_args") or []) or "none"
+    return [
+        "# latency_s: a whole request through `python -m argus worker` and gRPC (mutual TLS, the",
+        f"# router's client; the worker's defaults, extra flags: {flags}; commit",
+        f"# {cli.get('commit') or '?'}). AC levels and sm-sd-xl: the line through its SDXL",
+        f"# requests at K = 0 (N = {cli['steps']} and a third of it) and resumed at K, fixed +",
+        f"# per step x (N - K): {fit}; SM variants: their own requests at N = {cli['sm_steps']}.",
+        "# load_time_s and gpu_memory_gib: the worker's Stats (its loader from a local directory",
+        "# whose pages were dropped; the model's bytes). Levels the CLI run did not reach: the",
+        "# in-process figures of benchmarks/gpu_profile.py where measured.",
+    ]
+
+
 def _fit_note(data: dict[str, Any]) -> str:
     fit = ac_fit(data.get("cache") or {}, data["settings"]["steps"])
     if fit is None:
@@ -590,11 +741,141 @@ def _fit_note(data: dict[str, Any]) -> str:
     return f"fixed {fit[0]:.3f} s, {fit[1] * 1e3:.1f} ms a step"
 
 
+# -- the summary that opens docs/gpu.md -------------------------------------------------------
+
+STEP_LINE = "default path, SDXL step{what}: {x:.2f} x the CUDA-graph floor"
+EDIT_LINE = "SDXL edit at m = {m:g}: {x:.2f} x faster than in full"
+ADAPTER_CASES = {"lora": " with a rank-64 LoRA", "controlnet": " with one ControlNet"}
+_STEP_RE = re.compile(
+    r"^default path, SDXL step(?P<what>| with a rank-64 LoRA| with one ControlNet): "
+    r"(?P<x>\d+(?:\.\d+)?) x the CUDA-graph floor$"
+)
+_EDIT_RE = re.compile(
+    r"^SDXL edit at m = (?P<m>\d+(?:\.\d+)?): (?P<x>\d+(?:\.\d+)?) x faster than in full$"
+)
+
+
+def cuda_graph_floor(data: dict[str, Any]) -> tuple[float | None, str]:
+    """The floor an SDXL step is compared with, in ms, and what it is: the guided UNet step at
+    batch 1 (two rows, CFG) replayed from a CUDA graph (``models.sdxl.cuda_graph``); where no
+    graph was measured (a CPU), the eager step at batch 1, named so. The UNet's forward only:
+    no scheduler step, no guidance arithmetic, no Python between steps."""
+    entry = (data.get("models") or {}).get("sdxl") or {}
+    graph = entry.get("cuda_graph") or {}
+    if graph.get("cuda_graph_ms"):
+        return graph["cuda_graph_ms"], "the guided UNet step replayed from a CUDA graph"
+    eager = ((entry.get("batches") or {}).get("1") or {}).get("unet_step_ms")
+    if eager:
+        return eager, "the eager guided UNet step (no CUDA graph on this device)"
+    return None, "not measured"
+
+
+def summary(data: dict[str, Any]) -> dict[str, Any]:
+    """The figures of the summary, from the CLI path (``worker_cli``) and the floor; None
+    where a figure is missing. ``<case>_x_floor``: the case's reply step time (``denoise_ms /
+    steps_run``, median) over the floor, for ``plain``, ``lora`` and ``controlnet``;
+    ``wall_x_floor``: the slope of the line through the SDXL requests' wall times at their
+    step counts (:func:`cli_line`'s fit: what a step adds to a request, whatever the reply's
+    clock leaves out) over it;
+    ``edit_speedup``: the edit's step time with the cache off over its step time replayed
+    (``edit_wall_speedup``: the same of whole requests); ``edit_bound``: 1 / (1 − s(1 − m))
+    at the mask's own ratio m, with ``s`` from ``data["edit_share"]``, and ``edit_of_bound``
+    the speed-up's share of it."""
+    floor_ms, floor_what = cuda_graph_floor(data)
+    cli = data.get("worker_cli") or {}
+    cases = cli.get("cases") or {}
+    floor_px = ((data.get("models") or {}).get("sdxl") or {}).get("size")
+    out: dict[str, Any] = {"floor_ms": floor_ms, "floor": floor_what, "floor_px": floor_px}
+    for case in ("plain", *ADAPTER_CASES):
+        step = (cases.get(case) or {}).get("step_ms")
+        out[f"{case}_step_ms"] = step
+        out[f"{case}_x_floor"] = step / floor_ms if step and floor_ms else None
+    line = line_fit([(row["steps_run"], row["wall_ms"] / 1e3) for row in _sdxl_rows(data)])
+    out["wall_step_ms"] = line[1] * 1e3 if line is not None else None
+    out["wall_x_floor"] = out["wall_step_ms"] / floor_ms if line and floor_ms else None
+    out["edit_m"] = cli.get("edit_ratio")
+    out["edit_mask_ratio"] = cli.get("edit_mask_ratio")
+    replay, full = cases.get("edit-replay"), cases.get("edit-full")
+    out["edit_speedup"] = out["edit_wall_speedup"] = out["edit_bound"] = None
+    out["edit_of_bound"] = None
+    if replay and full:
+        out["edit_speedup"] = full["step_ms"] / replay["step_ms"]
+        out["edit_wall_speedup"] = full["wall_ms"] / replay["wall_ms"]
+    share = (data.get("edit_share") or {}).get("s")
+    m = out["edit_mask_ratio"]
+    if share is not None and m is not None:
+        out["edit_bound"] = 1.0 / (1.0 - share * (1.0 - m))
+        if out["edit_speedup"] is not None:
+            out["edit_of_bound"] = out["edit_speedup"] / out["edit_bound"]
+    return out
+
+
+def summary_lines(data: dict[str, Any]) -> list[str]:
+    """The summary's lines: first ``default path, SDXL step: N.NN x the CUDA-graph floor``
+    and ``SDXL edit at m = 0.2: N.NN x faster than in full`` (``not measured`` in place of the
+    sentence's figure where one is missing), then the adapters' step lines, the bound and what
+    the floor is."""
+    got = summary(data)
+    m = got["edit_m"] if got["edit_m"] is not None else 0.2
+    lines = [
+        STEP_LINE.format(what="", x=got["plain_x_floor"])
+        if got["plain_x_floor"] is not None
+        else "default path, SDXL step: not measured",
+        EDIT_LINE.format(m=m, x=got["edit_speedup"])
+        if got["edit_speedup"] is not None
+        else f"SDXL edit at m = {m:g}: not measured",
+    ]
+    for case, what in ADAPTER_CASES.items():
+        if got[f"{case}_x_floor"] is not None:
+            lines.append(STEP_LINE.format(what=what, x=got[f"{case}_x_floor"]))
+    if got["wall_x_floor"] is not None:
+        lines.append(
+            f"default path, SDXL step from the requests' wall times (the line through their "
+            f"step counts): {got['wall_step_ms']:.1f} ms, {got['wall_x_floor']:.2f} x the floor"
+        )
+    if got["edit_bound"] is not None and got["edit_of_bound"] is not None:
+        share = data["edit_share"]
+        lines.append(
+            f"edit bound at the mask's m = {got['edit_mask_ratio']:.3f}: 1/(1 - s(1 - m)) = "
+            f"{got['edit_bound']:.2f} x with s = {share['s']:.3f} ({share.get('source', '?')}); "
+            f"the edit reaches {got['edit_of_bound']:.2f} of it"
+        )
+    if got["floor_ms"] is not None:
+        lines.append(
+            f"floor: {got['floor']}, SDXL {got['floor_px']} px, batch 1: "
+            f"{got['floor_ms']:.1f} ms; a step time is the reply's denoise_ms / steps_run (the "
+            "UNet, the scheduler's step, guidance and the loop); an edit's speed-up compares "
+            "those step times"
+        )
+    return lines
+
+
+def read_summary(path: str | Path) -> dict[str, float | None]:
+    """The figures of the summary lines in a Markdown file (:func:`summary_lines`), wherever
+    they stand in it: ``sdxl_step_x_floor``, ``lora_step_x_floor``,
+    ``controlnet_step_x_floor``, ``edit_m`` and ``edit_x_full``; None for a line not there or
+    not measured."""
+    names = {"": "sdxl", " with a rank-64 LoRA": "lora", " with one ControlNet": "controlnet"}
+    out: dict[str, float | None] = {f"{n}_step_x_floor": None for n in names.values()}
+    out.update(edit_m=None, edit_x_full=None)
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        found = _STEP_RE.match(line)
+        if found:
+            out[f"{names[found['what']]}_step_x_floor"] = float(found["x"])
+        found = _EDIT_RE.match(line)
+        if found:
+            out["edit_m"], out["edit_x_full"] = float(found["m"]), float(found["x"])
+    return out
+
+
 def markdown(data: dict[str, Any]) -> str:
-    """The tables of ``docs/gpu.md``: this GPU's figures beside the papers'."""
+    """The summary (:func:`summary_lines`, one paragraph a line), then the tables of
+    ``docs/gpu.md``: this GPU's figures beside the papers'."""
     env = data["env"]
     steps = data["settings"]["steps"]
     lines = [
+        *(part for line in summary_lines(data) for part in (line, "")),
         f"Measured {env['date']} on **{env.get('gpu')}** (torch {env['torch']}, CUDA "
         f"{env.get('cuda')}, diffusers {env['diffusers']}), {data['settings']['dtype']}, "
         "random weights, by `benchmarks/gpu_profile.py`. Medians of "
@@ -681,6 +962,26 @@ def markdown(data: dict[str, Any]) -> str:
         from _gpu_worker import table
 
         lines += ["", "### The worker's own path, per stage (ms)", "", table(data["worker"])]
+    if (data.get("worker_cli") or {}).get("cases"):
+        from _gpu_cli_worker import table as cli_table
+
+        cli = data["worker_cli"]
+        flags = " ".join(cli.get("worker_args") or []) or "none"
+        lines += [
+            "",
+            "### The worker's default path: `argus worker` and gRPC (ms)",
+            "",
+            f"`python -m argus worker` with its defaults (extra flags: {flags}), the router's "
+            f"client over mutual TLS; N = {cli['steps']} (SM: {cli['sm_steps']}), medians of "
+            f"{cli['repeats']} after a warm-up; edits at mask ratio "
+            f"{cli.get('edit_mask_ratio') or 0:.3f}. Per step: the reply's denoise_ms / "
+            "steps_run; fixed: the wall time less denoise_ms.",
+            "",
+            cli_table(cli),
+        ]
+        if cli.get("skipped"):
+            lines += ["", "Not measured there: " + "; ".join(
+                f"{case}: {why}" for case, why in cli["skipped"].items()) + "."]  # fmt: skip
     if data.get("skipped"):
         lines += ["", "Not measured in this run: " + "; ".join(data["skipped"]) + "."]
     return "\n".join(lines) + "\n"
@@ -702,11 +1003,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", default="", help="models whose UNet to torch.compile")
     parser.add_argument("--no-load", action="store_true", help="skip the load-time section")
     parser.add_argument("--worker", action="store_true", help="also the worker's whole path")
+    parser.add_argument(
+        "--worker-via",
+        default="process",
+        choices=("process", "cli"),
+        help="the worker in this process, or `argus worker` processes over gRPC",
+    )
+    parser.add_argument(
+        "--worker-args", default="", help="flags passed on to `argus worker` (--worker-via cli)"
+    )
+    parser.add_argument(
+        "--worker-sm-models",
+        default="sd-2.0,sd-1.5,small-sd,tiny-sd",
+        help="the SM variants the CLI worker serves (--worker-via cli)",
+    )
+    parser.add_argument("--edit-ratio", type=float, default=0.2, help="an edit's mask ratio m")
+    parser.add_argument(
+        "--edit-share-json",
+        default=None,
+        help="a bench_editing.py JSON whose s (the blocks' share of a step) gives the edit bound",
+    )
+    parser.add_argument(
+        "--floor-only", action="store_true", help="per model, only the CUDA-graph UNet step"
+    )
     parser.add_argument("--worker-steps", type=int, default=None, help="N there (--steps)")
     parser.add_argument("--worker-repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--out", default="gpu-out")
-    parser.add_argument("--from-json", default=None, help="only turn this JSON into files")
+    parser.add_argument(
+        "--from-json",
+        action="append",
+        default=[],
+        help="only turn this JSON into files (again: merge several runs' JSONs, later ones win)",
+    )
+    parser.add_argument("--write-json", default=None, help="the (merged) measurements")
     parser.add_argument("--write-profile", default=None)
     parser.add_argument("--write-markdown", default=None)
     args = parser.parse_args(argv)
@@ -715,14 +1045,68 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--models: unknown {unknown} (known: {', '.join(ARCHS)})")
     args.compile = tuple(m for m in args.compile.split(",") if m)
+    args.worker_sm_models = tuple(m for m in args.worker_sm_models.split(",") if m)
+    bad = [m for m in args.worker_sm_models if m not in ARCHS or m == "sdxl"]
+    if bad:
+        parser.error(
+            f"--worker-sm-models: unknown {bad} (known: sd-2.0, sd-1.5, small-sd, tiny-sd)"
+        )
+    if not 0.0 < args.edit_ratio < 1.0:
+        parser.error(f"--edit-ratio: must be in (0, 1), got {args.edit_ratio}")
     args.dtype = args.dtype or ("fp16" if args.device.startswith("cuda") else "fp32")
     args.steps = args.steps or (4 if args.tiny else 50)
     return args
 
 
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' JSONs as one: each model's entries and the skip lists joined, any other
+    key from the last run that has it."""
+    out: dict[str, Any] = {"models": {}, "skipped": []}
+    for data in runs:
+        for key, value in data.items():
+            if key == "models":
+                for name, entry in value.items():
+                    out["models"].setdefault(name, {}).update(entry)
+            elif key == "skipped":
+                out["skipped"] += value
+            elif value is not None or key not in out:
+                out[key] = value
+    return out
+
+
+def edit_share(path: str) -> dict[str, Any]:
+    """``s`` of a ``bench_editing.py`` JSON, with where and on what it was measured."""
+    got = json.loads(Path(path).read_text())
+    source = f"{Path(path).name}: {got.get('arch')} {got.get('size')} px on {got.get('device')}"
+    return {"s": float(got["s"]), "source": source, "dtype": got.get("dtype")}
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """For the block, SIGTERM (``timeout``) unwinds the run as an exception does, so the
+    worker processes it started are stopped and what was measured stays saved."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    data = json.loads(Path(args.from_json).read_text()) if args.from_json else measure(args)
+    if args.from_json:
+        data = merge([json.loads(Path(path).read_text()) for path in args.from_json])
+    else:
+        with stop_on_sigterm():
+            data = measure(args)
+    if args.edit_share_json:
+        data["edit_share"] = edit_share(args.edit_share_json)
+    if args.write_json:
+        Path(args.write_json).write_text(json.dumps(data, indent=1, default=str))
     if args.write_profile:
         Path(args.write_profile).write_text(profile_toml(data))
     if args.write_markdown:
