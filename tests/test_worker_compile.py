@@ -260,3 +260,33 @@ def test_the_command_line_refuses_a_bad_mode(capsys: pytest.CaptureFixture[str])
     err = capsys.readouterr().err
     assert "argument --compile: invalid choice: 'fast'" in err
     assert all(mode in err for mode in defaults.COMPILE_MODES)
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_inductor_on_cuda_stays_close_to_eager_and_graphs_capture_the_compiled_forward() -> None:
+    from argus.worker.models.sources import build_tiny_pipeline
+
+    source = "tiny:tiny-sd"
+    pipeline = build_tiny_pipeline(source).to("cuda")
+    model = DiffusionModel("tiny-sd", pipeline, device="cuda", source=source)
+    spec = GenerationSpec("a lighthouse at dusk", seed=3, height=SIZE, width=SIZE, steps=STEPS)
+    eager = model.denoise(spec).latents
+    assert compile_and_warm(model, "default", "inductor", SIZE, SIZE) > 0
+    model.use_cuda_graphs(2)
+    graphed = model.denoise(spec).latents
+    assert model.graphs is not None and model.graphs.unet is model.compiled_unet
+    torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
+
+
+@cuda
+def test_reduce_overhead_leaves_the_workers_own_graphs_out() -> None:
+    registry = make_registry(device="cuda", compile_mode="reduce-overhead", serving_size=SIZE)
+    try:
+        assert registry.cuda_graphs == 0
+    finally:
+        registry.close()

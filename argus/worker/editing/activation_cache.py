@@ -22,11 +22,9 @@ then disk).
   the request waits for the GPU (§4.2), and notes where the record was. A record evicted
   between then and the run makes the run a full one that records again, counted as
   ``evicted``; never an error.
-* **The device tier** (:class:`~argus.worker.editing.activation_store.DeviceTier`, optional):
-  records whose rows are on the model's device, looked up before the store. A recording run
-  keeps its rows on the device too while they fit the tier's bound, and a replay of a record
-  from the host gathers the rows it brings to the device step by step; either is put in the
-  tier once the run finished, so the template's later edits read nothing over PCIe.
+* **The device tier** (:class:`~argus.worker.editing.activation_store.DeviceTier`, optional),
+  looked up before the store: a recording keeps its rows on the device while they fit, and a
+  replay from the host keeps the rows it brought; so a template's later edits cross no PCIe.
 * **Staging**: a replay brings each step's rows to the device while the step before runs
   (:class:`~argus.worker.editing.masked_blocks.RowStager`; on CUDA from pinned memory on a side
   stream).

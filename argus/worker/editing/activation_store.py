@@ -31,17 +31,12 @@ and which recompute, given measured costs.
 * **Metrics**: a :class:`StoreListener` hears hits, misses, evictions and loads, under the
   store's lock (so it must be quick and must not call back); :meth:`stats` returns the same
   counters as a frozen :class:`StoreStats`.
-* **The device tier** (:class:`DeviceTier`) sits in front of the store: records whose row
-  tensors are on the model's device, an LRU bounded in bytes under the store's keys, so an
-  edit of a template held there reads nothing over PCIe. It is filled by the cache
-  (:mod:`argus.worker.editing.activation_cache`), not by the store, and reports to the same
-  listener as tier ``"device"``.
-* **Sizes**: :func:`auto_host_bytes`, :func:`auto_disk_bytes` and :func:`auto_device_bytes`
-  are what ``"auto"`` means for each tier (:mod:`argus.defaults` has the shares and the
-  record size arithmetic).
+* **The device tier** (:class:`DeviceTier`), in front of the store: records on the model's
+  device, an LRU bounded in bytes under the same keys, filled by the cache
+  (:mod:`argus.worker.editing.activation_cache`); it reports to the listener as ``"device"``.
+* **Sizes**: ``auto_*_bytes`` are what ``"auto"`` means for each tier (:mod:`argus.defaults`).
 
-The store keeps references to the tensors it is given and hands the same objects back from
-host hits: callers must treat records as read-only.
+The store hands back the tensors it was given: callers must treat records as read-only.
 """
 
 from __future__ import annotations

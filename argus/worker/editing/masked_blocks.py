@@ -22,10 +22,8 @@ Two predictors (:class:`~argus.worker.models.pipelines.NoisePredictor`) for
   computed tokens only. A block whose ``use_cache`` is False computes all its tokens
   (InstGenIE's bubble-free pipeline, Algorithm 1, plans that list elsewhere).
 
-A replay stages its rows (:class:`RowStager`): each step's rows for every block that may
-replay are brought to the UNet's device and dtype while the step before runs, on CUDA from
-pinned memory on a side stream, elsewhere with plain copies; the latents are the same to the
-bit as when each block copies its own rows.
+A replay stages each step's rows (:class:`RowStager`) on the UNet's device and dtype while the
+step before runs (on CUDA from pinned memory on a side stream); the latents are the same.
 
 A block's tokens at h×w are masked when any latent pixel they cover is edited: the latent
 region max-pooled by 2 (ceil mode, as the UNet's stride-2 convolutions give ceil sizes) until

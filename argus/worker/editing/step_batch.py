@@ -19,22 +19,19 @@ step index, exactly as :meth:`DiffusionModel.denoise` keeps them for one request
    guidance *mode* (CFG or not) may not. A request may bring its own transformer blocks
    (``on_join``'s answer: the activation cache's replay or recording), which run on its rows
    apart (:func:`~argus.worker.editing.packed_blocks.batched_blocks`), so a small mask makes
-   its share of a step cheaper;
+   its share of a step cheaper; a batch where none does runs the model's
+   :meth:`~argus.worker.models.pipelines.DiffusionModel.fast_unet` (a CUDA graph per batch
+   shape, or the compiled forward) when it has one;
 3. per request, in joining order: guidance over its own rows, its own ``scheduler.step``, its
    hooks (inpainting's blend first, as in ``denoise``), ``on_step``;
 4. requests that ran their last step leave; their final latents resolve their
    :class:`concurrent.futures.Future` as a :class:`BatchResult` (done callbacks run on the
    loop's thread, after the step, outside the model's lock). The caller decodes.
 
-``bound`` 1 serves one request at a time, bit for bit the output of ``denoise`` (tested); in a
-larger batch a request's latents equal its latents alone to a tolerance, since a batched matmul
-may sum in another order. ``static=True`` is static batching, the baseline InstGenIE compares
-with: a batch forms only when the running one has drained. A step that raises fails its
-requests and the batcher goes on; so does a request whose preparation raises.
-
-A batch whose requests bring no blocks of their own runs its UNet call through
-:meth:`~argus.worker.models.pipelines.DiffusionModel.fast_unet` (CUDA graphs, one per batch
-shape, or the compiled forward) when the model has one.
+``bound`` 1 serves one request at a time, bit for bit the output of ``denoise``; in a larger
+batch a request's latents equal its latents alone to a tolerance (a batched matmul may sum in
+another order). ``static=True`` is static batching, InstGenIE's baseline: a batch forms only
+when the running one has drained. A step or a preparation that raises fails its requests only.
 
 **Not here**: adapters (the worker serves requests with adapters alone), latent capture for
 the approximate cache, and cancellation inside a step (a batch shares its blocks, so a cancel

@@ -32,13 +32,10 @@ What a graph cannot do, and what the worker does about it:
   are copied out right after a replay: one graph's replay may overwrite what another graph
   left in the pool, never what a caller holds.
 
-A capture costs ``warmup`` eager calls plus the recording; it is paid once per signature and
-reported through ``on_capture(name, seconds)`` (the worker's
-``argus_worker_cuda_graph_captures_total`` and ``argus_worker_cuda_graph_capture_seconds``).
-
-On by default on CUDA devices (``argus worker --cuda-graphs``, :data:`argus.defaults.CUDA_GRAPHS`),
-off elsewhere. ``capture="eager"`` is the stand-in the CPU tests use: the same static buffers,
-keys and eviction, with the function re-run on the static inputs instead of a replay.
+A capture (``warmup`` eager calls and the recording) is paid once per signature and reported
+through ``on_capture(name, seconds)``. On by default on CUDA devices (``--cuda-graphs``), off
+elsewhere. ``capture="eager"`` is the CPU tests' stand-in: the same static buffers, keys and
+eviction, with the function re-run on the static inputs instead of a replay.
 """
 
 from __future__ import annotations
