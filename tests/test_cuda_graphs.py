@@ -29,12 +29,18 @@ from argus.worker.adapters.controlnet.models import ControlNetCatalog
 from argus.worker.adapters.controlnet.predictor import ControlNetPredictor
 from argus.worker.adapters.lora import LoraLibrary, WeightBackup, load_now, merge, write_tiny_lora
 from argus.worker.adapters.lora.patch import patch_targets, weight_of
+from argus.worker.editing.masked_blocks import (
+    RecordingPredictor,
+    ReplayPredictor,
+    transformer_blocks,
+)
 from argus.worker.editing.step_batch import StepBatcher
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.models.cuda_graphs import GraphedUNet
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 from argus.worker.models.registry import default_cuda_graphs
 from argus.worker.models.sources import build_tiny_pipeline
+from tests.editing_factories import block_edit_spec, latent_region
 from tests.worker_factories import make_registry, torch_threads
 
 pytestmark = pytest.mark.unit
@@ -260,8 +266,9 @@ def test_a_batched_step_replays_a_graph_per_batch_shape() -> None:
         assert torch.equal(one, other)
 
 
-def test_an_edit_replaying_its_template_runs_eagerly() -> None:
-    """A predictor of its own (the edit cache's, ControlNet's) bypasses the UNet's graph."""
+def test_a_predictor_of_its_own_bypasses_the_unets_graph() -> None:
+    """A custom predictor takes no graph unless it asks for one (the edit cache's replay and
+    ControlNet's do, below and above)."""
     model = fresh()
     model.use_cuda_graphs(2, capture="eager")
     assert model.graphs is not None
@@ -291,6 +298,69 @@ def test_captures_reach_the_workers_metrics() -> None:
     assert count == 1
 
 
+def _replay_case(model: DiffusionModel) -> tuple[GenerationSpec, Any, Any]:
+    """An inpainting edit at m = 0.25 and its template's record (another seed's run, every
+    token covered), on the block tests' 128 px template."""
+    spec = block_edit_spec(0.25, seed=2)
+    region = latent_region(model, spec)
+    template = block_edit_spec(0.25, seed=5)
+    recorder = RecordingPredictor(model, torch.zeros_like(region))
+    model.denoise(template, predictor=recorder)
+    return spec, region, recorder.record
+
+
+@pytest.mark.parametrize("variant", ["sd-1.5", "sdxl"])
+def test_an_edit_replaying_its_template_is_captured_once_and_replayed_bit_for_bit(
+    variant: str,
+) -> None:
+    """The replayed step's staged rows are the graph's static inputs: one capture serves every
+    step, the latents are the eager replay's, and the graph goes when the edit is done."""
+    model = fresh(variant)
+    spec, region, record = _replay_case(model)
+    use = [True] * len(transformer_blocks(model.pipeline.unet))
+    use[1] = False  # Algorithm 1's mix: one block computes all its tokens
+    eager = model.denoise(spec, predictor=ReplayPredictor(model, record, region, use_cache=use))
+    model.use_cuda_graphs(2, capture="eager")
+    assert model.graphs is not None
+    works: list[str] = []
+    model.graphs.on_capture = lambda work, s: works.append(work)
+    predictor = ReplayPredictor(model, record, region, use_cache=use)
+    graphed = model.denoise(spec, predictor=predictor)
+    assert torch.equal(graphed.latents, eager.latents)
+    assert works == ["edit-replay"]  # a kind of work: one label value, not one per edit
+    assert model.graphs.replays == spec.steps - spec.start_step
+    other = ReplayPredictor(model, record, region, use_cache=use)
+    assert other.replay.graph_name != predictor.replay.graph_name  # plans are per edit
+    predictor.close()
+    assert len(model.graphs) == 0
+
+
+def test_a_replay_whose_rows_are_not_all_staged_runs_eagerly() -> None:
+    """A row the graph would hold as a host constant stops the capture; the edit falls back
+    to the eager replay, with the same latents."""
+    model = fresh("sdxl")
+    spec, region, record = _replay_case(model)
+    eager = model.denoise(spec, predictor=ReplayPredictor(model, record, region))
+    model.use_cuda_graphs(2, capture="eager")
+    assert model.graphs is not None
+    predictor = ReplayPredictor(model, record, region)
+    predictor.replay._needed = [False] * len(predictor.replay._needed)  # nothing staged
+    graphed = model.denoise(spec, predictor=predictor)
+    assert not predictor.replay.graphable and len(model.graphs) == 0
+    assert torch.equal(graphed.latents, eager.latents)
+
+
+def test_an_unstaged_replay_is_never_graphed() -> None:
+    model = fresh("sd-1.5")
+    spec, region, record = _replay_case(model)
+    model.use_cuda_graphs(2, capture="eager")
+    assert model.graphs is not None
+    predictor = ReplayPredictor(model, record, region, stage=False)
+    assert not predictor.replay.graphable
+    model.denoise(spec, predictor=predictor)
+    assert model.graphs.captures == 0
+
+
 # -- on a GPU ----------------------------------------------------------------------------------
 
 
@@ -310,13 +380,13 @@ def test_real_graphs_see_a_lora_merged_in_place(tmp_path: Path) -> None:
 
     def with_lora(m: DiffusionModel) -> torch.Tensor:
         backup = WeightBackup()
+
+        def before(step: int) -> None:
+            if step == 1:
+                merge(m.pipeline.unet, lora, 0.8, backup)
+
         try:
-            return m.denoise(
-                spec(),
-                before_step=[
-                    lambda step: merge(m.pipeline.unet, lora, 0.8, backup) if step == 1 else None
-                ],
-            ).latents
+            return m.denoise(spec(), before_step=[before]).latents
         finally:
             backup.restore()
 
@@ -354,3 +424,15 @@ def test_a_cuda_worker_has_graphs_by_default_and_captures_its_serving_size_at_lo
         assert seen == [("sd-1.5", "unet")]
     finally:
         registry.close()
+
+
+@cuda
+def test_real_graphs_replay_an_edit_of_a_cached_template() -> None:
+    model = fresh("sdxl", "cuda")
+    spec, region, record = _replay_case(model)
+    eager = model.denoise(spec, predictor=ReplayPredictor(model, record, region)).latents
+    model.use_cuda_graphs(2)
+    predictor = ReplayPredictor(model, record, region)
+    graphed = model.denoise(spec, predictor=predictor).latents
+    assert predictor.replay.graphable
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)

@@ -109,7 +109,7 @@ class WorkerMetrics:
         self.graph_captures = Counter(
             "argus_worker_cuda_graph_captures",
             "CUDA graphs captured, by model and piece of work (unet, controlnet-encode, "
-            "controlnet-decode)",
+            "controlnet-decode, edit-replay)",
             ["model", "work"],
             registry=reg,
         )

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import re
 import threading
@@ -55,10 +56,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from argus.worker.models.cuda_graphs import GraphCaptureError
+
 if TYPE_CHECKING:
+    from argus.worker.models.cuda_graphs import GraphedUNet
     from argus.worker.models.pipelines import Conditioning, DiffusionModel
 
 log = logging.getLogger(__name__)
+_REPLAY_IDS = itertools.count()
 
 DEFAULT_KEYS_VALUES = False
 """Whether records keep self-attention's keys and values besides Y (see the module's docstring:
@@ -743,6 +748,9 @@ class Replay:
             self.stager = RowStager(parameter.device, parameter.dtype, streamed=streamed)
         self._staged: dict[int, StagedRows] = {}
         self._collected: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.graph_name = f"edit-replay-{next(_REPLAY_IDS)}"  # this replay's graphs, if any
+        self.graphable = self.stager is not None  # graphs read the staged rows only
+        self._strict = False  # while a graph captures: a row not staged is an error
         if self.stager is not None and self.steps:
             self.stager.stage(self.steps[0], self._step_rows(self.steps[0]))
 
@@ -755,6 +763,74 @@ class Replay:
         ]
         with self.staged(step), patched_forwards(self.blocks, forwards):
             yield
+
+    def graphed(
+        self,
+        graphs: GraphedUNet,
+        step: int,
+        unet: torch.nn.Module,
+        sample: torch.Tensor,
+        t: torch.Tensor,
+        embeds: torch.Tensor,
+        added: dict[str, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The UNet's output for step ``step`` with the blocks replayed, from ``graphs``: the
+        step's staged rows are the graph's static inputs beside the UNet's, so one capture (at
+        this replay's first step) serves every step whose rows have the same names and shapes.
+        A capture that fails (:class:`~argus.worker.models.cuda_graphs.GraphCaptureError`)
+        turns this replay eager; the step then runs eagerly."""
+        with self.staged(step):
+            staged = self._staged[step]
+            rows = {f"{kind}{index}": tensor for (kind, index), tensor in staged.rows.items()}
+
+            def call(
+                sample: torch.Tensor,
+                timestep: torch.Tensor,
+                embeds: torch.Tensor,
+                added: dict[str, torch.Tensor] | None,
+                rows: dict[str, torch.Tensor],
+            ) -> torch.Tensor:
+                # the blocks read the static rows, under this (capture) step's name
+                named = {(name[0], int(name[1:])): tensor for name, tensor in rows.items()}
+                self._staged[step] = StagedRows(named, {})
+                self._strict = True
+                try:
+                    return self._unet_call(step, unet, sample, timestep, embeds, added)
+                finally:
+                    self._strict = False
+
+            timestep = torch.as_tensor(t, device=sample.device)
+            try:
+                out: torch.Tensor = graphs.run(
+                    self.graph_name, call, sample, timestep, embeds, added, rows, work="edit-replay"
+                )
+                return out
+            except GraphCaptureError as err:
+                log.warning("edit replay runs eagerly: %s", err)
+                self.graphable = False
+                graphs.drop(self.graph_name)
+                self._staged[step] = staged
+                return self._unet_call(step, unet, sample, t, embeds, added)
+
+    def _unet_call(
+        self,
+        step: int,
+        unet: torch.nn.Module,
+        sample: torch.Tensor,
+        t: torch.Tensor,
+        embeds: torch.Tensor,
+        added: dict[str, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """One UNet call with the blocks patched for ``step``, reading the staged rows."""
+        forwards = [
+            self._forward(index, block, step) if use else None
+            for index, (block, use) in enumerate(zip(self.blocks, self.use_cache, strict=True))
+        ]
+        with patched_forwards(self.blocks, forwards):
+            out: torch.Tensor = unet(
+                sample, t, encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False
+            )[0]
+        return out
 
     @contextlib.contextmanager
     def staged(self, step: int) -> Iterator[None]:
@@ -825,6 +901,8 @@ class Replay:
         or the record's own."""
         staged = self._staged.get(step)
         found = None if staged is None else staged.rows.get((kind, index))
+        if found is None and self._strict:  # a graph would hold the host tensor as a constant
+            raise GraphCaptureError(f"block {index}'s {kind} rows of step {step} are not staged")
         return _kind(self.record, kind)[(step, index)] if found is None else found
 
     def _forward(self, index: int, block: Any, step: int) -> Callable[..., torch.Tensor]:
@@ -922,8 +1000,19 @@ class ReplayPredictor:
     def __call__(
         self, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, scheduler: Any, step: int
     ) -> torch.Tensor:
-        with self.replay.step(step):
-            return self.model.predict_noise(latents, t, cond, scheduler, step)
+        graphs = self.model.graphs
+        if graphs is None or not self.replay.graphable:
+            with self.replay.step(step):
+                return self.model.predict_noise(latents, t, cond, scheduler, step)
+        sample = self.model.unet_input(latents, t, cond, scheduler)
+        unet = self.model.pipeline.unet
+        noise = self.replay.graphed(graphs, step, unet, sample, t, cond.embeds, cond.added)
+        return self.model.guide(noise, cond)
+
+    def close(self) -> None:
+        """Drop this replay's graphs (they hold its token plans; no later step needs them)."""
+        if self.model.graphs is not None:
+            self.model.graphs.drop(self.replay.graph_name)
 
 
 # -- attention over groups of rows ---------------------------------------------------------

@@ -12,9 +12,10 @@ every tensor's shape, dtype and device, and the value of every other leaf (a fla
 * the UNet's forward (:meth:`GraphedUNet.__call__`): plain runs and LoRA runs of
   :meth:`~argus.worker.models.pipelines.DiffusionModel.denoise`, and batched steps of the step
   batcher when no request in the batch brings its own transformer blocks;
-* ControlNet's two halves
-  (:class:`~argus.worker.adapters.controlnet.predictor.ControlNetPredictor`): the down and mid
-  blocks, then the up blocks with the step's residuals as static inputs.
+* ControlNet's two halves (its predictor): the down and mid blocks, then the up blocks with
+  the step's residuals as static inputs;
+* an edit replaying a cached template (:class:`~argus.worker.editing.masked_blocks.Replay`):
+  the UNet with its blocks patched, the step's staged rows as static inputs, one graph per edit.
 
 What a graph cannot do, and what the worker does about it:
 
@@ -24,8 +25,6 @@ What a graph cannot do, and what the worker does about it:
 * Weights must stay where they were at capture. LoRA merges into the weights in place and
   restores them with ``copy_`` (:mod:`argus.worker.adapters.lora.patch`), so a replay computes
   with whatever the weights hold at that moment: a LoRA run replays the base model's graph.
-  The edit cache's replay patches block methods and computes a request-dependent set of
-  tokens, so edits run eagerly.
 * A graph keeps the activations of its signature in a memory pool. All graphs of one UNet
   share one pool, and at most ``max_graphs`` are kept (least recently used leaves first), so a
   worker serving several sizes holds a bounded number of them. Sharing is safe because outputs
@@ -52,6 +51,11 @@ from torch.utils import _pytree as pytree
 
 GraphKey = tuple[Any, ...]
 CAPTURES = ("cuda", "eager")
+
+
+class GraphCaptureError(RuntimeError):
+    """The recording of a graph failed (the work does something a graph cannot hold, such as
+    a host sync); the eager warm-up calls before it ran. The caller may run the work eagerly."""
 
 
 @dataclass
@@ -115,16 +119,18 @@ class GraphedUNet:
         out: torch.Tensor = self.run("unet", self._forward, sample, timestep, embeds, added)
         return out
 
-    def run(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def run(self, name: str, fn: Callable[..., Any], *args: Any, work: str | None = None) -> Any:
         """``fn(*args)``, from the graph captured for ``name`` and ``args``' signature (captured
-        now if there is none). ``fn`` must read nothing but its arguments and the UNet's
-        weights, and must do the same work whenever the signature is the same."""
+        now if there is none). ``fn`` must read nothing but its arguments, the UNet's weights
+        and tensors that outlive the graph, and must do the same work whenever the signature
+        is the same. ``work`` (default ``name``) is what ``on_capture`` hears: a kind of work,
+        where ``name`` may name one request's."""
         leaves, in_spec = pytree.tree_flatten(args)
         key = (name, str(in_spec), *(_leaf_key(leaf) for leaf in leaves))
         with self._lock:
             captured = self._graphs.get(key)
             if captured is None:
-                captured = self._capture(key, name, fn, leaves, in_spec)
+                captured = self._capture(key, work or name, fn, leaves, in_spec)
             else:
                 self._graphs.move_to_end(key)
             for static, given in zip(captured.inputs, leaves, strict=True):
@@ -139,6 +145,15 @@ class GraphedUNet:
         """Drop every graph (their memory goes back to the pool)."""
         with self._lock:
             self._graphs.clear()
+
+    def drop(self, name: str) -> int:
+        """Drop the graphs captured for ``name`` (a piece of work no call will make again);
+        returns how many."""
+        with self._lock:
+            keys = [key for key in self._graphs if key[0] == name]
+            for key in keys:
+                del self._graphs[key]
+        return len(keys)
 
     def _forward(
         self,
@@ -183,9 +198,12 @@ class GraphedUNet:
                     fn(*args)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = fn(*args)
-            torch.cuda.synchronize()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = fn(*args)
+                torch.cuda.synchronize()
+            except Exception as err:
+                raise GraphCaptureError(f"capturing {name}: {err}") from err
         else:
             out = fn(*args)
         outputs, out_spec = pytree.tree_flatten(out)
