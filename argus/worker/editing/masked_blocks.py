@@ -757,12 +757,15 @@ class Replay:
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Patch the blocks for one UNet call of step ``step`` (restored on exit)."""
-        forwards = [
+        with self.staged(step), patched_forwards(self.blocks, self._forwards(step)):
+            yield
+
+    def _forwards(self, step: int) -> list[Callable[..., torch.Tensor] | None]:
+        """Per block, its replacement forward for step ``step`` (None: it runs as it is)."""
+        return [
             self._forward(index, block, step) if use else None
             for index, (block, use) in enumerate(zip(self.blocks, self.use_cache, strict=True))
         ]
-        with self.staged(step), patched_forwards(self.blocks, forwards):
-            yield
 
     def graphed(
         self,
@@ -822,11 +825,7 @@ class Replay:
         added: dict[str, torch.Tensor] | None,
     ) -> torch.Tensor:
         """One UNet call with the blocks patched for ``step``, reading the staged rows."""
-        forwards = [
-            self._forward(index, block, step) if use else None
-            for index, (block, use) in enumerate(zip(self.blocks, self.use_cache, strict=True))
-        ]
-        with patched_forwards(self.blocks, forwards):
+        with patched_forwards(self.blocks, self._forwards(step)):
             out: torch.Tensor = unet(
                 sample, t, encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False
             )[0]
