@@ -31,6 +31,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from argus import defaults
+
 pytestmark = pytest.mark.unit
 
 
@@ -961,6 +963,22 @@ def test_the_workers_resident_models_are_a_value() -> None:
     assert cli_parser("worker").parse_args(["--max-resident", "3"]).max_resident == 3
     with pytest.raises(helm.HelmValuesError, match="maxResidentModels"):
         render({"worker": {"maxResidentModels": 0}})
+
+
+def test_compile_is_a_value_off_by_default() -> None:
+    """worker.compile reaches every worker as --compile MODE when set; the schema takes the
+    binary's modes only."""
+    args = main_container(workloads(render({}))["worker"])["args"]
+    assert "--compile" not in args
+    assert cli_parser("worker").parse_args([]).compile is None
+    for mode in defaults.COMPILE_MODES:
+        rendered_args = main_container(workloads(render({"worker": {"compile": mode}}))["worker"])[
+            "args"
+        ]
+        assert arg_value(rendered_args, "--compile") == mode
+        assert cli_parser("worker").parse_args(["--compile", mode]).compile == mode
+    with pytest.raises(helm.HelmValuesError, match="compile"):
+        render({"worker": {"compile": "fastest"}})
 
 
 def test_cuda_graphs_are_a_value_auto_by_default() -> None:
