@@ -246,6 +246,7 @@ class WorkerProcess:
         self.argv = argv
         self.log_path = log
         self.address = ""
+        self.stop_s: float | None = None
         self.began = time.monotonic()
         with open(log, "w") as out:  # the child keeps its own descriptor
             self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -279,14 +280,17 @@ class WorkerProcess:
         return time.monotonic() - self.began
 
     def stop(self, timeout_s: float) -> int | None:
-        """SIGTERM to the worker's pid, SIGKILL after ``timeout_s``; its exit status."""
+        """SIGTERM to the worker's pid, SIGKILL after ``timeout_s``; its exit status (the
+        seconds the stop took in :attr:`stop_s`)."""
         if self.process.poll() is None:
+            began = time.monotonic()
             os.kill(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 os.kill(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+            self.stop_s = time.monotonic() - began
         return self.process.returncode
 
 
@@ -783,7 +787,10 @@ def cli_path(
                 report["workers"][worker.worker_id]["log_tail"] = worker.tail()
             save(report)
     for worker in workers:
-        report["workers"][worker.worker_id]["exit"] = worker.process.returncode
+        entry = report["workers"][worker.worker_id]
+        entry["exit"] = worker.process.returncode
+        entry["stop_s"] = worker.stop_s
+        entry["log_tail"] = worker.tail()  # after the stop: what a slow stop was doing
     save(report)
     return report
 

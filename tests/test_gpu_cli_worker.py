@@ -73,7 +73,8 @@ def test_every_case_runs_through_the_cli_worker(cli_run: tuple[dict[str, Any], P
     # both workers were started by the real CLI, and stopped by their pid (SIGTERM: exit 0)
     for worker in report["workers"].values():
         assert worker["argv"][1:4] == ["-m", "argus", "worker"]
-        assert worker["exit"] == 0 and worker["ready_s"] > 0
+        assert worker["exit"] == 0, (worker["stop_s"], worker["log_tail"])
+        assert worker["ready_s"] > 0
     assert report["models"]["sdxl"]["load_s"] > 0
 
 
