@@ -46,7 +46,6 @@ import math
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 
 from _gpu_worker import BASE, CONTROLNET, LORA, LORA_RANK, make_encoder_dir  # noqa: E402
+
+from argus.tools.local_cluster import free_port  # noqa: E402
 
 PROMPT = "a lighthouse on a rocky coast at dusk, oil painting"
 EDIT_PROMPTS = (
@@ -229,13 +230,6 @@ def encoder_package(root: Path, encoder_dir: Path) -> Path:
 
 
 # -- one worker process ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class WorkerProcess:

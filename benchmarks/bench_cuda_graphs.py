@@ -44,7 +44,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,48 +52,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_profile import Clock, median_ms
+
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 
 PROMPT = "a watercolor painting of a lighthouse on a cliff at dusk, seagulls"
 CASES = ("plain", "lora", "controlnet", "batch")
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def timed(
     device: str, run: Callable[[], torch.Tensor], repeats: int
 ) -> tuple[list[float], torch.Tensor]:
     """Seconds of ``repeats`` calls of ``run``, and the last call's latents on the CPU."""
-    seconds = []
-    latents = torch.empty(0)
-    for _ in range(repeats):
-        _sync(device)
-        began = time.perf_counter()
-        latents = run()
-        _sync(device)
-        seconds.append(time.perf_counter() - began)
-    return seconds, latents.float().cpu()
+    last: list[torch.Tensor] = []
+    seconds = Clock(device).time(lambda: last.append(run()), repeats, warmup=0)
+    return seconds, last[-1].float().cpu()
 
 
 def floor_ms(model: DiffusionModel, spec: GenerationSpec, repeats: int = 20) -> float:
-    """Median ms of one guided UNet step replayed from its graph alone (the model has graphs)."""
-    assert model.graphs is not None
+    """Median ms of one guided UNet step replayed from its graph alone (the model has graphs;
+    the untimed first call captures it if it is not yet)."""
+    graphs = model.graphs
+    assert graphs is not None
     with torch.inference_mode():
         cond = model.encode(spec)
         scheduler, timesteps, latents, _ = model.start_run(spec, None, 0, ())
         sample = model.unet_input(latents, timesteps[0], cond, scheduler)
-        model.graphs(sample, timesteps[0], cond.embeds, cond.added)  # captured if not yet
-        seconds = []
-        for _ in range(repeats):
-            _sync(model.device)
-            began = time.perf_counter()
-            model.graphs(sample, timesteps[0], cond.embeds, cond.added)
-            _sync(model.device)
-            seconds.append(time.perf_counter() - began)
-    return statistics.median(seconds) * 1e3
+
+        def step() -> torch.Tensor:
+            return graphs(sample, timesteps[0], cond.embeds, cond.added)
+
+        return median_ms(Clock(model.device).time(step, repeats, warmup=1))
 
 
 class Case:

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from argus.worker.models.cuda_graphs import GraphCaptureError
+from argus.worker.models.cuda_graphs import GraphCaptureError, call_unet
 
 if TYPE_CHECKING:
     from argus.worker.models.cuda_graphs import GraphedUNet
@@ -261,7 +261,7 @@ def recording(
     *,
     keys_values: bool = DEFAULT_KEYS_VALUES,
     dtype: torch.dtype = RECORD_DTYPE,
-    on_device: ActivationRecord | None = None,
+    on_device: DeviceCopy | None = None,
 ) -> Iterator[None]:
     """Record into ``record`` what the UNet's transformer blocks compute for step ``step``
     during the block (one full UNet call): each block's output, and with ``keys_values`` its
@@ -283,8 +283,7 @@ def recording(
             rows = output.index_select(1, index).to(dtype)
             _kind(record, kind)[key] = rows.to("cpu")
             if on_device is not None:
-                on_device.coverage[size] = covered
-                _kind(on_device, kind)[key] = rows
+                on_device.add(kind, key, size, covered, rows)
 
         return hook
 
@@ -317,13 +316,28 @@ class DeviceCopy:
         self.record: ActivationRecord | None = (
             ActivationRecord(latent_size) if max_bytes > 0 else None
         )
+        self._rows_bytes = 0
+
+    def add(
+        self,
+        kind: str,
+        key: tuple[int, int],
+        size: Size,
+        covered: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None:
+        """Keep ``rows`` (of ``kind``, at ``key``: step and block) beside the host record's."""
+        if self.record is None:
+            return
+        self.record.coverage[size] = covered
+        held = _kind(self.record, kind)
+        previous = held.get(key)
+        self._rows_bytes += rows.nbytes - (0 if previous is None else previous.nbytes)
+        held[key] = rows
 
     def check(self) -> None:
         """Drop the copy when it holds more than ``max_bytes`` (after each UNet call)."""
-        if self.record is None:
-            return
-        kinds = (self.record.outputs, self.record.keys, self.record.values)
-        if sum(t.nbytes for rows in kinds for t in rows.values()) > self.max_bytes:
+        if self.record is not None and self._rows_bytes > self.max_bytes:
             self.record = None
 
     def tensors(self) -> dict[str, torch.Tensor] | None:
@@ -365,7 +379,7 @@ class RecordingPredictor:
             self.region,
             keys_values=self.keys_values,
             dtype=self.dtype,
-            on_device=self.device_copy.record,
+            on_device=self.device_copy,
         ):
             noise = self.model.predict_noise(latents, t, cond, scheduler, step)
         self.device_copy.check()
@@ -784,18 +798,16 @@ class Replay:
         turns this replay eager; the step then runs eagerly."""
         with self.staged(step):
             staged = self._staged[step]
-            rows = {f"{kind}{index}": tensor for (kind, index), tensor in staged.rows.items()}
 
             def call(
                 sample: torch.Tensor,
                 timestep: torch.Tensor,
                 embeds: torch.Tensor,
                 added: dict[str, torch.Tensor] | None,
-                rows: dict[str, torch.Tensor],
+                rows: dict[RowName, torch.Tensor],
             ) -> torch.Tensor:
                 # the blocks read the static rows, under this (capture) step's name
-                named = {(name[0], int(name[1:])): tensor for name, tensor in rows.items()}
-                self._staged[step] = StagedRows(named, {})
+                self._staged[step] = StagedRows(rows, {})
                 self._strict = True
                 try:
                     return self._unet_call(step, unet, sample, timestep, embeds, added)
@@ -804,6 +816,7 @@ class Replay:
 
             timestep = torch.as_tensor(t, device=sample.device)
             try:
+                rows = staged.rows
                 out: torch.Tensor = graphs.run(
                     self.graph_name, call, sample, timestep, embeds, added, rows, work="edit-replay"
                 )
@@ -826,10 +839,7 @@ class Replay:
     ) -> torch.Tensor:
         """One UNet call with the blocks patched for ``step``, reading the staged rows."""
         with patched_forwards(self.blocks, self._forwards(step)):
-            out: torch.Tensor = unet(
-                sample, t, encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False
-            )[0]
-        return out
+            return call_unet(unet, sample, t, embeds, added)
 
     @contextlib.contextmanager
     def staged(self, step: int) -> Iterator[None]:
@@ -1003,10 +1013,8 @@ class ReplayPredictor:
         if graphs is None or not self.replay.graphable:
             with self.replay.step(step):
                 return self.model.predict_noise(latents, t, cond, scheduler, step)
-        sample = self.model.unet_input(latents, t, cond, scheduler)
-        unet = self.model.pipeline.unet
-        noise = self.replay.graphed(graphs, step, unet, sample, t, cond.embeds, cond.added)
-        return self.model.guide(noise, cond)
+        graphed = functools.partial(self.replay.graphed, graphs, step, self.model.pipeline.unet)
+        return self.model.predict_noise(latents, t, cond, scheduler, step, unet=graphed)
 
     def close(self) -> None:
         """Drop this replay's graphs (they hold its token plans; no later step needs them)."""

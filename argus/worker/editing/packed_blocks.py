@@ -95,10 +95,7 @@ class RowRecorder:
         index_rows = covered.nonzero().flatten().to(output.device)
         rows = output.index_select(1, index_rows).to(self.dtype)
         self.record.outputs[(step, index)] = rows.to("cpu")
-        copy = self.device_copy.record
-        if copy is not None:
-            copy.coverage[size] = covered
-            copy.outputs[(step, index)] = rows
+        self.device_copy.add("y", (step, index), size, covered, rows)
 
     @contextlib.contextmanager
     def staged(self, step: int) -> Iterator[None]:

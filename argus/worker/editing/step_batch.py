@@ -42,6 +42,7 @@ is seen at the next boundary). The worker drives a batcher from its edit lane
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -55,6 +56,7 @@ import torch
 from argus.worker.editing.masked_blocks import transformer_blocks
 from argus.worker.editing.packed_blocks import RowBlocks, RowPart, batched_blocks
 from argus.worker.editing.scheduler import BatchEntry, ContinuousBatch
+from argus.worker.models.cuda_graphs import call_unet
 from argus.worker.models.pipelines import (
     NEVER_CANCELLED,
     Cancelled,
@@ -63,6 +65,7 @@ from argus.worker.models.pipelines import (
     DiffusionModel,
     GenerationSpec,
     StepHook,
+    UNetCall,
 )
 
 
@@ -289,20 +292,10 @@ class StepBatcher:
                     added.append(r.cond.added)
             extra = {name: _cat([a[name] for a in added]) for name in added[0]} if added else None
             unet_began = self.clock()
-            # no request brings its own blocks: the model's CUDA graphs (or compiled forward)
-            fast = model.fast_unet() if all(r.rows is None for r in running) else None
+            patch, unet = self._unet(running, inputs)
             try:
-                if fast is not None:
-                    noise = fast(_cat(inputs), _cat(times), _cat(embeds), extra)
-                else:
-                    with self._rows(running, inputs):
-                        noise = model.pipeline.unet(
-                            _cat(inputs),
-                            _cat(times),
-                            encoder_hidden_states=_cat(embeds),
-                            added_cond_kwargs=extra,
-                            return_dict=False,
-                        )[0]
+                with patch:
+                    noise = unet(_cat(inputs), _cat(times), _cat(embeds), extra)
             except Exception as error:  # the step failed: its requests fail, the loop goes on
                 self._abort(list(running), error)
                 self.stats.total_s += self.clock() - began
@@ -408,13 +401,19 @@ class StepBatcher:
                 error.stage = "queued"  # it never joined the batch
             request.future.set_exception(error)
 
-    def _rows(self, running: list[_Request], inputs: list[torch.Tensor]) -> Any:
-        """The batched UNet call's block patch when a running request brings its own blocks
-        (:func:`~argus.worker.editing.packed_blocks.batched_blocks`); else nothing."""
+    def _unet(
+        self, running: list[_Request], inputs: list[torch.Tensor]
+    ) -> tuple[contextlib.AbstractContextManager[Any], UNetCall]:
+        """The batched UNet call: when a running request brings its own blocks, the eager UNet
+        inside their patch (:func:`~argus.worker.editing.packed_blocks.batched_blocks`); else
+        the model's fast forward (its CUDA graphs or compiled forward) if it has one."""
+        unet = self.model.pipeline.unet
+        eager = functools.partial(call_unet, unet)
         if all(r.rows is None for r in running):
-            return contextlib.nullcontext()
+            fast = self.model.fast_unet()
+            return contextlib.nullcontext(), eager if fast is None else fast
         parts = [RowPart(x.shape[0], r.rows, r.step) for r, x in zip(running, inputs, strict=True)]
-        return batched_blocks(transformer_blocks(self.model.pipeline.unet), parts)
+        return batched_blocks(transformer_blocks(unet), parts), eager
 
     def _abort(self, requests: list[_Request], error: BaseException) -> None:
         """``requests`` leave, running or waiting, and their futures fail with ``error`` (a

@@ -5,9 +5,10 @@ With ``argus worker --compile MODE`` the registry (:mod:`argus.worker.models.reg
 :func:`compile_and_warm` on every model it loads, before the model is ready: the UNet is
 wrapped in ``torch.compile(unet, mode=MODE, backend=BACKEND)``
 (:meth:`~argus.worker.models.pipelines.DiffusionModel.use_compile`) and one short plain run at
-the worker's serving size (``--default-size``) compiles it there and then. The seconds that
-took are logged, reported to the registry's ``on_compile`` callback (the
-``argus_worker_compile_seconds`` gauge) and counted in the model's load time.
+the worker's serving size (``--default-size``) compiles it there and then (with CUDA graphs,
+the same run captures the serving size's graph). The seconds that took are logged, reported
+to the registry's ``on_compile`` callback (the ``argus_worker_compile_seconds`` gauge) and
+counted in the model's load time.
 
 What it covers: the runs that take the UNet's fast forward
 (:meth:`~argus.worker.models.pipelines.DiffusionModel.fast_unet`): plain generations, LoRA

@@ -39,6 +39,7 @@ eviction, with the function re-run on the static inputs instead of a replay.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -94,6 +95,7 @@ class GraphedUNet:
         if capture == "cuda" and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the UNet is on {device}")
         self.unet = unet
+        self._forward = functools.partial(call_unet, unet)
         self.max_graphs = max_graphs
         self.warmup = warmup
         self.capture = capture
@@ -155,22 +157,6 @@ class GraphedUNet:
                 del self._graphs[key]
         return len(keys)
 
-    def _forward(
-        self,
-        sample: torch.Tensor,
-        timestep: torch.Tensor,
-        embeds: torch.Tensor,
-        added: dict[str, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        out: torch.Tensor = self.unet(
-            sample,
-            timestep,
-            encoder_hidden_states=embeds,
-            added_cond_kwargs=added,
-            return_dict=False,
-        )[0]
-        return out
-
     def _replay(self, captured: _Captured) -> None:
         if captured.graph is not None:
             captured.graph.replay()
@@ -219,12 +205,28 @@ class GraphedUNet:
         return captured
 
 
-def _leaf_key(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return (tuple(leaf.shape), leaf.dtype, leaf.device)
-    return (type(leaf).__name__, leaf)
+def call_unet(
+    unet: Any,
+    sample: torch.Tensor,
+    t: torch.Tensor | float,
+    embeds: torch.Tensor,
+    added: dict[str, torch.Tensor] | None,
+) -> torch.Tensor:
+    """``unet``'s noise prediction: diffusers' keyword call, spelled as
+    :data:`~argus.worker.models.pipelines.UNetCall` takes it once ``unet`` is bound (the eager
+    forward of plain runs, step batches, edit replays and graphs)."""
+    out: torch.Tensor = unet(
+        sample, t, encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False
+    )[0]
+    return out
 
 
 def capturing() -> bool:
     """True while the current CUDA stream records a graph (Python checks must stay silent)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device)
+    return (type(leaf).__name__, leaf)

@@ -48,17 +48,15 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from PIL import Image
 
 from argus.request_limits import EditInput
+from argus.worker.models.cuda_graphs import GraphedUNet, call_unet, capturing
 from argus.worker.models.sources import make_scheduler, scheduler_name
-
-if TYPE_CHECKING:
-    from argus.worker.models.cuda_graphs import GraphedUNet
 
 
 class Cancelled(Exception):
@@ -155,7 +153,7 @@ class _Watch:
     def checkpoint(self, module: torch.nn.Module, args: Any) -> None:
         """A forward pre-hook: raise :class:`Cancelled` if the calling thread's run should
         stop. Silent while a CUDA graph records: a capture is never left half done."""
-        if _capturing():
+        if capturing():
             return
         self.token.check(self.steps_done)
 
@@ -211,23 +209,6 @@ UNetCall = Callable[
     torch.Tensor,
 ]
 """A UNet's forward as ``(sample, t, embeds, added) -> noise``: :meth:`DiffusionModel.fast_unet`."""
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _call_unet(
-    unet: Any,
-    sample: torch.Tensor,
-    t: torch.Tensor | float,
-    embeds: torch.Tensor,
-    added: dict[str, torch.Tensor] | None,
-) -> torch.Tensor:
-    out: torch.Tensor = unet(
-        sample, t, encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False
-    )[0]
-    return out
 
 
 class NoisePredictor(Protocol):
@@ -508,16 +489,8 @@ class DiffusionModel:
         replaces the eager module's forward (:meth:`fast_unet`: its CUDA graphs or its
         compiled forward)."""
         sample = self.unet_input(latents, t, cond, scheduler)
-        if unet is not None:
-            return self.guide(unet(sample, t, cond.embeds, cond.added), cond)
-        noise: torch.Tensor = self.pipeline.unet(
-            sample,
-            t,
-            encoder_hidden_states=cond.embeds,
-            added_cond_kwargs=cond.added,
-            return_dict=False,
-        )[0]
-        return self.guide(noise, cond)
+        forward = unet if unet is not None else functools.partial(call_unet, self.pipeline.unet)
+        return self.guide(forward(sample, t, cond.embeds, cond.added), cond)
 
     def fast_unet(self) -> UNetCall | None:
         """The UNet's forward for runs that do not patch its blocks (plain and LoRA runs, whose
@@ -526,7 +499,7 @@ class DiffusionModel:
         if self.graphs is not None:
             return self.graphs
         if self.compiled_unet is not None:
-            return functools.partial(_call_unet, self.compiled_unet)
+            return functools.partial(call_unet, self.compiled_unet)
         return None
 
     def use_compile(self, mode: str = "default", backend: str = "inductor") -> None:
@@ -550,8 +523,6 @@ class DiffusionModel:
         ``on_capture`` are :class:`~argus.worker.models.cuda_graphs.GraphedUNet`'s). The graphs
         capture the compiled forward when :meth:`use_compile` ran first. ValueError off CUDA
         (unless ``capture="eager"``, the tests' stand-in)."""
-        from argus.worker.models.cuda_graphs import GraphedUNet
-
         unet = self.compiled_unet if self.compiled_unet is not None else self.pipeline.unet
         if self.graphs is not None:
             on_capture = on_capture or self.graphs.on_capture

@@ -373,7 +373,11 @@ class ModelRegistry:
             model = DiffusionModel(
                 name, self._assemble(entry.source, parts), device=self.device, source=entry.source
             )
-            if self.compile_mode is not None:  # before the graphs: they capture its forward
+            if self.cuda_graphs:
+                model.use_cuda_graphs(self.cuda_graphs, on_capture=self._capture_callback(name))
+            # one warm-up at the serving size compiles the forward and captures its graph (a
+            # compile retakes the graphs over the compiled forward), not the first request
+            if self.compile_mode is not None:
                 entry.compile_s = compile_and_warm(
                     model,
                     self.compile_mode,
@@ -381,9 +385,7 @@ class ModelRegistry:
                     self.serving_size,
                     self.serving_size,
                 )
-            if self.cuda_graphs:
-                model.use_cuda_graphs(self.cuda_graphs, on_capture=self._capture_callback(name))
-                # the serving size's graph is captured now, not by the first request
+            elif self.cuda_graphs:
                 warm_up(model, self.serving_size, self.serving_size)
         except Exception as err:
             with self._lock:
