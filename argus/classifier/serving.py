@@ -335,13 +335,6 @@ class ClassifierSet:
         inferred = self.infer_cleaned(texts, cache=cache, progress=progress)
         return {s: result.classes for s, result in inferred.items()}
 
-    def probabilities_cleaned(
-        self, texts: Sequence[str | None], *, cache: EmbeddingCache | None = None
-    ) -> dict[Strategy, FloatArray]:
-        """Calibrated probabilities ``[prompts, levels]`` per strategy."""
-        inferred = self.infer_cleaned(texts, cache=cache)
-        return {s: result.probabilities for s, result in inferred.items()}
-
     def predict(self, prompts: Sequence[str | bytes]) -> dict[Strategy, IntArray]:
         """Levels per strategy; raises ``InvalidPromptError`` for the first bad prompt."""
         return self.predict_cleaned([clean_prompt(decode_prompt(p)) for p in prompts])

@@ -414,10 +414,6 @@ class RouterCore:
         """Release the worker connections (after the server stopped)."""
         self._workers.close()
 
-    def has_plan(self) -> bool:
-        with self._lock:
-            return self._router.plan is not None
-
     def can_serve(self) -> bool:
         """A plan is installed and names at least one worker (workers join the allocator only
         once ready, so this is "some worker can take a request"); health reports this."""

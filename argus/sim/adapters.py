@@ -109,14 +109,6 @@ class AdapterMix:
         if not 0 < self.lora_popular < self.lora_population:
             raise ValueError(f"{self.name}: lora_popular {self.lora_popular} out of range")
 
-    @property
-    def mean_controlnets(self) -> float:
-        return sum(m * p for m, p in enumerate(self.controlnet_counts))
-
-    @property
-    def mean_loras(self) -> float:
-        return sum(n * p for n, p in enumerate(self.lora_counts))
-
 
 KATZ_SERVICE_A = AdapterMix(
     name="katz-a",

@@ -82,10 +82,6 @@ class BatchResult:
     joined_at_step: int  # the batcher's step counter when it joined
     prepared_s: float = 0.0  # when its text was encoded and its starting latents made
 
-    @property
-    def queued_s(self) -> float:
-        return self.joined_s - self.submitted_s
-
 
 @dataclass
 class StepStats:

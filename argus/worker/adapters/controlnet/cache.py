@@ -210,10 +210,6 @@ class ModelCache(Generic[V]):
 
     # -- inspection ------------------------------------------------------------------------
 
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._entries
-
     def stats(self) -> CacheStats:
         with self._lock:
             ordered = sorted(self._entries.items(), key=lambda ke: ke[1].last_used)
