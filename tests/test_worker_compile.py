@@ -204,15 +204,19 @@ def test_an_edit_with_a_custom_predictor_stays_eager(model: DiffusionModel) -> N
 
 def test_a_worker_with_compile_compiles_at_load_and_reports_it(started: Started) -> None:
     """``argus worker --compile default --compile-backend eager``: the model was compiled and
-    warmed up at the serving size before it was ready; the seconds are in the registry, the
-    log line and the gauge, and the first request at that size compiles nothing new."""
+    warmed up at the serving size before it was ready; the seconds are in the model's state
+    (the Stats reply's too), the log line and the gauge, and the first request at that size
+    compiles nothing new."""
+    from argus.contracts.worker_control import stats_to_pb
+
     registry = started.worker.registry
-    seconds = registry.compile_seconds()
-    assert set(seconds) == {"tiny-sd"} and seconds["tiny-sd"] > 0
+    (info,) = registry.infos()
+    assert info.name == "tiny-sd" and info.compile_s > 0
     gauge = started.metrics.get_sample_value("argus_worker_compile_seconds", {"model": "tiny-sd"})
-    assert gauge == seconds["tiny-sd"]
-    loaded = {m.name: m.load_s for m in registry.infos()}
-    assert loaded["tiny-sd"] >= seconds["tiny-sd"]  # part of the load
+    assert gauge == info.compile_s
+    assert info.load_s >= info.compile_s  # part of the load
+    (state,) = stats_to_pb(started.worker.stats()).models
+    assert state.compile_s == info.compile_s
     assert [m for m in started.log if m.startswith("compiled tiny-sd (default, eager) in ")]
     served = registry.get("tiny-sd")
     assert served is not None and served.compiled_unet is not None
@@ -227,7 +231,7 @@ def test_a_registry_without_compile_compiles_nothing() -> None:
     try:
         model = registry.activate("tiny-sd").result(timeout=60)
         assert model.compiled_unet is None and model.fast_unet() is None
-        assert registry.compile_seconds() == {}
+        assert [m.compile_s for m in registry.infos()] == [0.0]
     finally:
         registry.close()
 

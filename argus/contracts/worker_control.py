@@ -50,6 +50,7 @@ class ModelInfo:
     # the parts its load loaded, and the load time of each (seconds); the parts it shares with
     # a model already resident are not among them
     loaded_parts: dict[str, float] = field(default_factory=dict)
+    compile_s: float = 0.0  # torch.compile and its warm-up run (--compile), part of load_s
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ def model_to_pb(info: ModelInfo) -> Any:
         bytes=info.bytes,
         active=info.active,
         error=info.error,
+        compile_s=info.compile_s,
     )
 
 

@@ -260,6 +260,7 @@ class ModelRegistry:
                     active=name == self._active,
                     error=e.error,
                     loaded_parts=dict(e.loaded_parts),
+                    compile_s=e.compile_s,
                 )
                 for name, e in sorted(self._entries.items())
             ]
@@ -270,18 +271,6 @@ class ModelRegistry:
         with self._lock:
             name, parts = self._last_load
             return name, dict(parts)
-
-    def compile_seconds(self) -> dict[str, float]:
-        """Each ready model's compile time (``torch.compile`` and its warm-up run, seconds;
-        part of its load's); empty when the registry does not compile."""
-        if self.compile_mode is None:
-            return {}
-        with self._lock:
-            return {
-                name: e.compile_s
-                for name, e in sorted(self._entries.items())
-                if e.state is LoadState.READY
-            }
 
     def components(self) -> list[ComponentInfo]:
         """The resident parts, each with the models that share it."""
