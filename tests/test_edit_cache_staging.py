@@ -53,9 +53,11 @@ from argus.worker.editing.masked_blocks import (
     transformer_blocks,
 )
 from argus.worker.editing.packed_blocks import RowPart, RowRecorder, batched_blocks
-from argus.worker.engine import Worker
+from argus.worker.engine import Worker, count_in_memory_guard
 from argus.worker.metrics import WorkerMetrics
 from argus.worker.models.pipelines import DiffusionModel
+from argus.worker.models.registry import MemoryGuardError
+from argus.worker.models.sources import estimate_bytes
 from tests.editing_factories import (
     BLOCK_PROMPT,
     BLOCK_SIZE,
@@ -69,7 +71,7 @@ from tests.editing_factories import (
 from tests.editing_factories import STEPS as BLOCK_STEPS
 from tests.editing_factories import STEPS as WORKER_STEPS
 from tests.editing_factories import block_edit_spec as edit_spec
-from tests.worker_factories import make_worker, tiny_model
+from tests.worker_factories import make_registry, make_worker, tiny_model
 
 pytestmark = pytest.mark.unit
 
@@ -277,6 +279,64 @@ def test_an_auto_device_tier_is_sized_once_for_the_models_device() -> None:
     assert tier.bound("cuda:0") == 64 and tier.bound("cuda:0") == 64
     assert sized == ["cuda:0"]
     assert DeviceTier(None).bound("cpu") == 0  # a CPU worker's device is host memory
+
+
+def test_the_device_tier_cedes_its_bound_to_a_model_load() -> None:
+    tier = DeviceTier(4 * 16)
+    for i, key in enumerate("abc"):
+        assert tier.put(key, rows(i))
+    assert tier.reserved_bytes == 4 * 16  # the bound, not the 3 records held
+    assert tier.cede(2 * 16) == 2 * 16
+    assert tier.keys() == ["b", "c"] and tier.stats().max_bytes == 2 * 16 == tier.reserved_bytes
+    assert tier.put("d", rows(3)) and tier.put("e", rows(4)) and tier.keys() == ["d", "e"]
+    assert tier.cede(10 * 16) == 2 * 16 and tier.keys() == [] and tier.reserved_bytes == 0
+    unsized = DeviceTier(None)
+    assert unsized.cede(16) == 0 and unsized.reserved_bytes == 0
+
+
+@pytest.mark.parametrize("yielding", [True, False], ids=["cedes", "cannot-cede"])
+def test_a_model_load_that_fits_only_without_the_device_tier_lowers_its_bound(
+    yielding: bool,
+) -> None:
+    """The memory guard counts the device tier's bound beside the models; a load that would
+    not fit beside it lowers the bound by what it lacks instead of being refused, and without
+    a tier to shrink the same load is refused."""
+    xl = estimate_bytes("tiny:sdxl", torch.float32)
+    small = estimate_bytes("tiny:tiny-sd", torch.float32)
+    budget = xl + small + 400  # room for both models and 400 bytes of the tier's 600
+    registry = make_registry(memory_budget_bytes=budget, max_resident=2)
+    tier = DeviceTier(600)
+    registry.count_outside(lambda: tier.reserved_bytes, tier.cede if yielding else None)
+    try:
+        registry.activate("sdxl").result(timeout=60)
+        assert registry.used_bytes() == xl + 600 <= budget
+        assert tier.put("a", rows(0)) and tier.put("b", rows(1))
+        if not yielding:
+            with pytest.raises(MemoryGuardError, match=r"'tiny-sd'.*budget"):
+                registry.activate("tiny-sd")
+            return
+        registry.activate("tiny-sd").result(timeout=60)
+        assert tier.stats().max_bytes == 400 and tier.keys() == ["a", "b"]  # 32 bytes fit
+        assert registry.used_bytes() <= budget
+    finally:
+        registry.close()
+
+
+def test_a_cuda_worker_counts_its_device_tier_and_a_cpu_worker_its_host_tier() -> None:
+    counted: list[tuple[Any, Any]] = []
+
+    class Guard:
+        def __init__(self, device: str) -> None:
+            self.device = device
+
+        def count_outside(self, held: Any, cede: Any = None) -> None:
+            counted.append((held(), cede))
+
+    tier = DeviceTier(4 * 16)
+    store = ActivationStore(GiB)
+    count_in_memory_guard(Guard("cuda:0"), EditCache(store, device=tier))  # type: ignore[arg-type]
+    count_in_memory_guard(Guard("cpu"), EditCache(store, device=tier))  # type: ignore[arg-type]
+    assert counted == [(4 * 16, tier.cede), (store.host_bytes_used, None)]
 
 
 @pytest.fixture

@@ -155,6 +155,16 @@ class WorkerConfig:
             raise ValueError(f"edit_batch: must be >= 1, got {self.edit_batch}")
 
 
+def count_in_memory_guard(registry: ModelRegistry, edit_cache: EditCache) -> None:
+    """Make ``registry``'s memory guard count the edit cache's tier in the memory it guards:
+    the host tier on a CPU device, the device tier on CUDA (which gives way to a load)."""
+    store, tier = edit_cache.store, edit_cache.device
+    if registry.device == "cpu":
+        registry.count_outside(lambda: store.host_bytes_used)
+    elif tier is not None:
+        registry.count_outside(lambda: tier.reserved_bytes, tier.cede)
+
+
 class Worker:
     """Serves generation requests at the levels of ``profiles`` on the models in ``registry``."""
 
@@ -177,9 +187,8 @@ class Worker:
         self.encoder = encoder
         self.adapters = adapters
         self.edit_cache = edit_cache
-        if edit_cache is not None and registry.device == "cpu":  # its host tier is this memory
-            store = edit_cache.store
-            registry.count_outside(lambda: store.host_bytes_used)
+        if edit_cache is not None:
+            count_in_memory_guard(registry, edit_cache)
         self.config = config or WorkerConfig()
         self._levels = {lv.name: lv for lv in profiles.levels}
         ac_models = {lv.model for lv in profiles.levels if lv.strategy is Strategy.AC}

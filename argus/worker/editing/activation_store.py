@@ -724,6 +724,27 @@ class DeviceTier:
         with self._lock:
             return self._used
 
+    @property
+    def reserved_bytes(self) -> int:
+        """The device memory the tier may fill: its bound once sized (0 before), or what it
+        holds if that is more. The worker's memory guard counts this beside the models."""
+        with self._lock:
+            return max(self._max_bytes or 0, self._used)
+
+    def cede(self, nbytes: int) -> int:
+        """Lower the bound by up to ``nbytes`` (not below 0) and evict down to it, so that a
+        model load can have that memory; returns how far the bound dropped. The records
+        evicted are still in the store, and the bound stays lowered."""
+        with self._lock:
+            if self._max_bytes is None or nbytes <= 0:
+                return 0
+            dropped = min(nbytes, self._max_bytes)
+            self._max_bytes -= dropped
+            self._evict_locked(self._max_bytes)
+        if dropped:
+            log.info("edit cache device tier: bound lowered by %d bytes for a model load", dropped)
+        return dropped
+
     def stats(self) -> DeviceTierStats:
         with self._lock:
             return DeviceTierStats(

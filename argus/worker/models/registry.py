@@ -20,7 +20,9 @@ a reference, and its memory is released when the last one drops it.
 
 The memory guard refuses a load (:class:`MemoryGuardError`) when the resident parts (each
 counted once however many models share it), the parts being loaded, and the new model's
-missing parts would exceed the budget even after unloading every evictable model. Before a
+missing parts would exceed the budget even after unloading every evictable model. The edit
+cache's tier in the same memory counts too (the host tier on a CPU, the device tier's bound on
+CUDA, which is lowered for a load that would not fit otherwise). Before a
 source's digests are known (its first load computes them) all its parts count as missing. The
 budget is the device's memory × ``memory_fraction`` on CUDA, and ``MemAvailable`` at start-up ×
 ``memory_fraction`` on the CPU, unless set explicitly.
@@ -180,6 +182,7 @@ class ModelRegistry:
         self._last_load: tuple[str, dict[str, float]] = ("", {})  # model, part -> seconds
         self._uses = 0  # the LRU clock: bumped by every activation and use
         self._outside: Callable[[], int] = lambda: 0  # bytes held beside the models
+        self._cede: Callable[[int], int] | None = None  # shrinks them for a load
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
         self._use_compile(compile_mode, compile_backend, serving_size, on_compile)
@@ -235,12 +238,17 @@ class ModelRegistry:
         with self._lock:
             return self._resident_bytes()
 
-    def count_outside(self, held: Callable[[], int]) -> None:
+    def count_outside(
+        self, held: Callable[[], int], cede: Callable[[int], int] | None = None
+    ) -> None:
         """Count ``held()`` bytes, which the worker keeps outside its models in the memory
-        this budget guards (the edit activation cache's host tier on a CPU device), as used:
-        a load must fit beside them, and :meth:`used_bytes` reports them."""
+        this budget guards, as used: a load must fit beside them, and :meth:`used_bytes`
+        reports them. On a CPU device that is the edit cache's host tier; on CUDA its device
+        tier, which ``cede(n)`` shrinks by up to ``n`` bytes (returning how much) when a load
+        would not fit otherwise: cached records give way to models, never the reverse."""
         with self._lock:
             self._outside = held
+            self._cede = cede
 
     def _resident_bytes(self) -> int:
         """Resident parts, each once, plus the parts being loaded and the bytes held outside
@@ -325,6 +333,9 @@ class ModelRegistry:
             )
             self._evict_until(lambda: self._resident_bytes() + need <= self.budget)
             held = self._resident_bytes()
+            if held + need > self.budget and self._cede is not None:
+                self._cede(held + need - self.budget)
+                held = self._resident_bytes()
             if held + need > self.budget:
                 raise MemoryGuardError(
                     f"variant {name!r}: needs {need / 2**20:.1f} MiB but "
