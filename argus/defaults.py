@@ -208,9 +208,9 @@ EDIT_CACHE_DEVICE_SHARE = 0.25
 the memory guard does not see: a batch's activations (SDXL at 1024 px peaks 2.4 GiB above its
 weights at batch 1, ``docs/gpu.md``), CUDA graphs' memory pools and two steps of staged rows.
 The guard counts the tier's bound, and lowers it for a model load that would not fit. On an
-H200 with SDXL loaded (about 130 GiB free) it is
-about 33 GiB: one 50-step SDXL record at 1024 px, or fifteen 50-step SD-1.5 records at 512 px
-(2.2 GiB each); on a 24 GiB GPU with SDXL it holds no SDXL record at 1024 px."""
+H200 with SDXL loaded (about 130 GiB free) it is about 33 GiB: one 50-step SDXL record at
+1024 px, or fifteen 50-step SD-1.5 records at 512 px (2.2 GiB each); on a 24 GiB GPU with
+SDXL it holds no SDXL record at 1024 px."""
 
 CACHE_MAX_ENTRIES = 100_000
 """Prompts the approximate cache keeps at most."""
