@@ -764,6 +764,7 @@ class Replay:
         self._collected: dict[tuple[str, int, int], torch.Tensor] = {}
         self.graph_name = f"edit-replay-{next(_REPLAY_IDS)}"  # this replay's graphs, if any
         self.graphable = self.stager is not None  # graphs read the staged rows only
+        self._ran_eagerly = False  # a graphed replay's first UNet call: its capture's warm-up
         self._strict = False  # while a graph captures: a row not staged is an error
         if self.stager is not None and self.steps:
             self.stager.stage(self.steps[0], self._step_rows(self.steps[0]))
@@ -792,12 +793,18 @@ class Replay:
         added: dict[str, torch.Tensor] | None,
     ) -> torch.Tensor:
         """The UNet's output for step ``step`` with the blocks replayed, from ``graphs``: the
-        step's staged rows are the graph's static inputs beside the UNet's, so one capture (at
-        this replay's first step) serves every step whose rows have the same names and shapes.
-        A capture that fails (:class:`~argus.worker.models.cuda_graphs.GraphCaptureError`)
-        turns this replay eager; the step then runs eagerly."""
+        step's staged rows are the graph's static inputs beside the UNet's, so one capture
+        serves every step whose rows have the same names and shapes. The replay's first call
+        runs eagerly and is the capture's warm-up (its kernels loaded, its shapes seen, on
+        a graph stream whose handles the load's capture made), so the capture, at the next
+        call, adds only its recording to the edit. A capture that fails
+        (:class:`~argus.worker.models.cuda_graphs.GraphCaptureError`) turns this replay
+        eager; the step then runs eagerly."""
         with self.staged(step):
             staged = self._staged[step]
+            if not self._ran_eagerly:
+                self._ran_eagerly = True
+                return self._unet_call(step, unet, sample, t, embeds, added)
 
             def call(
                 sample: torch.Tensor,
@@ -818,7 +825,11 @@ class Replay:
             try:
                 rows = staged.rows
                 out: torch.Tensor = graphs.run(
-                    self.graph_name, call, sample, timestep, embeds, added, rows, work="edit-replay"
+                    self.graph_name,
+                    call,
+                    *(sample, timestep, embeds, added, rows),
+                    work="edit-replay",
+                    warmup=0,
                 )
                 return out
             except GraphCaptureError as err:

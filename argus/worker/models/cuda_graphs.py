@@ -31,10 +31,12 @@ What a graph cannot do, and what the worker does about it:
   are copied out right after a replay: one graph's replay may overwrite what another graph
   left in the pool, never what a caller holds.
 
-A capture (``warmup`` eager calls and the recording) is paid once per signature and reported
-through ``on_capture(name, seconds)``. On by default on CUDA devices (``--cuda-graphs``), off
-elsewhere. ``capture="eager"`` is the CPU tests' stand-in: the same static buffers, keys and
-eviction, with the function re-run on the static inputs instead of a replay.
+A capture (``warmup`` eager calls and the recording, on one stream of the UNet's own, so the
+per-stream cuBLAS handle a recording cannot create is made by the first warm-up) is paid once
+per signature and reported through ``on_capture(name, seconds)``; work that just ran eagerly
+at its shapes (an edit's first step) captures with ``warmup=0``. On by default on CUDA
+devices (``--cuda-graphs``), off elsewhere. ``capture="eager"`` is the CPU tests' stand-in:
+the same static buffers, keys and eviction, with the function re-run instead of a replay.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ class GraphedUNet:
         self.replays = 0
         self._graphs: OrderedDict[GraphKey, _Captured] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if capture == "cuda" else None
+        # warm-ups and recordings: one stream, so its cuBLAS handle is made once, eagerly
+        self._stream = torch.cuda.Stream(device) if capture == "cuda" else None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -121,18 +125,27 @@ class GraphedUNet:
         out: torch.Tensor = self.run("unet", self._forward, sample, timestep, embeds, added)
         return out
 
-    def run(self, name: str, fn: Callable[..., Any], *args: Any, work: str | None = None) -> Any:
+    def run(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        work: str | None = None,
+        warmup: int | None = None,
+    ) -> Any:
         """``fn(*args)``, from the graph captured for ``name`` and ``args``' signature (captured
         now if there is none). ``fn`` must read nothing but its arguments, the UNet's weights
         and tensors that outlive the graph, and must do the same work whenever the signature
         is the same. ``work`` (default ``name``) is what ``on_capture`` hears: a kind of work,
-        where ``name`` may name one request's."""
+        where ``name`` may name one request's. ``warmup`` (default the instance's) is the
+        eager calls a capture makes first."""
         leaves, in_spec = pytree.tree_flatten(args)
         key = (name, str(in_spec), *(_leaf_key(leaf) for leaf in leaves))
         with self._lock:
             captured = self._graphs.get(key)
             if captured is None:
-                captured = self._capture(key, work or name, fn, leaves, in_spec)
+                warm = self.warmup if warmup is None else warmup
+                captured = self._capture(key, work or name, fn, leaves, in_spec, warm)
             else:
                 self._graphs.move_to_end(key)
             for static, given in zip(captured.inputs, leaves, strict=True):
@@ -169,23 +182,31 @@ class GraphedUNet:
                 static.copy_(value)
 
     def _capture(
-        self, key: GraphKey, name: str, fn: Callable[..., Any], leaves: list[Any], in_spec: Any
+        self,
+        key: GraphKey,
+        name: str,
+        fn: Callable[..., Any],
+        leaves: list[Any],
+        in_spec: Any,
+        warmup: int,
     ) -> _Captured:
         began = time.perf_counter()
         inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         args = pytree.tree_unflatten(inputs, in_spec)
         graph = None
         if self.capture == "cuda":
-            # warm-up on a side stream, as PyTorch's capture recipe asks (lazy init, autotuning)
-            stream = torch.cuda.Stream()
+            # warm-up off the current stream, as PyTorch's capture recipe asks (lazy init,
+            # autotuning), on the stream the recording then uses
+            stream = self._stream
+            assert stream is not None
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(self.warmup):
+                for _ in range(warmup):
                     fn(*args)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self._pool):
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                     out = fn(*args)
                 torch.cuda.synchronize()
             except Exception as err:
