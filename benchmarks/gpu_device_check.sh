@@ -6,8 +6,8 @@
 #      there is a network; for python3 3.12, the GPU image's) installed with --no-index into
 #      /tmp/site (not with ARGUS_CHECK_TINY, which runs .venv's python); the gRPC code generated;
 #      an import check that fails in seconds rather than minutes in;
-#   2. the floor, in process: the guided SDXL UNet step at 1024 px replayed from a CUDA graph
-#      (gpu_profile.py --floor-only)                                  -> $OUT/floor/gpu_profile.json
+#   2. the floors, in process: the guided SDXL UNet step at 1024 px replayed from a CUDA graph,
+#      alone and with one ControlNet (gpu_profile.py --floor-only)     -> $OUT/floor/gpu_profile.json
 #   3. the worker's default path: `python -m argus worker` processes and gRPC, SDXL plain,
 #      with a LoRA, with a ControlNet, an edit at m = 0.2 recorded, replayed and with the cache
 #      off, hits at K, the SM variants (gpu_profile.py --worker --worker-via cli)

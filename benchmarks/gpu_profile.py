@@ -30,8 +30,10 @@ not depend on its weights' values) and measures, in order of importance, as long
 4. each model's load from a local diffusers directory (the worker's loader);
 5. ``torch.compile`` on the UNets named by ``--compile`` (the first call takes minutes).
 
-``--floor-only`` measures only the first item's floor: the guided UNet step replayed from a
-CUDA graph (on a CPU, the eager step at batch 1), which the summary divides by.
+``--floor-only`` measures only the first item's floors: the guided UNet step replayed from a
+CUDA graph (on a CPU, the eager step at batch 1), and for SDXL the same step with one
+ControlNet captured with it, which the summary divides the plain and LoRA steps and the
+ControlNet step by.
 
 Everything lands in ``OUT/gpu_profile.json`` as it is measured (a run cut short keeps what
 it had; SIGTERM stops the worker processes first); ``--write-profile FILE`` and
@@ -262,6 +264,48 @@ def graphed_step(pipe: Any, clock: Clock, size: int, repeats: int) -> dict[str, 
     return {"eager_ms": eager, "cuda_graph_ms": graphed, "speedup": eager / graphed}
 
 
+def controlnet_step(pipe: Any, clock: Clock, size: int, repeats: int) -> dict[str, float]:
+    """The guided UNet step at batch 1 with one ControlNet (random weights, the worker's call:
+    the control image repeated over both CFG rows, its residuals into the UNet), eager and,
+    on CUDA, as one captured graph: the floor a ControlNet step is compared with."""
+    from _gpu_adapters import random_controlnet
+
+    args, kwargs = unet_inputs(pipe, 1, size)
+    sample, timestep, context = args
+    unet = pipe.unet
+    net = random_controlnet(unet, device=str(unet.device), dtype=unet.dtype)
+    image = torch.rand(sample.shape[0], 3, size, size, device=unet.device, dtype=unet.dtype)
+    added = kwargs.get("added_cond_kwargs")
+
+    def step() -> Any:
+        down, mid = net(
+            sample, timestep, encoder_hidden_states=context, controlnet_cond=image,
+            conditioning_scale=1.0, added_cond_kwargs=added, return_dict=False,
+        )  # fmt: skip
+        return unet(
+            sample, timestep, encoder_hidden_states=context, added_cond_kwargs=added,
+            down_block_additional_residuals=down, mid_block_additional_residual=mid,
+            return_dict=False,
+        )  # fmt: skip
+
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        out["eager_ms"] = median_ms(clock.time(step, repeats, warmup=3))
+        if clock.cuda:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            out["cuda_graph_ms"] = median_ms(clock.time(graph.replay, repeats, warmup=3))
+            out["speedup"] = out["eager_ms"] / out["cuda_graph_ms"]
+    return out
+
+
 def compiled_step(pipe: Any, clock: Clock, size: int, repeats: int) -> dict[str, float]:
     """The guided UNet step at batch 1, eager against ``torch.compile`` (inductor, default
     mode), and what the first compiled call cost."""
@@ -388,6 +432,11 @@ def profile_model(name: str, args: argparse.Namespace, run: Run, clock: Clock) -
             # twice since the first round also pays the CPU kernels' first calls
             batch_table(pipe, clock, size, (1,), 1)
             entry["batches"] = batch_table(pipe, clock, size, (1,), max(5, args.repeats))
+        if name == "sdxl":
+            repeats = 10 if clock.cuda else max(5, args.repeats)
+            entry["controlnet_graph"] = run.section(
+                f"controlnet graph {name}", 25, lambda: controlnet_step(pipe, clock, size, repeats)
+            )
         return
     model = DiffusionModel(name, pipe, device=args.device, source=f"full:{name}")
     spec = GenerationSpec(PROMPT, seed=1, height=size, width=size, steps=args.steps)
@@ -755,18 +804,24 @@ _EDIT_RE = re.compile(
 )
 
 
-def cuda_graph_floor(data: dict[str, Any]) -> tuple[float | None, str]:
-    """The floor an SDXL step is compared with, in ms, and what it is: the guided UNet step at
-    batch 1 (two rows, CFG) replayed from a CUDA graph (``models.sdxl.cuda_graph``); where no
-    graph was measured (a CPU), the eager step at batch 1, named so. The UNet's forward only:
-    no scheduler step, no guidance arithmetic, no Python between steps."""
+def cuda_graph_floor(data: dict[str, Any], case: str = "plain") -> tuple[float | None, str]:
+    """The floor an SDXL step of ``case`` is compared with, in ms, and what it is: the guided
+    UNet step at batch 1 (two rows, CFG) replayed from a CUDA graph (``models.sdxl.cuda_graph``;
+    a LoRA merged into the weights costs the same); for ``controlnet``, that step with one
+    ControlNet, captured together (``models.sdxl.controlnet_graph``). Where no graph was
+    measured (a CPU), the eager step at batch 1, named so. The networks' forwards only: no
+    scheduler step, no guidance arithmetic, no Python between steps."""
     entry = (data.get("models") or {}).get("sdxl") or {}
-    graph = entry.get("cuda_graph") or {}
-    if graph.get("cuda_graph_ms"):
-        return graph["cuda_graph_ms"], "the guided UNet step replayed from a CUDA graph"
-    eager = ((entry.get("batches") or {}).get("1") or {}).get("unet_step_ms")
+    if case == "controlnet":
+        what, graph = "the guided UNet step with one ControlNet", entry.get("controlnet_graph")
+        eager = (graph or {}).get("eager_ms")
+    else:
+        what, graph = "the guided UNet step", entry.get("cuda_graph")
+        eager = ((entry.get("batches") or {}).get("1") or {}).get("unet_step_ms")
+    if (graph or {}).get("cuda_graph_ms"):
+        return graph["cuda_graph_ms"], f"{what} replayed from a CUDA graph"
     if eager:
-        return eager, "the eager guided UNet step (no CUDA graph on this device)"
+        return eager, f"{what}, eager (no CUDA graph on this device)"
     return None, "not measured"
 
 
@@ -786,10 +841,12 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
     cases = cli.get("cases") or {}
     floor_px = ((data.get("models") or {}).get("sdxl") or {}).get("size")
     out: dict[str, Any] = {"floor_ms": floor_ms, "floor": floor_what, "floor_px": floor_px}
+    out["controlnet_floor_ms"], out["controlnet_floor"] = cuda_graph_floor(data, "controlnet")
     for case in ("plain", *ADAPTER_CASES):
         step = (cases.get(case) or {}).get("step_ms")
+        under = out["controlnet_floor_ms"] if case == "controlnet" else floor_ms
         out[f"{case}_step_ms"] = step
-        out[f"{case}_x_floor"] = step / floor_ms if step and floor_ms else None
+        out[f"{case}_x_floor"] = step / under if step and under else None
     line = line_fit([(row["steps_run"], row["wall_ms"] / 1e3) for row in _sdxl_rows(data)])
     out["wall_step_ms"] = line[1] * 1e3 if line is not None else None
     out["wall_x_floor"] = out["wall_step_ms"] / floor_ms if line and floor_ms else None
@@ -846,6 +903,11 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
             f"{got['floor_ms']:.1f} ms; a step time is the reply's denoise_ms / steps_run (the "
             "UNet, the scheduler's step, guidance and the loop); an edit's speed-up compares "
             "those step times"
+        )
+    if got["controlnet_floor_ms"] is not None:
+        lines.append(
+            f"the ControlNet step's floor: {got['controlnet_floor']}, "
+            f"{got['controlnet_floor_ms']:.1f} ms"
         )
     return lines
 

@@ -111,7 +111,8 @@ def measured(cli: bool = True) -> dict[str, Any]:
         "models": {
             "sdxl": {"size": 1024, "params_m": {"unet": 2567.0}, "weights_gib": 6.5,
                      "image": image, "load_s": 2.0,
-                     "cuda_graph": {"eager_ms": 60.0, "cuda_graph_ms": 40.0, "speedup": 1.5}},
+                     "cuda_graph": {"eager_ms": 60.0, "cuda_graph_ms": 40.0, "speedup": 1.5},
+                     "controlnet_graph": {"eager_ms": 90.0, "cuda_graph_ms": 56.0}},
             "sd-1.5": {"size": 512, "params_m": {"unet": 860.0}, "weights_gib": 2.0,
                        "image": {**image, "latency_s": 7.0}, "load_s": 0.6},
         },
@@ -153,8 +154,8 @@ def test_summary_lines_read_exactly_and_read_back(tmp_path: Path) -> None:
         "default path, SDXL step: 1.20 x the CUDA-graph floor",
         "SDXL edit at m = 0.2: 1.50 x faster than in full",
         "default path, SDXL step with a rank-64 LoRA: 1.35 x the CUDA-graph floor",
-        "default path, SDXL step with one ControlNet: 1.75 x the CUDA-graph floor",
-    ]
+        "default path, SDXL step with one ControlNet: 1.25 x the CUDA-graph floor",
+    ]  # 70 ms over the ControlNet step's own floor, 56 ms, not the plain one
     data["edit_share"] = {"s": 0.8, "source": "bench"}
     got = gpu_profile.summary(data)
     assert got["edit_bound"] == pytest.approx(1 / (1 - 0.8 * (1 - 0.198)))
@@ -167,10 +168,12 @@ def test_summary_lines_read_exactly_and_read_back(tmp_path: Path) -> None:
     assert gpu_profile.read_summary(path) == {
         "sdxl_step_x_floor": 1.2,
         "lora_step_x_floor": 1.35,
-        "controlnet_step_x_floor": 1.75,
+        "controlnet_step_x_floor": 1.25,
         "edit_m": 0.2,
         "edit_x_full": 1.5,
     }
+    del data["models"]["sdxl"]["controlnet_graph"]  # no floor of its own: no line, no guess
+    assert not [line for line in gpu_profile.summary_lines(data) if "ControlNet" in line]
     bare = measured(cli=False)
     path.write_text(gpu_profile.markdown(bare))
     assert gpu_profile.summary_lines(bare)[:2] == [
@@ -218,3 +221,21 @@ def test_the_edit_region_covers_its_ratio() -> None:
         assert all(v % 8 == 0 for v in (top, left, height, width))
         assert top + height <= side and left + width <= side
         assert height * width / side**2 == pytest.approx(ratio, abs=0.02 if side > 64 else 0.07)
+
+
+@pytest.mark.unit
+def test_the_floor_only_run_measures_the_controlnet_steps_floor_too(tmp_path: Path) -> None:
+    """``--floor-only`` on the tiny SDXL on this CPU: the eager step and the eager step with
+    one ControlNet stand in for the floors, and each is named as eager."""
+    gpu_profile.main(["--tiny", "--device", "cpu", "--models", "sdxl", "--floor-only",
+                      "--no-load", "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
+    data = json.loads((tmp_path / "gpu_profile.json").read_text())
+    entry = data["models"]["sdxl"]
+    assert (
+        entry["controlnet_graph"]["eager_ms"] > 0
+        and "cuda_graph_ms" not in entry["controlnet_graph"]
+    )
+    plain, what = gpu_profile.cuda_graph_floor(data)
+    controlnet, controlnet_what = gpu_profile.cuda_graph_floor(data, "controlnet")
+    assert plain is not None and controlnet is not None and controlnet > plain
+    assert "eager" in what and "ControlNet" in controlnet_what and "eager" in controlnet_what
