@@ -6,6 +6,9 @@
 #      there is a network; for python3 3.12, the GPU image's) installed with --no-index into
 #      /tmp/site (not with ARGUS_CHECK_TINY, which runs .venv's python); the gRPC code generated;
 #      an import check that fails in seconds rather than minutes in;
+#   1b. the tests marked gpu (tests/cuda_marks.py: CUDA graphs of plain, LoRA, ControlNet and
+#      edit runs bit for bit, the pinned side-stream staging, the device tier, torch.compile),
+#      which skip on a CPU                                               -> $OUT/gpu-tests.xml
 #   2. the floors, in process: the guided SDXL UNet step at 1024 px replayed from a CUDA graph,
 #      alone and with one ControlNet (gpu_profile.py --floor-only)     -> $OUT/floor/gpu_profile.json
 #   3. the worker's default path: `python -m argus worker` processes and gRPC, SDXL plain,
@@ -17,8 +20,8 @@
 #      $OUT/gpu.md (the summary lines first, then the tables), $OUT/summary.json (the summary
 #      read back by gpu_profile.read_summary); the log in $OUT/log.txt.
 #
-# Each part runs under `timeout` (FLOOR_S, CLI_S seconds, defaults 100 and 300, and 45 for
-# the writing: under 8 minutes in all with the setup); a part that fails or runs out leaves what it measured, and
+# Each part runs under `timeout` (TESTS_S, FLOOR_S, CLI_S seconds, defaults 75, 100 and 270,
+# and 45 for the writing: under 9 minutes in all with the setup); a part that fails or runs out leaves what it measured, and
 # the later parts still run. ARGUS_WORKER_ARGS passes flags on to `argus worker` (for example
 # "--compile default").
 #
@@ -30,8 +33,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder the results go to}"
 TINY=${ARGUS_CHECK_TINY:-0}
+TESTS_S=${TESTS_S:-75}
 FLOOR_S=${FLOOR_S:-100}
-CLI_S=${CLI_S:-300}
+CLI_S=${CLI_S:-270}
 if [ "$TINY" = 1 ] && [ -x .venv/bin/python ]; then
     PY=${PYTHON:-.venv/bin/python}  # this machine's environment; the wheels are the GPU's
 else
@@ -81,6 +85,14 @@ part() {  # part NAME SECONDS COMMAND...: run under timeout, log it, carry on wh
     timeout -k 20 "$seconds" "$@" 2>&1 | tee -a "$LOG" || status=$?
     say "$name: exit $status after $((SECONDS - began)) s"
 }
+
+# -- 1b. the tests that need a GPU ------------------------------------------------------------
+TEST_ARGS=(-p no:cacheprovider -o addopts= -q -rA -m gpu --junitxml "$OUT/gpu-tests.xml")
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    TEST_ARGS+=(--timeout 45)  # one stuck test must not take the others' time
+fi
+part gpu-tests "$TESTS_S" "$PY" -m pytest "${TEST_ARGS[@]}" tests/test_cuda_graphs.py \
+    tests/test_edit_cache_staging.py tests/test_masked_blocks.py tests/test_worker_compile.py
 
 # -- 2. the floor, in process ------------------------------------------------------------------
 part floor "$FLOOR_S" "$PY" benchmarks/gpu_profile.py "${DEVICE[@]}" --models sdxl \

@@ -40,6 +40,7 @@ from argus.worker.models.cuda_graphs import GraphedUNet
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 from argus.worker.models.registry import default_cuda_graphs
 from argus.worker.models.sources import build_tiny_pipeline
+from tests.cuda_marks import needs_cuda
 from tests.editing_factories import block_edit_spec, latent_region
 from tests.worker_factories import make_registry, torch_threads
 
@@ -47,7 +48,6 @@ pytestmark = pytest.mark.unit
 
 STEPS = 3
 SIZE = 32
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(autouse=True)
@@ -365,7 +365,7 @@ def test_an_unstaged_replay_is_never_graphed() -> None:
 # -- on a GPU ----------------------------------------------------------------------------------
 
 
-@cuda
+@needs_cuda
 @pytest.mark.parametrize("variant", ["sd-1.5", "sdxl"])
 def test_real_graphs_replay_a_plain_run_bit_for_bit(variant: str) -> None:
     model = fresh(variant, "cuda")
@@ -373,7 +373,7 @@ def test_real_graphs_replay_a_plain_run_bit_for_bit(variant: str) -> None:
     assert torch.equal(graphed, eager)
 
 
-@cuda
+@needs_cuda
 def test_real_graphs_see_a_lora_merged_in_place(tmp_path: Path) -> None:
     model = fresh("tiny-sd", "cuda")
     write_tiny_lora(model, tmp_path / "style.safetensors", rank=4, seed=1, alpha=2.0)
@@ -395,7 +395,7 @@ def test_real_graphs_see_a_lora_merged_in_place(tmp_path: Path) -> None:
     assert torch.equal(graphed, eager)
 
 
-@cuda
+@needs_cuda
 def test_real_graphs_replay_controlnet_halves() -> None:
     model = fresh("sdxl", "cuda")
     units = (ControlUnit("canny", 1.0, _png(1)),)
@@ -411,7 +411,7 @@ def test_real_graphs_replay_controlnet_halves() -> None:
     torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
 
 
-@cuda
+@needs_cuda
 def test_a_cuda_worker_has_graphs_by_default_and_captures_its_serving_size_at_load() -> None:
     seen: list[tuple[str, str]] = []
     registry = make_registry(
@@ -427,7 +427,7 @@ def test_a_cuda_worker_has_graphs_by_default_and_captures_its_serving_size_at_lo
         registry.close()
 
 
-@cuda
+@needs_cuda
 def test_real_graphs_replay_an_edit_of_a_cached_template() -> None:
     model = fresh("sdxl", "cuda")
     spec, region, record = _replay_case(model)

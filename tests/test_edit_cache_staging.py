@@ -58,6 +58,7 @@ from argus.worker.metrics import WorkerMetrics
 from argus.worker.models.pipelines import DiffusionModel
 from argus.worker.models.registry import MemoryGuardError
 from argus.worker.models.sources import estimate_bytes
+from tests.cuda_marks import needs_cuda
 from tests.editing_factories import (
     BLOCK_PROMPT,
     BLOCK_SIZE,
@@ -77,7 +78,6 @@ pytestmark = pytest.mark.unit
 
 SIZE, STEPS, PROMPT = BLOCK_SIZE, BLOCK_STEPS, BLOCK_PROMPT  # block_edit_spec's
 GiB = 2**30
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def template_record(model: DiffusionModel, **kwargs: Any) -> ActivationRecord:
@@ -552,7 +552,7 @@ def cuda_model(variant: str) -> DiffusionModel:
     return DiffusionModel(variant, pipeline, device="cuda", source=source)
 
 
-@cuda_only
+@needs_cuda
 @pytest.mark.parametrize("variant", ["sdxl", "sd-1.5"])
 def test_on_cuda_the_pinned_side_stream_path_gives_the_synchronous_latents(variant: str) -> None:
     """The record on the host (pageable: staged through pinned memory), replayed with the
@@ -577,7 +577,7 @@ def test_on_cuda_the_pinned_side_stream_path_gives_the_synchronous_latents(varia
         assert torch.equal(latents, results[0])
 
 
-@cuda_only
+@needs_cuda
 def test_on_cuda_a_recording_keeps_its_rows_on_the_device_equal_to_the_hosts() -> None:
     model = cuda_model("sdxl")
     recorder_spec = edit_spec(0.25, seed=5)
@@ -592,7 +592,7 @@ def test_on_cuda_a_recording_keeps_its_rows_on_the_device_equal_to_the_hosts() -
         assert torch.equal(copied[name].cpu(), tensor), name
 
 
-@cuda_only
+@needs_cuda
 def test_on_cuda_staged_batches_equal_unstaged_ones() -> None:
     block = small_block().to("cuda", torch.float16)
     record = ActivationRecord((8, 8))

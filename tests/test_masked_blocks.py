@@ -47,6 +47,7 @@ from argus.worker.editing.masked_blocks import (
 )
 from argus.worker.editing.packed_blocks import RowPart, RowRecorder, batched_blocks
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
+from tests.cuda_marks import HAS_CUDA, cuda_param
 from tests.editing_factories import BLOCK_PROMPT, BLOCK_SIZE, latent_region
 from tests.editing_factories import STEPS as BLOCK_STEPS
 from tests.editing_factories import block_edit_spec as edit_spec
@@ -204,10 +205,10 @@ def test_a_block_replayed_from_a_record_of_its_own_input_equals_the_full_block(
         assert torch.allclose(out, io["y"], rtol=0, atol=tolerance * scale), (dtype, keys_values)
 
 
-def device_cases() -> list[tuple[str, torch.dtype]]:
-    cases = [("cpu", torch.float32)]
-    if torch.cuda.is_available():
-        cases += [("cuda", torch.float32), ("cuda", torch.float16)]
+def device_cases() -> list[Any]:
+    cases: list[Any] = [("cpu", torch.float32)]
+    if HAS_CUDA:
+        cases += [cuda_param("cuda", torch.float32), cuda_param("cuda", torch.float16)]
     return cases
 
 

@@ -35,6 +35,7 @@ from argus.worker.editing.masked_blocks import RecordingPredictor
 from argus.worker.engine import Worker
 from argus.worker.models.compiled import check_compile_backend, compile_and_warm
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
+from tests.cuda_marks import needs_cuda
 from tests.editing_factories import template_rgb
 from tests.worker_factories import make_registry, torch_threads
 
@@ -268,10 +269,8 @@ def test_the_command_line_refuses_a_bad_mode(capsys: pytest.CaptureFixture[str])
 
 # -- on a GPU ----------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-
-@cuda
+@needs_cuda
 def test_inductor_on_cuda_stays_close_to_eager_and_graphs_capture_the_compiled_forward() -> None:
     from argus.worker.models.sources import build_tiny_pipeline
 
@@ -287,7 +286,7 @@ def test_inductor_on_cuda_stays_close_to_eager_and_graphs_capture_the_compiled_f
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
 
 
-@cuda
+@needs_cuda
 def test_reduce_overhead_leaves_the_workers_own_graphs_out() -> None:
     registry = make_registry(device="cuda", compile_mode="reduce-overhead", serving_size=SIZE)
     try:
