@@ -12,6 +12,7 @@ merge and its restore write into the weights' own storage) is checked on the CPU
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -437,3 +438,37 @@ def test_real_graphs_replay_an_edit_of_a_cached_template() -> None:
     graphed = model.denoise(spec, predictor=predictor).latents
     assert predictor.replay.graphable
     torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+
+
+@needs_cuda
+def test_a_capture_holds_while_another_thread_allocates_and_copies_on_its_own_stream() -> None:
+    """What an edit's row stager and the cache writer do beside a recording: pinned and device
+    allocations and copies on another stream, from another thread. The recording is
+    thread-local, so neither side fails, and the replay is still the eager run to the bit."""
+    model = fresh("sdxl", "cuda")
+    eager = model.denoise(spec()).latents
+    model.use_cuda_graphs(2)
+    assert model.graphs is not None
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def busy() -> None:
+        stream = torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(stream):
+                while not stop.is_set():
+                    host = torch.empty(1 << 16, pin_memory=True).fill_(1.0)
+                    device = host.to("cuda", non_blocking=True) * 2  # a fresh allocation
+                    device.cpu()  # a synchronous copy back, as the cache writer's
+        except BaseException as err:  # the test reports whatever it was
+            failures.append(err)
+
+    beside = threading.Thread(target=busy, daemon=True)
+    beside.start()
+    try:
+        graphed = model.denoise(spec()).latents
+    finally:
+        stop.set()
+        beside.join(timeout=30)
+    assert failures == [] and model.graphs.captures >= 1
+    assert torch.equal(graphed, eager)

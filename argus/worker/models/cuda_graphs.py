@@ -206,7 +206,13 @@ class GraphedUNet:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                # thread-local: the worker's other threads keep using CUDA on their own
+                # streams while this one records (the edit's row stager allocating pinned and
+                # device memory, the cache writer copying results out), as they may; "global"
+                # would fail their calls and void the recording
+                with torch.cuda.graph(
+                    graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
+                ):
                     out = fn(*args)
                 torch.cuda.synchronize()
             except Exception as err:
