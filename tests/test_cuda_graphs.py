@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from argus.worker.models.cuda_graphs import GraphedUNet
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 from argus.worker.models.registry import default_cuda_graphs
 from argus.worker.models.sources import build_tiny_pipeline
-from tests.cuda_marks import needs_cuda
+from tests.cuda_marks import HAS_CUDA, cuda_param, needs_cuda
 from tests.editing_factories import block_edit_spec, latent_region
 from tests.worker_factories import make_registry, torch_threads
 
@@ -314,9 +315,9 @@ def _replay_case(model: DiffusionModel) -> tuple[GenerationSpec, Any, Any]:
 def test_an_edit_replaying_its_template_is_captured_once_and_replayed_bit_for_bit(
     variant: str,
 ) -> None:
-    """The replayed step's staged rows are the graph's static inputs: the first step runs
-    eagerly (the capture's warm-up), one capture at the second serves every later step, the
-    latents are the eager replay's, and the graph goes when the edit is done."""
+    """The replayed step's staged rows and token plans are the graph's static inputs: the
+    first step runs eagerly (the capture's warm-up), one capture at the second serves every
+    later step, and the latents are the eager replay's."""
     model = fresh(variant)
     spec, region, record = _replay_case(model)
     use = [True] * len(transformer_blocks(model.pipeline.unet))
@@ -331,10 +332,45 @@ def test_an_edit_replaying_its_template_is_captured_once_and_replayed_bit_for_bi
     assert torch.equal(graphed.latents, eager.latents)
     assert works == ["edit-replay"]  # a kind of work: one label value, not one per edit
     assert model.graphs.replays == spec.steps - spec.start_step - 1  # all but the first
-    other = ReplayPredictor(model, record, region, use_cache=use)
-    assert other.replay.graph_name != predictor.replay.graph_name  # plans are per edit
-    predictor.close()
-    assert len(model.graphs) == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", *([cuda_param("cuda")] if HAS_CUDA else [])])
+def test_an_edit_whose_plans_and_rows_have_the_same_shapes_replays_the_graph_at_once(
+    device: str,
+) -> None:
+    """Edits whose plans and rows have the same shapes share a graph. A second edit, of
+    another template's record and another mask with the same token counts (the region moved
+    by four latent pixels), with another prompt and seed, captures nothing and replays from
+    its first step, with its own eager replay's latents: its rows and plans reached the
+    graph. A mask with other counts, or a replay of other blocks, has a graph of its own."""
+    model = fresh("sdxl", device)
+    spec, region, record = _replay_case(model)
+    other_record = RecordingPredictor(model, torch.zeros_like(region))
+    model.denoise(block_edit_spec(0.25, seed=7), predictor=other_record)
+    moved = torch.roll(region, shifts=4, dims=-1)
+    again = replace(spec, prompt="a red bicycle by a wall", seed=11)
+
+    def second() -> torch.Tensor:
+        replay = ReplayPredictor(model, other_record.record, moved)
+        return model.denoise(again, predictor=replay).latents
+
+    eager = second()
+    model.use_cuda_graphs(4, capture="cuda" if device == "cuda" else "eager")
+    assert model.graphs is not None
+    model.denoise(spec, predictor=ReplayPredictor(model, record, region))
+    captures, replays = model.graphs.captures, model.graphs.replays
+    assert captures == 1
+    assert torch.equal(second(), eager)
+    assert model.graphs.captures == captures  # nothing captured
+    assert model.graphs.replays - replays == again.steps - again.start_step  # every step
+    wider = torch.zeros_like(region)
+    wider[..., : region.shape[-2] // 2, :] = 1.0  # other token counts
+    model.denoise(spec, predictor=ReplayPredictor(model, record, wider))
+    assert model.graphs.captures == captures + 1
+    use = [True] * len(transformer_blocks(model.pipeline.unet))
+    use[0] = False
+    mixed = ReplayPredictor(model, record, region, use_cache=use).replay.graph_name
+    assert mixed != ReplayPredictor(model, record, region).replay.graph_name
 
 
 def test_a_replay_whose_rows_are_not_all_staged_runs_eagerly() -> None:

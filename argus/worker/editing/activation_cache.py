@@ -195,14 +195,7 @@ class EditCache:
             predictor = ReplayPredictor(model, record, region, use_cache=use, collect=collect)
             replay = predictor.replay
             kept = functools.partial(self._keep_on_device, key, replay) if collect else _nothing
-
-            def finished() -> None:
-                try:
-                    kept()
-                finally:
-                    predictor.close()  # its CUDA graphs, if it took any
-
-            return EditCacheUse("hit", predictor, finished, sum(use), len(use), rows=replay)
+            return EditCacheUse("hit", predictor, kept, sum(use), len(use), rows=replay)
         outcome = "evicted" if was_present else "miss"
         self._count(outcome)
         device_bytes = self._device_bound(model)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import re
 import threading
@@ -63,7 +62,6 @@ if TYPE_CHECKING:
     from argus.worker.models.pipelines import Conditioning, DiffusionModel
 
 log = logging.getLogger(__name__)
-_REPLAY_IDS = itertools.count()
 
 DEFAULT_KEYS_VALUES = False
 """Whether records keep self-attention's keys and values besides Y (see the module's docstring:
@@ -762,7 +760,11 @@ class Replay:
             self.stager = RowStager(parameter.device, parameter.dtype, streamed=streamed)
         self._staged: dict[int, StagedRows] = {}
         self._collected: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.graph_name = f"edit-replay-{next(_REPLAY_IDS)}"  # this replay's graphs, if any
+        # what the replayed step's Python decides beyond its tensors' shapes, so that edits
+        # whose plans and rows have the same shapes (a template's mask edited again) share
+        # one graph: the blocks that replay, and whether keys and values come from the record
+        choice = "".join("1" if use else "0" for use in self.use_cache)
+        self.graph_name = f"edit-replay:{choice}:{'kv' if keys_values else 'y'}"
         self.graphable = self.stager is not None  # graphs read the staged rows only
         self._ran_eagerly = False  # a graphed replay's first UNet call: its capture's warm-up
         self._strict = False  # while a graph captures: a row not staged is an error
@@ -793,18 +795,17 @@ class Replay:
         added: dict[str, torch.Tensor] | None,
     ) -> torch.Tensor:
         """The UNet's output for step ``step`` with the blocks replayed, from ``graphs``: the
-        step's staged rows are the graph's static inputs beside the UNet's, so one capture
-        serves every step whose rows have the same names and shapes. The replay's first call
-        runs eagerly and is the capture's warm-up (its kernels loaded, its shapes seen, on
-        a graph stream whose handles the load's capture made), so the capture, at the next
-        call, adds only its recording to the edit. A capture that fails
-        (:class:`~argus.worker.models.cuda_graphs.GraphCaptureError`) turns this replay
-        eager; the step then runs eagerly."""
+        step's staged rows and the token plans' indices are the graph's static inputs beside
+        the UNet's, so one capture serves every step, and every later edit, whose rows and
+        plans have the same names and shapes (a template's mask edited again replays at once).
+        Where no graph fits yet, the replay's first call runs eagerly and is the capture's
+        warm-up (its kernels loaded, its shapes seen, on a graph stream whose handles the
+        load's capture made), so the capture, at the next call, adds only its recording. A
+        capture that fails (:class:`~argus.worker.models.cuda_graphs.GraphCaptureError`)
+        turns this replay eager; the step then runs eagerly."""
         with self.staged(step):
             staged = self._staged[step]
-            if not self._ran_eagerly:
-                self._ran_eagerly = True
-                return self._unet_call(step, unet, sample, t, embeds, added)
+            own_plans = self.plans
 
             def call(
                 sample: torch.Tensor,
@@ -812,30 +813,36 @@ class Replay:
                 embeds: torch.Tensor,
                 added: dict[str, torch.Tensor] | None,
                 rows: dict[RowName, torch.Tensor],
+                plans: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
             ) -> torch.Tensor:
-                # the blocks read the static rows, under this (capture) step's name
+                # the blocks read the static rows and plans, under this step's name
                 self._staged[step] = StagedRows(rows, {})
+                self.plans = {
+                    tokens: TokenPlan(own_plans[tokens].size, *indices)
+                    for tokens, indices in plans.items()
+                }
                 self._strict = True
                 try:
                     return self._unet_call(step, unet, sample, timestep, embeds, added)
                 finally:
                     self._strict = False
+                    self.plans = own_plans
 
             timestep = torch.as_tensor(t, device=sample.device)
+            plans = {n: (p.computed, p.cached, p.rows) for n, p in own_plans.items()}
+            args = (sample, timestep, embeds, added, staged.rows, plans)
+            if not self._ran_eagerly and not graphs.holds(self.graph_name, *args):
+                self._ran_eagerly = True
+                return self._unet_call(step, unet, sample, t, embeds, added)
+            self._ran_eagerly = True
             try:
-                rows = staged.rows
                 out: torch.Tensor = graphs.run(
-                    self.graph_name,
-                    call,
-                    *(sample, timestep, embeds, added, rows),
-                    work="edit-replay",
-                    warmup=0,
+                    self.graph_name, call, *args, work="edit-replay", warmup=0
                 )
                 return out
             except GraphCaptureError as err:
                 log.warning("edit replay runs eagerly: %s", err)
                 self.graphable = False
-                graphs.drop(self.graph_name)
                 self._staged[step] = staged
                 return self._unet_call(step, unet, sample, t, embeds, added)
 
@@ -1026,11 +1033,6 @@ class ReplayPredictor:
                 return self.model.predict_noise(latents, t, cond, scheduler, step)
         graphed = functools.partial(self.replay.graphed, graphs, step, self.model.pipeline.unet)
         return self.model.predict_noise(latents, t, cond, scheduler, step, unet=graphed)
-
-    def close(self) -> None:
-        """Drop this replay's graphs (they hold its token plans; no later step needs them)."""
-        if self.model.graphs is not None:
-            self.model.graphs.drop(self.replay.graph_name)
 
 
 # -- attention over groups of rows ---------------------------------------------------------

@@ -15,7 +15,8 @@ every tensor's shape, dtype and device, and the value of every other leaf (a fla
 * ControlNet's two halves (its predictor): the down and mid blocks, then the up blocks with
   the step's residuals as static inputs;
 * an edit replaying a cached template (:class:`~argus.worker.editing.masked_blocks.Replay`):
-  the UNet with its blocks patched, the step's staged rows as static inputs, one graph per edit.
+  the UNet with its blocks patched, the step's staged rows and token plans as static inputs,
+  shared by the edits whose rows and plans have the same shapes.
 
 What a graph cannot do, and what the worker does about it:
 
@@ -140,7 +141,7 @@ class GraphedUNet:
         where ``name`` may name one request's. ``warmup`` (default the instance's) is the
         eager calls a capture makes first."""
         leaves, in_spec = pytree.tree_flatten(args)
-        key = (name, str(in_spec), *(_leaf_key(leaf) for leaf in leaves))
+        key = _graph_key(name, leaves, in_spec)
         with self._lock:
             captured = self._graphs.get(key)
             if captured is None:
@@ -155,6 +156,14 @@ class GraphedUNet:
             self.replays += 1
             fresh = [o.clone() if isinstance(o, torch.Tensor) else o for o in captured.outputs]
         return pytree.tree_unflatten(fresh, captured.out_spec)
+
+    def holds(self, name: str, *args: Any) -> bool:
+        """Whether a graph for ``name`` and ``args``' signature is captured (:meth:`run` would
+        replay it rather than capture)."""
+        leaves, in_spec = pytree.tree_flatten(args)
+        key = _graph_key(name, leaves, in_spec)
+        with self._lock:
+            return key in self._graphs
 
     def clear(self) -> None:
         """Drop every graph (their memory goes back to the pool)."""
@@ -251,6 +260,10 @@ def call_unet(
 def capturing() -> bool:
     """True while the current CUDA stream records a graph (Python checks must stay silent)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _graph_key(name: str, leaves: list[Any], in_spec: Any) -> GraphKey:
+    return (name, str(in_spec), *(_leaf_key(leaf) for leaf in leaves))
 
 
 def _leaf_key(leaf: Any) -> Any:
