@@ -156,7 +156,7 @@ H200 a graph halved SDXL's and SD-1.5's whole-image times (docs/gpu.md)."""
 
 CUDA_GRAPHS_ON_CUDA = 4
 """Graphs kept by default on a CUDA device: a worker's few serving sizes, plain and with
-ControlNet's two halves, least recently used leaving first."""
+ControlNets, and its recent edits' shapes, least recently used leaving first."""
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """The ``torch.compile`` modes ``argus worker --compile`` accepts

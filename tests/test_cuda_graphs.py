@@ -28,7 +28,7 @@ from argus import defaults
 from argus.contracts.controlnet import ControlUnit
 from argus.worker.adapters.controlnet.executor import LocalControlNetExecutor
 from argus.worker.adapters.controlnet.models import ControlNetCatalog
-from argus.worker.adapters.controlnet.predictor import ControlNetPredictor
+from argus.worker.adapters.controlnet.predictor import ControlNetMode, ControlNetPredictor
 from argus.worker.adapters.lora import LoraLibrary, WeightBackup, load_now, merge, write_tiny_lora
 from argus.worker.adapters.lora.patch import patch_targets, weight_of
 from argus.worker.editing.masked_blocks import (
@@ -229,8 +229,21 @@ def _png(seed: int, size: int = SIZE) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("variant", ["sd-1.5", "sdxl"])
-def test_a_controlnet_run_replays_both_halves_with_the_residuals_as_inputs(variant: str) -> None:
+@pytest.mark.parametrize(
+    ("variant", "mode", "works"),
+    [
+        ("sd-1.5", ControlNetMode.SYNC, {"controlnet-step": 1}),
+        ("sdxl", ControlNetMode.SYNC, {"controlnet-step": 1}),
+        ("sdxl", ControlNetMode.ASYNC, {"controlnet-encode": 1, "controlnet-decode": 1}),
+    ],
+)
+def test_a_controlnet_run_is_replayed_whole_or_in_halves_with_the_eager_latents(
+    variant: str, mode: ControlNetMode, works: dict[str, int]
+) -> None:
+    """A synchronous run whose ControlNets share the UNet's device is one graph a step (the
+    ControlNets, then the UNet with their residuals); a pipelined one keeps the ControlNets on
+    their session's thread and replays the UNet's halves with the residuals as static inputs.
+    Either gives the eager run's latents, with two ControlNets at different scales."""
     model = fresh(variant)
     units = (ControlUnit("canny", 1.0, _png(1)), ControlUnit("depth", 0.5, _png(2)))
     executor = LocalControlNetExecutor(ControlNetCatalog.tiny())
@@ -242,14 +255,46 @@ def test_a_controlnet_run_replays_both_halves_with_the_residuals_as_inputs(varia
                 m.graphs.on_capture = lambda work, s: captured.update(
                     {work: captured.get(work, 0) + 1}
                 )
-            predictor = ControlNetPredictor(m, executor, units)
+            predictor = ControlNetPredictor(m, executor, units, mode=mode)
             return m.denoise(spec(), predictor=predictor).latents, captured
 
         eager, graphed = eager_and_graphed(model, controlled)
+        steps = executor.stats().steps_total
     finally:
         executor.close()
-    assert graphed[1] == {"controlnet-encode": 1, "controlnet-decode": 1}
+    assert graphed[1] == works
     assert torch.equal(graphed[0], eager[0])
+    assert steps == 2 * (STEPS if mode is ControlNetMode.SYNC else STEPS - 1)  # both runs
+
+
+def test_a_whole_step_graph_serves_only_the_controlnets_and_scales_it_was_captured_with() -> None:
+    """The ControlNets and their scales are part of the graph's key: another scale, or
+    another ControlNet, captures a graph of its own and gets its own eager latents."""
+    model = fresh("sdxl")
+    executor = LocalControlNetExecutor(ControlNetCatalog.tiny())
+    cases = [
+        (ControlUnit("canny", 1.0, _png(1)),),
+        (ControlUnit("canny", 0.5, _png(1)),),
+        (ControlUnit("depth", 1.0, _png(1)),),
+    ]
+    try:
+
+        def run(units: tuple[ControlUnit, ...]) -> torch.Tensor:
+            return model.denoise(
+                spec(), predictor=ControlNetPredictor(model, executor, units)
+            ).latents
+
+        eager = [run(units) for units in cases]
+        model.use_cuda_graphs(4, capture="eager")
+        assert model.graphs is not None
+        graphed = [run(units) for units in cases]
+        assert model.graphs.captures == 3
+        assert torch.equal(run(cases[0]), eager[0]) and model.graphs.captures == 3
+    finally:
+        executor.close()
+    for one, other in zip(graphed, eager, strict=True):
+        assert torch.equal(one, other)
+    assert not torch.equal(eager[0], eager[1]) and not torch.equal(eager[0], eager[2])
 
 
 def test_a_batched_step_replays_a_graph_per_batch_shape() -> None:
@@ -433,14 +478,19 @@ def test_real_graphs_see_a_lora_merged_in_place(tmp_path: Path) -> None:
 
 
 @needs_cuda
-def test_real_graphs_replay_controlnet_halves() -> None:
+@pytest.mark.parametrize("mode", [ControlNetMode.SYNC, ControlNetMode.ASYNC])
+def test_real_graphs_replay_a_controlnet_run_whole_or_in_halves(mode: ControlNetMode) -> None:
     model = fresh("sdxl", "cuda")
     units = (ControlUnit("canny", 1.0, _png(1)),)
     executor = LocalControlNetExecutor(ControlNetCatalog.tiny(), device="cuda")
     try:
         eager, graphed = eager_and_graphed(
             model,
-            lambda m: m.denoise(spec(), predictor=ControlNetPredictor(m, executor, units)).latents,
+            lambda m: (
+                m.denoise(
+                    spec(), predictor=ControlNetPredictor(m, executor, units, mode=mode)
+                ).latents
+            ),
             "cuda",
         )
     finally:

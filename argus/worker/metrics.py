@@ -108,8 +108,8 @@ class WorkerMetrics:
         # argus/worker/models/cuda_graphs.py: paid once per model, piece of work and shape
         self.graph_captures = Counter(
             "argus_worker_cuda_graph_captures",
-            "CUDA graphs captured, by model and piece of work (unet, controlnet-encode, "
-            "controlnet-decode, edit-replay)",
+            "CUDA graphs captured, by model and piece of work (unet, controlnet-step, "
+            "controlnet-encode, controlnet-decode, edit-replay)",
             ["model", "work"],
             registry=reg,
         )

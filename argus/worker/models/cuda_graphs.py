@@ -12,8 +12,8 @@ every tensor's shape, dtype and device, and the value of every other leaf (a fla
 * the UNet's forward (:meth:`GraphedUNet.__call__`): plain runs and LoRA runs of
   :meth:`~argus.worker.models.pipelines.DiffusionModel.denoise`, and batched steps of the step
   batcher when no request in the batch brings its own transformer blocks;
-* ControlNet's two halves (its predictor): the down and mid blocks, then the up blocks with
-  the step's residuals as static inputs;
+* a step with ControlNets: ControlNets and UNet in one graph (synchronous, on the UNet's GPU),
+  else the UNet's down and mid blocks, then its up blocks with the residuals as static inputs;
 * an edit replaying a cached template (:class:`~argus.worker.editing.masked_blocks.Replay`):
   the UNet with its blocks patched, the step's staged rows and token plans as static inputs,
   shared by the edits whose rows and plans have the same shapes.

@@ -183,6 +183,43 @@ def check_step(
 # -- the in-process executor --------------------------------------------------------------
 
 
+StepInputs = tuple[
+    torch.Tensor,  # the UNet's input (both CFG branches)
+    torch.Tensor,  # the timestep, a 0-d tensor
+    tuple[Any, ...],  # the ControlNets, in request order
+    tuple[torch.Tensor, ...],  # their control images, repeated over the batch
+    tuple[float, ...],  # their scales
+    torch.Tensor,  # the text conditioning
+    dict[str, torch.Tensor] | None,  # SDXL's added conditioning
+]
+
+
+def summed_residuals(
+    sample: torch.Tensor,
+    timestep: torch.Tensor,
+    nets: tuple[Any, ...],
+    images: tuple[torch.Tensor, ...],
+    scales: tuple[float, ...],
+    encoder_hidden_states: torch.Tensor,
+    added: dict[str, torch.Tensor] | None,
+) -> Residuals:
+    """One step's residuals of ``nets``, each at its scale, summed in order (diffusers'
+    ``MultiControlNetModel``): a function of its arguments alone, so a CUDA graph can hold it."""
+    parts = []
+    for net, image, scale in zip(nets, images, scales, strict=True):
+        down, mid = net(
+            sample,
+            timestep,
+            encoder_hidden_states=encoder_hidden_states,
+            controlnet_cond=image,
+            conditioning_scale=scale,
+            added_cond_kwargs=added,
+            return_dict=False,
+        )
+        parts.append(Residuals(tuple(down), mid))
+    return sum_residuals(parts)
+
+
 class LocalSession:
     """A request's ControlNets, leased from the cache, run on the executor's device."""
 
@@ -225,27 +262,26 @@ class LocalSession:
 
     def compute(self, sample: torch.Tensor, timestep: torch.Tensor) -> Residuals:
         """The summed residuals of one step, on the caller's thread."""
+        inputs = self.step_inputs(sample, timestep)
+        with torch.inference_mode():
+            return summed_residuals(*inputs)
+
+    def step_inputs(self, sample: torch.Tensor, timestep: torch.Tensor) -> StepInputs:
+        """One step's arguments of :func:`summed_residuals`, checked and on the session's
+        device (the step is counted): what :meth:`compute` runs, and what the worker's
+        predictor captures in one CUDA graph with the UNet when the session shares its GPU."""
         batch = self._ehs.shape[0]
         check_step(sample, timestep, batch=batch, channels=self._channels, size=self._latent_size)
-        sample = sample.to(self.device, self.dtype)
-        timestep = timestep.reshape(()).to(self.device)
-        images = self._images_for(batch)
-        parts = []
-        with torch.inference_mode():
-            for unit, lease, image in zip(self.spec.units, self._leases, images, strict=True):
-                down, mid = lease.value(
-                    sample,
-                    timestep,
-                    encoder_hidden_states=self._ehs,
-                    controlnet_cond=image,
-                    conditioning_scale=unit.scale,
-                    added_cond_kwargs=self._added,
-                    return_dict=False,
-                )
-                parts.append(Residuals(tuple(down), mid))
-            residuals = sum_residuals(parts)
         self._on_step()
-        return residuals
+        return (
+            sample.to(self.device, self.dtype),
+            timestep.reshape(()).to(self.device),
+            tuple(lease.value for lease in self._leases),
+            tuple(self._images_for(batch)),
+            tuple(unit.scale for unit in self.spec.units),
+            self._ehs,
+            self._added,
+        )
 
     def _images_for(self, batch: int) -> list[torch.Tensor]:
         # diffusers repeats the control image over the batch (CFG: both branches)

@@ -21,6 +21,11 @@ Modes:
   adjacent steps' residuals nearly identical (cosine > 0.99) and no quality loss; here the
   images are close to the synchronous ones but not equal.
 
+With CUDA graphs (the worker's default on a GPU) a synchronous step whose session runs in
+this process on the UNet's device is one graph: the ControlNets, then the UNet with their
+residuals, so its kernels leave the host as a plain step's do; other steps replay the UNet's
+halves around the session's residuals.
+
 The predictor opens its session on the first step it runs (that is when it sees the text
 conditioning) and closes it after the last; :meth:`close` (or ``with``) closes it early
 when a run fails midway. A resumed run (approximate caching, start at step K) works the same
@@ -43,7 +48,10 @@ from argus.worker.adapters.controlnet.errors import InvalidControlNetRequest
 from argus.worker.adapters.controlnet.executor import (
     ControlNetExecutor,
     ControlNetSession,
+    LocalSession,
     SessionSpec,
+    StepInputs,
+    summed_residuals,
 )
 from argus.worker.adapters.controlnet.models import base_family
 from argus.worker.adapters.controlnet.unet_split import (
@@ -121,6 +129,13 @@ class ControlNetPredictor:
         x = DiffusionModel.unet_input(latents, t, cond, scheduler)
         session = self._session if self._session is not None else self._open(x, cond)
         last = step >= len(scheduler.timesteps) - 1
+        if self._graphed_whole(session, x):
+            assert isinstance(session, LocalSession)
+            noise = self._whole_step(session, x, t, cond)
+            self.stats.steps += 1
+            if last:
+                self.close()
+            return DiffusionModel.guide(noise, cond)
         if self.mode is ControlNetMode.SYNC or self._latest is None:
             running = session.submit(step, x, t)
             encoded = self._encode(x, t, cond)
@@ -138,6 +153,45 @@ class ControlNetPredictor:
         if last:
             self.close()
         return DiffusionModel.guide(noise, cond)
+
+    def _graphed_whole(self, session: ControlNetSession, x: torch.Tensor) -> bool:
+        """Whether a step runs as one CUDA graph of the ControlNets and the UNet: the model
+        has graphs, the mode is synchronous, and the session runs in this process on the
+        UNet's device (a second GPU or the ControlNet service keeps the overlapped halves)."""
+        return (
+            self.model.graphs is not None
+            and self.mode is ControlNetMode.SYNC
+            and isinstance(session, LocalSession)
+            and session.device == x.device
+        )
+
+    def _whole_step(
+        self, session: LocalSession, x: torch.Tensor, t: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        """The step's noise from one graph: the ControlNets' residuals, the down and mid
+        blocks and the up blocks. The ControlNets are the graph's non-tensor inputs, so a
+        graph serves only the ControlNets (and scales) it was captured with, and holds them
+        while it lives; their control images and the conditioning are static inputs."""
+        graphs = self.model.graphs
+        assert graphs is not None
+        inputs = session.step_inputs(x, t)
+        split = self.split
+
+        def whole(
+            x: torch.Tensor,
+            timestep: torch.Tensor,
+            embeds: torch.Tensor,
+            added: dict[str, torch.Tensor] | None,
+            inputs: StepInputs,
+        ) -> torch.Tensor:
+            residuals = summed_residuals(*inputs).to(x.device, x.dtype)
+            return split.decode(split.encode(x, timestep, embeds, added), residuals)
+
+        timestep = torch.as_tensor(t, device=x.device)
+        noise: torch.Tensor = graphs.run(
+            "controlnet-step", whole, x, timestep, cond.embeds, cond.added, inputs
+        )
+        return noise
 
     def _encode(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> Encoded:
         """The down and mid blocks: replayed from the model's CUDA graphs when it has them."""
