@@ -28,7 +28,11 @@ from argus import defaults
 from argus.contracts.controlnet import ControlUnit
 from argus.worker.adapters.controlnet.executor import LocalControlNetExecutor
 from argus.worker.adapters.controlnet.models import ControlNetCatalog
-from argus.worker.adapters.controlnet.predictor import ControlNetMode, ControlNetPredictor
+from argus.worker.adapters.controlnet.predictor import (
+    ControlNetMode,
+    ControlNetPredictor,
+    same_device,
+)
 from argus.worker.adapters.lora import LoraLibrary, WeightBackup, load_now, merge, write_tiny_lora
 from argus.worker.adapters.lora.patch import patch_targets, weight_of
 from argus.worker.editing.masked_blocks import (
@@ -558,3 +562,15 @@ def test_a_capture_holds_while_another_thread_allocates_and_copies_on_its_own_st
         beside.join(timeout=30)
     assert failures == [] and model.graphs.captures >= 1
     assert torch.equal(graphed, eager)
+
+
+def test_cuda_without_an_index_is_the_current_gpu_and_the_cpu_is_the_cpu() -> None:
+    assert same_device(torch.device("cpu"), torch.device("cpu"))
+    assert not same_device(torch.device("cpu"), torch.device("cuda", 0))
+    assert same_device(torch.device("cuda", 1), torch.device("cuda", 1))
+    assert not same_device(torch.device("cuda", 0), torch.device("cuda", 1))
+
+
+@needs_cuda
+def test_on_cuda_an_executor_made_for_cuda_shares_the_unets_gpu() -> None:
+    assert same_device(torch.device("cuda"), torch.device("cuda", torch.cuda.current_device()))

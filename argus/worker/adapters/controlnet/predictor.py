@@ -63,6 +63,19 @@ from argus.worker.adapters.controlnet.unet_split import (
 from argus.worker.models.pipelines import Conditioning, DiffusionModel
 
 
+def same_device(one: torch.device, other: torch.device) -> bool:
+    """Whether two devices are the same one: "cuda" without an index is the current GPU (a
+    worker's executor is made for "cuda", its tensors are on "cuda:0")."""
+    if one.type != other.type:
+        return False
+    if one.type != "cuda" or one.index == other.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if one.index is None else one.index) == (
+        current if other.index is None else other.index
+    )
+
+
 class ControlNetMode(Enum):
     SYNC = "sync"  # every step waits for its own residuals: diffusers' output
     ASYNC = "async"  # step t uses step t−1's residuals: full overlap, nearly the same output
@@ -162,7 +175,7 @@ class ControlNetPredictor:
             self.model.graphs is not None
             and self.mode is ControlNetMode.SYNC
             and isinstance(session, LocalSession)
-            and session.device == x.device
+            and same_device(session.device, x.device)
         )
 
     def _whole_step(
