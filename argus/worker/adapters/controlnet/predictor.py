@@ -70,6 +70,8 @@ def same_device(one: torch.device, other: torch.device) -> bool:
         return False
     if one.type != "cuda" or one.index == other.index:
         return True
+    if one.index is not None and other.index is not None:
+        return False
     current = torch.cuda.current_device()
     return (current if one.index is None else one.index) == (
         current if other.index is None else other.index
