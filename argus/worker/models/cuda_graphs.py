@@ -14,9 +14,8 @@ every tensor's shape, dtype and device, and the value of every other leaf (a fla
   batcher when no request in the batch brings its own transformer blocks;
 * a step with ControlNets: ControlNets and UNet in one graph (synchronous, on the UNet's GPU),
   else the UNet's down and mid blocks, then its up blocks with the residuals as static inputs;
-* an edit replaying a cached template (:class:`~argus.worker.editing.masked_blocks.Replay`):
-  the UNet with its blocks patched, the step's staged rows and token plans as static inputs,
-  shared by the edits whose rows and plans have the same shapes.
+* an edit replaying a template (:class:`~argus.worker.editing.masked_blocks.Replay`): the
+  patched UNet, staged rows and token plans as static inputs, shared by edits of their shapes.
 
 What a graph cannot do, and what the worker does about it:
 
