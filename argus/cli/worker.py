@@ -93,8 +93,8 @@ class WorkerCommand:
             default=defaults.CUDA_GRAPHS,
             metavar="N|auto",
             help="UNet work shapes kept as CUDA graphs and replayed: plain and LoRA steps, "
-            "batched steps, ControlNet's halves (CUDA only; a request is then stopped between "
-            f"steps, not inside one; default auto: {defaults.CUDA_GRAPHS_ON_CUDA} on CUDA, "
+            "batched steps, ControlNet steps, edit replays (CUDA only; a request is then stopped "
+            f"between steps, not inside one; default auto: {defaults.CUDA_GRAPHS_ON_CUDA} on CUDA, "
             "0 (eager) elsewhere)",
         )
         parser.add_argument(
