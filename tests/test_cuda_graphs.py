@@ -42,7 +42,7 @@ from argus.worker.editing.masked_blocks import (
 )
 from argus.worker.editing.step_batch import StepBatcher
 from argus.worker.metrics import WorkerMetrics
-from argus.worker.models.cuda_graphs import GraphedUNet
+from argus.worker.models.cuda_graphs import GraphCaptureError, GraphedUNet
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 from argus.worker.models.registry import default_cuda_graphs
 from argus.worker.models.sources import build_tiny_pipeline
@@ -574,3 +574,35 @@ def test_cuda_without_an_index_is_the_current_gpu_and_the_cpu_is_the_cpu() -> No
 @needs_cuda
 def test_on_cuda_an_executor_made_for_cuda_shares_the_unets_gpu() -> None:
     assert same_device(torch.device("cuda"), torch.device("cuda", torch.cuda.current_device()))
+
+
+def test_a_failed_capture_runs_that_signature_eagerly_and_is_counted() -> None:
+    """A capture that fails (a host sync inside the work, say) is reported once, and the
+    signature runs eagerly from then on, with the eager result; ``fallback=False`` raises."""
+    reg = CollectorRegistry()
+    metrics = WorkerMetrics(reg)
+    registry = make_registry(on_capture_failure=metrics.observe_capture_failure)
+    model = fresh()
+    model.use_cuda_graphs(2, capture="eager", on_failure=registry._failure_callback("sd-1.5"))
+    graphs = model.graphs
+    assert graphs is not None
+    calls: list[int] = []
+
+    def work(x: torch.Tensor) -> torch.Tensor:
+        calls.append(len(calls))
+        if len(calls) == 1:  # the stand-in's recording is the first call
+            raise GraphCaptureError("operation not permitted when stream is capturing")
+        return x * 2
+
+    x = torch.ones(3)
+    assert torch.equal(graphs.run("synced", work, x), x * 2)
+    assert torch.equal(graphs.run("synced", work, x), x * 2)
+    assert len(calls) == 3 and graphs.captures == 0 and graphs.failures == 1 and len(graphs) == 0
+    labels = {"model": "sd-1.5", "work": "synced"}
+    assert reg.get_sample_value("argus_worker_cuda_graph_failures_total", labels) == 1
+    calls.clear()
+    with pytest.raises(GraphCaptureError):
+        graphs.run("strict", work, x, fallback=False)
+    assert graphs.failures == 2
+    assert torch.equal(graphs.run("strict", work, x), x * 2)  # not remembered: captured now
+    assert graphs.captures == 1

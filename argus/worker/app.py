@@ -291,6 +291,7 @@ def build_worker(
         cuda_graphs=settings.cuda_graphs,
         on_load=metrics.observe_load if metrics is not None else None,
         on_capture=metrics.observe_capture if metrics is not None else None,
+        on_capture_failure=metrics.observe_capture_failure if metrics is not None else None,
         compile_mode=settings.compile_mode,
         compile_backend=settings.compile_backend,
         serving_size=settings.default_size,

@@ -113,6 +113,13 @@ class WorkerMetrics:
             ["model", "work"],
             registry=reg,
         )
+        self.graph_failures = Counter(
+            "argus_worker_cuda_graph_failures",
+            "CUDA graph captures that failed, by model and piece of work; that work then runs "
+            "eagerly (an edit replay: that edit)",
+            ["model", "work"],
+            registry=reg,
+        )
         self.graph_capture_seconds = Histogram(
             "argus_worker_cuda_graph_capture_seconds",
             "Time to capture one CUDA graph (its warm-up calls and the recording)",
@@ -163,6 +170,10 @@ class WorkerMetrics:
         """A CUDA graph captured for ``work`` on ``model`` in ``seconds``."""
         self.graph_captures.labels(model, work).inc()
         self.graph_capture_seconds.labels(model).observe(seconds)
+
+    def observe_capture_failure(self, model: str, work: str) -> None:
+        """A CUDA graph of ``work`` on ``model`` that could not be captured."""
+        self.graph_failures.labels(model, work).inc()
 
     def observe_compile(self, model: str, seconds: float) -> None:
         """``model``'s UNet compiled and warmed up in ``seconds`` at its load."""

@@ -837,11 +837,10 @@ class Replay:
             self._ran_eagerly = True
             try:
                 out: torch.Tensor = graphs.run(
-                    self.graph_name, call, *args, work="edit-replay", warmup=0
+                    self.graph_name, call, *args, work="edit-replay", warmup=0, fallback=False
                 )
                 return out
-            except GraphCaptureError as err:
-                log.warning("edit replay runs eagerly: %s", err)
+            except GraphCaptureError:  # logged and counted by the graphs
                 self.graphable = False
                 self._staged[step] = staged
                 return self._unet_call(step, unet, sample, t, embeds, added)

@@ -42,6 +42,7 @@ the same static buffers, keys and eviction, with the function re-run instead of 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -51,6 +52,8 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+log = logging.getLogger(__name__)
 
 GraphKey = tuple[Any, ...]
 CAPTURES = ("cuda", "eager")
@@ -88,6 +91,7 @@ class GraphedUNet:
         *,
         capture: str = "cuda",
         on_capture: Callable[[str, float], None] | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         if max_graphs < 1:
             raise ValueError(f"max_graphs {max_graphs}: at least 1")
@@ -102,10 +106,13 @@ class GraphedUNet:
         self.warmup = warmup
         self.capture = capture
         self.on_capture = on_capture
+        self.on_failure = on_failure
         self.captures = 0
+        self.failures = 0
         self.capture_s = 0.0  # seconds spent capturing, all signatures together
         self.replays = 0
         self._graphs: OrderedDict[GraphKey, _Captured] = OrderedDict()
+        self._eager: set[GraphKey] = set()  # signatures whose capture failed: run eagerly
         self._pool = torch.cuda.graph_pool_handle() if capture == "cuda" else None
         # warm-ups and recordings: one stream, so its cuBLAS handle is made once, eagerly
         self._stream = torch.cuda.Stream(device) if capture == "cuda" else None
@@ -132,29 +139,39 @@ class GraphedUNet:
         *args: Any,
         work: str | None = None,
         warmup: int | None = None,
+        fallback: bool = True,
     ) -> Any:
         """``fn(*args)``, from the graph captured for ``name`` and ``args``' signature (captured
         now if there is none). ``fn`` must read nothing but its arguments, the UNet's weights
         and tensors that outlive the graph, and must do the same work whenever the signature
         is the same. ``work`` (default ``name``) is what ``on_capture`` hears: a kind of work,
         where ``name`` may name one request's. ``warmup`` (default the instance's) is the
-        eager calls a capture makes first."""
+        eager calls a capture makes first. A capture that fails (:class:`GraphCaptureError`)
+        is logged, reported through ``on_failure(work)``, and with ``fallback`` (the default)
+        that signature runs ``fn`` eagerly from then on; without, the error is raised."""
         leaves, in_spec = pytree.tree_flatten(args)
         key = _graph_key(name, leaves, in_spec)
         with self._lock:
             captured = self._graphs.get(key)
-            if captured is None:
-                warm = self.warmup if warmup is None else warmup
-                captured = self._capture(key, work or name, fn, leaves, in_spec, warm)
-            else:
+            if captured is not None:
                 self._graphs.move_to_end(key)
-            for static, given in zip(captured.inputs, leaves, strict=True):
-                if isinstance(static, torch.Tensor):
-                    static.copy_(given)
-            self._replay(captured)
-            self.replays += 1
-            fresh = [o.clone() if isinstance(o, torch.Tensor) else o for o in captured.outputs]
-        return pytree.tree_unflatten(fresh, captured.out_spec)
+            elif key not in self._eager:
+                warm = self.warmup if warmup is None else warmup
+                try:
+                    captured = self._capture(key, work or name, fn, leaves, in_spec, warm)
+                except GraphCaptureError as err:
+                    self._failed(key, work or name, err, remember=fallback)
+                    if not fallback:
+                        raise
+            if captured is not None:
+                for static, given in zip(captured.inputs, leaves, strict=True):
+                    if isinstance(static, torch.Tensor):
+                        static.copy_(given)
+                self._replay(captured)
+                self.replays += 1
+                fresh = [o.clone() if isinstance(o, torch.Tensor) else o for o in captured.outputs]
+                return pytree.tree_unflatten(fresh, captured.out_spec)
+        return fn(*args)  # this signature's capture failed: it runs eagerly
 
     def holds(self, name: str, *args: Any) -> bool:
         """Whether a graph for ``name`` and ``args``' signature is captured (:meth:`run` would
@@ -163,6 +180,14 @@ class GraphedUNet:
         key = _graph_key(name, leaves, in_spec)
         with self._lock:
             return key in self._graphs
+
+    def _failed(self, key: GraphKey, work: str, err: Exception, *, remember: bool) -> None:
+        self.failures += 1
+        if remember:
+            self._eager.add(key)
+        log.warning("CUDA graph of %s not captured (%s); it runs eagerly", work, err)
+        if self.on_failure is not None:
+            self.on_failure(work)
 
     def clear(self) -> None:
         """Drop every graph (their memory goes back to the pool)."""

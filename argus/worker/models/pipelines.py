@@ -517,16 +517,21 @@ class DiffusionModel:
         *,
         capture: str = "cuda",
         on_capture: Callable[[str, float], None] | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         """Replay the UNet's work from CUDA graphs from now on: plain and LoRA runs, batched
-        steps and ControlNet's halves (:mod:`argus.worker.models.cuda_graphs`; ``capture`` and
-        ``on_capture`` are :class:`~argus.worker.models.cuda_graphs.GraphedUNet`'s). The graphs
-        capture the compiled forward when :meth:`use_compile` ran first. ValueError off CUDA
-        (unless ``capture="eager"``, the tests' stand-in)."""
+        steps, ControlNet steps and edit replays (:mod:`argus.worker.models.cuda_graphs`;
+        ``capture``, ``on_capture`` and ``on_failure`` are
+        :class:`~argus.worker.models.cuda_graphs.GraphedUNet`'s). The graphs capture the
+        compiled forward when :meth:`use_compile` ran first. ValueError off CUDA (unless
+        ``capture="eager"``, the tests' stand-in)."""
         unet = self.compiled_unet if self.compiled_unet is not None else self.pipeline.unet
         if self.graphs is not None:
             on_capture = on_capture or self.graphs.on_capture
-        self.graphs = GraphedUNet(unet, max_graphs, capture=capture, on_capture=on_capture)
+            on_failure = on_failure or self.graphs.on_failure
+        self.graphs = GraphedUNet(
+            unet, max_graphs, capture=capture, on_capture=on_capture, on_failure=on_failure
+        )
 
     def start_run(
         self,

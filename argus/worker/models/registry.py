@@ -148,6 +148,7 @@ class ModelRegistry:
         cuda_graphs: int | None = None,
         on_load: Callable[[str, float, Mapping[str, float]], None] | None = None,
         on_capture: Callable[[str, str, float], None] | None = None,
+        on_capture_failure: Callable[[str, str], None] | None = None,
         compile_mode: str | None = None,
         compile_backend: str = defaults.COMPILE_BACKEND,
         serving_size: int = defaults.DEFAULT_SIZE,
@@ -174,6 +175,7 @@ class ModelRegistry:
             raise ValueError(f"cuda_graphs {cuda_graphs}: needs a CUDA device, not {self.device}")
         self._on_load = on_load
         self._on_capture = on_capture
+        self._on_capture_failure = on_capture_failure
         self._entries: dict[str, _Entry] = {}
         self._parts = ComponentStore()
         self._digests: dict[str, dict[str, str]] = {}  # source -> part -> digest, once known
@@ -374,7 +376,11 @@ class ModelRegistry:
                 name, self._assemble(entry.source, parts), device=self.device, source=entry.source
             )
             if self.cuda_graphs:
-                model.use_cuda_graphs(self.cuda_graphs, on_capture=self._capture_callback(name))
+                model.use_cuda_graphs(
+                    self.cuda_graphs,
+                    on_capture=self._capture_callback(name),
+                    on_failure=self._failure_callback(name),
+                )
             # one warm-up at the serving size compiles the forward and captures its graph (a
             # compile retakes the graphs over the compiled forward), not the first request
             if self.compile_mode is not None:
@@ -441,6 +447,13 @@ class ModelRegistry:
         if report is None:
             return None
         return lambda work, seconds: report(model, work, seconds)
+
+    def _failure_callback(self, model: str) -> Callable[[str], None] | None:
+        """``on_failure`` for ``model``'s graphs: the registry's callback with the model named."""
+        report = self._on_capture_failure
+        if report is None:
+            return None
+        return lambda work: report(model, work)
 
     def _touch(self, entry: _Entry) -> None:
         self._uses += 1
