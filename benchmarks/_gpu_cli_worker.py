@@ -240,6 +240,7 @@ class WorkerProcess:
         self.argv = argv
         self.log_path = log
         self.address = ""
+        self.metrics_port: int | None = None  # set by whoever gave it one
         self.stop_s: float | None = None
         self.began = time.monotonic()
         with open(log, "w") as out:  # the child keeps its own descriptor
@@ -364,9 +365,14 @@ class Client:
 
 def scrape(port: int) -> dict[str, float]:
     """The edit cache's series of a worker's ``/metrics``: ``requests:<outcome>``,
-    ``bytes:<tier>`` and ``dropped``."""
+    ``bytes:<tier>`` and ``dropped``; and its CUDA graphs', summed over models:
+    ``graphs:<work>`` (captures) and ``graph_failures:<work>``."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
+        return parse_metrics(reply.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """:func:`scrape`'s series from a ``/metrics`` page's text."""
     out: dict[str, float] = {}
     for name, label, value in re.findall(
         r'^argus_worker_edit_cache_(requests_total|bytes|dropped_total)(?:\{\w+="([^"]*)"\})? '
@@ -376,7 +382,22 @@ def scrape(port: int) -> dict[str, float]:
     ):
         key = name.removesuffix("_total") + (f":{label}" if label else "")
         out[key] = float(value)
+    for kind, labels, value in re.findall(
+        r"^argus_worker_cuda_graph_(captures|failures)_total\{([^}]*)\} (\S+)$", text, flags=re.M
+    ):
+        work = dict(re.findall(r'(\w+)="([^"]*)"', labels)).get("work", "")
+        key = f"{'graphs' if kind == 'captures' else 'graph_failures'}:{work}"
+        out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+def changed(before: dict[str, float], after: dict[str, float], prefix: str) -> dict[str, float]:
+    """The series under ``prefix`` (``requests:``, ``graphs:``) that moved, by their label."""
+    return {
+        key.split(":", 1)[1]: after[key] - before.get(key, 0.0)
+        for key in after
+        if key.startswith(prefix) and after[key] != before.get(key, 0.0)
+    }
 
 
 # -- edits -------------------------------------------------------------------------------------
@@ -464,7 +485,9 @@ class Bench:
         repeats = self.plan.repeats if repeats is None else repeats
         timeout = self.plan.request_timeout_s
         warm_ms = None
+        graphs_port = worker.metrics_port
         try:
+            began = scrape(graphs_port) if graphs_port is not None else {}
             if warm:
                 warm_ms, _ = self.client.generate(
                     worker.address, make_call(next(self.seed)), timeout
@@ -478,11 +501,11 @@ class Bench:
             return None
         row = case_row(got, self.served.sizes, worker.worker_id, warm_ms)
         if outcome_port is not None:
-            row["edit_cache"] = {
-                key.split(":", 1)[1]: after.get(key, 0.0) - before.get(key, 0.0)
-                for key in after
-                if key.startswith("requests:") and after[key] != before.get(key, 0.0)
-            }
+            row["edit_cache"] = changed(before, after, "requests:")
+        if graphs_port is not None:  # over the case's requests, the untimed one included
+            ended = after if graphs_port == outcome_port else scrape(graphs_port)
+            row["graphs"] = changed(began, ended, "graphs:")
+            row["graph_failures"] = changed(began, ended, "graph_failures:")
         self.report["cases"][case] = row
         self.log(f"[done] {case}: wall {row['wall_ms']:.1f} ms, step {row['step_ms']:.2f} ms")
         self.save(self.report)
@@ -747,6 +770,7 @@ def cli_path(
                 )  # fmt: skip
                 log("starting " + " ".join(argv))
                 worker = WorkerProcess(wid, argv, env, workdir / f"worker-{wid}-{attempt}.log")
+                worker.metrics_port = port
                 workers.append(worker)
                 entry = report["workers"][wid] = {"argv": argv, "pid": worker.process.pid}
                 try:
@@ -798,12 +822,27 @@ def _commit() -> str:
     return out.stdout.strip()
 
 
+def _graph_cell(row: dict[str, Any]) -> str:
+    """A case's CUDA graph captures by work, failures in brackets; "none" where the worker
+    took none (a CPU, or every shape captured before), "?" where it was not read."""
+    if "graphs" not in row:
+        return "?"
+    works = sorted({*row["graphs"], *row.get("graph_failures", {})})
+    cells = []
+    for work in works:
+        failed = row.get("graph_failures", {}).get(work, 0)
+        cells.append(
+            f"{work} {row['graphs'].get(work, 0):.0f}" + (f" ({failed:.0f})" if failed else "")
+        )
+    return ", ".join(cells) or "none"
+
+
 def table(report: dict[str, Any]) -> str:
     """A Markdown table of :func:`cli_path`'s report: one row per case."""
     lines = [
         "| case | level | px | cache | steps | wall ms | first ms | per step ms | fixed ms "
-        "| encode | denoise | decode | adapter wait |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| encode | denoise | decode | adapter wait | graphs captured (failed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case, row in report.get("cases", {}).items():
         t = row["timing"]
@@ -815,6 +854,6 @@ def table(report: dict[str, Any]) -> str:
             f"{row['start_step']}→{row['start_step'] + row['steps_run']} | {row['wall_ms']:.1f} | "
             f"{row['first_wall_ms']:.1f} | {row['step_ms']:.2f} | {row['fixed_ms']:.1f} | "
             f"{t['encode_ms']:.1f} | {t['denoise_ms']:.1f} | {t['decode_ms']:.1f} | "
-            f"{t['lora_wait_ms'] + t['controlnet_wait_ms']:.1f} |"
+            f"{t['lora_wait_ms'] + t['controlnet_wait_ms']:.1f} | {_graph_cell(row)} |"
         )
     return "\n".join(lines)

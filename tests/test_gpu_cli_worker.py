@@ -239,3 +239,27 @@ def test_the_floor_only_run_measures_the_controlnet_steps_floor_too(tmp_path: Pa
     controlnet, controlnet_what = gpu_profile.cuda_graph_floor(data, "controlnet")
     assert plain is not None and controlnet is not None and controlnet > plain
     assert "eager" in what and "ControlNet" in controlnet_what and "eager" in controlnet_what
+
+
+@pytest.mark.unit
+def test_the_cli_path_reads_each_cases_graph_captures_and_failures() -> None:
+    from _gpu_cli_worker import _graph_cell, changed, parse_metrics
+
+    page = "\n".join([
+        "# TYPE argus_worker_cuda_graph_captures_total counter",
+        'argus_worker_cuda_graph_captures_total{model="sdxl",work="unet"} 1.0',
+        'argus_worker_cuda_graph_captures_total{model="sdxl",work="controlnet-step"} 2.0',
+        'argus_worker_cuda_graph_captures_total{model="sd-1.5",work="unet"} 1.0',
+        'argus_worker_cuda_graph_failures_total{model="sdxl",work="edit-replay"} 1.0',
+        'argus_worker_edit_cache_requests_total{outcome="hit"} 3.0',
+    ])  # fmt: skip
+    after = parse_metrics(page)
+    assert after["graphs:unet"] == 2.0 and after["requests:hit"] == 3.0
+    before = {"graphs:unet": 2.0}
+    row = {
+        "graphs": changed(before, after, "graphs:"),
+        "graph_failures": changed(before, after, "graph_failures:"),
+    }
+    assert row["graphs"] == {"controlnet-step": 2.0}
+    assert _graph_cell(row) == "controlnet-step 2, edit-replay 0 (1)"
+    assert _graph_cell({"graphs": {}, "graph_failures": {}}) == "none"
