@@ -87,7 +87,7 @@ part() {  # part NAME SECONDS COMMAND...: run under timeout, log it, carry on wh
 }
 
 # -- 1b. the tests that need a GPU ------------------------------------------------------------
-TEST_ARGS=(-p no:cacheprovider -o addopts= -q -rA -m gpu --junitxml "$OUT/gpu-tests.xml")
+TEST_ARGS=(-p no:cacheprovider -o addopts= -v -rfE -m gpu --junitxml "$OUT/gpu-tests.xml")
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
     TEST_ARGS+=(--timeout 45)  # one stuck test must not take the others' time
 fi
