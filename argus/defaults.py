@@ -204,13 +204,14 @@ a repeated template's rows never cross PCIe), bytes; 0: none; "auto": on CUDA
 device is the host memory the host tier holds)."""
 
 EDIT_CACHE_DEVICE_SHARE = 0.25
-"""Share of the free device memory the "auto" device tier takes. The rest is left for what
-the memory guard does not see: a batch's activations (SDXL at 1024 px peaks 2.4 GiB above its
-weights at batch 1, ``docs/gpu.md``), CUDA graphs' memory pools and two steps of staged rows.
-The guard counts the tier's bound, and lowers it for a model load that would not fit. On an
-H200 with SDXL loaded (about 130 GiB free) it is about 33 GiB: one 50-step SDXL record at
-1024 px, or fifteen 50-step SD-1.5 records at 512 px (2.2 GiB each); on a 24 GiB GPU with
-SDXL it holds no SDXL record at 1024 px."""
+"""Share of the free device memory the "auto" device tier takes. The rest is left for a
+batch's activations (SDXL at 1024 px peaks 2.4 GiB above its weights at batch 1,
+``docs/gpu.md``), which the memory guard does not see, the CUDA graphs captured after the
+tier was sized, and two steps of staged rows. The guard counts the tier's bound and the
+graphs' pools, and lowers the bound for a model load that would not fit. On an H200 with SDXL
+loaded (about 130 GiB free) it is about 33 GiB: one 50-step SDXL record at 1024 px, or fifteen
+50-step SD-1.5 records at 512 px (2.2 GiB each); on a 24 GiB GPU with SDXL it holds no SDXL
+record at 1024 px."""
 
 CACHE_MAX_ENTRIES = 100_000
 """Prompts the approximate cache keeps at most."""

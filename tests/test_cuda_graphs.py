@@ -42,7 +42,7 @@ from argus.worker.editing.masked_blocks import (
 )
 from argus.worker.editing.step_batch import StepBatcher
 from argus.worker.metrics import WorkerMetrics
-from argus.worker.models.cuda_graphs import GraphCaptureError, GraphedUNet
+from argus.worker.models.cuda_graphs import GraphCaptureError, GraphedUNet, pool_bytes
 from argus.worker.models.pipelines import DiffusionModel, GenerationSpec
 from argus.worker.models.registry import default_cuda_graphs
 from argus.worker.models.sources import build_tiny_pipeline
@@ -606,3 +606,35 @@ def test_a_failed_capture_runs_that_signature_eagerly_and_is_counted() -> None:
     assert graphs.failures == 2
     assert torch.equal(graphs.run("strict", work, x), x * 2)  # not remembered: captured now
     assert graphs.captures == 1
+
+
+def test_the_graphs_pool_is_measured_from_the_allocators_segments_and_guarded() -> None:
+    """``pool_bytes`` sums the segments of the graphs' own pool, and the model registry's
+    memory guard counts what a resident model's graphs hold beside its weights."""
+    segments = [
+        {"total_size": 2 << 20, "segment_pool_id": (0, 7)},
+        {"total_size": 6 << 20, "segment_pool_id": (0, 7)},
+        {"total_size": 20 << 20, "segment_pool_id": (0, 0)},  # the allocator's own pool
+        {"total_size": 1 << 20},
+    ]
+    assert pool_bytes(segments, (0, 7)) == 8 << 20
+    assert pool_bytes(segments, (0, 9)) == 0
+    registry = make_registry()
+    try:
+        model = registry.activate("sd-1.5").result(timeout=60)
+        weights = registry.used_bytes()
+        model.use_cuda_graphs(2, capture="eager")
+        assert model.graphs is not None and model.graphs.pool_bytes == 0  # no pool on a CPU
+        model.graphs.pool_bytes = 8 << 20
+        assert registry.used_bytes() == weights + (8 << 20)
+    finally:
+        registry.close()
+
+
+@needs_cuda
+def test_on_cuda_a_capture_measures_its_pool() -> None:
+    model = fresh("sd-1.5", "cuda")
+    model.use_cuda_graphs(2)
+    assert model.graphs is not None
+    model.denoise(spec())
+    assert model.graphs.captures == 1 and model.graphs.pool_bytes > 0

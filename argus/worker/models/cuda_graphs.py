@@ -109,6 +109,7 @@ class GraphedUNet:
         self.on_failure = on_failure
         self.captures = 0
         self.failures = 0
+        self.pool_bytes = 0  # device memory the graphs' pool holds (measured after a capture)
         self.capture_s = 0.0  # seconds spent capturing, all signatures together
         self.replays = 0
         self._graphs: OrderedDict[GraphKey, _Captured] = OrderedDict()
@@ -180,6 +181,18 @@ class GraphedUNet:
         key = _graph_key(name, leaves, in_spec)
         with self._lock:
             return key in self._graphs
+
+    def _measure_pool(self) -> int:
+        """The bytes of the segments the CUDA caching allocator gave the graphs' pool (0 for
+        the eager stand-in, or where the allocator's snapshot cannot be read)."""
+        if self._pool is None:
+            return 0
+        try:
+            segments = torch.cuda.memory_snapshot()
+        except Exception:  # a snapshot is a diagnostic: its absence must not fail a capture
+            log.debug("no allocator snapshot: the graphs' pool is not measured", exc_info=True)
+            return self.pool_bytes
+        return pool_bytes(segments, self._pool)
 
     def _failed(self, key: GraphKey, work: str, err: Exception, *, remember: bool) -> None:
         self.failures += 1
@@ -257,6 +270,7 @@ class GraphedUNet:
         self._graphs[key] = captured
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
+        self.pool_bytes = self._measure_pool()
         seconds = time.perf_counter() - began
         self.captures += 1
         self.capture_s += seconds
@@ -279,6 +293,17 @@ def call_unet(
         sample, t, encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False
     )[0]
     return out
+
+
+def pool_bytes(segments: Any, pool: Any) -> int:
+    """The bytes of the allocator ``segments`` (``torch.cuda.memory_snapshot()``'s) that belong
+    to memory pool ``pool`` (``torch.cuda.graph_pool_handle()``'s)."""
+    want = tuple(pool)
+    return sum(
+        int(segment.get("total_size", 0))
+        for segment in segments
+        if tuple(segment.get("segment_pool_id", ())) == want
+    )
 
 
 def capturing() -> bool:

@@ -20,9 +20,10 @@ a reference, and its memory is released when the last one drops it.
 
 The memory guard refuses a load (:class:`MemoryGuardError`) when the resident parts (each
 counted once however many models share it), the parts being loaded, and the new model's
-missing parts would exceed the budget even after unloading every evictable model. The edit
-cache's tier in the same memory counts too (the host tier on a CPU, the device tier's bound on
-CUDA, which is lowered for a load that would not fit otherwise). Before a
+missing parts would exceed the budget even after unloading every evictable model. The memory
+the resident models' CUDA graphs hold counts too, as does the edit cache's tier in the same
+memory (the host tier on a CPU; on CUDA the device tier's bound, lowered for a load that would
+not fit otherwise). Before a
 source's digests are known (its first load computes them) all its parts count as missing. The
 budget is the device's memory × ``memory_fraction`` on CUDA, and ``MemAvailable`` at start-up ×
 ``memory_fraction`` on the CPU, unless set explicitly.
@@ -253,10 +254,15 @@ class ModelRegistry:
             self._cede = cede
 
     def _resident_bytes(self) -> int:
-        """Resident parts, each once, plus the parts being loaded and the bytes held outside
-        the models (lock held)."""
+        """Resident parts, each once, plus the parts being loaded, the memory the resident
+        models' CUDA graphs hold, and the bytes held outside the models (lock held)."""
         loading = sum(e.pending for e in self._entries.values() if e.state is LoadState.LOADING)
-        return self._parts.bytes() + loading + self._outside()
+        graphs = sum(
+            e.model.graphs.pool_bytes
+            for e in self._entries.values()
+            if e.model is not None and e.model.graphs is not None
+        )
+        return self._parts.bytes() + loading + graphs + self._outside()
 
     def infos(self) -> list[ModelInfo]:
         with self._lock:
