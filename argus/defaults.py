@@ -154,9 +154,10 @@ CUDA_GRAPHS: int | None = None
 None: :data:`CUDA_GRAPHS_ON_CUDA` on a CUDA device and 0 (every step eager) elsewhere. On an
 H200 a graph halved SDXL's and SD-1.5's whole-image times (docs/gpu.md)."""
 
-CUDA_GRAPHS_ON_CUDA = 4
+CUDA_GRAPHS_ON_CUDA = 8
 """Graphs kept by default on a CUDA device: a worker's few serving sizes, plain and with
-ControlNets, and its recent edits' shapes, least recently used leaving first."""
+ControlNets, and its recent edits' shapes, least recently used leaving first. They share one
+memory pool, so a graph more costs its static inputs, not another step's activations."""
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """The ``torch.compile`` modes ``argus worker --compile`` accepts

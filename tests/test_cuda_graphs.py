@@ -92,7 +92,7 @@ def eager_and_graphed(model: DiffusionModel, run: Any, capture: str = "eager") -
 
 def test_graphs_are_on_by_default_on_cuda_and_off_elsewhere() -> None:
     assert defaults.CUDA_GRAPHS is None  # the device decides
-    assert default_cuda_graphs("cuda") == default_cuda_graphs("cuda:1") == 4
+    assert default_cuda_graphs("cuda") == default_cuda_graphs("cuda:1") == 8
     assert default_cuda_graphs("cpu") == 0
     registry = make_registry()  # this machine's default device: the CPU
     assert registry.cuda_graphs == 0

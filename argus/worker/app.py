@@ -55,7 +55,7 @@ class WorkerSettings:
     memory_budget_gib: float | None = None
     # ready models kept resident at most (their shared parts once); 1: one model at a time
     max_resident: int = defaults.MAX_RESIDENT_MODELS
-    cuda_graphs: int | None = defaults.CUDA_GRAPHS  # graphs kept; 0: eager; None: 4 on CUDA
+    cuda_graphs: int | None = defaults.CUDA_GRAPHS  # graphs kept; 0: eager; None: 8 on CUDA
     # torch.compile of the UNet (argus/worker/models/compiled.py): its mode; None: eager
     compile_mode: str | None = None
     compile_backend: str = defaults.COMPILE_BACKEND  # eager and aot_eager: for tests
