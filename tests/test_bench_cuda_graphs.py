@@ -23,7 +23,7 @@ def test_every_case_replays_and_matches_eager(tmp_path: Path) -> None:
     rows = {row["case"]: row for row in json.loads(out.read_text())}
     assert set(rows) == {"lora", "controlnet", "batch"}
     assert rows["lora"]["replays_per_run"] == 2  # one UNet graph a step
-    assert rows["controlnet"]["replays_per_run"] == 4  # both halves a step
+    assert rows["controlnet"]["replays_per_run"] == 2  # ControlNet and UNet: one graph a step
     assert rows["batch"]["replays_per_run"] == 2  # one batched step a step
     for row in rows.values():
         assert row["max_latent_diff"] == 0, row["case"]
