@@ -246,22 +246,32 @@ def _batch_row(pipe: Any, clock: Clock, size: int, batch: int, repeats: int) -> 
     return row
 
 
+def eager_and_graphed(step: Callable[[], Any], clock: Clock, repeats: int) -> dict[str, float]:
+    """``step``'s median time eager and, on CUDA, replayed from a graph captured after three
+    warm-up calls on a side stream (PyTorch's recipe): ``eager_ms``, ``cuda_graph_ms`` and
+    ``speedup``."""
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        out["eager_ms"] = median_ms(clock.time(step, repeats, warmup=3))
+        if clock.cuda:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            out["cuda_graph_ms"] = median_ms(clock.time(graph.replay, repeats, warmup=3))
+            out["speedup"] = out["eager_ms"] / out["cuda_graph_ms"]
+    return out
+
+
 def graphed_step(pipe: Any, clock: Clock, size: int, repeats: int) -> dict[str, float]:
     """The guided UNet step at batch 1, eager against a captured CUDA graph replayed."""
     args, kwargs = unet_inputs(pipe, 1, size)
-    with torch.inference_mode():
-        eager = median_ms(clock.time(lambda: pipe.unet(*args, **kwargs), repeats, warmup=3))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                pipe.unet(*args, **kwargs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            pipe.unet(*args, **kwargs)
-        graphed = median_ms(clock.time(graph.replay, repeats, warmup=3))
-    return {"eager_ms": eager, "cuda_graph_ms": graphed, "speedup": eager / graphed}
+    return eager_and_graphed(lambda: pipe.unet(*args, **kwargs), clock, repeats)
 
 
 def controlnet_step(pipe: Any, clock: Clock, size: int, repeats: int) -> dict[str, float]:
@@ -288,22 +298,7 @@ def controlnet_step(pipe: Any, clock: Clock, size: int, repeats: int) -> dict[st
             return_dict=False,
         )  # fmt: skip
 
-    out: dict[str, float] = {}
-    with torch.inference_mode():
-        out["eager_ms"] = median_ms(clock.time(step, repeats, warmup=3))
-        if clock.cuda:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            out["cuda_graph_ms"] = median_ms(clock.time(graph.replay, repeats, warmup=3))
-            out["speedup"] = out["eager_ms"] / out["cuda_graph_ms"]
-    return out
+    return eager_and_graphed(step, clock, repeats)
 
 
 def compiled_step(pipe: Any, clock: Clock, size: int, repeats: int) -> dict[str, float]:

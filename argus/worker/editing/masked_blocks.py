@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from argus.worker.models.cuda_graphs import GraphCaptureError, call_unet
+from argus.worker.models.cuda_graphs import GraphCaptureError, call_unet, indexed
 
 if TYPE_CHECKING:
     from argus.worker.models.cuda_graphs import GraphedUNet
@@ -698,8 +698,7 @@ _SIDE_COPIERS_GUARD = threading.Lock()
 
 
 def _side_copier(device: torch.device) -> _SideCopier:
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = indexed(device)
     with _SIDE_COPIERS_GUARD:
         copier = _SIDE_COPIERS.get(device)
         if copier is None:
@@ -752,6 +751,8 @@ class Replay:
         self.record = record
         parameter = next(unet.parameters())
         self.plans = plan_tokens(region, record, parameter.device)
+        # the plans' index tensors, as a graph takes them (static inputs beside the rows)
+        self._plan_indices = {n: (p.computed, p.cached, p.rows) for n, p in self.plans.items()}
         self.steps = record.steps
         self.collect = collect
         self._needed = self._blocks_read()
@@ -829,8 +830,7 @@ class Replay:
                     self.plans = own_plans
 
             timestep = torch.as_tensor(t, device=sample.device)
-            plans = {n: (p.computed, p.cached, p.rows) for n, p in own_plans.items()}
-            args = (sample, timestep, embeds, added, staged.rows, plans)
+            args = (sample, timestep, embeds, added, staged.rows, self._plan_indices)
             if not self._ran_eagerly and not graphs.holds(self.graph_name, *args):
                 self._ran_eagerly = True
                 return self._unet_call(step, unet, sample, t, embeds, added)

@@ -207,15 +207,6 @@ class GraphedUNet:
         with self._lock:
             self._graphs.clear()
 
-    def drop(self, name: str) -> int:
-        """Drop the graphs captured for ``name`` (a piece of work no call will make again);
-        returns how many."""
-        with self._lock:
-            keys = [key for key in self._graphs if key[0] == name]
-            for key in keys:
-                del self._graphs[key]
-        return len(keys)
-
     def _replay(self, captured: _Captured) -> None:
         if captured.graph is not None:
             captured.graph.replay()
@@ -304,6 +295,13 @@ def pool_bytes(segments: Any, pool: Any) -> int:
         for segment in segments
         if tuple(segment.get("segment_pool_id", ())) == want
     )
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: "cuda" alone is the current GPU."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def capturing() -> bool:

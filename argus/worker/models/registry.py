@@ -31,6 +31,7 @@ budget is the device's memory × ``memory_fraction`` on CUDA, and ``MemAvailable
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import threading
@@ -116,6 +117,11 @@ def default_memory_budget(device: str, fraction: float) -> int:
     except OSError:
         available = 0
     return int((available or 8 << 30) * fraction)
+
+
+def _naming(report: Callable[..., None] | None, model: str) -> Callable[..., None] | None:
+    """``report`` with its first argument, the model's name, given (None stays None)."""
+    return None if report is None else functools.partial(report, model)
 
 
 @dataclass
@@ -449,17 +455,11 @@ class ModelRegistry:
 
     def _capture_callback(self, model: str) -> Callable[[str, float], None] | None:
         """``on_capture`` for ``model``'s graphs: the registry's callback with the model named."""
-        report = self._on_capture
-        if report is None:
-            return None
-        return lambda work, seconds: report(model, work, seconds)
+        return _naming(self._on_capture, model)
 
     def _failure_callback(self, model: str) -> Callable[[str], None] | None:
         """``on_failure`` for ``model``'s graphs: the registry's callback with the model named."""
-        report = self._on_capture_failure
-        if report is None:
-            return None
-        return lambda work: report(model, work)
+        return _naming(self._on_capture_failure, model)
 
     def _touch(self, entry: _Entry) -> None:
         self._uses += 1

@@ -60,22 +60,14 @@ from argus.worker.adapters.controlnet.unet_split import (
     SplitUNet,
     check_residuals,
 )
+from argus.worker.models.cuda_graphs import indexed
 from argus.worker.models.pipelines import Conditioning, DiffusionModel
 
 
 def same_device(one: torch.device, other: torch.device) -> bool:
     """Whether two devices are the same one: "cuda" without an index is the current GPU (a
     worker's executor is made for "cuda", its tensors are on "cuda:0")."""
-    if one.type != other.type:
-        return False
-    if one.type != "cuda" or one.index == other.index:
-        return True
-    if one.index is not None and other.index is not None:
-        return False
-    current = torch.cuda.current_device()
-    return (current if one.index is None else one.index) == (
-        current if other.index is None else other.index
-    )
+    return indexed(one) == indexed(other)
 
 
 class ControlNetMode(Enum):
